@@ -1,0 +1,142 @@
+/* Helpers shared by every moecl kernel: input loads, the ranking key that
+ * encodes the spec's order (NaN lowest, ties to the lower index), and
+ * reductions across the team of work-items that shares one row.
+ *
+ * Build-time defines (set by the host, see src/):
+ *   IN_DTYPE   0 f32, 1 f16, 2 bf16 (the dtype of the main input)
+ *   TEAM       work-items per row (a power of two; 1 on CPUs)
+ *   ROWS       rows per work-group
+ * OpenCL C 1.2, no extensions: f16 goes through vload_half and bf16 is a
+ * 16-bit word widened by a shift, so both work on every device. */
+
+#ifndef IN_DTYPE
+#define IN_DTYPE 0
+#endif
+#ifndef TEAM
+#define TEAM 1
+#endif
+#ifndef ROWS
+#define ROWS 1
+#endif
+
+#if IN_DTYPE == 0
+typedef float in_t;
+#define LOAD_IN(p, i) ((p)[i])
+#elif IN_DTYPE == 1
+/* Stored as 16-bit words so that no arithmetic is done on half pointers,
+ * which OpenCL C 1.2 allows only with cl_khr_fp16. */
+typedef ushort in_t;
+#define LOAD_IN(p, i) vload_half((i), (__global const half *)(p))
+#elif IN_DTYPE == 2
+typedef ushort in_t;
+#define LOAD_IN(p, i) as_float((uint)(p)[i] << 16)
+#else
+#error "IN_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
+#endif
+
+/* Maps a float to a uint whose unsigned order is the spec's order: NaN
+ * lowest (0), then -inf ... +inf, with -0 equal to +0. */
+inline uint rank_of_float(float f)
+{
+    if (isnan(f))
+        return 0u;
+    if (f == 0.0f)
+        return 0x80000000u;
+    uint u = as_uint(f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+/* A 64-bit key whose order is "larger score first, then lower index": the
+ * rank of the score above the complemented index. Every valid key is
+ * > 0xffffffff, so 0 is free to mark excluded or already-taken entries. */
+inline ulong rank_key(float score, uint index)
+{
+    return ((ulong)rank_of_float(score) << 32) | (ulong)(~index);
+}
+
+inline uint key_index(ulong key) { return ~(uint)key; }
+
+#define KEY_NONE 0ul
+
+/* Team reductions. Each row's team owns TEAM consecutive slots of a
+ * __local scratch array. Every lane gets the same result, computed in the
+ * same order, so all lanes agree bit for bit. Small teams read all slots
+ * (two barriers); large teams use a tree. */
+#if TEAM > 1
+inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
+{
+    slots[lane] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+#if TEAM <= 32
+    ulong r = slots[0];
+    for (uint i = 1; i < TEAM; i++)
+        r = max(r, slots[i]);
+#else
+    for (uint s = TEAM / 2; s > 0; s >>= 1) {
+        if (lane < s)
+            slots[lane] = max(slots[lane], slots[lane + s]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    ulong r = slots[0];
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return r;
+}
+
+/* fmax ignores NaN, as the spec's max over the non-NaN logits does. */
+inline float team_max_float(float v, __local float *slots, uint lane)
+{
+    slots[lane] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+#if TEAM <= 32
+    float r = slots[0];
+    for (uint i = 1; i < TEAM; i++)
+        r = fmax(r, slots[i]);
+#else
+    for (uint s = TEAM / 2; s > 0; s >>= 1) {
+        if (lane < s)
+            slots[lane] = fmax(slots[lane], slots[lane + s]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float r = slots[0];
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return r;
+}
+
+inline float team_sum_float(float v, __local float *slots, uint lane)
+{
+    slots[lane] = v;
+    barrier(CLK_LOCAL_MEM_FENCE);
+#if TEAM <= 32
+    float r = slots[0];
+    for (uint i = 1; i < TEAM; i++)
+        r += slots[i];
+#else
+    for (uint s = TEAM / 2; s > 0; s >>= 1) {
+        if (lane < s)
+            slots[lane] = slots[lane] + slots[lane + s];
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    float r = slots[0];
+#endif
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return r;
+}
+#endif
+
+/* Insert key (with its weight) into a descending list of K keys if it
+ * belongs there. Used by the one-row-per-work-item kernels. */
+#define TOPK_INSERT(keys, vals, K, key, val)                                                       \
+    do {                                                                                           \
+        if ((key) > (keys)[(K)-1]) {                                                               \
+            int j_ = (K)-1;                                                                        \
+            while (j_ > 0 && (keys)[j_ - 1] < (key)) {                                             \
+                (keys)[j_] = (keys)[j_ - 1];                                                       \
+                (vals)[j_] = (vals)[j_ - 1];                                                       \
+                j_--;                                                                              \
+            }                                                                                      \
+            (keys)[j_] = (key);                                                                    \
+            (vals)[j_] = (val);                                                                    \
+        }                                                                                          \
+    } while (0)

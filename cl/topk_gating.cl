@@ -1,0 +1,297 @@
+/* Top-k gating (docs/routing.md, section 1), one function per step of the
+ * spec. Specialised at build time:
+ *   NUM_EXPERTS, TOPK          the shape
+ *   SCORING                    0 softmax, 1 sigmoid
+ *   HAS_BIAS                   correction bias steers selection only
+ *   NUM_GROUPS, TOPK_GROUP     group-limited selection (NUM_GROUPS 0: none)
+ *   GROUP_SCORE                0 max, 1 sum of the top two
+ *   RENORMALIZE                divide the weights by their sum when > 0
+ *   TEAM, ROWS                 launch shape (common.cl)
+ * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
+ * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
+ * the row lives in the registers of TEAM work-items, EPT elements each). */
+
+#ifndef NUM_GROUPS
+#define NUM_GROUPS 0
+#endif
+#define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
+
+/* Step 1: score. Softmax takes the row's max over the non-NaN logits and
+ * the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic makes
+ * them (any NaN or +inf logit makes the whole row NaN). */
+inline float softmax_score(float x, float row_max, float row_sum) { return exp(x - row_max) / row_sum; }
+inline float sigmoid_score(float x) { return 1.0f / (1.0f + exp(-x)); }
+
+/* Step 2: selection score. */
+inline float selection_score(float score, __global const float *bias, uint e)
+{
+#if HAS_BIAS
+    return score + bias[e];
+#else
+    return score;
+#endif
+}
+
+/* Step 3: group score, accumulated over a group's selection scores. NaN is
+ * passed over; a group of only NaN scores NaN (which ranks lowest); with
+ * TOP2_SUM a repeated maximum counts twice and a group with one number
+ * scores that number. */
+typedef struct group_acc {
+    float first, second;
+    uint count;
+} group_acc;
+
+inline void group_acc_init(group_acc *a)
+{
+    a->first = a->second = 0.0f;
+    a->count = 0;
+}
+
+inline void group_acc_add(group_acc *a, float s)
+{
+    if (isnan(s))
+        return;
+    if (a->count == 0 || s > a->first) {
+        a->second = a->first;
+        a->first = s;
+    } else if (a->count == 1 || s > a->second) {
+        a->second = s;
+    }
+    a->count++;
+}
+
+inline float group_acc_score(const group_acc *a)
+{
+    if (a->count == 0)
+        return NAN;
+#if GROUP_SCORE == 1
+    return a->count == 1 ? a->first : a->first + a->second;
+#else
+    return a->first;
+#endif
+}
+
+/* Step 5: the divisor of the weights. The sum is taken in index order so
+ * every device and launch shape gives the same bits. A macro because the
+ * weights sit in private memory in one kernel and local in the other. */
+#if RENORMALIZE
+#define WEIGHTS_DIVISOR(out, w, k)                                                                 \
+    do {                                                                                           \
+        float sum_ = 0.0f;                                                                         \
+        for (uint j_ = 0; j_ < (k); j_++)                                                          \
+            sum_ += (w)[j_];                                                                       \
+        (out) = sum_ > 0.0f ? sum_ : 1.0f;                                                         \
+    } while (0)
+#else
+#define WEIGHTS_DIVISOR(out, w, k) ((out) = 1.0f)
+#endif
+
+#if TEAM == 1
+/* ---------------------------------------------------------------------- */
+/* One work-item per row (CPU devices).                                    */
+/* ---------------------------------------------------------------------- */
+
+inline float row_score(__global const in_t *x, uint e, float row_max, float row_sum)
+{
+#if SCORING == 0
+    return softmax_score(LOAD_IN(x, e), row_max, row_sum);
+#else
+    return sigmoid_score(LOAD_IN(x, e));
+#endif
+}
+
+__kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
+                               ulong bias_off, __global float *topk_weights, ulong weights_off,
+                               __global int *topk_ids, ulong ids_off, uint num_tokens, float scaling_factor)
+{
+    const uint row = (uint)get_global_id(0);
+    if (row >= num_tokens)
+        return;
+    __global const in_t *x = gating + gating_off + (size_t)row * NUM_EXPERTS;
+#if HAS_BIAS
+    bias += bias_off;
+#endif
+
+    float row_max = -INFINITY, row_sum = 0.0f;
+#if SCORING == 0
+    for (uint e = 0; e < NUM_EXPERTS; e++)
+        row_max = fmax(row_max, LOAD_IN(x, e));
+    for (uint e = 0; e < NUM_EXPERTS; e++)
+        row_sum += exp(LOAD_IN(x, e) - row_max);
+#endif
+
+#if NUM_GROUPS > 0
+    /* Keep the TOPK_GROUP groups of largest group score: find the
+     * TOPK_GROUP-th largest group key; keys are unique, so a group is kept
+     * exactly when its key is at least that. */
+    ulong group_key[NUM_GROUPS];
+    for (uint g = 0; g < NUM_GROUPS; g++) {
+        group_acc acc;
+        group_acc_init(&acc);
+        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
+            group_acc_add(&acc, selection_score(row_score(x, e, row_max, row_sum), bias, e));
+        group_key[g] = rank_key(group_acc_score(&acc), g);
+    }
+    ulong threshold = ~0ul;
+    for (uint r = 0; r < TOPK_GROUP; r++) {
+        ulong next = KEY_NONE;
+        for (uint g = 0; g < NUM_GROUPS; g++)
+            if (group_key[g] < threshold && group_key[g] > next)
+                next = group_key[g];
+        threshold = next;
+    }
+#endif
+
+    /* Step 4: top-k by insertion into a descending list. */
+    ulong keys[TOPK];
+    float weights[TOPK];
+    for (uint j = 0; j < TOPK; j++) {
+        keys[j] = KEY_NONE;
+        weights[j] = 0.0f;
+    }
+    for (uint e = 0; e < NUM_EXPERTS; e++) {
+#if NUM_GROUPS > 0
+        if (group_key[e / GROUP_SIZE] < threshold)
+            continue;
+#endif
+        float score = row_score(x, e, row_max, row_sum);
+        ulong key = rank_key(selection_score(score, bias, e), e);
+        TOPK_INSERT(keys, weights, TOPK, key, score);
+    }
+
+    float divisor;
+    WEIGHTS_DIVISOR(divisor, weights, TOPK);
+    __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
+    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
+    for (uint j = 0; j < TOPK; j++) {
+        w_out[j] = weights[j] / divisor * scaling_factor;
+        id_out[j] = (int)key_index(keys[j]);
+    }
+}
+
+#else
+/* ---------------------------------------------------------------------- */
+/* A team of TEAM work-items per row, ROWS rows per work-group (GPUs).      */
+/* ---------------------------------------------------------------------- */
+
+#define EPT ((NUM_EXPERTS + TEAM - 1) / TEAM) /* elements per work-item */
+
+__kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
+topk_gating_team(__global const in_t *gating, ulong gating_off, __global const float *bias, ulong bias_off,
+                 __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
+                 uint num_tokens, float scaling_factor)
+{
+    __local ulong key_slots[ROWS * TEAM];
+    __local float float_slots[ROWS * TEAM];
+    __local float chosen_weights[ROWS * TOPK];
+#if NUM_GROUPS > 0
+    __local float row_selection[ROWS * NUM_EXPERTS];
+    __local ulong group_keys[ROWS * NUM_GROUPS];
+    __local uchar group_kept[ROWS * NUM_GROUPS];
+#endif
+    const uint lane = get_local_id(0) % TEAM;
+    const uint r = get_local_id(0) / TEAM;
+    const uint row = get_group_id(0) * ROWS + r;
+    const bool active = row < num_tokens;
+    __global const in_t *x = gating + gating_off + (size_t)(active ? row : 0) * NUM_EXPERTS;
+#if HAS_BIAS
+    bias += bias_off;
+#endif
+
+    /* The row in registers: element e = i * TEAM + lane, so each load
+     * instruction of the team reads consecutive addresses. */
+    float value[EPT];
+    for (uint i = 0; i < EPT; i++) {
+        uint e = i * TEAM + lane;
+        value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
+    }
+
+    /* Step 1: scores. */
+#if SCORING == 0
+    float local_max = -INFINITY;
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_max = fmax(local_max, value[i]);
+    const float row_max = team_max_float(local_max, float_slots + r * TEAM, lane);
+    float local_sum = 0.0f;
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_sum += exp(value[i] - row_max);
+    const float row_sum = team_sum_float(local_sum, float_slots + r * TEAM, lane);
+    for (uint i = 0; i < EPT; i++)
+        value[i] = softmax_score(value[i], row_max, row_sum);
+#else
+    for (uint i = 0; i < EPT; i++)
+        value[i] = sigmoid_score(value[i]);
+#endif
+
+    /* Step 2: selection keys; padding and inactive rows get KEY_NONE. */
+    ulong key[EPT];
+    for (uint i = 0; i < EPT; i++) {
+        uint e = i * TEAM + lane;
+        key[i] = KEY_NONE;
+        if (active && e < NUM_EXPERTS) {
+            float s = selection_score(value[i], bias, e);
+            key[i] = rank_key(s, e);
+#if NUM_GROUPS > 0
+            row_selection[r * NUM_EXPERTS + e] = s;
+#endif
+        }
+    }
+
+#if NUM_GROUPS > 0
+    /* Step 3: group scores from the row's selection scores in local memory,
+     * then each group's rank among the row's groups. */
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        group_acc acc;
+        group_acc_init(&acc);
+        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
+            group_acc_add(&acc, row_selection[r * NUM_EXPERTS + e]);
+        group_keys[r * NUM_GROUPS + g] = rank_key(group_acc_score(&acc), g);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        ulong mine = group_keys[r * NUM_GROUPS + g];
+        uint above = 0;
+        for (uint h = 0; h < NUM_GROUPS; h++)
+            above += group_keys[r * NUM_GROUPS + h] > mine;
+        group_kept[r * NUM_GROUPS + g] = above < TOPK_GROUP;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint i = 0; i < EPT; i++) {
+        uint e = i * TEAM + lane;
+        if (e < NUM_EXPERTS && !group_kept[r * NUM_GROUPS + e / GROUP_SIZE])
+            key[i] = KEY_NONE;
+    }
+#endif
+
+    /* Step 4: TOPK rounds of "largest key in the team"; the owner of the
+     * winning element retires it and records its weight. */
+    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
+    for (uint j = 0; j < TOPK; j++) {
+        ulong best = KEY_NONE;
+        for (uint i = 0; i < EPT; i++)
+            best = max(best, key[i]);
+        best = team_max_key(best, key_slots + r * TEAM, lane);
+        for (uint i = 0; i < EPT; i++) {
+            if (best != KEY_NONE && key[i] == best) {
+                key[i] = KEY_NONE;
+                chosen_weights[r * TOPK + j] = value[i];
+            }
+        }
+        if (active && lane == j % TEAM)
+            id_out[j] = (int)key_index(best);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* Step 5: weights. */
+    if (active) {
+        float divisor;
+        WEIGHTS_DIVISOR(divisor, chosen_weights + r * TOPK, TOPK);
+        __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
+        for (uint j = lane; j < TOPK; j += TEAM)
+            w_out[j] = chosen_weights[r * TOPK + j] / divisor * scaling_factor;
+    }
+}
+#endif

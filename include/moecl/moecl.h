@@ -1,0 +1,321 @@
+/*
+ * moecl: portable OpenCL kernels for the routing step of mixture-of-experts
+ * models.
+ *
+ * Every function is declared here and documented where it is declared. The
+ * semantics of the two ops are stated fully in docs/routing.md; in brief:
+ *
+ *  - top-k gating: softmax or sigmoid scores over the experts of each token,
+ *    an optional correction bias that steers selection only, optional
+ *    group-limited selection, top-k, optional renormalisation and a scaling
+ *    factor (every convention vLLM, SGLang and TensorRT-LLM route with);
+ *  - grounded router: router_logits + alpha * hidden @ ground^T, top-k and a
+ *    softmax over the chosen values.
+ *
+ * Conventions shared by every call:
+ *  - A return value of MOECL_SUCCESS (0) means the work was validated and
+ *    enqueued (device-buffer calls) or completed (_host calls). Negative
+ *    OpenCL error codes are passed through unchanged; library codes are
+ *    <= -2000. On any failure nothing has been enqueued and no output byte
+ *    has changed, and moecl_context_error() holds a message for the calling
+ *    thread.
+ *  - The library never prints, aborts or exits.
+ *  - Thread safety: a context may be used from several threads at once.
+ *    Creating and destroying a context is not synchronised with its use:
+ *    destroy a context only once no other thread uses it.
+ *  - Ordering: ties between equal selection scores go to the lower expert
+ *    index; NaN ranks below every number, -inf included. The ids of a row are
+ *    always distinct and in [0, num_experts).
+ */
+#ifndef MOECL_MOECL_H
+#define MOECL_MOECL_H
+
+/* The Khronos headers default to OpenCL 3.0 and say so with a #pragma
+ * message when no target is set; set the same default quietly so that
+ * including this header alone builds without noise. A user's own setting
+ * wins. */
+#ifndef CL_TARGET_OPENCL_VERSION
+#define CL_TARGET_OPENCL_VERSION 300
+#endif
+
+#if defined(__APPLE__)
+#include <OpenCL/opencl.h>
+#else
+#include <CL/cl.h>
+#endif
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(MOECL_BUILDING_LIBRARY) && defined(__GNUC__)
+#define MOECL_API __attribute__((visibility("default")))
+#else
+#define MOECL_API
+#endif
+
+/* ---------------------------------------------------------------------- */
+/* Status                                                                  */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * Result of every call. 0 on success; negative OpenCL error codes
+ * (CL_OUT_OF_RESOURCES, CL_INVALID_EVENT_WAIT_LIST, ...) pass through
+ * unchanged; library codes are <= -2000 so they never collide with them.
+ */
+typedef enum moecl_status {
+    MOECL_SUCCESS = 0,
+    /** A field or pointer is out of range; nothing was enqueued or written.
+     *  moecl_context_error() names the field. */
+    MOECL_ERROR_INVALID_ARGUMENT = -2000,
+    /** A valid request this device or build cannot serve. */
+    MOECL_ERROR_UNSUPPORTED = -2001,
+    /** No OpenCL platform or device, or none matches the selector. */
+    MOECL_ERROR_NO_DEVICE = -2002,
+    /** Kernel compilation failed; the build log is in moecl_context_error(). */
+    MOECL_ERROR_BUILD = -2003,
+    /** A host allocation failed. */
+    MOECL_ERROR_OUT_OF_MEMORY = -2004,
+} moecl_status;
+
+/** A short English description of status ("success", "invalid argument",
+ *  "CL_OUT_OF_RESOURCES", ...). Never NULL; unknown codes give
+ *  "unknown status". The string is static. Thread-safe. */
+MOECL_API const char *moecl_status_string(moecl_status status);
+
+/** The library version, "MAJOR.MINOR.PATCH". Static string. */
+MOECL_API const char *moecl_version(void);
+
+/* ---------------------------------------------------------------------- */
+/* Context: one OpenCL device, its queue, its compiled kernels             */
+/* ---------------------------------------------------------------------- */
+
+/** Opaque. Owns (or retains) a cl_context, a device and a command queue,
+ *  and the kernels compiled for them. */
+typedef struct moecl_context moecl_context;
+
+/**
+ * Create a context on an OpenCL device chosen by the selector `device`:
+ *   NULL        -> the environment variable MOECL_DEVICE, and if that is
+ *                  unset or empty, the first GPU or accelerator of the first
+ *                  platform that has one, else the first CPU device;
+ *   "gpu"       -> the first GPU or accelerator device;
+ *   "cpu"       -> the first CPU device;
+ *   "P:D"       -> device D of platform P (indices from 0, as moecl-info
+ *                  lists them);
+ *   other text  -> the first device whose "platform name / device name"
+ *                  contains the text, ignoring case.
+ * The context creates its own in-order command queue. Kernels are built
+ * lazily, on first use of each variant or in the _prepare calls, and kept
+ * for the context's life; compiled binaries are cached on disk (see
+ * MOECL_CACHE_DIR in the README).
+ *
+ * On success *ctx receives the context, which the caller destroys with
+ * moecl_context_destroy(). On failure *ctx is set to NULL and
+ * moecl_context_error(NULL) holds the detail for this thread.
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (ctx is NULL),
+ * MOECL_ERROR_NO_DEVICE (no OpenCL platform is installed, or nothing
+ * matches the selector; the message lists the devices there are, or says
+ * which package provides a CPU driver), MOECL_ERROR_OUT_OF_MEMORY, or an
+ * OpenCL error from context or queue creation.
+ */
+MOECL_API moecl_status moecl_context_create(const char *device, moecl_context **ctx);
+
+/**
+ * Adopt a runtime's own OpenCL objects. `context` and `device` are
+ * required; `device` must belong to `context`. `queue` may be NULL, in which
+ * case an in-order queue is created; otherwise it must belong to `context`
+ * and `device`, and may be in-order or out-of-order (calls then order
+ * themselves only through the wait lists the caller passes). The objects are
+ * retained and released again by moecl_context_destroy().
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (NULL context or device, a device
+ * not in the context, a queue of another context or device),
+ * MOECL_ERROR_OUT_OF_MEMORY, or an OpenCL error.
+ */
+MOECL_API moecl_status moecl_context_create_from_cl(cl_context context, cl_device_id device,
+                                                    cl_command_queue queue, moecl_context **ctx);
+
+/** Release the context, its kernels and the OpenCL objects it created or
+ *  retained. Waits for nothing: finish the queue first if commands that
+ *  use moecl's kernels may still be pending. NULL is a no-op. */
+MOECL_API void moecl_context_destroy(moecl_context *ctx);
+
+/** The detail of the calling thread's last failure on ctx, or "" if there
+ *  is none. ctx may be NULL: then it is the detail of the thread's last
+ *  failed moecl_context_create / _create_from_cl. The string stays valid
+ *  until the thread's next failing call; it is never NULL. A thread keeps
+ *  the detail of its last few contexts. */
+MOECL_API const char *moecl_context_error(const moecl_context *ctx);
+
+/** The OpenCL objects of ctx (not retained for the caller; valid while ctx
+ *  lives). NULL if ctx is NULL. */
+MOECL_API cl_context moecl_context_cl_context(const moecl_context *ctx);
+MOECL_API cl_device_id moecl_context_device(const moecl_context *ctx);
+MOECL_API cl_command_queue moecl_context_queue(const moecl_context *ctx);
+
+/** Describe the context's device and what moecl chose for it, as lines of
+ *  "key: value" text: platform, device, driver, device type, vendor, compute
+ *  units, local memory, maximum work-group size, the launch class and why,
+ *  and the kernel cache directory. Writes at most size bytes including the
+ *  terminating NUL (like snprintf) and returns the length the whole text
+ *  needs. buf may be NULL when size is 0. Thread-safe. */
+MOECL_API size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size);
+
+/* ---------------------------------------------------------------------- */
+/* Shared types                                                            */
+/* ---------------------------------------------------------------------- */
+
+/** Element type of an input tensor. F16 is IEEE binary16 and BF16 is the
+ *  upper 16 bits of an IEEE binary32; both are widened to f32 on load and
+ *  need no device extension. */
+typedef enum moecl_dtype { MOECL_F32 = 0, MOECL_F16 = 1, MOECL_BF16 = 2 } moecl_dtype;
+
+/** Scoring function of top-k gating. */
+typedef enum moecl_scoring { MOECL_SCORING_SOFTMAX = 0, MOECL_SCORING_SIGMOID = 1 } moecl_scoring;
+
+/** Group score of group-limited selection: the largest selection score in
+ *  the group (the seed reference), or the sum of the two largest
+ *  (DeepSeek-V3). */
+typedef enum moecl_group_score { MOECL_GROUP_SCORE_MAX = 0, MOECL_GROUP_SCORE_TOP2_SUM = 1 } moecl_group_score;
+
+/** A device buffer and a byte offset into it; mem == NULL means "absent".
+ *  The offset must be a multiple of the element size of the tensor it
+ *  holds, and the tensor must lie inside the buffer (checked through
+ *  CL_MEM_SIZE). Tensors are row-major and contiguous. The buffer must
+ *  belong to the context's cl_context. */
+typedef struct moecl_buffer {
+    cl_mem mem;
+    size_t offset;
+} moecl_buffer;
+
+/* ---------------------------------------------------------------------- */
+/* Top-k gating (docs/routing.md, section 1)                               */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * What to compute. Valid requests:
+ *   num_tokens >= 0 (0 is a successful no-op);
+ *   1 <= num_experts <= 4096;
+ *   1 <= top_k <= min(num_experts, 64);
+ *   num_expert_groups == 0 (no group limit) and topk_group == 0, or
+ *   num_experts % num_expert_groups == 0, 1 <= topk_group <=
+ *   num_expert_groups and top_k <= topk_group * (num_experts /
+ *   num_expert_groups);
+ *   gating_dtype, scoring and group_score one of their enum values;
+ *   routed_scaling_factor finite.
+ */
+typedef struct moecl_topk_gating_desc {
+    uint32_t num_tokens;
+    uint32_t num_experts;
+    uint32_t top_k;
+    uint32_t num_expert_groups; /**< 0: no group-limited selection */
+    uint32_t topk_group;        /**< groups kept per token */
+    moecl_dtype gating_dtype;   /**< dtype of the gating logits */
+    moecl_scoring scoring;
+    moecl_group_score group_score;
+    bool renormalize;            /**< divide the k weights by their sum when it is > 0 */
+    float routed_scaling_factor; /**< applied to the weights last */
+} moecl_topk_gating_desc;
+
+/** The seed reference op: softmax, f32 logits, no groups,
+ *  MOECL_GROUP_SCORE_MAX, no renormalisation, factor 1. */
+MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts,
+                                                             uint32_t top_k);
+
+/**
+ * Top-k gating on device buffers. Asynchronous: validates, then enqueues one
+ * kernel on the context's queue after the `num_wait` events of `wait`, and
+ * returns. If `done` is non-NULL it receives an event for that kernel, which
+ * the caller releases (with num_tokens == 0 it is a marker event).
+ * No host allocation and no blocking on the hot path (the first call of a
+ * variant builds its kernel unless _prepare did).
+ *
+ *   gating        [num_tokens][num_experts] of desc->gating_dtype
+ *   bias          float[num_experts], or absent (mem == NULL)
+ *   topk_weights  float[num_tokens][top_k]
+ *   topk_ids      int32_t[num_tokens][top_k]
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
+ * NULL ctx/desc, a missing buffer, a buffer too small for the shape, an
+ * unaligned offset, a buffer of another context, num_wait > 0 with wait
+ * NULL), MOECL_ERROR_BUILD, or the OpenCL error of the enqueue.
+ */
+MOECL_API moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                         moecl_buffer gating, moecl_buffer bias,
+                                         moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                         cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience on host memory: copies in, runs, copies out. bias
+ *  may be NULL. topk_weights and topk_ids are required. Same validation as
+ *  moecl_topk_gating. */
+MOECL_API moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                              const void *gating, const float *bias, float *topk_weights,
+                                              int32_t *topk_ids);
+
+/** Build (or load from the disk cache) the kernel variant that desc needs,
+ *  ahead of the first call, so that the call itself does not compile.
+ *  Validates desc as the call does (num_tokens is not used). */
+MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
+
+/* ---------------------------------------------------------------------- */
+/* Grounded router (docs/routing.md, section 2)                            */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
+ * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
+ * alpha finite, hidden_dtype one of its enum values.
+ */
+typedef struct moecl_grounded_router_desc {
+    uint32_t num_tokens;
+    uint32_t hidden_dim;
+    uint32_t num_experts;
+    uint32_t top_k; /**< 2 in the seed reference */
+    float alpha;
+    moecl_dtype hidden_dtype; /**< dtype of token_hidden and expert_ground */
+} moecl_grounded_router_desc;
+
+/** The seed reference op: top_k 2, f32 hidden states. */
+MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, uint32_t hidden_dim,
+                                                                     uint32_t num_experts, float alpha);
+
+/**
+ * Grounded router on device buffers: for each token,
+ * g[e] = router_logits[e] + alpha * dot(token_hidden, expert_ground[e])
+ * with fp32 accumulation, the top_k largest g (descending), and a softmax
+ * over the chosen g values. Asynchronous, like moecl_topk_gating.
+ *
+ *   token_hidden   [num_tokens][hidden_dim] of hidden_dtype
+ *   router_logits  float[num_tokens][num_experts]
+ *   expert_ground  [num_experts][hidden_dim] of hidden_dtype
+ *   out_pairs      float[num_tokens][top_k][2]: ((float)index, weight), or absent
+ *   topk_weights   float[num_tokens][top_k], or absent
+ *   topk_ids       int32_t[num_tokens][top_k], or absent
+ * At least one output must be given.
+ */
+MOECL_API moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                             moecl_buffer token_hidden, moecl_buffer router_logits,
+                                             moecl_buffer expert_ground, moecl_buffer out_pairs,
+                                             moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                             cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience on host memory; each output may be NULL, at least
+ *  one must be given. */
+MOECL_API moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                                  const void *token_hidden, const float *router_logits,
+                                                  const void *expert_ground, float *out_pairs,
+                                                  float *topk_weights, int32_t *topk_ids);
+
+/** Build (or load from cache) the kernel variant desc needs. */
+MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* MOECL_MOECL_H */

@@ -1,0 +1,76 @@
+/* Validation and helpers for buffers and wait lists, shared by the ops. */
+#include "internal.h"
+
+moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
+                                size_t elem_size, bool required)
+{
+    if (!buf.mem) {
+        if (required)
+            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer is absent (mem is NULL)", name);
+        return MOECL_SUCCESS;
+    }
+    size_t size = 0;
+    cl_context owner = NULL;
+    cl_int err = clGetMemObjectInfo(buf.mem, CL_MEM_SIZE, sizeof(size), &size, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetMemObjectInfo(buf.mem, CL_MEM_CONTEXT, sizeof(owner), &owner, NULL);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: not a valid cl_mem (%s)", name,
+                          moecl_status_string(err));
+    if (owner != ctx->context)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
+    if (buf.offset % elem_size != 0)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "%s: byte offset %zu is not a multiple of the element size %zu", name, buf.offset, elem_size);
+    if (buf.offset > size || bytes > (uint64_t)(size - buf.offset))
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "%s: needs %llu bytes at offset %zu but the buffer holds %zu bytes", name,
+                          (unsigned long long)bytes, buf.offset, size);
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait)
+{
+    if (num_wait > 0 && !wait)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "wait: num_wait is %u but wait is NULL", num_wait);
+    if (num_wait == 0 && wait)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "wait: given but num_wait is 0");
+    for (cl_uint i = 0; i < num_wait; i++) {
+        cl_context owner = NULL;
+        cl_int err = wait[i] ? clGetEventInfo(wait[i], CL_EVENT_CONTEXT, sizeof(owner), &owner, NULL)
+                             : CL_INVALID_EVENT;
+        if (err != CL_SUCCESS)
+            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "wait[%u]: not a valid cl_event (%s)", i,
+                              moecl_status_string(err));
+        if (owner != ctx->context)
+            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "wait[%u]: the event belongs to another cl_context",
+                              i);
+    }
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    if (!done && num_wait == 0)
+        return MOECL_SUCCESS;
+    /* A marker keeps the contract: the wait list orders later work and
+     * *done completes after it. */
+    cl_event ev = NULL;
+    cl_int err = clEnqueueMarkerWithWaitList(ctx->queue, num_wait, wait, done ? &ev : NULL);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "clEnqueueMarkerWithWaitList failed (%s)", moecl_status_string(err));
+    if (done)
+        *done = ev;
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flags flags, size_t size,
+                               const void *host, cl_mem *mem)
+{
+    cl_int err;
+    *mem = clCreateBuffer(ctx->context, flags | (host ? CL_MEM_COPY_HOST_PTR : 0), size, (void *)host, &err);
+    if (!*mem)
+        return moecl_fail(ctx, err, "%s: clCreateBuffer of %zu bytes failed (%s)", name, size,
+                          moecl_status_string(err));
+    return MOECL_SUCCESS;
+}

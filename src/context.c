@@ -1,0 +1,185 @@
+/* Context lifetime: creating or adopting the OpenCL objects, accessors. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* Options every kernel build gets. No fast-math: the NaN and tie rules of
+ * the spec need IEEE comparisons and exact NaN propagation. */
+static char *make_build_options(const moecl_device_info *info)
+{
+    const char *user = getenv("MOECL_BUILD_OPTIONS");
+    char buf[1024];
+    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d%s%s",
+             info->vendor == MOECL_VENDOR_NVIDIA ? 1 : 0, user && *user ? " " : "", user ? user : "");
+    return strdup(buf);
+}
+
+static moecl_status finish_context(moecl_context *c, moecl_context **out)
+{
+    moecl_status st = moecl_device_query(c->device, &c->info);
+    if (st != MOECL_SUCCESS) {
+        moecl_context_destroy(c);
+        return moecl_fail(NULL, st, "querying the device failed (%s)", moecl_status_string(st));
+    }
+    c->build_options = make_build_options(&c->info);
+    const char *dir = getenv("MOECL_KERNEL_DIR");
+    c->kernel_dir = dir && *dir ? strdup(dir) : NULL;
+    st = moecl_registry_create(&c->registry);
+    if (st == MOECL_SUCCESS && (!c->build_options || (dir && *dir && !c->kernel_dir)))
+        st = MOECL_ERROR_OUT_OF_MEMORY;
+    if (st != MOECL_SUCCESS) {
+        moecl_context_destroy(c);
+        return moecl_fail(NULL, st, "out of host memory creating the context");
+    }
+    *out = c;
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_context_create(const char *device, moecl_context **ctx)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx (the output pointer) is NULL");
+    *ctx = NULL;
+    cl_platform_id platform;
+    cl_device_id dev;
+    moecl_status st = moecl_device_select(device, &platform, &dev);
+    if (st != MOECL_SUCCESS)
+        return st;
+    moecl_context *c = calloc(1, sizeof(*c));
+    if (!c)
+        return moecl_fail(NULL, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory creating the context");
+    c->platform = platform;
+    c->device = dev;
+    clRetainDevice(dev); /* a no-op for root devices; destroy releases it either way */
+    cl_context_properties props[] = {CL_CONTEXT_PLATFORM, (cl_context_properties)platform, 0};
+    cl_int err;
+    c->context = clCreateContext(props, 1, &dev, NULL, NULL, &err);
+    if (!c->context) {
+        free(c);
+        return moecl_fail(NULL, err, "clCreateContext failed (%s)", moecl_status_string(err));
+    }
+    c->queue = clCreateCommandQueue(c->context, dev, 0, &err);
+    if (!c->queue) {
+        moecl_context_destroy(c);
+        return moecl_fail(NULL, err, "clCreateCommandQueue failed (%s)", moecl_status_string(err));
+    }
+    return finish_context(c, ctx);
+}
+
+moecl_status moecl_context_create_from_cl(cl_context context, cl_device_id device, cl_command_queue queue,
+                                          moecl_context **ctx)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx (the output pointer) is NULL");
+    *ctx = NULL;
+    if (!context || !device)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", !context ? "context" : "device");
+
+    /* The device must be one of the context's. */
+    cl_uint num = 0;
+    cl_int err = clGetContextInfo(context, CL_CONTEXT_NUM_DEVICES, sizeof(num), &num, NULL);
+    if (err != CL_SUCCESS)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "context is not a valid cl_context (%s)",
+                          moecl_status_string(err));
+    cl_device_id devices[64];
+    if (num > 64)
+        num = 64;
+    err = clGetContextInfo(context, CL_CONTEXT_DEVICES, num * sizeof(cl_device_id), devices, NULL);
+    bool member = false;
+    for (cl_uint i = 0; err == CL_SUCCESS && i < num; i++)
+        member |= devices[i] == device;
+    if (!member)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "device is not a device of context");
+    if (queue) {
+        cl_context qctx = NULL;
+        cl_device_id qdev = NULL;
+        err = clGetCommandQueueInfo(queue, CL_QUEUE_CONTEXT, sizeof(qctx), &qctx, NULL);
+        if (err == CL_SUCCESS)
+            err = clGetCommandQueueInfo(queue, CL_QUEUE_DEVICE, sizeof(qdev), &qdev, NULL);
+        if (err != CL_SUCCESS)
+            return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "queue is not a valid cl_command_queue (%s)",
+                              moecl_status_string(err));
+        if (qctx != context || qdev != device)
+            return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "queue belongs to another %s",
+                              qctx != context ? "context" : "device");
+    }
+
+    moecl_context *c = calloc(1, sizeof(*c));
+    if (!c)
+        return moecl_fail(NULL, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory creating the context");
+    clGetDeviceInfo(device, CL_DEVICE_PLATFORM, sizeof(c->platform), &c->platform, NULL);
+    c->context = context;
+    clRetainContext(context);
+    c->device = device;
+    clRetainDevice(device);
+    if (queue) {
+        c->queue = queue;
+        clRetainCommandQueue(queue);
+    } else {
+        c->queue = clCreateCommandQueue(context, device, 0, &err);
+        if (!c->queue) {
+            moecl_context_destroy(c);
+            return moecl_fail(NULL, err, "clCreateCommandQueue failed (%s)", moecl_status_string(err));
+        }
+    }
+    return finish_context(c, ctx);
+}
+
+void moecl_context_destroy(moecl_context *ctx)
+{
+    if (!ctx)
+        return;
+    moecl_registry_destroy(ctx->registry);
+    if (ctx->queue)
+        clReleaseCommandQueue(ctx->queue);
+    if (ctx->device)
+        clReleaseDevice(ctx->device); /* a no-op for root devices; pairs with the retain when adopted */
+    if (ctx->context)
+        clReleaseContext(ctx->context);
+    free(ctx->build_options);
+    free(ctx->kernel_dir);
+    moecl_error_forget(ctx);
+    free(ctx);
+}
+
+cl_context moecl_context_cl_context(const moecl_context *ctx) { return ctx ? ctx->context : NULL; }
+cl_device_id moecl_context_device(const moecl_context *ctx) { return ctx ? ctx->device : NULL; }
+cl_command_queue moecl_context_queue(const moecl_context *ctx) { return ctx ? ctx->queue : NULL; }
+
+size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
+{
+    if (!ctx) {
+        if (size)
+            buf[0] = '\0';
+        return 0;
+    }
+    const moecl_device_info *i = &ctx->info;
+    static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl"};
+    char cache[3072];
+    if (!moecl_cache_dir(cache, sizeof(cache)))
+        snprintf(cache, sizeof(cache), "off");
+    int n = snprintf(buf, size,
+                     "platform: %s\n"
+                     "device: %s\n"
+                     "device version: %s\n"
+                     "driver: %s\n"
+                     "type: %s\n"
+                     "vendor: %s\n"
+                     "compute units: %u\n"
+                     "local memory: %llu bytes\n"
+                     "max work-group size: %zu\n"
+                     "launch class: %s (%s)\n"
+                     "kernel sources: %s\n"
+                     "kernel cache: %s\n",
+                     i->platform_name, i->device_name, i->device_version, i->driver_version,
+                     (i->type & CL_DEVICE_TYPE_CPU)           ? "CPU"
+                     : (i->type & CL_DEVICE_TYPE_GPU)         ? "GPU"
+                     : (i->type & CL_DEVICE_TYPE_ACCELERATOR) ? "accelerator"
+                                                              : "other",
+                     vendors[i->vendor], i->compute_units, (unsigned long long)i->local_mem_size,
+                     i->max_work_group_size, moecl_launch_class_name(i->launch_class), i->launch_reason,
+                     ctx->kernel_dir ? ctx->kernel_dir : "embedded", cache);
+    return n < 0 ? 0 : (size_t)n;
+}

@@ -1,0 +1,143 @@
+/* Library-private declarations shared by the files of src/. */
+#ifndef MOECL_INTERNAL_H
+#define MOECL_INTERNAL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <moecl/moecl.h>
+
+#define MOECL_MAX_EXPERTS 4096u
+#define MOECL_MAX_TOPK 64u
+#define MOECL_MAX_HIDDEN 65536u
+
+/* ---- status.c: per-thread error detail ---- */
+
+/* Record a formatted message as this thread's last failure on ctx (NULL for
+ * context creation) and return status, so error paths read
+ * `return moecl_fail(ctx, MOECL_ERROR_..., "...", ...)`. */
+moecl_status moecl_fail(const moecl_context *ctx, moecl_status status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Forget the thread's detail for ctx (called on destroy). */
+void moecl_error_forget(const moecl_context *ctx);
+
+/* ---- device.c: device facts and the launch class derived from them ---- */
+
+typedef enum moecl_launch_class {
+    MOECL_LAUNCH_CPU = 0, /* one work-item per row, plain loops */
+    MOECL_LAUNCH_GPU = 1, /* a team of work-items per row, rows in registers */
+} moecl_launch_class;
+
+typedef enum moecl_vendor {
+    MOECL_VENDOR_OTHER = 0,
+    MOECL_VENDOR_NVIDIA,
+    MOECL_VENDOR_AMD,
+    MOECL_VENDOR_INTEL,
+    MOECL_VENDOR_POCL,
+} moecl_vendor;
+
+typedef struct moecl_device_info {
+    char platform_name[128];
+    char device_name[128];
+    char driver_version[128];
+    char device_version[128];
+    cl_device_type type;
+    moecl_vendor vendor;
+    cl_uint compute_units;
+    cl_ulong local_mem_size;
+    size_t max_work_group_size;
+    moecl_launch_class launch_class;
+    const char *launch_reason; /* static text: why this class */
+} moecl_device_info;
+
+/* Fill info for device (queries OpenCL). */
+moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info);
+/* Resolve a selector (see moecl_context_create) to a device; on failure
+ * the message is recorded for ctx NULL. */
+moecl_status moecl_device_select(const char *selector, cl_platform_id *platform, cl_device_id *device);
+const char *moecl_launch_class_name(moecl_launch_class c);
+
+/* ---- program.c: kernel variants ---- */
+
+typedef struct moecl_variant moecl_variant;
+typedef struct moecl_registry moecl_registry;
+
+/* Which .cl file(s) a program is built from. */
+typedef enum moecl_program_kind { MOECL_PROGRAM_TOPK_GATING = 0, MOECL_PROGRAM_GROUNDED_ROUTER = 1 } moecl_program_kind;
+
+moecl_status moecl_registry_create(moecl_registry **reg);
+void moecl_registry_destroy(moecl_registry *reg);
+
+/* The variant for (kind, defines): in memory, else from the disk cache,
+ * else built from source. defines is a string of -D options; the kernel
+ * named kernel_name is created from it. Thread-safe. */
+moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
+                               const char *kernel_name, moecl_variant **variant);
+/* Borrow a cl_kernel of the variant that no other thread is using, and give
+ * it back after enqueueing (clSetKernelArg on a shared kernel races). */
+moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, cl_kernel *kernel);
+void moecl_variant_release(moecl_variant *variant, cl_kernel kernel);
+
+/* ---- kernel_source.c: embedded or MOECL_KERNEL_DIR sources ---- */
+
+typedef struct moecl_embedded_source {
+    const char *name;
+    const char *text;
+    size_t size;
+} moecl_embedded_source;
+
+/* The full program text for kind (common.cl first), malloc'ed; the caller
+ * frees it. */
+moecl_status moecl_program_source(const moecl_context *ctx, moecl_program_kind kind, char **text,
+                                  size_t *size);
+
+/* ---- cache.c: compiled-kernel disk cache ---- */
+
+/* The cache directory (from MOECL_CACHE_DIR, XDG_CACHE_HOME or HOME) in
+ * buf; false when the cache is off or no directory can be named. */
+bool moecl_cache_dir(char *buf, size_t size);
+/* Load a cached binary for the identity string key; NULL if absent or
+ * invalid (the caller rebuilds and stores). The caller frees *binary. */
+bool moecl_cache_load(const char *key, unsigned char **binary, size_t *size);
+/* Store atomically (temporary file + rename). Failures are silent: the
+ * cache is an optimisation. */
+void moecl_cache_store(const char *key, const unsigned char *binary, size_t size);
+/* 64-bit FNV-1a, used for file names and checksums. */
+uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
+
+/* ---- context.c ---- */
+
+struct moecl_context {
+    cl_platform_id platform;
+    cl_context context;
+    cl_device_id device;
+    cl_command_queue queue;
+    moecl_device_info info;
+    moecl_registry *registry;
+    char *build_options; /* common options for every build */
+    char *kernel_dir;    /* MOECL_KERNEL_DIR at creation, or NULL */
+};
+
+/* ---- buffers.c: validation shared by the ops ---- */
+
+/* Check that buf holds `bytes` bytes at its offset, that the offset is a
+ * multiple of elem_size, and that it belongs to ctx's cl_context. `name`
+ * names the argument in the message. required == false accepts an absent
+ * buffer. */
+moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
+                                size_t elem_size, bool required);
+moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait);
+/* num_tokens == 0: enqueue nothing but honour the wait list and give a
+ * marker event if asked. */
+moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done);
+/* Create a device buffer from host memory (copy in) or for output. */
+moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flags flags, size_t size,
+                               const void *host, cl_mem *mem);
+
+/* Rounds v up to a multiple of m. */
+static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+#endif

@@ -1,0 +1,267 @@
+/* Kernel variants: a registry from (program, defines, kernel) to a built
+ * cl_program and a pool of cl_kernel objects. Lookups are lock-light (one
+ * mutex around a short search); builds take a second mutex so that a long
+ * compile never blocks calls of variants already built. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+struct moecl_variant {
+    moecl_program_kind kind;
+    char *defines;
+    char *kernel_name;
+    cl_program program;
+    pthread_mutex_t pool_lock;
+    cl_kernel *free_kernels; /* capacity == number created */
+    size_t free_count, created;
+};
+
+struct moecl_registry {
+    pthread_mutex_t lock;       /* guards items/count */
+    pthread_mutex_t build_lock; /* one build at a time per context */
+    moecl_variant **items;
+    size_t count, capacity;
+};
+
+moecl_status moecl_registry_create(moecl_registry **reg)
+{
+    moecl_registry *r = calloc(1, sizeof(*r));
+    if (!r)
+        return MOECL_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_init(&r->lock, NULL);
+    pthread_mutex_init(&r->build_lock, NULL);
+    *reg = r;
+    return MOECL_SUCCESS;
+}
+
+static void variant_destroy(moecl_variant *v)
+{
+    if (!v)
+        return;
+    /* Every kernel is back in the pool once no call is in flight. */
+    for (size_t i = 0; i < v->free_count; i++)
+        clReleaseKernel(v->free_kernels[i]);
+    if (v->program)
+        clReleaseProgram(v->program);
+    pthread_mutex_destroy(&v->pool_lock);
+    free(v->free_kernels);
+    free(v->defines);
+    free(v->kernel_name);
+    free(v);
+}
+
+void moecl_registry_destroy(moecl_registry *reg)
+{
+    if (!reg)
+        return;
+    for (size_t i = 0; i < reg->count; i++)
+        variant_destroy(reg->items[i]);
+    free(reg->items);
+    pthread_mutex_destroy(&reg->lock);
+    pthread_mutex_destroy(&reg->build_lock);
+    free(reg);
+}
+
+static moecl_variant *find(moecl_registry *reg, moecl_program_kind kind, const char *defines, const char *kernel_name)
+{
+    moecl_variant *found = NULL;
+    pthread_mutex_lock(&reg->lock);
+    for (size_t i = 0; i < reg->count && !found; i++) {
+        moecl_variant *v = reg->items[i];
+        if (v->kind == kind && strcmp(v->defines, defines) == 0 && strcmp(v->kernel_name, kernel_name) == 0)
+            found = v;
+    }
+    pthread_mutex_unlock(&reg->lock);
+    return found;
+}
+
+/* The identity of a compiled program, as the disk cache keys it. */
+static char *cache_identity(const moecl_context *ctx, const char *options, const char *source, size_t source_size)
+{
+    const moecl_device_info *i = &ctx->info;
+    size_t size = 1024 + strlen(options) + sizeof(i->platform_name) + sizeof(i->device_name) +
+                  sizeof(i->driver_version) + sizeof(i->device_version);
+    char *key = malloc(size);
+    if (key)
+        snprintf(key, size, "moecl %s\nplatform %s\ndevice %s\ndriver %s\nversion %s\noptions %s\nsource %016llx%016llx\n",
+                 moecl_version(), i->platform_name, i->device_name, i->driver_version, i->device_version, options,
+                 (unsigned long long)moecl_hash64(source, source_size, 0),
+                 (unsigned long long)moecl_hash64(source, source_size, 1));
+    return key;
+}
+
+static moecl_status build_failure(moecl_context *ctx, cl_program program, cl_int err, const char *defines)
+{
+    char log[1600] = "";
+    size_t len = 0;
+    if (clGetProgramBuildInfo(program, ctx->device, CL_PROGRAM_BUILD_LOG, 0, NULL, &len) == CL_SUCCESS && len > 0) {
+        char *full = malloc(len + 1);
+        if (full && clGetProgramBuildInfo(program, ctx->device, CL_PROGRAM_BUILD_LOG, len, full, NULL) == CL_SUCCESS) {
+            full[len] = '\0';
+            snprintf(log, sizeof(log), "%s", full); /* the head of the log holds the first error */
+        }
+        free(full);
+    }
+    return moecl_fail(ctx, MOECL_ERROR_BUILD, "building the kernel with \"%s\" failed (%s): %s", defines,
+                      moecl_status_string(err), log);
+}
+
+/* Build from the binary cache if it holds a valid entry, else from source
+ * (and store the result). */
+static moecl_status build_program(moecl_context *ctx, moecl_program_kind kind, const char *defines, cl_program *out)
+{
+    char *source = NULL;
+    size_t source_size = 0;
+    moecl_status st = moecl_program_source(ctx, kind, &source, &source_size);
+    if (st != MOECL_SUCCESS)
+        return st;
+    size_t opt_size = strlen(ctx->build_options) + strlen(defines) + 2;
+    char *options = malloc(opt_size);
+    char *key = NULL;
+    if (options) {
+        snprintf(options, opt_size, "%s %s", ctx->build_options, defines);
+        key = cache_identity(ctx, options, source, source_size);
+    }
+    if (!options || !key) {
+        free(source);
+        free(options);
+        return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory building a kernel");
+    }
+
+    cl_int err;
+    cl_program program = NULL;
+    unsigned char *binary = NULL;
+    size_t binary_size = 0;
+    if (moecl_cache_load(key, &binary, &binary_size)) {
+        const unsigned char *bins[1] = {binary};
+        cl_int bin_status;
+        program = clCreateProgramWithBinary(ctx->context, 1, &ctx->device, &binary_size, bins, &bin_status, &err);
+        if (program && (err != CL_SUCCESS || bin_status != CL_SUCCESS ||
+                        clBuildProgram(program, 1, &ctx->device, options, NULL, NULL) != CL_SUCCESS)) {
+            clReleaseProgram(program); /* a stale or foreign binary: rebuild below */
+            program = NULL;
+        }
+        free(binary);
+    }
+    if (!program) {
+        const char *text = source;
+        program = clCreateProgramWithSource(ctx->context, 1, &text, &source_size, &err);
+        if (!program) {
+            st = moecl_fail(ctx, err, "clCreateProgramWithSource failed (%s)", moecl_status_string(err));
+        } else if ((err = clBuildProgram(program, 1, &ctx->device, options, NULL, NULL)) != CL_SUCCESS) {
+            st = build_failure(ctx, program, err, defines);
+            clReleaseProgram(program);
+            program = NULL;
+        } else {
+            size_t size = 0;
+            if (clGetProgramInfo(program, CL_PROGRAM_BINARY_SIZES, sizeof(size), &size, NULL) == CL_SUCCESS && size) {
+                unsigned char *bin = malloc(size);
+                if (bin && clGetProgramInfo(program, CL_PROGRAM_BINARIES, sizeof(bin), &bin, NULL) == CL_SUCCESS)
+                    moecl_cache_store(key, bin, size);
+                free(bin);
+            }
+        }
+    }
+    free(source);
+    free(options);
+    free(key);
+    *out = program;
+    return st;
+}
+
+moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
+                               const char *kernel_name, moecl_variant **variant)
+{
+    moecl_registry *reg = ctx->registry;
+    moecl_variant *v = find(reg, kind, defines, kernel_name);
+    if (v) {
+        *variant = v;
+        return MOECL_SUCCESS;
+    }
+    pthread_mutex_lock(&reg->build_lock);
+    v = find(reg, kind, defines, kernel_name); /* another thread may have built it meanwhile */
+    moecl_status st = MOECL_SUCCESS;
+    if (!v) {
+        v = calloc(1, sizeof(*v));
+        moecl_variant **items = NULL;
+        if (v && reg->count == reg->capacity) {
+            size_t cap = reg->capacity ? 2 * reg->capacity : 16;
+            items = realloc(reg->items, cap * sizeof(*items));
+            if (items) {
+                reg->items = items;
+                reg->capacity = cap;
+            }
+        }
+        if (!v || reg->count == reg->capacity || !(v->defines = strdup(defines)) ||
+            !(v->kernel_name = strdup(kernel_name))) {
+            st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory registering a kernel");
+        } else {
+            v->kind = kind;
+            pthread_mutex_init(&v->pool_lock, NULL);
+            st = build_program(ctx, kind, defines, &v->program);
+            cl_kernel k = NULL;
+            if (st == MOECL_SUCCESS) {
+                /* Create one kernel now so that a wrong kernel name fails here, not in a call. */
+                cl_int err;
+                k = clCreateKernel(v->program, kernel_name, &err);
+                v->free_kernels = malloc(sizeof(cl_kernel));
+                if (!k)
+                    st = moecl_fail(ctx, err, "clCreateKernel(%s) failed (%s)", kernel_name, moecl_status_string(err));
+                else if (!v->free_kernels)
+                    st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory registering a kernel");
+            }
+            if (st == MOECL_SUCCESS) {
+                v->free_kernels[0] = k;
+                v->free_count = v->created = 1;
+                pthread_mutex_lock(&reg->lock);
+                reg->items[reg->count++] = v;
+                pthread_mutex_unlock(&reg->lock);
+            } else if (k) {
+                clReleaseKernel(k);
+            }
+        }
+        if (st != MOECL_SUCCESS) {
+            variant_destroy(v);
+            v = NULL;
+        }
+    }
+    pthread_mutex_unlock(&reg->build_lock);
+    *variant = v;
+    return st;
+}
+
+moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *v, cl_kernel *kernel)
+{
+    pthread_mutex_lock(&v->pool_lock);
+    if (v->free_count > 0) {
+        *kernel = v->free_kernels[--v->free_count];
+        pthread_mutex_unlock(&v->pool_lock);
+        return MOECL_SUCCESS;
+    }
+    /* Every kernel is in use by another thread: make one more. Its slot in
+     * free_kernels is reserved now, so release never allocates. */
+    cl_kernel *grown = realloc(v->free_kernels, (v->created + 1) * sizeof(cl_kernel));
+    if (!grown) {
+        pthread_mutex_unlock(&v->pool_lock);
+        return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory creating a kernel");
+    }
+    v->free_kernels = grown;
+    cl_int err;
+    cl_kernel k = clCreateKernel(v->program, v->kernel_name, &err);
+    if (k)
+        v->created++;
+    pthread_mutex_unlock(&v->pool_lock);
+    if (!k)
+        return moecl_fail(ctx, err, "clCreateKernel(%s) failed (%s)", v->kernel_name, moecl_status_string(err));
+    *kernel = k;
+    return MOECL_SUCCESS;
+}
+
+void moecl_variant_release(moecl_variant *v, cl_kernel kernel)
+{
+    pthread_mutex_lock(&v->pool_lock);
+    v->free_kernels[v->free_count++] = kernel;
+    pthread_mutex_unlock(&v->pool_lock);
+}

@@ -1,0 +1,267 @@
+/* Top-k gating, host side: validation, the kernel variant a request needs,
+ * argument binding and one enqueue; and the blocking host-memory path. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts, uint32_t top_k)
+{
+    moecl_topk_gating_desc d;
+    memset(&d, 0, sizeof(d));
+    d.num_tokens = num_tokens;
+    d.num_experts = num_experts;
+    d.top_k = top_k;
+    d.num_expert_groups = 0;
+    d.topk_group = 0;
+    d.gating_dtype = MOECL_F32;
+    d.scoring = MOECL_SCORING_SOFTMAX;
+    d.group_score = MOECL_GROUP_SCORE_MAX;
+    d.renormalize = false;
+    d.routed_scaling_factor = 1.0f;
+    return d;
+}
+
+static size_t dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
+
+static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_desc *d)
+{
+#define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
+    if (!d)
+        return INVALID("desc is NULL");
+    if (d->num_experts < 1 || d->num_experts > MOECL_MAX_EXPERTS)
+        return INVALID("num_experts is %u; it must be in 1..%u", d->num_experts, MOECL_MAX_EXPERTS);
+    uint32_t k_max = d->num_experts < MOECL_MAX_TOPK ? d->num_experts : MOECL_MAX_TOPK;
+    if (d->top_k < 1 || d->top_k > k_max)
+        return INVALID("top_k is %u; it must be in 1..%u (min(num_experts, %u))", d->top_k, k_max, MOECL_MAX_TOPK);
+    if (d->num_expert_groups == 0) {
+        if (d->topk_group != 0)
+            return INVALID("topk_group is %u; it must be 0 when num_expert_groups is 0", d->topk_group);
+    } else {
+        if (d->num_expert_groups > d->num_experts || d->num_experts % d->num_expert_groups != 0)
+            return INVALID("num_expert_groups is %u; it must divide num_experts (%u)", d->num_expert_groups,
+                           d->num_experts);
+        if (d->topk_group < 1 || d->topk_group > d->num_expert_groups)
+            return INVALID("topk_group is %u; it must be in 1..num_expert_groups (%u)", d->topk_group,
+                           d->num_expert_groups);
+        uint64_t reachable = (uint64_t)d->topk_group * (d->num_experts / d->num_expert_groups);
+        if (d->top_k > reachable)
+            return INVALID("top_k is %u but the %u kept groups of %u experts hold only %llu", d->top_k,
+                           d->topk_group, d->num_experts / d->num_expert_groups, (unsigned long long)reachable);
+    }
+    if ((unsigned)d->gating_dtype > MOECL_BF16)
+        return INVALID("gating_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->gating_dtype);
+    if ((unsigned)d->scoring > MOECL_SCORING_SIGMOID)
+        return INVALID("scoring is %d; it must be MOECL_SCORING_SOFTMAX or MOECL_SCORING_SIGMOID", (int)d->scoring);
+    if ((unsigned)d->group_score > MOECL_GROUP_SCORE_TOP2_SUM)
+        return INVALID("group_score is %d; it must be MOECL_GROUP_SCORE_MAX or MOECL_GROUP_SCORE_TOP2_SUM",
+                       (int)d->group_score);
+    if (!isfinite(d->routed_scaling_factor))
+        return INVALID("routed_scaling_factor is %g; it must be finite", (double)d->routed_scaling_factor);
+    return MOECL_SUCCESS;
+#undef INVALID
+}
+
+typedef struct launch_shape {
+    unsigned team, rows;
+    const char *kernel_name;
+} launch_shape;
+
+static unsigned next_pow2(unsigned v)
+{
+    unsigned p = 1;
+    while (p < v)
+        p <<= 1;
+    return p;
+}
+
+/* Local memory the team kernel needs for `rows` rows (mirrors the __local
+ * arrays of topk_gating_team). */
+static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
+{
+    size_t per_row = (size_t)team * (8 + 4) + (size_t)k * 4;
+    if (groups)
+        per_row += (size_t)experts * 4 + (size_t)groups * 9;
+    return per_row * rows;
+}
+
+static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups)
+{
+    const moecl_device_info *info = &ctx->info;
+    launch_shape rows_kernel = {1, 8, "topk_gating_rows"};
+    if (info->launch_class == MOECL_LAUNCH_CPU)
+        return rows_kernel;
+    /* About eight elements per work-item, at most 256 work-items a row. */
+    unsigned team = next_pow2((experts + 7) / 8);
+    if (team > 256)
+        team = 256;
+    while (team > 1 && team > info->max_work_group_size)
+        team >>= 1;
+    if (team == 1)
+        return (launch_shape){1, 64, "topk_gating_rows"};
+    unsigned rows = team >= 128 ? 1 : 128 / team;
+    while (rows * team > info->max_work_group_size)
+        rows >>= 1;
+    /* Leave 1 KiB of local memory to the implementation. */
+    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups) > budget)
+        rows >>= 1;
+    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups) > budget)
+        return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
+    return (launch_shape){team, rows, "topk_gating_team"};
+}
+
+typedef struct prepared {
+    moecl_variant *variant;
+    launch_shape shape;
+} prepared;
+
+static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, prepared *out)
+{
+    /* Group limits that select nothing away are dropped: groups of one
+     * expert rank exactly as the experts do, and keeping every group keeps
+     * everything. */
+    unsigned groups = d->num_expert_groups, topk_group = d->topk_group;
+    if (groups && (d->num_experts / groups == 1 || topk_group == groups))
+        groups = topk_group = 0;
+    out->shape = choose_launch(ctx, d->num_experts, d->top_k, groups);
+    char defines[512];
+    snprintf(defines, sizeof(defines),
+             "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
+             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u",
+             d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
+             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, out->shape.team, out->shape.rows);
+    return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
+}
+
+moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    /* Bias or not is a build-time choice; prepare both so that either call
+     * finds its kernel. */
+    prepared p;
+    st = prepare(ctx, desc, false, &p);
+    if (st == MOECL_SUCCESS)
+        st = prepare(ctx, desc, true, &p);
+    return st;
+}
+
+static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d, const prepared *p, cl_mem gating,
+                            size_t gating_off, cl_mem bias, size_t bias_off, cl_mem weights, size_t weights_off,
+                            cl_mem ids, size_t ids_off, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    cl_kernel kernel;
+    moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
+    if (st != MOECL_SUCCESS)
+        return st;
+    /* Offsets travel in elements: the kernels index typed pointers. */
+    cl_ulong offsets[4] = {gating_off / dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4};
+    cl_uint num_tokens = d->num_tokens;
+    cl_float factor = d->routed_scaling_factor;
+    cl_int err = CL_SUCCESS;
+    err |= clSetKernelArg(kernel, 0, sizeof(cl_mem), &gating);
+    err |= clSetKernelArg(kernel, 1, sizeof(cl_ulong), &offsets[0]);
+    err |= clSetKernelArg(kernel, 2, sizeof(cl_mem), bias ? &bias : NULL);
+    err |= clSetKernelArg(kernel, 3, sizeof(cl_ulong), &offsets[1]);
+    err |= clSetKernelArg(kernel, 4, sizeof(cl_mem), &weights);
+    err |= clSetKernelArg(kernel, 5, sizeof(cl_ulong), &offsets[2]);
+    err |= clSetKernelArg(kernel, 6, sizeof(cl_mem), &ids);
+    err |= clSetKernelArg(kernel, 7, sizeof(cl_ulong), &offsets[3]);
+    err |= clSetKernelArg(kernel, 8, sizeof(cl_uint), &num_tokens);
+    err |= clSetKernelArg(kernel, 9, sizeof(cl_float), &factor);
+    if (err != CL_SUCCESS) {
+        moecl_variant_release(p->variant, kernel);
+        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
+    }
+    size_t rows = p->shape.rows;
+    size_t local = (size_t)p->shape.team * rows;
+    size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
+    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
+    moecl_variant_release(p->variant, kernel);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "enqueueing the top-k gating kernel failed (%s)", moecl_status_string(err));
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
+                               moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
+                               const cl_event *wait, cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const uint64_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
+    const size_t in_size = dtype_size(desc->gating_dtype);
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
+        return st;
+    if ((st = moecl_check_buffer(ctx, "gating", gating, t * e * in_size, in_size, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "bias", bias, e * 4, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, true)) != MOECL_SUCCESS)
+        return st;
+    prepared p;
+    if ((st = prepare(ctx, desc, bias.mem != NULL, &p)) != MOECL_SUCCESS)
+        return st;
+    if (desc->num_tokens == 0)
+        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
+    return enqueue(ctx, desc, &p, gating.mem, gating.offset, bias.mem, bias.offset, topk_weights.mem,
+                   topk_weights.offset, topk_ids.mem, topk_ids.offset, num_wait, wait, done);
+}
+
+moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
+                                    const float *bias, float *topk_weights, int32_t *topk_ids)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (desc->num_tokens > 0 && (!gating || !topk_weights || !topk_ids))
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
+                          !gating ? "gating" : !topk_weights ? "topk_weights" : "topk_ids");
+    prepared p;
+    if ((st = prepare(ctx, desc, bias != NULL, &p)) != MOECL_SUCCESS || desc->num_tokens == 0)
+        return st;
+    const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
+    cl_mem in = NULL, b = NULL, w = NULL, ids = NULL;
+    cl_event ran = NULL;
+    if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * dtype_size(desc->gating_dtype), gating,
+                                &in)) == MOECL_SUCCESS &&
+        (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * 4, bias, &b)) == MOECL_SUCCESS) &&
+        (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
+        (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
+        (st = enqueue(ctx, desc, &p, in, 0, b, 0, w, 0, ids, 0, 0, NULL, &ran)) == MOECL_SUCCESS) {
+        /* Events rather than clFinish: the queue may be out of order, and
+         * other threads' work on it is none of this call's business. */
+        cl_event reads[2] = {NULL, NULL};
+        cl_int err = clEnqueueReadBuffer(ctx->queue, w, CL_FALSE, 0, t * k * 4, topk_weights, 1, &ran, &reads[0]);
+        if (err == CL_SUCCESS)
+            err = clEnqueueReadBuffer(ctx->queue, ids, CL_FALSE, 0, t * k * 4, topk_ids, 1, &ran, &reads[1]);
+        cl_int wait_err = clWaitForEvents(reads[1] ? 2 : reads[0] ? 1 : 1, reads[0] ? reads : &ran);
+        if (err == CL_SUCCESS)
+            err = wait_err;
+        for (int i = 0; i < 2; i++)
+            if (reads[i])
+                clReleaseEvent(reads[i]);
+        if (err != CL_SUCCESS)
+            st = moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
+    }
+    if (ran)
+        clReleaseEvent(ran);
+    if (in)
+        clReleaseMemObject(in);
+    if (b)
+        clReleaseMemObject(b);
+    if (w)
+        clReleaseMemObject(w);
+    if (ids)
+        clReleaseMemObject(ids);
+    return st;
+}

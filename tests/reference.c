@@ -1,0 +1,1312 @@
+/*
+ * Float64 reference of docs/routing.md (../shared/spec/routing.md) and the
+ * checker that judges a device result against it.
+ *
+ * Layout: one function per spec step. A per-row function computes, for one
+ * token, everything the spec defines (scores, selection scores, group
+ * scores, kept groups, reference ids) together with an interval [lo, hi]
+ * that the device's fp32 value of every compared quantity must lie in. The
+ * reference entry points use the values; the checkers use the values and
+ * the intervals, so both always agree on what the spec says.
+ *
+ * Thread safety: no mutable static state; every call allocates its own
+ * scratch and frees it before returning.
+ */
+#include "reference.h"
+
+#include <moecl/moecl.h>
+
+#include <float.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The spec caps top_k at 64 (moecl.h), so per-row id lists live on the stack. */
+#define MAX_TOP_K 64u
+
+/* Unit roundoff of fp32: the relative error of one correctly rounded fp32
+ * operation (round to nearest). */
+#define U32 ((double)FLT_EPSILON / 2.0)
+/* An error of n ulp of an fp32 result y is at most n * FLT_EPSILON * |y|
+ * (ulp(y) <= 2^-23 |y| for normal y). */
+#define EPS32 ((double)FLT_EPSILON)
+/* Smallest normal fp32 (2^-126): the most a result is off when a device
+ * flushes it to zero, or computes it in the subnormal range where the
+ * relative bounds above do not hold. */
+#define TINY32 0x1p-126
+/* Every real >= this rounds to +inf in fp32: the midpoint between FLT_MAX
+ * and 2^128. */
+#define OVERFLOW32 0x1.ffffffp127
+
+/* Weights must agree with the float64 reference to this (routing.md, 3). */
+#define WEIGHT_TOL 1e-5
+/* Below this renormalisation sum the fp32 chosen scores are (near)
+ * subnormal: the device's sum may be 0 (no renormalisation) or carry a
+ * large relative error, so the weights are only checked to lie between 0
+ * and the scaling factor. (With a sum >= 2^-96 the absolute 2^-125 errors of
+ * up to 64 scores move a weight by < 1e-6.) */
+#define RENORM_TINY_SUM 0x1p-96
+
+#if defined(__GNUC__)
+#define REF_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define REF_PRINTF(f, a)
+#endif
+
+/* gamma_n of Higham: |fl(sum of n roundings) - exact| <= gamma_n * (sum of
+ * the magnitudes involved), for any evaluation order. */
+static double gamma32(double n)
+{
+    return n * U32 / (1.0 - n * U32);
+}
+
+/* ====================================================================== */
+/* Element types                                                           */
+/* ====================================================================== */
+
+static float float_from_bits(uint32_t b)
+{
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+static uint32_t bits_from_float(float f)
+{
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+/* IEEE binary16 -> binary32, exact for every input (subnormals, infinities,
+ * NaN payloads). */
+static float half_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exponent = (h >> 10) & 0x1fu;
+    uint32_t mantissa = h & 0x3ffu;
+
+    if (exponent == 0x1fu) /* inf or NaN: the payload moves up unchanged */
+        return float_from_bits(sign | 0x7f800000u | (mantissa << 13));
+    if (exponent != 0) /* normal: rebias 15 -> 127 */
+        return float_from_bits(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+    /* zero or subnormal: mantissa * 2^-24, exactly representable in fp32 */
+    float v = ldexpf((float)mantissa, -24);
+    return sign ? -v : v;
+}
+
+float ref_load(moecl_dtype dtype, const void *data, size_t index)
+{
+    const unsigned char *p = data;
+    switch (dtype) {
+    case MOECL_F16: {
+        uint16_t h;
+        memcpy(&h, p + index * 2, sizeof h);
+        return half_to_float(h);
+    }
+    case MOECL_BF16: {
+        uint16_t h;
+        memcpy(&h, p + index * 2, sizeof h);
+        return float_from_bits((uint32_t)h << 16);
+    }
+    case MOECL_F32:
+    default: {
+        float f;
+        memcpy(&f, p + index * 4, sizeof f);
+        return f;
+    }
+    }
+}
+
+/* Drop the low `shift` bits of m, rounding to nearest, ties to even. */
+static uint32_t round_shift_rne(uint32_t m, unsigned shift)
+{
+    uint32_t kept = m >> shift;
+    uint32_t rest = m & ((1u << shift) - 1u);
+    uint32_t half = 1u << (shift - 1u);
+    if (rest > half || (rest == half && (kept & 1u)))
+        kept++;
+    return kept;
+}
+
+uint16_t ref_float_to_half(float f)
+{
+    uint32_t x = bits_from_float(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t a = x & 0x7fffffffu;
+
+    if (a > 0x7f800000u) /* NaN stays NaN: keep the top payload bits, force quiet */
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x477ff000u) /* >= 65520 rounds (ties to even) past 65504: inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x38800000u) { /* normal half (>= 2^-14): rebias, round 23 -> 10 bits */
+        uint32_t h = ((a >> 23) - 112u) << 10 | ((a & 0x7fffffu) >> 13);
+        uint32_t rest = a & 0x1fffu;
+        if (rest > 0x1000u || (rest == 0x1000u && (h & 1u)))
+            h++; /* a carry into the exponent is the right result */
+        return (uint16_t)(sign | h);
+    }
+    /* subnormal half: value / 2^-24, rounded. value = m * 2^(e - 150) with
+     * the 24-bit significand m, so value / 2^-24 = m >> (126 - e). */
+    uint32_t e = a >> 23;
+    if (e < 102) /* < 2^-25: rounds to zero (float subnormals included) */
+        return sign;
+    uint32_t m = (a & 0x7fffffu) | 0x800000u;
+    return (uint16_t)(sign | round_shift_rne(m, 126u - e)); /* 0x400 = min normal is right */
+}
+
+uint16_t ref_float_to_bf16(float f)
+{
+    uint32_t x = bits_from_float(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) /* NaN stays NaN (quiet) */
+        return (uint16_t)((x >> 16) | 0x0040u);
+    /* round to nearest even on the low 16 bits; overflow carries into inf */
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+size_t ref_dtype_size(moecl_dtype dtype)
+{
+    switch (dtype) {
+    case MOECL_F32:
+        return 4;
+    case MOECL_F16:
+    case MOECL_BF16:
+        return 2;
+    default:
+        return 0;
+    }
+}
+
+/* ====================================================================== */
+/* Ordering (routing.md 1.4, 2; moecl.h "Ordering")                        */
+/* ====================================================================== */
+
+/* Larger first; NaN after every number (-inf included); equal values
+ * (+0 == -0) and two NaN by lower index. A strict total order. */
+static bool ranks_before(double ka, uint32_t a, double kb, uint32_t b)
+{
+    if (isnan(ka))
+        return isnan(kb) && a < b;
+    if (isnan(kb))
+        return true;
+    if (ka != kb)
+        return ka > kb;
+    return a < b;
+}
+
+typedef struct keyed {
+    double key;
+    uint32_t index;
+} keyed;
+
+static int keyed_cmp(const void *pa, const void *pb)
+{
+    const keyed *a = pa, *b = pb;
+    if (ranks_before(a->key, a->index, b->key, b->index))
+        return -1;
+    if (ranks_before(b->key, b->index, a->key, a->index))
+        return 1;
+    return 0;
+}
+
+/* Sort the entries i < n with mask[i] & bit (all when mask is NULL) into
+ * scratch in spec order; returns their count. */
+static uint32_t rank_entries(const double *key, const unsigned char *mask, unsigned char bit, uint32_t n,
+                             keyed *scratch)
+{
+    uint32_t count = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (!mask || (mask[i] & bit))
+            scratch[count++] = (keyed){key[i], i};
+    qsort(scratch, count, sizeof *scratch, keyed_cmp);
+    return count;
+}
+
+/* The interval a device's fp32 value of the float64 value v (bound err on
+ * the difference) lies in. NaN stays NaN (lo = hi = NaN: NaN-ness is the
+ * same on the device, every step propagates it alike); infinities are exact
+ * points; finite values past the fp32 range may be +-inf on the device. */
+static void device_interval(double v, double err, double *lo, double *hi)
+{
+    if (isnan(v) || isinf(v)) {
+        *lo = *hi = v;
+        return;
+    }
+    *lo = v - err;
+    *hi = v + err;
+    if (*hi >= OVERFLOW32)
+        *hi = INFINITY;
+    if (*lo <= -OVERFLOW32)
+        *lo = -INFINITY;
+}
+
+/* Can a device rank entry a (upper bound ahi, index ia) before entry b
+ * (lower bound blo, index ib)? Only if some values inside the two intervals
+ * order them so: a's largest value above b's smallest, or equal to it with
+ * the lower index. NaN ranks last; two NaN may come in either order (the
+ * checker does not insist on the index order among NaN). */
+static bool may_precede(double ahi, uint32_t ia, double blo, uint32_t ib)
+{
+    if (isnan(ahi))
+        return isnan(blo);
+    if (isnan(blo))
+        return true;
+    return ahi > blo || (ahi == blo && ia < ib);
+}
+
+/* ====================================================================== */
+/* Messages                                                                */
+/* ====================================================================== */
+
+static void put_msg(char *msg, size_t size, const char *fmt, ...) REF_PRINTF(3, 4);
+
+static void put_msg(char *msg, size_t size, const char *fmt, ...)
+{
+    if (!msg || size == 0)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, size, fmt, ap);
+    va_end(ap);
+}
+
+/* ====================================================================== */
+/* Checks shared by both ops                                               */
+/* ====================================================================== */
+
+/* Expert flag bits (per row). */
+enum {
+    F_ELIGIBLE = 1, /* in a group the reference keeps (all, without groups) */
+    F_POOL = 2,     /* checker: in a group the device must have kept */
+    F_CHOSEN = 4,   /* checker: among the device's ids */
+};
+
+/* Every id in [0, n) and the ids of the row distinct. */
+static bool check_ids_valid(uint32_t row, const int32_t *ids, uint32_t k, uint32_t n, char *msg, size_t size)
+{
+    for (uint32_t j = 0; j < k; j++) {
+        if (ids[j] < 0 || (uint32_t)ids[j] >= n) {
+            put_msg(msg, size, "row %u pos %u: id %d out of range [0, %u)", (unsigned)row, (unsigned)j,
+                    (int)ids[j], (unsigned)n);
+            return false;
+        }
+        for (uint32_t i = 0; i < j; i++) {
+            if (ids[i] == ids[j]) {
+                put_msg(msg, size, "row %u pos %u: id %d repeats pos %u", (unsigned)row, (unsigned)j, (int)ids[j],
+                        (unsigned)i);
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+/* What is wrong with a ranking, for the message. */
+typedef enum rank_fault {
+    RANK_ORDER,  /* `other`, placed later, ranks above the id beyond rounding */
+    RANK_MISSED, /* `other` was not chosen but ranks above the id beyond rounding */
+    RANK_TIE,    /* `other` has equal inputs and the lower index, but comes later or not at all */
+} rank_fault;
+
+typedef struct rank_problem {
+    uint32_t pos;  /* position of the device id at fault */
+    int32_t other; /* the expert it cannot precede */
+    rank_fault fault;
+} rank_problem;
+
+/* Whether experts a and b of the row have equal inputs (so that the device
+ * computes bit-equal values for them). */
+typedef bool (*same_input_fn)(const void *ctx, uint32_t a, uint32_t b);
+
+/* Can the device put expert a before expert b? As may_precede, and never
+ * when both have equal inputs and a has the larger index: the device then
+ * holds one value for both, an exact tie, which goes to the lower index
+ * (only equal float64 values can come from equal inputs: cheap filter). */
+static bool may_precede_expert(const double *v, const double *lo, const double *hi, uint32_t a, uint32_t b,
+                               same_input_fn same, const void *ctx)
+{
+    if (!may_precede(hi[a], a, lo[b], b))
+        return false;
+    return !(a > b && v[a] == v[b] && same(ctx, a, b));
+}
+
+/*
+ * Is ids[0..k) a top-k, in order, that a device can produce from values
+ * lying in their intervals [lo, hi], choosing among the experts flagged
+ * F_POOL? For intervals this holds exactly when every chosen id may
+ * precede every later chosen id and every unchosen pool expert (set each
+ * value to the largest lower bound from its position on: that is a
+ * descending assignment inside every interval). So this accepts every
+ * near-tie swap and nothing else. On top, experts with equal inputs must
+ * come in index order (may_precede_expert).
+ *
+ * The intervals of the unchosen are compared with the weakest chosen id
+ * only (NaN if any, else the smallest upper bound, ties to the larger
+ * index): if that one may precede an expert, all may. Equal inputs are
+ * looked for among the chosen with an equal value.
+ *
+ * Sets F_CHOSEN on the ids (valid, distinct). Returns the position of the
+ * weakest id through *weakest, for the fill check of groups.
+ */
+static bool check_ranking(const double *v, const double *lo, const double *hi, unsigned char *flags, uint32_t n,
+                          const int32_t *ids, uint32_t k, same_input_fn same, const void *ctx, rank_problem *problem,
+                          uint32_t *weakest)
+{
+    for (uint32_t j = 0; j < k; j++)
+        flags[ids[j]] |= F_CHOSEN;
+
+    /* (a) the device's own order */
+    for (uint32_t j = 1; j < k; j++) {
+        for (uint32_t i = 0; i < j; i++) {
+            if (!may_precede_expert(v, lo, hi, (uint32_t)ids[i], (uint32_t)ids[j], same, ctx)) {
+                bool tie = may_precede(hi[ids[i]], (uint32_t)ids[i], lo[ids[j]], (uint32_t)ids[j]);
+                *problem = (rank_problem){i, ids[j], tie ? RANK_TIE : RANK_ORDER};
+                return false;
+            }
+        }
+    }
+
+    /* (b) nothing left out ranks above a chosen id */
+    uint32_t w = 0;
+    for (uint32_t j = 1; j < k; j++) {
+        double hw = hi[ids[w]], hj = hi[ids[j]];
+        if (isnan(hw))
+            continue;
+        if (isnan(hj) || hj < hw || (hj == hw && ids[j] > ids[w]))
+            w = j;
+    }
+    *weakest = w;
+    for (uint32_t e = 0; e < n; e++) {
+        if ((flags[e] & (F_POOL | F_CHOSEN)) != F_POOL)
+            continue;
+        if (!may_precede(hi[ids[w]], (uint32_t)ids[w], lo[e], e)) {
+            *problem = (rank_problem){w, (int32_t)e, RANK_MISSED};
+            return false;
+        }
+        for (uint32_t j = 0; j < k; j++) {
+            uint32_t c = (uint32_t)ids[j];
+            if (c > e && v[c] == v[e] && same(ctx, c, e)) {
+                *problem = (rank_problem){j, (int32_t)e, RANK_TIE};
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+/* Message for a ranking problem: the device id at the position, the
+ * reference id there, and why the device's choice cannot be rounding. */
+static void rank_message(char *msg, size_t size, uint32_t row, const rank_problem *p, const int32_t *ids,
+                         const int32_t *ref_ids, const double *v, const double *err, const char *name)
+{
+    int32_t id = ids[p->pos], ref = ref_ids[p->pos], o = p->other;
+    char why[160];
+    if (p->fault == RANK_MISSED)
+        snprintf(why, sizeof why, "id %d (%s=%.9g +-%.2g) was not chosen but ranks above id %d beyond fp32 rounding",
+                 (int)o, name, v[o], err[o], (int)id);
+    else if (p->fault == RANK_ORDER)
+        snprintf(why, sizeof why, "id %d (%s=%.9g +-%.2g), placed after it, ranks above it beyond fp32 rounding",
+                 (int)o, name, v[o], err[o]);
+    else
+        snprintf(why, sizeof why,
+                 "id %d has the same inputs and a lower index than id %d (an exact tie on every device), "
+                 "but comes later or not at all",
+                 (int)o, (int)id);
+    put_msg(msg, size, "row %u pos %u: id %d (%s=%.9g +-%.2g) but reference id %d (%s=%.9g +-%.2g); %s",
+            (unsigned)row, (unsigned)p->pos, (int)id, name, v[id], err[id], (int)ref, name, v[ref], err[ref], why);
+}
+
+/* One weight against its float64 expectation: NaN exactly where the
+ * reference is NaN, else within tol. */
+static bool weight_ok(double got, double want, double tol)
+{
+    if (isnan(want))
+        return isnan(got);
+    return !isnan(got) && fabs(got - want) <= tol;
+}
+
+/* ====================================================================== */
+/* Top-k gating (routing.md, section 1)                                    */
+/* ====================================================================== */
+
+/* Group flag bits (per row). */
+enum {
+    G_KEPT = 1,     /* kept by the reference */
+    G_MUST = 2,     /* kept by every device whose values lie in the intervals */
+    G_POSSIBLE = 4, /* kept by some such device */
+    G_USED = 8,     /* holds one of the device's ids */
+};
+
+typedef struct gating_row {
+    const moecl_topk_gating_desc *desc;
+    const float *bias;        /* of the row being computed (NULL: none) */
+    uint32_t E, k, G, gs, kg; /* experts, top_k, groups, group size, topk_group */
+    double sigma;             /* bound of the row-wide relative error of the softmax sum */
+    /* [E] */
+    double *x;       /* logits, widened */
+    double *score;   /* step 1: softmax or sigmoid */
+    double *s;       /* step 2: selection score */
+    double *err;     /* bound of |device fp32 s - s| (the score's bound before step 2) */
+    double *lo, *hi; /* device_interval(s, err) */
+    unsigned char *flags;
+    keyed *scratch;
+    /* [G] */
+    double *gscore, *glo, *ghi; /* step 3: group score and its device interval */
+    double *sorted;             /* checker scratch */
+    unsigned char *gflags;
+    int32_t ids[MAX_TOP_K]; /* step 4: reference ids */
+} gating_row;
+
+static bool gating_desc_valid(const moecl_topk_gating_desc *d)
+{
+    if (!d || d->num_experts < 1 || d->num_experts > 4096 || d->top_k < 1 || d->top_k > d->num_experts ||
+        d->top_k > MAX_TOP_K)
+        return false;
+    if (d->num_expert_groups == 0) {
+        if (d->topk_group != 0)
+            return false;
+    } else if (d->num_experts % d->num_expert_groups != 0 || d->topk_group < 1 ||
+               d->topk_group > d->num_expert_groups ||
+               (uint64_t)d->top_k > (uint64_t)d->topk_group * (d->num_experts / d->num_expert_groups)) {
+        return false;
+    }
+    if (d->gating_dtype != MOECL_F32 && d->gating_dtype != MOECL_F16 && d->gating_dtype != MOECL_BF16)
+        return false;
+    if (d->scoring != MOECL_SCORING_SOFTMAX && d->scoring != MOECL_SCORING_SIGMOID)
+        return false;
+    if (d->group_score != MOECL_GROUP_SCORE_MAX && d->group_score != MOECL_GROUP_SCORE_TOP2_SUM)
+        return false;
+    return isfinite(d->routed_scaling_factor);
+}
+
+static void gating_row_free(gating_row *r)
+{
+    free(r->x);
+    free(r->gscore);
+    free(r->flags);
+    free(r->scratch);
+}
+
+static bool gating_row_alloc(gating_row *r, const moecl_topk_gating_desc *d)
+{
+    memset(r, 0, sizeof *r);
+    r->desc = d;
+    r->E = d->num_experts;
+    r->k = d->top_k;
+    r->G = d->num_expert_groups;
+    r->gs = r->G ? r->E / r->G : r->E;
+    r->kg = d->topk_group;
+    size_t E = r->E, G = r->G ? r->G : 1;
+    r->x = malloc(6 * E * sizeof(double));
+    r->gscore = malloc(4 * G * sizeof(double));
+    r->flags = calloc(E + G, 1);
+    r->scratch = malloc(E * sizeof(keyed));
+    if (!r->x || !r->gscore || !r->flags || !r->scratch) {
+        gating_row_free(r);
+        return false;
+    }
+    r->score = r->x + E;
+    r->s = r->score + E;
+    r->err = r->s + E;
+    r->lo = r->err + E;
+    r->hi = r->lo + E;
+    r->glo = r->gscore + G;
+    r->ghi = r->glo + G;
+    r->sorted = r->ghi + G;
+    r->gflags = r->flags + E;
+    return true;
+}
+
+/*
+ * Step 1, softmax: score_e = exp(x_e - m) / sum exp(x_i - m), m the largest
+ * non-NaN logit (NaN if all are). IEEE propagation does the rest: a NaN
+ * logit makes the sum NaN, a +inf logit gives inf - inf = NaN, an all -inf
+ * row gives -inf - -inf = NaN; every score of such a row is NaN.
+ *
+ * Error bound of the device's fp32 score (x_e and m are exact fp32):
+ *   d = fl(x_e - m)         relative error u = eps/2, so exp(d) is off by a
+ *                           factor exp(|x_e - m| u) ~ 1 + |x_e - m| u;
+ *   p = exp(d)              <= 4 ulp: relative 4 eps;
+ *   score = p / S           <= 3 ulp: relative 3 eps.
+ * First order |x_e - m| u + 7 eps; one more eps covers the products of
+ * those factors (|x_e - m| <= 104 wherever fp32 p is not already
+ * subnormal). p or the quotient falling below 2^-126 (flushed, or
+ * subnormal so the relative bounds fail) costs at most 2^-126 each
+ * (S >= 1): absolute 2^-125.
+ *
+ * The rounding error of S itself scales every score of the row by one
+ * common factor 1/(1 + sigma). That never changes an order between scores,
+ * nor between group scores (max and sum are homogeneous), so it is left
+ * out of the per-expert bound; it only matters once a bias is added (step
+ * 2). sigma comes from rho >= |S~ - S| / S: the p errors (|d| u + 4 eps,
+ * weighted by score), the fp32 summation in any order (gamma_{E-1}) and
+ * the flushed p (E 2^-126, S >= 1).
+ */
+static void softmax_scores(gating_row *r)
+{
+    uint32_t E = r->E;
+    double m = NAN;
+    for (uint32_t e = 0; e < E; e++)
+        if (!isnan(r->x[e]) && (isnan(m) || r->x[e] > m))
+            m = r->x[e];
+
+    double sum = 0.0;
+    for (uint32_t e = 0; e < E; e++) {
+        r->score[e] = exp(r->x[e] - m);
+        sum += r->score[e];
+    }
+
+    double p_err = 0.0; /* sum of score_e * (relative error of p_e) */
+    for (uint32_t e = 0; e < E; e++) {
+        double score = r->score[e] / sum;
+        double d = fabs(r->x[e] - m);
+        r->score[e] = score;
+        r->err[e] = 2.0 * TINY32;
+        if (score > 0.0) { /* (score 0: x_e = -inf or exp underflow, d may be inf) */
+            r->err[e] += score * (d * U32 + 8.0 * EPS32);
+            p_err += score * (d * U32 + 4.0 * EPS32);
+        }
+    }
+    double rho = p_err + gamma32(E - 1.0) * (1.0 + p_err) + E * TINY32;
+    r->sigma = rho / (1.0 - rho);
+}
+
+/*
+ * Step 1, sigmoid: 1 / (1 + exp(-x)); +inf -> 1, -inf -> 0, NaN -> NaN.
+ *
+ * Error bound of the device's fp32 score: exp(-x) <= 4 ulp (relative
+ * 4 eps); 1 + that, rounded (u), changes 1 + exp(-x) by at most
+ * 4 eps + u relatively; the division <= 3 ulp (3 eps): first order
+ * 7.5 eps, 8 eps with the second-order terms. exp(-x) overflowing to inf
+ * (x < -88.7) gives 0 where the true score is < 2^-126, and a subnormal or
+ * flushed quotient is off by < 2^-126: absolute 2^-125 covers both.
+ * No row-wide term.
+ */
+static void sigmoid_scores(gating_row *r)
+{
+    for (uint32_t e = 0; e < r->E; e++) {
+        double score = 1.0 / (1.0 + exp(-r->x[e]));
+        r->score[e] = score;
+        r->err[e] = 2.0 * TINY32 + (score > 0.0 ? 8.0 * EPS32 * score : 0.0);
+    }
+    r->sigma = 0.0;
+}
+
+static void gating_scores(const void *gating, uint32_t row, gating_row *r)
+{
+    for (uint32_t e = 0; e < r->E; e++)
+        r->x[e] = ref_load(r->desc->gating_dtype, gating, (size_t)row * r->E + e);
+    if (r->desc->scoring == MOECL_SCORING_SOFTMAX)
+        softmax_scores(r);
+    else
+        sigmoid_scores(r);
+}
+
+/*
+ * Step 2: s = score + bias. The bias steers selection only.
+ * Error bound: the fp32 add rounds once (u |s|, the second-order part is
+ * inside the 1 eps slack of step 1) and may flush a subnormal sum
+ * (2^-126); with softmax the row-wide factor of the sum no longer cancels
+ * against the bias, so sigma * score joins. Without a bias s = score and
+ * the bound stays the score's.
+ */
+static void selection_scores(const float *bias, gating_row *r)
+{
+    for (uint32_t e = 0; e < r->E; e++) {
+        double s = r->score[e];
+        if (bias) {
+            s += (double)bias[e];
+            r->err[e] += U32 * fabs(s) + TINY32 + r->sigma * r->score[e];
+        }
+        r->s[e] = s;
+        device_interval(s, r->err[e], &r->lo[e], &r->hi[e]);
+    }
+}
+
+/* The two largest non-NaN values of v[first .. first+n) (a repeated maximum
+ * fills both); returns how many non-NaN there are. */
+static uint32_t top_two(const double *v, uint32_t first, uint32_t n, double *a, double *b)
+{
+    uint32_t count = 0;
+    *a = *b = -INFINITY;
+    for (uint32_t i = first; i < first + n; i++) {
+        if (isnan(v[i]))
+            continue;
+        count++;
+        if (v[i] > *a) {
+            *b = *a;
+            *a = v[i];
+        } else if (v[i] > *b) {
+            *b = v[i];
+        }
+    }
+    return count;
+}
+
+/*
+ * Step 3a: one group's score and the interval of the device's value.
+ * MAX: the largest non-NaN s. TOP2_SUM: the sum of the two largest non-NaN
+ * s (a repeated maximum counts twice); a group with one non-NaN s (or of
+ * one expert) scores that s. An all-NaN group scores NaN.
+ *
+ * Both are monotone in every s, so the device's value lies between the
+ * function of the lower bounds and that of the upper bounds; the fp32 add of
+ * TOP2_SUM rounds once more (u |sum|, and 2^-126 if flushed). NaN-ness of
+ * each s is the same on the device, so the same s are passed over. If two
+ * infinities of opposite sign meet in TOP2_SUM, the sum is NaN in both.
+ */
+static void group_score(gating_row *r, uint32_t g)
+{
+    uint32_t first = g * r->gs;
+    double v, lo, hi;
+    if (r->desc->group_score == MOECL_GROUP_SCORE_MAX) {
+        double unused;
+        uint32_t n = top_two(r->s, first, r->gs, &v, &unused);
+        top_two(r->lo, first, r->gs, &lo, &unused);
+        top_two(r->hi, first, r->gs, &hi, &unused);
+        if (n == 0)
+            v = lo = hi = NAN;
+    } else {
+        double v2, lo2, hi2;
+        uint32_t n = top_two(r->s, first, r->gs, &v, &v2);
+        top_two(r->lo, first, r->gs, &lo, &lo2);
+        top_two(r->hi, first, r->gs, &hi, &hi2);
+        if (n == 0) {
+            v = lo = hi = NAN;
+        } else if (n >= 2) {
+            v += v2;
+            lo += lo2;
+            hi += hi2;
+            if (isnan(v)) {
+                lo = hi = NAN;
+            } else {
+                lo -= U32 * fabs(lo) + TINY32;
+                hi += U32 * fabs(hi) + TINY32;
+            }
+        }
+    }
+    r->gscore[g] = v;
+    if (!isnan(v)) {
+        if (hi >= OVERFLOW32)
+            hi = INFINITY;
+        if (lo <= -OVERFLOW32)
+            lo = -INFINITY;
+    }
+    r->glo[g] = lo;
+    r->ghi[g] = hi;
+}
+
+/* Step 3: group limit. Keep the topk_group groups ranking first by group
+ * score (NaN last, ties to the lower group); only their experts are
+ * eligible. Without groups every expert is. */
+static void group_limit(gating_row *r)
+{
+    memset(r->flags, 0, r->E + (r->G ? r->G : 1));
+    if (r->G == 0) {
+        memset(r->flags, F_ELIGIBLE, r->E);
+        return;
+    }
+    for (uint32_t g = 0; g < r->G; g++)
+        group_score(r, g);
+    rank_entries(r->gscore, NULL, 0, r->G, r->scratch);
+    for (uint32_t i = 0; i < r->kg; i++)
+        r->gflags[r->scratch[i].index] |= G_KEPT;
+    for (uint32_t e = 0; e < r->E; e++)
+        if (r->gflags[e / r->gs] & G_KEPT)
+            r->flags[e] |= F_ELIGIBLE;
+}
+
+/* Step 4: the top_k eligible experts by s, in spec order. */
+static void select_topk(gating_row *r)
+{
+    rank_entries(r->s, r->flags, F_ELIGIBLE, r->E, r->scratch);
+    for (uint32_t j = 0; j < r->k; j++)
+        r->ids[j] = (int32_t)r->scratch[j].index;
+}
+
+/* Steps 1-4 for one row: the single source of both the reference and the
+ * checker. */
+static void gating_row_compute(const void *gating, const float *bias, uint32_t row, gating_row *r)
+{
+    r->bias = bias;
+    gating_scores(gating, row, r);
+    selection_scores(bias, r);
+    group_limit(r);
+    select_topk(r);
+}
+
+/* Step 5: w = unbiased score of each chosen expert; divided by their sum
+ * when renormalize and the sum is > 0 (a NaN sum is not); times
+ * routed_scaling_factor. Returns the sum (of the scores, before scaling). */
+static double gating_weights(const moecl_topk_gating_desc *d, const double *score, const int32_t *ids, double *w)
+{
+    double sum = 0.0;
+    for (uint32_t j = 0; j < d->top_k; j++) {
+        w[j] = score[ids[j]];
+        sum += w[j];
+    }
+    for (uint32_t j = 0; j < d->top_k; j++) {
+        if (d->renormalize && sum > 0.0)
+            w[j] /= sum;
+        w[j] *= (double)d->routed_scaling_factor;
+    }
+    return sum;
+}
+
+void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                     float *topk_weights, int32_t *topk_ids)
+{
+    if (!desc || desc->num_tokens == 0 || !gating_desc_valid(desc))
+        return;
+    size_t k = desc->top_k;
+    gating_row r;
+    if (!gating_row_alloc(&r, desc)) {
+        /* No way to report: poison the outputs so that any comparison fails. */
+        for (size_t i = 0; i < (size_t)desc->num_tokens * k; i++) {
+            if (topk_weights)
+                topk_weights[i] = NAN;
+            if (topk_ids)
+                topk_ids[i] = -1;
+        }
+        return;
+    }
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        double w[MAX_TOP_K];
+        gating_row_compute(gating, bias, t, &r);
+        gating_weights(desc, r.score, r.ids, w);
+        for (size_t j = 0; j < k; j++) {
+            if (topk_weights)
+                topk_weights[t * k + j] = (float)w[j];
+            if (topk_ids)
+                topk_ids[t * k + j] = r.ids[j];
+        }
+    }
+    gating_row_free(&r);
+}
+
+/* Count of the sorted (ascending) a[0..n) that are >= v (strict: > v). */
+static uint32_t count_above(const double *a, uint32_t n, double v, bool strict)
+{
+    uint32_t lo = 0, hi = n; /* first index whose value is >= v (> v) */
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (strict ? a[mid] > v : a[mid] >= v)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return n - lo;
+}
+
+static int double_cmp(const void *pa, const void *pb)
+{
+    double a = *(const double *)pa, b = *(const double *)pb;
+    return (a > b) - (a < b);
+}
+
+/* Sorted non-NaN entries of v[0..n) into out; returns their count. */
+static uint32_t sorted_finite(const double *v, uint32_t n, double *out)
+{
+    uint32_t count = 0;
+    for (uint32_t i = 0; i < n; i++)
+        if (!isnan(v[i]))
+            out[count++] = v[i];
+    qsort(out, count, sizeof *out, double_cmp);
+    return count;
+}
+
+/*
+ * Which groups a device whose group scores lie in [glo, ghi] must keep
+ * (fewer than topk_group other groups can rank above it) and which it can
+ * keep (fewer than topk_group must rank above it). Counted on sorted
+ * bounds; an exact tie of bounds counts as "can rank above" both ways (it
+ * needs zero-width intervals, i.e. infinite group scores: lenient there).
+ */
+static void classify_groups(gating_row *r)
+{
+    uint32_t G = r->G, kg = r->kg;
+    uint32_t n = sorted_finite(r->ghi, G, r->sorted);
+    for (uint32_t g = 0; g < G; g++) {
+        uint32_t can_above = isnan(r->ghi[g]) ? G - 1 : count_above(r->sorted, n, r->glo[g], false) - 1;
+        if (can_above < kg)
+            r->gflags[g] |= G_MUST;
+    }
+    n = sorted_finite(r->glo, G, r->sorted);
+    for (uint32_t g = 0; g < G; g++) {
+        uint32_t must_above = isnan(r->ghi[g]) ? n : count_above(r->sorted, n, r->ghi[g], true);
+        if (must_above < kg)
+            r->gflags[g] |= G_POSSIBLE;
+    }
+}
+
+/* The group score of rank topk_group - 1 in the reference: the boundary
+ * between kept and dropped, for messages. */
+static uint32_t boundary_group(gating_row *r)
+{
+    rank_entries(r->gscore, NULL, 0, r->G, r->scratch);
+    return r->scratch[r->kg - 1].index;
+}
+
+/* Equal logit and equal bias: the device's s are bit-equal. */
+static bool gating_same_input(const void *ctx, uint32_t a, uint32_t b)
+{
+    const gating_row *r = ctx;
+    return r->x[a] == r->x[b] && (!r->bias || r->bias[a] == r->bias[b]);
+}
+
+/* Groups g and h hold experts with equal inputs, position by position. */
+static bool same_group_input(const gating_row *r, uint32_t g, uint32_t h)
+{
+    for (uint32_t i = 0; i < r->gs; i++)
+        if (!gating_same_input(r, g * r->gs + i, h * r->gs + i))
+            return false;
+    return true;
+}
+
+/*
+ * Group limit as a device may have applied it. Every id must lie in a group
+ * the device can keep; the groups it used plus the groups it must keep
+ * (those kept whatever the rounding, and lower-index twins of used groups)
+ * may not exceed topk_group; their experts form the pool the ids are ranked
+ * against. Sets F_POOL. Returns the number of further groups the device
+ * kept without using (checked by check_group_fill).
+ */
+static bool check_group_limit(gating_row *r, uint32_t row, const int32_t *ids, uint32_t *fill, char *msg,
+                              size_t size)
+{
+    classify_groups(r);
+    for (uint32_t j = 0; j < r->k; j++) {
+        uint32_t g = (uint32_t)ids[j] / r->gs;
+        if (!(r->gflags[g] & G_POSSIBLE)) {
+            uint32_t b = boundary_group(r);
+            put_msg(msg, size,
+                    "row %u pos %u: id %d is in group %u (group score %.9g, [%.9g, %.9g]) that cannot be kept: "
+                    "group %u holds the topk_group-th largest group score %.9g ([%.9g, %.9g])",
+                    (unsigned)row, (unsigned)j, (int)ids[j], (unsigned)g, r->gscore[g], r->glo[g], r->ghi[g],
+                    (unsigned)b, r->gscore[b], r->glo[b], r->ghi[b]);
+            return false;
+        }
+        r->gflags[g] |= G_USED;
+    }
+    /* A group with the same inputs as a used one has the bit-equal group
+     * score on the device; with the lower index it ranks above, so it was
+     * kept too (its experts then tie exactly with the used group's). */
+    for (uint32_t g = 0; g < r->G; g++) {
+        if (!(r->gflags[g] & G_USED))
+            continue;
+        for (uint32_t h = 0; h < g; h++)
+            if (!(r->gflags[h] & (G_USED | G_MUST)) && r->gscore[h] == r->gscore[g] && same_group_input(r, h, g))
+                r->gflags[h] |= G_MUST;
+    }
+    uint32_t kept = 0;
+    for (uint32_t g = 0; g < r->G; g++)
+        if (r->gflags[g] & (G_USED | G_MUST))
+            kept++;
+    if (kept > r->kg) {
+        put_msg(msg, size,
+                "row %u: the groups of the ids and the groups every correct result keeps (beyond rounding, "
+                "or as lower-index twins of a used group) make %u groups, more than topk_group %u",
+                (unsigned)row, (unsigned)kept, (unsigned)r->kg);
+        return false;
+    }
+    for (uint32_t e = 0; e < r->E; e++)
+        if (r->gflags[e / r->gs] & (G_USED | G_MUST))
+            r->flags[e] |= F_POOL;
+    *fill = r->kg - kept;
+    return true;
+}
+
+/* The device kept `fill` groups it took no id from. There must be that many
+ * groups it can keep none of whose experts ranks above its weakest id. */
+static bool check_group_fill(gating_row *r, uint32_t row, const int32_t *ids, uint32_t weakest, uint32_t fill,
+                             char *msg, size_t size)
+{
+    if (fill == 0)
+        return true;
+    int32_t w = ids[weakest];
+    uint32_t harmless = 0;
+    int32_t blocker = -1;
+    for (uint32_t g = 0; g < r->G && harmless < fill; g++) {
+        if ((r->gflags[g] & (G_USED | G_MUST)) || !(r->gflags[g] & G_POSSIBLE))
+            continue;
+        bool ok = true;
+        for (uint32_t e = g * r->gs; e < (g + 1) * r->gs && ok; e++) {
+            if (!may_precede(r->hi[w], (uint32_t)w, r->lo[e], e)) {
+                ok = false;
+                if (blocker < 0)
+                    blocker = (int32_t)e;
+            }
+        }
+        harmless += ok;
+    }
+    if (harmless >= fill)
+        return true;
+    put_msg(msg, size,
+            "row %u pos %u: id %d (s=%.9g +-%.2g): %u more group(s) must be kept, but every group that can be "
+            "holds an expert ranking above it beyond fp32 rounding (e.g. id %d, s=%.9g +-%.2g)",
+            (unsigned)row, (unsigned)weakest, (int)w, r->s[w], r->err[w], (unsigned)fill, (int)blocker,
+            blocker >= 0 ? r->s[blocker] : NAN, blocker >= 0 ? r->err[blocker] : NAN);
+    return false;
+}
+
+/* Weights of one row against the reference scores of the ids the device
+ * chose. */
+static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_t *ids, const float *got, char *msg,
+                                 size_t size)
+{
+    const moecl_topk_gating_desc *d = r->desc;
+    double want[MAX_TOP_K];
+    double factor = (double)d->routed_scaling_factor;
+    double tol = WEIGHT_TOL * fmax(1.0, fabs(factor));
+    double sum = gating_weights(d, r->score, ids, want);
+    bool tiny = d->renormalize && sum > 0.0 && sum < RENORM_TINY_SUM;
+    for (uint32_t j = 0; j < r->k; j++) {
+        double w = (double)got[j];
+        bool ok = tiny ? (w >= fmin(0.0, factor) - tol && w <= fmax(0.0, factor) + tol)
+                       : weight_ok(w, want[j], tol);
+        if (!ok) {
+            put_msg(msg, size,
+                    "row %u pos %u: weight %.9g for id %d but reference %.9g (score %.9g, %s sum %.9g, "
+                    "routed_scaling_factor %.9g)%s",
+                    (unsigned)row, (unsigned)j, w, (int)ids[j], want[j], r->score[ids[j]],
+                    d->renormalize ? "renormalised over the chosen ids," : "chosen score", sum, factor,
+                    tiny ? "; the sum is tiny, so only 0 <= weight/factor <= 1 is required" : "");
+            return false;
+        }
+    }
+    return true;
+}
+
+static bool check_gating_row(gating_row *r, uint32_t row, const float *weights, const int32_t *ids, char *msg,
+                             size_t size)
+{
+    if (!check_ids_valid(row, ids, r->k, r->E, msg, size))
+        return false;
+
+    uint32_t fill = 0;
+    if (r->G) {
+        memset(r->flags, 0, r->E); /* F_ELIGIBLE is not needed any more */
+        if (!check_group_limit(r, row, ids, &fill, msg, size))
+            return false;
+    } else {
+        memset(r->flags, F_POOL, r->E);
+    }
+
+    rank_problem p;
+    uint32_t weakest;
+    if (!check_ranking(r->s, r->lo, r->hi, r->flags, r->E, ids, r->k, gating_same_input, r, &p, &weakest)) {
+        rank_message(msg, size, row, &p, ids, r->ids, r->s, r->err, "s");
+        return false;
+    }
+    if (r->G && !check_group_fill(r, row, ids, weakest, fill, msg, size))
+        return false;
+    return check_gating_weights(r, row, ids, weights, msg, size);
+}
+
+int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                          const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
+{
+    if (msg && msg_size)
+        msg[0] = '\0';
+    if (desc && desc->num_tokens == 0)
+        return 0;
+    if (!gating_desc_valid(desc) || !gating || !topk_weights || !topk_ids) {
+        put_msg(msg, msg_size, "ref_check_topk_gating: invalid descriptor or missing array");
+        return -1;
+    }
+    gating_row r;
+    if (!gating_row_alloc(&r, desc)) {
+        put_msg(msg, msg_size, "ref_check_topk_gating: out of memory");
+        return -1;
+    }
+    int bad = 0;
+    size_t k = desc->top_k;
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        gating_row_compute(gating, bias, t, &r);
+        if (!check_gating_row(&r, t, topk_weights + t * k, topk_ids + t * k, bad ? NULL : msg, msg_size))
+            bad++;
+    }
+    gating_row_free(&r);
+    return bad;
+}
+
+/* ====================================================================== */
+/* Grounded router (routing.md, section 2)                                 */
+/* ====================================================================== */
+
+typedef struct grounded_row {
+    const moecl_grounded_router_desc *desc;
+    const float *logits; /* inputs of the row being computed */
+    const void *ground;
+    uint32_t row;
+    uint32_t E, H, k;
+    double *h;       /* [H] the token's hidden state, widened */
+    double *g;       /* [E] grounded logits */
+    double *err;     /* [E] bound of |device fp32 g - g| */
+    double *lo, *hi; /* [E] device_interval(g, err) */
+    unsigned char *flags;
+    keyed *scratch;
+    int32_t ids[MAX_TOP_K];
+} grounded_row;
+
+static bool grounded_desc_valid(const moecl_grounded_router_desc *d)
+{
+    return d && d->hidden_dim >= 1 && d->hidden_dim <= 65536 && d->num_experts >= 1 && d->num_experts <= 4096 &&
+           d->top_k >= 1 && d->top_k <= d->num_experts && d->top_k <= MAX_TOP_K && isfinite(d->alpha) &&
+           (d->hidden_dtype == MOECL_F32 || d->hidden_dtype == MOECL_F16 || d->hidden_dtype == MOECL_BF16);
+}
+
+static void grounded_row_free(grounded_row *r)
+{
+    free(r->h);
+    free(r->flags);
+    free(r->scratch);
+}
+
+static bool grounded_row_alloc(grounded_row *r, const moecl_grounded_router_desc *d)
+{
+    memset(r, 0, sizeof *r);
+    r->desc = d;
+    r->E = d->num_experts;
+    r->H = d->hidden_dim;
+    r->k = d->top_k;
+    size_t E = r->E;
+    r->h = malloc(((size_t)r->H + 4 * E) * sizeof(double));
+    r->flags = calloc(E, 1);
+    r->scratch = malloc(E * sizeof(keyed));
+    if (!r->h || !r->flags || !r->scratch) {
+        grounded_row_free(r);
+        return false;
+    }
+    r->g = r->h + r->H;
+    r->err = r->g + E;
+    r->lo = r->err + E;
+    r->hi = r->lo + E;
+    return true;
+}
+
+/*
+ * g_e = logit_e + alpha * dot(h, ground_e), in float64 (the products of two
+ * widened fp32 values are exact; the float64 sum's own error is ~2^-29 of
+ * the fp32 bound below).
+ *
+ * Error bound of the device's fp32 g_e, the dot product accumulated in fp32
+ * in any order, alpha applied to the sum or to the terms, the logit added
+ * last (or by an fma):
+ *   alpha * dot: H products, H - 1 adds and the alpha multiply are H + 1
+ *   roundings of terms bounded by |alpha| sum |h_i w_ei|: gamma_{H+1};
+ *   + logit: one rounding, u |g_e| plus u times the error above, which
+ *   gamma_{H+2} absorbs;
+ *   flushed subnormal products or partial sums: < 2^-126 each, 2H of them
+ *   scaled by |alpha|, and 2^-126 for each of the last multiply and add.
+ */
+static void grounded_logits(const void *hidden, const float *logits, const void *ground, uint32_t row,
+                            grounded_row *r)
+{
+    const moecl_grounded_router_desc *d = r->desc;
+    double alpha = (double)d->alpha;
+    double gam = gamma32((double)r->H + 2.0);
+    for (uint32_t i = 0; i < r->H; i++)
+        r->h[i] = ref_load(d->hidden_dtype, hidden, (size_t)row * r->H + i);
+    for (uint32_t e = 0; e < r->E; e++) {
+        double dot = 0.0, mag = 0.0;
+        for (uint32_t i = 0; i < r->H; i++) {
+            double p = r->h[i] * (double)ref_load(d->hidden_dtype, ground, (size_t)e * r->H + i);
+            dot += p;
+            mag += fabs(p);
+        }
+        double g = (double)logits[(size_t)row * r->E + e] + alpha * dot;
+        r->g[e] = g;
+        r->err[e] = gam * fabs(alpha) * mag + U32 * fabs(g) + (2.0 * r->H * fabs(alpha) + 2.0) * TINY32;
+        device_interval(g, r->err[e], &r->lo[e], &r->hi[e]);
+    }
+}
+
+/* The top_k largest g, in spec order. */
+static void grounded_select(grounded_row *r)
+{
+    rank_entries(r->g, NULL, 0, r->E, r->scratch);
+    for (uint32_t j = 0; j < r->k; j++)
+        r->ids[j] = (int32_t)r->scratch[j].index;
+}
+
+static void grounded_row_compute(const void *hidden, const float *logits, const void *ground, uint32_t row,
+                                 grounded_row *r)
+{
+    r->logits = logits;
+    r->ground = ground;
+    r->row = row;
+    grounded_logits(hidden, logits, ground, row, r);
+    grounded_select(r);
+}
+
+/* Softmax over the chosen g, max-subtracted. IEEE propagation: a NaN among
+ * them, a +inf maximum (inf - inf) or all -inf (-inf - -inf) make every
+ * weight NaN. */
+static void grounded_weights(const double *g, const int32_t *ids, uint32_t k, double *w)
+{
+    double m = -INFINITY, sum = 0.0;
+    for (uint32_t j = 0; j < k; j++)
+        if (g[ids[j]] > m)
+            m = g[ids[j]];
+    for (uint32_t j = 0; j < k; j++) {
+        w[j] = exp(g[ids[j]] - m);
+        sum += w[j];
+    }
+    for (uint32_t j = 0; j < k; j++)
+        w[j] /= sum;
+}
+
+void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                         const float *router_logits, const void *expert_ground, float *out_pairs,
+                         float *topk_weights, int32_t *topk_ids)
+{
+    if (!desc || desc->num_tokens == 0 || !grounded_desc_valid(desc))
+        return;
+    size_t k = desc->top_k;
+    grounded_row r;
+    if (!grounded_row_alloc(&r, desc)) {
+        for (size_t i = 0; i < (size_t)desc->num_tokens * k; i++) {
+            if (out_pairs)
+                out_pairs[2 * i] = out_pairs[2 * i + 1] = NAN;
+            if (topk_weights)
+                topk_weights[i] = NAN;
+            if (topk_ids)
+                topk_ids[i] = -1;
+        }
+        return;
+    }
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        double w[MAX_TOP_K];
+        grounded_row_compute(token_hidden, router_logits, expert_ground, t, &r);
+        grounded_weights(r.g, r.ids, r.k, w);
+        for (size_t j = 0; j < k; j++) {
+            size_t i = t * k + j;
+            if (out_pairs) {
+                out_pairs[2 * i] = (float)r.ids[j];
+                out_pairs[2 * i + 1] = (float)w[j];
+            }
+            if (topk_weights)
+                topk_weights[i] = (float)w[j];
+            if (topk_ids)
+                topk_ids[i] = r.ids[j];
+        }
+    }
+    grounded_row_free(&r);
+}
+
+/* The device's ids of one row: from topk_ids, else from the index field of
+ * out_pairs (which must then be an exact expert number); when both are
+ * given they must agree. */
+static bool grounded_device_ids(const grounded_row *r, uint32_t row, const float *pairs, const int32_t *ids,
+                                int32_t *out, char *msg, size_t size)
+{
+    for (uint32_t j = 0; j < r->k; j++) {
+        if (pairs) {
+            double f = (double)pairs[2 * j];
+            if (!(f >= 0.0 && f < (double)r->E && f == floor(f))) {
+                put_msg(msg, size, "row %u pos %u: out_pairs index %.9g is not an expert id in [0, %u)",
+                        (unsigned)row, (unsigned)j, f, (unsigned)r->E);
+                return false;
+            }
+            out[j] = (int32_t)f;
+            if (ids && ids[j] != out[j]) {
+                put_msg(msg, size, "row %u pos %u: out_pairs index %.9g but topk_ids %d", (unsigned)row,
+                        (unsigned)j, f, (int)ids[j]);
+                return false;
+            }
+        } else {
+            out[j] = ids[j];
+        }
+    }
+    return true;
+}
+
+/* Equal router logit and equal ground rows: the device's g are bit-equal
+ * (the same fp32 operations on the same values). */
+static bool grounded_same_input(const void *ctx, uint32_t a, uint32_t b)
+{
+    const grounded_row *r = ctx;
+    const moecl_grounded_router_desc *d = r->desc;
+    if (r->logits[(size_t)r->row * r->E + a] != r->logits[(size_t)r->row * r->E + b])
+        return false;
+    for (uint32_t i = 0; i < r->H; i++)
+        if (ref_load(d->hidden_dtype, r->ground, (size_t)a * r->H + i) !=
+            ref_load(d->hidden_dtype, r->ground, (size_t)b * r->H + i))
+            return false;
+    return true;
+}
+
+static bool check_grounded_row(grounded_row *r, uint32_t row, const float *pairs, const float *weights,
+                               const int32_t *ids, char *msg, size_t size)
+{
+    int32_t dev[MAX_TOP_K];
+    const int32_t *chosen = r->ids; /* weights only: judged against the reference ids */
+    if (pairs || ids) {
+        if (!grounded_device_ids(r, row, pairs, ids, dev, msg, size) ||
+            !check_ids_valid(row, dev, r->k, r->E, msg, size))
+            return false;
+        rank_problem p;
+        uint32_t weakest;
+        memset(r->flags, F_POOL, r->E);
+        if (!check_ranking(r->g, r->lo, r->hi, r->flags, r->E, dev, r->k, grounded_same_input, r, &p, &weakest)) {
+            rank_message(msg, size, row, &p, dev, r->ids, r->g, r->err, "g");
+            return false;
+        }
+        chosen = dev;
+    }
+
+    double want[MAX_TOP_K];
+    grounded_weights(r->g, chosen, r->k, want);
+    for (uint32_t j = 0; j < r->k; j++) {
+        const char *where = NULL;
+        double got = 0.0;
+        if (weights && !weight_ok((double)weights[j], want[j], WEIGHT_TOL)) {
+            where = "topk_weights";
+            got = (double)weights[j];
+        } else if (pairs && !weight_ok((double)pairs[2 * j + 1], want[j], WEIGHT_TOL)) {
+            where = "out_pairs weight";
+            got = (double)pairs[2 * j + 1];
+        }
+        if (where) {
+            put_msg(msg, size, "row %u pos %u: %s %.9g for id %d but reference %.9g (g=%.9g, softmax over the chosen g)",
+                    (unsigned)row, (unsigned)j, where, got, (int)chosen[j], want[j], r->g[chosen[j]]);
+            return false;
+        }
+    }
+    return true;
+}
+
+int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                              const float *router_logits, const void *expert_ground, const float *out_pairs,
+                              const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
+{
+    if (msg && msg_size)
+        msg[0] = '\0';
+    if (desc && desc->num_tokens == 0)
+        return 0;
+    if (!grounded_desc_valid(desc) || !token_hidden || !router_logits || !expert_ground) {
+        put_msg(msg, msg_size, "ref_check_grounded_router: invalid descriptor or missing input");
+        return -1;
+    }
+    grounded_row r;
+    if (!grounded_row_alloc(&r, desc)) {
+        put_msg(msg, msg_size, "ref_check_grounded_router: out of memory");
+        return -1;
+    }
+    int bad = 0;
+    size_t k = desc->top_k;
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        grounded_row_compute(token_hidden, router_logits, expert_ground, t, &r);
+        if (!check_grounded_row(&r, t, out_pairs ? out_pairs + 2 * t * k : NULL,
+                                topk_weights ? topk_weights + t * k : NULL, topk_ids ? topk_ids + t * k : NULL,
+                                bad ? NULL : msg, msg_size))
+            bad++;
+    }
+    grounded_row_free(&r);
+    return bad;
+}

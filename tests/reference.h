@@ -1,0 +1,48 @@
+/*
+ * Float64 reference of docs/routing.md (the spec in code) and the checker
+ * that compares a device result with it. Shared by the Check suites and by
+ * the tools (moecl-bench). Like dav1d's checkasm, every optimised kernel is
+ * judged by this file alone.
+ */
+#ifndef MOECL_TESTS_REFERENCE_H
+#define MOECL_TESTS_REFERENCE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <moecl/moecl.h>
+
+/* Widen one element of a f32/f16/bf16 tensor to float (exactly). */
+float ref_load(moecl_dtype dtype, const void *data, size_t index);
+/* Narrow a float to f16 / bf16 (round to nearest even), for making inputs. */
+uint16_t ref_float_to_half(float f);
+uint16_t ref_float_to_bf16(float f);
+size_t ref_dtype_size(moecl_dtype dtype);
+
+/* Top-k gating in float64: writes topk_weights and topk_ids
+ * ([num_tokens][top_k]). Rows are independent. */
+void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                     float *topk_weights, int32_t *topk_ids);
+
+/* Compare a device result with the reference. Returns 0 when it agrees:
+ * ids distinct and in range, each id equal to the reference's or, at a
+ * near-tie, one whose selection score differs from the reference pick's by
+ * no more than the fp32 rounding bound of the two; weights within 1e-5 of
+ * the reference weights of the ids actually chosen (NaN where the reference
+ * is NaN). Otherwise returns the number of bad rows and writes the first
+ * problem (row, position, values) into msg. */
+int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                          const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
+
+/* Grounded router in float64 (any output may be NULL). */
+void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                         const float *router_logits, const void *expert_ground, float *out_pairs,
+                         float *topk_weights, int32_t *topk_ids);
+
+/* As ref_check_topk_gating, for the grounded router; NULL outputs are not
+ * checked. */
+int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                              const float *router_logits, const void *expert_ground, const float *out_pairs,
+                              const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
+
+#endif

@@ -1,0 +1,449 @@
+/* moecl_topk_gating against the float64 reference: shapes, dtypes, options,
+ * groups, special rows, device-buffer path with offsets and events.
+ * meson runs this suite once per launch class (MOECL_LAUNCH_CLASS), so the
+ * CPU and GPU kernels are both checked on every device. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t == MOECL_F16 ? "f16" : "bf16"; }
+
+static void describe(const moecl_topk_gating_desc *d, bool bias, char *buf, size_t size)
+{
+    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s factor=%g", d->num_tokens, d->num_experts, d->top_k,
+             dtype_name(d->gating_dtype), d->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid",
+             bias ? " bias" : "", d->num_expert_groups, d->topk_group,
+             d->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum", d->renormalize ? " renormalize" : "",
+             (double)d->routed_scaling_factor);
+}
+
+/* Run desc on the given inputs through the host path or the device path
+ * (with non-zero offsets), outputs poisoned first; returns the outputs. */
+static void run(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
+                bool device_path, float *w, int32_t *ids)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    const size_t in_bytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    memset(w, HARNESS_POISON, nk * sizeof(float) + 4);
+    memset(ids, HARNESS_POISON, nk * sizeof(int32_t) + 4);
+    char what[256];
+    describe(d, bias != NULL, what, sizeof(what));
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "host path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        return;
+    }
+    moecl_buffer in = harness_buffer(ctx, in_bytes, 256, gating);
+    moecl_buffer b = bias ? harness_buffer(ctx, d->num_experts * sizeof(float), 12, bias) : (moecl_buffer){NULL, 0};
+    moecl_buffer wb = harness_buffer(ctx, nk * sizeof(float), 4096 + 8, NULL);
+    moecl_buffer ib = harness_buffer(ctx, nk * sizeof(int32_t), 4, NULL);
+    cl_event done = NULL;
+    st = moecl_topk_gating(ctx, d, in, b, wb, ib, 0, NULL, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "device path %s: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    ck_assert_ptr_nonnull(done);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    /* One element past each output too: it must still be poison. */
+    harness_read(ctx, wb, nk * sizeof(float) + 4, w);
+    harness_read(ctx, ib, nk * sizeof(int32_t) + 4, ids);
+    uint32_t tail_w, tail_i;
+    memcpy(&tail_w, w + nk, 4);
+    memcpy(&tail_i, ids + nk, 4);
+    ck_assert_msg(tail_w == 0xFFFFFFFFu && tail_i == 0xFFFFFFFFu, "%s: wrote past the end of an output", what);
+    harness_release(in);
+    harness_release(b);
+    harness_release(wb);
+    harness_release(ib);
+}
+
+/* Check a result with the reference's rules (near-ties allowed). */
+static void check(const moecl_topk_gating_desc *d, const void *gating, const float *bias, const float *w,
+                  const int32_t *ids)
+{
+    char msg[512] = "", what[256];
+    int bad = ref_check_topk_gating(d, gating, bias, w, ids, msg, sizeof(msg));
+    describe(d, bias != NULL, what, sizeof(what));
+    ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
+}
+
+/* Fresh random logits (and bias if asked) for d; run both paths when
+ * both_paths, else alternate by the stream number. */
+static void random_case(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream,
+                        bool both_paths)
+{
+    harness_rng rng = harness_rng_for(stream);
+    const size_t n = (size_t)d->num_tokens * d->num_experts, nk = (size_t)d->num_tokens * d->top_k;
+    void *gating = harness_random_tensor(&rng, d->gating_dtype, n, 2.0f);
+    float *bias = NULL;
+    if (with_bias) {
+        bias = malloc(d->num_experts * sizeof(float));
+        for (uint32_t e = 0; e < d->num_experts; e++)
+            bias[e] = harness_randn(&rng) * 0.05f;
+    }
+    float *w = malloc(nk * sizeof(float) + 4);
+    int32_t *ids = malloc(nk * sizeof(int32_t) + 4);
+    ck_assert(w && ids);
+    for (int path = 0; path < 2; path++) {
+        bool device_path = both_paths ? path == 1 : (stream & 1);
+        if (!both_paths && path == 1)
+            break;
+        run(ctx, d, gating, bias, device_path, w, ids);
+        check(d, gating, bias, w, ids);
+    }
+    free(gating);
+    free(bias);
+    free(w);
+    free(ids);
+}
+
+static const uint32_t grid_experts[] = {1, 2, 3, 7, 16, 60, 64, 100, 128, 160, 192, 256, 257, 384, 512, 1000, 2048, 4096};
+static const uint32_t grid_topk[] = {1, 2, 6, 8, 16, 64};
+static const uint32_t grid_tokens[] = {0, 1, 2, 17, 129, 1019, 4083};
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+/* Every expert count with every valid top_k; the token count and dtype
+ * rotate so that each appears with small and large rows, while the number
+ * of kernel variants stays what the grid needs. */
+START_TEST(test_grid)
+{
+    moecl_context *ctx = harness_context();
+    unsigned i = 0;
+    for (size_t e = 0; e < COUNT(grid_experts); e++) {
+        for (size_t k = 0; k < COUNT(grid_topk); k++) {
+            if (grid_topk[k] > grid_experts[e])
+                continue;
+            uint32_t tokens = grid_tokens[i % COUNT(grid_tokens)];
+            /* Keep the largest rows to fewer tokens: the float64 checker is
+             * the slow part, not the kernel. */
+            while ((uint64_t)tokens * grid_experts[e] > 2u << 20)
+                tokens /= 4;
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens, grid_experts[e], grid_topk[k]);
+            d.gating_dtype = (moecl_dtype)(i % 3);
+            random_case(ctx, &d, false, 1000 + i, false);
+            i++;
+        }
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Each dtype at each token count, both paths. */
+START_TEST(test_dtypes_and_tokens)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{128, 8}, {257, 6}};
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int dt = 0; dt < 3; dt++)
+            for (size_t t = 0; t < COUNT(grid_tokens); t++) {
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[t], shapes[s][0], shapes[s][1]);
+                d.gating_dtype = (moecl_dtype)dt;
+                random_case(ctx, &d, false, 2000 + s * 100 + dt * 10 + t, true);
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The ten seed shapes at top_k 8: the seed reference's op. */
+START_TEST(test_seed_shapes)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{1, 128},    {129, 128},  {256, 128},  {520, 128},  {1019, 128},
+                                         {2044, 128}, {4083, 128}, {8192, 128}, {8037, 256}, {13526, 256}};
+    for (size_t s = 0; s < COUNT(shapes); s++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(shapes[s][0], shapes[s][1], 8);
+        random_case(ctx, &d, false, 3000 + s, false);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Scoring, bias, renormalize and scaling factor without groups. */
+START_TEST(test_options)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{128, 8}, {60, 6}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int scoring = 0; scoring < 2; scoring++)
+            for (int bias = 0; bias < 2; bias++)
+                for (int renorm = 0; renorm < 2; renorm++) {
+                    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(129 + i, shapes[s][0], shapes[s][1]);
+                    d.scoring = (moecl_scoring)scoring;
+                    d.renormalize = renorm;
+                    d.routed_scaling_factor = (i % 3 == 0) ? 1.0f : (i % 3 == 1) ? 2.5f : -0.75f;
+                    d.gating_dtype = (moecl_dtype)(i % 3);
+                    random_case(ctx, &d, bias, 4000 + i, true);
+                    i++;
+                }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Group-limited selection: the issue's group configurations with both group
+ * scores, softmax and sigmoid, with and without bias. */
+START_TEST(test_groups)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t configs[][4] = {
+        /* experts, groups, topk_group, top_k */
+        {256, 8, 4, 8}, {128, 4, 2, 6}, {256, 16, 16, 8}, {256, 32, 4, 8}, {64, 8, 1, 8}, {60, 4, 3, 16},
+    };
+    unsigned i = 0;
+    for (size_t c = 0; c < COUNT(configs); c++)
+        for (int gs = 0; gs < 2; gs++)
+            for (int scoring = 0; scoring < 2; scoring++)
+                for (int bias = 0; bias < 2; bias++) {
+                    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[1 + i % 6], configs[c][0],
+                                                                           configs[c][3]);
+                    d.num_expert_groups = configs[c][1];
+                    d.topk_group = configs[c][2];
+                    d.group_score = (moecl_group_score)gs;
+                    d.scoring = (moecl_scoring)scoring;
+                    d.renormalize = i % 2;
+                    d.routed_scaling_factor = i % 4 == 1 ? 2.5f : 1.0f;
+                    random_case(ctx, &d, bias, 5000 + i, false);
+                    i++;
+                }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* vLLM's DeepSeek-V3 routing: sigmoid, bias, 8 groups, top 4 groups,
+ * top_k 8, renormalize, factor 2.5, at 256 experts. */
+START_TEST(test_deepseek_v3)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {1, 4083, 13526};
+    for (size_t t = 0; t < COUNT(tokens); t++)
+        for (int dt = 0; dt < 3; dt++) {
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 256, 8);
+            d.scoring = MOECL_SCORING_SIGMOID;
+            d.num_expert_groups = 8;
+            d.topk_group = 4;
+            d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+            d.renormalize = true;
+            d.routed_scaling_factor = 2.5f;
+            d.gating_dtype = (moecl_dtype)dt;
+            random_case(ctx, &d, true, 6000 + t * 10 + dt, t == 1);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Rows of exact ties, NaN, infinities and huge values. Where the inputs tie
+ * exactly the ids must equal the reference's exactly (lower index first);
+ * elsewhere the checker's rules apply. */
+enum { ROW_KINDS = 12 };
+
+static bool fill_special_row(harness_rng *rng, int kind, float *row, uint32_t e_count)
+{
+    bool exact = true;
+    for (uint32_t e = 0; e < e_count; e++)
+        row[e] = harness_randn(rng);
+    switch (kind) {
+    case 0: /* all equal */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = 0.5f;
+        break;
+    case 1: /* all zero */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = 0.0f;
+        break;
+    case 2: /* exact duplicates from a small set */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = (float)((int)(harness_rand_u32(rng) % 4) - 1);
+        break;
+    case 3: /* one NaN */
+        row[harness_rand_u32(rng) % e_count] = NAN;
+        exact = false;
+        break;
+    case 4: /* all NaN */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = NAN;
+        break;
+    case 5: /* one +inf */
+        row[harness_rand_u32(rng) % e_count] = INFINITY;
+        exact = false;
+        break;
+    case 6: /* some -inf */
+        for (uint32_t e = 0; e < e_count; e += 3)
+            row[e] = -INFINITY;
+        exact = false;
+        break;
+    case 7: /* all -inf */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = -INFINITY;
+        break;
+    case 8: /* +-1e30 only */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = (harness_rand_u32(rng) & 1) ? 1e30f : -1e30f;
+        break;
+    case 9: /* two maxima at 1e30 among ordinary values */
+        row[e_count / 3] = 1e30f;
+        row[e_count - 1] = 1e30f;
+        exact = false;
+        break;
+    case 10: /* NaN and +inf and -inf together */
+        row[0] = NAN;
+        row[e_count / 2] = INFINITY;
+        row[e_count - 1] = -INFINITY;
+        exact = false;
+        break;
+    default: /* -0 and +0 tie */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = (e & 1) ? -0.0f : 0.0f;
+        break;
+    }
+    return exact;
+}
+
+START_TEST(test_special_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{7, 6}, {64, 8}, {257, 16}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int scoring = 0; scoring < 2; scoring++)
+            for (int grouped = 0; grouped < 2; grouped++) {
+                const uint32_t e_count = shapes[s][0];
+                if (grouped && e_count % 8 != 0)
+                    continue;
+                harness_rng rng = harness_rng_for(7000 + i);
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(ROW_KINDS * 3, e_count, shapes[s][1]);
+                d.scoring = (moecl_scoring)scoring;
+                if (grouped) {
+                    d.num_expert_groups = 8;
+                    d.topk_group = 4;
+                    d.group_score = (moecl_group_score)(i % 2);
+                }
+                d.gating_dtype = (moecl_dtype)(i % 3);
+                float *row = malloc(e_count * sizeof(float));
+                void *gating = malloc((size_t)d.num_tokens * e_count * 4);
+                bool exact[ROW_KINDS * 3];
+                for (uint32_t t = 0; t < d.num_tokens; t++) {
+                    exact[t] = fill_special_row(&rng, (int)(t % ROW_KINDS), row, e_count);
+                    for (uint32_t e = 0; e < e_count; e++)
+                        harness_store(d.gating_dtype, gating, (size_t)t * e_count + e, row[e]);
+                }
+                const size_t nk = (size_t)d.num_tokens * d.top_k;
+                float *w = malloc(nk * 4 + 4), *ref_w = malloc(nk * 4);
+                int32_t *ids = malloc(nk * 4 + 4), *ref_ids = malloc(nk * 4);
+                ref_topk_gating(&d, gating, NULL, ref_w, ref_ids);
+                for (int path = 0; path < 2; path++) {
+                    run(ctx, &d, gating, NULL, path == 1, w, ids);
+                    check(&d, gating, NULL, w, ids);
+                    for (uint32_t t = 0; t < d.num_tokens; t++) {
+                        if (!exact[t])
+                            continue;
+                        for (uint32_t j = 0; j < d.top_k; j++)
+                            ck_assert_msg(ids[t * d.top_k + j] == ref_ids[t * d.top_k + j],
+                                          "exact-tie row kind %u (E=%u k=%u scoring %d grouped %d): position %u "
+                                          "id %d, reference %d",
+                                          t % ROW_KINDS, e_count, d.top_k, scoring, grouped, j, ids[t * d.top_k + j],
+                                          ref_ids[t * d.top_k + j]);
+                    }
+                }
+                free(row);
+                free(gating);
+                free(w);
+                free(ref_w);
+                free(ids);
+                free(ref_ids);
+                i++;
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* _prepare builds the variant ahead; the call then runs it. Also a chain of
+ * two calls ordered by events on the device path. */
+START_TEST(test_prepare_and_chain)
+{
+    moecl_context *ctx = harness_context();
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(0, 100, 6);
+    d.scoring = MOECL_SCORING_SIGMOID;
+    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    d.num_tokens = 333;
+    random_case(ctx, &d, true, 8000, true);
+
+    /* Two calls chained by events: the second waits on the first's event
+     * and reads the same input. */
+    harness_rng rng = harness_rng_for(8001);
+    const size_t nk = (size_t)d.num_tokens * d.top_k;
+    void *gating = harness_random_tensor(&rng, MOECL_F32, (size_t)d.num_tokens * d.num_experts, 1.0f);
+    moecl_buffer in = harness_buffer(ctx, (size_t)d.num_tokens * d.num_experts * 4, 0, gating);
+    moecl_buffer w1 = harness_buffer(ctx, nk * 4, 0, NULL), i1 = harness_buffer(ctx, nk * 4, 0, NULL);
+    moecl_buffer w2 = harness_buffer(ctx, nk * 4, 64, NULL), i2 = harness_buffer(ctx, nk * 4, 64, NULL);
+    cl_event first = NULL, second = NULL;
+    moecl_buffer none = {NULL, 0};
+    ck_assert_int_eq(moecl_topk_gating(ctx, &d, in, none, w1, i1, 0, NULL, &first), MOECL_SUCCESS);
+    ck_assert_int_eq(moecl_topk_gating(ctx, &d, in, none, w2, i2, 1, &first, &second), MOECL_SUCCESS);
+    ck_assert_int_eq(clWaitForEvents(1, &second), CL_SUCCESS);
+    float *w = malloc(nk * 4);
+    int32_t *ids = malloc(nk * 4);
+    harness_read(ctx, w2, nk * 4, w);
+    harness_read(ctx, i2, nk * 4, ids);
+    check(&d, gating, NULL, w, ids);
+    clReleaseEvent(first);
+    clReleaseEvent(second);
+    harness_release(in);
+    harness_release(w1);
+    harness_release(i1);
+    harness_release(w2);
+    harness_release(i2);
+    free(gating);
+    free(w);
+    free(ids);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The checker itself must reject a wrong answer: poisoned outputs, a wrong
+ * id, a wrong weight. Guards against a test that cannot fail. */
+START_TEST(test_checker_rejects)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(4, 16, 4);
+    harness_rng rng = harness_rng_for(9000);
+    float *gating = harness_random_tensor(&rng, MOECL_F32, 64, 1.0f);
+    float w[16], good_w[16];
+    int32_t ids[16], good_ids[16];
+    ref_topk_gating(&d, gating, NULL, good_w, good_ids);
+    char msg[256];
+    ck_assert_int_eq(ref_check_topk_gating(&d, gating, NULL, good_w, good_ids, msg, sizeof(msg)), 0);
+    memset(w, HARNESS_POISON, sizeof(w));
+    memset(ids, HARNESS_POISON, sizeof(ids));
+    ck_assert_int_ne(ref_check_topk_gating(&d, gating, NULL, w, ids, msg, sizeof(msg)), 0);
+    memcpy(w, good_w, sizeof(w));
+    memcpy(ids, good_ids, sizeof(ids));
+    ids[5] = ids[4]; /* duplicate id in row 1 */
+    ck_assert_int_ne(ref_check_topk_gating(&d, gating, NULL, w, ids, msg, sizeof(msg)), 0);
+    memcpy(ids, good_ids, sizeof(ids));
+    w[2] += 1e-3f;
+    ck_assert_int_ne(ref_check_topk_gating(&d, gating, NULL, w, ids, msg, sizeof(msg)), 0);
+    free(gating);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("topk_gating");
+    TCase *tc = tcase_create("reference");
+    tcase_set_timeout(tc, 1200);
+    tcase_add_test(tc, test_checker_rejects);
+    tcase_add_test(tc, test_special_rows);
+    tcase_add_test(tc, test_options);
+    tcase_add_test(tc, test_groups);
+    tcase_add_test(tc, test_deepseek_v3);
+    tcase_add_test(tc, test_seed_shapes);
+    tcase_add_test(tc, test_dtypes_and_tokens);
+    tcase_add_test(tc, test_prepare_and_chain);
+    tcase_add_test(tc, test_grid);
+    suite_add_tcase(s, tc);
+    return harness_run(s);
+}

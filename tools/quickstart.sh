@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Quick start on a fresh Debian or Ubuntu machine: install the system
+# packages that are missing (with sudo unless run as root), build into
+# ./build, and run the main job on the default device.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(gcc libc6-dev meson ninja-build pkg-config opencl-c-headers ocl-icd-opencl-dev pocl-opencl-icd check)
+missing=()
+for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    sudo=""
+    [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    echo "quickstart: installing ${missing[*]}" >&2
+    $sudo apt-get update
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+fi
+
+if [ -d build ]; then
+    meson setup --reconfigure build
+else
+    meson setup build
+fi
+ninja -C build
+build/tools/moecl-info
+exec build/tools/moecl-demo "$@"
