@@ -83,13 +83,14 @@ moecl_status moecl_context_create_from_cl(cl_context context, cl_device_id devic
     if (err != CL_SUCCESS)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "context is not a valid cl_context (%s)",
                           moecl_status_string(err));
-    cl_device_id devices[64];
-    if (num > 64)
-        num = 64;
-    err = clGetContextInfo(context, CL_CONTEXT_DEVICES, num * sizeof(cl_device_id), devices, NULL);
+    cl_device_id *devices = num ? malloc(num * sizeof(cl_device_id)) : NULL;
+    if (num && !devices)
+        return moecl_fail(NULL, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory creating the context");
+    err = num ? clGetContextInfo(context, CL_CONTEXT_DEVICES, num * sizeof(cl_device_id), devices, NULL) : CL_SUCCESS;
     bool member = false;
     for (cl_uint i = 0; err == CL_SUCCESS && i < num; i++)
         member |= devices[i] == device;
+    free(devices);
     if (!member)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "device is not a device of context");
     if (queue) {

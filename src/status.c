@@ -104,9 +104,22 @@ const char *moecl_status_string(moecl_status status)
     CL_CASE(CL_INVALID_OPERATION);
     CL_CASE(CL_INVALID_BUFFER_SIZE);
     CL_CASE(CL_INVALID_GLOBAL_WORK_SIZE);
+    CL_CASE(CL_COMPILE_PROGRAM_FAILURE);
+    CL_CASE(CL_LINKER_NOT_AVAILABLE);
+    CL_CASE(CL_LINK_PROGRAM_FAILURE);
+    CL_CASE(CL_DEVICE_PARTITION_FAILED);
+    CL_CASE(CL_KERNEL_ARG_INFO_NOT_AVAILABLE);
+    CL_CASE(CL_INVALID_SAMPLER);
+    CL_CASE(CL_INVALID_IMAGE_SIZE);
+    CL_CASE(CL_INVALID_MIP_LEVEL);
+    CL_CASE(CL_INVALID_PROPERTY);
+    CL_CASE(CL_INVALID_IMAGE_DESCRIPTOR);
+    CL_CASE(CL_INVALID_COMPILER_OPTIONS);
+    CL_CASE(CL_INVALID_LINKER_OPTIONS);
+    CL_CASE(CL_INVALID_DEVICE_PARTITION_COUNT);
 #undef CL_CASE
     case -1001: return "CL_PLATFORM_NOT_FOUND_KHR";
-    default: return (int)status < 0 && (int)status > -2000 ? "OpenCL error" : "unknown status";
+    default: return (int)status < 0 && (int)status > -2000 ? "OpenCL error (see the CL/cl.h codes)" : "unknown status";
     }
 }
 

@@ -82,8 +82,10 @@ typedef enum moecl_status {
 } moecl_status;
 
 /** A short English description of status ("success", "invalid argument",
- *  "CL_OUT_OF_RESOURCES", ...). Never NULL; unknown codes give
- *  "unknown status". The string is static. Thread-safe. */
+ *  "CL_OUT_OF_RESOURCES", ...). Never NULL. Negative codes above -2000 that
+ *  OpenCL 1.2 does not name give "OpenCL error (see the CL/cl.h codes)";
+ *  any other unknown code gives "unknown status". The string is static.
+ *  Thread-safe. */
 MOECL_API const char *moecl_status_string(moecl_status status);
 
 /** The library version, "MAJOR.MINOR.PATCH". Static string. */

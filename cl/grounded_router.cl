@@ -1,0 +1,212 @@
+/* Grounded router (docs/routing.md, section 2):
+ *   g[e] = router_logits[e] + alpha * dot(token_hidden, expert_ground[e])
+ * with fp32 accumulation, the TOPK largest g (descending, ties to the lower
+ * index, NaN lowest), and a softmax over the chosen g values.
+ * Specialised at build time:
+ *   HIDDEN_DIM, NUM_EXPERTS, TOPK       the shape
+ *   IN_DTYPE                            dtype of token_hidden and expert_ground
+ *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
+ *   TM, TN, TK                          tile of the tiled kernel (tokens,
+ *                                       experts, hidden step); TM 1 selects
+ *                                       the one-row-per-work-item kernel
+ * Two kernels: grounded_router_rows (CPUs: one work-item per token, plain
+ * dot-product loops) and grounded_router_tiled (GPUs: a work-group computes
+ * a TM x TN tile of g at a time, streaming the hidden dimension through
+ * local memory in steps of TK, each work-item a 4 x 4 block in registers;
+ * the top-k of each token is merged tile by tile in local memory). */
+
+#ifndef TM
+#define TM 1
+#endif
+
+/* The float a rank_of_float value came from (-0 comes back as +0 and every
+ * NaN as one NaN, neither of which changes a softmax). */
+inline float float_of_rank(uint r)
+{
+    if (r == 0u)
+        return NAN;
+    return (r & 0x80000000u) ? as_float(r & 0x7fffffffu) : as_float(~r);
+}
+
+/* Softmax over the chosen values (max-subtracted; the first key holds the
+ * largest number unless every chosen value is NaN) and the outputs. The sum
+ * runs in index order, so every device gives the same bits. keys is
+ * private. */
+inline void write_outputs(const ulong *keys, uint row, __global float *pairs, __global float *weights,
+                          __global int *ids)
+{
+    const float top = float_of_rank((uint)(keys[0] >> 32));
+    float e[TOPK];
+    float sum = 0.0f;
+    for (uint j = 0; j < TOPK; j++) {
+        e[j] = exp(float_of_rank((uint)(keys[j] >> 32)) - top);
+        sum += e[j];
+    }
+    for (uint j = 0; j < TOPK; j++) {
+        const float w = e[j] / sum;
+        const uint id = key_index(keys[j]);
+        const size_t at = (size_t)row * TOPK + j;
+#if HAS_PAIRS
+        pairs[2 * at] = (float)id;
+        pairs[2 * at + 1] = w;
+#endif
+#if HAS_WEIGHTS
+        weights[at] = w;
+#endif
+#if HAS_IDS
+        ids[at] = (int)id;
+#endif
+    }
+}
+
+#define OUTPUT_PARAMS                                                                              \
+    __global float *pairs, ulong pairs_off, __global float *weights, ulong weights_off, __global int *ids, \
+        ulong ids_off, uint num_tokens, float alpha
+
+#define OFFSET_OUTPUTS()                                                                           \
+    do {                                                                                           \
+        hidden += hidden_off;                                                                      \
+        logits += logits_off;                                                                      \
+        ground += ground_off;                                                                      \
+        if (HAS_PAIRS)                                                                             \
+            pairs += pairs_off;                                                                    \
+        if (HAS_WEIGHTS)                                                                           \
+            weights += weights_off;                                                                \
+        if (HAS_IDS)                                                                               \
+            ids += ids_off;                                                                        \
+    } while (0)
+
+#if TM == 1
+/* ---------------------------------------------------------------------- */
+/* One work-item per token (CPU devices).                                  */
+/* ---------------------------------------------------------------------- */
+
+__kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off, __global const float *logits,
+                                   ulong logits_off, __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
+{
+    const uint row = (uint)get_global_id(0);
+    if (row >= num_tokens)
+        return;
+    OFFSET_OUTPUTS();
+    __global const in_t *h = hidden + (size_t)row * HIDDEN_DIM;
+
+    ulong keys[TOPK];
+    float unused[TOPK];
+    for (uint j = 0; j < TOPK; j++)
+        keys[j] = KEY_NONE;
+    for (uint e = 0; e < NUM_EXPERTS; e++) {
+        __global const in_t *w = ground + (size_t)e * HIDDEN_DIM;
+        float dot = 0.0f;
+        for (uint i = 0; i < HIDDEN_DIM; i++)
+            dot += LOAD_IN(h, i) * LOAD_IN(w, i);
+        const float g = logits[(size_t)row * NUM_EXPERTS + e] + alpha * dot;
+        const ulong key = rank_key(g, e);
+        TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
+    }
+    write_outputs(keys, row, pairs, weights, ids);
+}
+
+#else
+/* ---------------------------------------------------------------------- */
+/* Tiled: TM tokens x TN experts per step, hidden streamed by TK (GPUs).    */
+/* ---------------------------------------------------------------------- */
+
+#define MT 4 /* rows of a work-item's register block */
+#define NT 4 /* columns of a work-item's register block */
+#define ROW_GROUPS (TM / MT)
+#define COL_GROUPS (TN / NT)
+#define WG_SIZE (ROW_GROUPS * COL_GROUPS)
+#define EXPERT_TILES ((NUM_EXPERTS + TN - 1) / TN)
+
+__kernel __attribute__((reqd_work_group_size(WG_SIZE, 1, 1))) void
+grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
+                      __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
+{
+    /* k-major tiles (+1 column against bank conflicts): a work-item reads
+     * its MT rows and NT columns of one k step from one row of each. */
+    __local float hidden_tile[TK][TM + 1];
+    __local float ground_tile[TK][TN + 1];
+    __local float g_tile[TM][TN + 1];
+    __local ulong top_keys[TM * TOPK];
+
+    const uint lid = get_local_id(0);
+    const uint col_group = lid % COL_GROUPS;
+    const uint row_group = lid / COL_GROUPS;
+    const uint row0 = get_group_id(0) * TM;
+    OFFSET_OUTPUTS();
+
+    for (uint i = lid; i < TM * TOPK; i += WG_SIZE)
+        top_keys[i] = KEY_NONE;
+
+    for (uint tile = 0; tile < EXPERT_TILES; tile++) {
+        const uint expert0 = tile * TN;
+        float acc[MT][NT];
+        for (uint i = 0; i < MT; i++)
+            for (uint j = 0; j < NT; j++)
+                acc[i][j] = 0.0f;
+
+        for (uint k0 = 0; k0 < HIDDEN_DIM; k0 += TK) {
+            /* Cooperative loads, consecutive work-items along the hidden
+             * dimension (contiguous in memory); zero past the edges. */
+            for (uint i = lid; i < TM * TK; i += WG_SIZE) {
+                const uint m = i / TK, kk = i % TK;
+                const uint t = row0 + m, k = k0 + kk;
+                hidden_tile[kk][m] = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
+            }
+            for (uint i = lid; i < TN * TK; i += WG_SIZE) {
+                const uint n = i / TK, kk = i % TK;
+                const uint e = expert0 + n, k = k0 + kk;
+                ground_tile[kk][n] = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint kk = 0; kk < TK; kk++) {
+                float a[MT], b[NT];
+                for (uint i = 0; i < MT; i++)
+                    a[i] = hidden_tile[kk][row_group + i * ROW_GROUPS];
+                for (uint j = 0; j < NT; j++)
+                    b[j] = ground_tile[kk][col_group + j * COL_GROUPS];
+                for (uint i = 0; i < MT; i++)
+                    for (uint j = 0; j < NT; j++)
+                        acc[i][j] += a[i] * b[j];
+            }
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+
+        /* g for this tile into local memory. */
+        for (uint i = 0; i < MT; i++) {
+            const uint m = row_group + i * ROW_GROUPS, t = row0 + m;
+            for (uint j = 0; j < NT; j++) {
+                const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
+                if (t < num_tokens && e < NUM_EXPERTS)
+                    g_tile[m][n] = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+
+        /* Merge the tile into each token's top-k, one work-item per token. */
+        if (lid < TM && row0 + lid < num_tokens) {
+            __local ulong *keys = top_keys + lid * TOPK;
+            const uint width = min((uint)TN, (uint)(NUM_EXPERTS - expert0));
+            for (uint n = 0; n < width; n++) {
+                const ulong key = rank_key(g_tile[lid][n], expert0 + n);
+                if (key > keys[TOPK - 1]) {
+                    int j = TOPK - 1;
+                    while (j > 0 && keys[j - 1] < key) {
+                        keys[j] = keys[j - 1];
+                        j--;
+                    }
+                    keys[j] = key;
+                }
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+
+    if (lid < TM && row0 + lid < num_tokens) {
+        ulong keys[TOPK];
+        for (uint j = 0; j < TOPK; j++)
+            keys[j] = top_keys[lid * TOPK + j];
+        write_outputs(keys, row0 + lid, pairs, weights, ids);
+    }
+}
+#endif

@@ -1,0 +1,248 @@
+/* Grounded router, host side: validation, the kernel variant a request
+ * needs, argument binding and one enqueue; and the blocking host path. */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, uint32_t hidden_dim,
+                                                           uint32_t num_experts, float alpha)
+{
+    moecl_grounded_router_desc d;
+    memset(&d, 0, sizeof(d));
+    d.num_tokens = num_tokens;
+    d.hidden_dim = hidden_dim;
+    d.num_experts = num_experts;
+    d.top_k = 2;
+    d.alpha = alpha;
+    d.hidden_dtype = MOECL_F32;
+    return d;
+}
+
+static size_t dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
+
+static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_router_desc *d)
+{
+#define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
+    if (!d)
+        return INVALID("desc is NULL");
+    if (d->hidden_dim < 1 || d->hidden_dim > MOECL_MAX_HIDDEN)
+        return INVALID("hidden_dim is %u; it must be in 1..%u", d->hidden_dim, MOECL_MAX_HIDDEN);
+    if (d->num_experts < 1 || d->num_experts > MOECL_MAX_EXPERTS)
+        return INVALID("num_experts is %u; it must be in 1..%u", d->num_experts, MOECL_MAX_EXPERTS);
+    uint32_t k_max = d->num_experts < MOECL_MAX_TOPK ? d->num_experts : MOECL_MAX_TOPK;
+    if (d->top_k < 1 || d->top_k > k_max)
+        return INVALID("top_k is %u; it must be in 1..%u (min(num_experts, %u))", d->top_k, k_max, MOECL_MAX_TOPK);
+    if (!isfinite(d->alpha))
+        return INVALID("alpha is %g; it must be finite", (double)d->alpha);
+    if ((unsigned)d->hidden_dtype > MOECL_BF16)
+        return INVALID("hidden_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->hidden_dtype);
+    return MOECL_SUCCESS;
+#undef INVALID
+}
+
+typedef struct launch_shape {
+    unsigned tm, tn, tk; /* tm == 1: the one-row-per-work-item kernel */
+    size_t local;
+    const char *kernel_name;
+} launch_shape;
+
+/* Local memory of grounded_router_tiled (mirrors its __local arrays). */
+static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned k)
+{
+    return ((size_t)tk * (tm + 1) + (size_t)tk * (tn + 1) + (size_t)tm * (tn + 1)) * 4 + (size_t)tm * k * 8;
+}
+
+static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k)
+{
+    const moecl_device_info *info = &ctx->info;
+    const launch_shape rows_kernel = {1, 1, 1, 8, "grounded_router_rows"};
+    if (info->launch_class == MOECL_LAUNCH_CPU)
+        return rows_kernel;
+    unsigned tn = 16;
+    while (tn < 64 && tn < experts)
+        tn <<= 1;
+    const unsigned tk = 16;
+    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    for (unsigned tm = 64; tm >= 16; tm >>= 1) {
+        size_t local = (size_t)(tm / 4) * (tn / 4);
+        if (local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget)
+            return (launch_shape){tm, tn, tk, local, "grounded_router_tiled"};
+    }
+    return rows_kernel; /* a device too small for the tiles still runs the plain loops */
+}
+
+typedef struct prepared {
+    moecl_variant *variant;
+    launch_shape shape;
+} prepared;
+
+static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
+                            bool ids, prepared *out)
+{
+    out->shape = choose_launch(ctx, d->num_experts, d->top_k);
+    char defines[512];
+    snprintf(defines, sizeof(defines),
+             "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
+             "-DTM=%u -DTN=%u -DTK=%u",
+             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, out->shape.tm,
+             out->shape.tn, out->shape.tk);
+    return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
+}
+
+moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    /* The outputs are a build-time choice: prepare the seed's pairs, the
+     * separate weights and ids, and all three. */
+    prepared p;
+    if ((st = prepare(ctx, desc, true, false, false, &p)) == MOECL_SUCCESS &&
+        (st = prepare(ctx, desc, false, true, true, &p)) == MOECL_SUCCESS)
+        st = prepare(ctx, desc, true, true, true, &p);
+    return st;
+}
+
+typedef struct bound_buffers {
+    cl_mem hidden, logits, ground, pairs, weights, ids;
+    size_t hidden_off, logits_off, ground_off, pairs_off, weights_off, ids_off; /* bytes */
+} bound_buffers;
+
+static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc *d, const prepared *p,
+                            const bound_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    cl_kernel kernel;
+    moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const size_t in_size = dtype_size(d->hidden_dtype);
+    cl_ulong off[6] = {b->hidden_off / in_size, b->logits_off / 4, b->ground_off / in_size,
+                       b->pairs_off / 4,        b->weights_off / 4, b->ids_off / 4};
+    const cl_mem *mems[6] = {&b->hidden, &b->logits, &b->ground, &b->pairs, &b->weights, &b->ids};
+    cl_uint num_tokens = d->num_tokens;
+    cl_float alpha = d->alpha;
+    cl_int err = CL_SUCCESS;
+    for (cl_uint i = 0; i < 6; i++) {
+        err |= clSetKernelArg(kernel, 2 * i, sizeof(cl_mem), *mems[i] ? mems[i] : NULL);
+        err |= clSetKernelArg(kernel, 2 * i + 1, sizeof(cl_ulong), &off[i]);
+    }
+    err |= clSetKernelArg(kernel, 12, sizeof(cl_uint), &num_tokens);
+    err |= clSetKernelArg(kernel, 13, sizeof(cl_float), &alpha);
+    if (err != CL_SUCCESS) {
+        moecl_variant_release(p->variant, kernel);
+        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
+    }
+    const size_t rows_per_group = p->shape.tm == 1 ? p->shape.local : p->shape.tm;
+    const size_t local = p->shape.local;
+    const size_t global = moecl_round_up(d->num_tokens, rows_per_group) / rows_per_group * local;
+    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
+    moecl_variant_release(p->variant, kernel);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "enqueueing the grounded router kernel failed (%s)", moecl_status_string(err));
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                   moecl_buffer token_hidden, moecl_buffer router_logits, moecl_buffer expert_ground,
+                                   moecl_buffer out_pairs, moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                   cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (!out_pairs.mem && !topk_weights.mem && !topk_ids.mem)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
+    const uint64_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
+    const size_t in_size = dtype_size(desc->hidden_dtype);
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "token_hidden", token_hidden, t * h * in_size, in_size, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "router_logits", router_logits, t * e * 4, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "expert_ground", expert_ground, e * h * in_size, in_size, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "out_pairs", out_pairs, t * k * 8, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, false)) != MOECL_SUCCESS)
+        return st;
+    prepared p;
+    if ((st = prepare(ctx, desc, out_pairs.mem != NULL, topk_weights.mem != NULL, topk_ids.mem != NULL, &p)) !=
+        MOECL_SUCCESS)
+        return st;
+    if (desc->num_tokens == 0)
+        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
+    bound_buffers b = {token_hidden.mem,    router_logits.mem,    expert_ground.mem,  out_pairs.mem,
+                       topk_weights.mem,    topk_ids.mem,         token_hidden.offset, router_logits.offset,
+                       expert_ground.offset, out_pairs.offset,    topk_weights.offset, topk_ids.offset};
+    return enqueue(ctx, desc, &p, &b, num_wait, wait, done);
+}
+
+moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                        const void *token_hidden, const float *router_logits, const void *expert_ground,
+                                        float *out_pairs, float *topk_weights, int32_t *topk_ids)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (!out_pairs && !topk_weights && !topk_ids)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "out_pairs, topk_weights, topk_ids: all NULL; at least one output is needed");
+    if (desc->num_tokens > 0 && (!token_hidden || !router_logits || !expert_ground))
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
+                          !token_hidden ? "token_hidden" : !router_logits ? "router_logits" : "expert_ground");
+    prepared p;
+    if ((st = prepare(ctx, desc, out_pairs != NULL, topk_weights != NULL, topk_ids != NULL, &p)) != MOECL_SUCCESS ||
+        desc->num_tokens == 0)
+        return st;
+    const size_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
+    const size_t in_size = dtype_size(desc->hidden_dtype);
+    bound_buffers b;
+    memset(&b, 0, sizeof(b));
+    void *outputs[3] = {out_pairs, topk_weights, topk_ids};
+    cl_mem *out_mems[3] = {&b.pairs, &b.weights, &b.ids};
+    const size_t out_sizes[3] = {t * k * 8, t * k * 4, t * k * 4};
+    static const char *const out_names[3] = {"out_pairs", "topk_weights", "topk_ids"};
+    cl_event ran = NULL;
+    if ((st = moecl_host_buffer(ctx, "token_hidden", CL_MEM_READ_ONLY, t * h * in_size, token_hidden, &b.hidden)) ==
+            MOECL_SUCCESS &&
+        (st = moecl_host_buffer(ctx, "router_logits", CL_MEM_READ_ONLY, t * e * 4, router_logits, &b.logits)) ==
+            MOECL_SUCCESS &&
+        (st = moecl_host_buffer(ctx, "expert_ground", CL_MEM_READ_ONLY, e * h * in_size, expert_ground, &b.ground)) ==
+            MOECL_SUCCESS) {
+        for (int i = 0; i < 3 && st == MOECL_SUCCESS; i++)
+            if (outputs[i])
+                st = moecl_host_buffer(ctx, out_names[i], CL_MEM_WRITE_ONLY, out_sizes[i], NULL, out_mems[i]);
+        if (st == MOECL_SUCCESS)
+            st = enqueue(ctx, desc, &p, &b, 0, NULL, &ran);
+    }
+    if (st == MOECL_SUCCESS) {
+        /* Wait on events, not the queue: it may be out of order or shared. */
+        cl_event reads[3];
+        cl_uint n = 0;
+        cl_int err = CL_SUCCESS;
+        for (int i = 0; i < 3 && err == CL_SUCCESS; i++)
+            if (outputs[i] && (err = clEnqueueReadBuffer(ctx->queue, *out_mems[i], CL_FALSE, 0, out_sizes[i], outputs[i],
+                                                         1, &ran, &reads[n])) == CL_SUCCESS)
+                n++;
+        cl_int wait_err = n ? clWaitForEvents(n, reads) : clWaitForEvents(1, &ran);
+        if (err == CL_SUCCESS)
+            err = wait_err;
+        for (cl_uint i = 0; i < n; i++)
+            clReleaseEvent(reads[i]);
+        if (err != CL_SUCCESS)
+            st = moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
+    }
+    if (ran)
+        clReleaseEvent(ran);
+    cl_mem all[6] = {b.hidden, b.logits, b.ground, b.pairs, b.weights, b.ids};
+    for (int i = 0; i < 6; i++)
+        if (all[i])
+            clReleaseMemObject(all[i]);
+    return st;
+}

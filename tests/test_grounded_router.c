@@ -1,0 +1,367 @@
+/* moecl_grounded_router against the float64 reference: the seed shape,
+ * hidden sizes, expert counts, top_k, alpha, dtypes, output combinations,
+ * token counts, exact ties, NaN and inf. Run once per launch class. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+enum { OUT_PAIRS = 1, OUT_WEIGHTS = 2, OUT_IDS = 4 };
+
+typedef struct grounded_inputs {
+    void *hidden, *ground;
+    float *logits;
+} grounded_inputs;
+
+typedef struct grounded_outputs {
+    float *pairs, *weights;
+    int32_t *ids;
+} grounded_outputs;
+
+static void describe(const moecl_grounded_router_desc *d, int outputs, char *buf, size_t size)
+{
+    snprintf(buf, size, "T=%u H=%u E=%u k=%u alpha=%g dtype=%d outputs=%s%s%s", d->num_tokens, d->hidden_dim,
+             d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, outputs & OUT_PAIRS ? "pairs " : "",
+             outputs & OUT_WEIGHTS ? "weights " : "", outputs & OUT_IDS ? "ids" : "");
+}
+
+/* Inputs scaled like a model's: hidden states of unit RMS over sqrt(H), so
+ * that the dot products are of order one. */
+static grounded_inputs random_inputs(harness_rng *rng, const moecl_grounded_router_desc *d)
+{
+    grounded_inputs in;
+    const float h_scale = 1.0f / sqrtf((float)d->hidden_dim);
+    in.hidden = harness_random_tensor(rng, d->hidden_dtype, (size_t)d->num_tokens * d->hidden_dim, h_scale);
+    in.ground = harness_random_tensor(rng, d->hidden_dtype, (size_t)d->num_experts * d->hidden_dim, 1.0f);
+    in.logits = harness_random_tensor(rng, MOECL_F32, (size_t)d->num_tokens * d->num_experts, 1.0f);
+    return in;
+}
+
+static void free_inputs(grounded_inputs *in)
+{
+    free(in->hidden);
+    free(in->ground);
+    free(in->logits);
+}
+
+static grounded_outputs alloc_outputs(const moecl_grounded_router_desc *d, int outputs)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    grounded_outputs out = {NULL, NULL, NULL};
+    if (outputs & OUT_PAIRS)
+        out.pairs = malloc(nk * 8 + 4);
+    if (outputs & OUT_WEIGHTS)
+        out.weights = malloc(nk * 4 + 4);
+    if (outputs & OUT_IDS)
+        out.ids = malloc(nk * 4 + 4);
+    return out;
+}
+
+static void free_outputs(grounded_outputs *out)
+{
+    free(out->pairs);
+    free(out->weights);
+    free(out->ids);
+}
+
+/* Run through the host path or the device path (non-zero offsets, poison
+ * before, one element past each output checked after). */
+static void run(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_inputs *in, int outputs,
+                bool device_path, grounded_outputs *out)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, in_size = ref_dtype_size(d->hidden_dtype);
+    const size_t out_sizes[3] = {nk * 8, nk * 4, nk * 4};
+    void *out_ptrs[3] = {out->pairs, out->weights, out->ids};
+    for (int i = 0; i < 3; i++)
+        if (out_ptrs[i])
+            memset(out_ptrs[i], HARNESS_POISON, out_sizes[i] + 4);
+    char what[256];
+    describe(d, outputs, what, sizeof(what));
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_grounded_router_host(ctx, d, in->hidden, in->logits, in->ground, out->pairs, out->weights,
+                                        out->ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "host path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        return;
+    }
+    moecl_buffer hb = harness_buffer(ctx, (size_t)d->num_tokens * d->hidden_dim * in_size, 2 * in_size, in->hidden);
+    moecl_buffer lb = harness_buffer(ctx, (size_t)d->num_tokens * d->num_experts * 4, 128, in->logits);
+    moecl_buffer gb = harness_buffer(ctx, (size_t)d->num_experts * d->hidden_dim * in_size, 64, in->ground);
+    moecl_buffer ob[3];
+    for (int i = 0; i < 3; i++)
+        ob[i] = out_ptrs[i] ? harness_buffer(ctx, out_sizes[i], 4 * (i + 1), NULL) : (moecl_buffer){NULL, 0};
+    cl_event done = NULL;
+    st = moecl_grounded_router(ctx, d, hb, lb, gb, ob[0], ob[1], ob[2], 0, NULL, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "device path %s: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    for (int i = 0; i < 3; i++) {
+        if (!out_ptrs[i])
+            continue;
+        harness_read(ctx, ob[i], out_sizes[i] + 4, out_ptrs[i]);
+        uint32_t tail;
+        memcpy(&tail, (char *)out_ptrs[i] + out_sizes[i], 4);
+        ck_assert_msg(tail == 0xFFFFFFFFu, "%s: wrote past the end of output %d", what, i);
+        harness_release(ob[i]);
+    }
+    harness_release(hb);
+    harness_release(lb);
+    harness_release(gb);
+}
+
+static void check(const moecl_grounded_router_desc *d, const grounded_inputs *in, int outputs,
+                  const grounded_outputs *out)
+{
+    char msg[512] = "", what[256];
+    int bad = ref_check_grounded_router(d, in->hidden, in->logits, in->ground, out->pairs, out->weights, out->ids, msg,
+                                        sizeof(msg));
+    describe(d, outputs, what, sizeof(what));
+    ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
+}
+
+static void random_case(moecl_context *ctx, const moecl_grounded_router_desc *d, int outputs, uint64_t stream,
+                        bool both_paths)
+{
+    harness_rng rng = harness_rng_for(stream);
+    grounded_inputs in = random_inputs(&rng, d);
+    grounded_outputs out = alloc_outputs(d, outputs);
+    for (int path = 0; path < (both_paths ? 2 : 1); path++) {
+        run(ctx, d, &in, outputs, both_paths ? path == 1 : (stream & 1), &out);
+        check(d, &in, outputs, &out);
+    }
+    free_outputs(&out);
+    free_inputs(&in);
+}
+
+/* The seed: 4096 tokens, hidden 128, 16 experts, top 2, stacked pairs. */
+START_TEST(test_seed_shape)
+{
+    moecl_context *ctx = harness_context();
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(4096, 128, 16, 0.5f);
+    ck_assert_uint_eq(d.top_k, 2);
+    random_case(ctx, &d, OUT_PAIRS, 100, true);
+    random_case(ctx, &d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 101, true);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Every hidden size with every expert count; top_k, alpha, dtype, outputs
+ * and token count rotate. Tokens shrink where H * E is large, to keep the
+ * float64 reference quick. */
+START_TEST(test_grid)
+{
+    static const uint32_t hidden[] = {1, 7, 128, 1000, 4096};
+    static const uint32_t experts[] = {1, 2, 3, 16, 60, 128, 257, 4096};
+    static const uint32_t topk[] = {1, 2, 4, 8, 64};
+    static const float alphas[] = {0.0f, 0.5f, -3.0f};
+    static const uint32_t tokens[] = {0, 1, 33, 4096};
+    static const int outputs[] = {OUT_PAIRS, OUT_WEIGHTS | OUT_IDS, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, OUT_IDS,
+                                  OUT_WEIGHTS};
+    moecl_context *ctx = harness_context();
+    unsigned i = 0;
+    for (size_t h = 0; h < COUNT(hidden); h++)
+        for (size_t e = 0; e < COUNT(experts); e++) {
+            uint32_t k = topk[i % COUNT(topk)];
+            while (k > experts[e])
+                k = k == 64 ? 8 : k / 2;
+            uint32_t t = tokens[i % COUNT(tokens)];
+            while (t > 1 && (uint64_t)t * hidden[h] * experts[e] > (8u << 20))
+                t /= 2;
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(t, hidden[h], experts[e], alphas[i % 3]);
+            d.top_k = k;
+            d.hidden_dtype = (moecl_dtype)((i / 3) % 3);
+            random_case(ctx, &d, outputs[i % COUNT(outputs)], 200 + i, false);
+            i++;
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Each top_k with each alpha and dtype at a mid shape, both paths. */
+START_TEST(test_topk_alpha_dtypes)
+{
+    static const uint32_t topk[] = {1, 2, 4, 8, 64};
+    static const float alphas[] = {0.0f, 0.5f, -3.0f};
+    moecl_context *ctx = harness_context();
+    unsigned i = 0;
+    for (size_t k = 0; k < COUNT(topk); k++)
+        for (int dt = 0; dt < 3; dt++) {
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(33 + 40 * dt, 128, 128, alphas[i % 3]);
+            d.top_k = topk[k];
+            d.hidden_dtype = (moecl_dtype)dt;
+            random_case(ctx, &d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 300 + i, true);
+            i++;
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Exact ties: identical ground rows and a constant logit row make every g
+ * of a token equal, so the ids must be 0..k-1 in order. Then NaN and inf in
+ * logits and hidden states. */
+START_TEST(test_special_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][3] = {{7, 16, 4}, {128, 60, 8}, {33, 257, 64}};
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int dt = 0; dt < 3; dt++) {
+            harness_rng rng = harness_rng_for(400 + s * 3 + dt);
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(12, shapes[s][0], shapes[s][1], 0.5f);
+            d.top_k = shapes[s][2];
+            d.hidden_dtype = (moecl_dtype)dt;
+            grounded_inputs in = random_inputs(&rng, &d);
+            const uint32_t H = d.hidden_dim, E = d.num_experts;
+            /* Every expert's ground row equals expert 0's. */
+            const size_t in_size = ref_dtype_size(d.hidden_dtype);
+            for (uint32_t e = 1; e < E; e++)
+                memcpy((char *)in.ground + (size_t)e * H * in_size, in.ground, H * in_size);
+            for (uint32_t t = 0; t < d.num_tokens; t++) {
+                float *row = in.logits + (size_t)t * E;
+                switch (t % 6) {
+                case 0: /* all g equal */
+                case 1:
+                    for (uint32_t e = 0; e < E; e++)
+                        row[e] = 0.25f * (float)t;
+                    break;
+                case 2: /* NaN logit */
+                    for (uint32_t e = 0; e < E; e++)
+                        row[e] = 1.0f;
+                    row[E / 2] = NAN;
+                    break;
+                case 3: /* +inf and -inf logits */
+                    for (uint32_t e = 0; e < E; e++)
+                        row[e] = (e % 3 == 0) ? -INFINITY : 1.0f;
+                    row[E - 1] = INFINITY;
+                    break;
+                case 4: /* a NaN hidden state: every g of the row is NaN */
+                    harness_store(d.hidden_dtype, in.hidden, (size_t)t * H + H / 2, NAN);
+                    break;
+                default: /* an inf hidden state */
+                    harness_store(d.hidden_dtype, in.hidden, (size_t)t * H, INFINITY);
+                    break;
+                }
+            }
+            grounded_outputs out = alloc_outputs(&d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS);
+            for (int path = 0; path < 2; path++) {
+                run(ctx, &d, &in, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, path == 1, &out);
+                check(&d, &in, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, &out);
+                for (uint32_t t = 0; t < d.num_tokens; t += 6)
+                    for (uint32_t j = 0; j < d.top_k; j++) {
+                        ck_assert_int_eq(out.ids[t * d.top_k + j], (int32_t)j);
+                        ck_assert_int_eq(out.ids[(t + 1) * d.top_k + j], (int32_t)j);
+                        ck_assert_msg(fabsf(out.weights[t * d.top_k + j] - 1.0f / d.top_k) < 1e-6f,
+                                      "tie row weight %g", (double)out.weights[t * d.top_k + j]);
+                    }
+            }
+            free_outputs(&out);
+            free_inputs(&in);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Invalid fields: each gives INVALID_ARGUMENT naming the field and leaves
+ * the outputs untouched, on the host path, the device path and _prepare. */
+START_TEST(test_invalid)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_grounded_router_desc good = moecl_grounded_router_desc_init(4, 8, 16, 1.0f);
+    struct {
+        const char *field;
+        moecl_grounded_router_desc d;
+    } cases[10];
+    int n = 0;
+#define BAD(name, stmt)                                                                                                \
+    do {                                                                                                               \
+        cases[n].field = name;                                                                                         \
+        cases[n].d = good;                                                                                             \
+        moecl_grounded_router_desc *d = &cases[n].d;                                                                   \
+        stmt;                                                                                                          \
+        n++;                                                                                                           \
+    } while (0)
+    BAD("hidden_dim", d->hidden_dim = 0);
+    BAD("hidden_dim", d->hidden_dim = 65537);
+    BAD("num_experts", d->num_experts = 0);
+    BAD("num_experts", d->num_experts = 4097);
+    BAD("top_k", d->top_k = 0);
+    BAD("top_k", d->top_k = 17);
+    BAD("top_k", (d->num_experts = 100, d->top_k = 65));
+    BAD("alpha", d->alpha = NAN);
+    BAD("alpha", d->alpha = INFINITY);
+    BAD("hidden_dtype", d->hidden_dtype = (moecl_dtype)7);
+#undef BAD
+    float hidden[4 * 8] = {0}, ground[16 * 8] = {0}, logits[4 * 16] = {0};
+    float pairs[4 * 2 * 2 + 1];
+    moecl_buffer hb = harness_buffer(ctx, sizeof(hidden), 0, hidden), gb = harness_buffer(ctx, sizeof(ground), 0, ground);
+    moecl_buffer lb = harness_buffer(ctx, sizeof(logits), 0, logits), pb = harness_buffer(ctx, sizeof(pairs), 0, NULL);
+    moecl_buffer none = {NULL, 0};
+    for (int i = 0; i < n; i++) {
+        memset(pairs, HARNESS_POISON, sizeof(pairs));
+        moecl_status st = moecl_grounded_router_host(ctx, &cases[i].d, hidden, logits, ground, pairs, NULL, NULL);
+        ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(moecl_context_error(ctx), cases[i].field), "message \"%s\" does not name %s",
+                      moecl_context_error(ctx), cases[i].field);
+        for (size_t b = 0; b < sizeof(pairs); b++)
+            ck_assert_uint_eq(((unsigned char *)pairs)[b], HARNESS_POISON);
+        ck_assert_int_eq(moecl_grounded_router_prepare(ctx, &cases[i].d), MOECL_ERROR_INVALID_ARGUMENT);
+        cl_event done = (cl_event)&done;
+        st = moecl_grounded_router(ctx, &cases[i].d, hb, lb, gb, pb, none, none, 0, NULL, &done);
+        ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_ptr_eq(done, (cl_event)&done);
+    }
+    /* No output at all, and a too-small output buffer. */
+    ck_assert_int_eq(moecl_grounded_router_host(ctx, &good, hidden, logits, ground, NULL, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_int_eq(moecl_grounded_router(ctx, &good, hb, lb, gb, none, none, none, 0, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    moecl_grounded_router_desc big = good;
+    big.num_tokens = 100; /* past the 64 bytes of slack harness_buffer adds */
+    ck_assert_int_eq(moecl_grounded_router(ctx, &big, hb, lb, gb, pb, none, none, 0, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "token_hidden"));
+    moecl_buffer pb_late = {pb.mem, 128}; /* 68 bytes + 64 of slack: 64 more do not fit */
+    ck_assert_int_eq(moecl_grounded_router(ctx, &good, hb, lb, gb, pb_late, none, none, 0, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "out_pairs"));
+    harness_release(hb);
+    harness_release(gb);
+    harness_release(lb);
+    harness_release(pb);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* _prepare ahead of the call, then an event chain from the device path. */
+START_TEST(test_prepare)
+{
+    moecl_context *ctx = harness_context();
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(0, 96, 24, -0.75f);
+    d.top_k = 3;
+    ck_assert_int_eq(moecl_grounded_router_prepare(ctx, &d), MOECL_SUCCESS);
+    d.num_tokens = 77;
+    random_case(ctx, &d, OUT_PAIRS, 500, true);
+    random_case(ctx, &d, OUT_WEIGHTS | OUT_IDS, 501, true);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("grounded_router");
+    TCase *tc = tcase_create("reference");
+    tcase_set_timeout(tc, 1200);
+    tcase_add_test(tc, test_invalid);
+    tcase_add_test(tc, test_seed_shape);
+    tcase_add_test(tc, test_special_rows);
+    tcase_add_test(tc, test_prepare);
+    tcase_add_test(tc, test_topk_alpha_dtypes);
+    tcase_add_test(tc, test_grid);
+    suite_add_tcase(s, tc);
+    return harness_run(s);
+}
