@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on the H200 machine (see bench/RESULTS.md): register NVIDIA's
+# OpenCL with the ICD loader, unpack Check from the carried .debs/, build,
+# run the test suite, moecl-info, moecl-bench and the PyTorch comparison.
+# Everything it prints also lands in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/icd
+echo /usr/lib/libnvidia-opencl.so.1 > /tmp/icd/nvidia.icd
+export OCL_ICD_VENDORS=/tmp/icd PATH=/opt/torch/.venv/bin:$PATH MOECL_DEVICE=${MOECL_DEVICE:-gpu}
+export MOECL_CACHE_DIR=/tmp/moecl-cache
+steps=${STEPS:-"test bench torch"}
+
+tests_opt=-Dtests=disabled
+if [ -d .debs ] && [[ " $steps " == *" test "* ]]; then
+    mkdir -p /tmp/check
+    for d in .debs/*.deb; do dpkg -x "$d" /tmp/check; done
+    # meson finds check.pc through PKG_CONFIG_PATH; fix its prefix.
+    pc=$(find /tmp/check -name check.pc | head -1)
+    sed -i "s|^prefix=.*|prefix=/tmp/check/usr|" "$pc"
+    export PKG_CONFIG_PATH=$(dirname "$pc") LIBRARY_PATH=/tmp/check/usr/lib/x86_64-linux-gnu
+    export LD_LIBRARY_PATH=/tmp/check/usr/lib/x86_64-linux-gnu C_INCLUDE_PATH=/tmp/check/usr/include
+    tests_opt=-Dtests=enabled
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+meson setup /tmp/b $tests_opt -Dbuildtype=release > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }
+ninja -C /tmp/b > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
+/tmp/b/tools/moecl-info | tee "$OUT/info.txt"
+if [[ " $steps " == *" test "* ]]; then
+    meson test -C /tmp/b --print-errorlogs --num-processes 4 > "$OUT/test.log" 2>&1
+    grep -E "^ *[0-9]+/[0-9]+ |Ok:|Fail:|^\.\./" "$OUT/test.log"
+fi
+if [[ " $steps " == *" bench "* ]]; then
+    /tmp/b/tools/moecl-bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>/dev/null | tee "$OUT/bench.txt"
+fi
+if [[ " $steps " == *" torch "* ]] && [ -f bench/torch_reference.py ]; then
+    python3 bench/torch_reference.py --device cuda --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.txt"
+fi
