@@ -61,8 +61,55 @@ inline uint key_index(ulong key) { return ~(uint)key; }
 /* Team reductions. Each row's team owns TEAM consecutive slots of a
  * __local scratch array. Every lane gets the same result, computed in the
  * same order, so all lanes agree bit for bit. Small teams read all slots
- * (two barriers); large teams use a tree. */
-#if TEAM > 1
+ * (two barriers); large teams use a tree.
+ *
+ * TEAM_SHUFFLE (set by the host only for NVIDIA devices, teams of at most
+ * 32 work-items and work-groups of whole warps): the same reductions as
+ * butterflies of warp shuffles in inline PTX, with no local memory and no
+ * barriers. Max is exact and a butterfly sum adds the same pairs in every
+ * lane (addition commutes), so every lane still gets the same bits. */
+#ifndef TEAM_SHUFFLE
+#define TEAM_SHUFFLE 0
+#endif
+
+#if TEAM > 1 && TEAM_SHUFFLE
+inline uint shuffle_xor(uint v, uint lane_mask)
+{
+    uint r;
+    asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(v), "r"(lane_mask));
+    return r;
+}
+
+inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
+{
+    (void)slots;
+    (void)lane;
+    for (uint m = TEAM / 2; m > 0; m >>= 1) {
+        ulong o = ((ulong)shuffle_xor((uint)(v >> 32), m) << 32) | shuffle_xor((uint)v, m);
+        v = max(v, o);
+    }
+    return v;
+}
+
+inline float team_max_float(float v, __local float *slots, uint lane)
+{
+    (void)slots;
+    (void)lane;
+    for (uint m = TEAM / 2; m > 0; m >>= 1)
+        v = fmax(v, as_float(shuffle_xor(as_uint(v), m)));
+    return v;
+}
+
+inline float team_sum_float(float v, __local float *slots, uint lane)
+{
+    (void)slots;
+    (void)lane;
+    for (uint m = TEAM / 2; m > 0; m >>= 1)
+        v = v + as_float(shuffle_xor(as_uint(v), m));
+    return v;
+}
+
+#elif TEAM > 1
 inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
 {
     slots[lane] = v;
@@ -125,6 +172,7 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
 }
 #endif
 
+
 /* Insert key (with its weight) into a descending list of K keys if it
  * belongs there. Used by the one-row-per-work-item kernels. */
 #define TOPK_INSERT(keys, vals, K, key, val)                                                       \
@@ -140,3 +188,29 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
             (vals)[j_] = (val);                                                                    \
         }                                                                                          \
     } while (0)
+
+#if defined(EPT) && defined(TOPK) && TEAM > 1
+/* TOPK rounds of "largest key in the team" over the EPT keys each lane
+ * holds (element i of a lane is its i-th). The owner of each winner retires
+ * it and records value[i] into chosen_values[j]; chosen_keys[j] gets the
+ * winning key (written by lane 0). Both arrays are the row's, in local
+ * memory; the caller puts a barrier before reading them. */
+inline void team_topk(ulong *key, const float *value, __local ulong *slots, uint lane,
+                      __local ulong *chosen_keys, __local float *chosen_values)
+{
+    for (uint j = 0; j < TOPK; j++) {
+        ulong best = KEY_NONE;
+        for (uint i = 0; i < EPT; i++)
+            best = max(best, key[i]);
+        best = team_max_key(best, slots, lane);
+        for (uint i = 0; i < EPT; i++) {
+            if (best != KEY_NONE && key[i] == best) {
+                key[i] = KEY_NONE;
+                chosen_values[j] = value[i];
+            }
+        }
+        if (lane == 0)
+            chosen_keys[j] = best;
+    }
+}
+#endif

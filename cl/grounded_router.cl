@@ -6,17 +6,23 @@
  *   HIDDEN_DIM, NUM_EXPERTS, TOPK       the shape
  *   IN_DTYPE                            dtype of token_hidden and expert_ground
  *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
+ *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
- *                                       experts, hidden step); TM 1 selects
- *                                       the one-row-per-work-item kernel
- * Two kernels: grounded_router_rows (CPUs: one work-item per token, plain
- * dot-product loops) and grounded_router_tiled (GPUs: a work-group computes
- * a TM x TN tile of g at a time, streaming the hidden dimension through
- * local memory in steps of TK, each work-item a 4 x 4 block in registers;
- * the top-k of each token is merged tile by tile in local memory). */
+ *                                       experts, hidden step)
+ *   TEAM, ROWS, EPT                     shape of the team kernel (common.cl)
+ * Three kernels:
+ *  - grounded_router_rows (CPUs): one work-item per token, plain loops;
+ *  - grounded_router_team (GPUs, small expert tables such as the seed's):
+ *    TEAM work-items per token, each owning EPT experts; the ground table
+ *    and the tokens' hidden states sit in local memory; top-k as in top-k
+ *    gating's team kernel;
+ *  - grounded_router_tiled (GPUs, large shapes): a work-group computes a
+ *    TM x TN tile of g at a time, streaming the hidden dimension through
+ *    local memory in steps of TK, each work-item a 4 x 4 block in
+ *    registers; the top-k of each token is merged tile by tile. */
 
-#ifndef TM
-#define TM 1
+#ifndef KERNEL
+#define KERNEL 0
 #endif
 
 /* The float a rank_of_float value came from (-0 comes back as +0 and every
@@ -76,7 +82,7 @@ inline void write_outputs(const ulong *keys, uint row, __global float *pairs, __
             ids += ids_off;                                                                        \
     } while (0)
 
-#if TM == 1
+#if KERNEL == 0
 /* ---------------------------------------------------------------------- */
 /* One work-item per token (CPU devices).                                  */
 /* ---------------------------------------------------------------------- */
@@ -104,6 +110,76 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
     }
     write_outputs(keys, row, pairs, weights, ids);
+}
+
+#elif KERNEL == 1
+/* ---------------------------------------------------------------------- */
+/* A team of TEAM work-items per token, ROWS tokens per work-group.        */
+/* ---------------------------------------------------------------------- */
+
+#define GROUND_STRIDE (EPT * TEAM + 1) /* +1 against bank conflicts */
+
+__kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
+grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
+                     __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
+{
+    /* ground_local[i][e]: k-major, so the lanes of a team read consecutive
+     * experts of one hidden index; columns past NUM_EXPERTS hold zeros. */
+    __local float ground_local[HIDDEN_DIM * GROUND_STRIDE];
+    __local float hidden_local[ROWS * HIDDEN_DIM];
+    __local float chosen_g[ROWS * TOPK];
+    __local ulong chosen_keys[ROWS * TOPK];
+#if TEAM_SHUFFLE
+#define KEY_SLOTS ((__local ulong *)0)
+#else
+    __local ulong key_slots[ROWS * TEAM];
+#define KEY_SLOTS (key_slots + r * TEAM)
+#endif
+    const uint lid = get_local_id(0);
+    const uint lane = lid % TEAM;
+    const uint r = lid / TEAM;
+    const uint row0 = get_group_id(0) * ROWS;
+    const uint row = row0 + r;
+    const bool active = row < num_tokens;
+    OFFSET_OUTPUTS();
+
+    for (uint idx = lid; idx < HIDDEN_DIM * EPT * TEAM; idx += TEAM * ROWS) {
+        const uint e = idx / HIDDEN_DIM, i = idx % HIDDEN_DIM;
+        ground_local[i * GROUND_STRIDE + e] = e < NUM_EXPERTS ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i) : 0.0f;
+    }
+    for (uint idx = lid; idx < ROWS * HIDDEN_DIM; idx += TEAM * ROWS) {
+        const uint m = idx / HIDDEN_DIM, i = idx % HIDDEN_DIM;
+        hidden_local[idx] = row0 + m < num_tokens ? LOAD_IN(hidden, (size_t)(row0 + m) * HIDDEN_DIM + i) : 0.0f;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    float acc[EPT];
+    for (uint j = 0; j < EPT; j++)
+        acc[j] = 0.0f;
+    for (uint i = 0; i < HIDDEN_DIM; i++) {
+        const float h = hidden_local[r * HIDDEN_DIM + i];
+        for (uint j = 0; j < EPT; j++)
+            acc[j] += h * ground_local[i * GROUND_STRIDE + j * TEAM + lane];
+    }
+    ulong key[EPT];
+    float g[EPT];
+    for (uint j = 0; j < EPT; j++) {
+        const uint e = j * TEAM + lane;
+        g[j] = 0.0f;
+        key[j] = KEY_NONE;
+        if (active && e < NUM_EXPERTS) {
+            g[j] = logits[(size_t)row * NUM_EXPERTS + e] + alpha * acc[j];
+            key[j] = rank_key(g[j], e);
+        }
+    }
+    team_topk(key, g, KEY_SLOTS, lane, chosen_keys + r * TOPK, chosen_g + r * TOPK);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (active && lane == 0) {
+        ulong keys[TOPK];
+        for (uint j = 0; j < TOPK; j++)
+            keys[j] = chosen_keys[r * TOPK + j];
+        write_outputs(keys, row, pairs, weights, ids);
+    }
 }
 
 #else

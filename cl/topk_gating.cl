@@ -174,16 +174,25 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 /* A team of TEAM work-items per row, ROWS rows per work-group (GPUs).      */
 /* ---------------------------------------------------------------------- */
 
-#define EPT ((NUM_EXPERTS + TEAM - 1) / TEAM) /* elements per work-item */
+/* EPT, the elements per work-item (NUM_EXPERTS / TEAM rounded up), comes
+ * from the host, so that common.cl's team_topk sees it. */
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, ulong gating_off, __global const float *bias, ulong bias_off,
                  __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
                  uint num_tokens, float scaling_factor)
 {
+#if TEAM_SHUFFLE
+#define KEY_SLOTS ((__local ulong *)0)
+#define FLOAT_SLOTS ((__local float *)0)
+#else
     __local ulong key_slots[ROWS * TEAM];
     __local float float_slots[ROWS * TEAM];
+#define KEY_SLOTS (key_slots + r * TEAM)
+#define FLOAT_SLOTS (float_slots + r * TEAM)
+#endif
     __local float chosen_weights[ROWS * TOPK];
+    __local ulong chosen_keys[ROWS * TOPK];
 #if NUM_GROUPS > 0
     __local float row_selection[ROWS * NUM_EXPERTS];
     __local ulong group_keys[ROWS * NUM_GROUPS];
@@ -212,14 +221,17 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     for (uint i = 0; i < EPT; i++)
         if (i * TEAM + lane < NUM_EXPERTS)
             local_max = fmax(local_max, value[i]);
-    const float row_max = team_max_float(local_max, float_slots + r * TEAM, lane);
+    const float row_max = team_max_float(local_max, FLOAT_SLOTS, lane);
+    /* exp once per element: kept for the scores after the sum. */
     float local_sum = 0.0f;
-    for (uint i = 0; i < EPT; i++)
+    for (uint i = 0; i < EPT; i++) {
+        value[i] = exp(value[i] - row_max);
         if (i * TEAM + lane < NUM_EXPERTS)
-            local_sum += exp(value[i] - row_max);
-    const float row_sum = team_sum_float(local_sum, float_slots + r * TEAM, lane);
+            local_sum += value[i];
+    }
+    const float row_sum = team_sum_float(local_sum, FLOAT_SLOTS, lane);
     for (uint i = 0; i < EPT; i++)
-        value[i] = softmax_score(value[i], row_max, row_sum);
+        value[i] = value[i] / row_sum;
 #else
     for (uint i = 0; i < EPT; i++)
         value[i] = sigmoid_score(value[i]);
@@ -266,32 +278,20 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     }
 #endif
 
-    /* Step 4: TOPK rounds of "largest key in the team"; the owner of the
-     * winning element retires it and records its weight. */
-    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
-    for (uint j = 0; j < TOPK; j++) {
-        ulong best = KEY_NONE;
-        for (uint i = 0; i < EPT; i++)
-            best = max(best, key[i]);
-        best = team_max_key(best, key_slots + r * TEAM, lane);
-        for (uint i = 0; i < EPT; i++) {
-            if (best != KEY_NONE && key[i] == best) {
-                key[i] = KEY_NONE;
-                chosen_weights[r * TOPK + j] = value[i];
-            }
-        }
-        if (active && lane == j % TEAM)
-            id_out[j] = (int)key_index(best);
-    }
+    /* Step 4: TOPK rounds of "largest key in the team". */
+    team_topk(key, value, KEY_SLOTS, lane, chosen_keys + r * TOPK, chosen_weights + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    /* Step 5: weights. */
+    /* Step 5: weights, and the ids from the chosen keys. */
     if (active) {
         float divisor;
         WEIGHTS_DIVISOR(divisor, chosen_weights + r * TOPK, TOPK);
         __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
-        for (uint j = lane; j < TOPK; j += TEAM)
+        __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
+        for (uint j = lane; j < TOPK; j += TEAM) {
             w_out[j] = chosen_weights[r * TOPK + j] / divisor * scaling_factor;
+            id_out[j] = (int)key_index(chosen_keys[r * TOPK + j]);
+        }
     }
 }
 #endif

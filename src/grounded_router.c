@@ -42,9 +42,15 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_route
 #undef INVALID
 }
 
+typedef enum kernel_kind { KERNEL_ROWS = 0, KERNEL_TEAM = 1, KERNEL_TILED = 2 } kernel_kind;
+
 typedef struct launch_shape {
-    unsigned tm, tn, tk; /* tm == 1: the one-row-per-work-item kernel */
-    size_t local;
+    kernel_kind kind;
+    unsigned tm, tn, tk;       /* tiled */
+    unsigned team, rows, ept;  /* team */
+    bool shuffle;              /* team: NVIDIA warp shuffles */
+    size_t local;              /* work-group size */
+    size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
 } launch_shape;
 
@@ -54,23 +60,65 @@ static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned 
     return ((size_t)tk * (tm + 1) + (size_t)tk * (tn + 1) + (size_t)tm * (tn + 1)) * 4 + (size_t)tm * k * 8;
 }
 
-static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k)
+/* Local memory of grounded_router_team. */
+static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
+{
+    return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 12 +
+           (size_t)rows * team * 8;
+}
+
+static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k)
 {
     const moecl_device_info *info = &ctx->info;
-    const launch_shape rows_kernel = {1, 1, 1, 8, "grounded_router_rows"};
+    launch_shape shape;
+    memset(&shape, 0, sizeof(shape));
+    shape.kind = KERNEL_ROWS;
+    shape.local = shape.rows_per_group = 8;
+    shape.kernel_name = "grounded_router_rows";
     if (info->launch_class == MOECL_LAUNCH_CPU)
-        return rows_kernel;
+        return shape;
+    const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+
+    /* Small expert tables (the seed's 16 x 128): a team per token, the table
+     * in local memory. */
+    if (experts <= 64) {
+        unsigned team = 1;
+        while (team < experts && team < 32)
+            team <<= 1;
+        unsigned ept = (experts + team - 1) / team;
+        for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1) {
+            if ((size_t)team * rows <= info->max_work_group_size &&
+                team_local_bytes(hidden, team, ept, rows, k) <= budget && (rows >= 4 || rows * team >= 64)) {
+                shape.kind = KERNEL_TEAM;
+                shape.team = team;
+                shape.rows = rows;
+                shape.ept = ept;
+                shape.shuffle = info->vendor == MOECL_VENDOR_NVIDIA && (team * rows) % 32 == 0;
+                shape.local = (size_t)team * rows;
+                shape.rows_per_group = rows;
+                shape.kernel_name = "grounded_router_team";
+                return shape;
+            }
+        }
+    }
     unsigned tn = 16;
     while (tn < 64 && tn < experts)
         tn <<= 1;
     const unsigned tk = 16;
-    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
     for (unsigned tm = 64; tm >= 16; tm >>= 1) {
         size_t local = (size_t)(tm / 4) * (tn / 4);
-        if (local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget)
-            return (launch_shape){tm, tn, tk, local, "grounded_router_tiled"};
+        if (local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget) {
+            shape.kind = KERNEL_TILED;
+            shape.tm = tm;
+            shape.tn = tn;
+            shape.tk = tk;
+            shape.local = local;
+            shape.rows_per_group = tm;
+            shape.kernel_name = "grounded_router_tiled";
+            return shape;
+        }
     }
-    return rows_kernel; /* a device too small for the tiles still runs the plain loops */
+    return shape; /* a device too small for either still runs the plain loops */
 }
 
 typedef struct prepared {
@@ -81,13 +129,14 @@ typedef struct prepared {
 static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
                             bool ids, prepared *out)
 {
-    out->shape = choose_launch(ctx, d->num_experts, d->top_k);
+    out->shape = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k);
+    const launch_shape *s = &out->shape;
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DTM=%u -DTN=%u -DTK=%u",
-             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, out->shape.tm,
-             out->shape.tn, out->shape.tk);
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
+             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
+             s->tn, s->tk, s->team ? s->team : 1, s->rows ? s->rows : 1, s->ept ? s->ept : 1, s->shuffle ? 1 : 0);
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 
@@ -136,7 +185,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
         moecl_variant_release(p->variant, kernel);
         return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
     }
-    const size_t rows_per_group = p->shape.tm == 1 ? p->shape.local : p->shape.tm;
+    const size_t rows_per_group = p->shape.rows_per_group;
     const size_t local = p->shape.local;
     const size_t global = moecl_round_up(d->num_tokens, rows_per_group) / rows_per_group * local;
     err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);

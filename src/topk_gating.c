@@ -65,6 +65,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
 
 typedef struct launch_shape {
     unsigned team, rows;
+    bool shuffle; /* NVIDIA warp shuffles for the team reductions */
     const char *kernel_name;
 } launch_shape;
 
@@ -80,7 +81,7 @@ static unsigned next_pow2(unsigned v)
  * arrays of topk_gating_team). */
 static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
 {
-    size_t per_row = (size_t)team * (8 + 4) + (size_t)k * 4;
+    size_t per_row = (size_t)team * (8 + 4) + (size_t)k * (4 + 8);
     if (groups)
         per_row += (size_t)experts * 4 + (size_t)groups * 9;
     return per_row * rows;
@@ -89,7 +90,7 @@ static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigne
 static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups)
 {
     const moecl_device_info *info = &ctx->info;
-    launch_shape rows_kernel = {1, 8, "topk_gating_rows"};
+    launch_shape rows_kernel = {1, 8, false, "topk_gating_rows"};
     if (info->launch_class == MOECL_LAUNCH_CPU)
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
@@ -99,7 +100,7 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, un
     while (team > 1 && team > info->max_work_group_size)
         team >>= 1;
     if (team == 1)
-        return (launch_shape){1, 64, "topk_gating_rows"};
+        return (launch_shape){1, 64, false, "topk_gating_rows"};
     unsigned rows = team >= 128 ? 1 : 128 / team;
     while (rows * team > info->max_work_group_size)
         rows >>= 1;
@@ -109,7 +110,9 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, un
         rows >>= 1;
     if (rows == 0 || team_local_bytes(team, rows, k, experts, groups) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
-    return (launch_shape){team, rows, "topk_gating_team"};
+    /* Shuffles need teams inside a warp and work-groups of whole warps. */
+    bool shuffle = info->vendor == MOECL_VENDOR_NVIDIA && team <= 32 && (team * rows) % 32 == 0;
+    return (launch_shape){team, rows, shuffle, "topk_gating_team"};
 }
 
 typedef struct prepared {
@@ -129,9 +132,10 @@ static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d,
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
-             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u",
+             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
-             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, out->shape.team, out->shape.rows);
+             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, out->shape.team, out->shape.rows,
+             out->shape.shuffle ? 1 : 0, (d->num_experts + out->shape.team - 1) / out->shape.team);
     return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
 }
 
