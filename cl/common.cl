@@ -58,6 +58,27 @@ inline uint key_index(ulong key) { return ~(uint)key; }
 
 #define KEY_NONE 0ul
 
+/* The rank of a selection score for the team kernels, with 0 kept free for
+ * "excluded or already taken": NaN ranks 1, still below -inf. */
+#define RANK_NONE 0u
+inline uint select_rank(float s)
+{
+    uint r = rank_of_float(s);
+    return r ? r : 1u;
+}
+
+/* NATIVE_MATH (set by the host for NVIDIA, whose native exp and
+ * reciprocal are within the error bounds the tests hold every kernel to):
+ * faster exp, and scores as e * (1 / sum). */
+#ifndef NATIVE_MATH
+#define NATIVE_MATH 0
+#endif
+#if NATIVE_MATH
+#define EXP(x) native_exp(x)
+#else
+#define EXP(x) exp(x)
+#endif
+
 /* Team reductions. Each row's team owns TEAM consecutive slots of a
  * __local scratch array. Every lane gets the same result, computed in the
  * same order, so all lanes agree bit for bit. Small teams read all slots
@@ -80,14 +101,17 @@ inline uint shuffle_xor(uint v, uint lane_mask)
     return r;
 }
 
-inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
+inline uint team_max_u32(uint v)
 {
-    (void)slots;
-    (void)lane;
-    for (uint m = TEAM / 2; m > 0; m >>= 1) {
-        ulong o = ((ulong)shuffle_xor((uint)(v >> 32), m) << 32) | shuffle_xor((uint)v, m);
-        v = max(v, o);
-    }
+    for (uint m = TEAM / 2; m > 0; m >>= 1)
+        v = max(v, shuffle_xor(v, m));
+    return v;
+}
+
+inline uint team_min_u32(uint v)
+{
+    for (uint m = TEAM / 2; m > 0; m >>= 1)
+        v = min(v, shuffle_xor(v, m));
     return v;
 }
 
@@ -190,27 +214,49 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
     } while (0)
 
 #if defined(EPT) && defined(TOPK) && TEAM > 1
-/* TOPK rounds of "largest key in the team" over the EPT keys each lane
- * holds (element i of a lane is its i-th). The owner of each winner retires
- * it and records value[i] into chosen_values[j]; chosen_keys[j] gets the
- * winning key (written by lane 0). Both arrays are the row's, in local
- * memory; the caller puts a barrier before reading them. */
-inline void team_topk(ulong *key, const float *value, __local ulong *slots, uint lane,
-                      __local ulong *chosen_keys, __local float *chosen_values)
+/* TOPK rounds of "largest selection rank in the team" over the EPT ranks
+ * each lane holds (its element i is expert i * TEAM + lane; RANK_NONE marks
+ * an excluded one). The owner of each winner retires it and records
+ * value[i] into chosen_values[j]; chosen_ids[j] gets the winner's expert
+ * (written by lane 0). Both arrays are the row's, in local memory; the
+ * caller puts a barrier before reading them. Scans keep the first of equal
+ * ranks, so within a lane the lower index wins a tie. */
+inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint lane, __local uint *chosen_ids,
+                      __local float *chosen_values)
 {
     for (uint j = 0; j < TOPK; j++) {
-        ulong best = KEY_NONE;
-        for (uint i = 0; i < EPT; i++)
-            best = max(best, key[i]);
-        best = team_max_key(best, slots, lane);
+        uint best = RANK_NONE, slot = 0;
         for (uint i = 0; i < EPT; i++) {
-            if (best != KEY_NONE && key[i] == best) {
-                key[i] = KEY_NONE;
-                chosen_values[j] = value[i];
+            if (rank[i] > best) {
+                best = rank[i];
+                slot = i;
+            }
+        }
+#if TEAM_SHUFFLE
+        /* Two 32-bit butterflies: the largest rank, then the lowest index
+         * among the lanes that hold it. */
+        (void)slots;
+        const uint team_best = team_max_u32(best);
+        const uint mine = (best == team_best && best != RANK_NONE) ? slot * TEAM + lane : 0xffffffffu;
+        const uint winner = team_min_u32(mine);
+        const bool owner = mine == winner && winner != 0xffffffffu;
+#else
+        /* One reduction of 64-bit keys through local memory. */
+        const ulong key = best != RANK_NONE ? ((ulong)best << 32) | (ulong)(~(slot * TEAM + lane)) : KEY_NONE;
+        const ulong team_key = team_max_key(key, slots, lane);
+        const uint winner = team_key != KEY_NONE ? key_index(team_key) : 0xffffffffu;
+        const bool owner = key != KEY_NONE && key == team_key;
+#endif
+        if (owner) {
+            for (uint i = 0; i < EPT; i++) {
+                if (i == slot) {
+                    chosen_values[j] = value[i];
+                    rank[i] = RANK_NONE;
+                }
             }
         }
         if (lane == 0)
-            chosen_keys[j] = best;
+            chosen_ids[j] = winner;
     }
 }
 #endif

@@ -34,35 +34,45 @@ inline float float_of_rank(uint r)
     return (r & 0x80000000u) ? as_float(r & 0x7fffffffu) : as_float(~r);
 }
 
-/* Softmax over the chosen values (max-subtracted; the first key holds the
- * largest number unless every chosen value is NaN) and the outputs. The sum
- * runs in index order, so every device gives the same bits. keys is
- * private. */
-inline void write_outputs(const ulong *keys, uint row, __global float *pairs, __global float *weights,
+/* Softmax over the chosen values g (max-subtracted: g[0] is the largest
+ * number unless every chosen value is NaN) and the outputs. The sum runs in
+ * index order, so every device gives the same bits. Private arrays. */
+inline void write_outputs(const uint *id, const float *g, uint row, __global float *pairs, __global float *weights,
                           __global int *ids)
 {
-    const float top = float_of_rank((uint)(keys[0] >> 32));
     float e[TOPK];
     float sum = 0.0f;
     for (uint j = 0; j < TOPK; j++) {
-        e[j] = exp(float_of_rank((uint)(keys[j] >> 32)) - top);
+        e[j] = exp(g[j] - g[0]);
         sum += e[j];
     }
     for (uint j = 0; j < TOPK; j++) {
         const float w = e[j] / sum;
-        const uint id = key_index(keys[j]);
         const size_t at = (size_t)row * TOPK + j;
 #if HAS_PAIRS
-        pairs[2 * at] = (float)id;
+        pairs[2 * at] = (float)id[j];
         pairs[2 * at + 1] = w;
 #endif
 #if HAS_WEIGHTS
         weights[at] = w;
 #endif
 #if HAS_IDS
-        ids[at] = (int)id;
+        ids[at] = (int)id[j];
 #endif
     }
+}
+
+/* write_outputs from a descending list of rank keys. */
+inline void write_outputs_from_keys(const ulong *keys, uint row, __global float *pairs, __global float *weights,
+                                    __global int *ids)
+{
+    uint id[TOPK];
+    float g[TOPK];
+    for (uint j = 0; j < TOPK; j++) {
+        id[j] = key_index(keys[j]);
+        g[j] = float_of_rank((uint)(keys[j] >> 32));
+    }
+    write_outputs(id, g, row, pairs, weights, ids);
 }
 
 #define OUTPUT_PARAMS                                                                              \
@@ -109,7 +119,7 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         const ulong key = rank_key(g, e);
         TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
     }
-    write_outputs(keys, row, pairs, weights, ids);
+    write_outputs_from_keys(keys, row, pairs, weights, ids);
 }
 
 #elif KERNEL == 1
@@ -128,7 +138,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     __local float ground_local[HIDDEN_DIM * GROUND_STRIDE];
     __local float hidden_local[ROWS * HIDDEN_DIM];
     __local float chosen_g[ROWS * TOPK];
-    __local ulong chosen_keys[ROWS * TOPK];
+    __local uint chosen_ids[ROWS * TOPK];
 #if TEAM_SHUFFLE
 #define KEY_SLOTS ((__local ulong *)0)
 #else
@@ -161,24 +171,27 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         for (uint j = 0; j < EPT; j++)
             acc[j] += h * ground_local[i * GROUND_STRIDE + j * TEAM + lane];
     }
-    ulong key[EPT];
+    uint rank[EPT];
     float g[EPT];
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
         g[j] = 0.0f;
-        key[j] = KEY_NONE;
+        rank[j] = RANK_NONE;
         if (active && e < NUM_EXPERTS) {
             g[j] = logits[(size_t)row * NUM_EXPERTS + e] + alpha * acc[j];
-            key[j] = rank_key(g[j], e);
+            rank[j] = select_rank(g[j]);
         }
     }
-    team_topk(key, g, KEY_SLOTS, lane, chosen_keys + r * TOPK, chosen_g + r * TOPK);
+    team_topk(rank, g, KEY_SLOTS, lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (active && lane == 0) {
-        ulong keys[TOPK];
-        for (uint j = 0; j < TOPK; j++)
-            keys[j] = chosen_keys[r * TOPK + j];
-        write_outputs(keys, row, pairs, weights, ids);
+        uint id[TOPK];
+        float chosen[TOPK];
+        for (uint j = 0; j < TOPK; j++) {
+            id[j] = chosen_ids[r * TOPK + j];
+            chosen[j] = chosen_g[r * TOPK + j];
+        }
+        write_outputs(id, chosen, row, pairs, weights, ids);
     }
 }
 
@@ -282,7 +295,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
         ulong keys[TOPK];
         for (uint j = 0; j < TOPK; j++)
             keys[j] = top_keys[lid * TOPK + j];
-        write_outputs(keys, row0 + lid, pairs, weights, ids);
+        write_outputs_from_keys(keys, row0 + lid, pairs, weights, ids);
     }
 }
 #endif

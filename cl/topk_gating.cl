@@ -192,7 +192,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
 #define FLOAT_SLOTS (float_slots + r * TEAM)
 #endif
     __local float chosen_weights[ROWS * TOPK];
-    __local ulong chosen_keys[ROWS * TOPK];
+    __local uint chosen_ids[ROWS * TOPK];
 #if NUM_GROUPS > 0
     __local float row_selection[ROWS * NUM_EXPERTS];
     __local ulong group_keys[ROWS * NUM_GROUPS];
@@ -225,26 +225,32 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     /* exp once per element: kept for the scores after the sum. */
     float local_sum = 0.0f;
     for (uint i = 0; i < EPT; i++) {
-        value[i] = exp(value[i] - row_max);
+        value[i] = EXP(value[i] - row_max);
         if (i * TEAM + lane < NUM_EXPERTS)
             local_sum += value[i];
     }
     const float row_sum = team_sum_float(local_sum, FLOAT_SLOTS, lane);
+#if NATIVE_MATH
+    const float inv_sum = 1.0f / row_sum;
     for (uint i = 0; i < EPT; i++)
-        value[i] = value[i] / row_sum;
+        value[i] = value[i] * inv_sum;
 #else
     for (uint i = 0; i < EPT; i++)
-        value[i] = sigmoid_score(value[i]);
+        value[i] = value[i] / row_sum;
+#endif
+#else
+    for (uint i = 0; i < EPT; i++)
+        value[i] = 1.0f / (1.0f + EXP(-value[i]));
 #endif
 
-    /* Step 2: selection keys; padding and inactive rows get KEY_NONE. */
-    ulong key[EPT];
+    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. */
+    uint rank[EPT];
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
-        key[i] = KEY_NONE;
+        rank[i] = RANK_NONE;
         if (active && e < NUM_EXPERTS) {
             float s = selection_score(value[i], bias, e);
-            key[i] = rank_key(s, e);
+            rank[i] = select_rank(s);
 #if NUM_GROUPS > 0
             row_selection[r * NUM_EXPERTS + e] = s;
 #endif
@@ -274,12 +280,12 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         if (e < NUM_EXPERTS && !group_kept[r * NUM_GROUPS + e / GROUP_SIZE])
-            key[i] = KEY_NONE;
+            rank[i] = RANK_NONE;
     }
 #endif
 
     /* Step 4: TOPK rounds of "largest key in the team". */
-    team_topk(key, value, KEY_SLOTS, lane, chosen_keys + r * TOPK, chosen_weights + r * TOPK);
+    team_topk(rank, value, KEY_SLOTS, lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
 
     /* Step 5: weights, and the ids from the chosen keys. */
@@ -290,7 +296,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
         for (uint j = lane; j < TOPK; j += TEAM) {
             w_out[j] = chosen_weights[r * TOPK + j] / divisor * scaling_factor;
-            id_out[j] = (int)key_index(chosen_keys[r * TOPK + j]);
+            id_out[j] = (int)chosen_ids[r * TOPK + j];
         }
     }
 }

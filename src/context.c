@@ -11,8 +11,9 @@ static char *make_build_options(const moecl_device_info *info)
 {
     const char *user = getenv("MOECL_BUILD_OPTIONS");
     char buf[1024];
-    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d%s%s",
-             info->vendor == MOECL_VENDOR_NVIDIA ? 1 : 0, user && *user ? " " : "", user ? user : "");
+    const int nvidia = info->vendor == MOECL_VENDOR_NVIDIA;
+    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d -DNATIVE_MATH=%d%s%s", nvidia, nvidia,
+             user && *user ? " " : "", user ? user : "");
     return strdup(buf);
 }
 

@@ -75,6 +75,10 @@ int main(int argc, char **argv)
     }
     char text[4096];
     moecl_context_describe(ctx, text, sizeof(text));
+    printf("\nOps: top-k gating (moecl_topk_gating: softmax/sigmoid, bias, groups, renormalize, scale;\n"
+           "     f32/f16/bf16 logits; 1..4096 experts, top_k 1..64) and the grounded router\n"
+           "     (moecl_grounded_router: logits + alpha * hidden @ ground^T, top-k, softmax over the chosen;\n"
+           "     hidden 1..65536).\n");
     printf("\nmoecl picks (by %s):\n", why);
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
         printf("  %s\n", line);

@@ -25,4 +25,6 @@ else
 fi
 ninja -C build
 build/tools/moecl-info
-exec build/tools/moecl-demo "$@"
+# The main job: both seed ops at the seed shapes, checked against the
+# float64 reference, then timed.
+exec build/tools/moecl-bench --quick "$@"
