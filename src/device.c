@@ -71,6 +71,11 @@ static void choose_launch_class(moecl_device_info *info)
         info->launch_class = MOECL_LAUNCH_GPU;
         info->launch_reason = "GPU or accelerator: a team of work-items per row";
     }
+    /* MOECL_TEAM: a power of two 2..256 fixes the team size of the top-k
+     * gating team kernel (tuning sweeps); anything else is ignored. */
+    const char *team = getenv("MOECL_TEAM");
+    unsigned long t = team ? strtoul(team, NULL, 10) : 0;
+    info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
 }
 
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)

@@ -51,6 +51,7 @@ typedef struct moecl_device_info {
     size_t max_work_group_size;
     moecl_launch_class launch_class;
     const char *launch_reason; /* static text: why this class */
+    unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */

@@ -94,7 +94,7 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, un
     if (info->launch_class == MOECL_LAUNCH_CPU)
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
-    unsigned team = next_pow2((experts + 7) / 8);
+    unsigned team = info->team_override ? info->team_override : next_pow2((experts + 7) / 8);
     if (team > 256)
         team = 256;
     while (team > 1 && team > info->max_work_group_size)
