@@ -39,6 +39,8 @@ typedef struct bench_result {
 
 typedef struct options {
     const char *device, *json, *csv, *only;
+    const char *shapes[16]; /* --shape T,E,K: extra softmax top-k cases */
+    int num_shapes;
     int iterations, wall_calls;
     bool cold, quick;
 } options;
@@ -443,17 +445,22 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick]\n"
-               "                   [--only SUBSTRING] [--json FILE] [--csv FILE] [--help]\n"
+               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
-               "kernel. --quick: fewer calls and no large grounded-router shape.\n"
+               "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
+               "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
+               "label or shape contains SUBSTRING.\n"
                "Exit status: 0 all checks passed, 1 a check failed or a call failed, 2 bad usage.\n");
 }
 
 int main(int argc, char **argv)
 {
-    options o = {NULL, NULL, NULL, NULL, 200, 1000, false, false};
+    options o;
+    memset(&o, 0, sizeof(o));
+    o.iterations = 200;
+    o.wall_calls = 1000;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         bool has = i + 1 < argc;
@@ -472,6 +479,8 @@ int main(int argc, char **argv)
             o.csv = argv[++i];
         } else if (!strcmp(a, "--only") && has) {
             o.only = argv[++i];
+        } else if (!strcmp(a, "--shape") && has && o.num_shapes < 16) {
+            o.shapes[o.num_shapes++] = argv[++i];
         } else if (!strcmp(a, "--cold")) {
             o.cold = true;
         } else if (!strcmp(a, "--quick")) {
@@ -517,10 +526,22 @@ int main(int argc, char **argv)
     printf("context creation: %.1f ms; empty kernel: %.2f us device time; copy kernel: %.1f GB/s (read + write)\n\n",
            create_ms, pr.empty_us, pr.copy_gbps);
 
-    bench_case cases[32];
+    bench_case cases[48];
     int n = default_cases(cases, o.quick);
-    bench_result results[32];
-    bool ran[32] = {false};
+    for (int i = 0; i < o.num_shapes; i++) {
+        unsigned t, e, k;
+        if (sscanf(o.shapes[i], "%u,%u,%u", &t, &e, &k) != 3) {
+            usage(stderr);
+            return 2;
+        }
+        bench_case *c = &cases[n++];
+        memset(c, 0, sizeof(*c));
+        c->label = "topk softmax";
+        c->op = OP_TOPK;
+        c->topk = moecl_topk_gating_desc_init(t, e, k);
+    }
+    bench_result results[48];
+    bool ran[48] = {false};
     int failures = 0;
     printf("%-18s %-20s %-5s %9s %9s %9s %10s %9s %6s %7s %7s %8s %5s %s\n", "op", "shape", "dtype", "dev_us", "p10_us",
            "p90_us", "wall_us", "GB/s", "%copy", "T_SOL", "T_Prod", "prep_ms", "calls", "check");
