@@ -536,7 +536,7 @@ int main(int argc, char **argv)
         }
         bench_case *c = &cases[n++];
         memset(c, 0, sizeof(*c));
-        c->label = "topk softmax";
+        c->label = "topk custom";
         c->op = OP_TOPK;
         c->topk = moecl_topk_gating_desc_init(t, e, k);
     }
