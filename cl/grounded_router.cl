@@ -206,22 +206,15 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 #define COL_GROUPS (TN / NT)
 #define WG_SIZE (ROW_GROUPS * COL_GROUPS)
 #define EXPERT_TILES ((NUM_EXPERTS + TN - 1) / TN)
-/* The tiles are stored with the column blocks of row kk XOR-swizzled by kk,
- * so the transposing stores of a warp (one column, many kk) spread over
- * banks, while each 4-column block stays contiguous and aligned. */
-#define SWIZZLE_BLOCKS(width) ((width) / 4 < 8 ? (width) / 4 : 8)
-#define SWIZZLE(kk, width) ((((kk) & (SWIZZLE_BLOCKS(width) - 1))) << 2)
 
 __kernel __attribute__((reqd_work_group_size(WG_SIZE, 1, 1))) void
 grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
                       __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
 {
-    /* k-major tiles: a work-item reads its MT consecutive rows and NT
-     * consecutive columns of one k step as one 16-byte load from each (the
-     * work-items of a warp read one row block, broadcast, and 16 column
-     * blocks, without bank conflicts). */
-    __local float hidden_tile[TK][TM];
-    __local float ground_tile[TK][TN];
+    /* k-major tiles (+1 column against bank conflicts): a work-item reads
+     * its MT rows and NT columns of one k step from one row of each. */
+    __local float hidden_tile[TK][TM + 1];
+    __local float ground_tile[TK][TN + 1];
     __local float g_tile[TM][TN + 1];
     __local ulong top_keys[TM * TOPK];
 
@@ -247,19 +240,20 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint i = lid; i < TM * TK; i += WG_SIZE) {
                 const uint m = i / TK, kk = i % TK;
                 const uint t = row0 + m, k = k0 + kk;
-                hidden_tile[kk][m ^ SWIZZLE(kk, TM)] = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
+                hidden_tile[kk][m] = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
             }
             for (uint i = lid; i < TN * TK; i += WG_SIZE) {
                 const uint n = i / TK, kk = i % TK;
                 const uint e = expert0 + n, k = k0 + kk;
-                ground_tile[kk][n ^ SWIZZLE(kk, TN)] = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
+                ground_tile[kk][n] = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
             }
             barrier(CLK_LOCAL_MEM_FENCE);
             for (uint kk = 0; kk < TK; kk++) {
-                const float4 a4 = vload4(0, &hidden_tile[kk][(row_group * MT) ^ SWIZZLE(kk, TM)]);
-                const float4 b4 = vload4(0, &ground_tile[kk][(col_group * NT) ^ SWIZZLE(kk, TN)]);
-                const float a[MT] = {a4.s0, a4.s1, a4.s2, a4.s3};
-                const float b[NT] = {b4.s0, b4.s1, b4.s2, b4.s3};
+                float a[MT], b[NT];
+                for (uint i = 0; i < MT; i++)
+                    a[i] = hidden_tile[kk][row_group + i * ROW_GROUPS];
+                for (uint j = 0; j < NT; j++)
+                    b[j] = ground_tile[kk][col_group + j * COL_GROUPS];
                 for (uint i = 0; i < MT; i++)
                     for (uint j = 0; j < NT; j++)
                         acc[i][j] += a[i] * b[j];
@@ -269,9 +263,9 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 
         /* g for this tile into local memory. */
         for (uint i = 0; i < MT; i++) {
-            const uint m = row_group * MT + i, t = row0 + m;
+            const uint m = row_group + i * ROW_GROUPS, t = row0 + m;
             for (uint j = 0; j < NT; j++) {
-                const uint n = col_group * NT + j, e = expert0 + n;
+                const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
                 if (t < num_tokens && e < NUM_EXPERTS)
                     g_tile[m][n] = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
             }

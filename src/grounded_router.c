@@ -57,7 +57,7 @@ typedef struct launch_shape {
 /* Local memory of grounded_router_tiled (mirrors its __local arrays). */
 static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned k)
 {
-    return ((size_t)tk * tm + (size_t)tk * tn + (size_t)tm * (tn + 1)) * 4 + (size_t)tm * k * 8;
+    return ((size_t)tk * (tm + 1) + (size_t)tk * (tn + 1) + (size_t)tm * (tn + 1)) * 4 + (size_t)tm * k * 8;
 }
 
 /* Local memory of grounded_router_team. */
@@ -104,7 +104,7 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
     unsigned tn = 16;
     while (tn < 64 && tn < experts)
         tn <<= 1;
-    const unsigned tk = 32;
+    const unsigned tk = 16;
     for (unsigned tm = 64; tm >= 16; tm >>= 1) {
         size_t local = (size_t)(tm / 4) * (tn / 4);
         if (local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget) {
