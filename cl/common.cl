@@ -9,6 +9,21 @@
  * OpenCL C 1.2, no extensions: f16 goes through vload_half and bf16 is a
  * 16-bit word widened by a shift, so both work on every device. */
 
+/* No contraction of a * b + c into fma behind our back: a compiler may fuse
+ * one copy of an expression and not another, and then equal inputs give
+ * unequal results and break the tie rule. Dot products call fma()
+ * explicitly. */
+#pragma OPENCL FP_CONTRACT OFF
+
+/* UNROLL: fully unroll a loop over a private array so that the array stays
+ * in registers (a loop index into a private array puts it in memory on
+ * GPUs). Only where the compiler is known to honour it well. */
+#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+
 #ifndef IN_DTYPE
 #define IN_DTYPE 0
 #endif
@@ -214,7 +229,10 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
     } while (0)
 
 #if defined(EPT) && defined(TOPK) && TEAM > 1
-/* TOPK rounds of "largest selection rank in the team" over the EPT ranks
+/* The EPT loops are unrolled so that rank[] and value[] stay in registers:
+ * indexing a private array with a loop variable would put it in memory.
+ *
+ * TOPK rounds of "largest selection rank in the team" over the EPT ranks
  * each lane holds (its element i is expert i * TEAM + lane; RANK_NONE marks
  * an excluded one). The owner of each winner retires it and records
  * value[i] into chosen_values[j]; chosen_ids[j] gets the winner's expert
@@ -226,6 +244,7 @@ inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint
 {
     for (uint j = 0; j < TOPK; j++) {
         uint best = RANK_NONE, slot = 0;
+        UNROLL
         for (uint i = 0; i < EPT; i++) {
             if (rank[i] > best) {
                 best = rank[i];
@@ -248,6 +267,7 @@ inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint
         const bool owner = key != KEY_NONE && key == team_key;
 #endif
         if (owner) {
+        UNROLL
             for (uint i = 0; i < EPT; i++) {
                 if (i == slot) {
                     chosen_values[j] = value[i];

@@ -114,7 +114,7 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         __global const in_t *w = ground + (size_t)e * HIDDEN_DIM;
         float dot = 0.0f;
         for (uint i = 0; i < HIDDEN_DIM; i++)
-            dot += LOAD_IN(h, i) * LOAD_IN(w, i);
+            dot = fma(LOAD_IN(h, i), LOAD_IN(w, i), dot);
         const float g = logits[(size_t)row * NUM_EXPERTS + e] + alpha * dot;
         const ulong key = rank_key(g, e);
         TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
@@ -164,15 +164,18 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     barrier(CLK_LOCAL_MEM_FENCE);
 
     float acc[EPT];
+    UNROLL
     for (uint j = 0; j < EPT; j++)
         acc[j] = 0.0f;
     for (uint i = 0; i < HIDDEN_DIM; i++) {
         const float h = hidden_local[r * HIDDEN_DIM + i];
+        UNROLL
         for (uint j = 0; j < EPT; j++)
-            acc[j] += h * ground_local[i * GROUND_STRIDE + j * TEAM + lane];
+            acc[j] = fma(h, ground_local[i * GROUND_STRIDE + j * TEAM + lane], acc[j]);
     }
     uint rank[EPT];
     float g[EPT];
+    UNROLL
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
         g[j] = 0.0f;
@@ -200,8 +203,12 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 /* Tiled: TM tokens x TN experts per step, hidden streamed by TK (GPUs).    */
 /* ---------------------------------------------------------------------- */
 
+#ifndef MT
 #define MT 4 /* rows of a work-item's register block */
+#endif
+#ifndef NT
 #define NT 4 /* columns of a work-item's register block */
+#endif
 #define ROW_GROUPS (TM / MT)
 #define COL_GROUPS (TN / NT)
 #define WG_SIZE (ROW_GROUPS * COL_GROUPS)
@@ -212,11 +219,16 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
                       __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
 {
     /* k-major tiles (+1 column against bank conflicts): a work-item reads
-     * its MT rows and NT columns of one k step from one row of each. */
-    __local float hidden_tile[TK][TM + 1];
-    __local float ground_tile[TK][TN + 1];
-    __local float g_tile[TM][TN + 1];
+     * its MT rows and NT columns of one k step from one row of each. The
+     * tile of g is only live between the hidden loop and the merge, when
+     * the input tiles are not, so the two share one array. */
+#define INPUT_TILES (TK * (TM + 1) + TK * (TN + 1))
+#define G_TILE (TM * (TN + 1))
+    __local float tile_memory[INPUT_TILES > G_TILE ? INPUT_TILES : G_TILE];
     __local ulong top_keys[TM * TOPK];
+#define HIDDEN_TILE(kk, m) tile_memory[(kk) * (TM + 1) + (m)]
+#define GROUND_TILE(kk, n) tile_memory[TK * (TM + 1) + (kk) * (TN + 1) + (n)]
+#define G_AT(m, n) tile_memory[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
     const uint col_group = lid % COL_GROUPS;
@@ -240,23 +252,23 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint i = lid; i < TM * TK; i += WG_SIZE) {
                 const uint m = i / TK, kk = i % TK;
                 const uint t = row0 + m, k = k0 + kk;
-                hidden_tile[kk][m] = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
+                HIDDEN_TILE(kk, m) = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
             }
             for (uint i = lid; i < TN * TK; i += WG_SIZE) {
                 const uint n = i / TK, kk = i % TK;
                 const uint e = expert0 + n, k = k0 + kk;
-                ground_tile[kk][n] = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
+                GROUND_TILE(kk, n) = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
             }
             barrier(CLK_LOCAL_MEM_FENCE);
             for (uint kk = 0; kk < TK; kk++) {
                 float a[MT], b[NT];
                 for (uint i = 0; i < MT; i++)
-                    a[i] = hidden_tile[kk][row_group + i * ROW_GROUPS];
+                    a[i] = HIDDEN_TILE(kk, row_group + i * ROW_GROUPS);
                 for (uint j = 0; j < NT; j++)
-                    b[j] = ground_tile[kk][col_group + j * COL_GROUPS];
+                    b[j] = GROUND_TILE(kk, col_group + j * COL_GROUPS);
                 for (uint i = 0; i < MT; i++)
                     for (uint j = 0; j < NT; j++)
-                        acc[i][j] += a[i] * b[j];
+                        acc[i][j] = fma(a[i], b[j], acc[i][j]);
             }
             barrier(CLK_LOCAL_MEM_FENCE);
         }
@@ -267,7 +279,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint j = 0; j < NT; j++) {
                 const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
                 if (t < num_tokens && e < NUM_EXPERTS)
-                    g_tile[m][n] = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
+                    G_AT(m, n) = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -277,7 +289,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             __local ulong *keys = top_keys + lid * TOPK;
             const uint width = min((uint)TN, (uint)(NUM_EXPERTS - expert0));
             for (uint n = 0; n < width; n++) {
-                const ulong key = rank_key(g_tile[lid][n], expert0 + n);
+                const ulong key = rank_key(G_AT(lid, n), expert0 + n);
                 if (key > keys[TOPK - 1]) {
                     int j = TOPK - 1;
                     while (j > 0 && keys[j - 1] < key) {

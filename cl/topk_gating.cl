@@ -16,11 +16,10 @@
 #endif
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
-/* Step 1: score. Softmax takes the row's max over the non-NaN logits and
- * the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic makes
- * them (any NaN or +inf logit makes the whole row NaN). */
-inline float softmax_score(float x, float row_max, float row_sum) { return exp(x - row_max) / row_sum; }
-inline float sigmoid_score(float x) { return 1.0f / (1.0f + exp(-x)); }
+/* Step 1, the score: softmax takes the row's max over the non-NaN logits
+ * and the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic
+ * makes them (any NaN or +inf logit makes the whole row NaN). Sigmoid is
+ * 1 / (1 + exp(-x)). Each kernel computes it in its own layout below. */
 
 /* Step 2: selection score. */
 inline float selection_score(float score, __global const float *bias, uint e)
@@ -91,12 +90,62 @@ inline float group_acc_score(const group_acc *a)
 /* One work-item per row (CPU devices).                                    */
 /* ---------------------------------------------------------------------- */
 
-inline float row_score(__global const in_t *x, uint e, float row_max, float row_sum)
+/* The row is processed in blocks of eight experts as float8 vectors, so a
+ * CPU driver runs exp and the comparisons in SIMD registers. The last,
+ * partial block goes through the same vector code (padded), so equal inputs
+ * give equal scores wherever they sit in the row. */
+#define BLOCK 8
+#define BLOCKS ((NUM_EXPERTS + BLOCK - 1) / BLOCK)
+
+/* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
+inline float8 load_block(__global const in_t *x, uint e0, float pad)
+{
+    if (e0 + BLOCK <= NUM_EXPERTS) {
+#if IN_DTYPE == 0
+        return vload8(0, x + e0);
+#elif IN_DTYPE == 1
+        return vload_half8(0, (__global const half *)(x + e0));
+#else
+        return as_float8(convert_uint8(vload8(0, x + e0)) << 16);
+#endif
+    }
+    float t[BLOCK];
+    for (uint l = 0; l < BLOCK; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
+    return vload8(0, t);
+}
+
+inline float8 load_bias_block(__global const float *bias, uint e0)
+{
+#if HAS_BIAS
+    if (e0 + BLOCK <= NUM_EXPERTS)
+        return vload8(0, bias + e0);
+    float t[BLOCK];
+    for (uint l = 0; l < BLOCK; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? bias[e0 + l] : 0.0f;
+    return vload8(0, t);
+#else
+    (void)bias;
+    (void)e0;
+    return (float8)(0.0f);
+#endif
+}
+
+/* select_rank of eight selection scores. */
+inline uint8 select_rank8(float8 s)
+{
+    const uint8 u = as_uint8(s);
+    uint8 r = select(u | 0x80000000u, ~u, as_int8(u) < 0);
+    r = select(r, (uint8)(0x80000000u), s == 0.0f);
+    return select(r, (uint8)(1u), isnan(s));
+}
+
+inline float8 block_scores(float8 v, float row_max, float row_sum)
 {
 #if SCORING == 0
-    return softmax_score(LOAD_IN(x, e), row_max, row_sum);
+    return exp(v - row_max) / row_sum;
 #else
-    return sigmoid_score(LOAD_IN(x, e));
+    return 1.0f / (1.0f + exp(-v));
 #endif
 }
 
@@ -111,27 +160,43 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 #if HAS_BIAS
     bias += bias_off;
 #endif
+    const uint8 lane = (uint8)(0, 1, 2, 3, 4, 5, 6, 7);
 
+    /* Step 1: the row's max and sum (softmax). Padding lanes are -inf for
+     * the max and add nothing to the sum. */
     float row_max = -INFINITY, row_sum = 0.0f;
 #if SCORING == 0
-    for (uint e = 0; e < NUM_EXPERTS; e++)
-        row_max = fmax(row_max, LOAD_IN(x, e));
-    for (uint e = 0; e < NUM_EXPERTS; e++)
-        row_sum += exp(LOAD_IN(x, e) - row_max);
+    float8 max8 = (float8)(-INFINITY);
+    for (uint b = 0; b < BLOCKS; b++)
+        max8 = fmax(max8, load_block(x, b * BLOCK, -INFINITY));
+    row_max = fmax(fmax(fmax(max8.s0, max8.s1), fmax(max8.s2, max8.s3)),
+                   fmax(fmax(max8.s4, max8.s5), fmax(max8.s6, max8.s7)));
+    float8 sum8 = (float8)(0.0f);
+    for (uint b = 0; b < BLOCKS; b++) {
+        const float8 ex = exp(load_block(x, b * BLOCK, 0.0f) - row_max);
+        sum8 += select(ex, (float8)(0.0f), as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
+    }
+    row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
 #endif
 
 #if NUM_GROUPS > 0
-    /* Keep the TOPK_GROUP groups of largest group score: find the
+    /* Step 3: keep the TOPK_GROUP groups of largest group score: find the
      * TOPK_GROUP-th largest group key; keys are unique, so a group is kept
-     * exactly when its key is at least that. */
-    ulong group_key[NUM_GROUPS];
-    for (uint g = 0; g < NUM_GROUPS; g++) {
-        group_acc acc;
-        group_acc_init(&acc);
-        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
-            group_acc_add(&acc, selection_score(row_score(x, e, row_max, row_sum), bias, e));
-        group_key[g] = rank_key(group_acc_score(&acc), g);
+     * exactly when its key is at least that. Group scores come from the
+     * same vector scores as the selection. */
+    group_acc accs[NUM_GROUPS];
+    for (uint g = 0; g < NUM_GROUPS; g++)
+        group_acc_init(&accs[g]);
+    for (uint b = 0; b < BLOCKS; b++) {
+        float s[BLOCK];
+        vstore8(block_scores(load_block(x, b * BLOCK, 0.0f), row_max, row_sum) + load_bias_block(bias, b * BLOCK), 0,
+                s);
+        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++)
+            group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], s[l]);
     }
+    ulong group_key[NUM_GROUPS];
+    for (uint g = 0; g < NUM_GROUPS; g++)
+        group_key[g] = rank_key(group_acc_score(&accs[g]), g);
     ulong threshold = ~0ul;
     for (uint r = 0; r < TOPK_GROUP; r++) {
         ulong next = KEY_NONE;
@@ -142,21 +207,38 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     }
 #endif
 
-    /* Step 4: top-k by insertion into a descending list. */
+    /* Step 4: top-k by insertion into a descending list of keys (rank above
+     * the complemented index). A block is looked at lane by lane only when
+     * one of its ranks beats the list's last entry: experts come in index
+     * order, so an equal rank never enters. */
     ulong keys[TOPK];
     float weights[TOPK];
     for (uint j = 0; j < TOPK; j++) {
         keys[j] = KEY_NONE;
         weights[j] = 0.0f;
     }
-    for (uint e = 0; e < NUM_EXPERTS; e++) {
-#if NUM_GROUPS > 0
-        if (group_key[e / GROUP_SIZE] < threshold)
+    for (uint b = 0; b < BLOCKS; b++) {
+        const uint e0 = b * BLOCK;
+        const float8 score = block_scores(load_block(x, e0, 0.0f), row_max, row_sum);
+        uint8 rank = select_rank8(score + load_bias_block(bias, e0));
+        rank = select(rank, (uint8)(RANK_NONE), as_int8(lane + e0 >= (uint8)(NUM_EXPERTS)));
+        if (!any(as_int8(rank > (uint8)((uint)(keys[TOPK - 1] >> 32)))))
             continue;
+        uint r[BLOCK];
+        float w[BLOCK];
+        vstore8(rank, 0, r);
+        vstore8(score, 0, w);
+        for (uint l = 0; l < BLOCK; l++) {
+            const uint e = e0 + l;
+            if (r[l] == RANK_NONE)
+                continue;
+#if NUM_GROUPS > 0
+            if (group_key[e / GROUP_SIZE] < threshold)
+                continue;
 #endif
-        float score = row_score(x, e, row_max, row_sum);
-        ulong key = rank_key(selection_score(score, bias, e), e);
-        TOPK_INSERT(keys, weights, TOPK, key, score);
+            const ulong key = ((ulong)r[l] << 32) | (ulong)(~e);
+            TOPK_INSERT(keys, weights, TOPK, key, w[l]);
+        }
     }
 
     float divisor;
@@ -210,6 +292,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     /* The row in registers: element e = i * TEAM + lane, so each load
      * instruction of the team reads consecutive addresses. */
     float value[EPT];
+    UNROLL
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
@@ -218,12 +301,14 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     /* Step 1: scores. */
 #if SCORING == 0
     float local_max = -INFINITY;
+    UNROLL
     for (uint i = 0; i < EPT; i++)
         if (i * TEAM + lane < NUM_EXPERTS)
             local_max = fmax(local_max, value[i]);
     const float row_max = team_max_float(local_max, FLOAT_SLOTS, lane);
     /* exp once per element: kept for the scores after the sum. */
     float local_sum = 0.0f;
+    UNROLL
     for (uint i = 0; i < EPT; i++) {
         value[i] = EXP(value[i] - row_max);
         if (i * TEAM + lane < NUM_EXPERTS)
@@ -232,19 +317,23 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     const float row_sum = team_sum_float(local_sum, FLOAT_SLOTS, lane);
 #if NATIVE_MATH
     const float inv_sum = 1.0f / row_sum;
+    UNROLL
     for (uint i = 0; i < EPT; i++)
         value[i] = value[i] * inv_sum;
 #else
+    UNROLL
     for (uint i = 0; i < EPT; i++)
         value[i] = value[i] / row_sum;
 #endif
 #else
+    UNROLL
     for (uint i = 0; i < EPT; i++)
         value[i] = 1.0f / (1.0f + EXP(-value[i]));
 #endif
 
     /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. */
     uint rank[EPT];
+    UNROLL
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         rank[i] = RANK_NONE;
@@ -277,6 +366,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         group_kept[r * NUM_GROUPS + g] = above < TOPK_GROUP;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
+    UNROLL
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         if (e < NUM_EXPERTS && !group_kept[r * NUM_GROUPS + e / GROUP_SIZE])

@@ -46,7 +46,8 @@ typedef enum kernel_kind { KERNEL_ROWS = 0, KERNEL_TEAM = 1, KERNEL_TILED = 2 } 
 
 typedef struct launch_shape {
     kernel_kind kind;
-    unsigned tm, tn, tk;       /* tiled */
+    unsigned tm, tn, tk;       /* tiled: tile of tokens x experts x hidden step */
+    unsigned mt, nt;           /* tiled: each work-item's register block */
     unsigned team, rows, ept;  /* team */
     bool shuffle;              /* team: NVIDIA warp shuffles */
     size_t local;              /* work-group size */
@@ -54,10 +55,12 @@ typedef struct launch_shape {
     const char *kernel_name;
 } launch_shape;
 
-/* Local memory of grounded_router_tiled (mirrors its __local arrays). */
+/* Local memory of grounded_router_tiled (mirrors its __local arrays: the
+ * input tiles and the tile of g share one array). */
 static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned k)
 {
-    return ((size_t)tk * (tm + 1) + (size_t)tk * (tn + 1) + (size_t)tm * (tn + 1)) * 4 + (size_t)tm * k * 8;
+    size_t inputs = (size_t)tk * (tm + 1) + (size_t)tk * (tn + 1), g = (size_t)tm * (tn + 1);
+    return (inputs > g ? inputs : g) * 4 + (size_t)tm * k * 8;
 }
 
 /* Local memory of grounded_router_team. */
@@ -105,13 +108,22 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
     while (tn < 64 && tn < experts)
         tn <<= 1;
     const unsigned tk = 16;
-    for (unsigned tm = 64; tm >= 16; tm >>= 1) {
-        size_t local = (size_t)(tm / 4) * (tn / 4);
-        if (local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget) {
+    /* Wide expert tables: 128 tokens x 64 experts per tile, 8 x 8 blocks per
+     * work-item (four multiply-adds per local-memory read). Otherwise 4 x 4
+     * blocks of a smaller tile. */
+    static const unsigned configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
+    for (size_t c = 0; c < sizeof(configs) / sizeof(configs[0]); c++) {
+        const unsigned tm = configs[c][0], mt = configs[c][1], nt = configs[c][2];
+        if (mt == 8 && tn < 64)
+            continue;
+        size_t local = (size_t)(tm / mt) * (tn / nt);
+        if (local >= tm && local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget) {
             shape.kind = KERNEL_TILED;
             shape.tm = tm;
             shape.tn = tn;
             shape.tk = tk;
+            shape.mt = mt;
+            shape.nt = nt;
             shape.local = local;
             shape.rows_per_group = tm;
             shape.kernel_name = "grounded_router_tiled";
@@ -134,9 +146,10 @@ static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->team ? s->team : 1, s->rows ? s->rows : 1, s->ept ? s->ept : 1, s->shuffle ? 1 : 0);
+             s->tn, s->tk, s->mt ? s->mt : 4, s->nt ? s->nt : 4, s->team ? s->team : 1, s->rows ? s->rows : 1,
+             s->ept ? s->ept : 1, s->shuffle ? 1 : 0);
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 
