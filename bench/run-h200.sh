@@ -27,7 +27,7 @@ meson setup /tmp/b $tests_opt -Dbuildtype=release > "$OUT/setup.log" 2>&1 || { c
 ninja -C /tmp/b > "$OUT/build.log" 2>&1 || { tail -50 "$OUT/build.log"; exit 1; }
 /tmp/b/tools/moecl-info | tee "$OUT/info.txt"
 if [[ " $steps " == *" test "* ]]; then
-    meson test -C /tmp/b --print-errorlogs --num-processes 4 > "$OUT/test.log" 2>&1
+    meson test -C /tmp/b --print-errorlogs --num-processes 4 ${TESTS:-} > "$OUT/test.log" 2>&1
     grep -E "^ *[0-9]+/[0-9]+ |Ok:|Fail:|^\.\./" "$OUT/test.log"
 fi
 if [[ " $steps " == *" bench "* ]]; then

@@ -242,7 +242,9 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
     for (uint tile = 0; tile < EXPERT_TILES; tile++) {
         const uint expert0 = tile * TN;
         float acc[MT][NT];
+        UNROLL
         for (uint i = 0; i < MT; i++)
+            UNROLL
             for (uint j = 0; j < NT; j++)
                 acc[i][j] = 0.0f;
 
@@ -262,11 +264,15 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             barrier(CLK_LOCAL_MEM_FENCE);
             for (uint kk = 0; kk < TK; kk++) {
                 float a[MT], b[NT];
+                UNROLL
                 for (uint i = 0; i < MT; i++)
                     a[i] = HIDDEN_TILE(kk, row_group + i * ROW_GROUPS);
+                UNROLL
                 for (uint j = 0; j < NT; j++)
                     b[j] = GROUND_TILE(kk, col_group + j * COL_GROUPS);
+                UNROLL
                 for (uint i = 0; i < MT; i++)
+                    UNROLL
                     for (uint j = 0; j < NT; j++)
                         acc[i][j] = fma(a[i], b[j], acc[i][j]);
             }
@@ -274,8 +280,10 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
         }
 
         /* g for this tile into local memory. */
+        UNROLL
         for (uint i = 0; i < MT; i++) {
             const uint m = row_group + i * ROW_GROUPS, t = row0 + m;
+            UNROLL
             for (uint j = 0; j < NT; j++) {
                 const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
                 if (t < num_tokens && e < NUM_EXPERTS)

@@ -76,6 +76,8 @@ static void choose_launch_class(moecl_device_info *info)
     const char *team = getenv("MOECL_TEAM");
     unsigned long t = team ? strtoul(team, NULL, 10) : 0;
     info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
+    const char *tile = getenv("MOECL_GROUNDED_TILE");
+    info->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
 }
 
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)

@@ -52,6 +52,7 @@ typedef struct moecl_device_info {
     moecl_launch_class launch_class;
     const char *launch_reason; /* static text: why this class */
     unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
+    bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */
