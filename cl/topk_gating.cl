@@ -140,15 +140,6 @@ inline uint8 select_rank8(float8 s)
     return select(r, (uint8)(1u), isnan(s));
 }
 
-inline float8 block_scores(float8 v, float row_max, float row_sum)
-{
-#if SCORING == 0
-    return exp(v - row_max) / row_sum;
-#else
-    return 1.0f / (1.0f + exp(-v));
-#endif
-}
-
 __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
                                ulong bias_off, __global float *topk_weights, ulong weights_off,
                                __global int *topk_ids, ulong ids_off, uint num_tokens, float scaling_factor)
@@ -162,37 +153,54 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 #endif
     const uint8 lane = (uint8)(0, 1, 2, 3, 4, 5, 6, 7);
 
-    /* Step 1: the row's max and sum (softmax). Padding lanes are -inf for
-     * the max and add nothing to the sum. */
-    float row_max = -INFINITY, row_sum = 0.0f;
+    /* Step 1: scores. Softmax: the row's max (padding lanes -inf), then
+     * exp(x - max) once per element, kept, and their sum (padding adds
+     * nothing); the sum's order is fixed, so the bits are too. */
+    float8 score[BLOCKS];
 #if SCORING == 0
     float8 max8 = (float8)(-INFINITY);
     for (uint b = 0; b < BLOCKS; b++)
         max8 = fmax(max8, load_block(x, b * BLOCK, -INFINITY));
-    row_max = fmax(fmax(fmax(max8.s0, max8.s1), fmax(max8.s2, max8.s3)),
-                   fmax(fmax(max8.s4, max8.s5), fmax(max8.s6, max8.s7)));
+    const float row_max = fmax(fmax(fmax(max8.s0, max8.s1), fmax(max8.s2, max8.s3)),
+                               fmax(fmax(max8.s4, max8.s5), fmax(max8.s6, max8.s7)));
     float8 sum8 = (float8)(0.0f);
     for (uint b = 0; b < BLOCKS; b++) {
-        const float8 ex = exp(load_block(x, b * BLOCK, 0.0f) - row_max);
-        sum8 += select(ex, (float8)(0.0f), as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
+        score[b] = exp(load_block(x, b * BLOCK, 0.0f) - row_max);
+        sum8 += select(score[b], (float8)(0.0f), as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
     }
-    row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
+    const float row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
+    for (uint b = 0; b < BLOCKS; b++)
+        score[b] = score[b] / row_sum;
+#else
+    for (uint b = 0; b < BLOCKS; b++)
+        score[b] = 1.0f / (1.0f + exp(-load_block(x, b * BLOCK, 0.0f)));
 #endif
 
+    /* Step 2: selection ranks (padding: RANK_NONE), and each block's
+     * largest. */
+    uint8 rank[BLOCKS];
+    uint block_max[BLOCKS];
+    for (uint b = 0; b < BLOCKS; b++) {
+        rank[b] = select(select_rank8(score[b] + load_bias_block(bias, b * BLOCK)), (uint8)(RANK_NONE),
+                         as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
+        const uint4 m4 = max(rank[b].lo, rank[b].hi);
+        const uint2 m2 = max(m4.lo, m4.hi);
+        block_max[b] = max(m2.x, m2.y);
+    }
+
+    uint floor_rank = RANK_NONE;
 #if NUM_GROUPS > 0
     /* Step 3: keep the TOPK_GROUP groups of largest group score: find the
      * TOPK_GROUP-th largest group key; keys are unique, so a group is kept
-     * exactly when its key is at least that. Group scores come from the
-     * same vector scores as the selection. */
+     * exactly when its key is at least that. */
     group_acc accs[NUM_GROUPS];
     for (uint g = 0; g < NUM_GROUPS; g++)
         group_acc_init(&accs[g]);
     for (uint b = 0; b < BLOCKS; b++) {
-        float s[BLOCK];
-        vstore8(block_scores(load_block(x, b * BLOCK, 0.0f), row_max, row_sum) + load_bias_block(bias, b * BLOCK), 0,
-                s);
+        float sel[BLOCK];
+        vstore8(score[b] + load_bias_block(bias, b * BLOCK), 0, sel);
         for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++)
-            group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], s[l]);
+            group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], sel[l]);
     }
     ulong group_key[NUM_GROUPS];
     for (uint g = 0; g < NUM_GROUPS; g++)
@@ -205,12 +213,30 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
                 next = group_key[g];
         threshold = next;
     }
+#else
+    /* A floor for the k-th largest rank: the k-th largest block maximum
+     * (k different blocks hold a rank at least that large). Ranks below it
+     * can never be chosen, so most blocks are skipped whole. */
+    if (BLOCKS >= TOPK) {
+        uint best[TOPK];
+        for (uint j = 0; j < TOPK; j++)
+            best[j] = RANK_NONE;
+        for (uint b = 0; b < BLOCKS; b++) {
+            uint v = block_max[b];
+            for (uint j = 0; j < TOPK; j++) {
+                const uint hi = max(best[j], v);
+                v = min(best[j], v);
+                best[j] = hi;
+            }
+        }
+        floor_rank = best[TOPK - 1];
+    }
 #endif
 
     /* Step 4: top-k by insertion into a descending list of keys (rank above
      * the complemented index). A block is looked at lane by lane only when
-     * one of its ranks beats the list's last entry: experts come in index
-     * order, so an equal rank never enters. */
+     * one of its ranks could still enter: experts come in index order, so
+     * an equal rank never beats the list's last entry. */
     ulong keys[TOPK];
     float weights[TOPK];
     for (uint j = 0; j < TOPK; j++) {
@@ -218,19 +244,16 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
         weights[j] = 0.0f;
     }
     for (uint b = 0; b < BLOCKS; b++) {
-        const uint e0 = b * BLOCK;
-        const float8 score = block_scores(load_block(x, e0, 0.0f), row_max, row_sum);
-        uint8 rank = select_rank8(score + load_bias_block(bias, e0));
-        rank = select(rank, (uint8)(RANK_NONE), as_int8(lane + e0 >= (uint8)(NUM_EXPERTS)));
-        if (!any(as_int8(rank > (uint8)((uint)(keys[TOPK - 1] >> 32)))))
+        const bool full = keys[TOPK - 1] != KEY_NONE;
+        if (block_max[b] < floor_rank || (full && block_max[b] <= (uint)(keys[TOPK - 1] >> 32)))
             continue;
         uint r[BLOCK];
         float w[BLOCK];
-        vstore8(rank, 0, r);
-        vstore8(score, 0, w);
+        vstore8(rank[b], 0, r);
+        vstore8(score[b], 0, w);
         for (uint l = 0; l < BLOCK; l++) {
-            const uint e = e0 + l;
-            if (r[l] == RANK_NONE)
+            const uint e = b * BLOCK + l;
+            if (r[l] == RANK_NONE || r[l] < floor_rank)
                 continue;
 #if NUM_GROUPS > 0
             if (group_key[e / GROUP_SIZE] < threshold)
