@@ -74,3 +74,25 @@ moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flag
                           moecl_status_string(err));
     return MOECL_SUCCESS;
 }
+
+moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
+                             const size_t *sizes, void *const *hosts)
+{
+    /* Events rather than clFinish: the queue may be out of order, and other
+     * threads' work on it is none of this call's business. */
+    cl_event reads[MOECL_MAX_READ_BACK];
+    cl_uint n = 0;
+    cl_int err = CL_SUCCESS;
+    for (cl_uint i = 0; i < count && err == CL_SUCCESS; i++)
+        if (hosts[i] && (err = clEnqueueReadBuffer(ctx->queue, mems[i], CL_FALSE, 0, sizes[i], hosts[i], 1, &ran,
+                                                   &reads[n])) == CL_SUCCESS)
+            n++;
+    const cl_int wait_err = n ? clWaitForEvents(n, reads) : clWaitForEvents(1, &ran);
+    if (err == CL_SUCCESS)
+        err = wait_err;
+    for (cl_uint i = 0; i < n; i++)
+        clReleaseEvent(reads[i]);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
+    return MOECL_SUCCESS;
+}

@@ -286,21 +286,8 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
             st = enqueue(ctx, desc, &p, &b, 0, NULL, &ran);
     }
     if (st == MOECL_SUCCESS) {
-        /* Wait on events, not the queue: it may be out of order or shared. */
-        cl_event reads[3];
-        cl_uint n = 0;
-        cl_int err = CL_SUCCESS;
-        for (int i = 0; i < 3 && err == CL_SUCCESS; i++)
-            if (outputs[i] && (err = clEnqueueReadBuffer(ctx->queue, *out_mems[i], CL_FALSE, 0, out_sizes[i], outputs[i],
-                                                         1, &ran, &reads[n])) == CL_SUCCESS)
-                n++;
-        cl_int wait_err = n ? clWaitForEvents(n, reads) : clWaitForEvents(1, &ran);
-        if (err == CL_SUCCESS)
-            err = wait_err;
-        for (cl_uint i = 0; i < n; i++)
-            clReleaseEvent(reads[i]);
-        if (err != CL_SUCCESS)
-            st = moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
+        const cl_mem mems[3] = {b.pairs, b.weights, b.ids};
+        st = moecl_read_back(ctx, ran, 3, mems, out_sizes, outputs);
     }
     if (ran)
         clReleaseEvent(ran);

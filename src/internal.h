@@ -139,6 +139,13 @@ moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const c
 moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flags flags, size_t size,
                                const void *host, cl_mem *mem);
 
+/* Read count outputs of a host-path call back into host memory (entries
+ * with hosts[i] NULL are skipped) once the kernel event ran completes, and
+ * wait for them. */
+#define MOECL_MAX_READ_BACK 4
+moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
+                             const size_t *sizes, void *const *hosts);
+
 /* Rounds v up to a multiple of m. */
 static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 

@@ -242,20 +242,10 @@ moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_
         (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
         (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
         (st = enqueue(ctx, desc, &p, in, 0, b, 0, w, 0, ids, 0, 0, NULL, &ran)) == MOECL_SUCCESS) {
-        /* Events rather than clFinish: the queue may be out of order, and
-         * other threads' work on it is none of this call's business. */
-        cl_event reads[2] = {NULL, NULL};
-        cl_int err = clEnqueueReadBuffer(ctx->queue, w, CL_FALSE, 0, t * k * 4, topk_weights, 1, &ran, &reads[0]);
-        if (err == CL_SUCCESS)
-            err = clEnqueueReadBuffer(ctx->queue, ids, CL_FALSE, 0, t * k * 4, topk_ids, 1, &ran, &reads[1]);
-        cl_int wait_err = clWaitForEvents(reads[1] ? 2 : reads[0] ? 1 : 1, reads[0] ? reads : &ran);
-        if (err == CL_SUCCESS)
-            err = wait_err;
-        for (int i = 0; i < 2; i++)
-            if (reads[i])
-                clReleaseEvent(reads[i]);
-        if (err != CL_SUCCESS)
-            st = moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
+        const cl_mem mems[2] = {w, ids};
+        const size_t sizes[2] = {t * k * 4, t * k * 4};
+        void *const hosts[2] = {topk_weights, topk_ids};
+        st = moecl_read_back(ctx, ran, 2, mems, sizes, hosts);
     }
     if (ran)
         clReleaseEvent(ran);
