@@ -116,18 +116,6 @@ inline uint shuffle_xor(uint v, uint lane_mask)
     return r;
 }
 
-/* Warp votes: the lanes whose predicate holds, and whether any does. */
-inline uint warp_ballot(uint predicate)
-{
-    uint r;
-    asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.ballot.b32 %0, p, 0xffffffff; }"
-                 : "=r"(r)
-                 : "r"(predicate));
-    return r;
-}
-
-inline uint warp_any(uint predicate) { return warp_ballot(predicate) != 0u; }
-
 inline uint team_max_u32(uint v)
 {
     for (uint m = TEAM / 2; m > 0; m >>= 1)
@@ -264,30 +252,19 @@ inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint
             }
         }
 #if TEAM_SHUFFLE
-        /* A butterfly for the largest rank, then a warp vote for the lanes
-         * that hold it. One such lane owns the winner; only when some team
-         * of the warp has several (a tie) does a second butterfly find the
-         * lowest index among them. The owner writes the winner's id. */
+        /* Two 32-bit butterflies: the largest rank, then the lowest index
+         * among the lanes that hold it. */
         (void)slots;
         const uint team_best = team_max_u32(best);
-        const uint candidate = best == team_best && best != RANK_NONE;
-        const uint warp_lane = get_local_id(0) % 32;
-        const uint team_bits = (TEAM == 32 ? 0xffffffffu : ((1u << (TEAM % 32)) - 1u)) << (warp_lane & ~(TEAM - 1u));
-        const uint candidates = warp_ballot(candidate) & team_bits;
-        bool owner = candidate;
-        if (warp_any(popcount(candidates) > 1u)) {
-            const uint mine = candidate ? slot * TEAM + lane : 0xffffffffu;
-            owner = candidate && mine == team_min_u32(mine);
-        }
-        if (owner)
-            chosen_ids[j] = slot * TEAM + lane;
+        const uint mine = (best == team_best && best != RANK_NONE) ? slot * TEAM + lane : 0xffffffffu;
+        const uint winner = team_min_u32(mine);
+        const bool owner = mine == winner && winner != 0xffffffffu;
 #else
         /* One reduction of 64-bit keys through local memory. */
         const ulong key = best != RANK_NONE ? ((ulong)best << 32) | (ulong)(~(slot * TEAM + lane)) : KEY_NONE;
         const ulong team_key = team_max_key(key, slots, lane);
+        const uint winner = team_key != KEY_NONE ? key_index(team_key) : 0xffffffffu;
         const bool owner = key != KEY_NONE && key == team_key;
-        if (lane == 0)
-            chosen_ids[j] = team_key != KEY_NONE ? key_index(team_key) : 0xffffffffu;
 #endif
         if (owner) {
         UNROLL
@@ -298,6 +275,8 @@ inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint
                 }
             }
         }
+        if (lane == 0)
+            chosen_ids[j] = winner;
     }
 }
 #endif
