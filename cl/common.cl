@@ -49,6 +49,18 @@ typedef ushort in_t;
 #error "IN_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
 #endif
 
+/* Eight consecutive elements p[i..i+7] widened to floats. */
+inline float8 load_in8(__global const in_t *p, size_t i)
+{
+#if IN_DTYPE == 0
+    return vload8(0, p + i);
+#elif IN_DTYPE == 1
+    return vload_half8(0, (__global const half *)(p + i));
+#else
+    return as_float8(convert_uint8(vload8(0, p + i)) << 16);
+#endif
+}
+
 /* Maps a float to a uint whose unsigned order is the spec's order: NaN
  * lowest (0), then -inf ... +inf, with -0 equal to +0. */
 inline uint rank_of_float(float f)

@@ -112,8 +112,12 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         keys[j] = KEY_NONE;
     for (uint e = 0; e < NUM_EXPERTS; e++) {
         __global const in_t *w = ground + (size_t)e * HIDDEN_DIM;
-        float dot = 0.0f;
-        for (uint i = 0; i < HIDDEN_DIM; i++)
+        /* Eight partial sums in a float8 (SIMD on CPUs), then the tail. */
+        float8 acc = (float8)(0.0f);
+        for (uint i = 0; i + 8 <= HIDDEN_DIM; i += 8)
+            acc = fma(load_in8(h, i), load_in8(w, i), acc);
+        float dot = ((acc.s0 + acc.s1) + (acc.s2 + acc.s3)) + ((acc.s4 + acc.s5) + (acc.s6 + acc.s7));
+        for (uint i = HIDDEN_DIM / 8 * 8; i < HIDDEN_DIM; i++)
             dot = fma(LOAD_IN(h, i), LOAD_IN(w, i), dot);
         const float g = logits[(size_t)row * NUM_EXPERTS + e] + alpha * dot;
         const ulong key = rank_key(g, e);

@@ -100,15 +100,8 @@ inline float group_acc_score(const group_acc *a)
 /* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
 inline float8 load_block(__global const in_t *x, uint e0, float pad)
 {
-    if (e0 + BLOCK <= NUM_EXPERTS) {
-#if IN_DTYPE == 0
-        return vload8(0, x + e0);
-#elif IN_DTYPE == 1
-        return vload_half8(0, (__global const half *)(x + e0));
-#else
-        return as_float8(convert_uint8(vload8(0, x + e0)) << 16);
-#endif
-    }
+    if (e0 + BLOCK <= NUM_EXPERTS)
+        return load_in8(x, e0);
     float t[BLOCK];
     for (uint l = 0; l < BLOCK; l++)
         t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
