@@ -29,6 +29,18 @@ moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buff
     return MOECL_SUCCESS;
 }
 
+moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, uint32_t top_k)
+{
+    if (num_experts < 1 || num_experts > MOECL_MAX_EXPERTS)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "num_experts is %u; it must be in 1..%u", num_experts,
+                          MOECL_MAX_EXPERTS);
+    const uint32_t k_max = num_experts < MOECL_MAX_TOPK ? num_experts : MOECL_MAX_TOPK;
+    if (top_k < 1 || top_k > k_max)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "top_k is %u; it must be in 1..%u (min(num_experts, %u))",
+                          top_k, k_max, MOECL_MAX_TOPK);
+    return MOECL_SUCCESS;
+}
+
 moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait)
 {
     if (num_wait > 0 && !wait)

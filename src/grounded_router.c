@@ -20,8 +20,6 @@ moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, 
     return d;
 }
 
-static size_t dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
-
 static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_router_desc *d)
 {
 #define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
@@ -29,11 +27,9 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_route
         return INVALID("desc is NULL");
     if (d->hidden_dim < 1 || d->hidden_dim > MOECL_MAX_HIDDEN)
         return INVALID("hidden_dim is %u; it must be in 1..%u", d->hidden_dim, MOECL_MAX_HIDDEN);
-    if (d->num_experts < 1 || d->num_experts > MOECL_MAX_EXPERTS)
-        return INVALID("num_experts is %u; it must be in 1..%u", d->num_experts, MOECL_MAX_EXPERTS);
-    uint32_t k_max = d->num_experts < MOECL_MAX_TOPK ? d->num_experts : MOECL_MAX_TOPK;
-    if (d->top_k < 1 || d->top_k > k_max)
-        return INVALID("top_k is %u; it must be in 1..%u (min(num_experts, %u))", d->top_k, k_max, MOECL_MAX_TOPK);
+    moecl_status st = moecl_check_experts_topk(ctx, d->num_experts, d->top_k);
+    if (st != MOECL_SUCCESS)
+        return st;
     if (!isfinite(d->alpha))
         return INVALID("alpha is %g; it must be finite", (double)d->alpha);
     if ((unsigned)d->hidden_dtype > MOECL_BF16)
@@ -76,6 +72,8 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
     launch_shape shape;
     memset(&shape, 0, sizeof(shape));
     shape.kind = KERNEL_ROWS;
+    shape.mt = shape.nt = 4;          /* defines every kernel's source expects */
+    shape.team = shape.rows = shape.ept = 1;
     shape.local = shape.rows_per_group = 8;
     shape.kernel_name = "grounded_router_rows";
     if (info->launch_class == MOECL_LAUNCH_CPU)
@@ -150,8 +148,7 @@ static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
              "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt ? s->mt : 4, s->nt ? s->nt : 4, s->team ? s->team : 1, s->rows ? s->rows : 1,
-             s->ept ? s->ept : 1, s->shuffle ? 1 : 0);
+             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 
@@ -183,7 +180,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
     moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
     if (st != MOECL_SUCCESS)
         return st;
-    const size_t in_size = dtype_size(d->hidden_dtype);
+    const size_t in_size = moecl_dtype_size(d->hidden_dtype);
     cl_ulong off[6] = {b->hidden_off / in_size, b->logits_off / 4, b->ground_off / in_size,
                        b->pairs_off / 4,        b->weights_off / 4, b->ids_off / 4};
     const cl_mem *mems[6] = {&b->hidden, &b->logits, &b->ground, &b->pairs, &b->weights, &b->ids};
@@ -224,7 +221,7 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
     const uint64_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = dtype_size(desc->hidden_dtype);
+    const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
         (st = moecl_check_buffer(ctx, "token_hidden", token_hidden, t * h * in_size, in_size, true)) != MOECL_SUCCESS ||
         (st = moecl_check_buffer(ctx, "router_logits", router_logits, t * e * 4, 4, true)) != MOECL_SUCCESS ||
@@ -265,7 +262,7 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
         desc->num_tokens == 0)
         return st;
     const size_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = dtype_size(desc->hidden_dtype);
+    const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
     bound_buffers b;
     memset(&b, 0, sizeof(b));
     void *outputs[3] = {out_pairs, topk_weights, topk_ids};

@@ -146,6 +146,13 @@ moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flag
 moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
                              const size_t *sizes, void *const *hosts);
 
+/* The range checks both ops share: 1 <= num_experts <= 4096 and
+ * 1 <= top_k <= min(num_experts, 64), with messages naming the field. */
+moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, uint32_t top_k);
+
+/* Bytes of one element of dtype. */
+static inline size_t moecl_dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
+
 /* Rounds v up to a multiple of m. */
 static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 

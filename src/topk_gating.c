@@ -23,18 +23,14 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     return d;
 }
 
-static size_t dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
-
 static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_desc *d)
 {
 #define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
     if (!d)
         return INVALID("desc is NULL");
-    if (d->num_experts < 1 || d->num_experts > MOECL_MAX_EXPERTS)
-        return INVALID("num_experts is %u; it must be in 1..%u", d->num_experts, MOECL_MAX_EXPERTS);
-    uint32_t k_max = d->num_experts < MOECL_MAX_TOPK ? d->num_experts : MOECL_MAX_TOPK;
-    if (d->top_k < 1 || d->top_k > k_max)
-        return INVALID("top_k is %u; it must be in 1..%u (min(num_experts, %u))", d->top_k, k_max, MOECL_MAX_TOPK);
+    moecl_status st = moecl_check_experts_topk(ctx, d->num_experts, d->top_k);
+    if (st != MOECL_SUCCESS)
+        return st;
     if (d->num_expert_groups == 0) {
         if (d->topk_group != 0)
             return INVALID("topk_group is %u; it must be 0 when num_expert_groups is 0", d->topk_group);
@@ -164,7 +160,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
     if (st != MOECL_SUCCESS)
         return st;
     /* Offsets travel in elements: the kernels index typed pointers. */
-    cl_ulong offsets[4] = {gating_off / dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4};
+    cl_ulong offsets[4] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4};
     cl_uint num_tokens = d->num_tokens;
     cl_float factor = d->routed_scaling_factor;
     cl_int err = CL_SUCCESS;
@@ -202,7 +198,7 @@ moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc 
     if (st != MOECL_SUCCESS)
         return st;
     const uint64_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = dtype_size(desc->gating_dtype);
+    const size_t in_size = moecl_dtype_size(desc->gating_dtype);
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
     if ((st = moecl_check_buffer(ctx, "gating", gating, t * e * in_size, in_size, true)) != MOECL_SUCCESS ||
@@ -236,7 +232,7 @@ moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
     cl_mem in = NULL, b = NULL, w = NULL, ids = NULL;
     cl_event ran = NULL;
-    if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * dtype_size(desc->gating_dtype), gating,
+    if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * moecl_dtype_size(desc->gating_dtype), gating,
                                 &in)) == MOECL_SUCCESS &&
         (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * 4, bias, &b)) == MOECL_SUCCESS) &&
         (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
