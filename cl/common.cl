@@ -241,16 +241,135 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
     } while (0)
 
 #if defined(EPT) && defined(TOPK) && TEAM > 1
-/* The EPT loops are unrolled so that rank[] and value[] stay in registers:
- * indexing a private array with a loop variable would put it in memory.
+/* Top-k across a team. Each lane holds EPT selection ranks (its element i
+ * is expert i * TEAM + lane; RANK_NONE marks an excluded one) and EPT
+ * values. Both methods fill the row's chosen_ids[j] / chosen_values[j]
+ * (local memory) in order, the largest key first; the caller puts a
+ * barrier before reading them. Every work-item of the work-group must call
+ * (the methods use barriers).
  *
- * TOPK rounds of "largest selection rank in the team" over the EPT ranks
- * each lane holds (its element i is expert i * TEAM + lane; RANK_NONE marks
- * an excluded one). The owner of each winner retires it and records
- * value[i] into chosen_values[j]; chosen_ids[j] gets the winner's expert
- * (written by lane 0). Both arrays are the row's, in local memory; the
- * caller puts a barrier before reading them. Scans keep the first of equal
- * ranks, so within a lane the lower index wins a tie. */
+ * The EPT loops are unrolled so that rank[] and value[] stay in registers:
+ * indexing a private array with a loop variable would put it in memory. */
+
+#ifndef TOPK_COUNT
+#define TOPK_COUNT 1
+#endif
+
+#if TOPK_COUNT
+/* Counting, with no per-k rounds:
+ * 1. a floor: the TOPK-th largest of the lanes' maximum ranks. TOPK lanes
+ *    hold a rank at least that large, so every chosen rank is >= floor.
+ * 2. each lane appends its elements with rank >= floor (at most TOPK of
+ *    them, its own best, since no more can be chosen from one lane) to the
+ *    row's candidate list in local memory.
+ * 3. each candidate's place is the number of candidates with a larger key
+ *    (keys are distinct: they end in the index), and the TOPK first go to
+ *    chosen_*. The list's order (local atomics) does not matter, so the
+ *    result is deterministic.
+ * On random rows only a handful of elements pass the floor, so step 3 is
+ * short; with many ties at the floor it is quadratic but still correct.
+ * Scratch per row: TOPK_COUNT_U32 uints, TOPK_CAP ulongs and floats. */
+#define TOPK_PER_LANE (EPT < TOPK ? EPT : TOPK)
+#define TOPK_CAP (TEAM * TOPK_PER_LANE)
+#define TOPK_COUNT_U32 (TEAM + 2)
+
+inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
+                      __local float *cand_values, uint lane, __local uint *chosen_ids, __local float *chosen_values)
+{
+    __local uint *lane_max = u32_scratch;
+    __local uint *floor_slot = u32_scratch + TEAM;
+    __local uint *count_slot = u32_scratch + TEAM + 1;
+
+    uint best = RANK_NONE;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        best = max(best, rank[i]);
+    lane_max[lane] = best;
+    if (lane == 0) {
+        *floor_slot = 1u; /* fewer lanes than TOPK: every valid rank */
+        *count_slot = 0u;
+    }
+    for (uint j = lane; j < TOPK; j += TEAM) {
+        chosen_ids[j] = 0xffffffffu;
+        chosen_values[j] = 0.0f;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* Step 1: the lane whose maximum is TOPK-th in (rank, lower lane)
+     * order publishes it. */
+    uint above = 0;
+    for (uint l = 0; l < TEAM; l++) {
+        const uint m = lane_max[l];
+        above += (m > best) || (m == best && l < lane);
+    }
+    if (above == TOPK - 1)
+        *floor_slot = max(best, 1u);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint floor_rank = *floor_slot;
+
+    /* Step 2: candidates. */
+    uint mine = 0;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        mine += rank[i] >= floor_rank;
+    if (mine <= TOPK_PER_LANE) {
+        UNROLL
+        for (uint i = 0; i < EPT; i++) {
+            if (rank[i] >= floor_rank) {
+                const uint at = atomic_inc(count_slot);
+                cand_keys[at] = ((ulong)rank[i] << 32) | (ulong)(~(i * TEAM + lane));
+                cand_values[at] = value[i];
+            }
+        }
+    } else {
+        /* Rare (ties, or a lane holding most of the winners): the lane's
+         * own TOPK_PER_LANE best, first of equal ranks first. */
+        uint taken[(EPT + 31) / 32];
+        for (uint w = 0; w < (EPT + 31) / 32; w++)
+            taken[w] = 0;
+        for (uint t = 0; t < TOPK_PER_LANE; t++) {
+            uint b = RANK_NONE, slot = 0;
+            UNROLL
+            for (uint i = 0; i < EPT; i++) {
+                if (rank[i] >= floor_rank && rank[i] > b && !(taken[i / 32] & (1u << (i % 32)))) {
+                    b = rank[i];
+                    slot = i;
+                }
+            }
+            taken[slot / 32] |= 1u << (slot % 32);
+            float v = 0.0f;
+            UNROLL
+            for (uint i = 0; i < EPT; i++)
+                if (i == slot)
+                    v = value[i];
+            const uint at = atomic_inc(count_slot);
+            cand_keys[at] = ((ulong)b << 32) | (ulong)(~(slot * TEAM + lane));
+            cand_values[at] = v;
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* Step 3: places. */
+    const uint count = *count_slot;
+    for (uint c = lane; c < count; c += TEAM) {
+        const ulong key = cand_keys[c];
+        uint place = 0;
+        for (uint o = 0; o < count; o++)
+            place += cand_keys[o] > key;
+        if (place < TOPK) {
+            chosen_ids[place] = key_index(key);
+            chosen_values[place] = cand_values[c];
+        }
+    }
+}
+
+#else
+/* TOPK rounds of "largest selection rank in the team" (the first method;
+ * kept for comparison, MOECL_TOPK_ROUNDS=1). The owner of each winner
+ * retires it and records value[i] into chosen_values[j]; chosen_ids[j] gets
+ * the winner's expert (written by lane 0). Scans keep the first of equal
+ * ranks, so within a lane the lower index wins a tie. Scratch per row:
+ * TEAM ulongs (unused with TEAM_SHUFFLE). */
 inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint lane, __local uint *chosen_ids,
                       __local float *chosen_values)
 {
@@ -291,4 +410,5 @@ inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint
             chosen_ids[j] = winner;
     }
 }
+#endif /* TOPK_COUNT */
 #endif

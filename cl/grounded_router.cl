@@ -143,11 +143,16 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     __local float hidden_local[ROWS * HIDDEN_DIM];
     __local float chosen_g[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
-#if TEAM_SHUFFLE
-#define KEY_SLOTS ((__local ulong *)0)
+#if TOPK_COUNT
+    __local uint topk_u32[ROWS * TOPK_COUNT_U32];
+    __local ulong topk_keys[ROWS * TOPK_CAP];
+    __local float topk_values[ROWS * TOPK_CAP];
+#define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
+#elif TEAM_SHUFFLE
+#define TOPK_SCRATCH ((__local ulong *)0)
 #else
     __local ulong key_slots[ROWS * TEAM];
-#define KEY_SLOTS (key_slots + r * TEAM)
+#define TOPK_SCRATCH (key_slots + r * TEAM)
 #endif
     const uint lid = get_local_id(0);
     const uint lane = lid % TEAM;
@@ -189,7 +194,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
             rank[j] = select_rank(g[j]);
         }
     }
-    team_topk(rank, g, KEY_SLOTS, lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
+    team_topk(rank, g, TOPK_SCRATCH, lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (active && lane == 0) {
         uint id[TOPK];

@@ -281,13 +281,21 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
                  uint num_tokens, float scaling_factor)
 {
 #if TEAM_SHUFFLE
-#define KEY_SLOTS ((__local ulong *)0)
 #define FLOAT_SLOTS ((__local float *)0)
 #else
-    __local ulong key_slots[ROWS * TEAM];
     __local float float_slots[ROWS * TEAM];
-#define KEY_SLOTS (key_slots + r * TEAM)
 #define FLOAT_SLOTS (float_slots + r * TEAM)
+#endif
+#if TOPK_COUNT
+    __local uint topk_u32[ROWS * TOPK_COUNT_U32];
+    __local ulong topk_keys[ROWS * TOPK_CAP];
+    __local float topk_values[ROWS * TOPK_CAP];
+#define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
+#elif TEAM_SHUFFLE
+#define TOPK_SCRATCH ((__local ulong *)0)
+#else
+    __local ulong key_slots[ROWS * TEAM];
+#define TOPK_SCRATCH (key_slots + r * TEAM)
 #endif
     __local float chosen_weights[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
@@ -391,7 +399,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
 #endif
 
     /* Step 4: TOPK rounds of "largest key in the team". */
-    team_topk(rank, value, KEY_SLOTS, lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
+    team_topk(rank, value, TOPK_SCRATCH, lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
 
     /* Step 5: weights, and the ids from the chosen keys. */

@@ -78,6 +78,10 @@ static void choose_launch_class(moecl_device_info *info)
     info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
     const char *tile = getenv("MOECL_GROUNDED_TILE");
     info->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
+    /* MOECL_TOPK_ROUNDS=1: the team kernels' earlier top-k (k rounds of a
+     * team-wide maximum), kept to compare against. */
+    const char *rounds = getenv("MOECL_TOPK_ROUNDS");
+    info->topk_rounds = rounds && strcmp(rounds, "1") == 0;
 }
 
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)

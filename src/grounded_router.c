@@ -60,10 +60,13 @@ static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned 
 }
 
 /* Local memory of grounded_router_team. */
-static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
+static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k, bool rounds)
 {
-    return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 12 +
-           (size_t)rows * team * 8;
+    /* ground_local, hidden_local, chosen_g and chosen_ids, then the top-k
+     * scratch (see topk_gating.c). */
+    size_t top = rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+    return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 8 +
+           (size_t)rows * top;
 }
 
 static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k)
@@ -89,7 +92,7 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
         unsigned ept = (experts + team - 1) / team;
         for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1) {
             if ((size_t)team * rows <= info->max_work_group_size &&
-                team_local_bytes(hidden, team, ept, rows, k) <= budget && (rows >= 4 || rows * team >= 64)) {
+                team_local_bytes(hidden, team, ept, rows, k, info->topk_rounds) <= budget && (rows >= 4 || rows * team >= 64)) {
                 shape.kind = KERNEL_TEAM;
                 shape.team = team;
                 shape.rows = rows;
@@ -146,9 +149,10 @@ static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
+             "-DTOPK_COUNT=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
+             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, ctx->info.topk_rounds ? 0 : 1);
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 

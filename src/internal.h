@@ -53,6 +53,7 @@ typedef struct moecl_device_info {
     const char *launch_reason; /* static text: why this class */
     unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
+    bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */

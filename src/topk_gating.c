@@ -75,9 +75,15 @@ static unsigned next_pow2(unsigned v)
 
 /* Local memory the team kernel needs for `rows` rows (mirrors the __local
  * arrays of topk_gating_team). */
-static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
+static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups,
+                               bool rounds)
 {
-    size_t per_row = (size_t)team * (8 + 4) + (size_t)k * (4 + 8);
+    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch:
+     * key slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys
+     * and values for counting (common.cl). */
+    const unsigned ept = (experts + team - 1) / team;
+    size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
+    per_row += rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
     if (groups)
         per_row += (size_t)experts * 4 + (size_t)groups * 9;
     return per_row * rows;
@@ -102,9 +108,9 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, un
         rows >>= 1;
     /* Leave 1 KiB of local memory to the implementation. */
     size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
-    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups) > budget)
+    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
         rows >>= 1;
-    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups) > budget)
+    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
     bool shuffle = info->vendor == MOECL_VENDOR_NVIDIA && team <= 32 && (team * rows) % 32 == 0;
@@ -128,10 +134,12 @@ static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d,
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
-             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u",
+             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
+             "-DTOPK_COUNT=%d",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, out->shape.team, out->shape.rows,
-             out->shape.shuffle ? 1 : 0, (d->num_experts + out->shape.team - 1) / out->shape.team);
+             out->shape.shuffle ? 1 : 0, (d->num_experts + out->shape.team - 1) / out->shape.team,
+             ctx->info.topk_rounds ? 0 : 1);
     return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
 }
 
