@@ -1,5 +1,9 @@
-STEPS="bench" BENCH_ARGS="--only grounded --iterations 50 --wall-calls 100" bash bench/run-h200.sh 2>&1 | grep -E "^grounded|empty"
+#!/usr/bin/env bash
+# Scratch experiment for one H200 call (see bench/run-h200.sh): the test
+# suite and moecl-bench with the default kernels, then the top-k cases
+# again with MOECL_TOPK_ROUNDS=1 (the earlier top-k) to compare.
+set -uo pipefail
+STEPS="test bench" bash bench/run-h200.sh
 export OCL_ICD_VENDORS=/tmp/icd MOECL_DEVICE=gpu MOECL_CACHE_DIR=/tmp/moecl-cache
-B="/tmp/b/tools/moecl-bench --only custom --iterations 100 --wall-calls 200"
-S="--shape 13526,256,1 --shape 13526,256,2 --shape 13526,256,4 --shape 13526,256,8 --shape 4083,128,1 --shape 4083,128,8 --shape 13526,128,8 --shape 13526,64,8 --shape 100000,256,1 --shape 100000,256,8"
-$B $S 2>/dev/null | grep -E "^topk|empty"
+echo "== MOECL_TOPK_ROUNDS=1"
+MOECL_TOPK_ROUNDS=1 /tmp/b/tools/moecl-bench --only topk --json "$OUT/bench-rounds.json" 2>/dev/null | tee "$OUT/bench-rounds.txt"
