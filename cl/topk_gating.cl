@@ -272,6 +272,16 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 /* A team of TEAM work-items per row, ROWS rows per work-group (GPUs).      */
 /* ---------------------------------------------------------------------- */
 
+/* GROUP_PARTS: lanes that score one group together (a power of two, so
+ * that a group's parts are neighbouring lanes). */
+#if NUM_GROUPS > 0 && TEAM / NUM_GROUPS >= 2
+#define GROUP_PARTS_RAW (TEAM / NUM_GROUPS)
+#define GROUP_PARTS                                                                                \
+    (GROUP_PARTS_RAW >= 32 ? 32 : GROUP_PARTS_RAW >= 16 ? 16 : GROUP_PARTS_RAW >= 8 ? 8 : GROUP_PARTS_RAW >= 4 ? 4 : 2)
+#else
+#define GROUP_PARTS 1
+#endif
+
 /* EPT, the elements per work-item (NUM_EXPERTS / TEAM rounded up), comes
  * from the host, so that common.cl's team_topk sees it. */
 
@@ -303,6 +313,11 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     __local float row_selection[ROWS * NUM_EXPERTS];
     __local ulong group_keys[ROWS * NUM_GROUPS];
     __local uchar group_kept[ROWS * NUM_GROUPS];
+#if GROUP_PARTS > 1
+    __local float part_first[ROWS * TEAM];
+    __local float part_second[ROWS * TEAM];
+    __local uint part_count[ROWS * TEAM];
+#endif
 #endif
     const uint lane = get_local_id(0) % TEAM;
     const uint r = get_local_id(0) / TEAM;
@@ -374,6 +389,34 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     /* Step 3: group scores from the row's selection scores in local memory,
      * then each group's rank among the row's groups. */
     barrier(CLK_LOCAL_MEM_FENCE);
+#if GROUP_PARTS > 1
+    /* GROUP_PARTS lanes per group each take every GROUP_PARTS-th element
+     * (neighbouring lanes read neighbouring words); the group's first lane
+     * then merges the parts. The top two of a group do not depend on the
+     * order they are met in, so this scores as the plain loop does. */
+    {
+        const uint g = lane / GROUP_PARTS, part = lane % GROUP_PARTS;
+        group_acc acc;
+        group_acc_init(&acc);
+        if (g < NUM_GROUPS)
+            for (uint e = g * GROUP_SIZE + part; e < (g + 1) * GROUP_SIZE; e += GROUP_PARTS)
+                group_acc_add(&acc, row_selection[r * NUM_EXPERTS + e]);
+        part_first[r * TEAM + lane] = acc.first;
+        part_second[r * TEAM + lane] = acc.second;
+        part_count[r * TEAM + lane] = min(acc.count, 2u);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (part == 0 && g < NUM_GROUPS) {
+            for (uint q = 1; q < GROUP_PARTS; q++) {
+                const uint n = part_count[r * TEAM + lane + q];
+                if (n >= 1)
+                    group_acc_add(&acc, part_first[r * TEAM + lane + q]);
+                if (n >= 2)
+                    group_acc_add(&acc, part_second[r * TEAM + lane + q]);
+            }
+            group_keys[r * NUM_GROUPS + g] = rank_key(group_acc_score(&acc), g);
+        }
+    }
+#else
     for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
         group_acc acc;
         group_acc_init(&acc);
@@ -381,6 +424,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
             group_acc_add(&acc, row_selection[r * NUM_EXPERTS + e]);
         group_keys[r * NUM_GROUPS + g] = rank_key(group_acc_score(&acc), g);
     }
+#endif
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
         ulong mine = group_keys[r * NUM_GROUPS + g];

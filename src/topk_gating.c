@@ -85,7 +85,7 @@ static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigne
     size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
     per_row += rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
     if (groups)
-        per_row += (size_t)experts * 4 + (size_t)groups * 9;
+        per_row += (size_t)experts * 4 + (size_t)groups * 9 + (team / groups >= 2 ? (size_t)team * 12 : 0);
     return per_row * rows;
 }
 
