@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Scratch experiment for one H200 call (see bench/run-h200.sh): the test
-# suite and moecl-bench with the default kernels, then the top-k cases
-# again with MOECL_TOPK_ROUNDS=1 (the earlier top-k) to compare.
+# Scratch experiment for one H200 call (see bench/run-h200.sh): the GPU
+# test suites, moecl-bench with the default kernels, then top-k at the large
+# shapes for each team size (MOECL_TEAM).
 set -uo pipefail
-STEPS="test bench" bash bench/run-h200.sh
+STEPS="test bench" TESTS="topk_gating_gpu grounded_router_gpu runtime" bash bench/run-h200.sh
 export OCL_ICD_VENDORS=/tmp/icd MOECL_DEVICE=gpu MOECL_CACHE_DIR=/tmp/moecl-cache
-echo "== MOECL_TOPK_ROUNDS=1"
-MOECL_TOPK_ROUNDS=1 /tmp/b/tools/moecl-bench --only topk --json "$OUT/bench-rounds.json" 2>/dev/null | tee "$OUT/bench-rounds.txt"
+for team in 8 16 32 64; do
+    echo "== MOECL_TEAM=$team"
+    MOECL_TEAM=$team /tmp/b/tools/moecl-bench --only custom --iterations 100 --wall-calls 200 \
+        --shape 4083,128,8 --shape 8192,128,8 --shape 8037,256,8 --shape 13526,256,8 2>/dev/null | grep -E "^topk|empty"
+    MOECL_TEAM=$team /tmp/b/tools/moecl-bench --only dsv3 --iterations 100 --wall-calls 200 2>/dev/null | grep -E "^topk"
+done
