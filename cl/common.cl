@@ -272,10 +272,6 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
 #define TOPK_PER_LANE (EPT < TOPK ? EPT : TOPK)
 #define TOPK_CAP (TEAM * TOPK_PER_LANE)
 #define TOPK_COUNT_U32 (TEAM + 2)
-/* Lanes per group of the shuffle floor: the largest power of two that
- * leaves at least TOPK groups. */
-#define FLOOR_GROUP                                                                                \
-    (TEAM / TOPK >= 32 ? 32 : TEAM / TOPK >= 16 ? 16 : TEAM / TOPK >= 8 ? 8 : TEAM / TOPK >= 4 ? 4 : TEAM / TOPK >= 2 ? 2 : 1)
 
 inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
                       __local float *cand_values, uint lane, __local uint *chosen_ids, __local float *chosen_values)
@@ -299,20 +295,6 @@ inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch,
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-#if TEAM_SHUFFLE && TEAM >= TOPK
-    /* Step 1 with warp shuffles: a floor that is a little lower but costs
-     * only log2(TEAM) shuffles: the lanes form at least TOPK groups of
-     * FLOOR_GROUP, and the smallest of the groups' maxima is held by (at
-     * least) one element of each group. */
-    (void)lane_max;
-    (void)floor_slot;
-    uint group_max = best;
-    for (uint m = 1; m < FLOOR_GROUP; m <<= 1)
-        group_max = max(group_max, shuffle_xor(group_max, m));
-    for (uint m = FLOOR_GROUP; m < TEAM; m <<= 1)
-        group_max = min(group_max, shuffle_xor(group_max, m));
-    const uint floor_rank = max(group_max, 1u);
-#else
     /* Step 1: the lane whose maximum is TOPK-th in (rank, lower lane)
      * order publishes it. */
     uint above = 0;
@@ -324,7 +306,6 @@ inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch,
         *floor_slot = max(best, 1u);
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint floor_rank = *floor_slot;
-#endif
 
     /* Step 2: candidates. */
     uint mine = 0;
