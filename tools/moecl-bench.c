@@ -35,6 +35,7 @@ typedef struct bench_result {
     int iterations, wall_calls; /* what was run: fewer than asked only for slow calls */
     bool checked_ok;
     char check_msg[256];
+    uint64_t ids_hash; /* FNV-1a of the chosen ids: compares devices (same inputs everywhere) */
 } bench_result;
 
 typedef struct options {
@@ -273,6 +274,17 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
                                  (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, 0, NULL, done);
 }
 
+static uint64_t fnv1a_ids(const int32_t *ids, size_t n)
+{
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++)
+        for (int byte = 0; byte < 4; byte++) {
+            h ^= (uint32_t)ids[i] >> (8 * byte) & 0xff;
+            h *= 1099511628211ull;
+        }
+    return h;
+}
+
 static void check_case(moecl_context *ctx, const bench_case *c, const case_buffers *b, bench_result *r)
 {
     cl_command_queue q = moecl_context_queue(ctx);
@@ -294,7 +306,10 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 8, w, 0, NULL, NULL);
         bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, w, NULL, NULL,
                                         r->check_msg, sizeof(r->check_msg));
+        for (size_t i = 0; i < nk; i++) /* the pairs' index halves */
+            ids[i] = (int32_t)w[2 * i];
     }
+    r->ids_hash = fnv1a_ids(ids, nk);
     r->checked_ok = bad == 0;
     free(w);
     free(ids);
@@ -593,10 +608,11 @@ int main(int argc, char **argv)
             fprintf(jf,
                     "%s\n  {\"op\": \"%s\", \"shape\": \"%s\", \"dtype\": %d, \"device_us\": %.3f, \"p10_us\": %.3f, "
                     "\"p90_us\": %.3f, \"wall_us\": %.3f, \"gbps\": %.2f, \"copy_ratio\": %.4f, \"t_sol_us\": %.2f, "
-                    "\"t_prod_us\": %.2f, \"prepare_ms\": %.2f, \"calls\": %d, \"wall_calls\": %d, \"check\": %s}",
+                    "\"t_prod_us\": %.2f, \"prepare_ms\": %.2f, \"calls\": %d, \"wall_calls\": %d, \"check\": %s, "
+                    "\"ids_fnv1a\": \"%016llx\"}",
                     first ? "" : ",", c->label, shape, dt, r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps,
                     r->copy_ratio, c->t_sol_us, c->t_prod_us, r->prepare_ms, r->iterations, r->wall_calls,
-                    r->checked_ok ? "true" : "false");
+                    r->checked_ok ? "true" : "false", (unsigned long long)r->ids_hash);
         if (cf)
             fprintf(cf, "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.2f,%.4f,%.2f,%.2f,%s\n", c->label, shape, dt, r->median_us,
                     r->p10_us, r->p90_us, r->wall_us, r->gbps, r->copy_ratio, c->t_sol_us, c->t_prod_us,
