@@ -170,17 +170,37 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         const uint m = idx / HIDDEN_DIM, i = idx % HIDDEN_DIM;
         hidden_local[idx] = row0 + m < num_tokens ? LOAD_IN(hidden, (size_t)(row0 + m) * HIDDEN_DIM + i) : 0.0f;
     }
+    /* The row's logits, loaded while the tables above are in flight. */
+    float logit[EPT];
+    UNROLL
+    for (uint j = 0; j < EPT; j++) {
+        const uint e = j * TEAM + lane;
+        logit[j] = (active && e < NUM_EXPERTS) ? logits[(size_t)row * NUM_EXPERTS + e] : 0.0f;
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    float acc[EPT];
+    /* Four partial sums per expert (hidden index mod 4), so that four
+     * independent multiply-add chains hide the local-memory latency. */
+    float acc[EPT][4];
     UNROLL
     for (uint j = 0; j < EPT; j++)
-        acc[j] = 0.0f;
-    for (uint i = 0; i < HIDDEN_DIM; i++) {
+        acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (uint i = 0; i < HIDDEN_DIM / 4 * 4; i += 4) {
+        const float4 h = vload4(0, hidden_local + r * HIDDEN_DIM + i);
+        UNROLL
+        for (uint j = 0; j < EPT; j++) {
+            const uint col = j * TEAM + lane;
+            acc[j][0] = fma(h.s0, ground_local[(i + 0) * GROUND_STRIDE + col], acc[j][0]);
+            acc[j][1] = fma(h.s1, ground_local[(i + 1) * GROUND_STRIDE + col], acc[j][1]);
+            acc[j][2] = fma(h.s2, ground_local[(i + 2) * GROUND_STRIDE + col], acc[j][2]);
+            acc[j][3] = fma(h.s3, ground_local[(i + 3) * GROUND_STRIDE + col], acc[j][3]);
+        }
+    }
+    for (uint i = HIDDEN_DIM / 4 * 4; i < HIDDEN_DIM; i++) {
         const float h = hidden_local[r * HIDDEN_DIM + i];
         UNROLL
         for (uint j = 0; j < EPT; j++)
-            acc[j] = fma(h, ground_local[i * GROUND_STRIDE + j * TEAM + lane], acc[j]);
+            acc[j][0] = fma(h, ground_local[i * GROUND_STRIDE + j * TEAM + lane], acc[j][0]);
     }
     uint rank[EPT];
     float g[EPT];
@@ -190,7 +210,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         g[j] = 0.0f;
         rank[j] = RANK_NONE;
         if (active && e < NUM_EXPERTS) {
-            g[j] = logits[(size_t)row * NUM_EXPERTS + e] + alpha * acc[j];
+            g[j] = logit[j] + alpha * ((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
             rank[j] = select_rank(g[j]);
         }
     }
