@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -206,7 +207,8 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
            cache);
     char tune[4096];
     if (moecl_tune_path(i, tune, sizeof(tune)))
-        append(buf, size, &len, "tune file: %s (%zu entries read)\n", tune, ctx->tuned.count);
+        append(buf, size, &len, "tune file: %s (%skeys read at creation: %zu)\n", tune,
+               access(tune, F_OK) == 0 ? "" : "absent, moecl-tune writes it; ", ctx->tuned.count);
     else
         append(buf, size, &len, "tune file: off (no cache directory)\n");
 
