@@ -147,12 +147,23 @@ static const moecl_launch_config *table_find(const moecl_device_info *info, cons
 /* ---- resolving ---- */
 
 /* Configurations a driver is known to mishandle, refused before the op
- * sees them. pocl 3.1: a team kernel in a work-group of two work-items
- * (team 2, one row) trips an assertion in its kernel compiler
- * (ParallelRegion.cc:346) and aborts the process; found by moecl-tune. */
-static bool driver_refuses(const moecl_device_info *info, const moecl_launch_config *c)
+ * sees them; moecl-tune found both (its children crashed).
+ * pocl 3.1: a team kernel in a work-group of two work-items (team 2, one
+ * row) trips an assertion in its kernel compiler (ParallelRegion.cc:346)
+ * and aborts the process. And a work-group's private arrays live on a
+ * worker thread's stack: the top-k kernels keep about 8 bytes per expert
+ * per row (scores and ranks), the grounded team kernel 12, and work-groups
+ * past about 8 MiB of them segfault (top-k rows kernel: 256 experts x 4096
+ * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
+ * past 4 MiB. */
+static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
 {
-    return info->vendor == MOECL_VENDOR_POCL && c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2;
+    if (info->vendor != MOECL_VENDOR_POCL)
+        return false;
+    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
+        return true;
+    const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
+    return (uint64_t)c->rows * key->num_experts * per_expert > ((uint64_t)4 << 20);
 }
 
 /* Whether an environment variable decides op's configuration: then the
@@ -185,7 +196,7 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
         MOECL_SOURCE_FORCED, MOECL_SOURCE_TUNED, MOECL_SOURCE_TABLE};
     unsigned n = 0;
     for (unsigned i = 0; i < MOECL_LAUNCH_MAX_OVERRIDES; i++) {
-        if (c[i] && !driver_refuses(&ctx->info, c[i])) {
+        if (c[i] && !driver_refuses(&ctx->info, key, c[i])) {
             configs[n] = *c[i];
             sources[n++] = source_of[i];
         }
