@@ -310,6 +310,11 @@ static void time_config(moecl_context *ctx, const tune_case *c, case_buffers *b,
         iterations = fit < 5 ? 5 : fit < iterations ? fit : iterations;
     }
     double *t = malloc(sizeof(double) * (size_t)iterations);
+    if (!t) {
+        snprintf(r->msg, sizeof(r->msg), "out of memory");
+        r->error = true;
+        return;
+    }
     int n = 0;
     for (; n < iterations; n++) {
         cl_event ev;
