@@ -56,8 +56,7 @@ bool moecl_cache_dir(char *buf, size_t size)
     return n > 0 && (size_t)n < size;
 }
 
-/* mkdir -p; true if the directory exists afterwards. */
-static bool make_dirs(char *path)
+bool moecl_cache_make_dir(char *path)
 {
     struct stat st;
     if (stat(path, &st) == 0)
@@ -79,7 +78,7 @@ static bool entry_path(const char *key, char *path, size_t size, bool create_dir
     char dir[3072];
     if (!moecl_cache_dir(dir, sizeof(dir)))
         return false;
-    if (create_dir && !make_dirs(dir))
+    if (create_dir && !moecl_cache_make_dir(dir))
         return false;
     size_t len = strlen(key);
     int n = snprintf(path, size, "%s/%016llx%016llx.bin", dir,

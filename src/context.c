@@ -1,7 +1,9 @@
 /* Context lifetime: creating or adopting the OpenCL objects, accessors. */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -25,6 +27,8 @@ static moecl_status finish_context(moecl_context *c, moecl_context **out)
         return moecl_fail(NULL, st, "querying the device failed (%s)", moecl_status_string(st));
     }
     c->build_options = make_build_options(&c->info);
+    /* One small file read, once: warm creation stays fast. */
+    moecl_tune_load(&c->info, &c->tuned);
     const char *dir = getenv("MOECL_KERNEL_DIR");
     c->kernel_dir = dir && *dir ? strdup(dir) : NULL;
     st = moecl_registry_create(&c->registry);
@@ -142,6 +146,7 @@ void moecl_context_destroy(moecl_context *ctx)
         clReleaseContext(ctx->context);
     free(ctx->build_options);
     free(ctx->kernel_dir);
+    moecl_tune_free(&ctx->tuned);
     moecl_error_forget(ctx);
     free(ctx);
 }
@@ -150,6 +155,20 @@ cl_context moecl_context_cl_context(const moecl_context *ctx) { return ctx ? ctx
 cl_device_id moecl_context_device(const moecl_context *ctx) { return ctx ? ctx->device : NULL; }
 cl_command_queue moecl_context_queue(const moecl_context *ctx) { return ctx ? ctx->queue : NULL; }
 
+/* snprintf at buf + *len, keeping *len the length of the whole text as
+ * snprintf counts it (the part past size is counted, not written). */
+static void append(char *buf, size_t size, size_t *len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static void append(char *buf, size_t size, size_t *len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    char none[1];
+    int n = *len < size ? vsnprintf(buf + *len, size - *len, fmt, ap) : vsnprintf(none, 0, fmt, ap);
+    va_end(ap);
+    if (n > 0)
+        *len += (size_t)n;
+}
+
 size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
 {
     if (!ctx) {
@@ -157,31 +176,59 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
             buf[0] = '\0';
         return 0;
     }
+    if (size)
+        buf[0] = '\0';
     const moecl_device_info *i = &ctx->info;
     static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl"};
     char cache[3072];
     if (!moecl_cache_dir(cache, sizeof(cache)))
         snprintf(cache, sizeof(cache), "off");
-    int n = snprintf(buf, size,
-                     "platform: %s\n"
-                     "device: %s\n"
-                     "device version: %s\n"
-                     "driver: %s\n"
-                     "type: %s\n"
-                     "vendor: %s\n"
-                     "compute units: %u\n"
-                     "local memory: %llu bytes\n"
-                     "max work-group size: %zu\n"
-                     "launch class: %s (%s)\n"
-                     "kernel sources: %s\n"
-                     "kernel cache: %s\n",
-                     i->platform_name, i->device_name, i->device_version, i->driver_version,
-                     (i->type & CL_DEVICE_TYPE_CPU)           ? "CPU"
-                     : (i->type & CL_DEVICE_TYPE_GPU)         ? "GPU"
-                     : (i->type & CL_DEVICE_TYPE_ACCELERATOR) ? "accelerator"
-                                                              : "other",
-                     vendors[i->vendor], i->compute_units, (unsigned long long)i->local_mem_size,
-                     i->max_work_group_size, moecl_launch_class_name(i->launch_class), i->launch_reason,
-                     ctx->kernel_dir ? ctx->kernel_dir : "embedded", cache);
-    return n < 0 ? 0 : (size_t)n;
+    size_t len = 0;
+    append(buf, size, &len,
+           "platform: %s\n"
+           "device: %s\n"
+           "device version: %s\n"
+           "driver: %s\n"
+           "type: %s\n"
+           "vendor: %s\n"
+           "compute units: %u\n"
+           "local memory: %llu bytes\n"
+           "max work-group size: %zu\n"
+           "launch class: %s (%s)\n"
+           "kernel sources: %s\n"
+           "kernel cache: %s\n",
+           i->platform_name, i->device_name, i->device_version, i->driver_version,
+           (i->type & CL_DEVICE_TYPE_CPU)           ? "CPU"
+           : (i->type & CL_DEVICE_TYPE_GPU)         ? "GPU"
+           : (i->type & CL_DEVICE_TYPE_ACCELERATOR) ? "accelerator"
+                                                    : "other",
+           vendors[i->vendor], i->compute_units, (unsigned long long)i->local_mem_size, i->max_work_group_size,
+           moecl_launch_class_name(i->launch_class), i->launch_reason, ctx->kernel_dir ? ctx->kernel_dir : "embedded",
+           cache);
+    char tune[4096];
+    if (moecl_tune_path(i, tune, sizeof(tune)))
+        append(buf, size, &len, "tune file: %s (%skeys read at creation: %zu)\n", tune,
+               access(tune, F_OK) == 0 ? "" : "absent, moecl-tune writes it; ", ctx->tuned.count);
+    else
+        append(buf, size, &len, "tune file: off (no cache directory)\n");
+
+    /* What the seed shapes launch with, and from where. */
+    moecl_topk_gating_desc t[3] = {moecl_topk_gating_desc_init(1, 128, 8), moecl_topk_gating_desc_init(1, 256, 8),
+                                   moecl_topk_gating_desc_init(1, 256, 8)};
+    t[2].num_expert_groups = 8; /* DeepSeek-V3 */
+    t[2].topk_group = 4;
+    moecl_grounded_router_desc g[2] = {moecl_grounded_router_desc_init(1, 128, 16, 0.5f),
+                                       moecl_grounded_router_desc_init(1, 4096, 128, 0.5f)};
+    g[1].top_k = 8;
+    for (int n = 0; n < 5; n++) {
+        moecl_launch_key key;
+        moecl_launch_config config;
+        moecl_launch_source source = n < 3 ? moecl_topk_gating_launch(ctx, &t[n], &key, &config)
+                                           : moecl_grounded_router_launch(ctx, &g[n - 3], &key, &config);
+        char key_text[128], config_text[128];
+        moecl_launch_key_text(&key, key_text, sizeof(key_text));
+        moecl_launch_config_text(&config, config_text, sizeof(config_text));
+        append(buf, size, &len, "launch %s: %s (%s)\n", key_text, config_text, moecl_launch_source_name(source));
+    }
+    return len;
 }

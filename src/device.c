@@ -58,6 +58,7 @@ static moecl_vendor vendor_of(const char *platform, const char *vendor)
 static void choose_launch_class(moecl_device_info *info)
 {
     const char *forced = getenv("MOECL_LAUNCH_CLASS");
+    info->launch_class_forced = forced && (strcmp(forced, "cpu") == 0 || strcmp(forced, "gpu") == 0);
     if (forced && strcmp(forced, "cpu") == 0) {
         info->launch_class = MOECL_LAUNCH_CPU;
         info->launch_reason = "forced by MOECL_LAUNCH_CLASS=cpu";
@@ -72,7 +73,9 @@ static void choose_launch_class(moecl_device_info *info)
         info->launch_reason = "GPU or accelerator: a team of work-items per row";
     }
     /* MOECL_TEAM: a power of two 2..256 fixes the team size of the top-k
-     * gating team kernel (tuning sweeps); anything else is ignored. */
+     * gating team kernel (tuning sweeps); anything else is ignored. It and
+     * MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
+     * MOECL_LAUNCH_CLASS=cpu (see choose_launch of each op). */
     const char *team = getenv("MOECL_TEAM");
     unsigned long t = team ? strtoul(team, NULL, 10) : 0;
     info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;

@@ -69,17 +69,130 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
            (size_t)rows * top;
 }
 
-static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k)
+/* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
+ * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
+ * local-memory read) measured slower on the H200 (3112 us against
+ * 1289 us at 16384 x 4096 x 128), so only MOECL_GROUNDED_TILE=128 (or a
+ * tuned configuration) asks for it. Rows: tokens, register block rows and
+ * columns. */
+static const unsigned tile_configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
+#define NUM_TILE_CONFIGS (sizeof(tile_configs) / sizeof(tile_configs[0]))
+
+/* Experts a tile of the tiled kernel covers. */
+static unsigned tile_experts(unsigned experts)
+{
+    unsigned tn = 16;
+    while (tn < 64 && tn < experts)
+        tn <<= 1;
+    return tn;
+}
+
+/* The tiled kernel with tile_configs[c], if the device can run it. */
+static bool tiled_shape(const moecl_device_info *info, size_t c, unsigned experts, unsigned k, size_t budget,
+                        launch_shape *shape)
+{
+    const unsigned tm = tile_configs[c][0], mt = tile_configs[c][1], nt = tile_configs[c][2];
+    const unsigned tn = tile_experts(experts), tk = 16;
+    if (mt == 8 && tn < 64)
+        return false;
+    size_t local = (size_t)(tm / mt) * (tn / nt);
+    if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, tn, tk, k) > budget)
+        return false;
+    shape->kind = KERNEL_TILED;
+    shape->tm = tm;
+    shape->tn = tn;
+    shape->tk = tk;
+    shape->mt = mt;
+    shape->nt = nt;
+    shape->team = shape->rows = shape->ept = 1;
+    shape->shuffle = false;
+    shape->local = local;
+    shape->rows_per_group = tm;
+    shape->kernel_name = "grounded_router_tiled";
+    return true;
+}
+
+/* The team kernel with team work-items per token and rows tokens a
+ * work-group, if the device can run it. */
+static bool team_shape(const moecl_device_info *info, unsigned team, unsigned rows, unsigned hidden,
+                       unsigned experts, unsigned k, size_t budget, launch_shape *shape)
+{
+    const unsigned ept = (experts + team - 1) / team;
+    if ((size_t)team * rows > info->max_work_group_size || team_local_bytes(hidden, team, ept, rows, k, info->topk_rounds) > budget)
+        return false;
+    shape->kind = KERNEL_TEAM;
+    shape->team = team;
+    shape->rows = rows;
+    shape->ept = ept;
+    /* Shuffles need teams inside a warp and work-groups of whole warps. */
+    shape->shuffle = info->vendor == MOECL_VENDOR_NVIDIA && team <= 32 && (team * rows) % 32 == 0;
+    shape->local = (size_t)team * rows;
+    shape->rows_per_group = rows;
+    shape->kernel_name = "grounded_router_team";
+    return true;
+}
+
+static void rows_shape(unsigned rows, launch_shape *shape)
+{
+    memset(shape, 0, sizeof(*shape));
+    shape->kind = KERNEL_ROWS;
+    shape->mt = shape->nt = 4; /* defines every kernel's source expects */
+    shape->team = shape->rows = shape->ept = 1;
+    shape->local = shape->rows_per_group = rows;
+    shape->kernel_name = "grounded_router_rows";
+}
+
+static bool is_pow2(unsigned v) { return v && (v & (v - 1)) == 0; }
+
+/* The first configuration of the forced / tune file / table overrides
+ * (launch.c orders them) that the device can run, checked for the exact
+ * hidden size. */
+static bool override_shape(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k,
+                           launch_shape *shape, moecl_launch_source *source)
+{
+    const moecl_device_info *info = &ctx->info;
+    const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    const moecl_launch_key key = moecl_launch_key_grounded(hidden, experts, k);
+    moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
+    moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
+    const unsigned n = moecl_launch_overrides(ctx, &key, configs, sources);
+    for (unsigned i = 0; i < n; i++) {
+        const moecl_launch_config *c = &configs[i];
+        bool ok = false;
+        if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && is_pow2(c->rows) &&
+            c->rows <= info->max_work_group_size) {
+            rows_shape(c->rows, shape);
+            ok = true;
+        } else if (c->kernel == MOECL_KERNEL_TEAM && c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM &&
+                   is_pow2(c->team) && is_pow2(c->rows)) {
+            rows_shape(8, shape);
+            ok = team_shape(info, c->team, c->rows, hidden, experts, k, budget, shape);
+        } else if (c->kernel == MOECL_KERNEL_TILED) {
+            rows_shape(8, shape);
+            for (size_t t = 0; t < NUM_TILE_CONFIGS && !ok; t++)
+                ok = tile_configs[t][0] == c->tile && tiled_shape(info, t, experts, k, budget, shape);
+        }
+        if (ok) {
+            *source = sources[i];
+            return true;
+        }
+    }
+    *source = moecl_launch_default_source(info, MOECL_OP_GROUNDED_ROUTER);
+    return false;
+}
+
+/* An override that the device can run, else the rule computed from the
+ * device facts. */
+static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k,
+                                  moecl_launch_source *source)
 {
     const moecl_device_info *info = &ctx->info;
     launch_shape shape;
-    memset(&shape, 0, sizeof(shape));
-    shape.kind = KERNEL_ROWS;
-    shape.mt = shape.nt = 4;          /* defines every kernel's source expects */
-    shape.team = shape.rows = shape.ept = 1;
-    shape.local = shape.rows_per_group = 8;
-    shape.kernel_name = "grounded_router_rows";
-    if (info->launch_class == MOECL_LAUNCH_CPU)
+    if (override_shape(ctx, hidden, experts, k, &shape, source))
+        return shape;
+    rows_shape(8, &shape);
+    /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
+    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->grounded_wide_tile || info->launch_class_forced))
         return shape;
     const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
 
@@ -89,51 +202,26 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
         unsigned team = 1;
         while (team < experts && team < 32)
             team <<= 1;
-        unsigned ept = (experts + team - 1) / team;
-        for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1) {
-            if ((size_t)team * rows <= info->max_work_group_size &&
-                team_local_bytes(hidden, team, ept, rows, k, info->topk_rounds) <= budget && (rows >= 4 || rows * team >= 64)) {
-                shape.kind = KERNEL_TEAM;
-                shape.team = team;
-                shape.rows = rows;
-                shape.ept = ept;
-                shape.shuffle = info->vendor == MOECL_VENDOR_NVIDIA && (team * rows) % 32 == 0;
-                shape.local = (size_t)team * rows;
-                shape.rows_per_group = rows;
-                shape.kernel_name = "grounded_router_team";
+        for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1)
+            if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, budget, &shape))
                 return shape;
-            }
-        }
     }
-    unsigned tn = 16;
-    while (tn < 64 && tn < experts)
-        tn <<= 1;
-    const unsigned tk = 16;
-    /* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
-     * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
-     * local-memory read) measured slower on the H200 (3112 us against
-     * 1289 us at 16384 x 4096 x 128), so only MOECL_GROUNDED_TILE=128 asks
-     * for it, for tuning. */
-    static const unsigned configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
-    for (size_t c = info->grounded_wide_tile ? 0 : 1; c < sizeof(configs) / sizeof(configs[0]); c++) {
-        const unsigned tm = configs[c][0], mt = configs[c][1], nt = configs[c][2];
-        if (mt == 8 && tn < 64)
-            continue;
-        size_t local = (size_t)(tm / mt) * (tn / nt);
-        if (local >= tm && local <= info->max_work_group_size && tiled_local_bytes(tm, tn, tk, k) <= budget) {
-            shape.kind = KERNEL_TILED;
-            shape.tm = tm;
-            shape.tn = tn;
-            shape.tk = tk;
-            shape.mt = mt;
-            shape.nt = nt;
-            shape.local = local;
-            shape.rows_per_group = tm;
-            shape.kernel_name = "grounded_router_tiled";
+    for (size_t c = info->grounded_wide_tile ? 0 : 1; c < NUM_TILE_CONFIGS; c++)
+        if (tiled_shape(info, c, experts, k, budget, &shape))
             return shape;
-        }
-    }
     return shape; /* a device too small for either still runs the plain loops */
+}
+
+moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *d,
+                                                 moecl_launch_key *key, moecl_launch_config *config)
+{
+    moecl_launch_source source;
+    const launch_shape s = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source);
+    *key = moecl_launch_key_grounded(d->hidden_dim, d->num_experts, d->top_k);
+    *config = s.kind == KERNEL_TILED  ? (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, s.tm}
+              : s.kind == KERNEL_TEAM ? (moecl_launch_config){MOECL_KERNEL_TEAM, s.team, s.rows, 0}
+                                      : (moecl_launch_config){MOECL_KERNEL_ROWS, 1, (unsigned)s.local, 0};
+    return source;
 }
 
 typedef struct prepared {
@@ -144,7 +232,8 @@ typedef struct prepared {
 static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
                             bool ids, prepared *out)
 {
-    out->shape = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k);
+    moecl_launch_source source;
+    out->shape = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source);
     const launch_shape *s = &out->shape;
     char defines[512];
     snprintf(defines, sizeof(defines),

@@ -51,6 +51,7 @@ typedef struct moecl_device_info {
     size_t max_work_group_size;
     moecl_launch_class launch_class;
     const char *launch_reason; /* static text: why this class */
+    bool launch_class_forced;  /* MOECL_LAUNCH_CLASS set it */
     unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
@@ -62,6 +63,93 @@ moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info);
  * the message is recorded for ctx NULL. */
 moecl_status moecl_device_select(const char *selector, cl_platform_id *platform, cl_device_id *device);
 const char *moecl_launch_class_name(moecl_launch_class c);
+
+/* ---- launch.c: launch configurations (per-device table, tune file, forcing) ---- */
+
+typedef enum moecl_op { MOECL_OP_TOPK_GATING = 0, MOECL_OP_GROUNDED_ROUTER = 1, MOECL_NUM_OPS } moecl_op;
+
+/* What a configuration is keyed by. groups: top-k gating's group count
+ * after dropping limits that select nothing away (0 for none, and for the
+ * grounded router); hidden_bucket: the grounded router's hidden size
+ * rounded up to a power of two (0 for top-k gating). */
+typedef struct moecl_launch_key {
+    moecl_op op;
+    uint32_t num_experts, top_k, groups, hidden_bucket;
+} moecl_launch_key;
+
+/* The kernel families; the values are the grounded router's KERNEL define. */
+typedef enum moecl_kernel_kind {
+    MOECL_KERNEL_ROWS = 0,
+    MOECL_KERNEL_TEAM = 1,
+    MOECL_KERNEL_TILED = 2,
+} moecl_kernel_kind;
+
+#define MOECL_LAUNCH_MAX_TEAM 256u
+#define MOECL_LAUNCH_MAX_ROWS 4096u
+
+/* A launch configuration. rows: one row (token) per work-item, `rows` of
+ * them a work-group (team 1, tile 0). team: `team` work-items per row (a
+ * power of two >= 2), `rows` rows a work-group. tiled (grounded router
+ * only): `tile` tokens a work-group, naming a row of the kernel's tile
+ * table (team 1, rows 0). */
+typedef struct moecl_launch_config {
+    moecl_kernel_kind kernel;
+    unsigned team, rows, tile;
+} moecl_launch_config;
+
+/* Where a configuration came from, in rising precedence after DEFAULT. */
+typedef enum moecl_launch_source {
+    MOECL_SOURCE_DEFAULT = 0, /* computed from device facts */
+    MOECL_SOURCE_TABLE,       /* the built-in per-device table */
+    MOECL_SOURCE_TUNED,       /* the tune file moecl-tune wrote */
+    MOECL_SOURCE_ENV,         /* computed under MOECL_LAUNCH_CLASS / MOECL_TEAM / MOECL_GROUNDED_TILE */
+    MOECL_SOURCE_FORCED,      /* moecl_launch_force (moecl-tune's sweep) */
+} moecl_launch_source;
+
+typedef struct moecl_tune_entry {
+    moecl_launch_key key;
+    moecl_launch_config config;
+} moecl_tune_entry;
+
+typedef struct moecl_tune_table {
+    moecl_tune_entry *entries;
+    size_t count, capacity;
+} moecl_tune_table;
+
+moecl_launch_key moecl_launch_key_topk(uint32_t num_experts, uint32_t top_k, uint32_t groups);
+moecl_launch_key moecl_launch_key_grounded(uint32_t hidden_dim, uint32_t num_experts, uint32_t top_k);
+bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_config *b);
+const char *moecl_launch_source_name(moecl_launch_source s);
+/* The tune file's text of a key ("topk e=128 k=8 groups=0") and of a
+ * configuration ("kernel=team team=16 rows=8"); snprintf's return. */
+int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size);
+int moecl_launch_config_text(const moecl_launch_config *config, char *buf, size_t size);
+
+/* The configurations that override the computed default for key, highest
+ * precedence first (forced, then tune file, then table; the last two not
+ * when an environment variable decides). The op takes the first that is
+ * valid on the device, else its computed default, whose source
+ * moecl_launch_default_source gives (ENV or DEFAULT). */
+#define MOECL_LAUNCH_MAX_OVERRIDES 3
+unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,
+                                moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES],
+                                moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES]);
+moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op);
+/* Force config for every call of op on ctx (NULL: stop forcing). For
+ * moecl-tune and the tests: not synchronised with calls in flight. */
+void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_config *config);
+
+/* The tune file of the device: path in the cache directory (false when the
+ * cache is off); load (an empty table when absent or foreign; bad lines
+ * skipped; never fails); store atomically, comment lines first (false on
+ * any failure, leaving the old file). */
+bool moecl_tune_path(const moecl_device_info *info, char *path, size_t size);
+void moecl_tune_load(const moecl_device_info *info, moecl_tune_table *table);
+bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *table, const char *comment);
+const moecl_launch_config *moecl_tune_find(const moecl_tune_table *table, const moecl_launch_key *key);
+/* Add or replace; false when out of memory or full. */
+bool moecl_tune_set(moecl_tune_table *table, const moecl_launch_key *key, const moecl_launch_config *config);
+void moecl_tune_free(moecl_tune_table *table);
 
 /* ---- program.c: kernel variants ---- */
 
@@ -108,6 +196,8 @@ bool moecl_cache_load(const char *key, unsigned char **binary, size_t *size);
 /* Store atomically (temporary file + rename). Failures are silent: the
  * cache is an optimisation. */
 void moecl_cache_store(const char *key, const unsigned char *binary, size_t size);
+/* mkdir -p dir (restored before returning); true if it exists afterwards. */
+bool moecl_cache_make_dir(char *dir);
 /* 64-bit FNV-1a, used for file names and checksums. */
 uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 
@@ -122,7 +212,21 @@ struct moecl_context {
     moecl_registry *registry;
     char *build_options; /* common options for every build */
     char *kernel_dir;    /* MOECL_KERNEL_DIR at creation, or NULL */
+    moecl_tune_table tuned; /* the device's tune file, read at creation */
+    struct {
+        bool active;
+        moecl_launch_config config;
+    } forced[MOECL_NUM_OPS]; /* moecl_launch_force */
 };
+
+/* ---- topk_gating.c, grounded_router.c: what a request is launched with ---- */
+
+/* The key, configuration and source a valid desc resolves to on ctx (what
+ * its calls launch). */
+moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                             moecl_launch_key *key, moecl_launch_config *config);
+moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                                 moecl_launch_key *key, moecl_launch_config *config);
 
 /* ---- buffers.c: validation shared by the ops ---- */
 

@@ -89,11 +89,58 @@ static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigne
     return per_row * rows;
 }
 
-static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups)
+/* The shape of a configuration from the table, the tune file or moecl-tune;
+ * false when the device cannot run it (work-group size, local memory). */
+static bool shape_of_config(const moecl_context *ctx, const moecl_launch_config *c, unsigned experts, unsigned k,
+                            unsigned groups, launch_shape *shape)
 {
     const moecl_device_info *info = &ctx->info;
+    const bool pow2_rows = c->rows >= 1 && (c->rows & (c->rows - 1)) == 0;
+    if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && pow2_rows && c->rows <= info->max_work_group_size) {
+        *shape = (launch_shape){1, c->rows, false, "topk_gating_rows"};
+        return true;
+    }
+    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    if (c->kernel != MOECL_KERNEL_TEAM || c->team < 2 || c->team > MOECL_LAUNCH_MAX_TEAM ||
+        (c->team & (c->team - 1)) || !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
+        team_local_bytes(c->team, c->rows, k, experts, groups, info->topk_rounds) > budget)
+        return false;
+    bool shuffle = info->vendor == MOECL_VENDOR_NVIDIA && c->team <= 32 && (c->team * c->rows) % 32 == 0;
+    *shape = (launch_shape){c->team, c->rows, shuffle, "topk_gating_team"};
+    return true;
+}
+
+/* The first configuration of the forced / tune file / table overrides
+ * (launch.c orders them) that the device can run. */
+static bool override_shape(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups,
+                           launch_shape *shape, moecl_launch_source *source)
+{
+    const moecl_launch_key key = moecl_launch_key_topk(experts, k, groups);
+    moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
+    moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
+    const unsigned n = moecl_launch_overrides(ctx, &key, configs, sources);
+    for (unsigned i = 0; i < n; i++) {
+        if (shape_of_config(ctx, &configs[i], experts, k, groups, shape)) {
+            *source = sources[i];
+            return true;
+        }
+    }
+    *source = moecl_launch_default_source(&ctx->info, MOECL_OP_TOPK_GATING);
+    return false;
+}
+
+/* An override that the device can run, else the rule computed from the
+ * device facts. */
+static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups,
+                                  moecl_launch_source *source)
+{
+    const moecl_device_info *info = &ctx->info;
+    launch_shape chosen;
+    if (override_shape(ctx, experts, k, groups, &chosen, source))
+        return chosen;
     launch_shape rows_kernel = {1, 8, false, "topk_gating_rows"};
-    if (info->launch_class == MOECL_LAUNCH_CPU)
+    /* MOECL_TEAM asks for the team kernel unless MOECL_LAUNCH_CLASS=cpu. */
+    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->team_override || info->launch_class_forced))
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
     unsigned team = info->team_override ? info->team_override : next_pow2((experts + 7) / 8);
@@ -117,6 +164,29 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, un
     return (launch_shape){team, rows, shuffle, "topk_gating_team"};
 }
 
+/* Group limits that select nothing away are dropped: groups of one expert
+ * rank exactly as the experts do, and keeping every group keeps
+ * everything. */
+static void effective_groups(const moecl_topk_gating_desc *d, unsigned *groups, unsigned *topk_group)
+{
+    *groups = d->num_expert_groups;
+    *topk_group = d->topk_group;
+    if (*groups && (d->num_experts / *groups == 1 || *topk_group == *groups))
+        *groups = *topk_group = 0;
+}
+
+moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *d,
+                                             moecl_launch_key *key, moecl_launch_config *config)
+{
+    unsigned groups, topk_group;
+    effective_groups(d, &groups, &topk_group);
+    moecl_launch_source source;
+    const launch_shape s = choose_launch(ctx, d->num_experts, d->top_k, groups, &source);
+    *key = moecl_launch_key_topk(d->num_experts, d->top_k, groups);
+    *config = (moecl_launch_config){s.team > 1 ? MOECL_KERNEL_TEAM : MOECL_KERNEL_ROWS, s.team, s.rows, 0};
+    return source;
+}
+
 typedef struct prepared {
     moecl_variant *variant;
     launch_shape shape;
@@ -124,13 +194,10 @@ typedef struct prepared {
 
 static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, prepared *out)
 {
-    /* Group limits that select nothing away are dropped: groups of one
-     * expert rank exactly as the experts do, and keeping every group keeps
-     * everything. */
-    unsigned groups = d->num_expert_groups, topk_group = d->topk_group;
-    if (groups && (d->num_experts / groups == 1 || topk_group == groups))
-        groups = topk_group = 0;
-    out->shape = choose_launch(ctx, d->num_experts, d->top_k, groups);
+    unsigned groups, topk_group;
+    effective_groups(d, &groups, &topk_group);
+    moecl_launch_source source;
+    out->shape = choose_launch(ctx, d->num_experts, d->top_k, groups, &source);
     char defines[512];
     snprintf(defines, sizeof(defines),
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "

@@ -1,5 +1,6 @@
 /* moecl-info: the OpenCL platforms and devices there are, which one moecl
- * picks and why, and the device facts its kernels are tuned on. */
+ * picks and why, the device facts its kernels are tuned on, and the launch
+ * configurations it chose for representative shapes and where from. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -73,8 +74,14 @@ int main(int argc, char **argv)
         printf("\nmoecl picks no device: %s: %s\n", moecl_status_string(st), moecl_context_error(NULL));
         return 1;
     }
-    char text[4096];
-    moecl_context_describe(ctx, text, sizeof(text));
+    /* The whole description, however long the paths in it. */
+    size_t need = moecl_context_describe(ctx, NULL, 0);
+    char *text = malloc(need + 1);
+    if (!text) {
+        moecl_context_destroy(ctx);
+        return 1;
+    }
+    moecl_context_describe(ctx, text, need + 1);
     printf("\nOps: top-k gating (moecl_topk_gating: softmax/sigmoid, bias, groups, renormalize, scale;\n"
            "     f32/f16/bf16 logits; 1..4096 experts, top_k 1..64) and the grounded router\n"
            "     (moecl_grounded_router: logits + alpha * hidden @ ground^T, top-k, softmax over the chosen;\n"
@@ -82,6 +89,10 @@ int main(int argc, char **argv)
     printf("\nmoecl picks (by %s):\n", why);
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
         printf("  %s\n", line);
+    printf("\n\"launch\" lines: the configuration representative keys launch with, and where it came from:\n"
+           "default (computed from the device facts), table (moecl's built-in per-device table), tuned (the\n"
+           "tune file moecl-tune wrote), env (MOECL_LAUNCH_CLASS, MOECL_TEAM or MOECL_GROUNDED_TILE).\n");
+    free(text);
     moecl_context_destroy(ctx);
     return 0;
 }

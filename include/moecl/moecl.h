@@ -163,7 +163,9 @@ MOECL_API cl_command_queue moecl_context_queue(const moecl_context *ctx);
 /** Describe the context's device and what moecl chose for it, as lines of
  *  "key: value" text: platform, device, driver, device type, vendor, compute
  *  units, local memory, maximum work-group size, the launch class and why,
- *  and the kernel cache directory. Writes at most size bytes including the
+ *  the kernel cache directory, the device's tune file (moecl-tune), and for
+ *  representative shapes the launch configuration and where it came from
+ *  (default, table, tuned, env). Writes at most size bytes including the
  *  terminating NUL (like snprintf) and returns the length the whole text
  *  needs. buf may be NULL when size is 0. Thread-safe. */
 MOECL_API size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size);

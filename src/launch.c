@@ -1,0 +1,460 @@
+/* Launch configurations: the record both ops' choose_launch functions
+ * resolve a request to, the built-in table of per-device overrides, the
+ * tune file moecl-tune writes beside the kernel cache, and the hook with
+ * which moecl-tune forces a configuration.
+ *
+ * Precedence, first that applies and is valid on the device:
+ *   forced (moecl-tune's hook) > environment (MOECL_LAUNCH_CLASS, MOECL_TEAM,
+ *   MOECL_GROUNDED_TILE: the computed rule under what they force) > tune
+ *   file > built-in table > computed default.
+ * This file hands out the candidates; the ops check each against the device
+ * (work-group size, local memory), since only they know their kernels.
+ *
+ * The tune file is plain text, one per device identity (platform, device
+ * name, driver version), named by a hash of it like the cache entries:
+ *
+ *   moecl-tune 1
+ *   device <platform> | <device> | <driver>
+ *   # comments
+ *   topk e=256 k=8 groups=8 kernel=team team=32 rows=4
+ *   grounded e=16 k=2 hidden=128 kernel=team team=16 rows=8
+ *   grounded e=128 k=8 hidden=4096 kernel=tiled tile=64
+ *
+ * A file whose first two lines differ (another device, another format) is
+ * ignored whole; a bad entry line is ignored alone; a later line for the
+ * same key replaces an earlier one. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "internal.h"
+
+#define TUNE_MAGIC "moecl-tune 1"
+#define TUNE_MAX_FILE ((size_t)1 << 20)
+#define TUNE_MAX_ENTRIES 1024u
+#define TUNE_MAX_LINE 512
+
+static bool is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }
+
+static uint32_t pow2_at_least(uint32_t v)
+{
+    uint32_t p = 1;
+    while (p < v && p < (1u << 31))
+        p <<= 1;
+    return p;
+}
+
+moecl_launch_key moecl_launch_key_topk(uint32_t num_experts, uint32_t top_k, uint32_t groups)
+{
+    return (moecl_launch_key){MOECL_OP_TOPK_GATING, num_experts, top_k, groups, 0};
+}
+
+/* Hidden sizes share a key per power of two: what suits 3000 suits 4096,
+ * and one tuned size then serves its neighbours. The op still checks the
+ * configuration against the exact size. */
+moecl_launch_key moecl_launch_key_grounded(uint32_t hidden_dim, uint32_t num_experts, uint32_t top_k)
+{
+    return (moecl_launch_key){MOECL_OP_GROUNDED_ROUTER, num_experts, top_k, 0, pow2_at_least(hidden_dim)};
+}
+
+static bool key_equal(const moecl_launch_key *a, const moecl_launch_key *b)
+{
+    return a->op == b->op && a->num_experts == b->num_experts && a->top_k == b->top_k && a->groups == b->groups &&
+           a->hidden_bucket == b->hidden_bucket;
+}
+
+bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_config *b)
+{
+    return a->kernel == b->kernel && a->team == b->team && a->rows == b->rows && a->tile == b->tile;
+}
+
+const char *moecl_launch_source_name(moecl_launch_source s)
+{
+    static const char *const names[] = {"default", "table", "tuned", "env", "forced"};
+    return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
+}
+
+static const char *const kernel_names[] = {"rows", "team", "tiled"};
+
+int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
+{
+    if (key->op == MOECL_OP_TOPK_GATING)
+        return snprintf(buf, size, "topk e=%u k=%u groups=%u", key->num_experts, key->top_k, key->groups);
+    return snprintf(buf, size, "grounded e=%u k=%u hidden=%u", key->num_experts, key->top_k, key->hidden_bucket);
+}
+
+int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t size)
+{
+    const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_TILED ? kernel_names[c->kernel] : "?";
+    if (c->kernel == MOECL_KERNEL_TILED)
+        return snprintf(buf, size, "kernel=tiled tile=%u", c->tile);
+    if (c->kernel == MOECL_KERNEL_TEAM)
+        return snprintf(buf, size, "kernel=team team=%u rows=%u", c->team, c->rows);
+    return snprintf(buf, size, "kernel=%s rows=%u", kernel, c->rows);
+}
+
+/* ---- the built-in table ---- */
+
+typedef struct table_entry {
+    bool any_vendor;
+    moecl_vendor vendor;
+    cl_device_type type;     /* 0: any */
+    const char *device;      /* case-insensitive substring of the device name, NULL: any */
+    moecl_op op;
+    uint32_t num_experts;    /* 0: any */
+    moecl_launch_config config;
+} table_entry;
+
+/* Small on purpose: an entry says what a measurement showed, and restates
+ * the computed default where that is all we know, so the choice is written
+ * down per device. */
+static const table_entry builtin_table[] = {
+    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. H200
+     * (2026-11-30, bench/RESULTS.md): teams of 8, 16 and 32 came within 16%
+     * of each other at 13526x256 and 4 was 38% slower; 32 is also what the
+     * rule computes, so this restates it. */
+    {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0}},
+    /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
+     * which restates the rule. moecl-tune on a 2-core Xeon (pocl 3.1,
+     * 2026-11-30): at 8192x128 every rows count from 1 to 4096 came within
+     * -4%..+8% of each other, about the run-to-run noise of that shared
+     * machine; the team kernels were 3x to 25x slower. */
+    {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0}},
+};
+
+static bool contains_nocase(const char *haystack, const char *needle)
+{
+    size_t n = strlen(needle);
+    for (; *haystack; haystack++)
+        if (strncasecmp(haystack, needle, n) == 0)
+            return true;
+    return n == 0;
+}
+
+static const moecl_launch_config *table_find(const moecl_device_info *info, const moecl_launch_key *key)
+{
+    for (size_t i = 0; i < sizeof(builtin_table) / sizeof(builtin_table[0]); i++) {
+        const table_entry *e = &builtin_table[i];
+        if ((e->any_vendor || e->vendor == info->vendor) && (!e->type || (info->type & e->type)) &&
+            (!e->device || contains_nocase(info->device_name, e->device)) && e->op == key->op &&
+            (!e->num_experts || e->num_experts == key->num_experts))
+            return &e->config;
+    }
+    return NULL;
+}
+
+/* ---- resolving ---- */
+
+/* Configurations a driver is known to mishandle, refused before the op
+ * sees them; moecl-tune found both (its children crashed).
+ * pocl 3.1: a team kernel in a work-group of two work-items (team 2, one
+ * row) trips an assertion in its kernel compiler (ParallelRegion.cc:346)
+ * and aborts the process. And a work-group's private arrays live on a
+ * worker thread's stack: the top-k kernels keep about 8 bytes per expert
+ * per row (scores and ranks), the grounded team kernel 12, and work-groups
+ * past about 8 MiB of them segfault (top-k rows kernel: 256 experts x 4096
+ * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
+ * past 4 MiB. */
+static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
+{
+    if (info->vendor != MOECL_VENDOR_POCL)
+        return false;
+    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
+        return true;
+    const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
+    return (uint64_t)c->rows * key->num_experts * per_expert > ((uint64_t)4 << 20);
+}
+
+/* Whether an environment variable decides op's configuration: then the
+ * tune file and the table step aside and the computed rule runs under what
+ * the variables force (tests run both kernels on one device this way). */
+static bool env_decides(const moecl_device_info *info, moecl_op op)
+{
+    if (info->launch_class_forced)
+        return true;
+    return op == MOECL_OP_TOPK_GATING ? info->team_override != 0 : info->grounded_wide_tile;
+}
+
+moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
+{
+    return env_decides(info, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
+}
+
+unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,
+                                moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES],
+                                moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES])
+{
+    const moecl_launch_config *c[MOECL_LAUNCH_MAX_OVERRIDES] = {NULL, NULL, NULL};
+    if ((unsigned)key->op < MOECL_NUM_OPS && ctx->forced[key->op].active)
+        c[0] = &ctx->forced[key->op].config;
+    if (!env_decides(&ctx->info, key->op)) {
+        c[1] = moecl_tune_find(&ctx->tuned, key);
+        c[2] = table_find(&ctx->info, key);
+    }
+    static const moecl_launch_source source_of[MOECL_LAUNCH_MAX_OVERRIDES] = {
+        MOECL_SOURCE_FORCED, MOECL_SOURCE_TUNED, MOECL_SOURCE_TABLE};
+    unsigned n = 0;
+    for (unsigned i = 0; i < MOECL_LAUNCH_MAX_OVERRIDES; i++) {
+        if (c[i] && !driver_refuses(&ctx->info, key, c[i])) {
+            configs[n] = *c[i];
+            sources[n++] = source_of[i];
+        }
+    }
+    return n;
+}
+
+void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_config *config)
+{
+    if ((unsigned)op >= MOECL_NUM_OPS)
+        return;
+    ctx->forced[op].active = config != NULL;
+    if (config)
+        ctx->forced[op].config = *config;
+}
+
+/* ---- the tune table ---- */
+
+const moecl_launch_config *moecl_tune_find(const moecl_tune_table *t, const moecl_launch_key *key)
+{
+    for (size_t i = 0; i < t->count; i++)
+        if (key_equal(&t->entries[i].key, key))
+            return &t->entries[i].config;
+    return NULL;
+}
+
+bool moecl_tune_set(moecl_tune_table *t, const moecl_launch_key *key, const moecl_launch_config *config)
+{
+    for (size_t i = 0; i < t->count; i++) {
+        if (key_equal(&t->entries[i].key, key)) {
+            t->entries[i].config = *config;
+            return true;
+        }
+    }
+    if (t->count >= TUNE_MAX_ENTRIES)
+        return false;
+    if (t->count == t->capacity) {
+        size_t cap = t->capacity ? 2 * t->capacity : 16;
+        moecl_tune_entry *grown = realloc(t->entries, cap * sizeof(*grown));
+        if (!grown)
+            return false;
+        t->entries = grown;
+        t->capacity = cap;
+    }
+    t->entries[t->count++] = (moecl_tune_entry){*key, *config};
+    return true;
+}
+
+void moecl_tune_free(moecl_tune_table *t)
+{
+    free(t->entries);
+    memset(t, 0, sizeof(*t));
+}
+
+/* ---- the tune file ---- */
+
+/* "platform | device | driver", control characters replaced, so it stays
+ * one line of the file. */
+static void identity_line(const moecl_device_info *info, char *buf, size_t size)
+{
+    snprintf(buf, size, "%s | %s | %s", info->platform_name, info->device_name, info->driver_version);
+    for (char *p = buf; *p; p++)
+        if ((unsigned char)*p < 0x20 || *p == 0x7f)
+            *p = '?';
+}
+
+bool moecl_tune_path(const moecl_device_info *info, char *path, size_t size)
+{
+    char dir[3072], id[512];
+    if (!moecl_cache_dir(dir, sizeof(dir)))
+        return false;
+    identity_line(info, id, sizeof(id));
+    size_t len = strlen(id);
+    int n = snprintf(path, size, "%s/tune-%016llx%016llx.txt", dir, (unsigned long long)moecl_hash64(id, len, 0),
+                     (unsigned long long)moecl_hash64(id, len, 1));
+    return n > 0 && (size_t)n < size;
+}
+
+/* A decimal number of at most 7 digits (no sign, no spaces). */
+static bool parse_uint(const char *s, uint32_t *out)
+{
+    size_t n = strlen(s);
+    if (n == 0 || n > 7)
+        return false;
+    uint32_t v = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return false;
+        v = v * 10 + (uint32_t)(s[i] - '0');
+    }
+    *out = v;
+    return true;
+}
+
+/* One entry line (NUL-terminated, no newline) into key and config; false
+ * for anything malformed or out of range. Only the shape of the
+ * configuration is checked here; the device checks come at use. */
+static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *config)
+{
+    enum { F_E, F_K, F_GROUPS, F_HIDDEN, F_TEAM, F_ROWS, F_TILE, F_KERNEL, F_COUNT };
+    static const char *const names[F_COUNT] = {"e", "k", "groups", "hidden", "team", "rows", "tile", "kernel"};
+    uint32_t value[F_COUNT] = {0};
+    bool seen[F_COUNT] = {false};
+    char *save = NULL;
+    const char *op = strtok_r(line, " \t", &save);
+    if (!op)
+        return false;
+    bool topk = strcmp(op, "topk") == 0;
+    if (!topk && strcmp(op, "grounded") != 0)
+        return false;
+    for (char *tok = strtok_r(NULL, " \t", &save); tok; tok = strtok_r(NULL, " \t", &save)) {
+        char *eq = strchr(tok, '=');
+        if (!eq)
+            return false;
+        *eq = '\0';
+        int f = -1;
+        for (int i = 0; i < F_COUNT; i++)
+            if (strcmp(tok, names[i]) == 0)
+                f = i;
+        if (f < 0 || seen[f])
+            return false;
+        seen[f] = true;
+        if (f == F_KERNEL) {
+            int kind = -1;
+            for (int i = 0; i <= MOECL_KERNEL_TILED; i++)
+                if (strcmp(eq + 1, kernel_names[i]) == 0)
+                    kind = i;
+            if (kind < 0)
+                return false;
+            value[f] = (uint32_t)kind;
+        } else if (!parse_uint(eq + 1, &value[f])) {
+            return false;
+        }
+    }
+    const uint32_t e = value[F_E], k = value[F_K];
+    if (!seen[F_E] || !seen[F_K] || !seen[F_KERNEL] || e < 1 || e > MOECL_MAX_EXPERTS || k < 1 ||
+        k > (e < MOECL_MAX_TOPK ? e : MOECL_MAX_TOPK))
+        return false;
+    if (topk) {
+        const uint32_t g = value[F_GROUPS];
+        if (seen[F_HIDDEN] || (g && (g > e || e % g)))
+            return false;
+        *key = moecl_launch_key_topk(e, k, g);
+    } else {
+        const uint32_t h = value[F_HIDDEN];
+        if (seen[F_GROUPS] || !seen[F_HIDDEN] || !is_pow2(h) || h > MOECL_MAX_HIDDEN)
+            return false;
+        *key = moecl_launch_key_grounded(h, e, k);
+    }
+    moecl_launch_config c = {(moecl_kernel_kind)value[F_KERNEL], 1, 0, 0};
+    switch (c.kernel) {
+    case MOECL_KERNEL_ROWS:
+        if (seen[F_TILE] || (seen[F_TEAM] && value[F_TEAM] != 1))
+            return false;
+        c.rows = value[F_ROWS];
+        break;
+    case MOECL_KERNEL_TEAM:
+        c.team = value[F_TEAM];
+        c.rows = value[F_ROWS];
+        if (seen[F_TILE] || !is_pow2(c.team) || c.team < 2 || c.team > MOECL_LAUNCH_MAX_TEAM)
+            return false;
+        break;
+    case MOECL_KERNEL_TILED:
+        c.tile = value[F_TILE];
+        if (topk || seen[F_TEAM] || seen[F_ROWS] || !is_pow2(c.tile) || c.tile < 16 || c.tile > 128)
+            return false;
+        break;
+    }
+    if (c.kernel != MOECL_KERNEL_TILED && (!is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
+        return false;
+    *config = c;
+    return true;
+}
+
+/* Split text into lines; the first two must be the magic and this device's
+ * identity, the rest are entries, comments or blank. */
+static void parse_file(char *text, size_t size, const char *identity, moecl_tune_table *t)
+{
+    char *p = text, *end = text + size;
+    for (unsigned line_no = 0; p < end; line_no++) {
+        char *nl = memchr(p, '\n', (size_t)(end - p));
+        char *line_end = nl ? nl : end;
+        size_t len = (size_t)(line_end - p);
+        bool clean = len < TUNE_MAX_LINE && memchr(p, '\0', len) == NULL;
+        if (clean && len && p[len - 1] == '\r')
+            len--;
+        char line[TUNE_MAX_LINE];
+        if (clean) {
+            memcpy(line, p, len);
+            line[len] = '\0';
+            for (size_t i = 0; i < len && clean; i++)
+                clean = (unsigned char)line[i] >= 0x20 || line[i] == '\t';
+        }
+        p = nl ? nl + 1 : end;
+        if (line_no == 0 || line_no == 1) {
+            char want[600];
+            snprintf(want, sizeof(want), "device %s", identity);
+            if (!clean || strcmp(line, line_no == 0 ? TUNE_MAGIC : want) != 0)
+                return;
+            continue;
+        }
+        if (!clean || line[strspn(line, " \t")] == '#' || line[strspn(line, " \t")] == '\0')
+            continue;
+        moecl_launch_key key;
+        moecl_launch_config config;
+        if (parse_entry(line, &key, &config) && !moecl_tune_set(t, &key, &config))
+            return;
+    }
+}
+
+void moecl_tune_load(const moecl_device_info *info, moecl_tune_table *t)
+{
+    memset(t, 0, sizeof(*t));
+    char path[4096], id[512];
+    if (!moecl_tune_path(info, path, sizeof(path)))
+        return;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return;
+    /* One byte more than allowed tells a file that is too big: ignored. */
+    char *text = malloc(TUNE_MAX_FILE + 1);
+    size_t n = text ? fread(text, 1, TUNE_MAX_FILE + 1, f) : 0;
+    fclose(f);
+    if (text && n <= TUNE_MAX_FILE) {
+        identity_line(info, id, sizeof(id));
+        parse_file(text, n, id, t);
+    }
+    free(text);
+}
+
+bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *t, const char *comment)
+{
+    char path[4096], tmp[4200], dir[3072], id[512];
+    if (!moecl_tune_path(info, path, sizeof(path)) || !moecl_cache_dir(dir, sizeof(dir)) || !moecl_cache_make_dir(dir))
+        return false;
+    int local; /* a name no other writer uses: the pid and this call's stack address */
+    snprintf(tmp, sizeof(tmp), "%s.tmp.%ld.%llx", path, (long)getpid(), (unsigned long long)(uintptr_t)&local);
+    FILE *f = fopen(tmp, "w");
+    if (!f)
+        return false;
+    identity_line(info, id, sizeof(id));
+    bool ok = fprintf(f, "%s\ndevice %s\n", TUNE_MAGIC, id) > 0;
+    if (comment)
+        for (const char *c = comment; *c && ok;) {
+            size_t len = strcspn(c, "\n");
+            ok = fprintf(f, "# %.*s\n", (int)len, c) > 0;
+            c += len + (c[len] == '\n');
+        }
+    for (size_t i = 0; i < t->count && ok; i++) {
+        char key[128], config[128];
+        moecl_launch_key_text(&t->entries[i].key, key, sizeof(key));
+        moecl_launch_config_text(&t->entries[i].config, config, sizeof(config));
+        ok = fprintf(f, "%s %s\n", key, config) > 0;
+    }
+    ok = fclose(f) == 0 && ok;
+    if (!ok || rename(tmp, path) != 0) {
+        unlink(tmp);
+        return false;
+    }
+    return true;
+}
