@@ -301,10 +301,7 @@ inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __g
         /* Each candidate's place: the candidates above it (larger logit, or
          * equal and earlier; rotation s wraps lanes >= 16 - s onto earlier
          * candidates). Empty slots hold NaN, which is above nothing. */
-        float cx[V16];
-        for (uint i = 0; i < V16; i++)
-            cx[i] = i < count ? cand_x[i] : NAN;
-        const float16 c = vload16(0, cx);
+        const float16 c = as_int16(lane) < (int)count ? vload16(0, cand_x) : (float16)(NAN);
         int16 place = (int16)(0);
 #define COUNT_PLACE(sw, wrapped)                                                                   \
     {                                                                                              \
@@ -320,7 +317,7 @@ inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __g
         for (int i = V16 - 1; i >= 0; i--) /* empty slots first, overwritten */
             slot_of[pl[i]] = (uint)i;
         for (uint j = 0; j < TOPK; j++) {
-            chosen_x[j] = cx[slot_of[j]];
+            chosen_x[j] = cand_x[slot_of[j]];
             chosen_e[j] = cand_e[slot_of[j]];
         }
     } else {
