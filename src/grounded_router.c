@@ -76,8 +76,13 @@ static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, uns
     shape.team = shape.rows = shape.ept = 1;
     shape.local = shape.rows_per_group = 8;
     shape.kernel_name = "grounded_router_rows";
-    if (info->launch_class == MOECL_LAUNCH_CPU)
+    if (info->launch_class == MOECL_LAUNCH_CPU) {
+        /* 8 tokens per work-item (grounded_router_rows' register block),
+         * 8 work-items per work-group. */
+        shape.tm = 8;
+        shape.rows_per_group = 8 * shape.tm;
         return shape;
+    }
     const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
 
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
