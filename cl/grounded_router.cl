@@ -112,6 +112,8 @@ inline void write_outputs_from_keys(const ulong *keys, uint row, __global float 
 #endif
 #define RN 2
 #define H16 (HIDDEN_DIM / 16 * 16)
+#define HC 1024 /* hidden chunk (a multiple of 16) */
+#define EB (NUM_EXPERTS < 256 ? (NUM_EXPERTS + 1) / 2 * 2 : 256) /* expert block (a multiple of RN) */
 
 inline float16 load_hidden16(__global const in_t *p, uint i)
 {
@@ -141,42 +143,53 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
     for (uint m = 0; m < TM; m++)
         for (uint j = 0; j < TOPK; j++)
             keys[m][j] = KEY_NONE;
-    for (uint e0 = 0; e0 < NUM_EXPERTS; e0 += RN) {
-        uint ex[RN];
-        for (uint n = 0; n < RN; n++)
-            ex[n] = min(e0 + n, (uint)(NUM_EXPERTS - 1));
-        float16 acc[TM][RN];
-#pragma unroll
-        for (uint m = 0; m < TM; m++)
-#pragma unroll
-            for (uint n = 0; n < RN; n++)
-                acc[m][n] = (float16)(0.0f);
-        for (uint i = 0; i < H16; i += 16) {
-            float16 w[RN];
-#pragma unroll
-            for (uint n = 0; n < RN; n++)
-                w[n] = load_hidden16(ground + (size_t)ex[n] * HIDDEN_DIM, i);
-#pragma unroll
-            for (uint m = 0; m < TM; m++) {
-                const float16 h = load_hidden16(hidden + (size_t)tok[m] * HIDDEN_DIM, i);
-#pragma unroll
+    /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
+     * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
+     * rows stream by; the dot products of a block wait in dots[][]. */
+    float dots[TM][EB];
+    for (uint eb = 0; eb < NUM_EXPERTS; eb += EB) {
+        for (uint c0 = 0; c0 < H16; c0 += HC) {
+            const uint c1 = min(c0 + HC, (uint)H16);
+            for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN) {
+                uint ex[RN];
                 for (uint n = 0; n < RN; n++)
-                    acc[m][n] = fma(h, w[n], acc[m][n]);
+                    ex[n] = min(e0 + n, (uint)(NUM_EXPERTS - 1));
+                float16 acc[TM][RN];
+#pragma unroll
+                for (uint m = 0; m < TM; m++)
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        acc[m][n] = (float16)(0.0f);
+                for (uint i = c0; i < c1; i += 16) {
+                    float16 w[RN];
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        w[n] = load_hidden16(ground + (size_t)ex[n] * HIDDEN_DIM, i);
+#pragma unroll
+                    for (uint m = 0; m < TM; m++) {
+                        const float16 h = load_hidden16(hidden + (size_t)tok[m] * HIDDEN_DIM, i);
+#pragma unroll
+                        for (uint n = 0; n < RN; n++)
+                            acc[m][n] = fma(h, w[n], acc[m][n]);
+                    }
+                }
+#pragma unroll
+                for (uint m = 0; m < TM; m++)
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        if (e0 + n < eb + EB)
+                            dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + sum16(acc[m][n]);
             }
         }
-#pragma unroll
         for (uint m = 0; m < TM; m++) {
-#pragma unroll
-            for (uint n = 0; n < RN; n++) {
-                float dot = sum16(acc[m][n]);
+            for (uint e = eb; e < min(eb + EB, (uint)NUM_EXPERTS); e++) {
+                float dot = H16 > 0 ? dots[m][e - eb] : 0.0f;
                 for (uint i = H16; i < HIDDEN_DIM; i++)
                     dot = fma(LOAD_IN(hidden, (size_t)tok[m] * HIDDEN_DIM + i),
-                              LOAD_IN(ground, (size_t)ex[n] * HIDDEN_DIM + i), dot);
-                if (e0 + n < NUM_EXPERTS) {
-                    const float g = logits[(size_t)tok[m] * NUM_EXPERTS + e0 + n] + alpha * dot;
-                    const ulong key = rank_key(g, e0 + n);
-                    TOPK_INSERT(keys[m], unused, TOPK, key, 0.0f);
-                }
+                              LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i), dot);
+                const float g = logits[(size_t)tok[m] * NUM_EXPERTS + e] + alpha * dot;
+                const ulong key = rank_key(g, e);
+                TOPK_INSERT(keys[m], unused, TOPK, key, 0.0f);
             }
         }
     }
