@@ -94,36 +94,108 @@ inline void write_outputs_from_keys(const ulong *keys, uint row, __global float 
 
 #if KERNEL == 0
 /* ---------------------------------------------------------------------- */
-/* One work-item per token (CPU devices).                                  */
+/* TM tokens per work-item (CPU devices).                                  */
 /* ---------------------------------------------------------------------- */
+
+/* Register blocking: a work-item takes TM tokens and goes through the
+ * experts RN at a time, keeping TM x RN dot products as float16 partial
+ * sums (16 hidden indices per step, SIMD on CPUs). Each ground row read
+ * serves TM tokens and each hidden vector RN experts, so the ground table
+ * is streamed once per TM tokens, not once per token. Every token's dot
+ * products are computed the same way whatever its place in the block, so
+ * a row's result does not depend on the others: a block past the last
+ * token repeats the last token and writes nothing for it, and the last
+ * expert block repeats the last expert. */
+#if !defined(TM) || TM < 1
+#undef TM
+#define TM 1
+#endif
+#define RN 2
+#define H16 (HIDDEN_DIM / 16 * 16)
+#define HC 1024 /* hidden chunk (a multiple of 16) */
+#define EB (NUM_EXPERTS < 256 ? (NUM_EXPERTS + 1) / 2 * 2 : 256) /* expert block (a multiple of RN) */
+
+inline float16 load_hidden16(__global const in_t *p, uint i)
+{
+    return (float16)(load_in8(p, i), load_in8(p, i + 8));
+}
+
+inline float sum16(float16 v)
+{
+    const float8 a = v.lo + v.hi;
+    const float4 b = a.lo + a.hi;
+    return (b.s0 + b.s1) + (b.s2 + b.s3);
+}
 
 __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off, __global const float *logits,
                                    ulong logits_off, __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
 {
-    const uint row = (uint)get_global_id(0);
-    if (row >= num_tokens)
+    const uint t0 = (uint)get_global_id(0) * TM;
+    if (t0 >= num_tokens)
         return;
     OFFSET_OUTPUTS();
-    __global const in_t *h = hidden + (size_t)row * HIDDEN_DIM;
+    uint tok[TM];
+    for (uint m = 0; m < TM; m++)
+        tok[m] = min(t0 + m, num_tokens - 1);
 
-    ulong keys[TOPK];
+    ulong keys[TM][TOPK];
     float unused[TOPK];
-    for (uint j = 0; j < TOPK; j++)
-        keys[j] = KEY_NONE;
-    for (uint e = 0; e < NUM_EXPERTS; e++) {
-        __global const in_t *w = ground + (size_t)e * HIDDEN_DIM;
-        /* Eight partial sums in a float8 (SIMD on CPUs), then the tail. */
-        float8 acc = (float8)(0.0f);
-        for (uint i = 0; i + 8 <= HIDDEN_DIM; i += 8)
-            acc = fma(load_in8(h, i), load_in8(w, i), acc);
-        float dot = ((acc.s0 + acc.s1) + (acc.s2 + acc.s3)) + ((acc.s4 + acc.s5) + (acc.s6 + acc.s7));
-        for (uint i = HIDDEN_DIM / 8 * 8; i < HIDDEN_DIM; i++)
-            dot = fma(LOAD_IN(h, i), LOAD_IN(w, i), dot);
-        const float g = logits[(size_t)row * NUM_EXPERTS + e] + alpha * dot;
-        const ulong key = rank_key(g, e);
-        TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
+    for (uint m = 0; m < TM; m++)
+        for (uint j = 0; j < TOPK; j++)
+            keys[m][j] = KEY_NONE;
+    /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
+     * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
+     * rows stream by; the dot products of a block wait in dots[][]. */
+    float dots[TM][EB];
+    for (uint eb = 0; eb < NUM_EXPERTS; eb += EB) {
+        for (uint c0 = 0; c0 < H16; c0 += HC) {
+            const uint c1 = min(c0 + HC, (uint)H16);
+            for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN) {
+                uint ex[RN];
+                for (uint n = 0; n < RN; n++)
+                    ex[n] = min(e0 + n, (uint)(NUM_EXPERTS - 1));
+                float16 acc[TM][RN];
+#pragma unroll
+                for (uint m = 0; m < TM; m++)
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        acc[m][n] = (float16)(0.0f);
+                for (uint i = c0; i < c1; i += 16) {
+                    float16 w[RN];
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        w[n] = load_hidden16(ground + (size_t)ex[n] * HIDDEN_DIM, i);
+#pragma unroll
+                    for (uint m = 0; m < TM; m++) {
+                        const float16 h = load_hidden16(hidden + (size_t)tok[m] * HIDDEN_DIM, i);
+#pragma unroll
+                        for (uint n = 0; n < RN; n++)
+                            acc[m][n] = fma(h, w[n], acc[m][n]);
+                    }
+                }
+#pragma unroll
+                for (uint m = 0; m < TM; m++)
+#pragma unroll
+                    for (uint n = 0; n < RN; n++)
+                        if (e0 + n < eb + EB)
+                            dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + sum16(acc[m][n]);
+            }
+        }
+        for (uint m = 0; m < TM; m++) {
+            for (uint e = eb; e < min(eb + EB, (uint)NUM_EXPERTS); e++) {
+                float dot = H16 > 0 ? dots[m][e - eb] : 0.0f;
+                for (uint i = H16; i < HIDDEN_DIM; i++)
+                    dot = fma(LOAD_IN(hidden, (size_t)tok[m] * HIDDEN_DIM + i),
+                              LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i), dot);
+                const float g = logits[(size_t)tok[m] * NUM_EXPERTS + e] + alpha * dot;
+                const ulong key = rank_key(g, e);
+                TOPK_INSERT(keys[m], unused, TOPK, key, 0.0f);
+            }
+        }
     }
-    write_outputs_from_keys(keys, row, pairs, weights, ids);
+    for (uint m = 0; m < TM; m++)
+        if (t0 + m < num_tokens)
+            write_outputs_from_keys(keys[m], t0 + m, pairs, weights, ids);
 }
 
 #elif KERNEL == 1

@@ -133,6 +133,228 @@ inline uint8 select_rank8(float8 s)
     return select(r, (uint8)(1u), isnan(s));
 }
 
+/* ---- Fast path: softmax, no bias, no groups (the seed's routing). ------ */
+/* The order of exp(x - max) / sum is the order of the logits (exp is
+ * monotonic, and a rounded tie of two scores is a near-tie the spec lets go
+ * either way), so the top-k is taken on the logits and exp runs once per
+ * element only for the sum; the chosen weights get their own exp. Rows with
+ * a NaN or +inf logit, or only -inf, have every score NaN (the sum is NaN):
+ * those rows are all ties and give ids 0..k-1. Blocks of 16 floats (one
+ * AVX-512 register); every loop below is over the row's blocks. */
+#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0
+#define ROWS_FAST 1
+#define V16 16
+#define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
+#define TOPK16 ((TOPK + V16 - 1) / V16 * V16)
+#define PAIRS16 ((BLOCKS16 + 1) / 2)
+
+/* exp(x) for x <= 0 (or NaN), within about 1 ulp: Cody-Waite reduction by
+ * ln 2 and Cephes' degree-6 polynomial, the power of two built in the
+ * exponent bits. Below -88 it returns 0 (the true value is under 2^-126);
+ * -inf gives 0 and NaN gives NaN. */
+inline float16 exp_nonpos16(float16 x)
+{
+    const float16 xc = x < -88.0f ? (float16)(-88.0f) : x; /* NaN stays */
+    const float16 t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */
+    const float16 n = t - 12582912.0f;
+    const int16 ni = as_int16(t) - 0x4B400000;
+    float16 r = fma(n, (float16)(-0.693359375f), xc);
+    r = fma(n, (float16)(2.12194440e-4f), r);
+    float16 p = (float16)(1.9875691500e-4f);
+    p = fma(p, r, (float16)(1.3981999507e-3f));
+    p = fma(p, r, (float16)(8.3334519073e-3f));
+    p = fma(p, r, (float16)(4.1665795894e-2f));
+    p = fma(p, r, (float16)(1.6666665459e-1f));
+    p = fma(p, r, (float16)(5.0000001201e-1f));
+    const float16 y = fma(p, r * r, r) + 1.0f;
+    return y * as_float16((ni + 127) << 23); /* n = -127: times 0 */
+}
+
+/* Elements e0..e0+15 of x; lanes past the row get pad. */
+inline float16 load_block16(__global const in_t *x, uint e0, float pad)
+{
+    if (e0 + V16 <= NUM_EXPERTS)
+        return (float16)(load_in8(x, e0), load_in8(x, e0 + 8));
+    float t[V16];
+    for (uint l = 0; l < V16; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
+    return vload16(0, t);
+}
+
+inline float hmax16(float16 v)
+{
+    float8 a = v.lo > v.hi ? v.lo : v.hi;
+    float4 b = a.lo > a.hi ? a.lo : a.hi;
+    float2 c = b.lo > b.hi ? b.lo : b.hi;
+    return c.x > c.y ? c.x : c.y;
+}
+
+inline float hmin16(float16 v)
+{
+    float8 a = v.lo < v.hi ? v.lo : v.hi;
+    float4 b = a.lo < a.hi ? a.lo : a.hi;
+    float2 c = b.lo < b.hi ? b.lo : b.hi;
+    return c.x < c.y ? c.x : c.y;
+}
+
+inline uint hor16(uint16 v)
+{
+    uint8 a = v.lo | v.hi;
+    uint4 b = a.lo | a.hi;
+    uint2 c = b.lo | b.hi;
+    return c.x | c.y;
+}
+
+/* The 15 rotations of a 16-lane vector, as swizzles (constant shuffles). */
+#define ROTATIONS16(X)                                                                             \
+    X(s123456789abcdef0, 0x8000) X(s23456789abcdef01, 0xc000) X(s3456789abcdef012, 0xe000)         \
+    X(s456789abcdef0123, 0xf000) X(s56789abcdef01234, 0xf800) X(s6789abcdef012345, 0xfc00)         \
+    X(s789abcdef0123456, 0xfe00) X(s89abcdef01234567, 0xff00) X(s9abcdef012345678, 0xff80)         \
+    X(sabcdef0123456789, 0xffc0) X(sbcdef0123456789a, 0xffe0) X(scdef0123456789ab, 0xfff0)         \
+    X(sdef0123456789abc, 0xfff8) X(sef0123456789abcd, 0xfffc) X(sf0123456789abcde, 0xfffe)
+
+__constant uint lane_bit16[16] = {1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,
+                                  1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10, 1u << 11,
+                                  1u << 12, 1u << 13, 1u << 14, 1u << 15};
+
+inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __global int *id_out,
+                              float scaling_factor)
+{
+    const uint16 lane_bits = vload16(0, lane_bit16);
+    const uint16 lane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+    /* Pass 1: each lane's largest logit (padding -inf), the row's max. */
+    float16 lane_max = (float16)(-INFINITY);
+    for (uint b = 0; b < BLOCKS16; b++) {
+        const float16 v = load_block16(x, b * V16, -INFINITY);
+        lane_max = v > lane_max ? v : lane_max;
+    }
+    const float row_max = hmax16(lane_max);
+
+    /* A floor for the k-th largest logit: the k-th largest lane maximum
+     * (k lanes each hold a logit at least that large). Only logits at least
+     * the floor can be chosen. */
+    float floor_x = -INFINITY;
+#if TOPK <= V16
+    {
+        int16 above = (int16)(0);
+#define COUNT_ABOVE(sw, unused) above -= lane_max.sw > lane_max;
+        ROTATIONS16(COUNT_ABOVE)
+#undef COUNT_ABOVE
+        floor_x = hmin16(above < TOPK ? lane_max : (float16)(INFINITY));
+    }
+#endif
+
+    /* Pass 2, two blocks at a time: the sum of exp(x - max), and a bit for
+     * each candidate (a logit at least the floor). */
+    float16 acc = (float16)(0.0f);
+    uint pair_bits[PAIRS16 + 1];
+    for (uint p = 0; p < PAIRS16; p++) {
+        const uint e0 = 2 * p * V16, e1 = e0 + V16;
+        const float16 v0 = load_block16(x, e0, -INFINITY);
+        const float16 v1 = load_block16(x, e1, -INFINITY);
+        acc += exp_nonpos16(v0 - row_max);
+        acc += exp_nonpos16(v1 - row_max);
+        int16 hit0 = v0 >= floor_x, hit1 = v1 >= floor_x;
+        if (e1 + V16 > NUM_EXPERTS) {
+            hit0 &= as_int16(lane + e0 < (uint16)(NUM_EXPERTS));
+            hit1 &= as_int16(lane + e1 < (uint16)(NUM_EXPERTS));
+        }
+        pair_bits[p] = hor16((as_uint16(hit0) & lane_bits) | (as_uint16(hit1) & (lane_bits << 16)));
+    }
+    pair_bits[PAIRS16] = 0;
+
+    /* The candidates in index order, 64 experts at a time (one loop exit
+     * per 64: the branches are few); the first 16 kept, the rest counted
+     * into slot 16. */
+    float cand_x[V16 + 1];
+    uint cand_e[V16 + 1];
+    uint count = 0;
+    for (uint p = 0; p < PAIRS16; p += 2) {
+        ulong bits = (ulong)pair_bits[p] | ((ulong)pair_bits[p + 1] << 32);
+        while (bits) {
+            const uint e = p * 2 * V16 + 63 - (uint)clz(bits & (0ul - bits));
+            bits &= bits - 1;
+            const uint slot = min(count, (uint)V16);
+            cand_x[slot] = LOAD_IN(x, e);
+            cand_e[slot] = e;
+            count++;
+        }
+    }
+    const float8 s8 = acc.lo + acc.hi;
+    const float4 s4 = s8.lo + s8.hi;
+    const float row_sum = (s4.s0 + s4.s1) + (s4.s2 + s4.s3);
+
+    /* The chosen logits and experts, in output order. */
+    float chosen_x[TOPK16];
+    uint chosen_e[TOPK];
+    if (isnan(row_sum)) {
+        for (uint j = 0; j < TOPK; j++) {
+            chosen_x[j] = NAN;
+            chosen_e[j] = j;
+        }
+    } else if (TOPK == 1) {
+        /* The floor is the max: the first candidate is the first max. */
+        chosen_x[0] = cand_x[0];
+        chosen_e[0] = cand_e[0];
+    } else if (TOPK <= V16 && count <= V16) {
+        /* Each candidate's place: the candidates above it (larger logit, or
+         * equal and earlier; rotation s wraps lanes >= 16 - s onto earlier
+         * candidates). Empty slots hold NaN, which is above nothing. */
+        const float16 c = as_int16(lane) < (int)count ? vload16(0, cand_x) : (float16)(NAN);
+        int16 place = (int16)(0);
+#define COUNT_PLACE(sw, wrapped)                                                                   \
+    {                                                                                              \
+        const float16 o = c.sw;                                                                    \
+        const int16 w = as_int16((lane_bits & (uint16)(wrapped)) != (uint16)(0));                  \
+        place -= (o > c) | ((o == c) & w);                                                         \
+    }
+        ROTATIONS16(COUNT_PLACE)
+#undef COUNT_PLACE
+        int pl[V16];
+        vstore16(place, 0, pl);
+        uint slot_of[V16];
+        for (int i = V16 - 1; i >= 0; i--) /* empty slots first, overwritten */
+            slot_of[pl[i]] = (uint)i;
+        for (uint j = 0; j < TOPK; j++) {
+            chosen_x[j] = cand_x[slot_of[j]];
+            chosen_e[j] = cand_e[slot_of[j]];
+        }
+    } else {
+        /* Many candidates (ties at the floor) or k > 16: insertion of every
+         * candidate's key. */
+        ulong keys[TOPK];
+        float unused[TOPK];
+        for (uint j = 0; j < TOPK; j++)
+            keys[j] = KEY_NONE;
+        for (uint e = 0; e < NUM_EXPERTS; e++) {
+            const float v = LOAD_IN(x, e);
+            if (v >= floor_x) {
+                const ulong key = rank_key(v, e);
+                TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
+            }
+        }
+        for (uint j = 0; j < TOPK; j++) {
+            chosen_e[j] = key_index(keys[j]);
+            chosen_x[j] = LOAD_IN(x, chosen_e[j]);
+        }
+    }
+    for (uint j = TOPK; j < TOPK16; j++)
+        chosen_x[j] = -INFINITY;
+
+    /* Step 5: weights exp(x - max) / sum of the chosen. */
+    float weights[TOPK16];
+    for (uint j = 0; j < TOPK16; j += V16)
+        vstore16(exp_nonpos16(vload16(0, chosen_x + j) - row_max) / row_sum, 0, weights + j);
+    float divisor;
+    WEIGHTS_DIVISOR(divisor, weights, TOPK);
+    for (uint j = 0; j < TOPK; j++) {
+        w_out[j] = weights[j] / divisor * scaling_factor;
+        id_out[j] = (int)chosen_e[j];
+    }
+}
+#endif
+
 __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
                                ulong bias_off, __global float *topk_weights, ulong weights_off,
                                __global int *topk_ids, ulong ids_off, uint num_tokens, float scaling_factor)
@@ -141,6 +363,12 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     if (row >= num_tokens)
         return;
     __global const in_t *x = gating + gating_off + (size_t)row * NUM_EXPERTS;
+#if ROWS_FAST
+    (void)bias;
+    (void)bias_off;
+    topk_rows_softmax(x, topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
+                      scaling_factor);
+#else
 #if HAS_BIAS
     bias += bias_off;
 #endif
@@ -265,6 +493,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
         w_out[j] = weights[j] / divisor * scaling_factor;
         id_out[j] = (int)key_index(keys[j]);
     }
+#endif
 }
 
 #else

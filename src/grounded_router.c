@@ -132,13 +132,17 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     return true;
 }
 
+/* The plain-loop kernel with `rows` work-items a work-group, each taking
+ * 8 tokens (grounded_router_rows' register block, TM). */
 static void rows_shape(unsigned rows, launch_shape *shape)
 {
     memset(shape, 0, sizeof(*shape));
     shape->kind = KERNEL_ROWS;
     shape->mt = shape->nt = 4; /* defines every kernel's source expects */
     shape->team = shape->rows = shape->ept = 1;
-    shape->local = shape->rows_per_group = rows;
+    shape->tm = 8;
+    shape->local = rows;
+    shape->rows_per_group = (size_t)rows * shape->tm;
     shape->kernel_name = "grounded_router_rows";
 }
 
