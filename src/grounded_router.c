@@ -69,9 +69,8 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
            (size_t)rows * top;
 }
 
-static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k)
+static launch_shape choose_launch(const moecl_device_info *info, unsigned hidden, unsigned experts, unsigned k)
 {
-    const moecl_device_info *info = &ctx->info;
     launch_shape shape;
     memset(&shape, 0, sizeof(shape));
     shape.kind = KERNEL_ROWS;
@@ -141,18 +140,33 @@ typedef struct prepared {
     launch_shape shape;
 } prepared;
 
-static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
-                            bool ids, prepared *out)
+/* The launch shape and the -D defines of the variant that serves d, with
+ * the outputs named by pairs/weights/ids, on a device described by info. */
+static launch_shape variant_of(const moecl_device_info *info, const moecl_grounded_router_desc *d, bool pairs,
+                               bool weights, bool ids, char *defines, size_t size)
 {
-    out->shape = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k);
-    const launch_shape *s = &out->shape;
-    char defines[512];
-    snprintf(defines, sizeof(defines),
+    const launch_shape s = choose_launch(info, d->hidden_dim, d->num_experts, d->top_k);
+    snprintf(defines, size,
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
              "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
              "-DTOPK_COUNT=%d",
-             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, ctx->info.topk_rounds ? 0 : 1);
+             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s.kind, s.tm,
+             s.tn, s.tk, s.mt, s.nt, s.team, s.rows, s.ept, s.shuffle ? 1 : 0, info->topk_rounds ? 0 : 1);
+    return s;
+}
+
+void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                   bool pairs, bool weights, bool ids, char *buf, size_t size,
+                                   const char **kernel_name)
+{
+    *kernel_name = variant_of(info, desc, pairs, weights, ids, buf, size).kernel_name;
+}
+
+static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
+                            bool ids, prepared *out)
+{
+    char defines[512];
+    out->shape = variant_of(&ctx->info, d, pairs, weights, ids, defines, sizeof(defines));
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 

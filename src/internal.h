@@ -113,6 +113,10 @@ uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 
 /* ---- context.c ---- */
 
+/* The options every kernel build on a device described by info gets
+ * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory. */
+char *moecl_build_options(const moecl_device_info *info);
+
 struct moecl_context {
     cl_platform_id platform;
     cl_context context;
@@ -123,6 +127,19 @@ struct moecl_context {
     char *build_options; /* common options for every build */
     char *kernel_dir;    /* MOECL_KERNEL_DIR at creation, or NULL */
 };
+
+/* ---- topk_gating.c, grounded_router.c: the variant a request needs ---- */
+
+/* The -D defines (into buf) and the kernel name of the variant that serves
+ * a valid desc on a device described by info, exactly as the ops build it;
+ * the program is moecl_program_source's text built with
+ * moecl_build_options(info) + " " + defines. For tests that compile the
+ * variants for devices that are not present. */
+void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                               char *buf, size_t size, const char **kernel_name);
+void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                   bool pairs, bool weights, bool ids, char *buf, size_t size,
+                                   const char **kernel_name);
 
 /* ---- buffers.c: validation shared by the ops ---- */
 
