@@ -22,7 +22,7 @@
  * 1 / (1 + exp(-x)). Each kernel computes it in its own layout below. */
 
 /* Step 2: selection score. */
-inline float selection_score(float score, __global const float *bias, uint e)
+static inline float selection_score(float score, __global const float *bias, uint e)
 {
 #if HAS_BIAS
     return score + bias[e];
@@ -40,13 +40,13 @@ typedef struct group_acc {
     uint count;
 } group_acc;
 
-inline void group_acc_init(group_acc *a)
+static inline void group_acc_init(group_acc *a)
 {
     a->first = a->second = 0.0f;
     a->count = 0;
 }
 
-inline void group_acc_add(group_acc *a, float s)
+static inline void group_acc_add(group_acc *a, float s)
 {
     if (isnan(s))
         return;
@@ -59,7 +59,7 @@ inline void group_acc_add(group_acc *a, float s)
     a->count++;
 }
 
-inline float group_acc_score(const group_acc *a)
+static inline float group_acc_score(const group_acc *a)
 {
     if (a->count == 0)
         return NAN;
@@ -98,7 +98,7 @@ inline float group_acc_score(const group_acc *a)
 #define BLOCKS ((NUM_EXPERTS + BLOCK - 1) / BLOCK)
 
 /* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
-inline float8 load_block(__global const in_t *x, uint e0, float pad)
+static inline float8 load_block(__global const in_t *x, uint e0, float pad)
 {
     if (e0 + BLOCK <= NUM_EXPERTS)
         return load_in8(x, e0);
@@ -108,7 +108,7 @@ inline float8 load_block(__global const in_t *x, uint e0, float pad)
     return vload8(0, t);
 }
 
-inline float8 load_bias_block(__global const float *bias, uint e0)
+static inline float8 load_bias_block(__global const float *bias, uint e0)
 {
 #if HAS_BIAS
     if (e0 + BLOCK <= NUM_EXPERTS)
@@ -125,7 +125,7 @@ inline float8 load_bias_block(__global const float *bias, uint e0)
 }
 
 /* select_rank of eight selection scores. */
-inline uint8 select_rank8(float8 s)
+static inline uint8 select_rank8(float8 s)
 {
     const uint8 u = as_uint8(s);
     uint8 r = select(u | 0x80000000u, ~u, as_int8(u) < 0);
