@@ -7,7 +7,10 @@
  *   TEAM       work-items per row (a power of two; 1 on CPUs)
  *   ROWS       rows per work-group
  * OpenCL C 1.2, no extensions: f16 goes through vload_half and bf16 is a
- * 16-bit word widened by a shift, so both work on every device. */
+ * 16-bit word widened by a shift, so both work on every device.
+ * Helper functions are `static inline`: a plain (C99) `inline` function
+ * that the compiler does not inline has no definition anywhere, and clang
+ * for AMD GPUs leaves such calls unresolved (write_outputs at TOPK=64). */
 
 /* No contraction of a * b + c into fma behind our back: a compiler may fuse
  * one copy of an expression and not another, and then equal inputs give
@@ -50,7 +53,7 @@ typedef ushort in_t;
 #endif
 
 /* Eight consecutive elements p[i..i+7] widened to floats. */
-inline float8 load_in8(__global const in_t *p, size_t i)
+static inline float8 load_in8(__global const in_t *p, size_t i)
 {
 #if IN_DTYPE == 0
     return vload8(0, p + i);
@@ -63,7 +66,7 @@ inline float8 load_in8(__global const in_t *p, size_t i)
 
 /* Maps a float to a uint whose unsigned order is the spec's order: NaN
  * lowest (0), then -inf ... +inf, with -0 equal to +0. */
-inline uint rank_of_float(float f)
+static inline uint rank_of_float(float f)
 {
     if (isnan(f))
         return 0u;
@@ -76,19 +79,19 @@ inline uint rank_of_float(float f)
 /* A 64-bit key whose order is "larger score first, then lower index": the
  * rank of the score above the complemented index. Every valid key is
  * > 0xffffffff, so 0 is free to mark excluded or already-taken entries. */
-inline ulong rank_key(float score, uint index)
+static inline ulong rank_key(float score, uint index)
 {
     return ((ulong)rank_of_float(score) << 32) | (ulong)(~index);
 }
 
-inline uint key_index(ulong key) { return ~(uint)key; }
+static inline uint key_index(ulong key) { return ~(uint)key; }
 
 #define KEY_NONE 0ul
 
 /* The rank of a selection score for the team kernels, with 0 kept free for
  * "excluded or already taken": NaN ranks 1, still below -inf. */
 #define RANK_NONE 0u
-inline uint select_rank(float s)
+static inline uint select_rank(float s)
 {
     uint r = rank_of_float(s);
     return r ? r : 1u;
@@ -121,28 +124,28 @@ inline uint select_rank(float s)
 #endif
 
 #if TEAM > 1 && TEAM_SHUFFLE
-inline uint shuffle_xor(uint v, uint lane_mask)
+static inline uint shuffle_xor(uint v, uint lane_mask)
 {
     uint r;
     asm volatile("shfl.sync.bfly.b32 %0, %1, %2, 0x1f, 0xffffffff;" : "=r"(r) : "r"(v), "r"(lane_mask));
     return r;
 }
 
-inline uint team_max_u32(uint v)
+static inline uint team_max_u32(uint v)
 {
     for (uint m = TEAM / 2; m > 0; m >>= 1)
         v = max(v, shuffle_xor(v, m));
     return v;
 }
 
-inline uint team_min_u32(uint v)
+static inline uint team_min_u32(uint v)
 {
     for (uint m = TEAM / 2; m > 0; m >>= 1)
         v = min(v, shuffle_xor(v, m));
     return v;
 }
 
-inline float team_max_float(float v, __local float *slots, uint lane)
+static inline float team_max_float(float v, __local float *slots, uint lane)
 {
     (void)slots;
     (void)lane;
@@ -151,7 +154,7 @@ inline float team_max_float(float v, __local float *slots, uint lane)
     return v;
 }
 
-inline float team_sum_float(float v, __local float *slots, uint lane)
+static inline float team_sum_float(float v, __local float *slots, uint lane)
 {
     (void)slots;
     (void)lane;
@@ -161,7 +164,7 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
 }
 
 #elif TEAM > 1
-inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
+static inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
 {
     slots[lane] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -182,7 +185,7 @@ inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
 }
 
 /* fmax ignores NaN, as the spec's max over the non-NaN logits does. */
-inline float team_max_float(float v, __local float *slots, uint lane)
+static inline float team_max_float(float v, __local float *slots, uint lane)
 {
     slots[lane] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -202,7 +205,7 @@ inline float team_max_float(float v, __local float *slots, uint lane)
     return r;
 }
 
-inline float team_sum_float(float v, __local float *slots, uint lane)
+static inline float team_sum_float(float v, __local float *slots, uint lane)
 {
     slots[lane] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -273,8 +276,9 @@ inline float team_sum_float(float v, __local float *slots, uint lane)
 #define TOPK_CAP (TEAM * TOPK_PER_LANE)
 #define TOPK_COUNT_U32 (TEAM + 2)
 
-inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
-                      __local float *cand_values, uint lane, __local uint *chosen_ids, __local float *chosen_values)
+static inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
+                             __local float *cand_values, uint lane, __local uint *chosen_ids,
+                             __local float *chosen_values)
 {
     __local uint *lane_max = u32_scratch;
     __local uint *floor_slot = u32_scratch + TEAM;
@@ -370,8 +374,8 @@ inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch,
  * the winner's expert (written by lane 0). Scans keep the first of equal
  * ranks, so within a lane the lower index wins a tie. Scratch per row:
  * TEAM ulongs (unused with TEAM_SHUFFLE). */
-inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint lane, __local uint *chosen_ids,
-                      __local float *chosen_values)
+static inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint lane,
+                             __local uint *chosen_ids, __local float *chosen_values)
 {
     for (uint j = 0; j < TOPK; j++) {
         uint best = RANK_NONE, slot = 0;

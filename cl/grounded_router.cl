@@ -27,7 +27,7 @@
 
 /* The float a rank_of_float value came from (-0 comes back as +0 and every
  * NaN as one NaN, neither of which changes a softmax). */
-inline float float_of_rank(uint r)
+static inline float float_of_rank(uint r)
 {
     if (r == 0u)
         return NAN;
@@ -37,8 +37,8 @@ inline float float_of_rank(uint r)
 /* Softmax over the chosen values g (max-subtracted: g[0] is the largest
  * number unless every chosen value is NaN) and the outputs. The sum runs in
  * index order, so every device gives the same bits. Private arrays. */
-inline void write_outputs(const uint *id, const float *g, uint row, __global float *pairs, __global float *weights,
-                          __global int *ids)
+static inline void write_outputs(const uint *id, const float *g, uint row, __global float *pairs,
+                                 __global float *weights, __global int *ids)
 {
     float e[TOPK];
     float sum = 0.0f;
@@ -63,8 +63,8 @@ inline void write_outputs(const uint *id, const float *g, uint row, __global flo
 }
 
 /* write_outputs from a descending list of rank keys. */
-inline void write_outputs_from_keys(const ulong *keys, uint row, __global float *pairs, __global float *weights,
-                                    __global int *ids)
+static inline void write_outputs_from_keys(const ulong *keys, uint row, __global float *pairs,
+                                           __global float *weights, __global int *ids)
 {
     uint id[TOPK];
     float g[TOPK];
@@ -115,12 +115,12 @@ inline void write_outputs_from_keys(const ulong *keys, uint row, __global float 
 #define HC 1024 /* hidden chunk (a multiple of 16) */
 #define EB (NUM_EXPERTS < 256 ? (NUM_EXPERTS + 1) / 2 * 2 : 256) /* expert block (a multiple of RN) */
 
-inline float16 load_hidden16(__global const in_t *p, uint i)
+static inline float16 load_hidden16(__global const in_t *p, uint i)
 {
     return (float16)(load_in8(p, i), load_in8(p, i + 8));
 }
 
-inline float sum16(float16 v)
+static inline float sum16(float16 v)
 {
     const float8 a = v.lo + v.hi;
     const float4 b = a.lo + a.hi;

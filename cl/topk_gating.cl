@@ -22,7 +22,7 @@
  * 1 / (1 + exp(-x)). Each kernel computes it in its own layout below. */
 
 /* Step 2: selection score. */
-inline float selection_score(float score, __global const float *bias, uint e)
+static inline float selection_score(float score, __global const float *bias, uint e)
 {
 #if HAS_BIAS
     return score + bias[e];
@@ -40,13 +40,13 @@ typedef struct group_acc {
     uint count;
 } group_acc;
 
-inline void group_acc_init(group_acc *a)
+static inline void group_acc_init(group_acc *a)
 {
     a->first = a->second = 0.0f;
     a->count = 0;
 }
 
-inline void group_acc_add(group_acc *a, float s)
+static inline void group_acc_add(group_acc *a, float s)
 {
     if (isnan(s))
         return;
@@ -59,7 +59,7 @@ inline void group_acc_add(group_acc *a, float s)
     a->count++;
 }
 
-inline float group_acc_score(const group_acc *a)
+static inline float group_acc_score(const group_acc *a)
 {
     if (a->count == 0)
         return NAN;
@@ -98,7 +98,7 @@ inline float group_acc_score(const group_acc *a)
 #define BLOCKS ((NUM_EXPERTS + BLOCK - 1) / BLOCK)
 
 /* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
-inline float8 load_block(__global const in_t *x, uint e0, float pad)
+static inline float8 load_block(__global const in_t *x, uint e0, float pad)
 {
     if (e0 + BLOCK <= NUM_EXPERTS)
         return load_in8(x, e0);
@@ -108,7 +108,7 @@ inline float8 load_block(__global const in_t *x, uint e0, float pad)
     return vload8(0, t);
 }
 
-inline float8 load_bias_block(__global const float *bias, uint e0)
+static inline float8 load_bias_block(__global const float *bias, uint e0)
 {
 #if HAS_BIAS
     if (e0 + BLOCK <= NUM_EXPERTS)
@@ -125,7 +125,7 @@ inline float8 load_bias_block(__global const float *bias, uint e0)
 }
 
 /* select_rank of eight selection scores. */
-inline uint8 select_rank8(float8 s)
+static inline uint8 select_rank8(float8 s)
 {
     const uint8 u = as_uint8(s);
     uint8 r = select(u | 0x80000000u, ~u, as_int8(u) < 0);
@@ -152,7 +152,7 @@ inline uint8 select_rank8(float8 s)
  * ln 2 and Cephes' degree-6 polynomial, the power of two built in the
  * exponent bits. Below -88 it returns 0 (the true value is under 2^-126);
  * -inf gives 0 and NaN gives NaN. */
-inline float16 exp_nonpos16(float16 x)
+static inline float16 exp_nonpos16(float16 x)
 {
     const float16 xc = x < -88.0f ? (float16)(-88.0f) : x; /* NaN stays */
     const float16 t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */
@@ -171,7 +171,7 @@ inline float16 exp_nonpos16(float16 x)
 }
 
 /* Elements e0..e0+15 of x; lanes past the row get pad. */
-inline float16 load_block16(__global const in_t *x, uint e0, float pad)
+static inline float16 load_block16(__global const in_t *x, uint e0, float pad)
 {
     if (e0 + V16 <= NUM_EXPERTS)
         return (float16)(load_in8(x, e0), load_in8(x, e0 + 8));
@@ -181,7 +181,7 @@ inline float16 load_block16(__global const in_t *x, uint e0, float pad)
     return vload16(0, t);
 }
 
-inline float hmax16(float16 v)
+static inline float hmax16(float16 v)
 {
     float8 a = v.lo > v.hi ? v.lo : v.hi;
     float4 b = a.lo > a.hi ? a.lo : a.hi;
@@ -189,7 +189,7 @@ inline float hmax16(float16 v)
     return c.x > c.y ? c.x : c.y;
 }
 
-inline float hmin16(float16 v)
+static inline float hmin16(float16 v)
 {
     float8 a = v.lo < v.hi ? v.lo : v.hi;
     float4 b = a.lo < a.hi ? a.lo : a.hi;
@@ -197,7 +197,7 @@ inline float hmin16(float16 v)
     return c.x < c.y ? c.x : c.y;
 }
 
-inline uint hor16(uint16 v)
+static inline uint hor16(uint16 v)
 {
     uint8 a = v.lo | v.hi;
     uint4 b = a.lo | a.hi;
@@ -217,7 +217,7 @@ __constant uint lane_bit16[16] = {1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 
                                   1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10, 1u << 11,
                                   1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
-inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __global int *id_out,
+static inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __global int *id_out,
                               float scaling_factor)
 {
     const uint16 lane_bits = vload16(0, lane_bit16);

@@ -9,7 +9,7 @@
 
 /* Options every kernel build gets. No fast-math: the NaN and tie rules of
  * the spec need IEEE comparisons and exact NaN propagation. */
-static char *make_build_options(const moecl_device_info *info)
+char *moecl_build_options(const moecl_device_info *info)
 {
     const char *user = getenv("MOECL_BUILD_OPTIONS");
     char buf[1024];
@@ -26,7 +26,7 @@ static moecl_status finish_context(moecl_context *c, moecl_context **out)
         moecl_context_destroy(c);
         return moecl_fail(NULL, st, "querying the device failed (%s)", moecl_status_string(st));
     }
-    c->build_options = make_build_options(&c->info);
+    c->build_options = moecl_build_options(&c->info);
     /* One small file read, once: warm creation stays fast. */
     moecl_tune_load(&c->info, &c->tuned);
     const char *dir = getenv("MOECL_KERNEL_DIR");

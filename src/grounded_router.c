@@ -187,13 +187,21 @@ static bool override_shape(const moecl_context *ctx, unsigned hidden, unsigned e
 
 /* An override that the device can run, else the rule computed from the
  * device facts. */
+static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, unsigned experts, unsigned k);
+
 static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k,
                                   moecl_launch_source *source)
 {
-    const moecl_device_info *info = &ctx->info;
     launch_shape shape;
     if (override_shape(ctx, hidden, experts, k, &shape, source))
         return shape;
+    return rule_launch(&ctx->info, hidden, experts, k);
+}
+
+/* The rule computed from the device facts alone. */
+static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, unsigned experts, unsigned k)
+{
+    launch_shape shape;
     rows_shape(8, &shape);
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->grounded_wide_tile || info->launch_class_forced))
@@ -233,19 +241,38 @@ typedef struct prepared {
     launch_shape shape;
 } prepared;
 
-static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
-                            bool ids, prepared *out)
+/* The launch shape and the -D defines of the variant that serves d, with
+ * the outputs named by pairs/weights/ids: on ctx (overrides, then the
+ * rule), or with ctx NULL on a device described by info (the rule alone). */
+static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info *info,
+                               const moecl_grounded_router_desc *d, bool pairs, bool weights, bool ids, char *defines,
+                               size_t size)
 {
     moecl_launch_source source;
-    out->shape = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source);
-    const launch_shape *s = &out->shape;
-    char defines[512];
-    snprintf(defines, sizeof(defines),
+    const launch_shape shape = ctx ? choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source)
+                                   : rule_launch(info, d->hidden_dim, d->num_experts, d->top_k);
+    const launch_shape *s = &shape;
+    snprintf(defines, size,
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
              "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
              "-DTOPK_COUNT=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, ctx->info.topk_rounds ? 0 : 1);
+             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, info->topk_rounds ? 0 : 1);
+    return shape;
+}
+
+void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                   bool pairs, bool weights, bool ids, char *buf, size_t size,
+                                   const char **kernel_name)
+{
+    *kernel_name = variant_of(NULL, info, desc, pairs, weights, ids, buf, size).kernel_name;
+}
+
+static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
+                            bool ids, prepared *out)
+{
+    char defines[512];
+    out->shape = variant_of(ctx, &ctx->info, d, pairs, weights, ids, defines, sizeof(defines));
     return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
 }
 

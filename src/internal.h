@@ -203,6 +203,10 @@ uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 
 /* ---- context.c ---- */
 
+/* The options every kernel build on a device described by info gets
+ * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory. */
+char *moecl_build_options(const moecl_device_info *info);
+
 struct moecl_context {
     cl_platform_id platform;
     cl_context context;
@@ -227,6 +231,19 @@ moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moe
                                              moecl_launch_key *key, moecl_launch_config *config);
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                  moecl_launch_key *key, moecl_launch_config *config);
+
+/* The -D defines (into buf) and the kernel name of the variant that serves
+ * a valid desc on a device described by info, by the rule computed from
+ * the device facts (no tune file, forced configuration or table entry:
+ * the table has entries for NVIDIA and pocl only), exactly as the ops
+ * build it; the program is moecl_program_source's text built with
+ * moecl_build_options(info) + " " + defines. For tests that compile the
+ * variants for devices that are not present. */
+void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                               char *buf, size_t size, const char **kernel_name);
+void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                   bool pairs, bool weights, bool ids, char *buf, size_t size,
+                                   const char **kernel_name);
 
 /* ---- buffers.c: validation shared by the ops ---- */
 

@@ -131,13 +131,20 @@ static bool override_shape(const moecl_context *ctx, unsigned experts, unsigned 
 
 /* An override that the device can run, else the rule computed from the
  * device facts. */
+static launch_shape rule_launch(const moecl_device_info *info, unsigned experts, unsigned k, unsigned groups);
+
 static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups,
                                   moecl_launch_source *source)
 {
-    const moecl_device_info *info = &ctx->info;
     launch_shape chosen;
     if (override_shape(ctx, experts, k, groups, &chosen, source))
         return chosen;
+    return rule_launch(&ctx->info, experts, k, groups);
+}
+
+/* The rule computed from the device facts alone. */
+static launch_shape rule_launch(const moecl_device_info *info, unsigned experts, unsigned k, unsigned groups)
+{
     launch_shape rows_kernel = {1, 8, false, "topk_gating_rows"};
     /* MOECL_TEAM asks for the team kernel unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->team_override || info->launch_class_forced))
@@ -192,21 +199,37 @@ typedef struct prepared {
     launch_shape shape;
 } prepared;
 
-static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, prepared *out)
+/* The launch shape and the -D defines of the variant that serves d: on
+ * ctx (overrides, then the rule), or with ctx NULL on a device described
+ * by info (the rule alone). */
+static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info *info,
+                               const moecl_topk_gating_desc *d, bool has_bias, char *defines, size_t size)
 {
     unsigned groups, topk_group;
     effective_groups(d, &groups, &topk_group);
     moecl_launch_source source;
-    out->shape = choose_launch(ctx, d->num_experts, d->top_k, groups, &source);
-    char defines[512];
-    snprintf(defines, sizeof(defines),
+    const launch_shape shape = ctx ? choose_launch(ctx, d->num_experts, d->top_k, groups, &source)
+                                   : rule_launch(info, d->num_experts, d->top_k, groups);
+    snprintf(defines, size,
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
              "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
              "-DTOPK_COUNT=%d",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
-             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, out->shape.team, out->shape.rows,
-             out->shape.shuffle ? 1 : 0, (d->num_experts + out->shape.team - 1) / out->shape.team,
-             ctx->info.topk_rounds ? 0 : 1);
+             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
+             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1);
+    return shape;
+}
+
+void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                               char *buf, size_t size, const char **kernel_name)
+{
+    *kernel_name = variant_of(NULL, info, desc, has_bias, buf, size).kernel_name;
+}
+
+static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, prepared *out)
+{
+    char defines[512];
+    out->shape = variant_of(ctx, &ctx->info, d, has_bias, defines, sizeof(defines));
     return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
 }
 

@@ -1,0 +1,312 @@
+/* The kernel variants the library builds on GPUs that are not here, for the
+ * portability suite (tests/portability.py compiles them offline).
+ *
+ * For each target in the table below, a moecl_device_info is fabricated
+ * with the facts the runtime would query on such a device (vendor, local
+ * memory, maximum work-group size) in each launch class and with each
+ * team top-k method; for each specialisation in the lists below, the
+ * library's own functions give the build options and -D defines the
+ * runtime would pass there (moecl_build_options,
+ * moecl_topk_gating_defines, moecl_grounded_router_defines: the code path
+ * of the ops' prepare). The program text is moecl_program_source's, so
+ * MOECL_KERNEL_DIR applies as at run time.
+ *
+ * Usage: portability_variants OUTDIR
+ * Writes OUTDIR/topk_gating.cl and OUTDIR/grounded_router.cl (the program
+ * texts) and OUTDIR/manifest.tsv, one compile per line, identical ones
+ * (same compiler, target, program and options) once:
+ *   compiler  target  device-config  program-file  kernel-name  options  description
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "internal.h"
+
+/* ---- the devices ---- */
+
+typedef struct target {
+    const char *compiler; /* "ocloc" or "clang" (tests/portability.py runs them) */
+    const char *arch;     /* ocloc -device, clang -mcpu */
+    const char *config;   /* the device facts, in words */
+    moecl_vendor vendor;
+    cl_ulong local_mem_size;
+    size_t max_work_group_size;
+} target;
+
+/* Intel: CL_DEVICE_LOCAL_MEM_SIZE and CL_DEVICE_MAX_WORK_GROUP_SIZE as the
+ * Intel compute runtime reports them (Arc A-series dg2 and Data Center GPU
+ * Max pvc 1024 work-items; Xe-LP integrated tgllp 512). AMD: 64 KiB of LDS
+ * a work-group on CDNA2/3 and RDNA2/3; ROCm's OpenCL reports 256 as the
+ * maximum work-group size, and 1024 is what the hardware allows, so both
+ * are listed (the launch shapes chosen today use at most 256 work-items,
+ * so both give the same variants, each compiled once). */
+static const target targets[] = {
+    {"ocloc", "dg2", "Intel GPU dg2-like: 64 KiB local, max WG 1024", MOECL_VENDOR_INTEL, 65536, 1024},
+    {"ocloc", "pvc", "Intel GPU pvc-like: 128 KiB local, max WG 1024", MOECL_VENDOR_INTEL, 131072, 1024},
+    {"ocloc", "tgllp", "Intel GPU tgllp-like: 64 KiB local, max WG 512", MOECL_VENDOR_INTEL, 65536, 512},
+    {"clang", "gfx90a", "AMD GPU: 64 KiB local, max WG 1024", MOECL_VENDOR_AMD, 65536, 1024},
+    {"clang", "gfx90a", "AMD GPU: 64 KiB local, max WG 256", MOECL_VENDOR_AMD, 65536, 256},
+    {"clang", "gfx940", "AMD GPU: 64 KiB local, max WG 1024", MOECL_VENDOR_AMD, 65536, 1024},
+    {"clang", "gfx940", "AMD GPU: 64 KiB local, max WG 256", MOECL_VENDOR_AMD, 65536, 256},
+    {"clang", "gfx1030", "AMD GPU: 64 KiB local, max WG 1024", MOECL_VENDOR_AMD, 65536, 1024},
+    {"clang", "gfx1030", "AMD GPU: 64 KiB local, max WG 256", MOECL_VENDOR_AMD, 65536, 256},
+    {"clang", "gfx1100", "AMD GPU: 64 KiB local, max WG 1024", MOECL_VENDOR_AMD, 65536, 1024},
+    {"clang", "gfx1100", "AMD GPU: 64 KiB local, max WG 256", MOECL_VENDOR_AMD, 65536, 256},
+};
+
+/* The per-device configurations a device of a target can be in: the GPU
+ * launch class (its default) with the counting and the rounds top-k
+ * (MOECL_TOPK_ROUNDS=1), the CPU launch class (MOECL_LAUNCH_CLASS=cpu),
+ * and the 128-token grounded tile (MOECL_GROUNDED_TILE=128). */
+typedef struct config {
+    const char *name;
+    moecl_launch_class launch_class;
+    bool topk_rounds;
+    bool grounded_wide_tile;
+} config;
+
+static const config configs[] = {
+    {"gpu class, counting top-k", MOECL_LAUNCH_GPU, false, false},
+    {"gpu class, rounds top-k", MOECL_LAUNCH_GPU, true, false},
+    {"cpu class", MOECL_LAUNCH_CPU, false, false},
+    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, false, true},
+};
+
+static moecl_device_info fabricate(const target *t, const config *c)
+{
+    moecl_device_info info;
+    memset(&info, 0, sizeof(info));
+    snprintf(info.platform_name, sizeof(info.platform_name), "%s", t->vendor == MOECL_VENDOR_INTEL
+                                                                        ? "Intel(R) OpenCL Graphics"
+                                                                        : "AMD Accelerated Parallel Processing");
+    snprintf(info.device_name, sizeof(info.device_name), "%s", t->arch);
+    info.type = CL_DEVICE_TYPE_GPU;
+    info.vendor = t->vendor;
+    info.compute_units = 64;
+    info.local_mem_size = t->local_mem_size;
+    info.max_work_group_size = t->max_work_group_size;
+    info.launch_class = c->launch_class;
+    info.launch_reason = c->name;
+    info.topk_rounds = c->topk_rounds;
+    info.grounded_wide_tile = c->grounded_wide_tile;
+    return info;
+}
+
+/* ---- the specialisations ---- */
+
+/* A top-k gating specialisation. Every expert count, top_k, grouping,
+ * dtype, scoring, bias and renormalisation setting of the brief occurs, in
+ * combinations the runtime accepts (groups divide the experts and hold
+ * top_k). In the GPU class E=7 gets the rows kernel (a team of one) and
+ * E=4096 with 8 groups at k=64 runs out of 64 KiB of local memory and
+ * falls back to it too; the other eleven get the team kernel, with teams
+ * of 16, 32 and 256 (linear and tree reductions) and every value of every
+ * other axis among them. */
+typedef struct topk_spec {
+    unsigned experts, k, groups, topk_group;
+    moecl_group_score group_score;
+    moecl_dtype dtype;
+    moecl_scoring scoring;
+    bool bias, renormalize;
+} topk_spec;
+
+#define NONE 0, 0, MOECL_GROUP_SCORE_MAX
+#define MAX8 8, 4, MOECL_GROUP_SCORE_MAX
+#define TOP2 8, 4, MOECL_GROUP_SCORE_TOP2_SUM
+#define SOFTMAX MOECL_SCORING_SOFTMAX
+#define SIGMOID MOECL_SCORING_SIGMOID
+static const topk_spec topk_specs[] = {
+    {7, 1, NONE, MOECL_F32, SOFTMAX, false, false},     {7, 7, NONE, MOECL_BF16, SIGMOID, true, true},
+    {128, 8, NONE, MOECL_F16, SOFTMAX, true, false},    {128, 64, MAX8, MOECL_BF16, SIGMOID, false, true},
+    {128, 1, TOP2, MOECL_F32, SIGMOID, true, true},     {256, 8, TOP2, MOECL_F32, SIGMOID, true, true},
+    {256, 1, MAX8, MOECL_F16, SOFTMAX, false, false},   {256, 64, NONE, MOECL_BF16, SOFTMAX, false, true},
+    {4096, 8, TOP2, MOECL_F16, SIGMOID, true, false},   {4096, 64, MAX8, MOECL_F32, SOFTMAX, true, true},
+    {4096, 1, NONE, MOECL_BF16, SIGMOID, false, false}, {4096, 64, NONE, MOECL_F16, SOFTMAX, false, true},
+    {4096, 8, NONE, MOECL_F32, SOFTMAX, true, false},
+};
+#undef NONE
+#undef MAX8
+#undef TOP2
+#undef SOFTMAX
+#undef SIGMOID
+
+/* A grounded router specialisation: hidden 128 and 4096; at hidden 128
+ * expert tables small enough for the team kernel (7, 16, 64) and wider ones
+ * for the tiled kernel (256; at hidden 4096 every table is tiled); each
+ * dtype and each output set (0: the seed's pairs, 1: weights and ids,
+ * 2: all three) in both kernels. */
+typedef struct grounded_spec {
+    unsigned hidden, experts, k;
+    moecl_dtype dtype;
+    unsigned outputs;
+} grounded_spec;
+
+static const grounded_spec grounded_specs[] = {
+    {128, 16, 2, MOECL_F32, 0},  {128, 7, 1, MOECL_BF16, 1},      {128, 64, 8, MOECL_F16, 2},
+    {128, 256, 64, MOECL_BF16, 0}, {4096, 16, 2, MOECL_F16, 0},   {4096, 256, 8, MOECL_F32, 1},
+    {4096, 4096, 64, MOECL_BF16, 2},
+};
+
+static const char *const dtype_names[] = {"f32", "f16", "bf16"};
+
+/* ---- output ---- */
+
+typedef struct line {
+    const char *compiler, *arch, *program, *options;
+} line;
+
+static line *lines;
+static size_t num_lines, cap_lines;
+static FILE *manifest;
+static size_t num_specs;
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(1);
+    }
+    return p;
+}
+
+static char *xstrdup(const char *s)
+{
+    char *p = xmalloc(strlen(s) + 1);
+    strcpy(p, s);
+    return p;
+}
+
+/* One compile, unless the same one is listed already. */
+static void emit(const target *t, const char *program, const char *build_options, const char *defines,
+                 const char *kernel_name, const char *description)
+{
+    char options[2048];
+    snprintf(options, sizeof(options), "%s %s", build_options, defines);
+    num_specs++;
+    /* The warp shuffles are inline PTX: only for NVIDIA. */
+    if (t->vendor != MOECL_VENDOR_NVIDIA && strstr(options, "-DTEAM_SHUFFLE=1")) {
+        fprintf(stderr, "portability_variants: TEAM_SHUFFLE=1 on %s (%s) for %s: %s\n", t->arch, t->config,
+                description, options);
+        exit(1);
+    }
+    for (size_t i = 0; i < num_lines; i++)
+        if (strcmp(lines[i].compiler, t->compiler) == 0 && strcmp(lines[i].arch, t->arch) == 0 &&
+            strcmp(lines[i].program, program) == 0 && strcmp(lines[i].options, options) == 0)
+            return;
+    if (num_lines == cap_lines) {
+        cap_lines = cap_lines ? 2 * cap_lines : 256;
+        line *grown = realloc(lines, cap_lines * sizeof(*lines));
+        if (!grown) {
+            fprintf(stderr, "out of memory\n");
+            exit(1);
+        }
+        lines = grown;
+    }
+    lines[num_lines++] = (line){t->compiler, t->arch, program, xstrdup(options)};
+    fprintf(manifest, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", t->compiler, t->arch, t->config, program, kernel_name, options,
+            description);
+}
+
+static void write_program(const char *dir, moecl_program_kind kind, const char *name)
+{
+    /* moecl_program_source reads ctx->kernel_dir only (and records errors
+     * against ctx): a context that is otherwise empty serves. */
+    moecl_context ctx;
+    memset(&ctx, 0, sizeof(ctx));
+    const char *kernel_dir = getenv("MOECL_KERNEL_DIR");
+    ctx.kernel_dir = kernel_dir && *kernel_dir ? (char *)kernel_dir : NULL;
+    char *text;
+    size_t size;
+    if (moecl_program_source(&ctx, kind, &text, &size) != MOECL_SUCCESS) {
+        fprintf(stderr, "portability_variants: %s\n", moecl_context_error(&ctx));
+        exit(1);
+    }
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(text, 1, size, f) != size || fclose(f) != 0) {
+        fprintf(stderr, "portability_variants: cannot write %s: %s\n", path, strerror(errno));
+        exit(1);
+    }
+    free(text);
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: %s OUTDIR\n", argv[0]);
+        return 2;
+    }
+    const char *dir = argv[1];
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST) {
+        fprintf(stderr, "portability_variants: cannot create %s: %s\n", dir, strerror(errno));
+        return 1;
+    }
+    write_program(dir, MOECL_PROGRAM_TOPK_GATING, "topk_gating.cl");
+    write_program(dir, MOECL_PROGRAM_GROUNDED_ROUTER, "grounded_router.cl");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
+    manifest = fopen(path, "w");
+    if (!manifest) {
+        fprintf(stderr, "portability_variants: cannot write %s: %s\n", path, strerror(errno));
+        return 1;
+    }
+
+    for (size_t ti = 0; ti < sizeof(targets) / sizeof(targets[0]); ti++) {
+        const target *t = &targets[ti];
+        for (size_t ci = 0; ci < sizeof(configs) / sizeof(configs[0]); ci++) {
+            const config *c = &configs[ci];
+            const moecl_device_info info = fabricate(t, c);
+            char *options = moecl_build_options(&info);
+            if (!options) {
+                fprintf(stderr, "out of memory\n");
+                return 1;
+            }
+            char defines[512], description[512];
+            const char *kernel;
+
+            /* The wide-tile configuration changes only the grounded
+             * router's tiled kernel. */
+            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(topk_specs) / sizeof(topk_specs[0]); i++) {
+                const topk_spec *s = &topk_specs[i];
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
+                d.num_expert_groups = s->groups;
+                d.topk_group = s->topk_group;
+                d.group_score = s->group_score;
+                d.gating_dtype = s->dtype;
+                d.scoring = s->scoring;
+                d.renormalize = s->renormalize;
+                moecl_topk_gating_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "topk_gating E=%u k=%u %s %s%s groups=%s%s [%s]",
+                         s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
+                         s->bias ? " bias" : "", s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
+                         s->renormalize ? " renormalize" : "", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
+            }
+
+            for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++) {
+                const grounded_spec *s = &grounded_specs[i];
+                const bool pairs = s->outputs != 1, weights = s->outputs != 0, ids = s->outputs != 0;
+                moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 0.5f);
+                d.top_k = s->k;
+                d.hidden_dtype = s->dtype;
+                moecl_grounded_router_defines(&info, &d, pairs, weights, ids, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s outputs=%s [%s]",
+                         s->hidden, s->experts, s->k, dtype_names[s->dtype],
+                         s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
+                emit(t, "grounded_router.cl", options, defines, kernel, description);
+            }
+            free(options);
+        }
+    }
+    if (fclose(manifest) != 0) {
+        fprintf(stderr, "portability_variants: cannot write %s: %s\n", path, strerror(errno));
+        return 1;
+    }
+    printf("%zu specialisations, %zu distinct compiles\n", num_specs, num_lines);
+    return 0;
+}
