@@ -38,6 +38,21 @@
 
 extern char **environ;
 
+/* The environment as the user gave it, copied before any OpenCL call: the
+ * children get this one, whatever a driver sets in the parent's. */
+static char **user_environ;
+
+static void snapshot_environ(void)
+{
+    size_t n = 0;
+    while (environ[n])
+        n++;
+    user_environ = calloc(n + 1, sizeof(char *));
+    for (size_t i = 0; user_environ && i < n; i++)
+        if (!(user_environ[i] = strdup(environ[i])))
+            user_environ = NULL; /* out of memory: fall back to environ (a small leak) */
+}
+
 typedef struct tune_case {
     const char *label;
     moecl_op op;
@@ -50,7 +65,7 @@ typedef struct tune_case {
 typedef struct options {
     const char *device, *only;
     int iterations;
-    bool quick, dry_run, all;
+    bool quick, dry_run, all, plan;
     char *const *child; /* --child: case, kernel, team, rows, tile, best median (us) */
 } options;
 
@@ -468,6 +483,96 @@ static int run_child(const options *o, const tune_case *cases, int num_cases)
 
 /* ---- the parent: spawn a child per configuration ---- */
 
+/* Run this program again with args, its stdout and stderr into out
+ * (NUL-terminated, cut at size - 1), killed after CHILD_TIMEOUT_S; false
+ * with why in err when it could not start. */
+typedef struct child_exit {
+    int wstatus;
+    bool timed_out;
+} child_exit;
+
+static bool spawn_capture(const char *self, char *const *args, char *out, size_t size, child_exit *ce, char *err,
+                          size_t err_size)
+{
+    int fds[2];
+    posix_spawn_file_actions_t fa;
+    pid_t pid;
+    memset(ce, 0, sizeof(*ce));
+    out[0] = '\0';
+    if (pipe(fds) != 0) {
+        snprintf(err, err_size, "pipe: %s", strerror(errno));
+        return false;
+    }
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
+    posix_spawn_file_actions_adddup2(&fa, fds[1], 2); /* a driver's last words come back too */
+    posix_spawn_file_actions_addclose(&fa, fds[0]);
+    int e = posix_spawnp(&pid, self, &fa, NULL, args, user_environ ? user_environ : environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(fds[1]);
+    if (e) {
+        close(fds[0]);
+        snprintf(err, err_size, "starting %.200s: %s", self, strerror(e));
+        return false;
+    }
+    /* Read everything the child says, up to the deadline. */
+    size_t used = 0;
+    const double deadline = now_us() + CHILD_TIMEOUT_S * 1e6;
+    for (;;) {
+        double left_ms = (deadline - now_us()) / 1e3;
+        struct pollfd p = {fds[0], POLLIN, 0};
+        if (left_ms <= 0 || poll(&p, 1, (int)left_ms) == 0) {
+            ce->timed_out = true;
+            kill(pid, SIGKILL);
+            break;
+        }
+        char buf[4096];
+        ssize_t got = read(fds[0], buf, sizeof(buf));
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0)
+            break;
+        size_t keep = (size_t)got < size - 1 - used ? (size_t)got : size - 1 - used;
+        memcpy(out + used, buf, keep);
+        used += keep;
+    }
+    close(fds[0]);
+    out[used] = '\0';
+    while (waitpid(pid, &ce->wstatus, 0) < 0 && errno == EINTR) {
+    }
+    return true;
+}
+
+/* Why a child gave no answer: killed, crashed or exited, with its last line. */
+static void child_failure(const child_exit *ce, char *out, char *msg, size_t size)
+{
+    size_t used = strlen(out);
+    while (used && (out[used - 1] == '\n' || out[used - 1] == '\r'))
+        out[--used] = '\0';
+    const char *last = strrchr(out, '\n');
+    last = last ? last + 1 : out;
+    if (ce->timed_out)
+        snprintf(msg, size, "no answer in %d s: killed", CHILD_TIMEOUT_S);
+    else if (WIFSIGNALED(ce->wstatus))
+        snprintf(msg, size, "crashed (signal %d)%s%.200s", WTERMSIG(ce->wstatus), *last ? ": " : "", last);
+    else
+        snprintf(msg, size, "exited with status %d%s%.200s", WEXITSTATUS(ce->wstatus), *last ? ": " : "", last);
+}
+
+/* The options a child shares with the parent. */
+static int common_args(const options *o, char **argv, char *iters, size_t iters_size)
+{
+    int n = 0;
+    snprintf(iters, iters_size, "%d", o->iterations);
+    if (o->device) {
+        argv[n++] = "--device";
+        argv[n++] = (char *)o->device;
+    }
+    argv[n++] = "--iterations";
+    argv[n++] = iters;
+    return n;
+}
+
 static void run_in_child(const char *self, const options *o, int index, const moecl_launch_config *config,
                          double best_us, result *r)
 {
@@ -477,16 +582,10 @@ static void run_in_child(const char *self, const options *o, int index, const mo
     snprintf(rows, sizeof(rows), "%u", config->rows);
     snprintf(tile, sizeof(tile), "%u", config->tile);
     snprintf(best, sizeof(best), "%.3f", best_us);
-    snprintf(iters, sizeof(iters), "%d", o->iterations);
     char *argv[16];
     int n = 0;
     argv[n++] = (char *)self;
-    if (o->device) {
-        argv[n++] = "--device";
-        argv[n++] = (char *)o->device;
-    }
-    argv[n++] = "--iterations";
-    argv[n++] = iters;
+    n += common_args(o, argv + n, iters, sizeof(iters));
     argv[n++] = "--child";
     argv[n++] = idx;
     argv[n++] = (char *)kernel_names[config->kernel];
@@ -496,56 +595,12 @@ static void run_in_child(const char *self, const options *o, int index, const mo
     argv[n++] = best;
     argv[n] = NULL;
 
-    int fds[2];
-    posix_spawn_file_actions_t fa;
-    pid_t pid;
-    if (pipe(fds) != 0) {
-        snprintf(r->msg, sizeof(r->msg), "pipe: %s", strerror(errno));
-        r->error = true;
-        return;
-    }
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_adddup2(&fa, fds[1], 1);
-    posix_spawn_file_actions_adddup2(&fa, fds[1], 2); /* a driver's last words come back too */
-    posix_spawn_file_actions_addclose(&fa, fds[0]);
-    int err = posix_spawnp(&pid, self, &fa, NULL, argv, environ);
-    posix_spawn_file_actions_destroy(&fa);
-    close(fds[1]);
-    if (err) {
-        close(fds[0]);
-        snprintf(r->msg, sizeof(r->msg), "starting %.200s: %s", self, strerror(err));
-        r->error = true;
-        return;
-    }
-    /* Read everything the child says, up to the deadline. */
     char out[8192];
-    size_t used = 0;
-    bool timed_out = false;
-    const double deadline = now_us() + CHILD_TIMEOUT_S * 1e6;
-    for (;;) {
-        double left_ms = (deadline - now_us()) / 1e3;
-        struct pollfd p = {fds[0], POLLIN, 0};
-        if (left_ms <= 0 || poll(&p, 1, (int)left_ms) == 0) {
-            timed_out = true;
-            kill(pid, SIGKILL);
-            break;
-        }
-        char buf[1024];
-        ssize_t got = read(fds[0], buf, sizeof(buf));
-        if (got < 0 && errno == EINTR)
-            continue;
-        if (got <= 0)
-            break;
-        size_t keep = (size_t)got < sizeof(out) - 1 - used ? (size_t)got : sizeof(out) - 1 - used;
-        memcpy(out + used, buf, keep);
-        used += keep;
+    child_exit ce;
+    if (!spawn_capture(self, argv, out, sizeof(out), &ce, r->msg, sizeof(r->msg))) {
+        r->error = true;
+        return;
     }
-    close(fds[0]);
-    out[used] = '\0';
-    int wstatus = 0;
-    while (waitpid(pid, &wstatus, 0) < 0 && errno == EINTR) {
-    }
-
     char status[16] = "";
     int pruned = 0;
     const char *res = strstr(out, "result ");
@@ -561,20 +616,21 @@ static void run_in_child(const char *self, const options *o, int index, const mo
     }
     /* No result: the child died. Its last line says why, if anything. */
     r->error = true;
-    while (used && (out[used - 1] == '\n' || out[used - 1] == '\r'))
-        out[--used] = '\0';
-    const char *last = strrchr(out, '\n');
-    last = last ? last + 1 : out;
-    if (timed_out)
-        snprintf(r->msg, sizeof(r->msg), "no answer in %d s: killed", CHILD_TIMEOUT_S);
-    else if (WIFSIGNALED(wstatus))
-        snprintf(r->msg, sizeof(r->msg), "crashed (signal %d)%s%.200s", WTERMSIG(wstatus), *last ? ": " : "", last);
-    else
-        snprintf(r->msg, sizeof(r->msg), "exited with status %d%s%.200s", WEXITSTATUS(wstatus), *last ? ": " : "",
-                 last);
+    child_failure(&ce, out, r->msg, sizeof(r->msg));
 }
 
 /* ---- one shape ---- */
+
+/* What a shape's sweep runs. A child works it out (--plan), so the parent
+ * never opens the device: on the H200 machine a child did not see the GPU
+ * once its parent had used OpenCL. */
+typedef struct plan {
+    bool selected, skipped;
+    moecl_launch_key key;
+    moecl_launch_source base_source;
+    moecl_launch_config cand[256]; /* cand[0]: the untuned choice */
+    int count;
+} plan;
 
 typedef struct outcome {
     moecl_launch_key key;
@@ -582,33 +638,145 @@ typedef struct outcome {
     bool ok, swept;
 } outcome;
 
-static outcome tune_shape(const char *self, moecl_context *ctx, const tune_case *c, const options *o, int index,
-                          int count)
+static void plan_shape(moecl_context *ctx, const tune_case *c, const options *o, plan *p)
 {
-    outcome out = {.ok = false, .swept = true};
-    char shape[96];
-    shape_text(c, shape, sizeof(shape));
-
     /* The untuned choice (the table or the computed default) goes first:
      * it is the yardstick of the pruning and of the 3% rule. */
     moecl_launch_force(ctx, c->op, NULL);
-    moecl_launch_config base;
-    const moecl_launch_source base_source = resolve(ctx, c, &out.key, &base);
-    moecl_launch_config cand[256];
-    cand[0] = base;
-    int n = 1;
+    p->base_source = resolve(ctx, c, &p->key, &p->cand[0]);
+    p->count = 1;
     moecl_launch_config all[256];
     const int num_all = candidates(c, o->quick, all, 256);
-    for (int i = 0; i < num_all && n < 256; i++) {
+    for (int i = 0; i < num_all && p->count < 256; i++) {
         moecl_launch_key key;
         moecl_launch_config got;
         moecl_launch_force(ctx, c->op, &all[i]);
         /* Only what the library would run on this device. */
-        if (!moecl_launch_config_equal(&all[i], &base) && resolve(ctx, c, &key, &got) == MOECL_SOURCE_FORCED &&
+        if (!moecl_launch_config_equal(&all[i], &p->cand[0]) && resolve(ctx, c, &key, &got) == MOECL_SOURCE_FORCED &&
             moecl_launch_config_equal(&got, &all[i]))
-            cand[n++] = all[i];
+            p->cand[p->count++] = all[i];
     }
     moecl_launch_force(ctx, c->op, NULL);
+}
+
+/* Printable on one line: control characters become '?'. */
+static void print_name(const char *what, const char *name)
+{
+    printf("%s ", what);
+    for (const char *c = name; *c; c++)
+        putchar((unsigned char)*c < 0x20 ? '?' : *c);
+    putchar('\n');
+}
+
+static bool shape_selected(const options *o, const tune_case *c)
+{
+    char shape[96];
+    shape_text(c, shape, sizeof(shape));
+    return !o->only || strstr(shape, o->only);
+}
+
+/* The planner child: the device's identity, then per selected shape its
+ * key, the untuned choice and the configurations the library would run,
+ * or that it is skipped. read_plans reads it. */
+static int run_planner(const options *o, const tune_case *cases, int num_cases)
+{
+    moecl_context *ctx;
+    moecl_status st = moecl_context_create(o->device, &ctx);
+    if (st != MOECL_SUCCESS) {
+        printf("moecl-tune: %s: %s\n", moecl_status_string(st), moecl_context_error(NULL));
+        return 1;
+    }
+    moecl_tune_free(&ctx->tuned); /* the untuned choice is the yardstick */
+    const moecl_device_info *info = &ctx->info;
+    const bool cpu = (info->type & CL_DEVICE_TYPE_CPU) != 0;
+    print_name("platform", info->platform_name);
+    print_name("device", info->device_name);
+    print_name("driver", info->driver_version);
+    printf("flags %d %d\n", cpu, info->launch_class_forced || info->team_override || info->grounded_wide_tile);
+    static plan p;
+    for (int i = 0; i < num_cases; i++) {
+        if (!shape_selected(o, &cases[i]))
+            continue;
+        if (cases[i].large && (o->quick || (cpu && !o->all))) {
+            printf("skip %d\n", i);
+            continue;
+        }
+        plan_shape(ctx, &cases[i], o, &p);
+        printf("shape %d %d %u %u %u %u %d %d\n", i, (int)p.key.op, p.key.num_experts, p.key.top_k, p.key.groups,
+               p.key.hidden_bucket, (int)p.base_source, p.count);
+        for (int j = 0; j < p.count; j++)
+            printf("config %s %u %u %u\n", kernel_names[p.cand[j].kernel], p.cand[j].team, p.cand[j].rows,
+                   p.cand[j].tile);
+    }
+    printf("end\n");
+    moecl_context_destroy(ctx);
+    return 0;
+}
+
+/* The rest of the line after "what ", into buf. */
+static bool line_value(const char *text, const char *what, char *buf, size_t size)
+{
+    char pattern[32];
+    snprintf(pattern, sizeof(pattern), "%s ", what);
+    for (const char *line = text; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        if (strncmp(line, pattern, strlen(pattern)) == 0) {
+            const char *v = line + strlen(pattern);
+            snprintf(buf, size, "%.*s", (int)strcspn(v, "\n"), v);
+            return true;
+        }
+    }
+    return false;
+}
+
+/* Parse the planner's output; false if it is not whole. */
+static bool read_plans(const char *text, moecl_device_info *info, bool *cpu, bool *env, plan *plans, int num_cases)
+{
+    memset(info, 0, sizeof(*info));
+    char flags[32];
+    int c = 0, e = 0;
+    if (!line_value(text, "platform", info->platform_name, sizeof(info->platform_name)) ||
+        !line_value(text, "device", info->device_name, sizeof(info->device_name)) ||
+        !line_value(text, "driver", info->driver_version, sizeof(info->driver_version)) ||
+        !line_value(text, "flags", flags, sizeof(flags)) || sscanf(flags, "%d %d", &c, &e) != 2 ||
+        !strstr(text, "\nend\n"))
+        return false;
+    *cpu = c != 0;
+    *env = e != 0;
+    plan *p = NULL;
+    for (const char *line = text; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        int i, op, source, count;
+        unsigned ex, k, groups, hidden, team, rows, tile;
+        char kernel[16];
+        if (sscanf(line, "skip %d", &i) == 1 && i >= 0 && i < num_cases) {
+            plans[i].skipped = true;
+        } else if (sscanf(line, "shape %d %d %u %u %u %u %d %d", &i, &op, &ex, &k, &groups, &hidden, &source,
+                          &count) == 8 &&
+                   i >= 0 && i < num_cases && count >= 1 && count <= 256) {
+            p = &plans[i];
+            p->selected = true;
+            p->key = (moecl_launch_key){(moecl_op)op, ex, k, groups, hidden};
+            p->base_source = (moecl_launch_source)source;
+            p->count = 0;
+        } else if (sscanf(line, "config %15s %u %u %u", kernel, &team, &rows, &tile) == 4 && p && p->count < 256) {
+            int kind = 0;
+            for (int j = 0; j <= MOECL_KERNEL_TILED; j++)
+                if (!strcmp(kernel, kernel_names[j]))
+                    kind = j;
+            p->cand[p->count++] = (moecl_launch_config){(moecl_kernel_kind)kind, team, rows, tile};
+        }
+    }
+    return true;
+}
+
+static outcome tune_shape(const char *self, const plan *p, const tune_case *c, const options *o, int index,
+                          int count)
+{
+    outcome out = {.key = p->key, .ok = false, .swept = true};
+    char shape[96];
+    shape_text(c, shape, sizeof(shape));
+    const moecl_launch_config *cand = p->cand, base = p->cand[0];
+    const moecl_launch_source base_source = p->base_source;
+    const int n = p->count;
 
     result *res = calloc((size_t)n, sizeof(result));
     if (!res) {
@@ -742,6 +910,8 @@ int main(int argc, char **argv)
             o.dry_run = true;
         } else if (!strcmp(a, "--all")) {
             o.all = true;
+        } else if (!strcmp(a, "--plan")) {
+            o.plan = true; /* internal: see run_planner */
         } else if (!strcmp(a, "--child") && i + 6 < argc) {
             o.child = argv + i + 1; /* internal: one configuration, see run_child */
             i += 6;
@@ -756,35 +926,72 @@ int main(int argc, char **argv)
     const int n = default_cases(cases);
     if (o.child)
         return run_child(&o, cases, n);
+    if (o.plan)
+        return run_planner(&o, cases, n);
 
-    /* Children are this program again: the running file itself where Linux
-     * names it (a rebuild during the sweep does not matter), else argv[0]. */
-    const char *self = access("/proc/self/exe", X_OK) == 0 ? "/proc/self/exe" : argv[0];
+    snapshot_environ();
+    /* Children are this program again: its path as Linux names it, else
+     * argv[0]. Not "/proc/self/exe" itself: NVIDIA's OpenCL found no GPU in
+     * children started through that name. */
+    static char self_path[4096];
+    ssize_t len = readlink("/proc/self/exe", self_path, sizeof(self_path) - 1);
+    if (len > 0)
+        self_path[len] = '\0';
+    const char *self = len > 0 ? self_path : argv[0];
 
-    moecl_context *plain, *ctx = profiling_context(o.device, &plain);
-    const moecl_device_info *info = &ctx->info;
+    /* The plan, from a child. */
+    static plan plans[8];
+    moecl_device_info device_info;
+    const moecl_device_info *info = &device_info;
+    bool cpu = false, env = false;
+    {
+        char *argv[16], iters[16];
+        int k = 0;
+        argv[k++] = (char *)self;
+        k += common_args(&o, argv + k, iters, sizeof(iters));
+        argv[k++] = "--plan";
+        if (o.quick)
+            argv[k++] = "--quick";
+        if (o.all)
+            argv[k++] = "--all";
+        if (o.only) {
+            argv[k++] = "--only";
+            argv[k++] = (char *)o.only;
+        }
+        argv[k] = NULL;
+        const size_t size = (size_t)1 << 18;
+        char *out = malloc(size), msg[300] = "";
+        child_exit ce;
+        if (!out || !spawn_capture(self, argv, out, size, &ce, msg, sizeof(msg)) ||
+            !read_plans(out, &device_info, &cpu, &env, plans, n)) {
+            if (out && msg[0] == '\0')
+                child_failure(&ce, out, msg, sizeof(msg));
+            fprintf(stderr, "moecl-tune: finding the device and the configurations failed: %s\n",
+                    out ? msg : "out of memory");
+            free(out);
+            return 1;
+        }
+        free(out);
+    }
     printf("moecl-tune (moecl %s)\ndevice: %s / %s (driver %s)\n", moecl_version(), info->platform_name,
            info->device_name, info->driver_version);
-    if (info->launch_class_forced || info->team_override || info->grounded_wide_tile)
+    if (env)
         fprintf(stderr, "moecl-tune: note: MOECL_LAUNCH_CLASS, MOECL_TEAM or MOECL_GROUNDED_TILE is set: the "
                         "untuned choice is what they force\n");
     printf("median of up to %d profiled calls per configuration; teams and rows stepped by %d\n", o.iterations,
            o.quick ? 4 : 2);
 
-    const bool cpu = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     outcome outcomes[8];
     memset(outcomes, 0, sizeof(outcomes));
     int failures = 0, swept = 0;
     for (int i = 0; i < n; i++) {
         char shape[96];
         shape_text(&cases[i], shape, sizeof(shape));
-        if (o.only && !strstr(shape, o.only))
-            continue;
-        if (cases[i].large && (o.quick || (cpu && !o.all))) {
+        if (plans[i].skipped)
             printf("\n%s: skipped (%s)\n", shape, o.quick ? "--quick" : "a CPU device; --all runs it");
+        if (!plans[i].selected)
             continue;
-        }
-        outcomes[i] = tune_shape(self, ctx, &cases[i], &o, i + 1, n);
+        outcomes[i] = tune_shape(self, &plans[i], &cases[i], &o, i + 1, n);
         swept++;
         failures += !outcomes[i].ok;
     }
@@ -822,7 +1029,5 @@ int main(int argc, char **argv)
         }
         moecl_tune_free(&table);
     }
-    moecl_context_destroy(ctx);
-    moecl_context_destroy(plain);
     return status;
 }
