@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 STEPS="test bench" bash bench/run-h200.sh 2>&1 | grep -vE "^  |^(platform|device|driver|type|vendor|compute|local|max|launch|kernel|moecl 0)"
 export OCL_ICD_VENDORS=/tmp/icd MOECL_DEVICE=gpu MOECL_CACHE_DIR=/tmp/moecl-cache
 echo "== moecl-tune"
-timeout 200 /tmp/b/tools/moecl-tune ${TUNE_ARGS:-} 2>/dev/null | tee "$OUT/tune.txt"
+timeout 170 /tmp/b/tools/moecl-tune ${TUNE_ARGS:---quick} 2>/dev/null | tee "$OUT/tune.txt"
 echo "== moecl-info after tuning"
 /tmp/b/tools/moecl-info | sed -n '/moecl picks/,$p' | tee "$OUT/info-tuned.txt"
 echo "== bench, tuned"
