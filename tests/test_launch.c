@@ -761,6 +761,67 @@ START_TEST(test_configs_correct)
 }
 END_TEST
 
+/* Rows per work-group only say how many rows share a work-group: every
+ * row's arithmetic is the same, so ids and weights agree bit for bit across
+ * them (and across repeated calls). Team sizes change the reduction order
+ * of a row and are checked against the reference only. */
+START_TEST(test_rows_per_group_bit_identical)
+{
+    moecl_context *ctx = harness_context();
+    harness_rng rng = harness_rng_for(900);
+    moecl_topk_gating_desc descs[3] = {topk128(), topk_grouped(), topk128()};
+    descs[2].scoring = MOECL_SCORING_SIGMOID;
+    descs[2].renormalize = true;
+    for (size_t c = 0; c < 3; c++) {
+        const moecl_topk_gating_desc *d = &descs[c];
+        const size_t n = (size_t)d->num_tokens * d->num_experts, nk = (size_t)d->num_tokens * d->top_k;
+        void *gating = harness_random_tensor(&rng, d->gating_dtype, n, 2.0f);
+        float *bias = harness_random_tensor(&rng, MOECL_F32, d->num_experts, 0.05f);
+        float *w0 = malloc(nk * 4), *w = malloc(nk * 4);
+        int32_t *i0 = malloc(nk * 4), *ids = malloc(nk * 4);
+        ck_assert(gating && bias && w0 && w && i0 && ids);
+        /* The rows kernel, then the team kernel (team 16), each at several
+         * rows per work-group; the first of each is the baseline. */
+        const moecl_launch_config configs[2][4] = {{cfg_rows(1), cfg_rows(8), cfg_rows(32), cfg_rows(128)},
+                                                   {cfg_team(16, 1), cfg_team(16, 2), cfg_team(16, 8),
+                                                    cfg_team(16, 16)}};
+        for (size_t kind = 0; kind < 2; kind++) {
+            for (size_t i = 0; i < 4; i++) {
+                char text[96];
+                config_text(&configs[kind][i], text, sizeof(text));
+                moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &configs[kind][i]);
+                moecl_launch_config got;
+                assert_source(topk_launch(ctx, d, &got), MOECL_SOURCE_FORCED, text);
+                for (int rep = 0; rep < 2; rep++) {
+                    moecl_status st = moecl_topk_gating_host(ctx, d, gating, bias, i ? w : w0, i ? ids : i0);
+                    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s", text, moecl_context_error(ctx));
+                    if (i == 0 && rep == 0) {
+                        char msg[512] = "";
+                        ck_assert_msg(ref_check_topk_gating(d, gating, bias, w0, i0, msg, sizeof(msg)) == 0,
+                                      "case %zu %s: %s", c, text, msg);
+                        continue;
+                    }
+                    if (i == 0)
+                        continue;
+                    ck_assert_msg(memcmp(ids, i0, nk * 4) == 0, "case %zu %s: ids differ from rows per group 1", c,
+                                  text);
+                    ck_assert_msg(memcmp(w, w0, nk * 4) == 0, "case %zu %s: weights differ from rows per group 1",
+                                  c, text);
+                }
+            }
+        }
+        moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, NULL);
+        free(gating);
+        free(bias);
+        free(w0);
+        free(w);
+        free(i0);
+        free(ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("launch");
@@ -770,6 +831,7 @@ int main(void)
     tcase_add_test(tc, test_round_trip);
     tcase_add_test(tc, test_garbage_ignored);
     tcase_add_test(tc, test_invalid_config_ignored);
+    tcase_add_test(tc, test_rows_per_group_bit_identical);
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_configs_correct);
     suite_add_tcase(s, tc);
