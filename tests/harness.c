@@ -107,6 +107,12 @@ void harness_release(moecl_buffer buf)
         clReleaseMemObject(buf.mem);
 }
 
+bool harness_quick(void)
+{
+    const char *env = getenv("MOECL_TEST_QUICK");
+    return env && *env && strcmp(env, "0") != 0;
+}
+
 int harness_run(Suite *suite)
 {
     SRunner *runner = srunner_create(suite);

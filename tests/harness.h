@@ -4,6 +4,7 @@
 #ifndef MOECL_TESTS_HARNESS_H
 #define MOECL_TESTS_HARNESS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -43,6 +44,10 @@ moecl_buffer harness_buffer(moecl_context *ctx, size_t size, size_t offset, cons
 /* Read size bytes at the buffer's offset (blocking). */
 void harness_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out);
 void harness_release(moecl_buffer buf);
+
+/* MOECL_TEST_QUICK set (and not "0"): the op suites leave out their
+ * largest grids, for slow runs such as the valgrind setup. */
+bool harness_quick(void);
 
 /* Run a suite with CK_FORK as set by the environment (meson sets no). */
 int harness_run(Suite *suite);
