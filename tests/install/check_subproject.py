@@ -3,12 +3,13 @@
 
 Creates WORKDIR/consumer, a throwaway meson project whose meson.build is
 
-    project('consumer', 'c')
-    moecl_dep = dependency('moecl', fallback : ['moecl', 'moecl_dep'])
+    project('consumer', 'c', default_options : ['warning_level=2', 'werror=true'])
+    moecl_dep = dependency('moecl', fallback : ['moecl', 'moecl_dep'],
+      default_options : ['tests=disabled', 'tools=false'])
     executable('consumer', 'consumer.c', dependencies : moecl_dep)
 
-with subprojects/moecl a copy of the source tree (without .git and build
-directories), configures it with --force-fallback-for=moecl (so an installed
+(the README's snippet), with subprojects/moecl a copy of the source tree
+(without .git and build directories), configures it with --force-fallback-for=moecl (so an installed
 moecl is not picked instead) and -Dmoecl:tests=disabled -Dmoecl:tools=false
 -Dmoecl:docs=disabled, builds it, and runs the consumer
 (tests/install/consumer.c) on the default device: it must route its tokens
@@ -21,7 +22,8 @@ import subprocess
 import sys
 
 MESON_BUILD = """project('consumer', 'c', default_options : ['warning_level=2', 'werror=true'])
-moecl_dep = dependency('moecl', fallback : ['moecl', 'moecl_dep'])
+moecl_dep = dependency('moecl', fallback : ['moecl', 'moecl_dep'],
+  default_options : ['tests=disabled', 'tools=false'])
 executable('consumer', 'consumer.c', dependencies : moecl_dep)
 """
 
