@@ -466,8 +466,9 @@ static void usage(FILE *f)
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
                "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
-               "label or shape contains SUBSTRING.\n"
-               "Exit status: 0 all checks passed, 1 a check failed or a call failed, 2 bad usage.\n");
+               "label or shape contains SUBSTRING. --json FILE and --csv FILE write the table for\n"
+               "scripts too (dtype as 0 f32, 1 f16, 2 bf16; ids_fnv1a hashes the ids of the check).\n"
+               "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
 }
 
 int main(int argc, char **argv)
@@ -512,6 +513,13 @@ int main(int argc, char **argv)
     if (o.iterations < 10 || o.wall_calls < 1) {
         usage(stderr);
         return 2;
+    }
+    /* Opened before the runs, so that a path that cannot be written fails
+     * at once rather than after the timing. */
+    FILE *jf = o.json ? fopen(o.json, "w") : NULL, *cf = o.csv ? fopen(o.csv, "w") : NULL;
+    if ((o.json && !jf) || (o.csv && !cf)) {
+        fprintf(stderr, "moecl-bench: cannot write %s\n", o.json && !jf ? o.json : o.csv);
+        return 1;
     }
 
     moecl_context *plain;
@@ -587,7 +595,6 @@ int main(int argc, char **argv)
             failures++;
         }
     }
-    FILE *jf = o.json ? fopen(o.json, "w") : NULL, *cf = o.csv ? fopen(o.csv, "w") : NULL;
     if (jf)
         fprintf(jf,
                 "{\"version\": \"%s\", \"cold\": %s, \"context_create_ms\": %.2f, \"empty_kernel_us\": %.3f, "
@@ -621,10 +628,15 @@ int main(int argc, char **argv)
     }
     if (jf) {
         fprintf(jf, "\n]}\n");
-        fclose(jf);
+        if (fclose(jf) != 0) {
+            fprintf(stderr, "moecl-bench: writing %s failed\n", o.json);
+            failures++;
+        }
     }
-    if (cf)
-        fclose(cf);
+    if (cf && fclose(cf) != 0) {
+        fprintf(stderr, "moecl-bench: writing %s failed\n", o.csv);
+        failures++;
+    }
     moecl_context_destroy(prof);
     moecl_context_destroy(plain);
     return failures ? 1 : 0;

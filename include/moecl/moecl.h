@@ -1,4 +1,5 @@
-/*
+/**
+ * @file moecl/moecl.h
  * moecl: portable OpenCL kernels for the routing step of mixture-of-experts
  * models.
  *
@@ -35,6 +36,8 @@
  * including this header alone builds without noise. A user's own setting
  * wins. */
 #ifndef CL_TARGET_OPENCL_VERSION
+/** The OpenCL API version the Khronos headers expose (theirs, unless the
+ *  includer set it). */
 #define CL_TARGET_OPENCL_VERSION 300
 #endif
 
@@ -51,6 +54,8 @@
 extern "C" {
 #endif
 
+/** Marks the exported functions: the library is built with hidden
+ *  visibility, and only these are in libmoecl.so's dynamic symbol table. */
 #if defined(MOECL_BUILDING_LIBRARY) && defined(__GNUC__)
 #define MOECL_API __attribute__((visibility("default")))
 #else
@@ -67,7 +72,7 @@ extern "C" {
  * unchanged; library codes are <= -2000 so they never collide with them.
  */
 typedef enum moecl_status {
-    MOECL_SUCCESS = 0,
+    MOECL_SUCCESS = 0, /**< Validated and enqueued, or completed. */
     /** A field or pointer is out of range; nothing was enqueued or written.
      *  moecl_context_error() names the field. */
     MOECL_ERROR_INVALID_ARGUMENT = -2000,
@@ -157,7 +162,9 @@ MOECL_API const char *moecl_context_error(const moecl_context *ctx);
 /** The OpenCL objects of ctx (not retained for the caller; valid while ctx
  *  lives). NULL if ctx is NULL. */
 MOECL_API cl_context moecl_context_cl_context(const moecl_context *ctx);
+/** The device of ctx (not retained; see moecl_context_cl_context()). */
 MOECL_API cl_device_id moecl_context_device(const moecl_context *ctx);
+/** The command queue of ctx, its own or the adopted one (not retained). */
 MOECL_API cl_command_queue moecl_context_queue(const moecl_context *ctx);
 
 /** Describe the context's device and what moecl chose for it, as lines of
@@ -177,15 +184,25 @@ MOECL_API size_t moecl_context_describe(const moecl_context *ctx, char *buf, siz
 /** Element type of an input tensor. F16 is IEEE binary16 and BF16 is the
  *  upper 16 bits of an IEEE binary32; both are widened to f32 on load and
  *  need no device extension. */
-typedef enum moecl_dtype { MOECL_F32 = 0, MOECL_F16 = 1, MOECL_BF16 = 2 } moecl_dtype;
+typedef enum moecl_dtype {
+    MOECL_F32 = 0,  /**< IEEE binary32 */
+    MOECL_F16 = 1,  /**< IEEE binary16 */
+    MOECL_BF16 = 2, /**< bfloat16: the upper 16 bits of a binary32 */
+} moecl_dtype;
 
 /** Scoring function of top-k gating. */
-typedef enum moecl_scoring { MOECL_SCORING_SOFTMAX = 0, MOECL_SCORING_SIGMOID = 1 } moecl_scoring;
+typedef enum moecl_scoring {
+    MOECL_SCORING_SOFTMAX = 0, /**< softmax over the experts of a token */
+    MOECL_SCORING_SIGMOID = 1, /**< sigmoid of each logit */
+} moecl_scoring;
 
 /** Group score of group-limited selection: the largest selection score in
  *  the group (the seed reference), or the sum of the two largest
  *  (DeepSeek-V3). */
-typedef enum moecl_group_score { MOECL_GROUP_SCORE_MAX = 0, MOECL_GROUP_SCORE_TOP2_SUM = 1 } moecl_group_score;
+typedef enum moecl_group_score {
+    MOECL_GROUP_SCORE_MAX = 0,      /**< the group's largest selection score */
+    MOECL_GROUP_SCORE_TOP2_SUM = 1, /**< the sum of its two largest */
+} moecl_group_score;
 
 /** A device buffer and a byte offset into it; mem == NULL means "absent".
  *  The offset must be a multiple of the element size of the tensor it
@@ -193,8 +210,8 @@ typedef enum moecl_group_score { MOECL_GROUP_SCORE_MAX = 0, MOECL_GROUP_SCORE_TO
  *  CL_MEM_SIZE). Tensors are row-major and contiguous. The buffer must
  *  belong to the context's cl_context. */
 typedef struct moecl_buffer {
-    cl_mem mem;
-    size_t offset;
+    cl_mem mem;    /**< the buffer, or NULL for an absent tensor */
+    size_t offset; /**< byte offset of the tensor in mem */
 } moecl_buffer;
 
 /* ---------------------------------------------------------------------- */
@@ -214,14 +231,14 @@ typedef struct moecl_buffer {
  *   routed_scaling_factor finite.
  */
 typedef struct moecl_topk_gating_desc {
-    uint32_t num_tokens;
-    uint32_t num_experts;
-    uint32_t top_k;
+    uint32_t num_tokens;        /**< rows of the gating logits */
+    uint32_t num_experts;       /**< columns of the gating logits */
+    uint32_t top_k;             /**< experts chosen per token */
     uint32_t num_expert_groups; /**< 0: no group-limited selection */
     uint32_t topk_group;        /**< groups kept per token */
     moecl_dtype gating_dtype;   /**< dtype of the gating logits */
-    moecl_scoring scoring;
-    moecl_group_score group_score;
+    moecl_scoring scoring;      /**< softmax or sigmoid */
+    moecl_group_score group_score; /**< how a group is scored when num_expert_groups > 0 */
     bool renormalize;            /**< divide the k weights by their sum when it is > 0 */
     float routed_scaling_factor; /**< applied to the weights last */
 } moecl_topk_gating_desc;
@@ -276,11 +293,11 @@ MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl
  * alpha finite, hidden_dtype one of its enum values.
  */
 typedef struct moecl_grounded_router_desc {
-    uint32_t num_tokens;
-    uint32_t hidden_dim;
-    uint32_t num_experts;
-    uint32_t top_k; /**< 2 in the seed reference */
-    float alpha;
+    uint32_t num_tokens;  /**< rows of token_hidden and router_logits */
+    uint32_t hidden_dim;  /**< columns of token_hidden and expert_ground */
+    uint32_t num_experts; /**< rows of expert_ground, columns of router_logits */
+    uint32_t top_k;       /**< 2 in the seed reference */
+    float alpha;          /**< weight of the hidden @ ground^T term */
     moecl_dtype hidden_dtype; /**< dtype of token_hidden and expert_ground */
 } moecl_grounded_router_desc;
 
