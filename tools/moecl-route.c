@@ -299,8 +299,8 @@ static int input_dtype(const npy_file *n, const options *o, bool f32_only, moecl
                  npy_kind_name(n->kind));
         return -1;
     }
-    snprintf(err, size, "%s: unsupported dtype %s; moecl-route reads '<f4', '<f2', and bfloat16 as '<u2' or '|V2'", n->path,
-             npy_kind_name(n->kind));
+    snprintf(err, size, "%s: unsupported dtype %s; moecl-route reads '<f4', '<f2', and bfloat16 as '<u2' or '|V2'",
+             n->path, npy_kind_name(n->kind));
     return -1;
 }
 
@@ -416,12 +416,9 @@ static void print_text(const summary *s, const options *o, const char *what)
     for (uint32_t i = e - 8; i < e; i++)
         bar_line(order[i], s->load[order[i]], max, slots);
     free(order);
-    static const struct {
-        double lo, hi;
-        const char *label;
-    } band[] = {{0, 0, "0 (idle)"},          {0, 0.5, "(0, 0.5) x mean"},   {0.5, 0.8, "[0.5, 0.8) x mean"},
-                {0.8, 0.95, "[0.8, 0.95) x mean"}, {0.95, 1.05, "[0.95, 1.05] x mean"}, {1.05, 1.25, "(1.05, 1.25) x mean"},
-                {1.25, 2, "[1.25, 2) x mean"},   {2, INFINITY, ">= 2 x mean"}};
+    static const char *const band[8] = {"0 (idle)",           "(0, 0.5) x mean",     "[0.5, 0.8) x mean",
+                                        "[0.8, 0.95) x mean", "[0.95, 1.05] x mean", "(1.05, 1.25) x mean",
+                                        "[1.25, 2) x mean",   ">= 2 x mean"};
     uint64_t count[8] = {0};
     for (uint32_t i = 0; i < e; i++) {
         const double r = mean > 0 ? (double)s->load[i] / mean : 0;
@@ -457,7 +454,7 @@ static void print_text(const summary *s, const options *o, const char *what)
         memset(bar, '#', (size_t)n);
         memset(bar + n, ' ', (size_t)(width - n));
         bar[width] = '\0';
-        printf("  %-20s |%s| %6llu\n", band[b].label, bar, (unsigned long long)count[b]);
+        printf("  %-20s |%s| %6llu\n", band[b], bar, (unsigned long long)count[b]);
     }
 }
 
@@ -554,7 +551,8 @@ static cl_mem device_buffer(moecl_context *ctx, size_t size, const void *data, c
     cl_mem m = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0),
                               size ? size : 4, (void *)data, &e);
     if (!m)
-        snprintf(err, err_size, "cannot allocate %zu bytes on the device (OpenCL error %d)", size, e);
+        snprintf(err, err_size, "cannot allocate %zu bytes on the device (OpenCL error %d; a smaller --chunk-rows "
+                                "may help)", size, e);
     return m;
 }
 

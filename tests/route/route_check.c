@@ -39,7 +39,8 @@ static void *read_all(const char *path, npy_file *n, char *err, size_t size)
 static int check_output(const npy_file *n, npy_kind kind, uint64_t tokens, uint32_t k, bool pairs)
 {
     const int ndim = pairs ? 3 : 2;
-    if (n->kind != kind || n->ndim != ndim || n->shape[0] != tokens || n->shape[1] != k || (pairs && n->shape[2] != 2)) {
+    if (n->kind != kind || n->ndim != ndim || n->shape[0] != tokens || n->shape[1] != k ||
+        (pairs && n->shape[2] != 2)) {
         fprintf(stderr, "route-check: %s: dtype %s, %d-D (%llu, %llu, ...); want %s [%llu][%u]%s\n", n->path,
                 npy_kind_name(n->kind), n->ndim, (unsigned long long)n->shape[0],
                 (unsigned long long)(n->ndim > 1 ? n->shape[1] : 0), npy_kind_name(kind), (unsigned long long)tokens,
@@ -124,7 +125,8 @@ int main(int argc, char **argv)
         (ground && !(g = read_all(ground, &ng, err, sizeof(err)))) ||
         (bias && !(b = read_all(bias, &nb, err, sizeof(err)))) ||
         (weights && !(w = read_all(weights, &nw, err, sizeof(err)))) ||
-        (ids && !(id = read_all(ids, &ni, err, sizeof(err)))) || (pairs && !(p = read_all(pairs, &np, err, sizeof(err)))))
+        (ids && !(id = read_all(ids, &ni, err, sizeof(err)))) ||
+        (pairs && !(p = read_all(pairs, &np, err, sizeof(err)))))
         return fail("%s%s", err, "");
     const npy_file *main_in = topk ? &nl : &nh;
     moecl_dtype dtype = main_in->kind == NPY_F32 ? MOECL_F32 : main_in->kind == NPY_F16 ? MOECL_F16 : MOECL_BF16;
@@ -132,7 +134,8 @@ int main(int argc, char **argv)
         return fail("%s: 16-bit integers without --bf16%s", main_in->path, "");
     const uint64_t tokens = nl.shape[0];
     const uint32_t experts = (uint32_t)nl.shape[1], k = (uint32_t)top_k;
-    if ((weights && check_output(&nw, NPY_F32, tokens, k, false)) || (ids && check_output(&ni, NPY_I32, tokens, k, false)) ||
+    if ((weights && check_output(&nw, NPY_F32, tokens, k, false)) ||
+        (ids && check_output(&ni, NPY_I32, tokens, k, false)) ||
         (pairs && check_output(&np, NPY_F32, tokens, k, true)))
         return 1;
     const size_t nk = (size_t)tokens * k;
