@@ -1,0 +1,915 @@
+/* moecl-route: route the tokens of NumPy .npy files with moecl, from the
+ * shell. Top-k gating reads a [tokens][experts] logits file; the grounded
+ * router reads hidden states, router logits and the experts' ground rows.
+ * The rows stream through in chunks (fread, one chunk in memory at a time);
+ * the outputs are .npy files written through temporary files that are
+ * renamed into place only when everything succeeded. A summary follows:
+ * the load of each expert as a text histogram, tokens routed, time. */
+#include <errno.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <moecl/moecl.h>
+
+#include "npy.h"
+
+typedef enum op_kind { OP_TOPK, OP_GROUNDED } op_kind;
+
+typedef struct options {
+    op_kind op;
+    const char *logits, *hidden, *ground, *bias;
+    const char *weights, *ids, *pairs;
+    const char *device;
+    long top_k; /* 0: the default */
+    long groups, topk_group;
+    moecl_group_score group_score;
+    moecl_scoring scoring;
+    bool renormalize, bf16, json, progress, no_progress, all_experts;
+    float scale, alpha;
+    bool scale_set, alpha_set, scoring_set, group_score_set;
+    long long chunk_rows; /* 0: about 64 MiB of input per chunk */
+} options;
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+            "usage: moecl-route [--op topk] [--logits] LOGITS.npy [options] [outputs]\n"
+            "       moecl-route --op grounded --hidden H.npy --logits L.npy --ground G.npy [--alpha F] [outputs]\n"
+            "Routes the tokens (rows) of .npy files with moecl and prints each expert's load.\n"
+            "\n"
+            "Inputs (NumPy .npy, format 1.0/2.0/3.0, C order, little-endian):\n"
+            "  topk      LOGITS [tokens][experts]: '<f4' float32, '<f2' float16, or bfloat16 stored\n"
+            "            as '<u2' or '|V2' (with --bf16)\n"
+            "  grounded  --hidden [tokens][hidden] and --ground [experts][hidden], one dtype of the\n"
+            "            three; --logits [tokens][experts] float32\n"
+            "Options:\n"
+            "  --op topk|grounded      the op (default topk)\n"
+            "  --top-k N               experts per token (default 8 for topk, at most the experts;\n"
+            "                          2 for grounded, as the seed)\n"
+            "  --scoring softmax|sigmoid         (topk; default softmax)\n"
+            "  --bias FILE.npy         correction bias, float32 [experts], steers selection only (topk)\n"
+            "  --groups G --topk-group K         group-limited selection: G groups, K kept (topk)\n"
+            "  --group-score max|top2sum         group score (topk; default max)\n"
+            "  --renormalize           divide each token's weights by their sum (topk)\n"
+            "  --scale F               routed scaling factor, applied last (topk; default 1)\n"
+            "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
+            "  --bf16                  '<u2' and '|V2' arrays hold bfloat16 bit patterns (without it\n"
+            "                          they are refused: a uint16 array is not a float)\n"
+            "  --device SEL            gpu, cpu, P:D or a name substring (default $MOECL_DEVICE, else\n"
+            "                          the first GPU, else the first CPU)\n"
+            "  --chunk-rows N          rows per chunk (default: about 64 MiB of input)\n"
+            "  --progress              a progress line on stderr even when it is not a terminal\n"
+            "  --no-progress           no progress line\n"
+            "  --all-experts           a histogram line for every expert, however many\n"
+            "  --json                  print the summary as JSON on stdout instead of text\n"
+            "Outputs (each optional; written to a temporary file and renamed when complete):\n"
+            "  --weights OUT.npy       float32 [tokens][top_k]\n"
+            "  --ids OUT.npy           int32 [tokens][top_k]\n"
+            "  --pairs OUT.npy         float32 [tokens][top_k][2]: the seed's stacked (index, weight)\n"
+            "Exit status: 0 ok; 1 a bad or unreadable file, a device or write failure (no output\n"
+            "file is left behind); 2 bad usage, or options the op rejects for these shapes.\n");
+}
+
+/* ---- temporary outputs: removed on failure, and on SIGINT/SIGTERM ---- */
+
+static npy_writer writers[3];
+static char *volatile pending_tmp[3];
+
+static void on_signal(int sig)
+{
+    for (int i = 0; i < 3; i++)
+        if (pending_tmp[i])
+            unlink(pending_tmp[i]);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void abort_outputs(void)
+{
+    for (int i = 0; i < 3; i++) {
+        pending_tmp[i] = NULL;
+        npy_writer_abort(&writers[i]);
+    }
+}
+
+static int fail_run(const char *msg)
+{
+    abort_outputs();
+    fprintf(stderr, "moecl-route: %s\n", msg);
+    return 1;
+}
+
+static int bad_usage(const char *fmt, const char *arg)
+{
+    fprintf(stderr, "moecl-route: ");
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, "\nTry 'moecl-route --help'.\n");
+    return 2;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static bool parse_long(const char *s, long lo, long hi, long *v)
+{
+    char *end;
+    errno = 0;
+    long x = strtol(s, &end, 10);
+    if (errno || end == s || *end || x < lo || x > hi)
+        return false;
+    *v = x;
+    return true;
+}
+
+static bool parse_float(const char *s, float *v)
+{
+    char *end;
+    errno = 0;
+    float x = strtof(s, &end);
+    if (errno || end == s || *end || !isfinite(x))
+        return false;
+    *v = x;
+    return true;
+}
+
+/* Returns -1 to go on, else the exit status. */
+static int parse_args(int argc, char **argv, options *o)
+{
+    memset(o, 0, sizeof(*o));
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const bool has = i + 1 < argc;
+        const char *v = has ? argv[i + 1] : NULL;
+        long n;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        } else if (a[0] != '-') {
+            if (o->logits)
+                return bad_usage("one logits file only (got a second: %s)", a);
+            o->logits = a;
+            continue;
+        } else if (!strcmp(a, "--renormalize")) {
+            o->renormalize = true;
+            continue;
+        } else if (!strcmp(a, "--bf16")) {
+            o->bf16 = true;
+            continue;
+        } else if (!strcmp(a, "--json")) {
+            o->json = true;
+            continue;
+        } else if (!strcmp(a, "--progress")) {
+            o->progress = true;
+            continue;
+        } else if (!strcmp(a, "--no-progress")) {
+            o->no_progress = true;
+            continue;
+        } else if (!strcmp(a, "--all-experts")) {
+            o->all_experts = true;
+            continue;
+        }
+        if (!has)
+            return bad_usage("%s needs a value, or is not an option", a);
+        i++;
+        if (!strcmp(a, "--op")) {
+            if (!strcmp(v, "topk"))
+                o->op = OP_TOPK;
+            else if (!strcmp(v, "grounded"))
+                o->op = OP_GROUNDED;
+            else
+                return bad_usage("--op is topk or grounded, not '%s'", v);
+        } else if (!strcmp(a, "--logits")) {
+            if (o->logits)
+                return bad_usage("one logits file only (got a second: %s)", v);
+            o->logits = v;
+        } else if (!strcmp(a, "--hidden")) {
+            o->hidden = v;
+        } else if (!strcmp(a, "--ground")) {
+            o->ground = v;
+        } else if (!strcmp(a, "--bias")) {
+            o->bias = v;
+        } else if (!strcmp(a, "--weights")) {
+            o->weights = v;
+        } else if (!strcmp(a, "--ids")) {
+            o->ids = v;
+        } else if (!strcmp(a, "--pairs")) {
+            o->pairs = v;
+        } else if (!strcmp(a, "--device")) {
+            o->device = v;
+        } else if (!strcmp(a, "--top-k")) {
+            if (!parse_long(v, 1, 64, &o->top_k))
+                return bad_usage("--top-k is 1..64, not '%s'", v);
+        } else if (!strcmp(a, "--groups")) {
+            if (!parse_long(v, 1, 4096, &o->groups))
+                return bad_usage("--groups is 1..4096, not '%s'", v);
+        } else if (!strcmp(a, "--topk-group")) {
+            if (!parse_long(v, 1, 4096, &o->topk_group))
+                return bad_usage("--topk-group is 1..4096, not '%s'", v);
+        } else if (!strcmp(a, "--group-score")) {
+            o->group_score_set = true;
+            if (!strcmp(v, "max"))
+                o->group_score = MOECL_GROUP_SCORE_MAX;
+            else if (!strcmp(v, "top2sum"))
+                o->group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+            else
+                return bad_usage("--group-score is max or top2sum, not '%s'", v);
+        } else if (!strcmp(a, "--scoring")) {
+            o->scoring_set = true;
+            if (!strcmp(v, "softmax"))
+                o->scoring = MOECL_SCORING_SOFTMAX;
+            else if (!strcmp(v, "sigmoid"))
+                o->scoring = MOECL_SCORING_SIGMOID;
+            else
+                return bad_usage("--scoring is softmax or sigmoid, not '%s'", v);
+        } else if (!strcmp(a, "--scale")) {
+            if (!parse_float(v, &o->scale))
+                return bad_usage("--scale needs a finite number, not '%s'", v);
+            o->scale_set = true;
+        } else if (!strcmp(a, "--alpha")) {
+            if (!parse_float(v, &o->alpha))
+                return bad_usage("--alpha needs a finite number, not '%s'", v);
+            o->alpha_set = true;
+        } else if (!strcmp(a, "--chunk-rows")) {
+            if (!parse_long(v, 1, 1L << 30, &n))
+                return bad_usage("--chunk-rows is 1..2^30, not '%s'", v);
+            o->chunk_rows = n;
+        } else {
+            return bad_usage("unknown option %s", a);
+        }
+    }
+    if (!o->logits)
+        return bad_usage("%s", o->op == OP_TOPK ? "no logits file (moecl-route LOGITS.npy ...)"
+                                                : "--op grounded needs --hidden, --logits and --ground");
+    if (o->op == OP_TOPK) {
+        if (o->hidden || o->ground || o->alpha_set)
+            return bad_usage("%s", "--hidden, --ground and --alpha belong to --op grounded");
+        if (!o->groups != !o->topk_group)
+            return bad_usage("%s", "--groups and --topk-group come together");
+        if (o->group_score_set && !o->groups)
+            return bad_usage("%s", "--group-score needs --groups and --topk-group");
+    } else {
+        if (!o->hidden || !o->ground)
+            return bad_usage("%s", "--op grounded needs --hidden, --logits and --ground");
+        if (o->bias || o->groups || o->topk_group || o->group_score_set || o->scoring_set || o->renormalize ||
+            o->scale_set)
+            return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --scoring, --renormalize and "
+                                   "--scale belong to --op topk");
+    }
+    const char *outs[3] = {o->weights, o->ids, o->pairs};
+    for (int a = 0; a < 3; a++)
+        for (int b = a + 1; b < 3; b++)
+            if (outs[a] && outs[b] && !strcmp(outs[a], outs[b]))
+                return bad_usage("two outputs to one file: %s", outs[a]);
+    return -1;
+}
+
+/* ---- inputs ---- */
+
+/* The moecl dtype of a floating-point input, or -1 with a message. */
+static int input_dtype(const npy_file *n, const options *o, bool f32_only, moecl_dtype *t, char *err, size_t size)
+{
+    if (n->kind == NPY_F32) {
+        *t = MOECL_F32;
+        return 0;
+    }
+    if (f32_only) {
+        snprintf(err, size, "%s: unsupported dtype %s: this input is float32 ('<f4') only", n->path,
+                 npy_kind_name(n->kind));
+        return -1;
+    }
+    if (n->kind == NPY_F16) {
+        *t = MOECL_F16;
+        return 0;
+    }
+    if (n->kind == NPY_U2 || n->kind == NPY_V2) {
+        if (o->bf16) {
+            *t = MOECL_BF16;
+            return 0;
+        }
+        snprintf(err, size, "%s: dtype %s is not a float: pass --bf16 if it holds bfloat16 bit patterns", n->path,
+                 npy_kind_name(n->kind));
+        return -1;
+    }
+    snprintf(err, size, "%s: unsupported dtype %s; moecl-route reads '<f4', '<f2', and bfloat16 as '<u2' or '|V2'",
+             n->path, npy_kind_name(n->kind));
+    return -1;
+}
+
+static int need_2d(const npy_file *n, const char *what, char *err, size_t size)
+{
+    if (n->ndim == 2)
+        return 0;
+    snprintf(err, size, "%s: %s must be 2-D [%s], the file is %d-D", n->path, what,
+             !strcmp(what, "the ground rows") ? "experts][hidden" : !strcmp(what, "the hidden states") ?
+                                                                     "tokens][hidden" : "tokens][experts",
+             n->ndim);
+    return -1;
+}
+
+static const char *dtype_name(moecl_dtype t)
+{
+    return t == MOECL_F32 ? "f32" : t == MOECL_F16 ? "f16" : "bf16";
+}
+
+/* ---- the summary ---- */
+
+typedef struct summary {
+    uint64_t tokens, chunks, chunk_rows;
+    uint32_t experts, top_k;
+    uint64_t *load;
+    double wall_s, read_s, write_s, prepare_s, kernel_s, transfer_s;
+    bool device_time;
+    char device[512];
+} summary;
+
+static int cmp_load_desc(const void *pa, const void *pb, const uint64_t *load)
+{
+    const uint32_t a = *(const uint32_t *)pa, b = *(const uint32_t *)pb;
+    if (load[a] != load[b])
+        return load[a] < load[b] ? 1 : -1;
+    return (a > b) - (a < b);
+}
+
+static const uint64_t *sort_load; /* qsort has no context argument in C11 */
+
+static int cmp_by_load(const void *pa, const void *pb)
+{
+    return cmp_load_desc(pa, pb, sort_load);
+}
+
+static void bar_line(uint32_t e, uint64_t v, uint64_t max, uint64_t slots)
+{
+    const int width = 40;
+    int n = max ? (int)((v * (uint64_t)width + max / 2) / max) : 0;
+    if (v && !n)
+        n = 1;
+    char bar[64];
+    memset(bar, '#', (size_t)n);
+    memset(bar + n, ' ', (size_t)(width - n));
+    bar[width] = '\0';
+    printf("  expert %4u |%s| %10llu  %5.2f%%\n", e, bar, (unsigned long long)v,
+           slots ? 100.0 * (double)v / (double)slots : 0.0);
+}
+
+static void print_text(const summary *s, const options *o, const char *what)
+{
+    const uint64_t slots = s->tokens * s->top_k;
+    printf("moecl-route: %s\n", what);
+    printf("device: %s\n", s->device);
+    printf("tokens routed: %llu (%llu expert slots) in %llu chunk%s of up to %llu rows\n",
+           (unsigned long long)s->tokens, (unsigned long long)slots, (unsigned long long)s->chunks,
+           s->chunks == 1 ? "" : "s", (unsigned long long)s->chunk_rows);
+    printf("time: wall %.3f s (read %.3f s, write %.3f s, kernel build/load %.3f s", s->wall_s, s->read_s, s->write_s,
+           s->prepare_s);
+    if (s->device_time)
+        printf("; device: kernels %.3f s, transfers %.3f s", s->kernel_s, s->transfer_s);
+    printf(")");
+    if (s->device_time && s->kernel_s > 0)
+        printf("; %.2f Mtokens/s in the kernels", (double)s->tokens / s->kernel_s / 1e6);
+    printf("\n");
+
+    const uint32_t e = s->experts;
+    uint64_t max = 0, min = UINT64_MAX, idle = 0;
+    uint32_t emax = 0, emin = 0;
+    for (uint32_t i = 0; i < e; i++) {
+        if (s->load[i] > max)
+            max = s->load[i], emax = i;
+        if (s->load[i] < min)
+            min = s->load[i], emin = i;
+        idle += s->load[i] == 0;
+    }
+    const double mean = (double)slots / e;
+    double var = 0;
+    for (uint32_t i = 0; i < e; i++)
+        var += ((double)s->load[i] - mean) * ((double)s->load[i] - mean);
+    printf("expert load (tokens routed to each expert): mean %.1f, min %llu (expert %u), max %llu (expert %u), "
+           "max/mean %.2f, stddev/mean %.2f, %llu idle\n",
+           mean, (unsigned long long)min, emin, (unsigned long long)max, emax, mean > 0 ? max / mean : 0.0,
+           mean > 0 ? sqrt(var / e) / mean : 0.0, (unsigned long long)idle);
+    if (e <= 32 || o->all_experts) {
+        for (uint32_t i = 0; i < e; i++)
+            bar_line(i, s->load[i], max, slots);
+        return;
+    }
+    /* Many experts: the busiest and the idlest eight, and how many experts
+     * fall in each band of load relative to the mean. */
+    uint32_t *order = malloc(sizeof(uint32_t) * e);
+    if (!order)
+        return;
+    for (uint32_t i = 0; i < e; i++)
+        order[i] = i;
+    sort_load = s->load;
+    qsort(order, e, sizeof(uint32_t), cmp_by_load);
+    printf(" busiest 8:\n");
+    for (uint32_t i = 0; i < 8; i++)
+        bar_line(order[i], s->load[order[i]], max, slots);
+    printf(" idlest 8:\n");
+    for (uint32_t i = e - 8; i < e; i++)
+        bar_line(order[i], s->load[order[i]], max, slots);
+    free(order);
+    static const char *const band[8] = {"0 (idle)",           "(0, 0.5) x mean",     "[0.5, 0.8) x mean",
+                                        "[0.8, 0.95) x mean", "[0.95, 1.05] x mean", "(1.05, 1.25) x mean",
+                                        "[1.25, 2) x mean",   ">= 2 x mean"};
+    uint64_t count[8] = {0};
+    for (uint32_t i = 0; i < e; i++) {
+        const double r = mean > 0 ? (double)s->load[i] / mean : 0;
+        int b;
+        if (s->load[i] == 0)
+            b = 0;
+        else if (r < 0.5)
+            b = 1;
+        else if (r < 0.8)
+            b = 2;
+        else if (r < 0.95)
+            b = 3;
+        else if (r <= 1.05)
+            b = 4;
+        else if (r < 1.25)
+            b = 5;
+        else if (r < 2)
+            b = 6;
+        else
+            b = 7;
+        count[b]++;
+    }
+    uint64_t cmax = 0;
+    for (int b = 0; b < 8; b++)
+        cmax = count[b] > cmax ? count[b] : cmax;
+    printf(" experts by load (%u experts; --all-experts lists each):\n", e);
+    for (int b = 0; b < 8; b++) {
+        const int width = 40;
+        int n = cmax ? (int)((count[b] * (uint64_t)width + cmax / 2) / cmax) : 0;
+        if (count[b] && !n)
+            n = 1;
+        char bar[64];
+        memset(bar, '#', (size_t)n);
+        memset(bar + n, ' ', (size_t)(width - n));
+        bar[width] = '\0';
+        printf("  %-20s |%s| %6llu\n", band[b], bar, (unsigned long long)count[b]);
+    }
+}
+
+static void json_string(const char *s)
+{
+    putchar('"');
+    for (; *s; s++) {
+        if (*s == '"' || *s == '\\')
+            printf("\\%c", *s);
+        else if ((unsigned char)*s < 0x20)
+            printf("\\u%04x", *s);
+        else
+            putchar(*s);
+    }
+    putchar('"');
+}
+
+static void print_json(const summary *s, const options *o, const moecl_topk_gating_desc *t,
+                       const moecl_grounded_router_desc *g, moecl_dtype dtype)
+{
+    printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"tokens\": %llu, \"experts\": %u, \"top_k\": %u, ",
+           o->op == OP_TOPK ? "topk" : "grounded", dtype_name(dtype), (unsigned long long)s->tokens, s->experts,
+           s->top_k);
+    if (o->op == OP_TOPK)
+        printf("\"scoring\": \"%s\", \"bias\": %s, \"groups\": %u, \"topk_group\": %u, \"group_score\": \"%s\", "
+               "\"renormalize\": %s, \"scale\": %.9g, ",
+               t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o->bias ? "true" : "false",
+               t->num_expert_groups, t->topk_group, t->group_score == MOECL_GROUP_SCORE_TOP2_SUM ? "top2sum" : "max",
+               t->renormalize ? "true" : "false", (double)t->routed_scaling_factor);
+    else
+        printf("\"hidden\": %u, \"alpha\": %.9g, ", g->hidden_dim, (double)g->alpha);
+    printf("\"device\": ");
+    json_string(s->device);
+    printf(", \"chunks\": %llu, \"chunk_rows\": %llu, \"wall_s\": %.6f, \"read_s\": %.6f, \"write_s\": %.6f, "
+           "\"prepare_s\": %.6f, ",
+           (unsigned long long)s->chunks, (unsigned long long)s->chunk_rows, s->wall_s, s->read_s, s->write_s,
+           s->prepare_s);
+    if (s->device_time)
+        printf("\"kernel_s\": %.6f, \"transfer_s\": %.6f, ", s->kernel_s, s->transfer_s);
+    else
+        printf("\"kernel_s\": null, \"transfer_s\": null, ");
+    printf("\"load\": [");
+    for (uint32_t i = 0; i < s->experts; i++)
+        printf("%s%llu", i ? ", " : "", (unsigned long long)s->load[i]);
+    printf("]}\n");
+}
+
+/* ---- device ---- */
+
+static double event_s(cl_event ev)
+{
+    cl_ulong start = 0, end = 0;
+    if (clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_START, sizeof(start), &start, NULL) != CL_SUCCESS ||
+        clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_END, sizeof(end), &end, NULL) != CL_SUCCESS)
+        return 0;
+    return end > start ? (double)(end - start) / 1e9 : 0;
+}
+
+/* A context on a profiling queue when the device allows one (device time
+ * is then read from events, which costs nothing), else a plain one. */
+static moecl_status make_context(const char *device, moecl_context **out, bool *profiling, char *name, size_t size)
+{
+    moecl_context *plain;
+    moecl_status st = moecl_context_create(device, &plain);
+    if (st != MOECL_SUCCESS)
+        return st;
+    cl_context cl = moecl_context_cl_context(plain);
+    cl_device_id dev = moecl_context_device(plain);
+    char pname[256] = "", dname[256] = "";
+    cl_platform_id platform;
+    if (clGetDeviceInfo(dev, CL_DEVICE_PLATFORM, sizeof(platform), &platform, NULL) == CL_SUCCESS)
+        clGetPlatformInfo(platform, CL_PLATFORM_NAME, sizeof(pname), pname, NULL);
+    clGetDeviceInfo(dev, CL_DEVICE_NAME, sizeof(dname), dname, NULL);
+    snprintf(name, size, "%s / %s", pname, dname);
+    cl_int err;
+    cl_command_queue q = clCreateCommandQueue(cl, dev, CL_QUEUE_PROFILING_ENABLE, &err);
+    moecl_context *prof = NULL;
+    if (q && moecl_context_create_from_cl(cl, dev, q, &prof) == MOECL_SUCCESS) {
+        moecl_context_destroy(plain);
+        *out = prof;
+        *profiling = true;
+    } else {
+        *out = plain;
+        *profiling = false;
+    }
+    if (q)
+        clReleaseCommandQueue(q);
+    return MOECL_SUCCESS;
+}
+
+static cl_mem device_buffer(moecl_context *ctx, size_t size, const void *data, char *err, size_t err_size)
+{
+    cl_int e;
+    cl_mem m = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0),
+                              size ? size : 4, (void *)data, &e);
+    if (!m)
+        snprintf(err, err_size, "cannot allocate %zu bytes on the device (OpenCL error %d; a smaller --chunk-rows "
+                                "may help)", size, e);
+    return m;
+}
+
+/* ---- main ---- */
+
+enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, NUM_IN };
+enum { OUT_WEIGHTS, OUT_IDS, OUT_PAIRS };
+
+int main(int argc, char **argv)
+{
+    options o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc >= 0)
+        return rc;
+    const double t0 = now_s();
+    char err[1024];
+    npy_file in[NUM_IN];
+    memset(in, 0, sizeof(in));
+    const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias};
+    for (int i = 0; i < NUM_IN; i++)
+        if (paths[i] && npy_open(&in[i], paths[i], err, sizeof(err)))
+            goto file_error;
+
+    /* Shapes and dtypes. */
+    moecl_topk_gating_desc td;
+    moecl_grounded_router_desc gd;
+    moecl_dtype dtype = MOECL_F32;
+    uint64_t tokens;
+    uint32_t experts, top_k;
+    memset(&td, 0, sizeof(td));
+    memset(&gd, 0, sizeof(gd));
+    if (o.op == OP_TOPK) {
+        const npy_file *l = &in[IN_LOGITS];
+        if (need_2d(l, "the logits", err, sizeof(err)) || input_dtype(l, &o, false, &dtype, err, sizeof(err)))
+            goto file_error;
+        if (l->shape[1] < 1 || l->shape[1] > 4096 || l->shape[0] > UINT32_MAX) {
+            snprintf(err, sizeof(err), "%s: %llu tokens x %llu experts: moecl routes 1..4096 experts and at most "
+                                       "2^32-1 tokens", l->path, (unsigned long long)l->shape[0],
+                     (unsigned long long)l->shape[1]);
+            goto file_error;
+        }
+        tokens = l->shape[0];
+        experts = (uint32_t)l->shape[1];
+        if (o.bias) {
+            const npy_file *b = &in[IN_BIAS];
+            moecl_dtype bt;
+            if (input_dtype(b, &o, true, &bt, err, sizeof(err)))
+                goto file_error;
+            if (b->ndim != 1 || b->shape[0] != experts) {
+                char shape[64] = "";
+                for (int d = 0, n = 0; d < b->ndim && n < (int)sizeof(shape) - 24; d++)
+                    n += snprintf(shape + n, sizeof(shape) - (size_t)n, "%s%llu", d ? ", " : "",
+                                  (unsigned long long)b->shape[d]);
+                snprintf(err, sizeof(err), "%s: the bias has shape (%s); it must be [%u], one per expert of %s",
+                         b->path, shape, experts, l->path);
+                goto file_error;
+            }
+        }
+        top_k = o.top_k ? (uint32_t)o.top_k : experts < 8 ? experts : 8;
+        td = moecl_topk_gating_desc_init((uint32_t)tokens, experts, top_k);
+        td.gating_dtype = dtype;
+        td.scoring = o.scoring;
+        td.num_expert_groups = (uint32_t)o.groups;
+        td.topk_group = (uint32_t)o.topk_group;
+        td.group_score = o.group_score;
+        td.renormalize = o.renormalize;
+        td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
+    } else {
+        const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
+        moecl_dtype lt, gt;
+        if (need_2d(h, "the hidden states", err, sizeof(err)) || need_2d(l, "the router logits", err, sizeof(err)) ||
+            need_2d(g, "the ground rows", err, sizeof(err)) || input_dtype(h, &o, false, &dtype, err, sizeof(err)) ||
+            input_dtype(l, &o, true, &lt, err, sizeof(err)) || input_dtype(g, &o, false, &gt, err, sizeof(err)))
+            goto file_error;
+        if (gt != dtype) {
+            snprintf(err, sizeof(err), "%s: the ground rows are %s but the hidden states (%s) are %s; both must have "
+                                       "one dtype", g->path, dtype_name(gt), h->path, dtype_name(dtype));
+            goto file_error;
+        }
+        if (h->shape[0] != l->shape[0]) {
+            snprintf(err, sizeof(err), "%s: %llu rows of router logits, but %s has %llu rows of hidden states; one "
+                                       "row per token in both", l->path, (unsigned long long)l->shape[0], h->path,
+                     (unsigned long long)h->shape[0]);
+            goto file_error;
+        }
+        if (g->shape[0] != l->shape[1]) {
+            snprintf(err, sizeof(err), "%s: %llu ground rows (experts), but %s has %llu logits per token (experts)",
+                     g->path, (unsigned long long)g->shape[0], l->path, (unsigned long long)l->shape[1]);
+            goto file_error;
+        }
+        if (g->shape[1] != h->shape[1]) {
+            snprintf(err, sizeof(err), "%s: ground rows of %llu values, but %s has hidden states of %llu; they must "
+                                       "match", g->path, (unsigned long long)g->shape[1], h->path,
+                     (unsigned long long)h->shape[1]);
+            goto file_error;
+        }
+        if (l->shape[1] < 1 || l->shape[1] > 4096 || h->shape[1] < 1 || h->shape[1] > 65536 ||
+            l->shape[0] > UINT32_MAX) {
+            snprintf(err, sizeof(err), "%s: %llu tokens x hidden %llu x %llu experts: moecl routes 1..4096 experts, "
+                                       "hidden 1..65536, at most 2^32-1 tokens", h->path,
+                     (unsigned long long)h->shape[0], (unsigned long long)h->shape[1], (unsigned long long)l->shape[1]);
+            goto file_error;
+        }
+        tokens = l->shape[0];
+        experts = (uint32_t)l->shape[1];
+        top_k = o.top_k ? (uint32_t)o.top_k : experts < 2 ? experts : 2;
+        gd = moecl_grounded_router_desc_init((uint32_t)tokens, (uint32_t)h->shape[1], experts,
+                                             o.alpha_set ? o.alpha : 1.0f);
+        gd.top_k = top_k;
+        gd.hidden_dtype = dtype;
+    }
+
+    /* Chunks: about 64 MiB of input rows each. */
+    size_t row_in = npy_row_bytes(&in[IN_LOGITS]) + (o.op == OP_GROUNDED ? npy_row_bytes(&in[IN_HIDDEN]) : 0);
+    uint64_t chunk = o.chunk_rows ? (uint64_t)o.chunk_rows : ((uint64_t)64 << 20) / row_in;
+    if (chunk < 1)
+        chunk = 1;
+    if (chunk > tokens)
+        chunk = tokens ? tokens : 1;
+
+    /* The device, and the options checked against the shapes. */
+    summary s;
+    memset(&s, 0, sizeof(s));
+    s.experts = experts;
+    s.top_k = top_k;
+    s.chunk_rows = chunk;
+    moecl_context *ctx = NULL;
+    moecl_status st = make_context(o.device, &ctx, &s.device_time, s.device, sizeof(s.device));
+    if (st != MOECL_SUCCESS) {
+        snprintf(err, sizeof(err), "no device: %s: %s", moecl_status_string(st), moecl_context_error(NULL));
+        goto file_error;
+    }
+    const double p0 = now_s();
+    st = o.op == OP_TOPK ? moecl_topk_gating_prepare(ctx, &td) : moecl_grounded_router_prepare(ctx, &gd);
+    s.prepare_s = now_s() - p0;
+    if (st == MOECL_ERROR_INVALID_ARGUMENT) {
+        fprintf(stderr, "moecl-route: these options do not fit %s: %s\nTry 'moecl-route --help'.\n", o.logits,
+                moecl_context_error(ctx));
+        moecl_context_destroy(ctx);
+        for (int i = 0; i < NUM_IN; i++)
+            npy_close(&in[i]);
+        return 2;
+    }
+    if (st != MOECL_SUCCESS) {
+        snprintf(err, sizeof(err), "cannot build the kernel: %s: %s", moecl_status_string(st),
+                 moecl_context_error(ctx));
+        goto ctx_error;
+    }
+
+    /* Outputs, as temporary files. */
+    signal(SIGINT, on_signal);
+    signal(SIGTERM, on_signal);
+    signal(SIGHUP, on_signal);
+    const char *out_paths[3] = {o.weights, o.ids, o.pairs};
+    const char *out_descr[3] = {"<f4", "<i4", "<f4"};
+    for (int i = 0; i < 3; i++) {
+        if (!out_paths[i])
+            continue;
+        const uint64_t shape[3] = {tokens, top_k, 2};
+        if (npy_writer_open(&writers[i], out_paths[i], out_descr[i], i == OUT_PAIRS ? 3 : 2, shape, err,
+                            sizeof(err)))
+            goto ctx_error;
+        pending_tmp[i] = writers[i].tmp;
+    }
+
+    /* Buffers for one chunk. */
+    const size_t nk = (size_t)chunk * top_k;
+    const size_t in_bytes[NUM_IN] = {
+        (size_t)chunk * npy_row_bytes(&in[IN_LOGITS]),
+        o.op == OP_GROUNDED ? (size_t)chunk * npy_row_bytes(&in[IN_HIDDEN]) : 0,
+        o.op == OP_GROUNDED ? (size_t)in[IN_GROUND].count * in[IN_GROUND].elem_size : 0,
+        o.bias ? (size_t)experts * 4 : 0,
+    };
+    void *host[NUM_IN] = {NULL};
+    cl_mem dev[NUM_IN] = {NULL};
+    float *h_w = malloc(nk * 4 + 4), *h_pairs = malloc(nk * 8 + 4);
+    int32_t *h_ids = malloc(nk * 4 + 4);
+    cl_mem d_w = NULL, d_ids = NULL, d_pairs = NULL;
+    s.load = calloc(experts, sizeof(uint64_t));
+    if (!h_w || !h_pairs || !h_ids || !s.load) {
+        snprintf(err, sizeof(err), "out of host memory for chunks of %llu rows (try --chunk-rows)",
+                 (unsigned long long)chunk);
+        goto run_error;
+    }
+    for (int i = 0; i < NUM_IN; i++) {
+        if (!in_bytes[i])
+            continue;
+        if (!(host[i] = malloc(in_bytes[i]))) {
+            snprintf(err, sizeof(err), "out of host memory for %s (try --chunk-rows)", paths[i]);
+            goto run_error;
+        }
+        /* The ground rows and the bias are read once, whole. */
+        if ((i == IN_GROUND || i == IN_BIAS) && npy_read_rows(&in[i], host[i], in[i].shape[0], err, sizeof(err)))
+            goto run_error;
+        if (!(dev[i] = device_buffer(ctx, in_bytes[i], i == IN_GROUND || i == IN_BIAS ? host[i] : NULL, err,
+                                     sizeof(err))))
+            goto run_error;
+    }
+    if (!(d_w = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
+        !(d_ids = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
+        (o.op == OP_GROUNDED && o.pairs && !(d_pairs = device_buffer(ctx, nk * 8, NULL, err, sizeof(err)))))
+        goto run_error;
+
+    const bool progress = !o.no_progress && (o.progress || isatty(2));
+    cl_command_queue q = moecl_context_queue(ctx);
+    const moecl_buffer none = {NULL, 0};
+    for (uint64_t done = 0; done < tokens; done += chunk) {
+        const uint64_t rows = tokens - done < chunk ? tokens - done : chunk;
+        double r0 = now_s();
+        if (npy_read_rows(&in[IN_LOGITS], host[IN_LOGITS], rows, err, sizeof(err)) ||
+            (o.op == OP_GROUNDED && npy_read_rows(&in[IN_HIDDEN], host[IN_HIDDEN], rows, err, sizeof(err))))
+            goto run_error;
+        s.read_s += now_s() - r0;
+        cl_event ev[6] = {NULL};
+        int nev = 0;
+        cl_int ce = clEnqueueWriteBuffer(q, dev[IN_LOGITS], CL_FALSE, 0, rows * npy_row_bytes(&in[IN_LOGITS]),
+                                         host[IN_LOGITS], 0, NULL, &ev[nev++]);
+        if (ce == CL_SUCCESS && o.op == OP_GROUNDED)
+            ce = clEnqueueWriteBuffer(q, dev[IN_HIDDEN], CL_FALSE, 0, rows * npy_row_bytes(&in[IN_HIDDEN]),
+                                      host[IN_HIDDEN], 0, NULL, &ev[nev++]);
+        if (ce != CL_SUCCESS) {
+            snprintf(err, sizeof(err), "cannot copy a chunk to the device (OpenCL error %d)", ce);
+            goto run_error;
+        }
+        cl_event ran = NULL;
+        if (o.op == OP_TOPK) {
+            td.num_tokens = (uint32_t)rows;
+            st = moecl_topk_gating(ctx, &td, (moecl_buffer){dev[IN_LOGITS], 0},
+                                   o.bias ? (moecl_buffer){dev[IN_BIAS], 0} : none, (moecl_buffer){d_w, 0},
+                                   (moecl_buffer){d_ids, 0}, 0, NULL, &ran);
+        } else {
+            gd.num_tokens = (uint32_t)rows;
+            st = moecl_grounded_router(ctx, &gd, (moecl_buffer){dev[IN_HIDDEN], 0},
+                                       (moecl_buffer){dev[IN_LOGITS], 0}, (moecl_buffer){dev[IN_GROUND], 0},
+                                       d_pairs ? (moecl_buffer){d_pairs, 0} : none, (moecl_buffer){d_w, 0},
+                                       (moecl_buffer){d_ids, 0}, 0, NULL, &ran);
+        }
+        if (st != MOECL_SUCCESS) {
+            for (int i = 0; i < nev; i++)
+                clReleaseEvent(ev[i]);
+            snprintf(err, sizeof(err), "routing failed: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+            goto run_error;
+        }
+        ce = clEnqueueReadBuffer(q, d_w, CL_FALSE, 0, rows * top_k * 4, h_w, 0, NULL, &ev[nev++]);
+        if (ce == CL_SUCCESS)
+            ce = clEnqueueReadBuffer(q, d_ids, CL_FALSE, 0, rows * top_k * 4, h_ids, 0, NULL, &ev[nev++]);
+        if (ce == CL_SUCCESS && d_pairs)
+            ce = clEnqueueReadBuffer(q, d_pairs, CL_FALSE, 0, rows * top_k * 8, h_pairs, 0, NULL, &ev[nev++]);
+        if (ce == CL_SUCCESS)
+            ce = clFinish(q);
+        if (ce == CL_SUCCESS) {
+            cl_int status = CL_COMPLETE;
+            clGetEventInfo(ran, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(status), &status, NULL);
+            if (status < 0)
+                ce = status;
+        }
+        if (s.device_time && ce == CL_SUCCESS) {
+            s.kernel_s += event_s(ran);
+            for (int i = 0; i < nev; i++)
+                s.transfer_s += event_s(ev[i]);
+        }
+        clReleaseEvent(ran);
+        for (int i = 0; i < nev; i++)
+            clReleaseEvent(ev[i]);
+        if (ce != CL_SUCCESS) {
+            snprintf(err, sizeof(err), "the device failed on rows %llu..%llu (OpenCL error %d)",
+                     (unsigned long long)done, (unsigned long long)(done + rows - 1), ce);
+            goto run_error;
+        }
+        for (size_t i = 0; i < rows * top_k; i++)
+            s.load[h_ids[i]]++;
+        if (o.op == OP_TOPK && o.pairs)
+            for (size_t i = 0; i < rows * top_k; i++) {
+                h_pairs[2 * i] = (float)h_ids[i];
+                h_pairs[2 * i + 1] = h_w[i];
+            }
+        const double w0 = now_s();
+        const void *out_data[3] = {h_w, h_ids, h_pairs};
+        const size_t out_bytes[3] = {rows * top_k * 4, rows * top_k * 4, rows * top_k * 8};
+        for (int i = 0; i < 3; i++)
+            if (out_paths[i] && npy_writer_write(&writers[i], out_data[i], out_bytes[i], err, sizeof(err)))
+                goto run_error;
+        s.write_s += now_s() - w0;
+        s.tokens += rows;
+        s.chunks++;
+        if (progress)
+            fprintf(stderr, "\rmoecl-route: %llu / %llu rows (%.0f%%), %.1f s ", (unsigned long long)s.tokens,
+                    (unsigned long long)tokens, 100.0 * (double)s.tokens / (double)tokens, now_s() - t0);
+    }
+    if (progress)
+        fprintf(stderr, "\r%70s\r", "");
+    const double w0 = now_s();
+    for (int i = 0; i < 3; i++) {
+        if (!out_paths[i])
+            continue;
+        if (npy_writer_commit(&writers[i], err, sizeof(err))) {
+            /* The outputs renamed before this one are complete files; say so. */
+            for (int j = 0; j < i; j++)
+                if (out_paths[j])
+                    fprintf(stderr, "moecl-route: note: %s was written in full before the failure\n", out_paths[j]);
+            pending_tmp[i] = NULL;
+            goto run_error;
+        }
+        pending_tmp[i] = NULL;
+    }
+    s.write_s += now_s() - w0;
+    s.wall_s = now_s() - t0;
+
+    char what[512];
+    if (o.op == OP_TOPK)
+        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s", o.logits,
+                 (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
+                 td.scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o.bias ? ", bias" : "",
+                 td.num_expert_groups ? (td.group_score == MOECL_GROUP_SCORE_TOP2_SUM ? ", groups (top2sum)"
+                                                                                      : ", groups (max)")
+                                      : "",
+                 td.renormalize ? ", renormalize" : "", td.routed_scaling_factor != 1.0f ? ", scaled" : "");
+    else
+        snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "
+                                     "alpha %g", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,
+                 dtype_name(dtype), top_k, (double)gd.alpha);
+    if (o.json)
+        print_json(&s, &o, &td, &gd, dtype);
+    else
+        print_text(&s, &o, what);
+    rc = 0;
+    goto cleanup;
+
+run_error:
+    rc = 1;
+cleanup:
+    if (rc)
+        fail_run(err);
+    for (int i = 0; i < NUM_IN; i++) {
+        free(host[i]);
+        if (dev[i])
+            clReleaseMemObject(dev[i]);
+    }
+    if (d_w)
+        clReleaseMemObject(d_w);
+    if (d_ids)
+        clReleaseMemObject(d_ids);
+    if (d_pairs)
+        clReleaseMemObject(d_pairs);
+    free(h_w);
+    free(h_ids);
+    free(h_pairs);
+    free(s.load);
+    moecl_context_destroy(ctx);
+    for (int i = 0; i < NUM_IN; i++)
+        npy_close(&in[i]);
+    return rc;
+
+ctx_error:
+    moecl_context_destroy(ctx);
+file_error:
+    for (int i = 0; i < NUM_IN; i++)
+        npy_close(&in[i]);
+    return fail_run(err);
+}
