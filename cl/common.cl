@@ -205,14 +205,26 @@ static inline float team_max_float(float v, __local float *slots, uint lane)
     return r;
 }
 
+/* The sum in the pairing order of the shuffle butterfly (lane l with
+ * l + s for s = TEAM/2 ... 1), so that a row gets the same bits whether its
+ * work-group takes the shuffles or local memory (on NVIDIA that depends on
+ * the rows per work-group). */
 static inline float team_sum_float(float v, __local float *slots, uint lane)
 {
     slots[lane] = v;
     barrier(CLK_LOCAL_MEM_FENCE);
 #if TEAM <= 32
-    float r = slots[0];
-    for (uint i = 1; i < TEAM; i++)
-        r += slots[i];
+    float a[TEAM];
+    UNROLL
+    for (uint i = 0; i < TEAM; i++)
+        a[i] = slots[i];
+    UNROLL
+    for (uint s = TEAM / 2; s > 0; s >>= 1) {
+        UNROLL
+        for (uint i = 0; i < s; i++)
+            a[i] = a[i] + a[i + s];
+    }
+    const float r = a[0];
 #else
     for (uint s = TEAM / 2; s > 0; s >>= 1) {
         if (lane < s)
