@@ -454,6 +454,53 @@ START_TEST(test_determinism)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* 5. Shapes whose byte counts pass 32 bits, with buffers far too small.   */
+/* ---------------------------------------------------------------------- */
+
+START_TEST(test_huge_shapes)
+{
+    moecl_context *ctx = harness_context();
+    cl_command_queue q = moecl_context_queue(ctx);
+    const size_t small = 4096;
+    moecl_buffer in = harness_buffer(ctx, small, 0, NULL), in2 = harness_buffer(ctx, small, 0, NULL);
+    moecl_buffer in3 = harness_buffer(ctx, small, 0, NULL), out1 = harness_buffer(ctx, small, 0, NULL);
+    moecl_buffer out2 = harness_buffer(ctx, small, 0, NULL), out3 = harness_buffer(ctx, small, 0, NULL);
+    /* num_tokens x experts x 4 bytes: 2^32 - 1 tokens x 4096 x 4 is about
+     * 2^46 bytes, past 32 bits and every device's memory. */
+    const uint32_t token_counts[] = {UINT32_MAX, 1u << 20, 262145};
+    for (size_t i = 0; i < sizeof(token_counts) / sizeof(token_counts[0]); i++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(token_counts[i], 4096, 64);
+        cl_event done = (cl_event)&d;
+        moecl_status st = moecl_topk_gating(ctx, &d, in, (moecl_buffer){NULL, 0}, out1, out2, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "top-k, %u tokens: status %d", token_counts[i], (int)st);
+        ck_assert_msg(strstr(moecl_context_error(ctx), "gating") != NULL, "message: %s", moecl_context_error(ctx));
+        ck_assert_msg(done == (cl_event)&d, "*done was written");
+
+        moecl_grounded_router_desc g = moecl_grounded_router_desc_init(token_counts[i], 65536, 4096, 1.0f);
+        g.top_k = 64;
+        st = moecl_grounded_router(ctx, &g, in, in2, in3, out1, out2, out3, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "grounded, %u tokens: status %d", token_counts[i], (int)st);
+        ck_assert_msg(strstr(moecl_context_error(ctx), "hidden") != NULL, "message: %s", moecl_context_error(ctx));
+    }
+    /* Nothing was written: every output still holds the poison. */
+    moecl_buffer outs[3] = {out1, out2, out3};
+    for (int o = 0; o < 3; o++) {
+        unsigned char bytes[4096];
+        ck_assert_int_eq(clEnqueueReadBuffer(q, outs[o].mem, CL_TRUE, 0, small, bytes, 0, NULL, NULL), CL_SUCCESS);
+        for (size_t b = 0; b < small; b++)
+            ck_assert_msg(bytes[b] == HARNESS_POISON, "output %d byte %zu was written", o, b);
+    }
+    harness_release(in);
+    harness_release(in2);
+    harness_release(in3);
+    harness_release(out1);
+    harness_release(out2);
+    harness_release(out3);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--warm-cache-child") == 0)
@@ -474,6 +521,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_threads_shared_context);
     tcase_add_test(tc, test_threads_own_contexts);
     tcase_add_test(tc, test_determinism);
+    tcase_add_test(tc, test_huge_shapes);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }
