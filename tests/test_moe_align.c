@@ -6,6 +6,7 @@
  * meson runs it once per launch class (MOECL_LAUNCH_CLASS), so the CPU
  * (one work-item per chunk) and GPU (tiles of work-items) kernels are both
  * checked on every device. */
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -637,6 +638,62 @@ START_TEST(test_mutation_caught)
 }
 END_TEST
 
+/* Two threads calling on one context at once: each call has its own
+ * scratch, so both results are exact. */
+typedef struct thread_job {
+    moecl_context *ctx;
+    moecl_moe_align_desc d;
+    int32_t *ids;
+    int failures;
+    char msg[256];
+} thread_job;
+
+static void *thread_main(void *arg)
+{
+    thread_job *job = arg;
+    const moecl_moe_align_desc *d = &job->d;
+    const size_t slots = (size_t)d->num_tokens * d->top_k, mp = (size_t)moecl_moe_align_max_padded(d);
+    int32_t *counts = malloc(d->num_experts * 4), *sorted = malloc(mp * 4), *blocks = malloc(mp / d->block_size * 4 + 4);
+    int32_t *pos = malloc(slots * 4), post, invalid;
+    for (int i = 0; i < 20 && !job->failures; i++) {
+        moecl_status st = moecl_moe_align_host(job->ctx, d, job->ids, counts, sorted, blocks, &post, pos, &invalid);
+        if (st != MOECL_SUCCESS) {
+            snprintf(job->msg, sizeof(job->msg), "call %d: %s", i, moecl_status_string(st));
+            job->failures++;
+        } else if (ref_check_moe_align(d, job->ids, counts, sorted, blocks, &post, pos, &invalid, job->msg,
+                                       sizeof(job->msg))) {
+            job->failures++;
+        }
+    }
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(pos);
+    return NULL;
+}
+
+START_TEST(test_threads)
+{
+    moecl_context *ctx = harness_context();
+    thread_job jobs[2] = {{ctx, moecl_moe_align_desc_init(3000, 8, 128, 64), NULL, 0, ""},
+                          {ctx, moecl_moe_align_desc_init(1500, 2, 4096, 16), NULL, 0, ""}};
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++) {
+        harness_rng rng = harness_rng_for(7000 + (uint64_t)i);
+        jobs[i].ids = make_ids(&rng, &jobs[i].d, i ? LOAD_INVALID : LOAD_DISTINCT);
+    }
+    for (int i = 0; i < 2; i++)
+        ck_assert_int_eq(pthread_create(&threads[i], NULL, thread_main, &jobs[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_msg(jobs[i].failures == 0, "thread %d: %s", i, jobs[i].msg);
+        free(jobs[i].ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("moe_align");
@@ -649,6 +706,7 @@ int main(void)
     tcase_add_test(tc, test_round_trip);
     tcase_add_test(tc, test_prepare_and_chain);
     tcase_add_test(tc, test_mutation_caught);
+    tcase_add_test(tc, test_threads);
     tcase_add_test(tc, test_loads);
     tcase_add_test(tc, test_grid);
     suite_add_tcase(s, tc);
