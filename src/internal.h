@@ -157,7 +157,11 @@ typedef struct moecl_variant moecl_variant;
 typedef struct moecl_registry moecl_registry;
 
 /* Which .cl file(s) a program is built from. */
-typedef enum moecl_program_kind { MOECL_PROGRAM_TOPK_GATING = 0, MOECL_PROGRAM_GROUNDED_ROUTER = 1 } moecl_program_kind;
+typedef enum moecl_program_kind {
+    MOECL_PROGRAM_TOPK_GATING = 0,
+    MOECL_PROGRAM_GROUNDED_ROUTER = 1,
+    MOECL_PROGRAM_MOE_ALIGN = 2,
+} moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);
 void moecl_registry_destroy(moecl_registry *reg);
@@ -245,6 +249,10 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name);
 
+/* The -D defines of moe_align's program on a device described by info,
+ * and its kernels' names, comma-separated (for the portability suite). */
+void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
+
 /* ---- buffers.c: validation shared by the ops ---- */
 
 /* Check that buf holds `bytes` bytes at its offset, that the offset is a
@@ -264,7 +272,7 @@ moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flag
 /* Read count outputs of a host-path call back into host memory (entries
  * with hosts[i] NULL are skipped) once the kernel event ran completes, and
  * wait for them. */
-#define MOECL_MAX_READ_BACK 4
+#define MOECL_MAX_READ_BACK 8
 moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
                              const size_t *sizes, void *const *hosts);
 

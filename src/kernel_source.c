@@ -8,6 +8,7 @@
 static const char *const program_files[][3] = {
     [MOECL_PROGRAM_TOPK_GATING] = {"common.cl", "topk_gating.cl", NULL},
     [MOECL_PROGRAM_GROUNDED_ROUTER] = {"common.cl", "grounded_router.cl", NULL},
+    [MOECL_PROGRAM_MOE_ALIGN] = {"moe_align.cl", NULL, NULL},
 };
 
 static const moecl_embedded_source *embedded(const char *name)

@@ -200,7 +200,18 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
         } else {
             v->kind = kind;
             pthread_mutex_init(&v->pool_lock, NULL);
-            st = build_program(ctx, kind, defines, &v->program);
+            /* Another kernel of the same program (moe_align has four):
+             * share its cl_program rather than build it again. */
+            cl_program sibling = NULL;
+            pthread_mutex_lock(&reg->lock);
+            for (size_t i = 0; i < reg->count && !sibling; i++)
+                if (reg->items[i]->kind == kind && strcmp(reg->items[i]->defines, defines) == 0)
+                    sibling = reg->items[i]->program;
+            pthread_mutex_unlock(&reg->lock);
+            if (sibling && clRetainProgram(sibling) == CL_SUCCESS)
+                v->program = sibling;
+            else
+                st = build_program(ctx, kind, defines, &v->program);
             cl_kernel k = NULL;
             if (st == MOECL_SUCCESS) {
                 /* Create one kernel now so that a wrong kernel name fails here, not in a call. */

@@ -12,10 +12,13 @@
  * MOECL_KERNEL_DIR applies as at run time.
  *
  * Usage: portability_variants OUTDIR
- * Writes OUTDIR/topk_gating.cl and OUTDIR/grounded_router.cl (the program
- * texts) and OUTDIR/manifest.tsv, one compile per line, identical ones
- * (same compiler, target, program and options) once:
- *   compiler  target  device-config  program-file  kernel-name  options  description
+ * Writes OUTDIR/topk_gating.cl, OUTDIR/grounded_router.cl and
+ * OUTDIR/moe_align.cl (the program texts) and OUTDIR/manifest.tsv, one
+ * compile per line, identical ones (same compiler, target, program and
+ * options) once:
+ *   compiler  target  device-config  program-file  kernel-name(s)  options  description
+ * (kernel-names comma-separated where one program serves several: moe_align's
+ * four kernels)
  */
 #include <errno.h>
 #include <stdio.h>
@@ -248,6 +251,7 @@ int main(int argc, char **argv)
     }
     write_program(dir, MOECL_PROGRAM_TOPK_GATING, "topk_gating.cl");
     write_program(dir, MOECL_PROGRAM_GROUNDED_ROUTER, "grounded_router.cl");
+    write_program(dir, MOECL_PROGRAM_MOE_ALIGN, "moe_align.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
     manifest = fopen(path, "w");
@@ -299,6 +303,16 @@ int main(int argc, char **argv)
                          s->hidden, s->experts, s->k, dtype_names[s->dtype],
                          s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
                 emit(t, "grounded_router.cl", options, defines, kernel, description);
+            }
+
+            /* moe_align: one program of four kernels, whose defines
+             * depend on the launch class and the maximum work-group size
+             * only (the other configurations repeat these). */
+            if (!c->topk_rounds && !c->grounded_wide_tile) {
+                moecl_moe_align_defines(&info, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "moe_align [%s]",
+                         c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
+                emit(t, "moe_align.cl", options, defines, kernel, description);
             }
             free(options);
         }

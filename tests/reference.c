@@ -1310,3 +1310,95 @@ int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void
     grounded_row_free(&r);
     return bad;
 }
+
+/* ---- moe_align ---- */
+
+void ref_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, int32_t *expert_counts,
+                   int32_t *sorted_token_ids, int32_t *block_expert_ids, int32_t *num_tokens_post_padded,
+                   int32_t *slot_positions, int32_t *num_invalid)
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
+    const size_t max_padded = (size_t)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
+    size_t *cursor = malloc((experts + 1) * sizeof(size_t));
+    int32_t invalid = 0;
+    for (size_t e = 0; e < experts; e++)
+        expert_counts[e] = 0;
+    for (size_t s = 0; s < slots; s++) {
+        const int32_t id = topk_ids[s];
+        if (id >= 0 && (size_t)id < experts)
+            expert_counts[id]++;
+        else
+            invalid++;
+    }
+    /* Each expert's run starts where the previous padded run ends. */
+    size_t at = 0;
+    for (size_t e = 0; e < experts; e++) {
+        cursor[e] = at;
+        at += ((size_t)expert_counts[e] + block - 1) / block * block;
+    }
+    *num_tokens_post_padded = (int32_t)at;
+    for (size_t p = 0; p < max_padded; p++)
+        sorted_token_ids[p] = (int32_t)slots;
+    for (size_t b = 0; b < num_blocks; b++)
+        block_expert_ids[b] = -1;
+    for (size_t e = 0; e < experts; e++)
+        for (size_t p = cursor[e]; p < cursor[e] + ((size_t)expert_counts[e] + block - 1) / block * block; p += block)
+            block_expert_ids[p / block] = (int32_t)e;
+    /* Slots in increasing order: stable within an expert. */
+    for (size_t s = 0; s < slots; s++) {
+        const int32_t id = topk_ids[s];
+        int32_t pos = -1;
+        if (id >= 0 && (size_t)id < experts) {
+            pos = (int32_t)cursor[id]++;
+            sorted_token_ids[pos] = (int32_t)s;
+        }
+        if (slot_positions)
+            slot_positions[s] = pos;
+    }
+    if (num_invalid)
+        *num_invalid = invalid;
+    free(cursor);
+}
+
+/* Compare n elements; count the differences and describe the first. */
+static int diff_i32(const char *name, const int32_t *got, const int32_t *want, size_t n, char *msg, size_t msg_size,
+                    int bad_before)
+{
+    int bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (got[i] == want[i])
+            continue;
+        if (bad == 0 && bad_before == 0)
+            snprintf(msg, msg_size, "%s[%zu] is %d, the reference has %d", name, i, got[i], want[i]);
+        bad++;
+    }
+    return bad;
+}
+
+int ref_check_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, const int32_t *expert_counts,
+                        const int32_t *sorted_token_ids, const int32_t *block_expert_ids,
+                        const int32_t *num_tokens_post_padded, const int32_t *slot_positions,
+                        const int32_t *num_invalid, char *msg, size_t msg_size)
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k, experts = d->num_experts;
+    const size_t max_padded = (size_t)moecl_moe_align_max_padded(d), num_blocks = max_padded / d->block_size;
+    int32_t *counts = malloc(experts * 4), *sorted = malloc(max_padded * 4 + 4), *blocks = malloc(num_blocks * 4 + 4);
+    int32_t *slot = malloc(slots * 4 + 4), post, invalid;
+    if (msg_size)
+        msg[0] = '\0';
+    ref_moe_align(d, topk_ids, counts, sorted, blocks, &post, slot, &invalid);
+    int bad = 0;
+    bad += diff_i32("num_tokens_post_padded", num_tokens_post_padded, &post, 1, msg, msg_size, bad);
+    bad += diff_i32("expert_counts", expert_counts, counts, experts, msg, msg_size, bad);
+    bad += diff_i32("sorted_token_ids", sorted_token_ids, sorted, max_padded, msg, msg_size, bad);
+    bad += diff_i32("block_expert_ids", block_expert_ids, blocks, num_blocks, msg, msg_size, bad);
+    if (slot_positions)
+        bad += diff_i32("slot_positions", slot_positions, slot, slots, msg, msg_size, bad);
+    if (num_invalid)
+        bad += diff_i32("num_invalid", num_invalid, &invalid, 1, msg, msg_size, bad);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(slot);
+    return bad;
+}

@@ -45,4 +45,21 @@ int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void
                               const float *router_logits, const void *expert_ground, const float *out_pairs,
                               const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 
+/* moe_align (docs/routing.md, "Dispatch: moe_align"), by counting and a
+ * serial stable walk over the slots. sorted_token_ids has
+ * moecl_moe_align_max_padded(desc) entries and block_expert_ids that
+ * divided by block_size; slot_positions and num_invalid may be NULL. */
+void ref_moe_align(const moecl_moe_align_desc *desc, const int32_t *topk_ids, int32_t *expert_counts,
+                   int32_t *sorted_token_ids, int32_t *block_expert_ids, int32_t *num_tokens_post_padded,
+                   int32_t *slot_positions, int32_t *num_invalid);
+
+/* Compare a device result with ref_moe_align's exactly (the result is
+ * unique). NULL slot_positions / num_invalid are not checked. Returns 0
+ * when equal, else the number of differing elements, with the first
+ * difference (output, index, values) in msg. */
+int ref_check_moe_align(const moecl_moe_align_desc *desc, const int32_t *topk_ids, const int32_t *expert_counts,
+                        const int32_t *sorted_token_ids, const int32_t *block_expert_ids,
+                        const int32_t *num_tokens_post_padded, const int32_t *slot_positions,
+                        const int32_t *num_invalid, char *msg, size_t msg_size);
+
 #endif

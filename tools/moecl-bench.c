@@ -7,7 +7,13 @@
  * time per call of 1000 calls enqueued back to back on a queue without
  * profiling, one clFinish; (c) achieved GB/s and its ratio to a copy kernel
  * timed on the same device in the same run. An empty kernel is timed too,
- * as the floor of a launch. */
+ * as the floor of a launch.
+ *
+ * moe_align runs four kernels a call. Its device time is the span from a
+ * marker enqueued just before the call (the call waits on it) to the end
+ * of the call's last kernel: the kernels' own times plus the gaps between
+ * them on the device, which a chain of launches really costs. The calls go
+ * one at a time, so the queue is idle when the marker runs. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,7 +24,7 @@
 
 #include "reference.h"
 
-typedef enum op_kind { OP_TOPK, OP_GROUNDED } op_kind;
+typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
 
 typedef struct bench_case {
     const char *label;
@@ -26,6 +32,7 @@ typedef struct bench_case {
     moecl_topk_gating_desc topk;
     bool bias;
     moecl_grounded_router_desc grounded;
+    moecl_moe_align_desc align;
     double t_sol_us, t_prod_us; /* the seed's figures, 0 if none */
 } bench_case;
 
@@ -173,13 +180,15 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
 typedef struct case_buffers {
     int sets;
     cl_mem in[64], in2[64], in3[64]; /* gating | hidden, logits, ground */
-    cl_mem bias, out1, out2, out3;
+    cl_mem bias, out1, out2, out3, out4, out5, out6;
     void *host_in, *host_in2, *host_in3; /* set 0, for the check */
     float *host_bias;
 } case_buffers;
 
 static size_t input_bytes(const bench_case *c)
 {
+    if (c->op == OP_ALIGN)
+        return (size_t)c->align.num_tokens * c->align.top_k * 4;
     if (c->op == OP_TOPK)
         return (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
     const moecl_grounded_router_desc *d = &c->grounded;
@@ -188,8 +197,24 @@ static size_t input_bytes(const bench_case *c)
            (size_t)d->num_experts * d->hidden_dim * s;
 }
 
+/* moe_align: counts, sorted ids, blocks, post, slot positions, invalid. */
+static size_t align_sizes(const moecl_moe_align_desc *d, size_t sizes[6])
+{
+    const size_t max_padded = (size_t)moecl_moe_align_max_padded(d), slots = (size_t)d->num_tokens * d->top_k;
+    sizes[0] = (size_t)d->num_experts * 4;
+    sizes[1] = max_padded * 4;
+    sizes[2] = max_padded / d->block_size * 4;
+    sizes[3] = 4;
+    sizes[4] = slots * 4;
+    sizes[5] = 4;
+    return sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4] + sizes[5];
+}
+
 static size_t output_bytes(const bench_case *c)
 {
+    size_t sizes[6];
+    if (c->op == OP_ALIGN)
+        return align_sizes(&c->align, sizes);
     return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k * 8 : (size_t)c->grounded.num_tokens * c->grounded.top_k * 8;
 }
 
@@ -205,7 +230,29 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         while (b->sets < 64 && (size_t)b->sets * per_set < ((size_t)256 << 20))
             b->sets++;
     for (int s = 0; s < b->sets; s++) {
-        if (c->op == OP_TOPK) {
+        if (c->op == OP_ALIGN) {
+            /* A routing result: distinct uniform ids per token. */
+            const moecl_moe_align_desc *d = &c->align;
+            int32_t *ids = malloc(input_bytes(c) + 4);
+            for (size_t t = 0; t < d->num_tokens; t++)
+                for (size_t j = 0; j < d->top_k; j++) {
+                    int32_t id;
+                    bool again;
+                    do {
+                        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                        id = (int32_t)((seed >> 33) % d->num_experts);
+                        again = false;
+                        for (size_t i = 0; i < j && d->top_k <= d->num_experts; i++)
+                            again |= ids[t * d->top_k + i] == id;
+                    } while (again);
+                    ids[t * d->top_k + j] = id;
+                }
+            b->in[s] = make_buffer(cl, input_bytes(c), ids);
+            if (s == 0)
+                b->host_in = ids;
+            else
+                free(ids);
+        } else if (c->op == OP_TOPK) {
             const moecl_topk_gating_desc *d = &c->topk;
             void *g = random_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, 1.0f);
             b->in[s] = make_buffer(cl, input_bytes(c), g);
@@ -238,6 +285,14 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         b->host_bias = random_tensor(&seed, MOECL_F32, c->topk.num_experts, 0.05f);
         b->bias = make_buffer(cl, c->topk.num_experts * 4, b->host_bias);
     }
+    if (c->op == OP_ALIGN) {
+        size_t sizes[6];
+        align_sizes(&c->align, sizes);
+        cl_mem *outs[6] = {&b->out1, &b->out2, &b->out3, &b->out4, &b->out5, &b->out6};
+        for (int i = 0; i < 6; i++)
+            *outs[i] = make_buffer(cl, sizes[i], NULL);
+        return;
+    }
     size_t nk = output_bytes(c) / 8;
     b->out1 = make_buffer(cl, nk * 8, NULL); /* weights, or pairs */
     b->out2 = make_buffer(cl, nk * 4, NULL); /* ids */
@@ -251,8 +306,8 @@ static void free_buffers(case_buffers *b)
             if (all[i])
                 clReleaseMemObject(all[i]);
     }
-    cl_mem rest[3] = {b->bias, b->out1, b->out2};
-    for (int i = 0; i < 3; i++)
+    cl_mem rest[7] = {b->bias, b->out1, b->out2, b->out3, b->out4, b->out5, b->out6};
+    for (int i = 0; i < 7; i++)
         if (rest[i])
             clReleaseMemObject(rest[i]);
     free(b->host_in);
@@ -261,9 +316,15 @@ static void free_buffers(case_buffers *b)
     free(b->host_bias);
 }
 
-static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, cl_event *done)
+static moecl_status call_after(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set,
+                               cl_event after, cl_event *done)
 {
     moecl_buffer none = {NULL, 0};
+    if (c->op == OP_ALIGN)
+        return moecl_moe_align(ctx, &c->align, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->out1, 0},
+                               (moecl_buffer){b->out2, 0}, (moecl_buffer){b->out3, 0}, (moecl_buffer){b->out4, 0},
+                               (moecl_buffer){b->out5, 0}, (moecl_buffer){b->out6, 0}, after ? 1 : 0,
+                               after ? &after : NULL, done);
     if (c->op == OP_TOPK) {
         moecl_buffer bias = {b->bias, 0};
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
@@ -272,6 +333,37 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
     /* The seed's layout: stacked (index, weight) pairs. */
     return moecl_grounded_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->in2[set], 0},
                                  (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, 0, NULL, done);
+}
+
+static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, cl_event *done)
+{
+    return call_after(ctx, c, b, set, NULL, done);
+}
+
+/* One timed call: its kernel's time, or for moe_align the span from a
+ * marker just before it to the end of its last kernel. */
+static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, double *us)
+{
+    cl_event marker = NULL, ev = NULL;
+    if (c->op == OP_ALIGN &&
+        clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
+        return MOECL_ERROR_UNSUPPORTED;
+    moecl_status st = call_after(ctx, c, b, set, marker, &ev);
+    if (st == MOECL_SUCCESS) {
+        clWaitForEvents(1, &ev);
+        if (marker) {
+            cl_ulong start = 0, end = 0;
+            clGetEventProfilingInfo(marker, CL_PROFILING_COMMAND_END, sizeof(start), &start, NULL);
+            clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_END, sizeof(end), &end, NULL);
+            *us = (double)(end - start) / 1e3;
+        } else {
+            *us = event_us(ev);
+        }
+        clReleaseEvent(ev);
+    }
+    if (marker)
+        clReleaseEvent(marker);
+    return st;
 }
 
 static uint64_t fnv1a_ids(const int32_t *ids, size_t n)
@@ -298,6 +390,25 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
     clWaitForEvents(1, &ev);
     clReleaseEvent(ev);
     int bad;
+    if (c->op == OP_ALIGN) {
+        size_t sizes[6];
+        align_sizes(&c->align, sizes);
+        int32_t *outs[6];
+        cl_mem mems[6] = {b->out1, b->out2, b->out3, b->out4, b->out5, b->out6};
+        for (int i = 0; i < 6; i++) {
+            outs[i] = malloc(sizes[i] + 4);
+            clEnqueueReadBuffer(q, mems[i], CL_TRUE, 0, sizes[i], outs[i], 0, NULL, NULL);
+        }
+        bad = ref_check_moe_align(&c->align, b->host_in, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5],
+                                  r->check_msg, sizeof(r->check_msg));
+        r->ids_hash = fnv1a_ids(outs[1], sizes[1] / 4);
+        r->checked_ok = bad == 0;
+        for (int i = 0; i < 6; i++)
+            free(outs[i]);
+        free(w);
+        free(ids);
+        return;
+    }
     if (c->op == OP_TOPK) {
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
@@ -323,7 +434,10 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     setup_buffers(moecl_context_cl_context(prof), c, o->cold, &b);
     moecl_status st;
     double p0 = now_us();
-    if (c->op == OP_TOPK) {
+    if (c->op == OP_ALIGN) {
+        if ((st = moecl_moe_align_prepare(prof, &c->align)) || (st = moecl_moe_align_prepare(plain, &c->align)))
+            die(c->label, prof, st);
+    } else if (c->op == OP_TOPK) {
         if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)))
             die(c->label, prof, st);
     } else if ((st = moecl_grounded_router_prepare(prof, &c->grounded)) ||
@@ -355,14 +469,12 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     /* (a) device time, one call at a time. */
     double *t = malloc(sizeof(double) * (size_t)iterations);
     for (int i = -warmup; i < iterations; i++) {
-        cl_event ev;
         int set = b.sets > 1 ? (i + warmup) % b.sets : 0;
-        if ((st = call(prof, c, &b, set, &ev)) != MOECL_SUCCESS)
+        double us = 0;
+        if ((st = timed_call(prof, c, &b, set, &us)) != MOECL_SUCCESS)
             die(c->label, prof, st);
-        clWaitForEvents(1, &ev);
         if (i >= 0)
-            t[i] = event_us(ev);
-        clReleaseEvent(ev);
+            t[i] = us;
     }
     qsort(t, (size_t)iterations, sizeof(double), cmp_double);
     r->median_us = t[iterations / 2];
@@ -432,6 +544,14 @@ static int default_cases(bench_case *out, bool quick)
         c->topk = moecl_topk_gating_desc_init(8192, 128, 8);
         c->topk.gating_dtype = (moecl_dtype)dt;
     }
+    /* moe_align after the routing of the seed shapes: top_k 8, block 64. */
+    for (size_t i = 0; i < sizeof(seed) / sizeof(seed[0]); i++) {
+        bench_case *c = &out[n++];
+        memset(c, 0, sizeof(*c));
+        c->label = "moe_align";
+        c->op = OP_ALIGN;
+        c->align = moecl_moe_align_desc_init(seed[i].t, 8, seed[i].e, 64);
+    }
     bench_case *g = &out[n++];
     memset(g, 0, sizeof(*g));
     g->label = "grounded seed";
@@ -450,7 +570,10 @@ static int default_cases(bench_case *out, bool quick)
 
 static void shape_text(const bench_case *c, char *buf, size_t size)
 {
-    if (c->op == OP_TOPK)
+    if (c->op == OP_ALIGN)
+        snprintf(buf, size, "%ux%u k%u b%u", c->align.num_tokens, c->align.num_experts, c->align.top_k,
+                 c->align.block_size);
+    else if (c->op == OP_TOPK)
         snprintf(buf, size, "%ux%u k%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k);
     else
         snprintf(buf, size, "%ux%ux%u k%u", c->grounded.num_tokens, c->grounded.hidden_dim, c->grounded.num_experts,
@@ -467,7 +590,9 @@ static void usage(FILE *f)
                "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
                "label or shape contains SUBSTRING. --json FILE and --csv FILE write the table for\n"
-               "scripts too (dtype as 0 f32, 1 f16, 2 bf16; ids_fnv1a hashes the ids of the check).\n"
+               "scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32 (moe_align); ids_fnv1a hashes the ids\n"
+               "of the check, for moe_align the sorted_token_ids). moe_align's device time spans its four\n"
+               "kernels: from a marker just before the call to the end of its last kernel.\n"
                "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
 }
 
@@ -579,6 +704,10 @@ int main(int argc, char **argv)
         ran[i] = true;
         const bench_result *r = &results[i];
         moecl_dtype dt = c->op == OP_TOPK ? c->topk.gating_dtype : c->grounded.hidden_dtype;
+        const char *dt_name = c->op == OP_ALIGN  ? "i32"
+                              : dt == MOECL_F32 ? "f32"
+                              : dt == MOECL_F16 ? "f16"
+                                                : "bf16";
         char sol[16] = "", prod[16] = "";
         if (c->t_prod_us > 0) {
             snprintf(sol, sizeof(sol), "%.2f", c->t_sol_us);
@@ -586,7 +715,7 @@ int main(int argc, char **argv)
         }
         fprintf(stderr, "\r%60s\r", "");
         printf("%-18s %-20s %-5s %9.2f %9.2f %9.2f %10.2f %9.1f %5.1f%% %7s %7s %8.1f %5d %s\n", c->label, shape,
-               dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16", r->median_us, r->p10_us, r->p90_us,
+               dt_name, r->median_us, r->p10_us, r->p90_us,
                r->wall_us, r->gbps, 100 * r->copy_ratio, sol, prod, r->prepare_ms, r->iterations,
                r->checked_ok ? "ok" : "FAIL");
         fflush(stdout);
@@ -594,6 +723,15 @@ int main(int argc, char **argv)
             printf("  %s\n", r->check_msg);
             failures++;
         }
+        /* moe_align next to the routing of the same tokens and experts. */
+        for (int j = 0; c->op == OP_ALIGN && j < i; j++)
+            if (ran[j] && cases[j].op == OP_TOPK && !strcmp(cases[j].label, "topk softmax") &&
+                cases[j].topk.num_tokens == c->align.num_tokens && cases[j].topk.num_experts == c->align.num_experts &&
+                cases[j].topk.top_k == c->align.top_k) {
+                printf("  routing %.2f us + moe_align %.2f us = %.2f us device time\n", results[j].median_us,
+                       r->median_us, results[j].median_us + r->median_us);
+                break;
+            }
     }
     if (jf)
         fprintf(jf,
@@ -610,7 +748,7 @@ int main(int argc, char **argv)
         const bench_result *r = &results[i];
         char shape[64];
         shape_text(c, shape, sizeof(shape));
-        int dt = c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+        int dt = c->op == OP_ALIGN ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
         if (jf)
             fprintf(jf,
                     "%s\n  {\"op\": \"%s\", \"shape\": \"%s\", \"dtype\": %d, \"device_us\": %.3f, \"p10_us\": %.3f, "

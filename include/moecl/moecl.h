@@ -335,6 +335,108 @@ MOECL_API moecl_status moecl_grounded_router_host(moecl_context *ctx, const moec
 /** Build (or load from cache) the kernel variant desc needs. */
 MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc);
 
+/* ---------------------------------------------------------------------- */
+/* Dispatch: moe_align (docs/routing.md, "Dispatch: moe_align")            */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * What to align. Valid requests: 1 <= num_experts <= 4096,
+ * 1 <= block_size <= 1024, 1 <= top_k <= 64 (top_k may exceed num_experts:
+ * ids are not required to be distinct), and num_tokens * top_k +
+ * num_experts * (block_size - 1) <= INT32_MAX (so that every position and
+ * the sentinel fit in int32). num_tokens == 0 is valid and writes the
+ * outputs of an empty routing (see moecl_moe_align()).
+ */
+typedef struct moecl_moe_align_desc {
+    uint32_t num_tokens;  /**< rows of topk_ids */
+    uint32_t top_k;       /**< columns of topk_ids (slots per token) */
+    uint32_t num_experts; /**< ids in [0, num_experts) are routed; others are skipped */
+    uint32_t block_size;  /**< each expert's run is padded to a multiple of this */
+} moecl_moe_align_desc;
+
+/** A descriptor with the four sizes; no other fields exist today, and
+ *  future ones will default to today's behaviour here. */
+MOECL_API moecl_moe_align_desc moecl_moe_align_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t num_experts,
+                                                         uint32_t block_size);
+
+/** The length of sorted_token_ids for desc: num_tokens * top_k +
+ *  num_experts * (block_size - 1). The length of block_expert_ids is this
+ *  divided by block_size (rounded down). 0 when desc is NULL. Computed in
+ *  64 bits, so it is exact even for descriptors moecl_moe_align()
+ *  rejects. */
+MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
+
+/**
+ * Sort the slots of a routing by expert, for grouped expert GEMMs
+ * (vLLM's moe_align_block_size). Slot s = t * top_k + j is topk_ids[t][j].
+ * With max_padded = moecl_moe_align_max_padded(desc), num_blocks =
+ * max_padded / block_size and the sentinel num_tokens * top_k:
+ *
+ *   topk_ids               int32_t[num_tokens][top_k], input
+ *   expert_counts          int32_t[num_experts]: valid slots routed to
+ *                          each expert
+ *   sorted_token_ids       int32_t[max_padded]: the slots grouped by
+ *                          expert in increasing expert order, increasing
+ *                          slot order within an expert (stable); expert
+ *                          e's run starts at a multiple of block_size and
+ *                          is padded with the sentinel to
+ *                          round_up(expert_counts[e], block_size); every
+ *                          entry from num_tokens_post_padded on is the
+ *                          sentinel
+ *   block_expert_ids       int32_t[num_blocks]: the expert of each block of
+ *                          block_size entries of sorted_token_ids; -1 for
+ *                          the blocks from num_tokens_post_padded on
+ *   num_tokens_post_padded int32_t[1]: the sum of the padded runs
+ *   slot_positions         int32_t[num_tokens][top_k], or absent: where
+ *                          each slot landed in sorted_token_ids (-1 for a
+ *                          skipped slot), so that
+ *                          sorted_token_ids[slot_positions[s]] == s
+ *   num_invalid            int32_t[1], or absent: slots skipped because
+ *                          their id is outside [0, num_experts) (a
+ *                          runtime's padding rows often carry -1)
+ *
+ * Experts with no slots have an empty run and no block. The result is
+ * unique (the stable order fixes it), so every device returns the same
+ * bits. num_tokens == 0 writes that empty result: counts 0,
+ * num_tokens_post_padded 0, every sorted_token_ids entry the sentinel 0,
+ * every block -1, num_invalid 0.
+ *
+ * Asynchronous: validates, then enqueues up to four kernels on the
+ * context's queue (count, scan, fill, scatter; the first waits on the
+ * `num_wait` events of `wait`, each later one on its predecessor), and
+ * returns. If `done` is non-NULL it receives the event of the last one,
+ * which completes after all of them; the caller releases it. Each call
+ * allocates a device scratch buffer of about 4 * (num_tokens * top_k +
+ * 3 * num_experts) bytes with clCreateBuffer and releases it once the
+ * kernels are enqueued (OpenCL keeps it until they finish), so concurrent
+ * calls on one context share nothing.
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
+ * NULL ctx/desc, a missing required buffer, a buffer too small, an
+ * unaligned offset, a buffer of another context, num_wait > 0 with wait
+ * NULL; nothing is enqueued and no output byte changes),
+ * MOECL_ERROR_BUILD, or an OpenCL error of an allocation or an enqueue.
+ */
+MOECL_API moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *desc, moecl_buffer topk_ids,
+                                       moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
+                                       moecl_buffer block_expert_ids, moecl_buffer num_tokens_post_padded,
+                                       moecl_buffer slot_positions, moecl_buffer num_invalid, cl_uint num_wait,
+                                       const cl_event *wait, cl_event *done);
+
+/** Blocking convenience on host memory: copies in, runs, copies out. The
+ *  outputs are as moecl_moe_align() describes; slot_positions and
+ *  num_invalid may be NULL, the others are required (topk_ids may be NULL
+ *  only when num_tokens is 0). Same validation as moecl_moe_align(). */
+MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc,
+                                            const int32_t *topk_ids, int32_t *expert_counts,
+                                            int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                            int32_t *num_tokens_post_padded, int32_t *slot_positions,
+                                            int32_t *num_invalid);
+
+/** Build (or load from the disk cache) the kernels moe_align needs, ahead
+ *  of the first call. Validates desc as the call does. */
+MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc);
+
 #ifdef __cplusplus
 }
 #endif

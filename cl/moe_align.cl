@@ -1,0 +1,214 @@
+/* Dispatch after routing: moe_align (docs/routing.md, "Dispatch:
+ * moe_align"). Groups the flat slots s = t * top_k + j of topk_ids by
+ * expert, in increasing expert order and increasing slot order within an
+ * expert, pads each expert's run to a multiple of the block size, and
+ * names the expert of each block.
+ *
+ * Four launches, chained by the host:
+ *   moe_align_count    one work-group per chunk of CHUNK slots: a
+ *                      histogram of the chunk's ids in local memory, written
+ *                      as the chunk's row of the count matrix
+ *                      m[chunk][E + 1] (column E counts invalid ids);
+ *   moe_align_scan     one work-group: per expert, an exclusive scan of its
+ *                      column over the chunks (in slot order), the totals,
+ *                      the padded totals and their exclusive scan over the
+ *                      experts (expert_start), and the small outputs;
+ *   moe_align_fill     one work-item per position of sorted_token_ids:
+ *                      padding positions get the sentinel, and the first
+ *                      num_blocks work-items write block_expert_ids;
+ *   moe_align_scatter  one work-group per chunk: each valid slot goes to
+ *                      expert_start[e] + (slots of e in earlier chunks) +
+ *                      (slots of e earlier in this chunk).
+ * The within-chunk rank is stable: the chunk is walked in tiles of WG
+ * slots, a slot's rank in its tile is the count of equal ids before it
+ * (a loop over the tile in local memory), and a per-expert running offset
+ * in local memory advances after each tile. Every output element is
+ * written by exactly one work-item and its value does not depend on
+ * scheduling, so results are deterministic on every device.
+ *
+ * Build-time defines: WG (work-items of the count and scatter work-groups;
+ * 1 on CPUs, where each chunk is then a plain loop) and SCAN_WG (the scan's
+ * work-group). Everything else is a kernel argument. OpenCL C 1.2 with no
+ * extensions: local atomic_inc on uint is core since 1.1. Sizes fit in
+ * int32 (the host validates num_tokens * top_k + E * (block_size - 1) <=
+ * INT32_MAX), so uint arithmetic does not wrap. */
+
+#ifndef WG
+#define WG 1
+#endif
+#ifndef SCAN_WG
+#define SCAN_WG 64
+#endif
+
+/* The column of a slot's id: its expert, or E for an id outside [0, E). */
+static inline uint column_of(int id, uint num_experts)
+{
+    return id >= 0 && (uint)id < num_experts ? (uint)id : num_experts;
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void moe_align_count(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                     __global uint *matrix, __local uint *hist)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    for (uint e = lid; e < cols; e += WG)
+        hist[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = c * chunk, end = min(begin + chunk, num_slots);
+    for (uint s = begin + lid; s < end; s += WG) {
+#if WG == 1
+        hist[column_of(ids[s], num_experts)]++;
+#else
+        atomic_inc(&hist[column_of(ids[s], num_experts)]);
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __global uint *row = matrix + (size_t)c * cols;
+    for (uint e = lid; e < cols; e += WG)
+        row[e] = hist[e];
+}
+
+/* scratch holds, after the count matrix: expert_start[E + 1] (start[E] is
+ * num_tokens_post_padded) and totals[E + 1] (totals[E]: invalid ids). The
+ * matrix becomes each chunk's exclusive prefix per column. */
+__kernel __attribute__((reqd_work_group_size(SCAN_WG, 1, 1)))
+void moe_align_scan(__global uint *matrix, uint num_chunks, uint num_experts, uint block_size,
+                    __global int *counts, ulong counts_off, __global int *post_padded, ulong post_off,
+                    __global int *num_invalid, ulong invalid_off, uint has_invalid, __local uint *tot)
+{
+    __local uint part[SCAN_WG];
+    __local uint total_padded;
+    const uint lid = get_local_id(0), cols = num_experts + 1;
+    __global uint *expert_start = matrix + (size_t)num_chunks * cols, *totals = expert_start + cols;
+    /* Columns over chunks: adjacent work-items read adjacent columns. */
+    for (uint e = lid; e < cols; e += SCAN_WG) {
+        uint acc = 0;
+        for (uint c = 0; c < num_chunks; c++) {
+            const uint v = matrix[(size_t)c * cols + e];
+            matrix[(size_t)c * cols + e] = acc;
+            acc += v;
+        }
+        tot[e] = acc;
+        totals[e] = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* Padded totals over experts: contiguous ranges per work-item, then an
+     * exclusive scan of the ranges' sums. */
+    const uint per = (num_experts + SCAN_WG - 1) / SCAN_WG;
+    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
+    uint sum = 0;
+    for (uint e = lo; e < hi; e++)
+        sum += (tot[e] + block_size - 1) / block_size * block_size;
+    part[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) {
+        uint acc = 0;
+        for (uint w = 0; w < SCAN_WG; w++) {
+            const uint v = part[w];
+            part[w] = acc;
+            acc += v;
+        }
+        total_padded = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint at = part[lid];
+    for (uint e = lo; e < hi; e++) {
+        expert_start[e] = at;
+        counts[counts_off + e] = (int)tot[e];
+        at += (tot[e] + block_size - 1) / block_size * block_size;
+    }
+    if (lid == 0) {
+        expert_start[num_experts] = total_padded;
+        post_padded[post_off] = (int)total_padded;
+        if (has_invalid)
+            num_invalid[invalid_off] = (int)tot[num_experts];
+    }
+}
+
+/* The expert whose padded range holds position p < start[E]: the largest
+ * e with start[e] <= p (empty experts have start[e] == start[e + 1]). */
+static inline uint expert_at(__global const uint *start, uint num_experts, uint p)
+{
+    uint lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+        const uint mid = (lo + hi) / 2;
+        if (start[mid] <= p)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+__kernel void moe_align_fill(__global const uint *scratch, ulong starts_off, uint num_experts,
+                             uint block_size, uint max_padded, uint num_blocks, int sentinel,
+                             __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off)
+{
+    const uint p = get_global_id(0);
+    if (p >= max_padded)
+        return;
+    __global const uint *expert_start = scratch + starts_off, *totals = expert_start + num_experts + 1;
+    const uint post = expert_start[num_experts];
+    if (p >= post) {
+        sorted[sorted_off + p] = sentinel;
+    } else {
+        const uint e = expert_at(expert_start, num_experts, p);
+        if (p - expert_start[e] >= totals[e])
+            sorted[sorted_off + p] = sentinel;
+    }
+    if (p < num_blocks) {
+        const uint q = p * block_size;
+        blocks[blocks_off + p] = q >= post ? -1 : (int)expert_at(expert_start, num_experts, q);
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                       __global const uint *matrix, ulong starts_off, __global int *sorted,
+                       ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots,
+                       __local uint *run)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    __global const uint *row = matrix + (size_t)c * cols, *expert_start = matrix + starts_off;
+    for (uint e = lid; e < num_experts; e += WG)
+        run[e] = expert_start[e] + row[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = c * chunk, end = min(begin + chunk, num_slots);
+#if WG == 1
+    for (uint s = begin; s < end; s++) {
+        const uint e = column_of(ids[s], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)run[e]++;
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
+#else
+    __local uint tile[WG];
+    for (uint base = begin; base < end; base += WG) {
+        const uint s = base + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        tile[lid] = e;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        uint rank = 0;
+        for (uint j = 0; j < lid; j++)
+            rank += tile[j] == e;
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)(run[e] + rank);
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (s < end && has_slots)
+            slot_positions[slot_off + s] = pos;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (e < num_experts)
+            atomic_inc(&run[e]);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+#endif
+}

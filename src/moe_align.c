@@ -1,0 +1,363 @@
+/* moe_align, host side: validation, the launch shape, a per-call scratch
+ * buffer and four chained launches (cl/moe_align.cl says what each does);
+ * and the blocking host-memory path. */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define MOECL_ALIGN_MAX_BLOCK 1024u
+
+moecl_moe_align_desc moecl_moe_align_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t num_experts,
+                                               uint32_t block_size)
+{
+    moecl_moe_align_desc d;
+    memset(&d, 0, sizeof(d));
+    d.num_tokens = num_tokens;
+    d.top_k = top_k;
+    d.num_experts = num_experts;
+    d.block_size = block_size;
+    return d;
+}
+
+uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *d)
+{
+    if (!d)
+        return 0;
+    const uint64_t pad = d->block_size ? (uint64_t)d->num_experts * (d->block_size - 1) : 0;
+    return (uint64_t)d->num_tokens * d->top_k + pad;
+}
+
+static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc *d)
+{
+#define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
+    if (!d)
+        return INVALID("desc is NULL");
+    if (d->num_experts < 1 || d->num_experts > MOECL_MAX_EXPERTS)
+        return INVALID("num_experts is %u; it must be in 1..%u", d->num_experts, MOECL_MAX_EXPERTS);
+    if (d->top_k < 1 || d->top_k > MOECL_MAX_TOPK)
+        return INVALID("top_k is %u; it must be in 1..%u", d->top_k, MOECL_MAX_TOPK);
+    if (d->block_size < 1 || d->block_size > MOECL_ALIGN_MAX_BLOCK)
+        return INVALID("block_size is %u; it must be in 1..%u", d->block_size, MOECL_ALIGN_MAX_BLOCK);
+    const uint64_t max_padded = moecl_moe_align_max_padded(d);
+    if (max_padded > INT32_MAX)
+        return INVALID("num_tokens is %u; num_tokens * top_k + num_experts * (block_size - 1) = %llu must be at "
+                       "most %d (INT32_MAX), so that positions fit in int32",
+                       d->num_tokens, (unsigned long long)max_padded, INT32_MAX);
+    return MOECL_SUCCESS;
+#undef INVALID
+}
+
+/* ---- launch shape and variants ---- */
+
+typedef struct align_shape {
+    unsigned wg, scan_wg, fill_wg;
+} align_shape;
+
+static unsigned floor_pow2(size_t v, unsigned cap)
+{
+    unsigned p = 1;
+    while (p * 2 <= cap && p * 2 <= v)
+        p *= 2;
+    return p;
+}
+
+/* CPUs: one work-item per chunk (a plain loop); GPUs: 128 work-items per
+ * chunk. The scan runs in one work-group of up to 256. */
+static align_shape shape_of(const moecl_device_info *info)
+{
+    align_shape s;
+    s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
+    s.scan_wg = floor_pow2(info->max_work_group_size, 256);
+    s.fill_wg = floor_pow2(info->max_work_group_size, 64);
+    return s;
+}
+
+static const char *const kernel_names[4] = {"moe_align_count", "moe_align_scan", "moe_align_fill",
+                                            "moe_align_scatter"};
+
+static void defines_of(const align_shape *s, char *buf, size_t size)
+{
+    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u", s->wg, s->scan_wg);
+}
+
+void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
+{
+    const align_shape s = shape_of(info);
+    defines_of(&s, buf, size);
+    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_fill,moe_align_scatter";
+}
+
+typedef struct prepared {
+    align_shape shape;
+    moecl_variant *variants[4];
+} prepared;
+
+static moecl_status prepare(moecl_context *ctx, prepared *p)
+{
+    char defines[128];
+    p->shape = shape_of(&ctx->info);
+    defines_of(&p->shape, defines, sizeof(defines));
+    /* One program: the registry shares it between the four kernels. */
+    for (int i = 0; i < 4; i++) {
+        moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_MOE_ALIGN, defines, kernel_names[i], &p->variants[i]);
+        if (st != MOECL_SUCCESS)
+            return st;
+    }
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    prepared p;
+    return prepare(ctx, &p);
+}
+
+/* ---- enqueue ---- */
+
+typedef struct mem_at {
+    cl_mem mem;
+    cl_ulong off; /* in int32 elements */
+} mem_at;
+
+typedef struct align_args {
+    mem_at ids, counts, sorted, blocks, post, slots, invalid;
+} align_args;
+
+/* Chunks of slots: at least num_experts + 1 slots each, so that the count
+ * matrix is no larger than the slots; about 256 chunks on GPUs (the scan
+ * walks them serially) and 8 per compute unit on CPUs. */
+static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint32_t slots, uint32_t experts)
+{
+    const uint32_t target = ctx->info.launch_class == MOECL_LAUNCH_CPU
+                                ? 8 * (ctx->info.compute_units ? ctx->info.compute_units : 1)
+                                : 256;
+    uint64_t chunk = ((uint64_t)slots + target - 1) / target;
+    if (chunk < (uint64_t)experts + 1)
+        chunk = (uint64_t)experts + 1;
+    if (chunk < 256)
+        chunk = 256;
+    return (uint32_t)moecl_round_up(chunk, s->wg);
+}
+
+/* Set args and enqueue one kernel of the chain. */
+typedef struct kernel_arg {
+    size_t size;
+    const void *value; /* NULL with size > 0: local memory of that size */
+} kernel_arg;
+
+static moecl_status launch(moecl_context *ctx, moecl_variant *v, const char *name, const kernel_arg *args,
+                           cl_uint num_args, size_t global, size_t local, cl_uint num_wait, const cl_event *wait,
+                           cl_event *ev)
+{
+    cl_kernel kernel;
+    moecl_status st = moecl_variant_acquire(ctx, v, &kernel);
+    if (st != MOECL_SUCCESS)
+        return st;
+    cl_int err = CL_SUCCESS;
+    for (cl_uint i = 0; i < num_args && err == CL_SUCCESS; i++)
+        err = clSetKernelArg(kernel, i, args[i].size, args[i].value);
+    if (err != CL_SUCCESS) {
+        moecl_variant_release(v, kernel);
+        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the arguments of %s failed (%s)", name,
+                          moecl_status_string(err));
+    }
+    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, ev);
+    moecl_variant_release(v, kernel);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "enqueueing %s failed (%s)", name, moecl_status_string(err));
+    return MOECL_SUCCESS;
+}
+
+#define ARG(v) ((kernel_arg){sizeof(v), &(v)})
+#define MEM(m) ((kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
+#define LOCAL(bytes) ((kernel_arg){(bytes), NULL})
+
+static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+                            const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const align_shape *s = &p->shape;
+    const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
+    const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
+    const cl_uint chunk = chunk_size(ctx, s, slots, experts);
+    const cl_uint chunks = (cl_uint)(((uint64_t)slots + chunk - 1) / chunk);
+    const size_t cols = (size_t)experts + 1;
+    const size_t matrix_words = (size_t)chunks * cols;
+    cl_int err;
+    /* The count matrix [chunks][cols], then expert_start[cols] and
+     * totals[cols]. */
+    const size_t scratch_bytes = (matrix_words + 2 * cols) * 4;
+    cl_mem scratch = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, scratch_bytes, NULL, &err);
+    if (!scratch)
+        return moecl_fail(ctx, err, "moe_align: clCreateBuffer of %zu scratch bytes failed (%s)", scratch_bytes,
+                          moecl_status_string(err));
+    const cl_ulong starts_off = matrix_words;
+    const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
+    moecl_status st = MOECL_SUCCESS;
+    cl_event prev = NULL, ev = NULL;
+
+    if (chunks > 0) {
+        const kernel_arg args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts), ARG(chunk),
+                                   MEM(scratch), LOCAL(cols * 4)};
+        st = launch(ctx, p->variants[0], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg, num_wait, wait,
+                    &ev);
+        prev = ev;
+        ev = NULL;
+    }
+    if (st == MOECL_SUCCESS) {
+        const kernel_arg args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
+                                   MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
+                                   MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
+        st = launch(ctx, p->variants[1], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, prev ? 1 : num_wait,
+                    prev ? &prev : wait, &ev);
+        if (prev)
+            clReleaseEvent(prev);
+        prev = ev;
+        ev = NULL;
+    }
+    if (st == MOECL_SUCCESS && max_padded > 0) {
+        const cl_int sentinel = (cl_int)slots;
+        const kernel_arg args[] = {MEM(scratch),       ARG(starts_off),    ARG(experts),      ARG(block),
+                                   ARG(max_padded),    ARG(num_blocks),    ARG(sentinel),     MEM(a->sorted.mem),
+                                   ARG(a->sorted.off), MEM(a->blocks.mem), ARG(a->blocks.off)};
+        st = launch(ctx, p->variants[2], "moe_align_fill", args, 11, moecl_round_up(max_padded, s->fill_wg),
+                    s->fill_wg, 1, &prev, &ev);
+        clReleaseEvent(prev);
+        prev = ev;
+        ev = NULL;
+    }
+    if (st == MOECL_SUCCESS && chunks > 0) {
+        const kernel_arg args[] = {MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),
+                                   ARG(chunk),         MEM(scratch),       ARG(starts_off),   MEM(a->sorted.mem),
+                                   ARG(a->sorted.off), MEM(a->slots.mem),  ARG(a->slots.off), ARG(has_slots),
+                                   LOCAL(cols * 4)};
+        st = launch(ctx, p->variants[3], "moe_align_scatter", args, 13, (size_t)chunks * s->wg, s->wg, 1, &prev,
+                    &ev);
+        clReleaseEvent(prev);
+        prev = ev;
+        ev = NULL;
+    }
+    /* Released now; OpenCL frees it once the kernels that use it finish. */
+    clReleaseMemObject(scratch);
+    if (st != MOECL_SUCCESS) {
+        if (prev)
+            clReleaseEvent(prev);
+        return st;
+    }
+    if (done)
+        *done = prev;
+    else
+        clReleaseEvent(prev);
+    return MOECL_SUCCESS;
+}
+
+/* The outputs' sizes in bytes. */
+typedef struct align_sizes {
+    uint64_t ids, counts, sorted, blocks;
+} align_sizes;
+
+static align_sizes sizes_of(const moecl_moe_align_desc *d)
+{
+    const uint64_t max_padded = moecl_moe_align_max_padded(d);
+    return (align_sizes){(uint64_t)d->num_tokens * d->top_k * 4, (uint64_t)d->num_experts * 4, max_padded * 4,
+                         max_padded / d->block_size * 4};
+}
+
+moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *desc, moecl_buffer topk_ids,
+                             moecl_buffer expert_counts, moecl_buffer sorted_token_ids, moecl_buffer block_expert_ids,
+                             moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
+                             moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const align_sizes z = sizes_of(desc);
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, z.ids, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "expert_counts", expert_counts, z.counts, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "sorted_token_ids", sorted_token_ids, z.sorted, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "block_expert_ids", block_expert_ids, z.blocks, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "num_tokens_post_padded", num_tokens_post_padded, 4, 4, true)) !=
+            MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "slot_positions", slot_positions, z.ids, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "num_invalid", num_invalid, 4, 4, false)) != MOECL_SUCCESS)
+        return st;
+    prepared p;
+    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+        return st;
+    const align_args a = {
+        {topk_ids.mem, topk_ids.offset / 4},
+        {expert_counts.mem, expert_counts.offset / 4},
+        {sorted_token_ids.mem, sorted_token_ids.offset / 4},
+        {block_expert_ids.mem, block_expert_ids.offset / 4},
+        {num_tokens_post_padded.mem, num_tokens_post_padded.offset / 4},
+        {slot_positions.mem, slot_positions.offset / 4},
+        {num_invalid.mem, num_invalid.offset / 4},
+    };
+    return enqueue(ctx, desc, &p, &a, num_wait, wait, done);
+}
+
+moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc, const int32_t *topk_ids,
+                                  int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                  int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const align_sizes z = sizes_of(desc);
+    const char *missing = (!topk_ids && z.ids) ? "topk_ids"
+                          : !expert_counts     ? "expert_counts"
+                          : !sorted_token_ids && z.sorted ? "sorted_token_ids"
+                          : !block_expert_ids && z.blocks ? "block_expert_ids"
+                          : !num_tokens_post_padded       ? "num_tokens_post_padded"
+                                                          : NULL;
+    if (missing)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
+    prepared p;
+    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+        return st;
+    /* Buffers of at least 4 bytes: OpenCL refuses empty ones. */
+#define AT_LEAST_4(n) ((size_t)((n) ? (n) : 4))
+    enum { IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
+    cl_mem m[NUM] = {NULL};
+    const size_t sizes[NUM] = {AT_LEAST_4(z.ids), AT_LEAST_4(z.counts), AT_LEAST_4(z.sorted), AT_LEAST_4(z.blocks),
+                               4, AT_LEAST_4(z.ids), 4};
+    const char *names[NUM] = {"topk_ids", "expert_counts", "sorted_token_ids", "block_expert_ids",
+                              "num_tokens_post_padded", "slot_positions", "num_invalid"};
+    void *const hosts[NUM] = {NULL, expert_counts, z.sorted ? sorted_token_ids : NULL,
+                              z.blocks ? block_expert_ids : NULL, num_tokens_post_padded,
+                              z.ids ? slot_positions : NULL, num_invalid};
+    for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++) {
+        if (i == IDS)
+            st = moecl_host_buffer(ctx, names[i], CL_MEM_READ_ONLY, sizes[i], z.ids ? topk_ids : NULL, &m[i]);
+        else if ((i != SLOTS || slot_positions) && (i != INVALID || num_invalid))
+            st = moecl_host_buffer(ctx, names[i], CL_MEM_WRITE_ONLY, sizes[i], NULL, &m[i]);
+    }
+#undef AT_LEAST_4
+    cl_event ran = NULL;
+    if (st == MOECL_SUCCESS) {
+        const align_args a = {{m[IDS], 0},  {m[COUNTS], 0}, {m[SORTED], 0},  {m[BLOCKS], 0},
+                              {m[POST], 0}, {m[SLOTS], 0},  {m[INVALID], 0}};
+        st = enqueue(ctx, desc, &p, &a, 0, NULL, &ran);
+    }
+    if (st == MOECL_SUCCESS) {
+        /* Every output but the input, read back where the host gave one. */
+        const size_t read_sizes[NUM - 1] = {z.counts, z.sorted, z.blocks, 4, z.ids, 4};
+        st = moecl_read_back(ctx, ran, NUM - 1, m + 1, read_sizes, hosts + 1);
+    }
+    if (ran)
+        clReleaseEvent(ran);
+    for (int i = 0; i < NUM; i++)
+        if (m[i])
+            clReleaseMemObject(m[i]);
+    return st;
+}

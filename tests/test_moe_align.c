@@ -1,0 +1,714 @@
+/* moecl_moe_align against the reference (tests/reference.c), compared
+ * exactly: random, skewed and empty loads, invalid ids, every block size
+ * and expert count of the grid, both paths (host; device buffers with
+ * offsets, poisoned, chained by events), the gather/scatter round trip,
+ * every validation error, and a mutated kernel that the suite must catch.
+ * meson runs it once per launch class (MOECL_LAUNCH_CLASS), so the CPU
+ * (one work-item per chunk) and GPU (tiles of work-items) kernels are both
+ * checked on every device. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "harness.h"
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+/* One result, every output poisoned before the call. */
+typedef struct result {
+    int32_t *counts, *sorted, *blocks, *slots;
+    int32_t post, invalid;
+    size_t slots_n, max_padded, num_blocks;
+} result;
+
+static void result_alloc(const moecl_moe_align_desc *d, result *r)
+{
+    r->slots_n = (size_t)d->num_tokens * d->top_k;
+    r->max_padded = (size_t)moecl_moe_align_max_padded(d);
+    r->num_blocks = r->max_padded / d->block_size;
+    /* One element past each output, which must stay poison. */
+    r->counts = malloc(((size_t)d->num_experts + 1) * 4);
+    r->sorted = malloc((r->max_padded + 1) * 4);
+    r->blocks = malloc((r->num_blocks + 1) * 4);
+    r->slots = malloc((r->slots_n + 1) * 4);
+    ck_assert(r->counts && r->sorted && r->blocks && r->slots);
+}
+
+static void result_poison(const moecl_moe_align_desc *d, result *r)
+{
+    memset(r->counts, HARNESS_POISON, ((size_t)d->num_experts + 1) * 4);
+    memset(r->sorted, HARNESS_POISON, (r->max_padded + 1) * 4);
+    memset(r->blocks, HARNESS_POISON, (r->num_blocks + 1) * 4);
+    memset(r->slots, HARNESS_POISON, (r->slots_n + 1) * 4);
+    memset(&r->post, HARNESS_POISON, 4);
+    memset(&r->invalid, HARNESS_POISON, 4);
+}
+
+static void result_free(result *r)
+{
+    free(r->counts);
+    free(r->sorted);
+    free(r->blocks);
+    free(r->slots);
+}
+
+static void describe(const moecl_moe_align_desc *d, bool device_path, char *buf, size_t size)
+{
+    snprintf(buf, size, "T=%u k=%u E=%u block=%u %s path", d->num_tokens, d->top_k, d->num_experts, d->block_size,
+             device_path ? "device" : "host");
+}
+
+/* Run d on ids through the host path or the device path (buffers at odd
+ * offsets, after a wait-list event), outputs poisoned first; with_optional
+ * asks for slot_positions and num_invalid. */
+static void run_on(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, bool device_path,
+                   bool with_optional, result *r)
+{
+    char what[128];
+    describe(d, device_path, what, sizeof(what));
+    result_poison(d, r);
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_moe_align_host(ctx, d, ids, r->counts, r->sorted, r->blocks, &r->post,
+                                  with_optional ? r->slots : NULL, with_optional ? &r->invalid : NULL);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        return;
+    }
+    const size_t e = d->num_experts;
+    moecl_buffer in = harness_buffer(ctx, r->slots_n * 4, 12, ids);
+    moecl_buffer cb = harness_buffer(ctx, e * 4, 4, NULL);
+    moecl_buffer sb = harness_buffer(ctx, r->max_padded * 4, 256 + 4, NULL);
+    moecl_buffer bb = harness_buffer(ctx, r->num_blocks * 4, 8, NULL);
+    moecl_buffer pb = harness_buffer(ctx, 4, 60, NULL);
+    moecl_buffer none = {NULL, 0};
+    moecl_buffer lb = with_optional ? harness_buffer(ctx, r->slots_n * 4, 4096 + 4, NULL) : none;
+    moecl_buffer ib = with_optional ? harness_buffer(ctx, 4, 4, NULL) : none;
+    /* A marker to wait on: the call must honour its wait list. */
+    cl_event before = NULL, done = NULL;
+    ck_assert_int_eq(clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &before), CL_SUCCESS);
+    st = moecl_moe_align(ctx, d, in, cb, sb, bb, pb, lb, ib, 1, &before, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    ck_assert_ptr_nonnull(done);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    clReleaseEvent(before);
+    harness_read(ctx, cb, (e + 1) * 4, r->counts);
+    harness_read(ctx, sb, (r->max_padded + 1) * 4, r->sorted);
+    harness_read(ctx, bb, (r->num_blocks + 1) * 4, r->blocks);
+    harness_read(ctx, pb, 4, &r->post);
+    if (with_optional) {
+        harness_read(ctx, lb, (r->slots_n + 1) * 4, r->slots);
+        harness_read(ctx, ib, 4, &r->invalid);
+    }
+    /* Nothing past the ends (the slack of harness_buffer is poison). */
+    const uint32_t poison = 0xFFFFFFFFu;
+    ck_assert_msg(!memcmp(&r->counts[e], &poison, 4) && !memcmp(&r->sorted[r->max_padded], &poison, 4) &&
+                      !memcmp(&r->blocks[r->num_blocks], &poison, 4) &&
+                      (!with_optional || !memcmp(&r->slots[r->slots_n], &poison, 4)),
+                  "%s: wrote past the end of an output", what);
+    harness_release(in);
+    harness_release(cb);
+    harness_release(sb);
+    harness_release(bb);
+    harness_release(pb);
+    harness_release(lb);
+    harness_release(ib);
+}
+
+static void check_result(const moecl_moe_align_desc *d, const int32_t *ids, bool device_path, bool with_optional,
+                         const result *r)
+{
+    char msg[256], what[128];
+    describe(d, device_path, what, sizeof(what));
+    int bad = ref_check_moe_align(d, ids, r->counts, r->sorted, r->blocks, &r->post,
+                                  with_optional ? r->slots : NULL, with_optional ? &r->invalid : NULL, msg,
+                                  sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d elements differ; first: %s", what, bad, msg);
+}
+
+/* Load kinds. */
+enum load {
+    LOAD_UNIFORM,   /* ids uniform in [0, E), repeats allowed */
+    LOAD_DISTINCT,  /* each row k distinct ids (a routing result), when k <= E */
+    LOAD_ONE,       /* every slot to one expert */
+    LOAD_SPARSE,    /* only every 5th expert has slots */
+    LOAD_INVALID,   /* uniform, with -1 rows, E, large and negative ids */
+    NUM_LOADS
+};
+
+static int32_t *make_ids(harness_rng *rng, const moecl_moe_align_desc *d, enum load load)
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k;
+    const uint32_t e = d->num_experts, k = d->top_k;
+    int32_t *ids = malloc(slots * 4 + 4);
+    ck_assert_ptr_nonnull(ids);
+    const int32_t one = (int32_t)(harness_rand_u32(rng) % e);
+    for (size_t t = 0; t < d->num_tokens; t++) {
+        const bool padding_row = load == LOAD_INVALID && harness_rand_u32(rng) % 8 == 0;
+        for (uint32_t j = 0; j < k; j++) {
+            int32_t *id = &ids[t * k + j];
+            switch (load) {
+            case LOAD_DISTINCT:
+                if (k <= e) {
+                    bool again;
+                    do {
+                        *id = (int32_t)(harness_rand_u32(rng) % e);
+                        again = false;
+                        for (uint32_t i = 0; i < j; i++)
+                            again |= ids[t * k + i] == *id;
+                    } while (again);
+                    break;
+                }
+                /* fall through */
+            case LOAD_UNIFORM:
+                *id = (int32_t)(harness_rand_u32(rng) % e);
+                break;
+            case LOAD_ONE:
+                *id = one;
+                break;
+            case LOAD_SPARSE:
+                *id = (int32_t)((harness_rand_u32(rng) % ((e + 4) / 5)) * 5);
+                break;
+            default: {
+                static const int32_t bad[] = {-1, -2, INT32_MIN, INT32_MAX, 4096, 1 << 20};
+                const uint32_t r = harness_rand_u32(rng);
+                if (padding_row)
+                    *id = -1;
+                else if (r % 10 == 0)
+                    *id = r % 20 == 0 ? (int32_t)e : bad[(r / 20) % COUNT(bad)];
+                else
+                    *id = (int32_t)(r % e);
+                break;
+            }
+            }
+        }
+    }
+    return ids;
+}
+
+static void random_case(moecl_context *ctx, const moecl_moe_align_desc *d, enum load load, uint64_t stream,
+                        int paths)
+{
+    harness_rng rng = harness_rng_for(stream);
+    int32_t *ids = make_ids(&rng, d, load);
+    result r;
+    result_alloc(d, &r);
+    for (int path = 0; path < 2; path++) {
+        /* paths: 1 host, 2 device, 3 both */
+        if (!(paths & (1 << path)))
+            continue;
+        const bool optional = path == 1 || stream % 2 == 0;
+        run_on(ctx, d, ids, path == 1, optional, &r);
+        check_result(d, ids, path == 1, optional, &r);
+    }
+    result_free(&r);
+    free(ids);
+}
+
+/* tokens x top_k x experts x block_size; the load and the path rotate. */
+START_TEST(test_grid)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {0, 1, 7, 4096, 65536};
+    static const uint32_t topk[] = {1, 2, 8};
+    static const uint32_t experts[] = {1, 8, 128, 256, 4096};
+    static const uint32_t blocks[] = {1, 16, 64, 128};
+    unsigned i = 0;
+    for (size_t t = 0; t < COUNT(tokens); t++)
+        for (size_t k = 0; k < COUNT(topk); k++)
+            for (size_t e = 0; e < COUNT(experts); e++)
+                for (size_t b = 0; b < COUNT(blocks); b++, i++) {
+                    /* The largest token count at top_k 8 with every expert
+                     * count and block size once, not with every pair. */
+                    if (tokens[t] == 65536 && (k + e + b) % 3 != 0)
+                        continue;
+                    if (harness_quick() && tokens[t] == 65536)
+                        continue;
+                    moecl_moe_align_desc d = moecl_moe_align_desc_init(tokens[t], topk[k], experts[e], blocks[b]);
+                    random_case(ctx, &d, (enum load)(i % NUM_LOADS), 1000 + i, 1 << (i % 2));
+                }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Every load at the seed-like shapes, both paths. */
+START_TEST(test_loads)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][4] = {{4083, 8, 128, 64}, {1019, 8, 256, 128}, {129, 6, 160, 16}, {333, 2, 4096, 64}};
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int load = 0; load < NUM_LOADS; load++) {
+            moecl_moe_align_desc d = moecl_moe_align_desc_init(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3]);
+            random_case(ctx, &d, (enum load)load, 2000 + s * 10 + load, 3);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Skewed and degenerate: every slot to the first, a middle or the last
+ * expert; every slot invalid; a single expert; one slot. Checked against
+ * the reference and against the facts directly. */
+START_TEST(test_skewed)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][4] = {{4096, 8, 256, 64}, {7, 2, 8, 16}, {65, 1, 4096, 1}, {1000, 8, 1, 128}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++) {
+        moecl_moe_align_desc d = moecl_moe_align_desc_init(shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3]);
+        const size_t slots = (size_t)d.num_tokens * d.top_k;
+        const int32_t targets[] = {0, (int32_t)d.num_experts / 2, (int32_t)d.num_experts - 1, -1};
+        int32_t *ids = malloc(slots * 4);
+        result r;
+        result_alloc(&d, &r);
+        for (size_t tg = 0; tg < COUNT(targets); tg++, i++) {
+            for (size_t x = 0; x < slots; x++)
+                ids[x] = targets[tg];
+            for (int path = 0; path < 2; path++) {
+                run_on(ctx, &d, ids, path == 1, true, &r);
+                check_result(&d, ids, path == 1, true, &r);
+                const int32_t target = targets[tg];
+                const size_t padded = target < 0 ? 0 : (slots + d.block_size - 1) / d.block_size * d.block_size;
+                ck_assert_int_eq(r.post, (int32_t)padded);
+                ck_assert_int_eq(r.invalid, target < 0 ? (int32_t)slots : 0);
+                if (target >= 0) {
+                    ck_assert_int_eq(r.counts[target], (int32_t)slots);
+                    for (size_t x = 0; x < slots; x++)
+                        ck_assert_int_eq(r.sorted[x], (int32_t)x);
+                    ck_assert_int_eq(r.blocks[0], target);
+                }
+            }
+        }
+        result_free(&r);
+        free(ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* num_tokens 0: counts 0, post 0, every entry the sentinel 0, every block
+ * -1, num_invalid 0; and a done event. */
+START_TEST(test_empty)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][3] = {{8, 128, 64}, {1, 1, 1}, {2, 4096, 128}};
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int path = 0; path < 2; path++) {
+            moecl_moe_align_desc d = moecl_moe_align_desc_init(0, shapes[s][0], shapes[s][1], shapes[s][2]);
+            result r;
+            result_alloc(&d, &r);
+            run_on(ctx, &d, NULL, path == 1, true, &r);
+            check_result(&d, NULL, path == 1, true, &r);
+            ck_assert_int_eq(r.post, 0);
+            ck_assert_int_eq(r.invalid, 0);
+            for (size_t p = 0; p < r.max_padded; p++)
+                ck_assert_int_eq(r.sorted[p], 0);
+            for (size_t b = 0; b < r.num_blocks; b++)
+                ck_assert_int_eq(r.blocks[b], -1);
+            result_free(&r);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Gathering rows by sorted_token_ids (skipping the sentinel) and
+ * scattering them back by slot_positions restores the original order;
+ * sorted_token_ids[slot_positions[s]] == s for every valid slot. */
+START_TEST(test_round_trip)
+{
+    moecl_context *ctx = harness_context();
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(2044, 8, 128, 64);
+    harness_rng rng = harness_rng_for(3000);
+    int32_t *ids = make_ids(&rng, &d, LOAD_INVALID);
+    result r;
+    result_alloc(&d, &r);
+    run_on(ctx, &d, ids, true, true, &r);
+    check_result(&d, ids, true, true, &r);
+    const size_t slots = r.slots_n, sentinel = slots;
+    /* A payload per slot, gathered into expert order. */
+    uint64_t *payload = malloc(slots * 8), *gathered = malloc(r.max_padded * 8), *back = malloc(slots * 8);
+    for (size_t s = 0; s < slots; s++)
+        payload[s] = harness_rand_u32(&rng) | (uint64_t)s << 32;
+    for (size_t p = 0; p < (size_t)r.post; p++)
+        gathered[p] = (size_t)r.sorted[p] == sentinel ? 0 : payload[r.sorted[p]];
+    for (size_t s = 0; s < slots; s++) {
+        if (r.slots[s] < 0) {
+            ck_assert_msg(ids[s] < 0 || ids[s] >= (int32_t)d.num_experts, "slot %zu: id %d but position -1", s,
+                          ids[s]);
+            back[s] = payload[s];
+            continue;
+        }
+        ck_assert_int_eq(r.sorted[r.slots[s]], (int32_t)s);
+        ck_assert_int_lt(r.slots[s], r.post);
+        back[s] = gathered[r.slots[s]];
+    }
+    ck_assert_msg(memcmp(back, payload, slots * 8) == 0, "the round trip did not restore the order");
+    free(payload);
+    free(gathered);
+    free(back);
+    result_free(&r);
+    free(ids);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* _prepare, then two calls chained on the device by events, the second
+ * reading the first's slot_positions as its ids (any int32 data works). */
+START_TEST(test_prepare_and_chain)
+{
+    moecl_context *ctx = harness_context();
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(0, 2, 16, 4);
+    ck_assert_int_eq(moecl_moe_align_prepare(ctx, &d), MOECL_SUCCESS);
+    d.num_tokens = 100;
+    harness_rng rng = harness_rng_for(4000);
+    int32_t *ids = make_ids(&rng, &d, LOAD_UNIFORM);
+    const size_t slots = 200, max_padded = (size_t)moecl_moe_align_max_padded(&d);
+    moecl_buffer in = harness_buffer(ctx, slots * 4, 0, ids);
+    moecl_buffer c = harness_buffer(ctx, 64, 0, NULL), s = harness_buffer(ctx, max_padded * 4, 0, NULL);
+    moecl_buffer b = harness_buffer(ctx, max_padded, 0, NULL), p = harness_buffer(ctx, 4, 0, NULL);
+    moecl_buffer slot1 = harness_buffer(ctx, slots * 4, 0, NULL), none = {NULL, 0};
+    cl_event first = NULL, second = NULL;
+    ck_assert_int_eq(moecl_moe_align(ctx, &d, in, c, s, b, p, slot1, none, 0, NULL, &first), MOECL_SUCCESS);
+    moecl_moe_align_desc d2 = moecl_moe_align_desc_init(100, 2, 4096, 1);
+    const size_t mp2 = (size_t)moecl_moe_align_max_padded(&d2);
+    moecl_buffer c2 = harness_buffer(ctx, 4096 * 4, 0, NULL), s2 = harness_buffer(ctx, mp2 * 4, 0, NULL);
+    moecl_buffer b2 = harness_buffer(ctx, mp2 * 4, 0, NULL), p2 = harness_buffer(ctx, 4, 0, NULL);
+    moecl_buffer i2 = harness_buffer(ctx, 4, 0, NULL);
+    ck_assert_int_eq(moecl_moe_align(ctx, &d2, slot1, c2, s2, b2, p2, none, i2, 1, &first, &second), MOECL_SUCCESS);
+    ck_assert_int_eq(clWaitForEvents(1, &second), CL_SUCCESS);
+    int32_t *pos = malloc(slots * 4), *counts = malloc(4096 * 4), *sorted = malloc(mp2 * 4), *blocks = malloc(mp2 * 4);
+    int32_t post, invalid;
+    harness_read(ctx, slot1, slots * 4, pos);
+    harness_read(ctx, c2, 4096 * 4, counts);
+    harness_read(ctx, s2, mp2 * 4, sorted);
+    harness_read(ctx, b2, mp2 * 4, blocks);
+    harness_read(ctx, p2, 4, &post);
+    harness_read(ctx, i2, 4, &invalid);
+    char msg[256];
+    ck_assert_msg(ref_check_moe_align(&d2, pos, counts, sorted, blocks, &post, NULL, &invalid, msg, sizeof(msg)) == 0,
+                  "chained call: %s", msg);
+    clReleaseEvent(first);
+    clReleaseEvent(second);
+    moecl_buffer all[] = {in, c, s, b, p, slot1, c2, s2, b2, p2, i2};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(all[i]);
+    free(ids);
+    free(pos);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Every validation error: the status, a message naming the field, nothing
+ * written (device buffers and host arrays keep their poison). */
+START_TEST(test_bad_input)
+{
+    moecl_context *ctx = harness_context();
+    moecl_context *other = harness_context();
+    const moecl_moe_align_desc good = moecl_moe_align_desc_init(16, 2, 8, 4);
+    const size_t slots = 32, mp = (size_t)moecl_moe_align_max_padded(&good), nb = mp / 4;
+    int32_t ids[32];
+    for (size_t s = 0; s < slots; s++)
+        ids[s] = (int32_t)(s % 8);
+    moecl_buffer in = harness_buffer(ctx, slots * 4, 0, ids);
+    moecl_buffer c = harness_buffer(ctx, 8 * 4, 0, NULL), s = harness_buffer(ctx, mp * 4, 0, NULL);
+    moecl_buffer b = harness_buffer(ctx, nb * 4, 0, NULL), p = harness_buffer(ctx, 4, 0, NULL);
+    moecl_buffer l = harness_buffer(ctx, slots * 4, 0, NULL), iv = harness_buffer(ctx, 4, 0, NULL);
+    moecl_buffer foreign = harness_buffer(other, 4096, 0, NULL);
+    moecl_buffer none = {NULL, 0};
+    cl_mem small = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 8, NULL, NULL);
+    moecl_buffer tiny = {small, 0};
+    struct {
+        const char *label, *field;
+        moecl_moe_align_desc d;
+        int which; /* buffer to replace: 0 none, 1 ids .. 7 invalid */
+        moecl_buffer with;
+        int wait;  /* 1: num_wait 1 with wait NULL */
+    } cases[] = {
+        {"experts 0", "num_experts", moecl_moe_align_desc_init(16, 2, 0, 4), 0, {0}, 0},
+        {"experts 4097", "num_experts", moecl_moe_align_desc_init(16, 2, 4097, 4), 0, {0}, 0},
+        {"top_k 0", "top_k", moecl_moe_align_desc_init(16, 0, 8, 4), 0, {0}, 0},
+        {"top_k 65", "top_k", moecl_moe_align_desc_init(16, 65, 8, 4), 0, {0}, 0},
+        {"block 0", "block_size", moecl_moe_align_desc_init(16, 2, 8, 0), 0, {0}, 0},
+        {"block 1025", "block_size", moecl_moe_align_desc_init(16, 2, 8, 1025), 0, {0}, 0},
+        {"too many tokens", "num_tokens", moecl_moe_align_desc_init(UINT32_MAX / 64, 64, 8, 4), 0, {0}, 0},
+        {"int32 overflow by padding", "num_tokens", moecl_moe_align_desc_init(INT32_MAX / 64 - 100, 64, 4096, 1024),
+         0, {0}, 0},
+        {"ids absent", "topk_ids", good, 1, none, 0},
+        {"ids small", "topk_ids", good, 1, tiny, 0},
+        {"ids unaligned", "topk_ids", good, 1, {in.mem, 2}, 0},
+        {"ids foreign", "topk_ids", good, 1, foreign, 0},
+        {"counts absent", "expert_counts", good, 2, none, 0},
+        {"counts small", "expert_counts", good, 2, tiny, 0},
+        {"sorted absent", "sorted_token_ids", good, 3, none, 0},
+        {"sorted small", "sorted_token_ids", good, 3, {s.mem, 128}, 0},
+        {"blocks absent", "block_expert_ids", good, 4, none, 0},
+        {"blocks small", "block_expert_ids", good, 4, tiny, 0},
+        {"post absent", "num_tokens_post_padded", good, 5, none, 0},
+        {"post past the end", "num_tokens_post_padded", good, 5, {p.mem, 68}, 0},
+        {"slots small", "slot_positions", good, 6, tiny, 0},
+        {"slots foreign", "slot_positions", good, 6, foreign, 0},
+        {"invalid unaligned", "num_invalid", good, 7, {iv.mem, 1}, 0},
+        {"wait NULL", "wait", good, 0, {0}, 1},
+    };
+    for (size_t i = 0; i < COUNT(cases); i++) {
+        moecl_buffer a[8] = {none, in, c, s, b, p, l, iv};
+        if (cases[i].which)
+            a[cases[i].which] = cases[i].with;
+        cl_event done = NULL;
+        moecl_status st = moecl_moe_align(ctx, &cases[i].d, a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+                                          cases[i].wait ? 1 : 0, NULL, &done);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d (%s)", cases[i].label, (int)st,
+                      moecl_status_string(st));
+        ck_assert_msg(done == NULL, "%s: an event was returned", cases[i].label);
+        ck_assert_msg(strstr(moecl_context_error(ctx), cases[i].field) != NULL, "%s: message \"%s\" does not name %s",
+                      cases[i].label, moecl_context_error(ctx), cases[i].field);
+        /* The host path and prepare reject the descriptor errors too. */
+        if (cases[i].which == 0 && !cases[i].wait) {
+            int32_t counts[8], sorted[64], blocks[16], post = -7, slotpos[32], invalid = -7;
+            memset(counts, HARNESS_POISON, sizeof(counts));
+            memset(sorted, HARNESS_POISON, sizeof(sorted));
+            st = moecl_moe_align_host(ctx, &cases[i].d, ids, counts, sorted, blocks, &post, slotpos, &invalid);
+            ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s (host): status %d", cases[i].label, (int)st);
+            ck_assert_msg(strstr(moecl_context_error(ctx), cases[i].field) != NULL, "%s (host): \"%s\"",
+                          cases[i].label, moecl_context_error(ctx));
+            ck_assert_int_eq(post, -7);
+            ck_assert_int_eq(invalid, -7);
+            for (size_t x = 0; x < 8; x++)
+                ck_assert_int_eq(counts[x], -1);
+            ck_assert_int_eq(moecl_moe_align_prepare(ctx, &cases[i].d), MOECL_ERROR_INVALID_ARGUMENT);
+        }
+    }
+    /* Host path: missing required arrays. */
+    int32_t counts[8], sorted[64], blocks[16], post = -7;
+    ck_assert_int_eq(moecl_moe_align_host(ctx, &good, NULL, counts, sorted, blocks, &post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "topk_ids"));
+    ck_assert_int_eq(moecl_moe_align_host(ctx, &good, ids, counts, NULL, blocks, &post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "sorted_token_ids"));
+    ck_assert_int_eq(moecl_moe_align_host(ctx, &good, ids, counts, sorted, blocks, NULL, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "num_tokens_post_padded"));
+    ck_assert_int_eq(post, -7);
+    ck_assert_int_eq(moecl_moe_align_host(ctx, NULL, ids, counts, sorted, blocks, &post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_int_eq(moecl_moe_align(NULL, &good, in, c, s, b, p, l, iv, 0, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_int_eq(moecl_moe_align_prepare(NULL, &good), MOECL_ERROR_INVALID_ARGUMENT);
+    /* After all that, the device outputs are untouched poison. */
+    clFinish(moecl_context_queue(ctx));
+    moecl_buffer outs[] = {c, s, b, p, l, iv};
+    const size_t sizes[] = {8 * 4, mp * 4, nb * 4, 4, slots * 4, 4};
+    for (size_t i = 0; i < COUNT(outs); i++) {
+        unsigned char buf[512];
+        harness_read(ctx, outs[i], sizes[i], buf);
+        for (size_t x = 0; x < sizes[i]; x++)
+            ck_assert_msg(buf[x] == HARNESS_POISON, "output %zu byte %zu changed by a rejected call", i, x);
+    }
+    ck_assert_uint_eq(moecl_moe_align_max_padded(NULL), 0);
+    ck_assert_uint_eq(moecl_moe_align_max_padded(&good), 32 + 8 * 3);
+    moecl_buffer all[] = {in, c, s, b, p, l, iv, foreign, tiny};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(all[i]);
+    moecl_context_destroy(other);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The checker must reject a wrong answer: poison, an unstable order (two
+ * slots of one expert swapped), a wrong block, a wrong count. */
+START_TEST(test_checker_rejects)
+{
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 2, 8, 4);
+    harness_rng rng = harness_rng_for(5000);
+    int32_t *ids = make_ids(&rng, &d, LOAD_INVALID);
+    result r;
+    result_alloc(&d, &r);
+    ref_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid);
+    char msg[256];
+    ck_assert_int_eq(ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid, msg,
+                                         sizeof(msg)),
+                     0);
+    int32_t *sorted = malloc(r.max_padded * 4);
+    memcpy(sorted, r.sorted, r.max_padded * 4);
+    /* Swap the first two entries of the first expert with two slots. */
+    for (size_t p = 0; p + 1 < (size_t)r.post; p++)
+        if (sorted[p] != (int32_t)r.slots_n && sorted[p + 1] != (int32_t)r.slots_n &&
+            ids[sorted[p]] == ids[sorted[p + 1]]) {
+            int32_t t = sorted[p];
+            sorted[p] = sorted[p + 1];
+            sorted[p + 1] = t;
+            break;
+        }
+    ck_assert_int_ne(ref_check_moe_align(&d, ids, r.counts, sorted, r.blocks, &r.post, NULL, NULL, msg, sizeof(msg)),
+                     0);
+    ck_assert_ptr_nonnull(strstr(msg, "sorted_token_ids"));
+    r.blocks[1] ^= 1;
+    ck_assert_int_ne(ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, NULL, NULL, msg, sizeof(msg)),
+                     0);
+    r.blocks[1] ^= 1;
+    r.counts[3]++;
+    ck_assert_int_ne(ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, NULL, NULL, msg, sizeof(msg)),
+                     0);
+    result_poison(&d, &r);
+    ck_assert_int_ne(ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid, msg,
+                                         sizeof(msg)),
+                     0);
+    free(sorted);
+    result_free(&r);
+    free(ids);
+}
+END_TEST
+
+/* A copy of cl/moe_align.cl whose scatter walks each chunk (CPU kernel) or
+ * ranks each tile (GPU kernel) backwards, loaded through MOECL_KERNEL_DIR:
+ * still a grouping by expert, but not stable. The suite's check must
+ * catch it. */
+static bool replace_once(char **text, const char *old, const char *new_text)
+{
+    char *at = strstr(*text, old);
+    if (!at || strstr(at + 1, old))
+        return false;
+    const size_t head = (size_t)(at - *text), len = strlen(*text), old_len = strlen(old), new_len = strlen(new_text);
+    char *out = malloc(len - old_len + new_len + 1);
+    memcpy(out, *text, head);
+    memcpy(out + head, new_text, new_len);
+    memcpy(out + head + new_len, at + old_len, len - head - old_len + 1);
+    free(*text);
+    *text = out;
+    return true;
+}
+
+START_TEST(test_mutation_caught)
+{
+    const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
+    ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/moe_align.cl", cl_dir);
+    FILE *f = fopen(path, "rb");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    char *text = calloc(1, 1 << 20);
+    size_t n = fread(text, 1, (1 << 20) - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    ck_assert_msg(replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
+                               "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
+                               "        const uint e = column_of") &&
+                      replace_once(&text, "for (uint j = 0; j < lid; j++)", "for (uint j = lid + 1; j < WG; j++)"),
+                  "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
+    char dir[] = "/tmp/moecl-mutant-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(path, sizeof(path), "%s/moe_align.cl", dir);
+    f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, strlen(text), f);
+    fclose(f);
+    free(text);
+    const char *old_dir = getenv("MOECL_KERNEL_DIR");
+    char *saved = old_dir ? strdup(old_dir) : NULL;
+    setenv("MOECL_KERNEL_DIR", dir, 1);
+    moecl_context *ctx = harness_context();
+    if (saved)
+        setenv("MOECL_KERNEL_DIR", saved, 1);
+    else
+        unsetenv("MOECL_KERNEL_DIR");
+    free(saved);
+
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
+    harness_rng rng = harness_rng_for(6000);
+    int32_t *ids = make_ids(&rng, &d, LOAD_UNIFORM);
+    result r;
+    result_alloc(&d, &r);
+    run_on(ctx, &d, ids, false, true, &r);
+    char msg[256];
+    int bad = ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid, msg,
+                                  sizeof(msg));
+    ck_assert_msg(bad > 0, "the unstable mutant passed the check");
+    fprintf(stderr, "moe_align: the unstable mutant was caught: %d elements differ; first: %s\n", bad, msg);
+    result_free(&r);
+    free(ids);
+    moecl_context_destroy(ctx);
+    remove(path);
+    rmdir(dir);
+}
+END_TEST
+
+/* Two threads calling on one context at once: each call has its own
+ * scratch, so both results are exact. */
+typedef struct thread_job {
+    moecl_context *ctx;
+    moecl_moe_align_desc d;
+    int32_t *ids;
+    int failures;
+    char msg[256];
+} thread_job;
+
+static void *thread_main(void *arg)
+{
+    thread_job *job = arg;
+    const moecl_moe_align_desc *d = &job->d;
+    const size_t slots = (size_t)d->num_tokens * d->top_k, mp = (size_t)moecl_moe_align_max_padded(d);
+    int32_t *counts = malloc(d->num_experts * 4), *sorted = malloc(mp * 4), *blocks = malloc(mp / d->block_size * 4 + 4);
+    int32_t *pos = malloc(slots * 4), post, invalid;
+    for (int i = 0; i < 20 && !job->failures; i++) {
+        moecl_status st = moecl_moe_align_host(job->ctx, d, job->ids, counts, sorted, blocks, &post, pos, &invalid);
+        if (st != MOECL_SUCCESS) {
+            snprintf(job->msg, sizeof(job->msg), "call %d: %s", i, moecl_status_string(st));
+            job->failures++;
+        } else if (ref_check_moe_align(d, job->ids, counts, sorted, blocks, &post, pos, &invalid, job->msg,
+                                       sizeof(job->msg))) {
+            job->failures++;
+        }
+    }
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(pos);
+    return NULL;
+}
+
+START_TEST(test_threads)
+{
+    moecl_context *ctx = harness_context();
+    thread_job jobs[2] = {{ctx, moecl_moe_align_desc_init(3000, 8, 128, 64), NULL, 0, ""},
+                          {ctx, moecl_moe_align_desc_init(1500, 2, 4096, 16), NULL, 0, ""}};
+    pthread_t threads[2];
+    for (int i = 0; i < 2; i++) {
+        harness_rng rng = harness_rng_for(7000 + (uint64_t)i);
+        jobs[i].ids = make_ids(&rng, &jobs[i].d, i ? LOAD_INVALID : LOAD_DISTINCT);
+    }
+    for (int i = 0; i < 2; i++)
+        ck_assert_int_eq(pthread_create(&threads[i], NULL, thread_main, &jobs[i]), 0);
+    for (int i = 0; i < 2; i++)
+        pthread_join(threads[i], NULL);
+    for (int i = 0; i < 2; i++) {
+        ck_assert_msg(jobs[i].failures == 0, "thread %d: %s", i, jobs[i].msg);
+        free(jobs[i].ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("moe_align");
+    TCase *tc = tcase_create("reference");
+    tcase_set_timeout(tc, 1200);
+    tcase_add_test(tc, test_checker_rejects);
+    tcase_add_test(tc, test_bad_input);
+    tcase_add_test(tc, test_empty);
+    tcase_add_test(tc, test_skewed);
+    tcase_add_test(tc, test_round_trip);
+    tcase_add_test(tc, test_prepare_and_chain);
+    tcase_add_test(tc, test_mutation_caught);
+    tcase_add_test(tc, test_threads);
+    tcase_add_test(tc, test_loads);
+    tcase_add_test(tc, test_grid);
+    suite_add_tcase(s, tc);
+    return harness_run(s);
+}
