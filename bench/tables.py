@@ -66,7 +66,7 @@ def main():
     for c in m["cases"]:
         if c["op"] == "topk softmax":
             continue
-        dtype = ["f32", "f16", "bf16"][c["dtype"]]
+        dtype = ["f32", "f16", "bf16", "i32"][c["dtype"]]
         row = f"| {c['op']} | {c['shape']} | {dtype} | {c['device_us']:.2f} | {c['wall_us']:.2f} | {c['gbps']:.0f} |"
         extra_torch = None
         if "dsv3" in c["op"]:
