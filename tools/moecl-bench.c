@@ -23,6 +23,7 @@
 #include <moecl/moecl.h>
 
 #include "reference.h"
+#include "tool_common.h"
 
 typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
 
@@ -53,68 +54,10 @@ typedef struct options {
     bool cold, quick;
 } options;
 
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
-}
-
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static float randn(uint64_t *s)
-{
-    double u[2];
-    for (int i = 0; i < 2; i++) {
-        *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-        u[i] = ((*s >> 11) + 0.5) / 9007199254740992.0;
-    }
-    return (float)(sqrt(-2.0 * log(u[0])) * cos(6.283185307179586 * u[1]));
-}
-
-static void *random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale)
-{
-    void *p = malloc(n * ref_dtype_size(t) + 4);
-    if (!p)
-        return NULL;
-    for (size_t i = 0; i < n; i++) {
-        float v = randn(s) * scale;
-        if (t == MOECL_F32)
-            ((float *)p)[i] = v;
-        else
-            ((uint16_t *)p)[i] = t == MOECL_F16 ? ref_float_to_half(v) : ref_float_to_bf16(v);
-    }
-    return p;
-}
-
 static void die(const char *what, moecl_context *ctx, int st)
 {
     fprintf(stderr, "\nmoecl-bench: %s: %s (%d): %s\n", what, moecl_status_string(st), st, moecl_context_error(ctx));
     exit(1);
-}
-
-static cl_mem make_buffer(cl_context c, size_t size, const void *data)
-{
-    cl_int err;
-    cl_mem m = clCreateBuffer(c, CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0), size ? size : 4, (void *)data,
-                              &err);
-    if (!m) {
-        fprintf(stderr, "moecl-bench: clCreateBuffer(%zu) failed: %d\n", size, err);
-        exit(1);
-    }
-    return m;
-}
-
-static double event_us(cl_event ev)
-{
-    cl_ulong start = 0, end = 0;
-    clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_START, sizeof(start), &start, NULL);
-    clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_END, sizeof(end), &end, NULL);
-    return (double)(end - start) / 1e3;
 }
 
 /* ---- the device's own floor and ceiling: an empty kernel and a copy ---- */
@@ -141,7 +84,7 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
     size_t count = n4;
     while (count * 16 > max_alloc / 2 && count > 1024)
         count /= 2;
-    cl_mem a = make_buffer(c, count * 16, NULL), b = make_buffer(c, count * 16, NULL);
+    cl_mem a = tool_make_buffer("moecl-bench", c, count * 16, NULL), b = tool_make_buffer("moecl-bench", c, count * 16, NULL);
     clEnqueueFillBuffer(q, a, &(float){1.0f}, 4, 0, count * 16, 0, NULL, NULL);
     clSetKernelArg(empty, 0, sizeof(cl_mem), &a);
     clSetKernelArg(copy, 0, sizeof(cl_mem), &a);
@@ -157,10 +100,10 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
                 break;
             clWaitForEvents(1, &ev);
             if (i >= 0)
-                t[i] = event_us(ev);
+                t[i] = tool_event_us(ev);
             clReleaseEvent(ev);
         }
-        qsort(t, (size_t)iterations, sizeof(double), cmp_double);
+        qsort(t, (size_t)iterations, sizeof(double), tool_cmp_double);
         if (pass == 0)
             r.empty_us = t[iterations / 2];
         else
@@ -247,15 +190,15 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
                     } while (again);
                     ids[t * d->top_k + j] = id;
                 }
-            b->in[s] = make_buffer(cl, input_bytes(c), ids);
+            b->in[s] = tool_make_buffer("moecl-bench", cl, input_bytes(c), ids);
             if (s == 0)
                 b->host_in = ids;
             else
                 free(ids);
         } else if (c->op == OP_TOPK) {
             const moecl_topk_gating_desc *d = &c->topk;
-            void *g = random_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, 1.0f);
-            b->in[s] = make_buffer(cl, input_bytes(c), g);
+            void *g = tool_random_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, 1.0f);
+            b->in[s] = tool_make_buffer("moecl-bench", cl, input_bytes(c), g);
             if (s == 0)
                 b->host_in = g;
             else
@@ -263,13 +206,13 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         } else {
             const moecl_grounded_router_desc *d = &c->grounded;
             size_t hs = ref_dtype_size(d->hidden_dtype);
-            void *h = random_tensor(&seed, d->hidden_dtype, (size_t)d->num_tokens * d->hidden_dim,
+            void *h = tool_random_tensor(&seed, d->hidden_dtype, (size_t)d->num_tokens * d->hidden_dim,
                                     1.0f / sqrtf((float)d->hidden_dim));
-            void *l = random_tensor(&seed, MOECL_F32, (size_t)d->num_tokens * d->num_experts, 1.0f);
-            void *g = random_tensor(&seed, d->hidden_dtype, (size_t)d->num_experts * d->hidden_dim, 1.0f);
-            b->in[s] = make_buffer(cl, (size_t)d->num_tokens * d->hidden_dim * hs, h);
-            b->in2[s] = make_buffer(cl, (size_t)d->num_tokens * d->num_experts * 4, l);
-            b->in3[s] = make_buffer(cl, (size_t)d->num_experts * d->hidden_dim * hs, g);
+            void *l = tool_random_tensor(&seed, MOECL_F32, (size_t)d->num_tokens * d->num_experts, 1.0f);
+            void *g = tool_random_tensor(&seed, d->hidden_dtype, (size_t)d->num_experts * d->hidden_dim, 1.0f);
+            b->in[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_tokens * d->hidden_dim * hs, h);
+            b->in2[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_tokens * d->num_experts * 4, l);
+            b->in3[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_experts * d->hidden_dim * hs, g);
             if (s == 0) {
                 b->host_in = h;
                 b->host_in2 = l;
@@ -282,20 +225,20 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         }
     }
     if (c->op == OP_TOPK && c->bias) {
-        b->host_bias = random_tensor(&seed, MOECL_F32, c->topk.num_experts, 0.05f);
-        b->bias = make_buffer(cl, c->topk.num_experts * 4, b->host_bias);
+        b->host_bias = tool_random_tensor(&seed, MOECL_F32, c->topk.num_experts, 0.05f);
+        b->bias = tool_make_buffer("moecl-bench", cl, c->topk.num_experts * 4, b->host_bias);
     }
     if (c->op == OP_ALIGN) {
         size_t sizes[6];
         align_sizes(&c->align, sizes);
         cl_mem *outs[6] = {&b->out1, &b->out2, &b->out3, &b->out4, &b->out5, &b->out6};
         for (int i = 0; i < 6; i++)
-            *outs[i] = make_buffer(cl, sizes[i], NULL);
+            *outs[i] = tool_make_buffer("moecl-bench", cl, sizes[i], NULL);
         return;
     }
     size_t nk = output_bytes(c) / 8;
-    b->out1 = make_buffer(cl, nk * 8, NULL); /* weights, or pairs */
-    b->out2 = make_buffer(cl, nk * 4, NULL); /* ids */
+    b->out1 = tool_make_buffer("moecl-bench", cl, nk * 8, NULL); /* weights, or pairs */
+    b->out2 = tool_make_buffer("moecl-bench", cl, nk * 4, NULL); /* ids */
 }
 
 static void free_buffers(case_buffers *b)
@@ -357,7 +300,7 @@ static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const ca
             clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_END, sizeof(end), &end, NULL);
             *us = (double)(end - start) / 1e3;
         } else {
-            *us = event_us(ev);
+            *us = tool_event_us(ev);
         }
         clReleaseEvent(ev);
     }
@@ -433,7 +376,7 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     case_buffers b;
     setup_buffers(moecl_context_cl_context(prof), c, o->cold, &b);
     moecl_status st;
-    double p0 = now_us();
+    double p0 = tool_now_us();
     if (c->op == OP_ALIGN) {
         if ((st = moecl_moe_align_prepare(prof, &c->align)) || (st = moecl_moe_align_prepare(plain, &c->align)))
             die(c->label, prof, st);
@@ -444,18 +387,18 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
                (st = moecl_grounded_router_prepare(plain, &c->grounded))) {
         die(c->label, prof, st);
     }
-    r->prepare_ms = (now_us() - p0) / 1e3;
+    r->prepare_ms = (tool_now_us() - p0) / 1e3;
     check_case(prof, c, &b, r);
 
     /* A call slower than 0.1 s (a large GEMM on a CPU) gets fewer calls, at
      * least 10, so one case stays within about 20 s; the table says so. */
-    double probe0 = now_us();
+    double probe0 = tool_now_us();
     cl_event probe_ev;
     if ((st = call(prof, c, &b, 0, &probe_ev)) != MOECL_SUCCESS)
         die(c->label, prof, st);
     clWaitForEvents(1, &probe_ev);
     clReleaseEvent(probe_ev);
-    const double one_call_us = now_us() - probe0;
+    const double one_call_us = tool_now_us() - probe0;
     int iterations = o->iterations, wall_calls = o->wall_calls, warmup = 10;
     if (one_call_us > 1e5) {
         int fit = (int)(2e7 / one_call_us);
@@ -476,7 +419,7 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
         if (i >= 0)
             t[i] = us;
     }
-    qsort(t, (size_t)iterations, sizeof(double), cmp_double);
+    qsort(t, (size_t)iterations, sizeof(double), tool_cmp_double);
     r->median_us = t[iterations / 2];
     r->p10_us = t[iterations / 10];
     r->p90_us = t[iterations * 9 / 10];
@@ -487,12 +430,12 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     for (int i = 0; i < warmup; i++)
         call(plain, c, &b, 0, NULL);
     clFinish(q);
-    double t0 = now_us();
+    double t0 = tool_now_us();
     for (int i = 0; i < wall_calls; i++)
         if ((st = call(plain, c, &b, b.sets > 1 ? i % b.sets : 0, NULL)) != MOECL_SUCCESS)
             die(c->label, plain, st);
     clFinish(q);
-    r->wall_us = (now_us() - t0) / wall_calls;
+    r->wall_us = (tool_now_us() - t0) / wall_calls;
 
     /* (c) bytes that must move: inputs read once, outputs written once. */
     r->bytes = (double)input_bytes(c) + (double)output_bytes(c) + (b.bias ? c->topk.num_experts * 4.0 : 0.0);
@@ -648,9 +591,9 @@ int main(int argc, char **argv)
     }
 
     moecl_context *plain;
-    double c0 = now_us();
+    double c0 = tool_now_us();
     moecl_status st = moecl_context_create(o.device, &plain);
-    double create_ms = (now_us() - c0) / 1e3;
+    double create_ms = (tool_now_us() - c0) / 1e3;
     if (st != MOECL_SUCCESS)
         die("creating the context", NULL, st);
     cl_context cl = moecl_context_cl_context(plain);

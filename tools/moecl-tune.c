@@ -22,6 +22,7 @@
 
 #include "internal.h"
 #include "reference.h"
+#include "tool_common.h"
 
 /* A winner must beat the untuned choice by more than this to replace it. */
 #define MIN_GAIN 0.03
@@ -86,59 +87,14 @@ typedef struct result {
 
 static const char *const kernel_names[] = {"rows", "team", "tiled"};
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static float randn(uint64_t *s)
-{
-    double u[2];
-    for (int i = 0; i < 2; i++) {
-        *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-        u[i] = ((*s >> 11) + 0.5) / 9007199254740992.0;
-    }
-    return (float)(sqrt(-2.0 * log(u[0])) * cos(6.283185307179586 * u[1]));
-}
-
 static void *random_tensor(uint64_t *s, size_t n, float scale)
 {
-    float *p = malloc(n * sizeof(float) + 4);
+    void *p = tool_random_tensor(s, MOECL_F32, n, scale);
     if (!p) {
         fprintf(stderr, "moecl-tune: out of memory\n");
         exit(1);
     }
-    for (size_t i = 0; i < n; i++)
-        p[i] = randn(s) * scale;
     return p;
-}
-
-static cl_mem make_buffer(cl_context c, size_t size, const void *data)
-{
-    cl_int err;
-    cl_mem m = clCreateBuffer(c, CL_MEM_READ_WRITE | (data ? CL_MEM_COPY_HOST_PTR : 0), size ? size : 4, (void *)data,
-                              &err);
-    if (!m) {
-        fprintf(stderr, "moecl-tune: clCreateBuffer(%zu) failed: %d\n", size, err);
-        exit(1);
-    }
-    return m;
-}
-
-static double event_us(cl_event ev)
-{
-    cl_ulong start = 0, end = 0;
-    clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_START, sizeof(start), &start, NULL);
-    clGetEventProfilingInfo(ev, CL_PROFILING_COMMAND_END, sizeof(end), &end, NULL);
-    return (double)(end - start) / 1e3;
-}
-
-static double now_us(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
 /* ---- the shapes ---- */
@@ -210,10 +166,10 @@ static void setup_buffers(cl_context cl, const tune_case *c, case_buffers *b)
         const moecl_topk_gating_desc *d = &c->topk;
         size_t n = (size_t)d->num_tokens * d->num_experts;
         b->host_in = random_tensor(&seed, n, 1.0f);
-        b->in = make_buffer(cl, n * 4, b->host_in);
+        b->in = tool_make_buffer("moecl-tune", cl, n * 4, b->host_in);
         if (c->bias) {
             b->host_bias = random_tensor(&seed, d->num_experts, 0.05f);
-            b->bias = make_buffer(cl, d->num_experts * 4, b->host_bias);
+            b->bias = tool_make_buffer("moecl-tune", cl, d->num_experts * 4, b->host_bias);
         }
     } else {
         const moecl_grounded_router_desc *d = &c->grounded;
@@ -222,13 +178,13 @@ static void setup_buffers(cl_context cl, const tune_case *c, case_buffers *b)
         b->host_in = random_tensor(&seed, nh, 1.0f / sqrtf((float)d->hidden_dim));
         b->host_in2 = random_tensor(&seed, nl, 1.0f);
         b->host_in3 = random_tensor(&seed, ng, 1.0f);
-        b->in = make_buffer(cl, nh * 4, b->host_in);
-        b->in2 = make_buffer(cl, nl * 4, b->host_in2);
-        b->in3 = make_buffer(cl, ng * 4, b->host_in3);
+        b->in = tool_make_buffer("moecl-tune", cl, nh * 4, b->host_in);
+        b->in2 = tool_make_buffer("moecl-tune", cl, nl * 4, b->host_in2);
+        b->in3 = tool_make_buffer("moecl-tune", cl, ng * 4, b->host_in3);
     }
     size_t nk = (size_t)tokens_of(c) * top_k_of(c);
-    b->out1 = make_buffer(cl, nk * 8, NULL); /* weights, or the grounded router's pairs */
-    b->out2 = make_buffer(cl, nk * 4, NULL); /* ids */
+    b->out1 = tool_make_buffer("moecl-tune", cl, nk * 8, NULL); /* weights, or the grounded router's pairs */
+    b->out2 = tool_make_buffer("moecl-tune", cl, nk * 4, NULL); /* ids */
     b->out_w = malloc(nk * 8 + 4);
     b->out_ids = malloc(nk * 4 + 4);
     if (!b->out_w || !b->out_ids) {
@@ -311,7 +267,7 @@ static bool check(moecl_context *ctx, const tune_case *c, case_buffers *b, resul
 static void time_config(moecl_context *ctx, const tune_case *c, case_buffers *b, int iterations, double best_us,
                         result *r)
 {
-    double t0 = now_us();
+    double t0 = tool_now_us();
     for (int i = 0; i < 2; i++) {
         cl_event ev;
         if (call(ctx, c, b, &ev) != MOECL_SUCCESS)
@@ -319,7 +275,7 @@ static void time_config(moecl_context *ctx, const tune_case *c, case_buffers *b,
         clWaitForEvents(1, &ev);
         clReleaseEvent(ev);
     }
-    double one_call = (now_us() - t0) / 2;
+    double one_call = (tool_now_us() - t0) / 2;
     if (one_call > 1e5) {
         int fit = (int)(1e7 / one_call);
         iterations = fit < 5 ? 5 : fit < iterations ? fit : iterations;
@@ -340,12 +296,12 @@ static void time_config(moecl_context *ctx, const tune_case *c, case_buffers *b,
             break;
         }
         clWaitForEvents(1, &ev);
-        t[n] = event_us(ev);
+        t[n] = tool_event_us(ev);
         clReleaseEvent(ev);
         if (n + 1 == PRUNE_CALLS && best_us > 0 && n + 1 < iterations) {
             double first[PRUNE_CALLS];
             memcpy(first, t, sizeof(first));
-            qsort(first, PRUNE_CALLS, sizeof(double), cmp_double);
+            qsort(first, PRUNE_CALLS, sizeof(double), tool_cmp_double);
             if (first[PRUNE_CALLS / 2] > PRUNE_FACTOR * best_us) {
                 r->pruned = true;
                 n++;
@@ -354,7 +310,7 @@ static void time_config(moecl_context *ctx, const tune_case *c, case_buffers *b,
         }
     }
     if (n > 0) {
-        qsort(t, (size_t)n, sizeof(double), cmp_double);
+        qsort(t, (size_t)n, sizeof(double), tool_cmp_double);
         r->median_us = t[n / 2];
         r->p10_us = t[n / 10];
         r->p90_us = t[n * 9 / 10];
@@ -517,9 +473,9 @@ static bool spawn_capture(const char *self, char *const *args, char *out, size_t
     }
     /* Read everything the child says, up to the deadline. */
     size_t used = 0;
-    const double deadline = now_us() + CHILD_TIMEOUT_S * 1e6;
+    const double deadline = tool_now_us() + CHILD_TIMEOUT_S * 1e6;
     for (;;) {
-        double left_ms = (deadline - now_us()) / 1e3;
+        double left_ms = (deadline - tool_now_us()) / 1e3;
         struct pollfd p = {fds[0], POLLIN, 0};
         if (left_ms <= 0 || poll(&p, 1, (int)left_ms) == 0) {
             ce->timed_out = true;
@@ -849,8 +805,8 @@ static outcome tune_shape(const char *self, const plan *p, const tune_case *c, c
             }
             if (tty)
                 fprintf(stderr, "\r%110s\r", "");
-            qsort(tb, CONFIRM_ROUNDS, sizeof(double), cmp_double);
-            qsort(tw, CONFIRM_ROUNDS, sizeof(double), cmp_double);
+            qsort(tb, CONFIRM_ROUNDS, sizeof(double), tool_cmp_double);
+            qsort(tw, CONFIRM_ROUNDS, sizeof(double), tool_cmp_double);
             const double mb = tb[CONFIRM_ROUNDS / 2], mw = tw[CONFIRM_ROUNDS / 2];
             wins = confirmed_ok && mw < (1.0 - MIN_GAIN) * mb;
             printf("  confirming, %d alternating runs each: %s %.2f us, untuned %.2f us (%+.1f%%)\n", CONFIRM_ROUNDS,

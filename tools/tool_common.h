@@ -1,0 +1,27 @@
+/* Helpers moecl-bench and moecl-tune share: timing, the inputs they make
+ * (the same generator, so both tools route the same numbers), and device
+ * buffers. Tools may exit on failure; the library never does. */
+#ifndef MOECL_TOOL_COMMON_H
+#define MOECL_TOOL_COMMON_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <moecl/moecl.h>
+
+/* Monotonic wall clock, microseconds. */
+double tool_now_us(void);
+/* qsort comparator for doubles (medians). */
+int tool_cmp_double(const void *a, const void *b);
+/* A standard-normal float from the 64-bit LCG state *s (Box-Muller). */
+float tool_randn(uint64_t *s);
+/* n values randn * scale in dtype t (f16/bf16 rounded to nearest even),
+ * malloc'ed with 4 spare bytes; NULL when out of memory. */
+void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale);
+/* A read-write buffer of size bytes (at least 4), copied from data if not
+ * NULL; on failure prints "<prog>: ..." and exits 1. */
+cl_mem tool_make_buffer(const char *prog, cl_context c, size_t size, const void *data);
+/* Device time of a finished command from its profiling info, microseconds. */
+double tool_event_us(cl_event ev);
+
+#endif
