@@ -206,10 +206,10 @@ moecl_status moecl_device_select(const char *selector, cl_platform_id *platform,
     if (st != MOECL_SUCCESS)
         return st;
 
-    const char *source = "argument";
+    const char *source = "the argument";
     if (!selector || !*selector) {
         selector = getenv("MOECL_DEVICE");
-        source = "MOECL_DEVICE";
+        source = "$MOECL_DEVICE";
     }
     int found = -1;
     if (!selector || !*selector) {
@@ -245,7 +245,7 @@ moecl_status moecl_device_select(const char *selector, cl_platform_id *platform,
             used += (size_t)w;
         }
         return moecl_fail(NULL, MOECL_ERROR_NO_DEVICE,
-                          "no OpenCL device matches the selector \"%s\" (from the %s); selectors are "
+                          "no OpenCL device matches the selector \"%s\" (from %s); selectors are "
                           "\"gpu\", \"cpu\", \"P:D\" or a substring of \"platform / device\"; devices here: %s",
                           selector, source, list);
     }
