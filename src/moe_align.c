@@ -178,6 +178,19 @@ static moecl_status launch(moecl_context *ctx, moecl_variant *v, const char *nam
 #define MEM(m) ((kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
 #define LOCAL(bytes) ((kernel_arg){(bytes), NULL})
 
+/* After a launch: on success its event becomes the one the next waits on
+ * (the previous one released); on failure the previous one is kept, the
+ * last queued work. */
+static void advance(moecl_status st, cl_event *prev, cl_event *ev)
+{
+    if (st != MOECL_SUCCESS)
+        return;
+    if (*prev)
+        clReleaseEvent(*prev);
+    *prev = *ev;
+    *ev = NULL;
+}
+
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
@@ -215,10 +228,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                                    MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
         st = launch(ctx, p->variants[1], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, prev ? 1 : num_wait,
                     prev ? &prev : wait, &ev);
-        if (prev)
-            clReleaseEvent(prev);
-        prev = ev;
-        ev = NULL;
+        advance(st, &prev, &ev);
     }
     if (st == MOECL_SUCCESS && max_padded > 0) {
         const cl_int sentinel = (cl_int)slots;
@@ -227,9 +237,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                                    ARG(a->sorted.off), MEM(a->blocks.mem), ARG(a->blocks.off)};
         st = launch(ctx, p->variants[2], "moe_align_fill", args, 11, moecl_round_up(max_padded, s->fill_wg),
                     s->fill_wg, 1, &prev, &ev);
-        clReleaseEvent(prev);
-        prev = ev;
-        ev = NULL;
+        advance(st, &prev, &ev);
     }
     if (st == MOECL_SUCCESS && chunks > 0) {
         const kernel_arg args[] = {MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),
@@ -238,15 +246,17 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                                    LOCAL(cols * 4)};
         st = launch(ctx, p->variants[3], "moe_align_scatter", args, 13, (size_t)chunks * s->wg, s->wg, 1, &prev,
                     &ev);
-        clReleaseEvent(prev);
-        prev = ev;
-        ev = NULL;
+        advance(st, &prev, &ev);
     }
     /* Released now; OpenCL frees it once the kernels that use it finish. */
     clReleaseMemObject(scratch);
     if (st != MOECL_SUCCESS) {
-        if (prev)
+        /* A later launch failed after earlier ones were queued: wait for
+         * those, so that nothing writes the outputs after we return. */
+        if (prev) {
+            clWaitForEvents(1, &prev);
             clReleaseEvent(prev);
+        }
         return st;
     }
     if (done)
