@@ -64,7 +64,7 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
 {
     /* ground_local, hidden_local, chosen_g and chosen_ids, then the top-k
      * scratch (see topk_gating.c). */
-    size_t top = rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+    const size_t top = moecl_team_topk_bytes(team, ept, k, rounds);
     return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 8 +
            (size_t)rows * top;
 }
@@ -146,7 +146,6 @@ static void rows_shape(unsigned rows, launch_shape *shape)
     shape->kernel_name = "grounded_router_rows";
 }
 
-static bool is_pow2(unsigned v) { return v && (v & (v - 1)) == 0; }
 
 /* The first configuration of the forced / tune file / table overrides
  * (launch.c orders them) that the device can run, checked for the exact
@@ -155,7 +154,7 @@ static bool override_shape(const moecl_context *ctx, unsigned hidden, unsigned e
                            launch_shape *shape, moecl_launch_source *source)
 {
     const moecl_device_info *info = &ctx->info;
-    const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    const size_t budget = moecl_local_budget(info);
     const moecl_launch_key key = moecl_launch_key_grounded(hidden, experts, k);
     moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
     moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
@@ -163,12 +162,12 @@ static bool override_shape(const moecl_context *ctx, unsigned hidden, unsigned e
     for (unsigned i = 0; i < n; i++) {
         const moecl_launch_config *c = &configs[i];
         bool ok = false;
-        if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && is_pow2(c->rows) &&
+        if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && moecl_is_pow2(c->rows) &&
             c->rows <= info->max_work_group_size) {
             rows_shape(c->rows, shape);
             ok = true;
         } else if (c->kernel == MOECL_KERNEL_TEAM && c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM &&
-                   is_pow2(c->team) && is_pow2(c->rows)) {
+                   moecl_is_pow2(c->team) && moecl_is_pow2(c->rows)) {
             rows_shape(8, shape);
             ok = team_shape(info, c->team, c->rows, hidden, experts, k, budget, shape);
         } else if (c->kernel == MOECL_KERNEL_TILED) {
@@ -206,7 +205,7 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, 
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->grounded_wide_tile || info->launch_class_forced))
         return shape;
-    const size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    const size_t budget = moecl_local_budget(info);
 
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
      * in local memory. */

@@ -286,4 +286,30 @@ static inline size_t moecl_dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4
 /* Rounds v up to a multiple of m. */
 static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
 
+/* Local memory the kernels may take on a device: all but 1 KiB, left to
+ * the implementation. */
+static inline size_t moecl_local_budget(const moecl_device_info *info)
+{
+    return info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+}
+
+/* Local memory of one row's team top-k (cl/common.cl team_topk): key
+ * slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys and
+ * values for counting. */
+static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k, bool rounds)
+{
+    return rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+}
+
+static inline bool moecl_is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }
+
+/* The smallest power of two >= v (at most 2^31). */
+static inline uint32_t moecl_pow2_at_least(uint32_t v)
+{
+    uint32_t p = 1;
+    while (p < v && p < (1u << 31))
+        p <<= 1;
+    return p;
+}
+
 #endif

@@ -35,16 +35,6 @@
 #define TUNE_MAX_ENTRIES 1024u
 #define TUNE_MAX_LINE 512
 
-static bool is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }
-
-static uint32_t pow2_at_least(uint32_t v)
-{
-    uint32_t p = 1;
-    while (p < v && p < (1u << 31))
-        p <<= 1;
-    return p;
-}
-
 moecl_launch_key moecl_launch_key_topk(uint32_t num_experts, uint32_t top_k, uint32_t groups)
 {
     return (moecl_launch_key){MOECL_OP_TOPK_GATING, num_experts, top_k, groups, 0};
@@ -55,7 +45,7 @@ moecl_launch_key moecl_launch_key_topk(uint32_t num_experts, uint32_t top_k, uin
  * configuration against the exact size. */
 moecl_launch_key moecl_launch_key_grounded(uint32_t hidden_dim, uint32_t num_experts, uint32_t top_k)
 {
-    return (moecl_launch_key){MOECL_OP_GROUNDED_ROUTER, num_experts, top_k, 0, pow2_at_least(hidden_dim)};
+    return (moecl_launch_key){MOECL_OP_GROUNDED_ROUTER, num_experts, top_k, 0, moecl_pow2_at_least(hidden_dim)};
 }
 
 static bool key_equal(const moecl_launch_key *a, const moecl_launch_key *b)
@@ -351,7 +341,7 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         *key = moecl_launch_key_topk(e, k, g);
     } else {
         const uint32_t h = value[F_HIDDEN];
-        if (seen[F_GROUPS] || !seen[F_HIDDEN] || !is_pow2(h) || h > MOECL_MAX_HIDDEN)
+        if (seen[F_GROUPS] || !seen[F_HIDDEN] || !moecl_is_pow2(h) || h > MOECL_MAX_HIDDEN)
             return false;
         *key = moecl_launch_key_grounded(h, e, k);
     }
@@ -365,16 +355,16 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
     case MOECL_KERNEL_TEAM:
         c.team = value[F_TEAM];
         c.rows = value[F_ROWS];
-        if (seen[F_TILE] || !is_pow2(c.team) || c.team < 2 || c.team > MOECL_LAUNCH_MAX_TEAM)
+        if (seen[F_TILE] || !moecl_is_pow2(c.team) || c.team < 2 || c.team > MOECL_LAUNCH_MAX_TEAM)
             return false;
         break;
     case MOECL_KERNEL_TILED:
         c.tile = value[F_TILE];
-        if (topk || seen[F_TEAM] || seen[F_ROWS] || !is_pow2(c.tile) || c.tile < 16 || c.tile > 128)
+        if (topk || seen[F_TEAM] || seen[F_ROWS] || !moecl_is_pow2(c.tile) || c.tile < 16 || c.tile > 128)
             return false;
         break;
     }
-    if (c.kernel != MOECL_KERNEL_TILED && (!is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
+    if (c.kernel != MOECL_KERNEL_TILED && (!moecl_is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
         return false;
     *config = c;
     return true;

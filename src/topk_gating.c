@@ -65,14 +65,6 @@ typedef struct launch_shape {
     const char *kernel_name;
 } launch_shape;
 
-static unsigned next_pow2(unsigned v)
-{
-    unsigned p = 1;
-    while (p < v)
-        p <<= 1;
-    return p;
-}
-
 /* Local memory the team kernel needs for `rows` rows (mirrors the __local
  * arrays of topk_gating_team). */
 static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups,
@@ -83,7 +75,7 @@ static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigne
      * and values for counting (common.cl). */
     const unsigned ept = (experts + team - 1) / team;
     size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
-    per_row += rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+    per_row += moecl_team_topk_bytes(team, ept, k, rounds);
     if (groups)
         per_row += (size_t)experts * 4 + (size_t)groups * 9 + (team / groups >= 2 ? (size_t)team * 12 : 0);
     return per_row * rows;
@@ -100,7 +92,7 @@ static bool shape_of_config(const moecl_context *ctx, const moecl_launch_config 
         *shape = (launch_shape){1, c->rows, false, "topk_gating_rows"};
         return true;
     }
-    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    size_t budget = moecl_local_budget(info);
     if (c->kernel != MOECL_KERNEL_TEAM || c->team < 2 || c->team > MOECL_LAUNCH_MAX_TEAM ||
         (c->team & (c->team - 1)) || !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
         team_local_bytes(c->team, c->rows, k, experts, groups, info->topk_rounds) > budget)
@@ -150,7 +142,7 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->team_override || info->launch_class_forced))
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
-    unsigned team = info->team_override ? info->team_override : next_pow2((experts + 7) / 8);
+    unsigned team = info->team_override ? info->team_override : moecl_pow2_at_least((experts + 7) / 8);
     if (team > 256)
         team = 256;
     while (team > 1 && team > info->max_work_group_size)
@@ -160,8 +152,7 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
     unsigned rows = team >= 128 ? 1 : 128 / team;
     while (rows * team > info->max_work_group_size)
         rows >>= 1;
-    /* Leave 1 KiB of local memory to the implementation. */
-    size_t budget = info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
+    size_t budget = moecl_local_budget(info);
     while (rows > 1 && team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
         rows >>= 1;
     if (rows == 0 || team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
