@@ -6,6 +6,7 @@
  *   NUM_GROUPS, TOPK_GROUP     group-limited selection (NUM_GROUPS 0: none)
  *   GROUP_SCORE                0 max, 1 sum of the top two
  *   RENORMALIZE                divide the weights by their sum when > 0
+ *   HAS_COUNTS                 also count the chosen ids per expert (below)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
@@ -13,6 +14,27 @@
 
 #ifndef NUM_GROUPS
 #define NUM_GROUPS 0
+#endif
+
+/* HAS_COUNTS (moecl_topk_gating_with_counts; absent, i.e. 0, for the plain
+ * entry points, whose defines and kernels stay as they were): both kernels
+ * take two more arguments, an int histogram and its offset in elements,
+ * which the host has zeroed, and add one to counts[id] for each id they
+ * write. Integer sums: the result is the same in any order. */
+#ifndef HAS_COUNTS
+#define HAS_COUNTS 0
+#endif
+#if HAS_COUNTS
+#define COUNTS_PARAMS , __global int *counts, ulong counts_off
+#define COUNT_ID(id)                                                                               \
+    do {                                                                                           \
+        const uint id_ = (uint)(id);                                                               \
+        if (id_ < NUM_EXPERTS)                                                                     \
+            atomic_inc(counts + counts_off + id_);                                                 \
+    } while (0)
+#else
+#define COUNTS_PARAMS
+#define COUNT_ID(id) ((void)0)
 #endif
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
@@ -365,7 +387,8 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 
 __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
                                ulong bias_off, __global float *topk_weights, ulong weights_off,
-                               __global int *topk_ids, ulong ids_off, uint num_tokens, float scaling_factor)
+                               __global int *topk_ids, ulong ids_off, uint num_tokens,
+                               float scaling_factor COUNTS_PARAMS)
 {
     const uint row = (uint)get_global_id(0);
     if (row >= num_tokens)
@@ -376,6 +399,11 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     (void)bias_off;
     topk_rows_softmax(x, topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
                       scaling_factor);
+#if HAS_COUNTS
+    /* The ids this work-item has just written. */
+    for (uint j = 0; j < TOPK; j++)
+        COUNT_ID(topk_ids[ids_off + (size_t)row * TOPK + j]);
+#endif
 #else
 #if HAS_BIAS
     bias += bias_off;
@@ -500,6 +528,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     for (uint j = 0; j < TOPK; j++) {
         w_out[j] = weights[j] / divisor * scaling_factor;
         id_out[j] = (int)key_index(keys[j]);
+        COUNT_ID(key_index(keys[j]));
     }
 #endif
 }
@@ -525,7 +554,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, ulong gating_off, __global const float *bias, ulong bias_off,
                  __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
-                 uint num_tokens, float scaling_factor)
+                 uint num_tokens, float scaling_factor COUNTS_PARAMS)
 {
 #if TEAM_SHUFFLE
 #define FLOAT_SLOTS ((__local float *)0)
@@ -692,6 +721,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         for (uint j = lane; j < TOPK; j += TEAM) {
             w_out[j] = chosen_weights[r * TOPK + j] / divisor * scaling_factor;
             id_out[j] = (int)chosen_ids[r * TOPK + j];
+            COUNT_ID(chosen_ids[r * TOPK + j]);
         }
     }
 }

@@ -242,9 +242,11 @@ moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const
  * the table has entries for NVIDIA and pocl only), exactly as the ops
  * build it; the program is moecl_program_source's text built with
  * moecl_build_options(info) + " " + defines. For tests that compile the
- * variants for devices that are not present. */
+ * variants for devices that are not present. has_counts: the variant of
+ * moecl_topk_gating_with_counts (the plain one's defines plus
+ * " -DHAS_COUNTS=1"). */
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
-                               char *buf, size_t size, const char **kernel_name);
+                               bool has_counts, char *buf, size_t size, const char **kernel_name);
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name);

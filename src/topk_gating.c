@@ -194,7 +194,8 @@ typedef struct prepared {
  * ctx (overrides, then the rule), or with ctx NULL on a device described
  * by info (the rule alone). */
 static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info *info,
-                               const moecl_topk_gating_desc *d, bool has_bias, char *defines, size_t size)
+                               const moecl_topk_gating_desc *d, bool has_bias, bool has_counts, char *defines,
+                               size_t size)
 {
     unsigned groups, topk_group;
     effective_groups(d, &groups, &topk_group);
@@ -209,19 +210,26 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
              (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1,
              (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
+    /* Appended only when set: the plain entry points' defines, and so their
+     * kernels and disk-cache entries, are what they were before counts. */
+    if (has_counts) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DHAS_COUNTS=1");
+    }
     return shape;
 }
 
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
-                               char *buf, size_t size, const char **kernel_name)
+                               bool has_counts, char *buf, size_t size, const char **kernel_name)
 {
-    *kernel_name = variant_of(NULL, info, desc, has_bias, buf, size).kernel_name;
+    *kernel_name = variant_of(NULL, info, desc, has_bias, has_counts, buf, size).kernel_name;
 }
 
-static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, prepared *out)
+static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, bool has_counts,
+                            prepared *out)
 {
     char defines[512];
-    out->shape = variant_of(ctx, &ctx->info, d, has_bias, defines, sizeof(defines));
+    out->shape = variant_of(ctx, &ctx->info, d, has_bias, has_counts, defines, sizeof(defines));
     return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
 }
 
@@ -235,22 +243,24 @@ moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gati
     /* Bias or not is a build-time choice; prepare both so that either call
      * finds its kernel. */
     prepared p;
-    st = prepare(ctx, desc, false, &p);
+    st = prepare(ctx, desc, false, false, &p);
     if (st == MOECL_SUCCESS)
-        st = prepare(ctx, desc, true, &p);
+        st = prepare(ctx, desc, true, false, &p);
     return st;
 }
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d, const prepared *p, cl_mem gating,
                             size_t gating_off, cl_mem bias, size_t bias_off, cl_mem weights, size_t weights_off,
-                            cl_mem ids, size_t ids_off, cl_uint num_wait, const cl_event *wait, cl_event *done)
+                            cl_mem ids, size_t ids_off, cl_mem counts, size_t counts_off, cl_uint num_wait,
+                            const cl_event *wait, cl_event *done)
 {
     cl_kernel kernel;
     moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
     if (st != MOECL_SUCCESS)
         return st;
     /* Offsets travel in elements: the kernels index typed pointers. */
-    cl_ulong offsets[4] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4};
+    cl_ulong offsets[5] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4,
+                           counts_off / 4};
     cl_uint num_tokens = d->num_tokens;
     cl_float factor = d->routed_scaling_factor;
     cl_int err = CL_SUCCESS;
@@ -264,6 +274,10 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
     err |= clSetKernelArg(kernel, 7, sizeof(cl_ulong), &offsets[3]);
     err |= clSetKernelArg(kernel, 8, sizeof(cl_uint), &num_tokens);
     err |= clSetKernelArg(kernel, 9, sizeof(cl_float), &factor);
+    if (counts) {
+        err |= clSetKernelArg(kernel, 10, sizeof(cl_mem), &counts);
+        err |= clSetKernelArg(kernel, 11, sizeof(cl_ulong), &offsets[4]);
+    }
     if (err != CL_SUCCESS) {
         moecl_variant_release(p->variant, kernel);
         return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
@@ -271,16 +285,48 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
     size_t rows = p->shape.rows;
     size_t local = (size_t)p->shape.team * rows;
     size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
+    /* The counts are zeroed first; the kernel waits on that (the queue may
+     * be out of order). */
+    cl_event zeroed = NULL;
+    if (counts) {
+        const cl_int zero = 0;
+        err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off, (size_t)d->num_experts * 4,
+                                  num_wait, wait, &zeroed);
+        if (err != CL_SUCCESS) {
+            moecl_variant_release(p->variant, kernel);
+            return moecl_fail(ctx, err, "zeroing expert_counts failed (%s)", moecl_status_string(err));
+        }
+        num_wait = 1;
+        wait = &zeroed;
+    }
     err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
     moecl_variant_release(p->variant, kernel);
+    if (zeroed)
+        clReleaseEvent(zeroed);
     if (err != CL_SUCCESS)
         return moecl_fail(ctx, err, "enqueueing the top-k gating kernel failed (%s)", moecl_status_string(err));
     return MOECL_SUCCESS;
 }
 
-moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
-                               moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
-                               const cl_event *wait, cl_event *done)
+/* num_tokens == 0 with counts: only the zeroing, honouring the wait list;
+ * done is its event. */
+static moecl_status enqueue_zero_counts(moecl_context *ctx, const moecl_topk_gating_desc *d, cl_mem counts,
+                                        size_t counts_off, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const cl_int zero = 0;
+    cl_int err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off,
+                                     (size_t)d->num_experts * 4, num_wait, wait, done);
+    if (err != CL_SUCCESS)
+        return moecl_fail(ctx, err, "zeroing expert_counts failed (%s)", moecl_status_string(err));
+    return MOECL_SUCCESS;
+}
+
+/* The device-buffer call; expert_counts.mem == NULL (with has_counts
+ * false) is the plain entry point. */
+static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
+                                  moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                  bool has_counts, moecl_buffer expert_counts, cl_uint num_wait, const cl_event *wait,
+                                  cl_event *done)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
@@ -296,17 +342,41 @@ moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc 
         (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, true)) != MOECL_SUCCESS ||
         (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, true)) != MOECL_SUCCESS)
         return st;
+    if (has_counts &&
+        (st = moecl_check_buffer(ctx, "expert_counts", expert_counts, e * 4, 4, true)) != MOECL_SUCCESS)
+        return st;
     prepared p;
-    if ((st = prepare(ctx, desc, bias.mem != NULL, &p)) != MOECL_SUCCESS)
+    if ((st = prepare(ctx, desc, bias.mem != NULL, has_counts, &p)) != MOECL_SUCCESS)
         return st;
     if (desc->num_tokens == 0)
-        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
+        return has_counts
+                   ? enqueue_zero_counts(ctx, desc, expert_counts.mem, expert_counts.offset, num_wait, wait, done)
+                   : moecl_enqueue_nothing(ctx, num_wait, wait, done);
     return enqueue(ctx, desc, &p, gating.mem, gating.offset, bias.mem, bias.offset, topk_weights.mem,
-                   topk_weights.offset, topk_ids.mem, topk_ids.offset, num_wait, wait, done);
+                   topk_weights.offset, topk_ids.mem, topk_ids.offset, has_counts ? expert_counts.mem : NULL,
+                   expert_counts.offset, num_wait, wait, done);
 }
 
-moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
-                                    const float *bias, float *topk_weights, int32_t *topk_ids)
+moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
+                               moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
+                               const cl_event *wait, cl_event *done)
+{
+    return gating_device(ctx, desc, gating, bias, topk_weights, topk_ids, false, (moecl_buffer){NULL, 0}, num_wait,
+                         wait, done);
+}
+
+moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                           moecl_buffer gating, moecl_buffer bias, moecl_buffer topk_weights,
+                                           moecl_buffer topk_ids, moecl_buffer expert_counts, cl_uint num_wait,
+                                           const cl_event *wait, cl_event *done)
+{
+    return gating_device(ctx, desc, gating, bias, topk_weights, topk_ids, true, expert_counts, num_wait, wait, done);
+}
+
+/* The host-memory call; has_counts false is the plain entry point. */
+static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
+                                const float *bias, float *topk_weights, int32_t *topk_ids, bool has_counts,
+                                int32_t *expert_counts)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
@@ -316,22 +386,31 @@ moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_
     if (desc->num_tokens > 0 && (!gating || !topk_weights || !topk_ids))
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
                           !gating ? "gating" : !topk_weights ? "topk_weights" : "topk_ids");
+    if (has_counts && !expert_counts)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "expert_counts is NULL");
     prepared p;
-    if ((st = prepare(ctx, desc, bias != NULL, &p)) != MOECL_SUCCESS || desc->num_tokens == 0)
+    if ((st = prepare(ctx, desc, bias != NULL, has_counts, &p)) != MOECL_SUCCESS)
         return st;
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
-    cl_mem in = NULL, b = NULL, w = NULL, ids = NULL;
+    if (desc->num_tokens == 0) {
+        if (has_counts)
+            memset(expert_counts, 0, e * 4);
+        return MOECL_SUCCESS;
+    }
+    cl_mem in = NULL, b = NULL, w = NULL, ids = NULL, counts = NULL;
     cl_event ran = NULL;
     if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * moecl_dtype_size(desc->gating_dtype), gating,
                                 &in)) == MOECL_SUCCESS &&
         (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * 4, bias, &b)) == MOECL_SUCCESS) &&
         (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
         (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
-        (st = enqueue(ctx, desc, &p, in, 0, b, 0, w, 0, ids, 0, 0, NULL, &ran)) == MOECL_SUCCESS) {
-        const cl_mem mems[2] = {w, ids};
-        const size_t sizes[2] = {t * k * 4, t * k * 4};
-        void *const hosts[2] = {topk_weights, topk_ids};
-        st = moecl_read_back(ctx, ran, 2, mems, sizes, hosts);
+        (!has_counts ||
+         (st = moecl_host_buffer(ctx, "expert_counts", CL_MEM_READ_WRITE, e * 4, NULL, &counts)) == MOECL_SUCCESS) &&
+        (st = enqueue(ctx, desc, &p, in, 0, b, 0, w, 0, ids, 0, counts, 0, 0, NULL, &ran)) == MOECL_SUCCESS) {
+        const cl_mem mems[3] = {w, ids, counts};
+        const size_t sizes[3] = {t * k * 4, t * k * 4, e * 4};
+        void *const hosts[3] = {topk_weights, topk_ids, expert_counts};
+        st = moecl_read_back(ctx, ran, has_counts ? 3 : 2, mems, sizes, hosts);
     }
     if (ran)
         clReleaseEvent(ran);
@@ -343,5 +422,20 @@ moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_
         clReleaseMemObject(w);
     if (ids)
         clReleaseMemObject(ids);
+    if (counts)
+        clReleaseMemObject(counts);
     return st;
+}
+
+moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
+                                    const float *bias, float *topk_weights, int32_t *topk_ids)
+{
+    return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, false, NULL);
+}
+
+moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                const void *gating, const float *bias, float *topk_weights,
+                                                int32_t *topk_ids, int32_t *expert_counts)
+{
+    return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, true, expert_counts);
 }

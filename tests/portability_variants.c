@@ -130,6 +130,14 @@ static const topk_spec topk_specs[] = {
     {4096, 1, NONE, MOECL_BF16, SIGMOID, false, false}, {4096, 64, NONE, MOECL_F16, SOFTMAX, false, true},
     {4096, 8, NONE, MOECL_F32, SOFTMAX, true, false},
 };
+/* Indices into topk_specs of the specs also compiled as counting variants
+ * (moecl_topk_gating_with_counts), in every class: E=7 k=1 (the rows
+ * kernel in every class), E=128 k=8 softmax with bias, E=256 k=8
+ * DeepSeek-V3-like grouped, E=4096 k=64 softmax without bias. (The rows
+ * kernel's softmax fast path is built for CPU devices only, which these
+ * targets are not.) */
+static const size_t counts_specs[] = {0, 2, 5, 11};
+
 #undef NONE
 #undef MAX8
 #undef TOP2
@@ -284,11 +292,45 @@ int main(int argc, char **argv)
                 d.gating_dtype = s->dtype;
                 d.scoring = s->scoring;
                 d.renormalize = s->renormalize;
-                moecl_topk_gating_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
+                moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
                 snprintf(description, sizeof(description), "topk_gating E=%u k=%u %s %s%s groups=%s%s [%s]",
                          s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
                          s->bias ? " bias" : "", s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
                          s->renormalize ? " renormalize" : "", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
+                /* The plain entry points' defines never name HAS_COUNTS
+                 * (their kernels and cache entries are what they were). */
+                if (strstr(defines, "HAS_COUNTS")) {
+                    fprintf(stderr, "portability_variants: the plain variant names HAS_COUNTS: %s\n", defines);
+                    exit(1);
+                }
+            }
+
+            /* moecl_topk_gating_with_counts: the counting variant of a few
+             * specs, so that each kernel (rows, with and without the
+             * softmax fast path; team, plain and grouped) compiles with
+             * the histogram argument. */
+            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
+                const topk_spec *s = &topk_specs[counts_specs[i]];
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
+                d.num_expert_groups = s->groups;
+                d.topk_group = s->topk_group;
+                d.group_score = s->group_score;
+                d.gating_dtype = s->dtype;
+                d.scoring = s->scoring;
+                d.renormalize = s->renormalize;
+                char plain[512];
+                moecl_topk_gating_defines(&info, &d, s->bias, false, plain, sizeof(plain), &kernel);
+                moecl_topk_gating_defines(&info, &d, s->bias, true, defines, sizeof(defines), &kernel);
+                if (strncmp(defines, plain, strlen(plain)) != 0 || strcmp(defines + strlen(plain), " -DHAS_COUNTS=1")) {
+                    fprintf(stderr, "portability_variants: counting defines '%s' are not the plain '%s' + HAS_COUNTS\n",
+                            defines, plain);
+                    exit(1);
+                }
+                snprintf(description, sizeof(description), "topk_gating with counts E=%u k=%u %s %s%s groups=%s [%s]",
+                         s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
+                         s->bias ? " bias" : "", s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
+                         c->name);
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
             }
 

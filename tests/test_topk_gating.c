@@ -404,6 +404,219 @@ START_TEST(test_prepare_and_chain)
 }
 END_TEST
 
+/* ---- moecl_topk_gating_with_counts ---- */
+
+/* The histogram of the returned ids, compared exactly with the counts. */
+static void check_counts(const moecl_topk_gating_desc *d, const int32_t *ids, const int32_t *counts, const char *what)
+{
+    int32_t *want = calloc(d->num_experts, sizeof(int32_t));
+    ck_assert_ptr_nonnull(want);
+    for (size_t i = 0; i < (size_t)d->num_tokens * d->top_k; i++) {
+        ck_assert_msg(ids[i] >= 0 && (uint32_t)ids[i] < d->num_experts, "%s: id %d out of range", what, ids[i]);
+        want[ids[i]]++;
+    }
+    for (uint32_t e = 0; e < d->num_experts; e++)
+        ck_assert_msg(counts[e] == want[e], "%s: expert_counts[%u] is %d, the ids hold %d", what, e, counts[e],
+                      want[e]);
+    free(want);
+}
+
+/* As run(), through moecl_topk_gating_with_counts(_host); counts gets
+ * num_experts entries (plus one, which must stay poison on the device
+ * path). */
+static void run_counts(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
+                       bool device_path, float *w, int32_t *ids, int32_t *counts)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, ne = d->num_experts;
+    const size_t in_bytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    memset(w, HARNESS_POISON, nk * sizeof(float) + 4);
+    memset(ids, HARNESS_POISON, nk * sizeof(int32_t) + 4);
+    memset(counts, HARNESS_POISON, ne * sizeof(int32_t) + 4);
+    char what[256];
+    describe(d, bias != NULL, what, sizeof(what));
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_topk_gating_with_counts_host(ctx, d, gating, bias, w, ids, counts);
+        ck_assert_msg(st == MOECL_SUCCESS, "with_counts host path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        return;
+    }
+    moecl_buffer in = harness_buffer(ctx, in_bytes, 256, gating);
+    moecl_buffer b = bias ? harness_buffer(ctx, ne * sizeof(float), 12, bias) : (moecl_buffer){NULL, 0};
+    moecl_buffer wb = harness_buffer(ctx, nk * sizeof(float), 4096 + 8, NULL);
+    moecl_buffer ib = harness_buffer(ctx, nk * sizeof(int32_t), 4, NULL);
+    moecl_buffer cb = harness_buffer(ctx, ne * sizeof(int32_t), 20, NULL);
+    cl_event done = NULL;
+    st = moecl_topk_gating_with_counts(ctx, d, in, b, wb, ib, cb, 0, NULL, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "with_counts device path %s: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    ck_assert_ptr_nonnull(done);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    harness_read(ctx, wb, nk * sizeof(float) + 4, w);
+    harness_read(ctx, ib, nk * sizeof(int32_t) + 4, ids);
+    harness_read(ctx, cb, ne * sizeof(int32_t) + 4, counts);
+    uint32_t tail_w, tail_i, tail_c;
+    memcpy(&tail_w, w + nk, 4);
+    memcpy(&tail_i, ids + nk, 4);
+    memcpy(&tail_c, counts + ne, 4);
+    ck_assert_msg(tail_w == 0xFFFFFFFFu && tail_i == 0xFFFFFFFFu && tail_c == 0xFFFFFFFFu,
+                  "with_counts %s: wrote past the end of an output", what);
+    harness_release(in);
+    harness_release(b);
+    harness_release(wb);
+    harness_release(ib);
+    harness_release(cb);
+}
+
+/* Routing and counts from one launch: the softmax fast path (softmax, no
+ * bias, no groups), sigmoid with bias, DeepSeek-V3-like groups; k 1 and 8;
+ * 0, 1 and 1000 tokens; f32 and bf16; both paths. The ids and weights pass
+ * the reference checker and the counts equal the ids' histogram exactly. */
+START_TEST(test_with_counts)
+{
+    moecl_context *ctx = harness_context();
+    typedef struct {
+        uint32_t tokens, experts, k;
+        moecl_scoring scoring;
+        bool bias, grouped;
+        moecl_dtype dtype;
+    } counts_case;
+    static const counts_case cases[] = {
+        {1000, 128, 8, MOECL_SCORING_SOFTMAX, false, false, MOECL_F32},
+        {1, 128, 8, MOECL_SCORING_SOFTMAX, false, false, MOECL_F32},
+        {1000, 60, 1, MOECL_SCORING_SOFTMAX, false, false, MOECL_BF16},
+        {1000, 64, 8, MOECL_SCORING_SIGMOID, true, false, MOECL_BF16},
+        {1, 64, 1, MOECL_SCORING_SIGMOID, true, false, MOECL_F32},
+        {1000, 256, 8, MOECL_SCORING_SIGMOID, true, true, MOECL_F32},
+        {1, 256, 8, MOECL_SCORING_SIGMOID, true, true, MOECL_BF16},
+        {0, 256, 8, MOECL_SCORING_SIGMOID, true, true, MOECL_F32},
+        {0, 128, 1, MOECL_SCORING_SOFTMAX, false, false, MOECL_BF16},
+    };
+    for (size_t c = 0; c < COUNT(cases); c++) {
+        const counts_case *cc = &cases[c];
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(cc->tokens, cc->experts, cc->k);
+        d.scoring = cc->scoring;
+        d.gating_dtype = cc->dtype;
+        if (cc->grouped) {
+            d.num_expert_groups = 8;
+            d.topk_group = 4;
+            d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+            d.renormalize = true;
+            d.routed_scaling_factor = 2.5f;
+        }
+        harness_rng rng = harness_rng_for(10000 + c);
+        const size_t n = (size_t)d.num_tokens * d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+        void *gating = harness_random_tensor(&rng, d.gating_dtype, n ? n : 1, 2.0f);
+        float *bias = NULL;
+        if (cc->bias) {
+            bias = malloc(d.num_experts * sizeof(float));
+            for (uint32_t e = 0; e < d.num_experts; e++)
+                bias[e] = harness_randn(&rng) * 0.05f;
+        }
+        float *w = malloc(nk * sizeof(float) + 4);
+        int32_t *ids = malloc(nk * sizeof(int32_t) + 4);
+        int32_t *counts = malloc(d.num_experts * sizeof(int32_t) + 4);
+        ck_assert(w && ids && counts);
+        char what[256];
+        describe(&d, bias != NULL, what, sizeof(what));
+        for (int path = 0; path < 2; path++) {
+            run_counts(ctx, &d, gating, bias, path == 1, w, ids, counts);
+            check(&d, gating, bias, w, ids);
+            check_counts(&d, ids, counts, what);
+        }
+        free(gating);
+        free(bias);
+        free(w);
+        free(ids);
+        free(counts);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* A bad expert_counts is an invalid argument naming it, with nothing
+ * enqueued and no output byte changed: too small, absent, misaligned, of
+ * another context; NULL on the host path. */
+START_TEST(test_with_counts_invalid)
+{
+    moecl_context *ctx = harness_context();
+    moecl_context *other = harness_context();
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(33, 64, 4);
+    harness_rng rng = harness_rng_for(11000);
+    const size_t n = (size_t)d.num_tokens * d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+    float *gating = harness_random_tensor(&rng, MOECL_F32, n, 1.0f);
+    moecl_buffer in = harness_buffer(ctx, n * 4, 0, gating);
+    moecl_buffer wb = harness_buffer(ctx, nk * 4, 8, NULL), ib = harness_buffer(ctx, nk * 4, 8, NULL);
+    /* Exactly one int short (harness_buffer adds slack). */
+    cl_int err;
+    uint8_t *poison = malloc(d.num_experts * 4);
+    memset(poison, HARNESS_POISON, d.num_experts * 4);
+    moecl_buffer small = {clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                                         d.num_experts * 4 - 4, poison, &err),
+                          0};
+    ck_assert_ptr_nonnull(small.mem);
+    free(poison);
+    moecl_buffer cb = harness_buffer(ctx, d.num_experts * 4 + 4, 4, NULL);
+    moecl_buffer foreign = harness_buffer(other, d.num_experts * 4, 0, NULL);
+    const moecl_buffer none = {NULL, 0}, misaligned = {cb.mem, cb.offset - 2};
+    const moecl_buffer bad[] = {small, none, misaligned, foreign};
+    for (size_t i = 0; i < COUNT(bad); i++) {
+        for (uint32_t tokens = 0; tokens <= d.num_tokens; tokens += d.num_tokens) {
+            moecl_topk_gating_desc dt = d;
+            dt.num_tokens = tokens;
+            cl_event done = NULL;
+            moecl_status st = moecl_topk_gating_with_counts(ctx, &dt, in, none, wb, ib, bad[i], 0, NULL, &done);
+            ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "bad expert_counts %zu (T=%u): %s", i, tokens,
+                          moecl_status_string(st));
+            ck_assert_ptr_null(done);
+            ck_assert_msg(strstr(moecl_context_error(ctx), "expert_counts") != NULL,
+                          "bad expert_counts %zu: the message does not name it: %s", i, moecl_context_error(ctx));
+        }
+    }
+    /* Nothing was written: every output and the counts are still poison. */
+    ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+    uint8_t *bytes = malloc(nk * 4 + d.num_experts * 4);
+    harness_read(ctx, wb, nk * 4, bytes);
+    for (size_t i = 0; i < nk * 4; i++)
+        ck_assert_msg(bytes[i] == HARNESS_POISON, "topk_weights byte %zu changed", i);
+    harness_read(ctx, ib, nk * 4, bytes);
+    for (size_t i = 0; i < nk * 4; i++)
+        ck_assert_msg(bytes[i] == HARNESS_POISON, "topk_ids byte %zu changed", i);
+    harness_read(ctx, small, d.num_experts * 4 - 4, bytes);
+    for (size_t i = 0; i < d.num_experts * 4 - 4; i++)
+        ck_assert_msg(bytes[i] == HARNESS_POISON, "the too-small counts' byte %zu changed", i);
+    harness_read(ctx, cb, d.num_experts * 4, bytes);
+    for (size_t i = 0; i < d.num_experts * 4; i++)
+        ck_assert_msg(bytes[i] == HARNESS_POISON, "the counts' byte %zu changed", i);
+
+    /* Host path: expert_counts NULL. */
+    float *w = malloc(nk * 4);
+    int32_t *ids = malloc(nk * 4);
+    memset(w, HARNESS_POISON, nk * 4);
+    memset(ids, HARNESS_POISON, nk * 4);
+    moecl_status st = moecl_topk_gating_with_counts_host(ctx, &d, gating, NULL, w, ids, NULL);
+    ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(moecl_context_error(ctx), "expert_counts") != NULL, "%s", moecl_context_error(ctx));
+    for (size_t i = 0; i < nk * 4; i++)
+        ck_assert_msg(((uint8_t *)w)[i] == HARNESS_POISON && ((uint8_t *)ids)[i] == HARNESS_POISON,
+                      "host path: output byte %zu changed", i);
+
+    free(w);
+    free(ids);
+    free(bytes);
+    free(gating);
+    harness_release(in);
+    harness_release(wb);
+    harness_release(ib);
+    harness_release(small);
+    harness_release(cb);
+    harness_release(foreign);
+    moecl_context_destroy(other);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* The checker itself must reject a wrong answer: poisoned outputs, a wrong
  * id, a wrong weight. Guards against a test that cannot fail. */
 START_TEST(test_checker_rejects)
@@ -440,6 +653,8 @@ int main(void)
     tcase_add_test(tc, test_options);
     tcase_add_test(tc, test_groups);
     tcase_add_test(tc, test_prepare_and_chain);
+    tcase_add_test(tc, test_with_counts);
+    tcase_add_test(tc, test_with_counts_invalid);
     /* MOECL_TEST_QUICK (the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants. */
     if (!harness_quick()) {

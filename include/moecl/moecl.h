@@ -278,9 +278,73 @@ MOECL_API moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_to
                                               const void *gating, const float *bias, float *topk_weights,
                                               int32_t *topk_ids);
 
+/**
+ * Top-k gating on device buffers that also counts, in the same launch, the
+ * (token, slot) pairs routed to each expert: moecl_topk_gating() plus an
+ * expert histogram, for runtimes that need the counts without a separate
+ * pass over topk_ids (moecl_topk_gating() itself is unchanged and counts
+ * nothing). Asynchronous: validates, then enqueues a fill that zeroes
+ * expert_counts after the `num_wait` events of `wait`, and the kernel after
+ * the fill, and returns. If `done` is non-NULL it receives the kernel's
+ * event (with num_tokens == 0, the fill's), which the caller releases. The
+ * counts are integer sums, so they are the same on every device and launch
+ * shape: expert_counts[e] is the number of entries of topk_ids equal to e,
+ * and they add up to num_tokens * top_k. The counting kernels are separate
+ * variants from moecl_topk_gating()'s, built on the first call of each
+ * (moecl_topk_gating_prepare() does not build them).
+ *
+ * @param ctx           the context
+ * @param desc          what to compute, as for moecl_topk_gating()
+ * @param gating        [num_tokens][num_experts] of desc->gating_dtype
+ * @param bias          float[num_experts], or absent (mem == NULL)
+ * @param topk_weights  float[num_tokens][top_k], output
+ * @param topk_ids      int32_t[num_tokens][top_k], output
+ * @param expert_counts int32_t[num_experts], output, required: overwritten
+ *                      with the number of (token, slot) pairs routed to
+ *                      each expert (all zeros when num_tokens is 0)
+ * @param num_wait      the number of events in wait
+ * @param wait          events the call waits on, or NULL when num_wait is 0
+ * @param done          receives the event of the call's last command, or
+ *                      NULL
+ * @return MOECL_SUCCESS, or as moecl_topk_gating(): MOECL_ERROR_INVALID_ARGUMENT
+ *         (also for an expert_counts buffer that is absent, too small,
+ *         misaligned or of another context; nothing is enqueued and no
+ *         output byte changes), MOECL_ERROR_BUILD, or the OpenCL error of
+ *         an enqueue.
+ */
+MOECL_API moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                     moecl_buffer gating, moecl_buffer bias,
+                                                     moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                                     moecl_buffer expert_counts, cl_uint num_wait,
+                                                     const cl_event *wait, cl_event *done);
+
+/**
+ * Blocking convenience of moecl_topk_gating_with_counts() on host memory:
+ * copies in, runs, copies out. Same validation as
+ * moecl_topk_gating_with_counts().
+ *
+ * @param ctx           the context
+ * @param desc          what to compute, as for moecl_topk_gating()
+ * @param gating        [num_tokens][num_experts] of desc->gating_dtype
+ *                      (may be NULL only when num_tokens is 0)
+ * @param bias          float[num_experts], or NULL
+ * @param topk_weights  float[num_tokens][top_k], output (may be NULL only
+ *                      when num_tokens is 0)
+ * @param topk_ids      int32_t[num_tokens][top_k], output (may be NULL
+ *                      only when num_tokens is 0)
+ * @param expert_counts int32_t[num_experts], output, required: the number
+ *                      of (token, slot) pairs routed to each expert
+ * @return MOECL_SUCCESS or an error as moecl_topk_gating_with_counts().
+ */
+MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                          const void *gating, const float *bias,
+                                                          float *topk_weights, int32_t *topk_ids,
+                                                          int32_t *expert_counts);
+
 /** Build (or load from the disk cache) the kernel variant that desc needs,
  *  ahead of the first call, so that the call itself does not compile.
- *  Validates desc as the call does (num_tokens is not used). */
+ *  Validates desc as the call does (num_tokens is not used). The variants
+ *  of moecl_topk_gating_with_counts() are not built here. */
 MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 
 /* ---------------------------------------------------------------------- */
