@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """PyTorch reference timings to set beside moecl's own (bench/RESULTS.md).
 
-    python3 bench/torch_reference.py [--device cuda|cpu] [--threads N] [--json OUT] [--quick]
+    python3 bench/torch_reference.py [--device cuda|cpu] [--threads N] [--json OUT] [--quick] [--only OP]
 
 Measures, in plain PyTorch (standard library + torch only):
   seed_topk_gating   the seed's Model.forward (softmax, topk k=8, int32 ids), ten seed shapes
@@ -189,6 +189,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="CPU threads (CPU only)")
     ap.add_argument("--json", metavar="OUT", help="write the records here as a JSON list")
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
+    ap.add_argument("--only", metavar="SUBSTRING", default="",
+                    help="run only the ops whose name contains SUBSTRING (e.g. moe_align)")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
 
@@ -212,6 +214,8 @@ def main():
     records = []
 
     def bench(op, shape, fn, graphable=True, method_list=None, extra=None):
+        if args.only not in op:
+            return
         for method, timer in (method_list or methods):
             if method == "cuda-graph" and not graphable:
                 continue
