@@ -26,9 +26,16 @@
  * written by exactly one work-item and its value does not depend on
  * scheduling, so results are deterministic on every device.
  *
+ * Small routings (GPUs; the host decides by local memory) take one launch
+ * instead, moe_align_one_group: one work-group counts, scans, sorts the
+ * keys (expert << 16 | slot) in local memory with a bitonic network (the
+ * keys are distinct, so any sorting network gives the stable order), and
+ * writes every output. It saves three launches and the scratch buffer,
+ * which is most of the time at decode sizes.
+ *
  * Build-time defines: WG (work-items of the count and scatter work-groups;
- * 1 on CPUs, where each chunk is then a plain loop) and SCAN_WG (the scan's
- * work-group). Everything else is a kernel argument. OpenCL C 1.2 with no
+ * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
+ * work-group) and ONE_WG (the one-group kernel's work-group). Everything else is a kernel argument. OpenCL C 1.2 with no
  * extensions: local atomic_inc on uint is core since 1.1. Sizes fit in
  * int32 (the host validates num_tokens * top_k + E * (block_size - 1) <=
  * INT32_MAX), so uint arithmetic does not wrap. */
@@ -38,6 +45,9 @@
 #endif
 #ifndef SCAN_WG
 #define SCAN_WG 64
+#endif
+#ifndef ONE_WG
+#define ONE_WG 256
 #endif
 
 /* The column of a slot's id: its expert, or E for an id outside [0, E). */
@@ -211,4 +221,126 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
         barrier(CLK_LOCAL_MEM_FENCE);
     }
 #endif
+}
+
+/* ---- one launch for small routings ---- */
+
+/* expert_at over local memory (OpenCL C 1.2 has no generic pointers). */
+static inline uint expert_at_local(__local const uint *start, uint num_experts, uint p)
+{
+    uint lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+        const uint mid = (lo + hi) / 2;
+        if (start[mid] <= p)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* keys[sort_n] (sort_n a power of two >= 2, num_slots <= sort_n <= 65536);
+ * tot, start and ustart hold num_experts + 1 words each. */
+__kernel __attribute__((reqd_work_group_size(ONE_WG, 1, 1)))
+void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint block_size,
+                         uint max_padded, uint num_blocks, uint sort_n, __global int *counts, ulong counts_off,
+                         __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
+                         __global int *post_padded, ulong post_off, __global int *slot_positions, ulong slot_off,
+                         uint has_slots, __global int *num_invalid, ulong invalid_off, uint has_invalid,
+                         __local uint *keys, __local uint *tot, __local uint *start, __local uint *ustart)
+{
+    __local uint2 part[ONE_WG];
+    const uint lid = get_local_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    for (uint e = lid; e < cols; e += ONE_WG)
+        tot[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* Keys: expert (num_experts for an invalid id) above the slot; the
+     * padding keys sort last. */
+    for (uint s = lid; s < sort_n; s += ONE_WG) {
+        uint key = 0xffffffffu;
+        if (s < num_slots) {
+            const uint e = column_of(ids[s], num_experts);
+            key = e << 16 | s;
+            atomic_inc(&tot[e]);
+        }
+        keys[s] = key;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* Padded (x) and unpadded (y) starts of the experts: contiguous ranges
+     * per work-item, an inclusive scan of the ranges' sums (Hillis-Steele),
+     * then each range's own prefix. */
+    const uint per = (num_experts + ONE_WG - 1) / ONE_WG;
+    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
+    uint2 sum = (uint2)(0, 0);
+    for (uint e = lo; e < hi; e++)
+        sum += (uint2)((tot[e] + block_size - 1) / block_size * block_size, tot[e]);
+    part[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint d = 1; d < ONE_WG; d <<= 1) {
+        const uint2 add = lid >= d ? part[lid - d] : (uint2)(0, 0);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        part[lid] += add;
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    uint2 at = part[lid] - sum;
+    for (uint e = lo; e < hi; e++) {
+        start[e] = at.x;
+        ustart[e] = at.y;
+        counts[counts_off + e] = (int)tot[e];
+        at += (uint2)((tot[e] + block_size - 1) / block_size * block_size, tot[e]);
+    }
+    if (lid == ONE_WG - 1) {
+        start[num_experts] = part[lid].x;
+        post_padded[post_off] = (int)part[lid].x;
+        if (has_invalid)
+            num_invalid[invalid_off] = (int)tot[num_experts];
+    }
+
+    /* Bitonic sort of the keys, ascending. Stage (k, j) compares i with
+     * i + j, where i has bit j clear; the pair ascends when bit k of i is
+     * clear. */
+    for (uint k = 2; k <= sort_n; k <<= 1) {
+        for (uint j = k >> 1; j > 0; j >>= 1) {
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (uint t = lid; t < sort_n / 2; t += ONE_WG) {
+                const uint i = ((t & ~(j - 1)) << 1) | (t & (j - 1));
+                const uint a = keys[i], b = keys[i + j];
+                if ((a > b) == ((i & k) == 0)) {
+                    keys[i] = b;
+                    keys[i + j] = a;
+                }
+            }
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* Padding positions and blocks. Real positions are written below;
+     * the two sets are disjoint. */
+    const uint post = start[num_experts];
+    for (uint p = lid; p < max_padded; p += ONE_WG) {
+        if (p >= post) {
+            sorted[sorted_off + p] = (int)num_slots;
+        } else {
+            const uint e = expert_at_local(start, num_experts, p);
+            if (p - start[e] >= tot[e])
+                sorted[sorted_off + p] = (int)num_slots;
+        }
+    }
+    for (uint b = lid; b < num_blocks; b += ONE_WG) {
+        const uint q = b * block_size;
+        blocks[blocks_off + b] = q >= post ? -1 : (int)expert_at_local(start, num_experts, q);
+    }
+    /* The i-th key in sorted order is its expert's (i - ustart[e])-th slot. */
+    for (uint i = lid; i < num_slots; i += ONE_WG) {
+        const uint key = keys[i], e = key >> 16, s = key & 0xffffu;
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)(start[e] + i - ustart[e]);
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
 }

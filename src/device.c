@@ -85,6 +85,13 @@ static void choose_launch_class(moecl_device_info *info)
      * team-wide maximum), kept to compare against. */
     const char *rounds = getenv("MOECL_TOPK_ROUNDS");
     info->topk_rounds = rounds && strcmp(rounds, "1") == 0;
+    /* MOECL_ALIGN=one-group|chunked: moe_align's path whatever the size
+     * (one-group still only where local memory holds the keys). */
+    const char *align = getenv("MOECL_ALIGN");
+    info->align_path = !align                         ? MOECL_ALIGN_AUTO
+                       : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
+                       : strcmp(align, "chunked") == 0   ? MOECL_ALIGN_CHUNKED
+                                                         : MOECL_ALIGN_AUTO;
 }
 
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)

@@ -39,6 +39,10 @@ typedef enum moecl_vendor {
     MOECL_VENDOR_POCL,
 } moecl_vendor;
 
+/* moe_align's paths (src/moe_align.c): chosen by size and device, or
+ * forced by MOECL_ALIGN for tests and measurements. */
+typedef enum moecl_align_path { MOECL_ALIGN_AUTO = 0, MOECL_ALIGN_ONE_GROUP, MOECL_ALIGN_CHUNKED } moecl_align_path;
+
 typedef struct moecl_device_info {
     char platform_name[128];
     char device_name[128];
@@ -55,6 +59,7 @@ typedef struct moecl_device_info {
     unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
+    moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */

@@ -1,6 +1,7 @@
-/* moe_align, host side: validation, the launch shape, a per-call scratch
- * buffer and four chained launches (cl/moe_align.cl says what each does);
- * and the blocking host-memory path. */
+/* moe_align, host side: validation, the launch shape, and either one
+ * launch (small routings on GPUs) or a per-call scratch buffer and four
+ * chained launches (cl/moe_align.cl says what each does); and the blocking
+ * host-memory path. */
 #include <stdio.h>
 #include <string.h>
 
@@ -51,7 +52,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 /* ---- launch shape and variants ---- */
 
 typedef struct align_shape {
-    unsigned wg, scan_wg, fill_wg;
+    unsigned wg, scan_wg, fill_wg, one_wg;
 } align_shape;
 
 static unsigned floor_pow2(size_t v, unsigned cap)
@@ -63,34 +64,39 @@ static unsigned floor_pow2(size_t v, unsigned cap)
 }
 
 /* CPUs: one work-item per chunk (a plain loop); GPUs: 128 work-items per
- * chunk. The scan runs in one work-group of up to 256. */
+ * chunk. The scan runs in one work-group of up to 256; the one-group kernel
+ * in one of up to 1024 (its bitonic sort's stages are as long as the keys
+ * over the work-items). */
 static align_shape shape_of(const moecl_device_info *info)
 {
     align_shape s;
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
     s.fill_wg = floor_pow2(info->max_work_group_size, 64);
+    s.one_wg = floor_pow2(info->max_work_group_size, 1024);
     return s;
 }
 
-static const char *const kernel_names[4] = {"moe_align_count", "moe_align_scan", "moe_align_fill",
-                                            "moe_align_scatter"};
+enum { COUNT_KERNEL, SCAN_KERNEL, FILL_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, NUM_KERNELS };
+static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_fill",
+                                                      "moe_align_scatter", "moe_align_one_group"};
 
 static void defines_of(const align_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u", s->wg, s->scan_wg);
+    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u", s->wg, s->scan_wg, s->one_wg);
 }
 
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
 {
     const align_shape s = shape_of(info);
     defines_of(&s, buf, size);
-    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_fill,moe_align_scatter";
+    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_fill,moe_align_scatter,moe_align_one_group";
 }
 
 typedef struct prepared {
     align_shape shape;
-    moecl_variant *variants[4];
+    moecl_variant *variants[NUM_KERNELS];
+    bool one_group_fits; /* the device runs moe_align_one_group at one_wg work-items */
 } prepared;
 
 static moecl_status prepare(moecl_context *ctx, prepared *p)
@@ -98,13 +104,49 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
     char defines[128];
     p->shape = shape_of(&ctx->info);
     defines_of(&p->shape, defines, sizeof(defines));
-    /* One program: the registry shares it between the four kernels. */
-    for (int i = 0; i < 4; i++) {
+    /* One program: the registry shares it between the kernels. */
+    for (int i = 0; i < NUM_KERNELS; i++) {
         moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_MOE_ALIGN, defines, kernel_names[i], &p->variants[i]);
         if (st != MOECL_SUCCESS)
             return st;
     }
+    /* Register use can lower a kernel's work-group limit below the
+     * device's; then the chunked path serves every size. */
+    cl_kernel kernel;
+    moecl_status st = moecl_variant_acquire(ctx, p->variants[ONE_GROUP_KERNEL], &kernel);
+    if (st != MOECL_SUCCESS)
+        return st;
+    size_t limit = 0;
+    p->one_group_fits = clGetKernelWorkGroupInfo(kernel, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit),
+                                                 &limit, NULL) == CL_SUCCESS &&
+                        limit >= p->shape.one_wg;
+    moecl_variant_release(p->variants[ONE_GROUP_KERNEL], kernel);
     return MOECL_SUCCESS;
+}
+
+/* The largest key array the one-group kernel sorts by default: beyond it
+ * one work-group's sort takes longer than the chunked path's launches
+ * (measured on the H200, bench/RESULTS.md). */
+#define MOECL_ALIGN_ONE_GROUP_MAX_KEYS 8192u
+
+/* The one-group kernel's key count for d, or 0 when the chunked path
+ * serves d: CPUs (their chunk loops are cheap to launch) unless
+ * MOECL_ALIGN=one-group, MOECL_ALIGN=chunked, or local memory too small
+ * for the keys and three words per expert. */
+static uint32_t one_group_keys(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
+{
+    const moecl_device_info *info = &ctx->info;
+    if (!p->one_group_fits || info->align_path == MOECL_ALIGN_CHUNKED ||
+        (info->align_path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
+        return 0;
+    const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
+    const uint64_t cap = info->align_path == MOECL_ALIGN_ONE_GROUP ? 65536u : MOECL_ALIGN_ONE_GROUP_MAX_KEYS;
+    if (slots > cap)
+        return 0;
+    const uint32_t keys = slots < 2 ? 2 : moecl_pow2_at_least((uint32_t)slots);
+    const uint64_t bytes = (uint64_t)keys * 4 + 3 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8;
+    /* 1 KiB for what the compiler places in local memory besides. */
+    return bytes + 1024 <= info->local_mem_size ? keys : 0;
 }
 
 moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
@@ -191,9 +233,41 @@ static void advance(moecl_status st, cl_event *prev, cl_event *ev)
     *ev = NULL;
 }
 
+/* Small routings: everything in one work-group, one launch, no scratch. */
+static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+                                      uint32_t keys, const align_args *a, cl_uint num_wait, const cl_event *wait,
+                                      cl_event *done)
+{
+    const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
+    const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
+    const cl_uint sort_n = keys, has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
+    const size_t cols_bytes = ((size_t)experts + 1) * 4;
+    const kernel_arg args[] = {
+        MEM(a->ids.mem),     ARG(a->ids.off),     ARG(slots),          ARG(experts),        ARG(block),
+        ARG(max_padded),     ARG(num_blocks),     ARG(sort_n),         MEM(a->counts.mem),  ARG(a->counts.off),
+        MEM(a->sorted.mem),  ARG(a->sorted.off),  MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),
+        ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
+        ARG(a->invalid.off), ARG(has_invalid),    LOCAL((size_t)keys * 4), LOCAL(cols_bytes), LOCAL(cols_bytes),
+        LOCAL(cols_bytes)};
+    cl_event ev = NULL;
+    moecl_status st = launch(ctx, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
+                             (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, num_wait,
+                             wait, &ev);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (done)
+        *done = ev;
+    else
+        clReleaseEvent(ev);
+    return MOECL_SUCCESS;
+}
+
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
+    const uint32_t keys = one_group_keys(ctx, p, d);
+    if (keys)
+        return enqueue_one_group(ctx, d, p, keys, a, num_wait, wait, done);
     const align_shape *s = &p->shape;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
@@ -217,7 +291,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     if (chunks > 0) {
         const kernel_arg args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts), ARG(chunk),
                                    MEM(scratch), LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[0], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg, num_wait, wait,
+        st = launch(ctx, p->variants[COUNT_KERNEL], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg, num_wait, wait,
                     &ev);
         prev = ev;
         ev = NULL;
@@ -226,7 +300,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         const kernel_arg args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
                                    MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
                                    MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[1], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, prev ? 1 : num_wait,
+        st = launch(ctx, p->variants[SCAN_KERNEL], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, prev ? 1 : num_wait,
                     prev ? &prev : wait, &ev);
         advance(st, &prev, &ev);
     }
@@ -235,7 +309,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         const kernel_arg args[] = {MEM(scratch),       ARG(starts_off),    ARG(experts),      ARG(block),
                                    ARG(max_padded),    ARG(num_blocks),    ARG(sentinel),     MEM(a->sorted.mem),
                                    ARG(a->sorted.off), MEM(a->blocks.mem), ARG(a->blocks.off)};
-        st = launch(ctx, p->variants[2], "moe_align_fill", args, 11, moecl_round_up(max_padded, s->fill_wg),
+        st = launch(ctx, p->variants[FILL_KERNEL], "moe_align_fill", args, 11, moecl_round_up(max_padded, s->fill_wg),
                     s->fill_wg, 1, &prev, &ev);
         advance(st, &prev, &ev);
     }
@@ -244,7 +318,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                                    ARG(chunk),         MEM(scratch),       ARG(starts_off),   MEM(a->sorted.mem),
                                    ARG(a->sorted.off), MEM(a->slots.mem),  ARG(a->slots.off), ARG(has_slots),
                                    LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[3], "moe_align_scatter", args, 13, (size_t)chunks * s->wg, s->wg, 1, &prev,
+        st = launch(ctx, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 13, (size_t)chunks * s->wg, s->wg, 1, &prev,
                     &ev);
         advance(st, &prev, &ev);
     }
