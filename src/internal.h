@@ -180,6 +180,9 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
  * it back after enqueueing (clSetKernelArg on a shared kernel races). */
 moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, cl_kernel *kernel);
 void moecl_variant_release(moecl_variant *variant, cl_kernel kernel);
+/* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
+ * once, when the variant was created); 0 if the query failed. */
+size_t moecl_variant_work_group_limit(const moecl_variant *variant);
 
 /* ---- kernel_source.c: embedded or MOECL_KERNEL_DIR sources ---- */
 

@@ -112,15 +112,7 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
     }
     /* Register use can lower a kernel's work-group limit below the
      * device's; then the chunked path serves every size. */
-    cl_kernel kernel;
-    moecl_status st = moecl_variant_acquire(ctx, p->variants[ONE_GROUP_KERNEL], &kernel);
-    if (st != MOECL_SUCCESS)
-        return st;
-    size_t limit = 0;
-    p->one_group_fits = clGetKernelWorkGroupInfo(kernel, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof(limit),
-                                                 &limit, NULL) == CL_SUCCESS &&
-                        limit >= p->shape.one_wg;
-    moecl_variant_release(p->variants[ONE_GROUP_KERNEL], kernel);
+    p->one_group_fits = moecl_variant_work_group_limit(p->variants[ONE_GROUP_KERNEL]) >= p->shape.one_wg;
     return MOECL_SUCCESS;
 }
 

@@ -16,6 +16,7 @@ struct moecl_variant {
     pthread_mutex_t pool_lock;
     cl_kernel *free_kernels; /* capacity == number created */
     size_t free_count, created;
+    size_t work_group_limit; /* CL_KERNEL_WORK_GROUP_SIZE, queried once at creation; 0 if unknown */
 };
 
 struct moecl_registry {
@@ -224,6 +225,10 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
                     st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory registering a kernel");
             }
             if (st == MOECL_SUCCESS) {
+                /* Register use can lower this below the device's limit. */
+                if (clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof(v->work_group_limit),
+                                             &v->work_group_limit, NULL) != CL_SUCCESS)
+                    v->work_group_limit = 0;
                 v->free_kernels[0] = k;
                 v->free_count = v->created = 1;
                 pthread_mutex_lock(&reg->lock);
@@ -268,6 +273,11 @@ moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *v, cl_kern
         return moecl_fail(ctx, err, "clCreateKernel(%s) failed (%s)", v->kernel_name, moecl_status_string(err));
     *kernel = k;
     return MOECL_SUCCESS;
+}
+
+size_t moecl_variant_work_group_limit(const moecl_variant *v)
+{
+    return v->work_group_limit;
 }
 
 void moecl_variant_release(moecl_variant *v, cl_kernel kernel)

@@ -40,6 +40,8 @@ typedef struct bench_case {
 typedef struct bench_result {
     double median_us, p10_us, p90_us, wall_us, bytes, gbps, copy_ratio;
     double prepare_ms; /* building or loading the kernels: cold or warm cache */
+    double host_us;    /* median time inside the call (validation and enqueueing) */
+    double kernel_us;  /* median of the returned event's own START..END: for moe_align its last kernel */
     int iterations, wall_calls; /* what was run: fewer than asked only for slow calls */
     bool checked_ok;
     char check_msg[256];
@@ -284,16 +286,21 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
 }
 
 /* One timed call: its kernel's time, or for moe_align the span from a
- * marker just before it to the end of its last kernel. */
-static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, double *us)
+ * marker just before it to the end of its last kernel; also the time spent
+ * inside the call and the returned event's own START..END. */
+static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, double *us,
+                               double *host_us, double *kernel_us)
 {
     cl_event marker = NULL, ev = NULL;
     if (c->op == OP_ALIGN &&
         clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
         return MOECL_ERROR_UNSUPPORTED;
+    const double h0 = tool_now_us();
     moecl_status st = call_after(ctx, c, b, set, marker, &ev);
+    *host_us = tool_now_us() - h0;
     if (st == MOECL_SUCCESS) {
         clWaitForEvents(1, &ev);
+        *kernel_us = tool_event_us(ev);
         if (marker) {
             cl_ulong start = 0, end = 0;
             clGetEventProfilingInfo(marker, CL_PROFILING_COMMAND_END, sizeof(start), &start, NULL);
@@ -410,15 +417,22 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     r->wall_calls = wall_calls;
 
     /* (a) device time, one call at a time. */
-    double *t = malloc(sizeof(double) * (size_t)iterations);
+    double *t = malloc(sizeof(double) * 3 * (size_t)iterations), *host = t + iterations, *kern = host + iterations;
     for (int i = -warmup; i < iterations; i++) {
         int set = b.sets > 1 ? (i + warmup) % b.sets : 0;
-        double us = 0;
-        if ((st = timed_call(prof, c, &b, set, &us)) != MOECL_SUCCESS)
+        double us = 0, host_us = 0, kernel_us = 0;
+        if ((st = timed_call(prof, c, &b, set, &us, &host_us, &kernel_us)) != MOECL_SUCCESS)
             die(c->label, prof, st);
-        if (i >= 0)
+        if (i >= 0) {
             t[i] = us;
+            host[i] = host_us;
+            kern[i] = kernel_us;
+        }
     }
+    qsort(host, (size_t)iterations, sizeof(double), tool_cmp_double);
+    qsort(kern, (size_t)iterations, sizeof(double), tool_cmp_double);
+    r->host_us = host[iterations / 2];
+    r->kernel_us = kern[iterations / 2];
     qsort(t, (size_t)iterations, sizeof(double), tool_cmp_double);
     r->median_us = t[iterations / 2];
     r->p10_us = t[iterations / 10];
@@ -666,15 +680,20 @@ int main(int argc, char **argv)
             printf("  %s\n", r->check_msg);
             failures++;
         }
-        /* moe_align next to the routing of the same tokens and experts. */
-        for (int j = 0; c->op == OP_ALIGN && j < i; j++)
-            if (ran[j] && cases[j].op == OP_TOPK && !strcmp(cases[j].label, "topk softmax") &&
-                cases[j].topk.num_tokens == c->align.num_tokens && cases[j].topk.num_experts == c->align.num_experts &&
-                cases[j].topk.top_k == c->align.top_k) {
-                printf("  routing %.2f us + moe_align %.2f us = %.2f us device time\n", results[j].median_us,
-                       r->median_us, results[j].median_us + r->median_us);
-                break;
-            }
+        /* moe_align: where its time goes, and next to the routing of the
+         * same tokens and experts. */
+        if (c->op == OP_ALIGN) {
+            printf("  %.2f us in the call; last kernel %.2f us", r->host_us, r->kernel_us);
+            for (int j = 0; j < i; j++)
+                if (ran[j] && cases[j].op == OP_TOPK && !strcmp(cases[j].label, "topk softmax") &&
+                    cases[j].topk.num_tokens == c->align.num_tokens &&
+                    cases[j].topk.num_experts == c->align.num_experts && cases[j].topk.top_k == c->align.top_k) {
+                    printf("; routing %.2f us + moe_align %.2f us = %.2f us device time", results[j].median_us,
+                           r->median_us, results[j].median_us + r->median_us);
+                    break;
+                }
+            printf("\n");
+        }
     }
     if (jf)
         fprintf(jf,
@@ -697,10 +716,10 @@ int main(int argc, char **argv)
                     "%s\n  {\"op\": \"%s\", \"shape\": \"%s\", \"dtype\": %d, \"device_us\": %.3f, \"p10_us\": %.3f, "
                     "\"p90_us\": %.3f, \"wall_us\": %.3f, \"gbps\": %.2f, \"copy_ratio\": %.4f, \"t_sol_us\": %.2f, "
                     "\"t_prod_us\": %.2f, \"prepare_ms\": %.2f, \"calls\": %d, \"wall_calls\": %d, \"check\": %s, "
-                    "\"ids_fnv1a\": \"%016llx\"}",
+                    "\"ids_fnv1a\": \"%016llx\", \"host_us\": %.3f, \"kernel_us\": %.3f}",
                     first ? "" : ",", c->label, shape, dt, r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps,
                     r->copy_ratio, c->t_sol_us, c->t_prod_us, r->prepare_ms, r->iterations, r->wall_calls,
-                    r->checked_ok ? "true" : "false", (unsigned long long)r->ids_hash);
+                    r->checked_ok ? "true" : "false", (unsigned long long)r->ids_hash, r->host_us, r->kernel_us);
         if (cf)
             fprintf(cf, "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.2f,%.4f,%.2f,%.2f,%s\n", c->label, shape, dt, r->median_us,
                     r->p10_us, r->p90_us, r->wall_us, r->gbps, r->copy_ratio, c->t_sol_us, c->t_prod_us,
