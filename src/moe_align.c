@@ -64,16 +64,16 @@ static unsigned floor_pow2(size_t v, unsigned cap)
 }
 
 /* CPUs: one work-item per chunk (a plain loop); GPUs: 128 work-items per
- * chunk. The scan runs in one work-group of up to 256; the one-group kernel
- * in one of up to 1024 (its bitonic sort's stages are as long as the keys
- * over the work-items). */
+ * chunk. The scan and the one-group kernel run in one work-group of up to
+ * 256 (NVIDIA's OpenCL reports a work-group limit of 256 for these kernels
+ * on the H200, below the device's 1024). */
 static align_shape shape_of(const moecl_device_info *info)
 {
     align_shape s;
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
     s.fill_wg = floor_pow2(info->max_work_group_size, 64);
-    s.one_wg = floor_pow2(info->max_work_group_size, 1024);
+    s.one_wg = floor_pow2(info->max_work_group_size, 256);
     return s;
 }
 
