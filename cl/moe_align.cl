@@ -26,12 +26,10 @@
  * written by exactly one work-item and its value does not depend on
  * scheduling, so results are deterministic on every device.
  *
- * Small routings (GPUs; the host decides by local memory) take one launch
- * instead, moe_align_one_group: one work-group counts, scans, sorts the
- * keys (expert << 16 | slot) in local memory with a bitonic network (the
- * keys are distinct, so any sorting network gives the stable order), and
- * writes every output. It saves three launches and the scratch buffer,
- * which is most of the time at decode sizes.
+ * Small routings (GPUs; the host decides by size) take one launch instead,
+ * moe_align_one_group: one work-group does all four steps. It saves three
+ * launches and the scratch buffer, which is most of the time at decode
+ * sizes (each launch costs the host 6-10 us on NVIDIA).
  *
  * Build-time defines: WG (work-items of the count and scatter work-groups;
  * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
@@ -225,122 +223,104 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
 
 /* ---- one launch for small routings ---- */
 
-/* expert_at over local memory (OpenCL C 1.2 has no generic pointers). */
-static inline uint expert_at_local(__local const uint *start, uint num_experts, uint p)
-{
-    uint lo = 0, hi = num_experts;
-    while (hi - lo > 1) {
-        const uint mid = (lo + hi) / 2;
-        if (start[mid] <= p)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return lo;
-}
-
-/* keys[sort_n] (sort_n a power of two >= 2, num_slots <= sort_n <= 65536);
- * tot, start and ustart hold num_experts + 1 words each. */
+/* tot and start hold num_experts + 1 words each. The same steps as the
+ * four kernels, in one work-group: count, scan, padding and blocks (per
+ * expert: its padding follows its slots, its blocks are its run), then the
+ * slots in tiles of ONE_WG with the stable rank of moe_align_scatter. */
 __kernel __attribute__((reqd_work_group_size(ONE_WG, 1, 1)))
 void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint block_size,
-                         uint max_padded, uint num_blocks, uint sort_n, __global int *counts, ulong counts_off,
+                         uint max_padded, uint num_blocks, __global int *counts, ulong counts_off,
                          __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
                          __global int *post_padded, ulong post_off, __global int *slot_positions, ulong slot_off,
                          uint has_slots, __global int *num_invalid, ulong invalid_off, uint has_invalid,
-                         __local uint *keys, __local uint *tot, __local uint *start, __local uint *ustart)
+                         __local uint *tot, __local uint *start)
 {
-    __local uint2 part[ONE_WG];
+    __local uint part[ONE_WG];
+    __local uint4 tile4[ONE_WG / 4];
+    __local uint *tile = (__local uint *)tile4;
     const uint lid = get_local_id(0), cols = num_experts + 1;
     ids += ids_off;
     for (uint e = lid; e < cols; e += ONE_WG)
         tot[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
-    /* Keys: expert (num_experts for an invalid id) above the slot; the
-     * padding keys sort last. */
-    for (uint s = lid; s < sort_n; s += ONE_WG) {
-        uint key = 0xffffffffu;
-        if (s < num_slots) {
-            const uint e = column_of(ids[s], num_experts);
-            key = e << 16 | s;
-            atomic_inc(&tot[e]);
-        }
-        keys[s] = key;
-    }
+    for (uint s = lid; s < num_slots; s += ONE_WG)
+        atomic_inc(&tot[column_of(ids[s], num_experts)]);
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    /* Padded (x) and unpadded (y) starts of the experts: contiguous ranges
-     * per work-item, an inclusive scan of the ranges' sums (Hillis-Steele),
-     * then each range's own prefix. */
+    /* Padded starts: contiguous ranges of experts per work-item, an
+     * inclusive scan of the ranges' sums (Hillis-Steele), then each
+     * range's own prefix. */
     const uint per = (num_experts + ONE_WG - 1) / ONE_WG;
     const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
-    uint2 sum = (uint2)(0, 0);
+    uint sum = 0;
     for (uint e = lo; e < hi; e++)
-        sum += (uint2)((tot[e] + block_size - 1) / block_size * block_size, tot[e]);
+        sum += (tot[e] + block_size - 1) / block_size * block_size;
     part[lid] = sum;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint d = 1; d < ONE_WG; d <<= 1) {
-        const uint2 add = lid >= d ? part[lid - d] : (uint2)(0, 0);
+        const uint add = lid >= d ? part[lid - d] : 0;
         barrier(CLK_LOCAL_MEM_FENCE);
         part[lid] += add;
         barrier(CLK_LOCAL_MEM_FENCE);
     }
-    uint2 at = part[lid] - sum;
+    uint at = part[lid] - sum;
     for (uint e = lo; e < hi; e++) {
-        start[e] = at.x;
-        ustart[e] = at.y;
+        start[e] = at;
         counts[counts_off + e] = (int)tot[e];
-        at += (uint2)((tot[e] + block_size - 1) / block_size * block_size, tot[e]);
+        at += (tot[e] + block_size - 1) / block_size * block_size;
     }
-    if (lid == ONE_WG - 1) {
-        start[num_experts] = part[lid].x;
-        post_padded[post_off] = (int)part[lid].x;
+    const uint post = part[ONE_WG - 1];
+    if (lid == 0) {
+        start[num_experts] = post;
+        post_padded[post_off] = (int)post;
         if (has_invalid)
             num_invalid[invalid_off] = (int)tot[num_experts];
     }
-
-    /* Bitonic sort of the keys, ascending. Stage (k, j) compares i with
-     * i + j, where i has bit j clear; the pair ascends when bit k of i is
-     * clear. */
-    for (uint k = 2; k <= sort_n; k <<= 1) {
-        for (uint j = k >> 1; j > 0; j >>= 1) {
-            barrier(CLK_LOCAL_MEM_FENCE);
-            for (uint t = lid; t < sort_n / 2; t += ONE_WG) {
-                const uint i = ((t & ~(j - 1)) << 1) | (t & (j - 1));
-                const uint a = keys[i], b = keys[i + j];
-                if ((a > b) == ((i & k) == 0)) {
-                    keys[i] = b;
-                    keys[i + j] = a;
-                }
-            }
-        }
-    }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    /* Padding positions and blocks. Real positions are written below;
-     * the two sets are disjoint. */
-    const uint post = start[num_experts];
-    for (uint p = lid; p < max_padded; p += ONE_WG) {
-        if (p >= post) {
+    /* Padding and blocks. The slots' own positions are written below; the
+     * two sets are disjoint. */
+    for (uint e = lid; e < num_experts; e += ONE_WG) {
+        const uint first = start[e], next = start[e + 1];
+        for (uint p = first + tot[e]; p < next; p++)
             sorted[sorted_off + p] = (int)num_slots;
-        } else {
-            const uint e = expert_at_local(start, num_experts, p);
-            if (p - start[e] >= tot[e])
-                sorted[sorted_off + p] = (int)num_slots;
+        for (uint b = first / block_size; b < next / block_size; b++)
+            blocks[blocks_off + b] = (int)e;
+    }
+    for (uint p = post + lid; p < max_padded; p += ONE_WG)
+        sorted[sorted_off + p] = (int)num_slots;
+    for (uint b = post / block_size + lid; b < num_blocks; b += ONE_WG)
+        blocks[blocks_off + b] = -1;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* tot becomes each expert's next position. */
+    for (uint e = lid; e < num_experts; e += ONE_WG)
+        tot[e] = start[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    for (uint base = 0; base < num_slots; base += ONE_WG) {
+        const uint slot = base + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = slot < num_slots ? column_of(ids[slot], num_experts) : num_experts + 1;
+        tile[lid] = e;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        /* Equal ids earlier in the tile, four at a time. */
+        uint rank = 0, j = 0;
+        for (; j + 4 <= lid; j += 4) {
+            const uint4 t = tile4[j / 4];
+            rank += (uint)(t.x == e) + (uint)(t.y == e) + (uint)(t.z == e) + (uint)(t.w == e);
         }
-    }
-    for (uint b = lid; b < num_blocks; b += ONE_WG) {
-        const uint q = b * block_size;
-        blocks[blocks_off + b] = q >= post ? -1 : (int)expert_at_local(start, num_experts, q);
-    }
-    /* The i-th key in sorted order is its expert's (i - ustart[e])-th slot. */
-    for (uint i = lid; i < num_slots; i += ONE_WG) {
-        const uint key = keys[i], e = key >> 16, s = key & 0xffffu;
+        for (; j < lid; j++)
+            rank += tile[j] == e;
         int pos = -1;
         if (e < num_experts) {
-            pos = (int)(start[e] + i - ustart[e]);
-            sorted[sorted_off + pos] = (int)s;
+            pos = (int)(tot[e] + rank);
+            sorted[sorted_off + pos] = (int)slot;
         }
-        if (has_slots)
-            slot_positions[slot_off + s] = pos;
+        if (slot < num_slots && has_slots)
+            slot_positions[slot_off + slot] = pos;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (e < num_experts)
+            atomic_inc(&tot[e]);
+        barrier(CLK_LOCAL_MEM_FENCE);
     }
 }

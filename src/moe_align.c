@@ -116,29 +116,27 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
     return MOECL_SUCCESS;
 }
 
-/* The largest key array the one-group kernel sorts by default: beyond it
- * one work-group's sort takes longer than the chunked path's launches
- * (measured on the H200, bench/RESULTS.md). */
-#define MOECL_ALIGN_ONE_GROUP_MAX_KEYS 8192u
+/* The most slots the one-group kernel takes by default: its tiles run one
+ * after another in one work-group, so beyond some size the chunked path's
+ * many work-groups win despite their four launches (measured on the H200,
+ * bench/RESULTS.md). */
+#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 16384u
 
-/* The one-group kernel's key count for d, or 0 when the chunked path
- * serves d: CPUs (their chunk loops are cheap to launch) unless
- * MOECL_ALIGN=one-group, MOECL_ALIGN=chunked, or local memory too small
- * for the keys and three words per expert. */
-static uint32_t one_group_keys(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
+/* Whether the one-group kernel serves d: on GPUs up to the size above, on
+ * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
+ * forces a path; and only where local memory holds two words per expert. */
+static bool use_one_group(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
     if (!p->one_group_fits || info->align_path == MOECL_ALIGN_CHUNKED ||
         (info->align_path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
-        return 0;
+        return false;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    const uint64_t cap = info->align_path == MOECL_ALIGN_ONE_GROUP ? 65536u : MOECL_ALIGN_ONE_GROUP_MAX_KEYS;
-    if (slots > cap)
-        return 0;
-    const uint32_t keys = slots < 2 ? 2 : moecl_pow2_at_least((uint32_t)slots);
-    const uint64_t bytes = (uint64_t)keys * 4 + 3 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8;
+    if (info->align_path == MOECL_ALIGN_AUTO && slots > MOECL_ALIGN_ONE_GROUP_MAX_SLOTS)
+        return false;
+    const uint64_t bytes = 2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8;
     /* 1 KiB for what the compiler places in local memory besides. */
-    return bytes + 1024 <= info->local_mem_size ? keys : 0;
+    return bytes + 1024 <= info->local_mem_size;
 }
 
 moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
@@ -227,20 +225,18 @@ static void advance(moecl_status st, cl_event *prev, cl_event *ev)
 
 /* Small routings: everything in one work-group, one launch, no scratch. */
 static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
-                                      uint32_t keys, const align_args *a, cl_uint num_wait, const cl_event *wait,
-                                      cl_event *done)
+                                      const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
-    const cl_uint sort_n = keys, has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
+    const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
     const size_t cols_bytes = ((size_t)experts + 1) * 4;
     const kernel_arg args[] = {
         MEM(a->ids.mem),     ARG(a->ids.off),     ARG(slots),          ARG(experts),        ARG(block),
-        ARG(max_padded),     ARG(num_blocks),     ARG(sort_n),         MEM(a->counts.mem),  ARG(a->counts.off),
+        ARG(max_padded),     ARG(num_blocks),     MEM(a->counts.mem),  ARG(a->counts.off),
         MEM(a->sorted.mem),  ARG(a->sorted.off),  MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
-        ARG(a->invalid.off), ARG(has_invalid),    LOCAL((size_t)keys * 4), LOCAL(cols_bytes), LOCAL(cols_bytes),
-        LOCAL(cols_bytes)};
+        ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes)};
     cl_event ev = NULL;
     moecl_status st = launch(ctx, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
                              (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, num_wait,
@@ -257,9 +253,8 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    const uint32_t keys = one_group_keys(ctx, p, d);
-    if (keys)
-        return enqueue_one_group(ctx, d, p, keys, a, num_wait, wait, done);
+    if (use_one_group(ctx, p, d))
+        return enqueue_one_group(ctx, d, p, a, num_wait, wait, done);
     const align_shape *s = &p->shape;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;

@@ -566,8 +566,8 @@ START_TEST(test_checker_rejects)
 END_TEST
 
 /* A copy of cl/moe_align.cl whose scatter walks each chunk (CPU kernel) or
- * ranks each tile (GPU kernel) backwards, and whose one-group kernel sorts
- * the slots of an expert in decreasing order, loaded through MOECL_KERNEL_DIR:
+ * ranks each tile (GPU kernel) backwards, and whose one-group kernel takes
+ * each tile's slots in reverse, loaded through MOECL_KERNEL_DIR:
  * still a grouping by expert, but not stable. The suite's check must
  * catch it. */
 static bool replace_once(char **text, const char *old, const char *new_text)
@@ -601,8 +601,7 @@ START_TEST(test_mutation_caught)
                                "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
                                "        const uint e = column_of") &&
                       replace_once(&text, "for (uint j = 0; j < lid; j++)", "for (uint j = lid + 1; j < WG; j++)") &&
-                      replace_once(&text, "key = e << 16 | s;", "key = e << 16 | (sort_n - 1 - s);") &&
-                      replace_once(&text, "s = key & 0xffffu;", "s = sort_n - 1 - (key & 0xffffu);"),
+                      replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;"),
                   "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
     char dir[] = "/tmp/moecl-mutant-XXXXXX";
     ck_assert_ptr_nonnull(mkdtemp(dir));
