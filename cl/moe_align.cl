@@ -4,7 +4,7 @@
  * expert, pads each expert's run to a multiple of the block size, and
  * names the expert of each block.
  *
- * Four launches, chained by the host:
+ * Three launches, chained by the host:
  *   moe_align_count    one work-group per chunk of CHUNK slots: a
  *                      histogram of the chunk's ids in local memory, written
  *                      as the chunk's row of the count matrix
@@ -13,12 +13,11 @@
  *                      column over the chunks (in slot order), the totals,
  *                      the padded totals and their exclusive scan over the
  *                      experts (expert_start), and the small outputs;
- *   moe_align_fill     one work-item per position of sorted_token_ids:
- *                      padding positions get the sentinel, and the first
- *                      num_blocks work-items write block_expert_ids;
  *   moe_align_scatter  one work-group per chunk: each valid slot goes to
  *                      expert_start[e] + (slots of e in earlier chunks) +
- *                      (slots of e earlier in this chunk).
+ *                      (slots of e earlier in this chunk); and all its
+ *                      work-items together write the sentinel at the
+ *                      padding positions and the expert of each block.
  * The within-chunk rank is stable: the chunk is walked in tiles of WG
  * slots, a slot's rank in its tile is the count of equal ids before it
  * (a loop over the tile in local memory), and a per-expert running offset
@@ -27,14 +26,14 @@
  * scheduling, so results are deterministic on every device.
  *
  * Small routings (GPUs; the host decides by size) take one launch instead,
- * moe_align_one_group: one work-group does all four steps. It saves three
+ * moe_align_one_group: one work-group does every step. It saves two
  * launches and the scratch buffer, which is most of the time at decode
- * sizes (each launch costs the host 6-10 us on NVIDIA).
+ * sizes (each launch costs the host 10-20 us on NVIDIA's OpenCL).
  *
  * Build-time defines: WG (work-items of the count and scatter work-groups;
  * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
- * work-group) and ONE_WG (the one-group kernel's work-group). Everything else is a kernel argument. OpenCL C 1.2 with no
- * extensions: local atomic_inc on uint is core since 1.1. Sizes fit in
+ * work-group) and ONE_WG (the one-group kernel's work-group). Everything
+ * else is a kernel argument. OpenCL C 1.2 with no extensions: local atomic_inc on uint is core since 1.1. Sizes fit in
  * int32 (the host validates num_tokens * top_k + E * (block_size - 1) <=
  * INT32_MAX), so uint arithmetic does not wrap. */
 
@@ -149,37 +148,34 @@ static inline uint expert_at(__global const uint *start, uint num_experts, uint 
     return lo;
 }
 
-__kernel void moe_align_fill(__global const uint *scratch, ulong starts_off, uint num_experts,
-                             uint block_size, uint max_padded, uint num_blocks, int sentinel,
-                             __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off)
-{
-    const uint p = get_global_id(0);
-    if (p >= max_padded)
-        return;
-    __global const uint *expert_start = scratch + starts_off, *totals = expert_start + num_experts + 1;
-    const uint post = expert_start[num_experts];
-    if (p >= post) {
-        sorted[sorted_off + p] = sentinel;
-    } else {
-        const uint e = expert_at(expert_start, num_experts, p);
-        if (p - expert_start[e] >= totals[e])
-            sorted[sorted_off + p] = sentinel;
-    }
-    if (p < num_blocks) {
-        const uint q = p * block_size;
-        blocks[blocks_off + p] = q >= post ? -1 : (int)expert_at(expert_start, num_experts, q);
-    }
-}
-
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
                        __global const uint *matrix, ulong starts_off, __global int *sorted,
                        ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots,
+                       uint block_size, uint max_padded, uint num_blocks, __global int *blocks, ulong blocks_off,
                        __local uint *run)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
     ids += ids_off;
     __global const uint *row = matrix + (size_t)c * cols, *expert_start = matrix + starts_off;
+    /* Padding positions (the sentinel num_slots) and blocks, spread over
+     * every work-item of the launch: a launch of its own would cost the
+     * host more than this work. */
+    const uint post = expert_start[num_experts], gsize = get_global_size(0);
+    __global const uint *totals = expert_start + cols;
+    for (uint p = get_global_id(0); p < max_padded; p += gsize) {
+        if (p >= post) {
+            sorted[sorted_off + p] = (int)num_slots;
+        } else {
+            const uint e = expert_at(expert_start, num_experts, p);
+            if (p - expert_start[e] >= totals[e])
+                sorted[sorted_off + p] = (int)num_slots;
+        }
+    }
+    for (uint b = get_global_id(0); b < num_blocks; b += gsize) {
+        const uint q = b * block_size;
+        blocks[blocks_off + b] = q >= post ? -1 : (int)expert_at(expert_start, num_experts, q);
+    }
     for (uint e = lid; e < num_experts; e += WG)
         run[e] = expert_start[e] + row[e];
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -224,7 +220,7 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
 /* ---- one launch for small routings ---- */
 
 /* tot and start hold num_experts + 1 words each. The same steps as the
- * four kernels, in one work-group: count, scan, padding and blocks (per
+ * three kernels, in one work-group: count, scan, padding and blocks (per
  * expert: its padding follows its slots, its blocks are its run), then the
  * slots in tiles of ONE_WG with the stable rank of moe_align_scatter. */
 __kernel __attribute__((reqd_work_group_size(ONE_WG, 1, 1)))

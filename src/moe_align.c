@@ -1,5 +1,5 @@
 /* moe_align, host side: validation, the launch shape, and either one
- * launch (small routings on GPUs) or a per-call scratch buffer and four
+ * launch (small routings on GPUs) or a per-call scratch buffer and three
  * chained launches (cl/moe_align.cl says what each does); and the blocking
  * host-memory path. */
 #include <stdio.h>
@@ -52,7 +52,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 /* ---- launch shape and variants ---- */
 
 typedef struct align_shape {
-    unsigned wg, scan_wg, fill_wg, one_wg;
+    unsigned wg, scan_wg, one_wg;
 } align_shape;
 
 static unsigned floor_pow2(size_t v, unsigned cap)
@@ -72,14 +72,13 @@ static align_shape shape_of(const moecl_device_info *info)
     align_shape s;
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
-    s.fill_wg = floor_pow2(info->max_work_group_size, 64);
     s.one_wg = floor_pow2(info->max_work_group_size, 256);
     return s;
 }
 
-enum { COUNT_KERNEL, SCAN_KERNEL, FILL_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, NUM_KERNELS };
-static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_fill",
-                                                      "moe_align_scatter", "moe_align_one_group"};
+enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, NUM_KERNELS };
+static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_scatter",
+                                                      "moe_align_one_group"};
 
 static void defines_of(const align_shape *s, char *buf, size_t size)
 {
@@ -90,7 +89,7 @@ void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t si
 {
     const align_shape s = shape_of(info);
     defines_of(&s, buf, size);
-    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_fill,moe_align_scatter,moe_align_one_group";
+    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group";
 }
 
 typedef struct prepared {
@@ -118,9 +117,9 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
 
 /* The most slots the one-group kernel takes by default: its tiles run one
  * after another in one work-group, so beyond some size the chunked path's
- * many work-groups win despite their four launches (measured on the H200,
+ * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
-#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 16384u
+#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 2048u
 
 /* Whether the one-group kernel serves d: on GPUs up to the size above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
@@ -291,22 +290,15 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                     prev ? &prev : wait, &ev);
         advance(st, &prev, &ev);
     }
-    if (st == MOECL_SUCCESS && max_padded > 0) {
-        const cl_int sentinel = (cl_int)slots;
-        const kernel_arg args[] = {MEM(scratch),       ARG(starts_off),    ARG(experts),      ARG(block),
-                                   ARG(max_padded),    ARG(num_blocks),    ARG(sentinel),     MEM(a->sorted.mem),
-                                   ARG(a->sorted.off), MEM(a->blocks.mem), ARG(a->blocks.off)};
-        st = launch(ctx, p->variants[FILL_KERNEL], "moe_align_fill", args, 11, moecl_round_up(max_padded, s->fill_wg),
-                    s->fill_wg, 1, &prev, &ev);
-        advance(st, &prev, &ev);
-    }
-    if (st == MOECL_SUCCESS && chunks > 0) {
+    /* Also with no slots: the scatter writes the padding and the blocks. */
+    if (st == MOECL_SUCCESS) {
         const kernel_arg args[] = {MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),
                                    ARG(chunk),         MEM(scratch),       ARG(starts_off),   MEM(a->sorted.mem),
                                    ARG(a->sorted.off), MEM(a->slots.mem),  ARG(a->slots.off), ARG(has_slots),
-                                   LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 13, (size_t)chunks * s->wg, s->wg, 1, &prev,
-                    &ev);
+                                   ARG(block),         ARG(max_padded),    ARG(num_blocks),   MEM(a->blocks.mem),
+                                   ARG(a->blocks.off), LOCAL(cols * 4)};
+        st = launch(ctx, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 18,
+                    (size_t)(chunks ? chunks : 1) * s->wg, s->wg, 1, &prev, &ev);
         advance(st, &prev, &ev);
     }
     /* Released now; OpenCL frees it once the kernels that use it finish. */

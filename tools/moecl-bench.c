@@ -9,7 +9,7 @@
  * timed on the same device in the same run. An empty kernel is timed too,
  * as the floor of a launch.
  *
- * moe_align runs four kernels a call. Its device time is the span from a
+ * moe_align runs one to three kernels a call. Its device time is the span from a
  * marker enqueued just before the call (the call waits on it) to the end
  * of the call's last kernel: the kernels' own times plus the gaps between
  * them on the device, which a chain of launches really costs. The calls go
