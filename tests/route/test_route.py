@@ -490,14 +490,18 @@ def case_align_bad(c):
     expect("two dispatch outputs to one file", align + [good, "--expert-counts", same, "--post-padded", same],
            [same], 2, ())
     # 2^25 tokens x 64 ids (8 GiB, a hole on disk): refused before a row is read.
-    big = sparse_npy(c.path("big-ids.npy"), "<i4", (1 << 25, 64), 4)
-    expect("max_padded above 2^31-1 (align)", align + [big, "--block-size", "1"], [big], 2, word="2^31-1")
-    bigl = sparse_npy(c.path("big-logits.npy"), "<f4", (1 << 25, 64), 4)
-    expect("max_padded above 2^31-1 (topk)", [bigl, "--top-k", "64", "--block-size", "2"], [bigl], 2,
-           ("ids", "sorted-token-ids"), word="2^31-1")
-    expect("--block-size alone above 2^31-1", [bigl, "--top-k", "64", "--block-size", "2"], ["2^31-1"], 2, ())
-    os.unlink(big)
-    os.unlink(bigl)
+    big, bigl = c.path("big-ids.npy"), c.path("big-logits.npy")
+    try:
+        sparse_npy(big, "<i4", (1 << 25, 64), 4)
+        expect("max_padded above 2^31-1 (align)", align + [big, "--block-size", "1"], [big], 2, word="2^31-1")
+        sparse_npy(bigl, "<f4", (1 << 25, 64), 4)
+        expect("max_padded above 2^31-1 (topk)", [bigl, "--top-k", "64", "--block-size", "2"], [bigl], 2,
+               ("ids", "sorted-token-ids"), word="2^31-1")
+        expect("--block-size alone above 2^31-1", [bigl, "--top-k", "64", "--block-size", "2"], ["2^31-1"], 2, ())
+    finally:
+        for path in (big, bigl):
+            if os.path.exists(path):
+                os.unlink(path)
     # A dispatch output in a missing folder, after the others were opened.
     print("--- an output that cannot be created")
     outdir = c.path("outs-missing")
