@@ -3,8 +3,11 @@
  * router reads hidden states, router logits and the experts' ground rows.
  * The rows stream through in chunks (fread, one chunk in memory at a time);
  * the outputs are .npy files written through temporary files that are
- * renamed into place only when everything succeeded. A summary follows:
- * the load of each expert as a text histogram, tokens routed, time. */
+ * renamed into place only when everything succeeded. With a dispatch
+ * output or --block-size, the routed ids of all tokens are kept in host
+ * memory and moecl_moe_align sorts them by expert at the end; --op align
+ * does only that, on an ids file. A summary follows: the load of each
+ * expert as a text histogram, tokens routed, time. */
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
@@ -18,15 +21,26 @@
 
 #include "npy.h"
 
-typedef enum op_kind { OP_TOPK, OP_GROUNDED } op_kind;
+typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
+
+/* The outputs: the routing's, then moe_align's (the dispatch outputs). */
+enum { OUT_WEIGHTS, OUT_IDS, OUT_PAIRS, OUT_COUNTS, OUT_SORTED, OUT_BLOCKS, OUT_SLOTS, OUT_POST, NUM_OUT };
+#define FIRST_DISPATCH_OUT OUT_COUNTS
+static const char *const out_flag[NUM_OUT] = {"--weights",          "--ids",          "--pairs",
+                                              "--expert-counts",    "--sorted-token-ids",
+                                              "--block-expert-ids", "--slot-positions", "--post-padded"};
+
+#define DEFAULT_BLOCK_SIZE 64
 
 typedef struct options {
     op_kind op;
-    const char *logits, *hidden, *ground, *bias;
-    const char *weights, *ids, *pairs;
+    const char *logits, *hidden, *ground, *bias, *ids_in;
+    const char *out[NUM_OUT];
     const char *device;
     long top_k; /* 0: the default */
     long groups, topk_group;
+    long experts;    /* --op align */
+    long block_size; /* 0: none given */
     moecl_group_score group_score;
     moecl_scoring scoring;
     bool renormalize, bf16, json, progress, no_progress, all_experts;
@@ -40,15 +54,19 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moecl-route [--op topk] [--logits] LOGITS.npy [options] [outputs]\n"
             "       moecl-route --op grounded --hidden H.npy --logits L.npy --ground G.npy [--alpha F] [outputs]\n"
-            "Routes the tokens (rows) of .npy files with moecl and prints each expert's load.\n"
+            "       moecl-route --op align --ids-in IDS.npy --experts E [--block-size N] [dispatch outputs]\n"
+            "Routes the tokens (rows) of .npy files with moecl and prints each expert's load; with\n"
+            "dispatch outputs, also sorts the routed slots by expert (moe_align) for a grouped GEMM.\n"
             "\n"
             "Inputs (NumPy .npy, format 1.0/2.0/3.0, C order, little-endian):\n"
             "  topk      LOGITS [tokens][experts]: '<f4' float32, '<f2' float16, or bfloat16 stored\n"
             "            as '<u2' or '|V2' (with --bf16)\n"
             "  grounded  --hidden [tokens][hidden] and --ground [experts][hidden], one dtype of the\n"
             "            three; --logits [tokens][experts] float32\n"
+            "  align     --ids-in [tokens][top_k] '<i4' int32 expert ids (no routing); ids outside\n"
+            "            [0, E) are skipped and counted (num_invalid)\n"
             "Options:\n"
-            "  --op topk|grounded      the op (default topk)\n"
+            "  --op topk|grounded|align          the op (default topk)\n"
             "  --top-k N               experts per token (default 8 for topk, at most the experts;\n"
             "                          2 for grounded, as the seed)\n"
             "  --scoring softmax|sigmoid         (topk; default softmax)\n"
@@ -58,6 +76,9 @@ static void usage(FILE *f)
             "  --renormalize           divide each token's weights by their sum (topk)\n"
             "  --scale F               routed scaling factor, applied last (topk; default 1)\n"
             "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
+            "  --experts E             the expert count, 1..4096 (align; required)\n"
+            "  --block-size N          moe_align's block size, 1..1024 (default 64); given without a\n"
+            "                          dispatch output, the summary still reports the padding\n"
             "  --bf16                  '<u2' and '|V2' arrays hold bfloat16 bit patterns (without it\n"
             "                          they are refused: a uint16 array is not a float)\n"
             "  --device SEL            gpu, cpu, P:D or a name substring (default $MOECL_DEVICE, else\n"
@@ -71,18 +92,28 @@ static void usage(FILE *f)
             "  --weights OUT.npy       float32 [tokens][top_k]\n"
             "  --ids OUT.npy           int32 [tokens][top_k]\n"
             "  --pairs OUT.npy         float32 [tokens][top_k][2]: the seed's stacked (index, weight)\n"
+            "Dispatch outputs (moe_align of the routed ids, or of --ids-in; the ids of all tokens are\n"
+            "kept in host memory, 4 bytes a slot; max_padded = tokens * top_k + experts * (N - 1)):\n"
+            "  --expert-counts OUT.npy     int32 [experts]: valid slots routed to each expert\n"
+            "  --sorted-token-ids OUT.npy  int32 [max_padded]: slots (token * top_k + j) by expert,\n"
+            "                              each expert's run padded to a multiple of N with the\n"
+            "                              sentinel tokens * top_k\n"
+            "  --block-expert-ids OUT.npy  int32 [max_padded / N]: each block's expert, -1 past the end\n"
+            "  --slot-positions OUT.npy    int32 [tokens][top_k]: where each slot landed (-1: skipped)\n"
+            "  --post-padded OUT.npy       int32 [1]: num_tokens_post_padded (also in the summary)\n"
             "Exit status: 0 ok; 1 a bad or unreadable file, a device or write failure (no output\n"
-            "file is left behind); 2 bad usage, or options the op rejects for these shapes.\n");
+            "file is left behind); 2 bad usage, or options the op rejects for these shapes (also\n"
+            "max_padded above 2^31-1).\n");
 }
 
 /* ---- temporary outputs: removed on failure, and on SIGINT/SIGTERM ---- */
 
-static npy_writer writers[3];
-static char *volatile pending_tmp[3];
+static npy_writer writers[NUM_OUT];
+static char *volatile pending_tmp[NUM_OUT];
 
 static void on_signal(int sig)
 {
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < NUM_OUT; i++)
         if (pending_tmp[i])
             unlink(pending_tmp[i]);
     signal(sig, SIG_DFL);
@@ -91,7 +122,7 @@ static void on_signal(int sig)
 
 static void abort_outputs(void)
 {
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < NUM_OUT; i++) {
         pending_tmp[i] = NULL;
         npy_writer_abort(&writers[i]);
     }
@@ -141,6 +172,25 @@ static bool parse_float(const char *s, float *v)
     return true;
 }
 
+/* The index in out_flag of an output option, else -1. */
+static int out_option(const char *a)
+{
+    for (int i = 0; i < NUM_OUT; i++)
+        if (!strcmp(a, out_flag[i]))
+            return i;
+    return -1;
+}
+
+/* Whether the run ends with moe_align: --op align, a dispatch output, or
+ * --block-size. */
+static bool wants_dispatch(const options *o)
+{
+    for (int i = FIRST_DISPATCH_OUT; i < NUM_OUT; i++)
+        if (o->out[i])
+            return true;
+    return o->op == OP_ALIGN || o->block_size;
+}
+
 /* Returns -1 to go on, else the exit status. */
 static int parse_args(int argc, char **argv, options *o)
 {
@@ -185,8 +235,10 @@ static int parse_args(int argc, char **argv, options *o)
                 o->op = OP_TOPK;
             else if (!strcmp(v, "grounded"))
                 o->op = OP_GROUNDED;
+            else if (!strcmp(v, "align"))
+                o->op = OP_ALIGN;
             else
-                return bad_usage("--op is topk or grounded, not '%s'", v);
+                return bad_usage("--op is topk, grounded or align, not '%s'", v);
         } else if (!strcmp(a, "--logits")) {
             if (o->logits)
                 return bad_usage("one logits file only (got a second: %s)", v);
@@ -197,17 +249,21 @@ static int parse_args(int argc, char **argv, options *o)
             o->ground = v;
         } else if (!strcmp(a, "--bias")) {
             o->bias = v;
-        } else if (!strcmp(a, "--weights")) {
-            o->weights = v;
-        } else if (!strcmp(a, "--ids")) {
-            o->ids = v;
-        } else if (!strcmp(a, "--pairs")) {
-            o->pairs = v;
+        } else if (!strcmp(a, "--ids-in")) {
+            o->ids_in = v;
+        } else if (out_option(a) >= 0) {
+            o->out[out_option(a)] = v;
         } else if (!strcmp(a, "--device")) {
             o->device = v;
         } else if (!strcmp(a, "--top-k")) {
             if (!parse_long(v, 1, 64, &o->top_k))
                 return bad_usage("--top-k is 1..64, not '%s'", v);
+        } else if (!strcmp(a, "--experts")) {
+            if (!parse_long(v, 1, 4096, &o->experts))
+                return bad_usage("--experts is 1..4096, not '%s'", v);
+        } else if (!strcmp(a, "--block-size")) {
+            if (!parse_long(v, 1, 1024, &o->block_size))
+                return bad_usage("--block-size is 1..1024, not '%s'", v);
         } else if (!strcmp(a, "--groups")) {
             if (!parse_long(v, 1, 4096, &o->groups))
                 return bad_usage("--groups is 1..4096, not '%s'", v);
@@ -246,7 +302,21 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("unknown option %s", a);
         }
     }
-    if (!o->logits)
+    if (o->op == OP_ALIGN) {
+        if (!o->ids_in || !o->experts)
+            return bad_usage("%s", "--op align needs --ids-in and --experts");
+        if (o->logits || o->hidden || o->ground || o->bias || o->top_k || o->groups || o->topk_group ||
+            o->group_score_set || o->scoring_set || o->renormalize || o->scale_set || o->alpha_set || o->bf16)
+            return bad_usage("%s", "--op align reads --ids-in only: no logits, hidden states, ground rows, bias, "
+                                   "--top-k (the ids file's width) or routing options");
+        for (int i = 0; i < FIRST_DISPATCH_OUT; i++)
+            if (o->out[i])
+                return bad_usage("%s routes nothing to write with --op align; its outputs are the dispatch ones",
+                                 out_flag[i]);
+    } else if (o->ids_in || o->experts) {
+        return bad_usage("%s", "--ids-in and --experts belong to --op align");
+    }
+    if (!o->logits && o->op != OP_ALIGN)
         return bad_usage("%s", o->op == OP_TOPK ? "no logits file (moecl-route LOGITS.npy ...)"
                                                 : "--op grounded needs --hidden, --logits and --ground");
     if (o->op == OP_TOPK) {
@@ -256,7 +326,7 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--groups and --topk-group come together");
         if (o->group_score_set && !o->groups)
             return bad_usage("%s", "--group-score needs --groups and --topk-group");
-    } else {
+    } else if (o->op == OP_GROUNDED) {
         if (!o->hidden || !o->ground)
             return bad_usage("%s", "--op grounded needs --hidden, --logits and --ground");
         if (o->bias || o->groups || o->topk_group || o->group_score_set || o->scoring_set || o->renormalize ||
@@ -264,11 +334,10 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --scoring, --renormalize and "
                                    "--scale belong to --op topk");
     }
-    const char *outs[3] = {o->weights, o->ids, o->pairs};
-    for (int a = 0; a < 3; a++)
-        for (int b = a + 1; b < 3; b++)
-            if (outs[a] && outs[b] && !strcmp(outs[a], outs[b]))
-                return bad_usage("two outputs to one file: %s", outs[a]);
+    for (int a = 0; a < NUM_OUT; a++)
+        for (int b = a + 1; b < NUM_OUT; b++)
+            if (o->out[a] && o->out[b] && !strcmp(o->out[a], o->out[b]))
+                return bad_usage("two outputs to one file: %s", o->out[a]);
     return -1;
 }
 
@@ -304,14 +373,12 @@ static int input_dtype(const npy_file *n, const options *o, bool f32_only, moecl
     return -1;
 }
 
-static int need_2d(const npy_file *n, const char *what, char *err, size_t size)
+/* dims names the two axes: "tokens][experts" and the like. */
+static int need_2d(const npy_file *n, const char *what, const char *dims, char *err, size_t size)
 {
     if (n->ndim == 2)
         return 0;
-    snprintf(err, size, "%s: %s must be 2-D [%s], the file is %d-D", n->path, what,
-             !strcmp(what, "the ground rows") ? "experts][hidden" : !strcmp(what, "the hidden states") ?
-                                                                     "tokens][hidden" : "tokens][experts",
-             n->ndim);
+    snprintf(err, size, "%s: %s must be 2-D [%s], the file is %d-D", n->path, what, dims, n->ndim);
     return -1;
 }
 
@@ -326,9 +393,16 @@ typedef struct summary {
     uint64_t tokens, chunks, chunk_rows;
     uint32_t experts, top_k;
     uint64_t *load;
+    uint64_t invalid; /* slots whose id is outside [0, experts) (--op align) */
     double wall_s, read_s, write_s, prepare_s, kernel_s, transfer_s;
     bool device_time;
     char device[512];
+    /* moe_align, when the run asked for it */
+    bool dispatch;
+    uint32_t block_size;
+    uint64_t max_padded;
+    int32_t post_padded, num_invalid;
+    double align_s;
 } summary;
 
 static int cmp_load_desc(const void *pa, const void *pb, const uint64_t *load)
@@ -362,20 +436,27 @@ static void bar_line(uint32_t e, uint64_t v, uint64_t max, uint64_t slots)
 
 static void print_text(const summary *s, const options *o, const char *what)
 {
-    const uint64_t slots = s->tokens * s->top_k;
+    const uint64_t slots = s->tokens * s->top_k - s->invalid;
     printf("moecl-route: %s\n", what);
     printf("device: %s\n", s->device);
     printf("tokens routed: %llu (%llu expert slots) in %llu chunk%s of up to %llu rows\n",
-           (unsigned long long)s->tokens, (unsigned long long)slots, (unsigned long long)s->chunks,
+           (unsigned long long)s->tokens, (unsigned long long)(s->tokens * s->top_k), (unsigned long long)s->chunks,
            s->chunks == 1 ? "" : "s", (unsigned long long)s->chunk_rows);
     printf("time: wall %.3f s (read %.3f s, write %.3f s, kernel build/load %.3f s", s->wall_s, s->read_s, s->write_s,
            s->prepare_s);
+    if (s->dispatch)
+        printf(", moe_align %.3f s", s->align_s);
     if (s->device_time)
         printf("; device: kernels %.3f s, transfers %.3f s", s->kernel_s, s->transfer_s);
     printf(")");
     if (s->device_time && s->kernel_s > 0)
         printf("; %.2f Mtokens/s in the kernels", (double)s->tokens / s->kernel_s / 1e6);
     printf("\n");
+    if (s->dispatch)
+        printf("dispatch (moe_align, block size %u): num_tokens_post_padded %d of max_padded %llu (%d of %llu "
+               "blocks used), num_invalid %d\n",
+               s->block_size, s->post_padded, (unsigned long long)s->max_padded, s->post_padded / (int)s->block_size,
+               (unsigned long long)(s->max_padded / s->block_size), s->num_invalid);
 
     const uint32_t e = s->experts;
     uint64_t max = 0, min = UINT64_MAX, idle = 0;
@@ -476,16 +557,23 @@ static void print_json(const summary *s, const options *o, const moecl_topk_gati
                        const moecl_grounded_router_desc *g, moecl_dtype dtype)
 {
     printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"tokens\": %llu, \"experts\": %u, \"top_k\": %u, ",
-           o->op == OP_TOPK ? "topk" : "grounded", dtype_name(dtype), (unsigned long long)s->tokens, s->experts,
-           s->top_k);
+           o->op == OP_TOPK ? "topk" : o->op == OP_GROUNDED ? "grounded" : "align",
+           o->op == OP_ALIGN ? "i32" : dtype_name(dtype), (unsigned long long)s->tokens, s->experts, s->top_k);
     if (o->op == OP_TOPK)
         printf("\"scoring\": \"%s\", \"bias\": %s, \"groups\": %u, \"topk_group\": %u, \"group_score\": \"%s\", "
                "\"renormalize\": %s, \"scale\": %.9g, ",
                t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o->bias ? "true" : "false",
                t->num_expert_groups, t->topk_group, t->group_score == MOECL_GROUP_SCORE_TOP2_SUM ? "top2sum" : "max",
                t->renormalize ? "true" : "false", (double)t->routed_scaling_factor);
-    else
+    else if (o->op == OP_GROUNDED)
         printf("\"hidden\": %u, \"alpha\": %.9g, ", g->hidden_dim, (double)g->alpha);
+    if (s->dispatch)
+        printf("\"block_size\": %u, \"max_padded\": %llu, \"num_tokens_post_padded\": %d, \"num_invalid\": %d, "
+               "\"align_s\": %.6f, ",
+               s->block_size, (unsigned long long)s->max_padded, s->post_padded, s->num_invalid, s->align_s);
+    else
+        printf("\"block_size\": null, \"max_padded\": null, \"num_tokens_post_padded\": null, \"num_invalid\": null, "
+               "\"align_s\": null, ");
     printf("\"device\": ");
     json_string(s->device);
     printf(", \"chunks\": %llu, \"chunk_rows\": %llu, \"wall_s\": %.6f, \"read_s\": %.6f, \"write_s\": %.6f, "
@@ -500,6 +588,27 @@ static void print_json(const summary *s, const options *o, const moecl_topk_gati
     for (uint32_t i = 0; i < s->experts; i++)
         printf("%s%llu", i ? ", " : "", (unsigned long long)s->load[i]);
     printf("]}\n");
+}
+
+/* Each valid id's expert gains a slot; the others are counted invalid. */
+static void count_load(summary *s, const int32_t *ids, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (ids[i] >= 0 && (uint32_t)ids[i] < s->experts)
+            s->load[ids[i]]++;
+        else
+            s->invalid++;
+    }
+}
+
+/* A chunk of rows is done: count it, and show the progress line. */
+static void end_chunk(summary *s, uint64_t rows, uint64_t tokens, bool progress, double t0)
+{
+    s->tokens += rows;
+    s->chunks++;
+    if (progress)
+        fprintf(stderr, "\rmoecl-route: %llu / %llu rows (%.0f%%), %.1f s ", (unsigned long long)s->tokens,
+                (unsigned long long)tokens, 100.0 * (double)s->tokens / (double)tokens, now_s() - t0);
 }
 
 /* ---- device ---- */
@@ -558,8 +667,7 @@ static cl_mem device_buffer(moecl_context *ctx, size_t size, const void *data, c
 
 /* ---- main ---- */
 
-enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, NUM_IN };
-enum { OUT_WEIGHTS, OUT_IDS, OUT_PAIRS };
+enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, IN_IDS, NUM_IN };
 
 int main(int argc, char **argv)
 {
@@ -571,7 +679,7 @@ int main(int argc, char **argv)
     char err[1024];
     npy_file in[NUM_IN];
     memset(in, 0, sizeof(in));
-    const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias};
+    const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias, o.ids_in};
     for (int i = 0; i < NUM_IN; i++)
         if (paths[i] && npy_open(&in[i], paths[i], err, sizeof(err)))
             goto file_error;
@@ -586,7 +694,8 @@ int main(int argc, char **argv)
     memset(&gd, 0, sizeof(gd));
     if (o.op == OP_TOPK) {
         const npy_file *l = &in[IN_LOGITS];
-        if (need_2d(l, "the logits", err, sizeof(err)) || input_dtype(l, &o, false, &dtype, err, sizeof(err)))
+        if (need_2d(l, "the logits", "tokens][experts", err, sizeof(err)) ||
+            input_dtype(l, &o, false, &dtype, err, sizeof(err)))
             goto file_error;
         if (l->shape[1] < 1 || l->shape[1] > 4096 || l->shape[0] > UINT32_MAX) {
             snprintf(err, sizeof(err), "%s: %llu tokens x %llu experts: moecl routes 1..4096 experts and at most "
@@ -620,12 +729,14 @@ int main(int argc, char **argv)
         td.group_score = o.group_score;
         td.renormalize = o.renormalize;
         td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
-    } else {
+    } else if (o.op == OP_GROUNDED) {
         const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
         moecl_dtype lt, gt;
-        if (need_2d(h, "the hidden states", err, sizeof(err)) || need_2d(l, "the router logits", err, sizeof(err)) ||
-            need_2d(g, "the ground rows", err, sizeof(err)) || input_dtype(h, &o, false, &dtype, err, sizeof(err)) ||
-            input_dtype(l, &o, true, &lt, err, sizeof(err)) || input_dtype(g, &o, false, &gt, err, sizeof(err)))
+        if (need_2d(h, "the hidden states", "tokens][hidden", err, sizeof(err)) ||
+            need_2d(l, "the router logits", "tokens][experts", err, sizeof(err)) ||
+            need_2d(g, "the ground rows", "experts][hidden", err, sizeof(err)) ||
+            input_dtype(h, &o, false, &dtype, err, sizeof(err)) || input_dtype(l, &o, true, &lt, err, sizeof(err)) ||
+            input_dtype(g, &o, false, &gt, err, sizeof(err)))
             goto file_error;
         if (gt != dtype) {
             snprintf(err, sizeof(err), "%s: the ground rows are %s but the hidden states (%s) are %s; both must have "
@@ -663,10 +774,47 @@ int main(int argc, char **argv)
                                              o.alpha_set ? o.alpha : 1.0f);
         gd.top_k = top_k;
         gd.hidden_dtype = dtype;
+    } else {
+        const npy_file *n = &in[IN_IDS];
+        if (need_2d(n, "the expert ids", "tokens][top_k", err, sizeof(err)))
+            goto file_error;
+        if (n->kind != NPY_I32) {
+            snprintf(err, sizeof(err), "%s: unsupported dtype %s: the expert ids are int32 ('<i4') only", n->path,
+                     npy_kind_name(n->kind));
+            goto file_error;
+        }
+        if (n->shape[1] < 1 || n->shape[1] > 64 || n->shape[0] > UINT32_MAX) {
+            snprintf(err, sizeof(err), "%s: %llu tokens x %llu ids: moe_align takes 1..64 ids per token and at most "
+                                       "2^32-1 tokens", n->path, (unsigned long long)n->shape[0],
+                     (unsigned long long)n->shape[1]);
+            goto file_error;
+        }
+        tokens = n->shape[0];
+        experts = (uint32_t)o.experts;
+        top_k = (uint32_t)n->shape[1];
+    }
+
+    /* moe_align at the end: every position must fit in int32. */
+    const bool dispatch = wants_dispatch(&o);
+    const moecl_moe_align_desc ad = moecl_moe_align_desc_init(
+        (uint32_t)tokens, top_k, experts, o.block_size ? (uint32_t)o.block_size : DEFAULT_BLOCK_SIZE);
+    const uint64_t max_padded = moecl_moe_align_max_padded(&ad);
+    if (dispatch && max_padded > INT32_MAX) {
+        fprintf(stderr, "moecl-route: %s: moe_align with block size %u needs %llu entries of sorted_token_ids "
+                        "(%llu tokens x top_k %u + %u experts x %u padding), above its limit of 2^31-1 (every "
+                        "position is an int32); use a smaller --block-size or fewer tokens a file\nTry 'moecl-route "
+                        "--help'.\n",
+                o.op == OP_ALIGN ? o.ids_in : o.op == OP_TOPK ? o.logits : o.hidden, ad.block_size,
+                (unsigned long long)max_padded, (unsigned long long)tokens, top_k, experts, ad.block_size - 1);
+        for (int i = 0; i < NUM_IN; i++)
+            npy_close(&in[i]);
+        return 2;
     }
 
     /* Chunks: about 64 MiB of input rows each. */
-    size_t row_in = npy_row_bytes(&in[IN_LOGITS]) + (o.op == OP_GROUNDED ? npy_row_bytes(&in[IN_HIDDEN]) : 0);
+    size_t row_in = o.op == OP_ALIGN ? npy_row_bytes(&in[IN_IDS])
+                                     : npy_row_bytes(&in[IN_LOGITS]) +
+                                           (o.op == OP_GROUNDED ? npy_row_bytes(&in[IN_HIDDEN]) : 0);
     uint64_t chunk = o.chunk_rows ? (uint64_t)o.chunk_rows : ((uint64_t)64 << 20) / row_in;
     if (chunk < 1)
         chunk = 1;
@@ -679,18 +827,27 @@ int main(int argc, char **argv)
     s.experts = experts;
     s.top_k = top_k;
     s.chunk_rows = chunk;
+    s.dispatch = dispatch;
+    s.block_size = ad.block_size;
+    s.max_padded = max_padded;
     moecl_context *ctx = NULL;
     moecl_status st = make_context(o.device, &ctx, &s.device_time, s.device, sizeof(s.device));
     if (st != MOECL_SUCCESS) {
         snprintf(err, sizeof(err), "no device: %s: %s", moecl_status_string(st), moecl_context_error(NULL));
         goto file_error;
     }
+    if (o.op == OP_ALIGN)
+        s.device_time = false; /* moe_align runs through its blocking host call: its wall time is the measure */
     const double p0 = now_s();
-    st = o.op == OP_TOPK ? moecl_topk_gating_prepare(ctx, &td) : moecl_grounded_router_prepare(ctx, &gd);
+    st = o.op == OP_TOPK       ? moecl_topk_gating_prepare(ctx, &td)
+         : o.op == OP_GROUNDED ? moecl_grounded_router_prepare(ctx, &gd)
+                               : MOECL_SUCCESS;
+    if (st == MOECL_SUCCESS && dispatch)
+        st = moecl_moe_align_prepare(ctx, &ad);
     s.prepare_s = now_s() - p0;
     if (st == MOECL_ERROR_INVALID_ARGUMENT) {
-        fprintf(stderr, "moecl-route: these options do not fit %s: %s\nTry 'moecl-route --help'.\n", o.logits,
-                moecl_context_error(ctx));
+        fprintf(stderr, "moecl-route: these options do not fit %s: %s\nTry 'moecl-route --help'.\n",
+                o.op == OP_ALIGN ? o.ids_in : o.logits, moecl_context_error(ctx));
         moecl_context_destroy(ctx);
         for (int i = 0; i < NUM_IN; i++)
             npy_close(&in[i]);
@@ -706,14 +863,21 @@ int main(int argc, char **argv)
     signal(SIGINT, on_signal);
     signal(SIGTERM, on_signal);
     signal(SIGHUP, on_signal);
-    const char *out_paths[3] = {o.weights, o.ids, o.pairs};
-    const char *out_descr[3] = {"<f4", "<i4", "<f4"};
-    for (int i = 0; i < 3; i++) {
+    const char *const *out_paths = o.out;
+    for (int i = 0; i < NUM_OUT; i++) {
         if (!out_paths[i])
             continue;
-        const uint64_t shape[3] = {tokens, top_k, 2};
-        if (npy_writer_open(&writers[i], out_paths[i], out_descr[i], i == OUT_PAIRS ? 3 : 2, shape, err,
-                            sizeof(err)))
+        const uint64_t pairs_shape[3] = {tokens, top_k, 2}, counts_shape[1] = {experts},
+                       sorted_shape[1] = {max_padded}, blocks_shape[1] = {max_padded / ad.block_size},
+                       post_shape[1] = {1};
+        const uint64_t *shape = i == OUT_COUNTS   ? counts_shape
+                                : i == OUT_SORTED ? sorted_shape
+                                : i == OUT_BLOCKS ? blocks_shape
+                                : i == OUT_POST   ? post_shape
+                                                  : pairs_shape;
+        const int ndim = i == OUT_PAIRS ? 3 : shape == pairs_shape ? 2 : 1;
+        if (npy_writer_open(&writers[i], out_paths[i], i == OUT_WEIGHTS || i == OUT_PAIRS ? "<f4" : "<i4", ndim,
+                            shape, err, sizeof(err)))
             goto ctx_error;
         pending_tmp[i] = writers[i].tmp;
     }
@@ -721,7 +885,7 @@ int main(int argc, char **argv)
     /* Buffers for one chunk. */
     const size_t nk = (size_t)chunk * top_k;
     const size_t in_bytes[NUM_IN] = {
-        (size_t)chunk * npy_row_bytes(&in[IN_LOGITS]),
+        o.op != OP_ALIGN ? (size_t)chunk * npy_row_bytes(&in[IN_LOGITS]) : 0,
         o.op == OP_GROUNDED ? (size_t)chunk * npy_row_bytes(&in[IN_HIDDEN]) : 0,
         o.op == OP_GROUNDED ? (size_t)in[IN_GROUND].count * in[IN_GROUND].elem_size : 0,
         o.bias ? (size_t)experts * 4 : 0,
@@ -732,9 +896,21 @@ int main(int argc, char **argv)
     int32_t *h_ids = malloc(nk * 4 + 4);
     cl_mem d_w = NULL, d_ids = NULL, d_pairs = NULL;
     s.load = calloc(experts, sizeof(uint64_t));
+    /* moe_align's input (the ids of every token) and outputs, whole. */
+    const size_t slots = (size_t)tokens * top_k;
+    int32_t *all_ids = NULL, *counts = NULL, *sorted = NULL, *blocks = NULL, *positions = NULL;
     if (!h_w || !h_pairs || !h_ids || !s.load) {
         snprintf(err, sizeof(err), "out of host memory for chunks of %llu rows (try --chunk-rows)",
                  (unsigned long long)chunk);
+        goto run_error;
+    }
+    if (dispatch && (!(all_ids = malloc(slots * 4 + 4)) || !(counts = malloc((size_t)experts * 4)) ||
+                     !(sorted = malloc((size_t)max_padded * 4 + 4)) ||
+                     !(blocks = malloc((size_t)(max_padded / ad.block_size) * 4 + 4)) ||
+                     (o.out[OUT_SLOTS] && !(positions = malloc(slots * 4 + 4))))) {
+        snprintf(err, sizeof(err), "out of host memory for moe_align of %llu slots (%llu bytes of ids and as many "
+                                   "of positions, %llu of sorted_token_ids)", (unsigned long long)slots,
+                 (unsigned long long)slots * 4, (unsigned long long)max_padded * 4);
         goto run_error;
     }
     for (int i = 0; i < NUM_IN; i++) {
@@ -751,15 +927,26 @@ int main(int argc, char **argv)
                                      sizeof(err))))
             goto run_error;
     }
-    if (!(d_w = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
-        !(d_ids = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
-        (o.op == OP_GROUNDED && o.pairs && !(d_pairs = device_buffer(ctx, nk * 8, NULL, err, sizeof(err)))))
+    if (o.op != OP_ALIGN && (!(d_w = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
+                             !(d_ids = device_buffer(ctx, nk * 4, NULL, err, sizeof(err))) ||
+                             (o.op == OP_GROUNDED && o.out[OUT_PAIRS] &&
+                              !(d_pairs = device_buffer(ctx, nk * 8, NULL, err, sizeof(err))))))
         goto run_error;
 
     const bool progress = !o.no_progress && (o.progress || isatty(2));
     cl_command_queue q = moecl_context_queue(ctx);
     const moecl_buffer none = {NULL, 0};
-    for (uint64_t done = 0; done < tokens; done += chunk) {
+    /* --op align: read the ids into all_ids, a chunk at a time. */
+    for (uint64_t done = 0; o.op == OP_ALIGN && done < tokens; done += chunk) {
+        const uint64_t rows = tokens - done < chunk ? tokens - done : chunk;
+        const double r0 = now_s();
+        if (npy_read_rows(&in[IN_IDS], all_ids + done * top_k, rows, err, sizeof(err)))
+            goto run_error;
+        s.read_s += now_s() - r0;
+        count_load(&s, all_ids + done * top_k, rows * top_k);
+        end_chunk(&s, rows, tokens, progress, t0);
+    }
+    for (uint64_t done = 0; o.op != OP_ALIGN && done < tokens; done += chunk) {
         const uint64_t rows = tokens - done < chunk ? tokens - done : chunk;
         double r0 = now_s();
         if (npy_read_rows(&in[IN_LOGITS], host[IN_LOGITS], rows, err, sizeof(err)) ||
@@ -822,9 +1009,10 @@ int main(int argc, char **argv)
                      (unsigned long long)done, (unsigned long long)(done + rows - 1), ce);
             goto run_error;
         }
-        for (size_t i = 0; i < rows * top_k; i++)
-            s.load[h_ids[i]]++;
-        if (o.op == OP_TOPK && o.pairs)
+        count_load(&s, h_ids, rows * top_k);
+        if (all_ids)
+            memcpy(all_ids + done * top_k, h_ids, rows * top_k * 4);
+        if (o.op == OP_TOPK && o.out[OUT_PAIRS])
             for (size_t i = 0; i < rows * top_k; i++) {
                 h_pairs[2 * i] = (float)h_ids[i];
                 h_pairs[2 * i + 1] = h_w[i];
@@ -836,16 +1024,32 @@ int main(int argc, char **argv)
             if (out_paths[i] && npy_writer_write(&writers[i], out_data[i], out_bytes[i], err, sizeof(err)))
                 goto run_error;
         s.write_s += now_s() - w0;
-        s.tokens += rows;
-        s.chunks++;
-        if (progress)
-            fprintf(stderr, "\rmoecl-route: %llu / %llu rows (%.0f%%), %.1f s ", (unsigned long long)s.tokens,
-                    (unsigned long long)tokens, 100.0 * (double)s.tokens / (double)tokens, now_s() - t0);
+        end_chunk(&s, rows, tokens, progress, t0);
     }
     if (progress)
         fprintf(stderr, "\r%70s\r", "");
+    if (dispatch) {
+        const double a0 = now_s();
+        st = moecl_moe_align_host(ctx, &ad, all_ids, counts, sorted, blocks, &s.post_padded, positions,
+                                  &s.num_invalid);
+        s.align_s = now_s() - a0;
+        if (st != MOECL_SUCCESS) {
+            snprintf(err, sizeof(err), "moe_align failed: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+            goto run_error;
+        }
+        const double w1 = now_s();
+        const void *out_data[NUM_OUT] = {[OUT_COUNTS] = counts, [OUT_SORTED] = sorted, [OUT_BLOCKS] = blocks,
+                                         [OUT_SLOTS] = positions, [OUT_POST] = &s.post_padded};
+        const size_t out_bytes[NUM_OUT] = {[OUT_COUNTS] = (size_t)experts * 4, [OUT_SORTED] = (size_t)max_padded * 4,
+                                           [OUT_BLOCKS] = (size_t)(max_padded / ad.block_size) * 4,
+                                           [OUT_SLOTS] = slots * 4, [OUT_POST] = 4};
+        for (int i = FIRST_DISPATCH_OUT; i < NUM_OUT; i++)
+            if (out_paths[i] && npy_writer_write(&writers[i], out_data[i], out_bytes[i], err, sizeof(err)))
+                goto run_error;
+        s.write_s += now_s() - w1;
+    }
     const double w0 = now_s();
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < NUM_OUT; i++) {
         if (!out_paths[i])
             continue;
         if (npy_writer_commit(&writers[i], err, sizeof(err))) {
@@ -862,7 +1066,10 @@ int main(int argc, char **argv)
     s.wall_s = now_s() - t0;
 
     char what[512];
-    if (o.op == OP_TOPK)
+    if (o.op == OP_ALIGN)
+        snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts", o.ids_in,
+                 (unsigned long long)tokens, top_k, experts);
+    else if (o.op == OP_TOPK)
         snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s", o.logits,
                  (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
                  td.scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o.bias ? ", bias" : "",
@@ -900,6 +1107,11 @@ cleanup:
     free(h_w);
     free(h_ids);
     free(h_pairs);
+    free(all_ids);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(positions);
     free(s.load);
     moecl_context_destroy(ctx);
     for (int i = 0; i < NUM_IN; i++)

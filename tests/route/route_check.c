@@ -3,6 +3,10 @@
  * same inputs and the outputs whole, checks the outputs' dtypes and shapes,
  * then runs ref_check_topk_gating or ref_check_grounded_router; the pairs
  * must hold the same ids and bit-identical weights as the other outputs.
+ * The dispatch outputs (moe_align) must equal ref_moe_align of the ids the
+ * tool wrote (--ids, else the pairs' ids), or of --ids-in for --op align,
+ * exactly, headers included; --summary-post-padded and --summary-invalid
+ * give the summary's num_tokens_post_padded and num_invalid to check too.
  * Exit status: 0 the outputs agree, 1 they do not (or a file is bad),
  * 2 bad usage. */
 #include <stdio.h>
@@ -35,26 +39,105 @@ static void *read_all(const char *path, npy_file *n, char *err, size_t size)
     return p;
 }
 
-/* The output's header must say kind and [tokens][k] (and [2] for pairs). */
+static void shape_text(char *out, size_t size, int ndim, const uint64_t *shape)
+{
+    int n = snprintf(out, size, "(");
+    for (int d = 0; d < ndim && n < (int)size - 24; d++)
+        n += snprintf(out + n, size - (size_t)n, "%s%llu", d ? ", " : "", (unsigned long long)shape[d]);
+    snprintf(out + n, size - (size_t)n, "%s)", ndim == 1 ? "," : "");
+}
+
+/* The output's header must say kind and this shape. */
+static int check_shape(const npy_file *n, npy_kind kind, int ndim, const uint64_t *shape)
+{
+    bool ok = n->kind == kind && n->ndim == ndim;
+    for (int d = 0; ok && d < ndim; d++)
+        ok = n->shape[d] == shape[d];
+    if (ok)
+        return 0;
+    char got[160], want[160];
+    shape_text(got, sizeof(got), n->ndim, n->shape);
+    shape_text(want, sizeof(want), ndim, shape);
+    fprintf(stderr, "route-check: %s: dtype %s, shape %s; want %s, shape %s\n", n->path, npy_kind_name(n->kind), got,
+            npy_kind_name(kind), want);
+    return 1;
+}
+
+/* [tokens][k], and [2] for pairs. */
 static int check_output(const npy_file *n, npy_kind kind, uint64_t tokens, uint32_t k, bool pairs)
 {
-    const int ndim = pairs ? 3 : 2;
-    if (n->kind != kind || n->ndim != ndim || n->shape[0] != tokens || n->shape[1] != k ||
-        (pairs && n->shape[2] != 2)) {
-        fprintf(stderr, "route-check: %s: dtype %s, %d-D (%llu, %llu, ...); want %s [%llu][%u]%s\n", n->path,
-                npy_kind_name(n->kind), n->ndim, (unsigned long long)n->shape[0],
-                (unsigned long long)(n->ndim > 1 ? n->shape[1] : 0), npy_kind_name(kind), (unsigned long long)tokens,
-                k, pairs ? "[2]" : "");
-        return 1;
+    const uint64_t shape[3] = {tokens, k, 2};
+    return check_shape(n, kind, pairs ? 3 : 2, shape);
+}
+
+/* The dispatch outputs, in moecl-route's order. */
+enum { D_COUNTS, D_SORTED, D_BLOCKS, D_SLOTS, D_POST, NUM_D };
+static const char *const d_flag[NUM_D] = {"--expert-counts", "--sorted-token-ids", "--block-expert-ids",
+                                          "--slot-positions", "--post-padded"};
+
+/* Each dispatch output given in path[] against ref_moe_align of ids:
+ * its header, then its values exactly (an output not given is not
+ * checked: the reference's own array stands in for it). want_post and
+ * want_invalid are the summary's values, checked when >= 0. */
+static int check_dispatch(const char *const path[NUM_D], uint32_t tokens, uint32_t k, uint32_t experts,
+                          uint32_t block, const int32_t *ids, long long want_post, long long want_invalid)
+{
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(tokens, k, experts, block);
+    const uint64_t max_padded = moecl_moe_align_max_padded(&d), slots = (uint64_t)tokens * k;
+    const uint64_t shapes[NUM_D][2] = {{experts}, {max_padded}, {max_padded / block}, {tokens, k}, {1}};
+    int32_t *ref[NUM_D], *got[NUM_D] = {NULL}, invalid = 0;
+    ref[D_COUNTS] = malloc((size_t)experts * 4);
+    ref[D_SORTED] = malloc((size_t)max_padded * 4 + 4);
+    ref[D_BLOCKS] = malloc((size_t)(max_padded / block) * 4 + 4);
+    ref[D_SLOTS] = malloc((size_t)slots * 4 + 4);
+    ref[D_POST] = malloc(4);
+    for (int i = 0; i < NUM_D; i++)
+        if (!ref[i])
+            return fail("out of memory for the moe_align reference%s%s", "", "");
+    ref_moe_align(&d, ids, ref[D_COUNTS], ref[D_SORTED], ref[D_BLOCKS], ref[D_POST], ref[D_SLOTS], &invalid);
+    char err[1024], msg[512] = "";
+    int bad = 0;
+    for (int i = 0; i < NUM_D && !bad; i++) {
+        npy_file n;
+        if (!path[i])
+            continue;
+        if (!(got[i] = read_all(path[i], &n, err, sizeof(err))))
+            bad = fail("%s%s", err, "");
+        else
+            bad = check_shape(&n, NPY_I32, i == D_SLOTS ? 2 : 1, shapes[i]);
     }
-    return 0;
+    const int32_t summary_invalid = (int32_t)want_invalid;
+    if (!bad)
+        bad = ref_check_moe_align(&d, ids, got[D_COUNTS] ? got[D_COUNTS] : ref[D_COUNTS],
+                                  got[D_SORTED] ? got[D_SORTED] : ref[D_SORTED],
+                                  got[D_BLOCKS] ? got[D_BLOCKS] : ref[D_BLOCKS],
+                                  got[D_POST] ? got[D_POST] : ref[D_POST], got[D_SLOTS],
+                                  want_invalid >= 0 ? &summary_invalid : NULL, msg, sizeof(msg));
+    if (bad && msg[0])
+        fprintf(stderr, "route-check: moe_align: %d differences from the reference; first: %s\n", bad, msg);
+    if (!bad && want_post >= 0 && want_post != *ref[D_POST]) {
+        fprintf(stderr, "route-check: the summary says num_tokens_post_padded %lld, the reference has %d\n",
+                want_post, *ref[D_POST]);
+        bad = 1;
+    }
+    if (!bad)
+        printf("route-check: moe_align of %llu slots, %u experts, block size %u: the dispatch outputs agree with "
+               "the reference (num_tokens_post_padded %d, num_invalid %d)\n",
+               (unsigned long long)slots, experts, block, *ref[D_POST], invalid);
+    for (int i = 0; i < NUM_D; i++) {
+        free(ref[i]);
+        free(got[i]);
+    }
+    return bad ? 1 : 0;
 }
 
 int main(int argc, char **argv)
 {
     const char *op = "topk", *logits = NULL, *hidden = NULL, *ground = NULL, *bias = NULL;
-    const char *weights = NULL, *ids = NULL, *pairs = NULL;
-    long top_k = 0, groups = 0, topk_group = 0;
+    const char *weights = NULL, *ids = NULL, *pairs = NULL, *ids_in = NULL, *dispatch[NUM_D] = {NULL};
+    long top_k = 0, groups = 0, topk_group = 0, experts_in = 0, block = 64;
+    long long want_post = -1, want_invalid = -1;
+    bool any_dispatch = false;
     bool renormalize = false, bf16 = false;
     float scale = 1.0f, alpha = 1.0f;
     moecl_scoring scoring = MOECL_SCORING_SOFTMAX;
@@ -66,6 +149,8 @@ int main(int argc, char **argv)
             continue;
         } else if (!strcmp(a, "--bf16")) {
             bf16 = true;
+            continue;
+        } else if (!strcmp(a, "--no-progress") || !strcmp(a, "--all-experts")) { /* moecl-route's own */
             continue;
         } else if (a[0] != '-') {
             logits = a;
@@ -92,6 +177,16 @@ int main(int argc, char **argv)
             ids = v;
         else if (!strcmp(a, "--pairs"))
             pairs = v;
+        else if (!strcmp(a, "--ids-in"))
+            ids_in = v;
+        else if (!strcmp(a, "--experts"))
+            experts_in = atol(v);
+        else if (!strcmp(a, "--block-size"))
+            block = atol(v), any_dispatch = true;
+        else if (!strcmp(a, "--summary-post-padded"))
+            want_post = atoll(v), any_dispatch = true;
+        else if (!strcmp(a, "--summary-invalid"))
+            want_invalid = atoll(v), any_dispatch = true;
         else if (!strcmp(a, "--top-k"))
             top_k = atol(v);
         else if (!strcmp(a, "--groups"))
@@ -107,12 +202,45 @@ int main(int argc, char **argv)
         else if (!strcmp(a, "--alpha"))
             alpha = strtof(v, NULL);
         else if (strcmp(a, "--chunk-rows") && strcmp(a, "--device")) { /* moecl-route's own; ignored */
-            fprintf(stderr, "route-check: unknown option %s\n", a);
+            int j = 0;
+            while (j < NUM_D && strcmp(a, d_flag[j]))
+                j++;
+            if (j == NUM_D) {
+                fprintf(stderr, "route-check: unknown option %s\n", a);
+                return 2;
+            }
+            dispatch[j] = v;
+            any_dispatch = true;
+        }
+    }
+    if (block < 1 || block > 1024) {
+        fprintf(stderr, "route-check: --block-size is 1..1024\n");
+        return 2;
+    }
+    if (!strcmp(op, "align")) {
+        npy_file n;
+        char err[1024];
+        int32_t *in = NULL;
+        if (!ids_in || experts_in < 1 || experts_in > 4096) {
+            fprintf(stderr, "route-check: --op align needs --ids-in and --experts 1..4096\n");
             return 2;
         }
+        if (!(in = read_all(ids_in, &n, err, sizeof(err))))
+            return fail("%s%s", err, "");
+        if (n.kind != NPY_I32 || n.ndim != 2)
+            return fail("%s: not a 2-D '<i4' array%s", ids_in, "");
+        const int r = check_dispatch(dispatch, (uint32_t)n.shape[0], (uint32_t)n.shape[1], (uint32_t)experts_in,
+                                     (uint32_t)block, in, want_post, want_invalid);
+        free(in);
+        return r;
     }
     if (!logits || !top_k || (!weights && !ids && !pairs)) {
         fprintf(stderr, "route-check: needs the logits, --top-k and at least one output\n");
+        return 2;
+    }
+    if (any_dispatch && !ids && !pairs) {
+        fprintf(stderr, "route-check: the dispatch outputs are checked against the routed ids: give --ids or "
+                        "--pairs\n");
         return 2;
     }
     const bool topk = !strcmp(op, "topk");
@@ -180,12 +308,21 @@ int main(int argc, char **argv)
         d.top_k = k;
         d.hidden_dtype = dtype;
         bad = ref_check_grounded_router(&d, h, l, g, p, w, id, msg, sizeof(msg));
+        if (!id && p && any_dispatch) {
+            if (!(id = malloc(nk * 4 + 4)))
+                return 1;
+            for (size_t i = 0; i < nk; i++)
+                id[i] = (int32_t)p[2 * i];
+        }
     }
     if (bad) {
         fprintf(stderr, "route-check: %d bad rows of %llu; first: %s\n", bad, (unsigned long long)tokens, msg);
         return 1;
     }
     printf("route-check: %llu rows x top %u agree with the reference\n", (unsigned long long)tokens, k);
+    if (any_dispatch &&
+        check_dispatch(dispatch, (uint32_t)tokens, k, experts, (uint32_t)block, id, want_post, want_invalid))
+        return 1;
     free(l);
     free(h);
     free(g);

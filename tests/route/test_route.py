@@ -16,6 +16,7 @@ import ast
 import json
 import os
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -83,6 +84,31 @@ def randn(rng, n, scale=1.0):
     return [rng.gauss(0.0, scale) for _ in range(n)]
 
 
+def write_ids(path, ids, shape, descr="<i4"):
+    with open(path, "wb") as f:
+        f.write(npy_bytes(descr, shape, struct.pack("<%d%s" % (len(ids), "i" if descr == "<i4" else "f"), *ids)))
+    return path
+
+
+# The routing's outputs, then moe_align's (the dispatch outputs).
+ROUTED = ("weights", "ids", "pairs")
+DISPATCH = ("expert-counts", "sorted-token-ids", "block-expert-ids", "slot-positions", "post-padded")
+
+
+def want_header(out, tokens, k, experts, block):
+    """The dtype and shape moecl-route must write for an output."""
+    if out in ROUTED:
+        return ("<i4" if out == "ids" else "<f4"), ((tokens, k, 2) if out == "pairs" else (tokens, k))
+    max_padded = tokens * k + experts * (block - 1)
+    return "<i4", {"expert-counts": (experts,), "sorted-token-ids": (max_padded,),
+                   "block-expert-ids": (max_padded // block,), "slot-positions": (tokens, k),
+                   "post-padded": (1,)}[out]
+
+
+def option_value(argv, flag, default):
+    return int(argv[argv.index(flag) + 1]) if flag in argv else default
+
+
 # ---- running ----
 
 
@@ -111,9 +137,13 @@ class Ctx:
             raise Failure("%s: exit status %d, want %d" % (label or os.path.basename(exe), p.returncode, want_rc))
         return p
 
-    def route_and_check(self, argv, k, tokens, outputs=("weights", "ids", "pairs")):
+    def route_and_check(self, argv, k, tokens, outputs=ROUTED, experts=None):
         """Runs moecl-route with argv plus the outputs, checks their headers,
-        then route-check. Returns the output paths and moecl-route's run."""
+        then route-check. With moe_align (a dispatch output, --block-size or
+        --op align; experts then says the expert count), route-check also
+        gets the summary's num_tokens_post_padded and num_invalid. Returns
+        the output paths and moecl-route's run, with p.summary the
+        summary's (num_tokens_post_padded, num_invalid) or None."""
         outs = {}
         extra = []
         tag = "%d" % self.rng.randrange(1 << 30)
@@ -121,16 +151,25 @@ class Ctx:
             outs[o] = self.path("out-%s-%s.npy" % (o, tag))
             extra += ["--" + o, outs[o]]
         p = self.run(self.route, argv + extra)
+        block = option_value(argv, "--block-size", 64)
         for o, path in outs.items():
             descr, shape, fortran, payload = read_npy(path)
-            want = (tokens, k, 2) if o == "pairs" else (tokens, k)
-            if descr != ("<i4" if o == "ids" else "<f4") or shape != want or fortran:
+            want = want_header(o, tokens, k, experts, block)
+            if (descr, shape) != want or fortran:
                 raise Failure("%s: header %r %r %r, want %r" % (path, descr, shape, fortran, want))
             n = 1
             for s in shape:
                 n *= s
             if len(payload) != 4 * n:
                 raise Failure("%s: %d bytes of data, want %d" % (path, len(payload), 4 * n))
+        p.summary = dispatch_summary(p.stdout, "--json" in argv)
+        dispatch = p.summary is not None
+        if dispatch != ("--block-size" in argv or "align" in argv or any(o in DISPATCH for o in outputs)):
+            raise Failure("the summary %s moe_align's results" % ("has" if dispatch else "lacks"))
+        if dispatch:
+            extra += ["--summary-post-padded", str(p.summary[0]), "--summary-invalid", str(p.summary[1])]
+            if "post-padded" in outs and struct.unpack("<i", read_npy(outs["post-padded"])[3])[0] != p.summary[0]:
+                raise Failure("the summary's num_tokens_post_padded is not the one in %s" % outs["post-padded"])
         self.run(self.check, [a for a in argv if a not in ("--progress", "--json")] + ["--top-k", str(k)] + extra,
                  label="route-check")
         self.no_temporaries()
@@ -143,17 +182,32 @@ class Ctx:
 
     def expect_failure(self, argv, names, rc=1, outputs=True):
         """moecl-route must exit rc, name one of `names` in its message, and
-        leave no output (or temporary) file in a fresh output folder."""
+        leave no output (or temporary) file in a fresh output folder.
+        outputs: True for the routing's three, else a list of names."""
         outdir = self.path("outs-%d" % self.rng.randrange(1 << 30))
         os.mkdir(outdir)
-        outs = ["--weights", os.path.join(outdir, "w.npy"), "--ids", os.path.join(outdir, "i.npy"),
-                "--pairs", os.path.join(outdir, "p.npy")] if outputs else []
+        outs = []
+        for o in (ROUTED if outputs is True else outputs or ()):
+            outs += ["--" + o, os.path.join(outdir, o + ".npy")]
         p = self.run(self.route, argv + outs, want_rc=rc)
         if not any(n in p.stderr for n in names):
             raise Failure("the message does not name %s: %r" % (" or ".join(names), p.stderr))
         if os.listdir(outdir):
             raise Failure("files left behind: %s" % os.listdir(outdir))
         return p
+
+
+def dispatch_summary(stdout, json_summary):
+    """(num_tokens_post_padded, num_invalid) from the summary, or None
+    when it reports no moe_align."""
+    if json_summary:
+        s = json.loads(stdout)
+        if s["num_tokens_post_padded"] is None:
+            return None
+        return s["num_tokens_post_padded"], s["num_invalid"]
+    m = re.search(r"^dispatch \(moe_align, block size \d+\): num_tokens_post_padded (\d+) of max_padded \d+ "
+                  r"\(\d+ of \d+ blocks used\), num_invalid (\d+)$", stdout, re.M)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 # ---- cases ----
@@ -298,6 +352,170 @@ def case_empty(c):
     e, k = 16, 2
     lg = write_npy(c.path("logits.npy"), [], (0, e))
     c.route_and_check([lg, "--top-k", str(k)], k, 0)
+
+
+def case_dispatch(c):
+    """Top-k routing with every dispatch output at block size 16, in chunks
+    of 128 rows (moe_align runs once on the ids gathered from all chunks):
+    route-check judges them exactly against the reference of the ids
+    written. One chunk gives the same bytes; the default block size is 64;
+    --block-size alone puts the padding in the summary, in text and JSON."""
+    t, e, k = 1000, 48, 6
+    lg = logits_file(c, "logits.npy", t, e)
+    bias = write_npy(c.path("bias.npy"), randn(c.rng, e, 0.05), (e,))
+    common = [lg, "--bias", bias, "--scoring", "sigmoid", "--renormalize", "--top-k", str(k), "--block-size", "16"]
+    everything = ("weights", "ids") + DISPATCH
+    small, p = c.route_and_check(common + ["--chunk-rows", "128"], k, t, everything, experts=e)
+    if "in 8 chunks of up to 128 rows" not in p.stdout:
+        raise Failure("expected 8 chunks of 128 rows")
+    whole, p = c.route_and_check(common, k, t, everything, experts=e)
+    for o in small:
+        if open(small[o], "rb").read() != open(whole[o], "rb").read():
+            raise Failure("%s: chunked output differs from the single-chunk output" % o)
+    c.route_and_check([lg, "--top-k", str(k), "--chunk-rows", "300"], k, t, ("ids", "pairs", "sorted-token-ids"),
+                      experts=e)
+    outs, p = c.route_and_check([lg, "--top-k", str(k), "--block-size", "7", "--json"], k, t, ("pairs",),
+                                experts=e)
+    s = json.loads(p.stdout)
+    if s["block_size"] != 7 or s["max_padded"] != t * k + e * 6 or s["num_invalid"] != 0:
+        raise Failure("JSON summary: %r" % s)
+    outs, p = c.route_and_check([lg, "--top-k", str(k), "--json"], k, t, ("weights", "ids"))
+    if json.loads(p.stdout)["num_tokens_post_padded"] is not None:
+        raise Failure("no moe_align was asked for, yet the JSON summary reports one")
+
+
+def case_dispatch_grounded(c):
+    """The grounded router's ids (from the pairs only) through moe_align,
+    in chunks of 77 rows, block size 32, and at block size 1."""
+    t, h, e, k = 400, 32, 12, 3
+    hid = write_npy(c.path("hidden.npy"), randn(c.rng, t * h, h ** -0.5), (t, h))
+    lg = write_npy(c.path("logits.npy"), randn(c.rng, t * e), (t, e))
+    gr = write_npy(c.path("ground.npy"), randn(c.rng, e * h), (e, h))
+    common = ["--op", "grounded", "--hidden", hid, "--logits", lg, "--ground", gr, "--top-k", str(k)]
+    c.route_and_check(common + ["--chunk-rows", "77", "--block-size", "32"], k, t, ("pairs",) + DISPATCH,
+                      experts=e)
+    c.route_and_check(common + ["--block-size", "1", "--json"], k, t, ("ids", "weights") + DISPATCH, experts=e)
+
+
+def align_ids(c, tokens, k, experts, invalid_share=0.1):
+    """Random ids in [0, experts), about invalid_share of them -1 or out of
+    range; returns them and how many are invalid."""
+    bad = (-1, -1, -7, experts, experts + 5, 2 ** 31 - 1, -2 ** 31)
+    ids = [c.rng.choice(bad) if c.rng.random() < invalid_share else c.rng.randrange(experts)
+           for _ in range(tokens * k)]
+    return ids, sum(1 for i in ids if not 0 <= i < experts)
+
+
+def case_align_ids(c):
+    """--op align on an ids file with -1 and out-of-range ids (skipped and
+    counted as num_invalid): block sizes 1 and 64 (the default), read in
+    chunks; top_k above the expert count; zero tokens."""
+    t, k, e = 600, 5, 20
+    ids, invalid = align_ids(c, t, k, e)
+    path = write_ids(c.path("ids.npy"), ids, (t, k))
+    base = ["--op", "align", "--ids-in", path, "--experts", str(e)]
+    for extra in (["--block-size", "1"], ["--chunk-rows", "70"], ["--block-size", "64", "--json"]):
+        outs, p = c.route_and_check(base + extra, k, t, DISPATCH, experts=e)
+        if p.summary[1] != invalid:
+            raise Failure("the summary says num_invalid %d; the file has %d invalid ids" % (p.summary[1], invalid))
+        counts = struct.unpack("<%di" % e, read_npy(outs["expert-counts"])[3])
+        if sum(counts) != t * k - invalid:
+            raise Failure("expert_counts sums to %d, want %d" % (sum(counts), t * k - invalid))
+    if "70 rows" not in c.route_and_check(base + ["--chunk-rows", "70"], k, t, (), experts=e)[1].stdout:
+        raise Failure("the summary does not say the chunks of 70 rows")
+    ids, invalid = align_ids(c, 50, 8, 3, 0.0)
+    path = write_ids(c.path("ids-wide.npy"), ids, (50, 8))
+    c.route_and_check(["--op", "align", "--ids-in", path, "--experts", "3", "--block-size", "4"], 8, 50,
+                      ("sorted-token-ids", "slot-positions"), experts=3)
+    path = write_ids(c.path("ids-empty.npy"), [], (0, 4))
+    outs, p = c.route_and_check(["--op", "align", "--ids-in", path, "--experts", "9", "--block-size", "3"], 4, 0,
+                                DISPATCH, experts=9)
+    if p.summary != (0, 0):
+        raise Failure("zero tokens: summary %r, want (0, 0)" % (p.summary,))
+
+
+def sparse_npy(path, descr, shape, elem):
+    """A header claiming shape, then a hole as long as its data (no disk)."""
+    n = elem
+    for s in shape:
+        n *= s
+    with open(path, "wb") as f:
+        head = npy_bytes(descr, shape, b"")
+        f.write(head)
+        f.truncate(len(head) + n)
+    return path
+
+
+def case_align_bad(c):
+    """Bad ids files exit 1 naming the file; bad block sizes, options that
+    do not belong to the op, and a max_padded above 2^31-1 exit 2; an
+    output that cannot be created fails the run. Nothing is left behind."""
+    t, k, e = 40, 4, 8
+    ids, _ = align_ids(c, t, k, e)
+    good = write_ids(c.path("ids.npy"), ids, (t, k))
+    lg = logits_file(c, "logits.npy", t, e)
+    f4 = write_ids(c.path("ids-f4.npy"), [float(i) for i in ids], (t, k), "<f4")
+    flat = write_ids(c.path("ids-flat.npy"), ids, (t * k,))
+    wide = write_ids(c.path("ids-wide.npy"), [0] * (t * 65), (t, 65))
+    align = ["--op", "align", "--experts", str(e), "--ids-in"]
+    failures = []
+
+    def expect(label, argv, names, rc, outputs=DISPATCH, word=None):
+        print("--- %s" % label)
+        try:
+            p = c.expect_failure(argv, names, rc=rc, outputs=outputs)
+            if word and word not in p.stderr:
+                raise Failure("the message does not say %r" % word)
+        except Failure as ex:
+            failures.append("%s: %s" % (label, ex))
+
+    expect("'<f4' ids", align + [f4], [f4], 1, word="int32")
+    expect("1-D ids", align + [flat], [flat], 1, word="2-D")
+    expect("65 ids a token", align + [wide], [wide], 1, word="1..64")
+    expect("missing ids file", align + [c.path("no-such.npy")], ["no-such.npy"], 1)
+    for bs in ("0", "2000", "x"):
+        expect("align --block-size %s" % bs, align + [good, "--block-size", bs], ["--block-size"], 2)
+        expect("topk --block-size %s" % bs, [lg, "--block-size", bs], ["--block-size"], 2, ROUTED + DISPATCH)
+    for argv, what in ((["--ids-in", good], "--ids-in without --op align"),
+                       (["--op", "align", "--ids-in", good], "no --experts"),
+                       (["--op", "align", "--experts", "8"], "no --ids-in"),
+                       (align + [good, "--experts", "0"], "--experts 0"),
+                       (align + [good, "--experts", "4097"], "--experts 4097"),
+                       (align + [good, "--top-k", "4"], "--top-k with --op align"),
+                       (align + [good, lg], "logits with --op align"),
+                       ([lg, "--experts", "8"], "--experts with --op topk")):
+        expect(what, argv, ["moecl-route"], 2)
+    expect("--weights with --op align", align + [good], ["--weights"], 2, ("weights",) + DISPATCH)
+    same = c.path("same.npy")
+    expect("two dispatch outputs to one file", align + [good, "--expert-counts", same, "--post-padded", same],
+           [same], 2, ())
+    # 2^25 tokens x 64 ids (8 GiB, a hole on disk): refused before a row is read.
+    big, bigl = c.path("big-ids.npy"), c.path("big-logits.npy")
+    try:
+        sparse_npy(big, "<i4", (1 << 25, 64), 4)
+        expect("max_padded above 2^31-1 (align)", align + [big, "--block-size", "1"], [big], 2, word="2^31-1")
+        sparse_npy(bigl, "<f4", (1 << 25, 64), 4)
+        expect("max_padded above 2^31-1 (topk)", [bigl, "--top-k", "64", "--block-size", "2"], [bigl], 2,
+               ("ids", "sorted-token-ids"), word="2^31-1")
+        expect("--block-size alone above 2^31-1", [bigl, "--top-k", "64", "--block-size", "2"], ["2^31-1"], 2, ())
+    finally:
+        for path in (big, bigl):
+            if os.path.exists(path):
+                os.unlink(path)
+    # A dispatch output in a missing folder, after the others were opened.
+    print("--- an output that cannot be created")
+    outdir = c.path("outs-missing")
+    os.mkdir(outdir)
+    missing = os.path.join(c.path("no-such-dir"), "post.npy")
+    try:
+        p = c.run(c.route, [lg, "--top-k", "2", "--ids", os.path.join(outdir, "i.npy"), "--sorted-token-ids",
+                            os.path.join(outdir, "s.npy"), "--post-padded", missing], want_rc=1)
+        if missing not in p.stderr or os.listdir(outdir):
+            raise Failure("the message does not name %s, or files were left: %s" % (missing, os.listdir(outdir)))
+    except Failure as ex:
+        failures.append("missing output folder: %s" % ex)
+    if failures:
+        raise Failure("\n".join(failures))
 
 
 def case_bad_files(c):
