@@ -44,5 +44,5 @@ if [[ " $steps " == *" bench "* ]]; then
     /tmp/b/tools/moecl-bench --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>/dev/null | tee "$OUT/bench.txt"
 fi
 if [[ " $steps " == *" torch "* ]] && [ -f bench/torch_reference.py ]; then
-    python3 bench/torch_reference.py --device cuda --json "$OUT/torch.json" 2>&1 | tee "$OUT/torch.txt"
+    python3 bench/torch_reference.py --device cuda --json "$OUT/torch.json" ${TORCH_ARGS:-} 2>&1 | tee "$OUT/torch.txt"
 fi
