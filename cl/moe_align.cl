@@ -160,19 +160,17 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
     __global const uint *row = matrix + (size_t)c * cols, *expert_start = matrix + starts_off;
     /* Padding positions (the sentinel num_slots) and blocks, spread over
      * every work-item of the launch: a launch of its own would cost the
-     * host more than this work. */
-    const uint post = expert_start[num_experts], gsize = get_global_size(0);
+     * host more than this work. Each expert's padding (under block_size
+     * positions) after its slots, then the tail after the last run; a
+     * binary search per block (there are few). */
+    const uint post = expert_start[num_experts], gid = get_global_id(0), gsize = get_global_size(0);
     __global const uint *totals = expert_start + cols;
-    for (uint p = get_global_id(0); p < max_padded; p += gsize) {
-        if (p >= post) {
+    for (uint e = gid; e < num_experts; e += gsize)
+        for (uint p = expert_start[e] + totals[e]; p < expert_start[e + 1]; p++)
             sorted[sorted_off + p] = (int)num_slots;
-        } else {
-            const uint e = expert_at(expert_start, num_experts, p);
-            if (p - expert_start[e] >= totals[e])
-                sorted[sorted_off + p] = (int)num_slots;
-        }
-    }
-    for (uint b = get_global_id(0); b < num_blocks; b += gsize) {
+    for (uint p = post + gid; p < max_padded; p += gsize)
+        sorted[sorted_off + p] = (int)num_slots;
+    for (uint b = gid; b < num_blocks; b += gsize) {
         const uint q = b * block_size;
         blocks[blocks_off + b] = q >= post ? -1 : (int)expert_at(expert_start, num_experts, q);
     }
