@@ -33,9 +33,10 @@
  * Build-time defines: WG (work-items of the count and scatter work-groups;
  * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
  * work-group) and ONE_WG (the one-group kernel's work-group). Everything
- * else is a kernel argument. OpenCL C 1.2 with no extensions: local atomic_inc on uint is core since 1.1. Sizes fit in
- * int32 (the host validates num_tokens * top_k + E * (block_size - 1) <=
- * INT32_MAX), so uint arithmetic does not wrap. */
+ * else is a kernel argument. OpenCL C 1.2 with no extensions: local
+ * atomic_inc on uint is core since 1.1. Sizes fit in int32 (the host
+ * validates num_tokens * top_k + E * (block_size - 1) <= INT32_MAX), so
+ * uint arithmetic does not wrap. */
 
 #ifndef WG
 #define WG 1
@@ -230,7 +231,7 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
                          __local uint *tot, __local uint *start)
 {
     __local uint part[ONE_WG];
-    __local uint4 tile4[ONE_WG / 4];
+    __local uint4 tile4[(ONE_WG + 3) / 4]; /* ONE_WG may be below 4 on tiny devices */
     __local uint *tile = (__local uint *)tile4;
     const uint lid = get_local_id(0), cols = num_experts + 1;
     ids += ids_off;

@@ -466,16 +466,18 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * every block -1, num_invalid 0.
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
- * queue and returns. Small routings on GPUs (up to 1536 slots) take one
+ * queue and returns. Small routings on GPUs (up to 1536 slots, where the
+ * device's local memory and the kernel's work-group limit allow) take one
  * kernel that does everything in one work-group; the rest take three
- * (count, scan, scatter; the first waits on the `num_wait` events of
- * `wait`, each later one on its predecessor). If `done` is non-NULL it
- * receives the event of the last kernel, which completes after all of
- * them; the caller releases it. The three-kernel path allocates a device
- * scratch buffer of about 4 * (num_tokens * top_k + 3 * num_experts)
- * bytes per call with clCreateBuffer and releases it once the kernels are
- * enqueued (OpenCL keeps it until they finish), so concurrent calls on one
- * context share nothing.
+ * (count, scan, scatter; the count is skipped when num_tokens == 0). The
+ * first kernel waits on the `num_wait` events of `wait`, each later one on
+ * its predecessor. If `done` is non-NULL it receives the event of the last
+ * kernel, which completes after all of them; the caller releases it. The
+ * three-kernel path allocates a device scratch buffer of about
+ * 4 * (num_tokens * top_k + 3 * num_experts) bytes per call with
+ * clCreateBuffer and releases it once the kernels are enqueued (OpenCL
+ * keeps it until they finish), so concurrent calls on one context share
+ * nothing.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
