@@ -108,3 +108,40 @@ moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, co
         return moecl_fail(ctx, err, "reading the results back failed (%s)", moecl_status_string(err));
     return MOECL_SUCCESS;
 }
+
+moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem)
+{
+    cl_int err = CL_SUCCESS;
+    if (!ctx->in_order || !ctx->scratch_lock_ready) {
+        *mem = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, bytes, NULL, &err);
+        if (!*mem)
+            return moecl_fail(ctx, err, "clCreateBuffer of %zu scratch bytes failed (%s)", bytes,
+                              moecl_status_string(err));
+        return MOECL_SUCCESS;
+    }
+    pthread_mutex_lock(&ctx->scratch_lock);
+    if (ctx->scratch_bytes < bytes) {
+        /* Released now, freed by OpenCL once earlier calls' kernels ran. */
+        if (ctx->scratch)
+            clReleaseMemObject(ctx->scratch);
+        ctx->scratch_bytes = 0;
+        const size_t grown = moecl_round_up(bytes, 64 * 1024);
+        ctx->scratch = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, grown, NULL, &err);
+        if (!ctx->scratch) {
+            pthread_mutex_unlock(&ctx->scratch_lock);
+            return moecl_fail(ctx, err, "clCreateBuffer of %zu scratch bytes failed (%s)", grown,
+                              moecl_status_string(err));
+        }
+        ctx->scratch_bytes = grown;
+    }
+    *mem = ctx->scratch;
+    return MOECL_SUCCESS;
+}
+
+void moecl_scratch_release(moecl_context *ctx, cl_mem mem)
+{
+    if (!ctx->in_order || !ctx->scratch_lock_ready)
+        clReleaseMemObject(mem);
+    else
+        pthread_mutex_unlock(&ctx->scratch_lock);
+}

@@ -21,6 +21,10 @@ char *moecl_build_options(const moecl_device_info *info)
 
 static moecl_status finish_context(moecl_context *c, moecl_context **out)
 {
+    cl_command_queue_properties props = 0;
+    c->in_order = clGetCommandQueueInfo(c->queue, CL_QUEUE_PROPERTIES, sizeof(props), &props, NULL) == CL_SUCCESS &&
+                  !(props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE);
+    c->scratch_lock_ready = pthread_mutex_init(&c->scratch_lock, NULL) == 0;
     moecl_status st = moecl_device_query(c->device, &c->info);
     if (st != MOECL_SUCCESS) {
         moecl_context_destroy(c);
@@ -138,6 +142,10 @@ void moecl_context_destroy(moecl_context *ctx)
     if (!ctx)
         return;
     moecl_registry_destroy(ctx->registry);
+    if (ctx->scratch)
+        clReleaseMemObject(ctx->scratch);
+    if (ctx->scratch_lock_ready)
+        pthread_mutex_destroy(&ctx->scratch_lock);
     if (ctx->queue)
         clReleaseCommandQueue(ctx->queue);
     if (ctx->device)

@@ -233,6 +233,13 @@ struct moecl_context {
         bool active;
         moecl_launch_config config;
     } forced[MOECL_NUM_OPS]; /* moecl_launch_force */
+    bool in_order; /* the queue runs commands in order (no CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) */
+    /* The device scratch buffer moecl_scratch_acquire reuses on an
+     * in-order queue, and the lock its users hold while enqueueing. */
+    pthread_mutex_t scratch_lock;
+    bool scratch_lock_ready;
+    cl_mem scratch;
+    size_t scratch_bytes;
 };
 
 /* ---- topk_gating.c, grounded_router.c: what a request is launched with ---- */
@@ -275,6 +282,16 @@ moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const c
 /* num_tokens == 0: enqueue nothing but honour the wait list and give a
  * marker event if asked. */
 moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done);
+/* A device scratch buffer of at least `bytes` for kernels a call is about
+ * to enqueue. On an in-order queue it is the context's own, grown as
+ * needed, and the context stays locked until moecl_scratch_release: the
+ * caller enqueues every kernel that uses it in between, so calls from
+ * several threads take turns and their kernels run one call after
+ * another. On an out-of-order queue it is a new buffer that the release
+ * frees (OpenCL keeps it until the kernels finish). Allocation on NVIDIA's
+ * OpenCL can cost tens of microseconds a call. */
+moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem);
+void moecl_scratch_release(moecl_context *ctx, cl_mem mem);
 /* Create a device buffer from host memory (copy in) or for output. */
 moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flags flags, size_t size,
                                const void *host, cl_mem *mem);

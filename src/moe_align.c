@@ -209,17 +209,49 @@ static moecl_status launch(moecl_context *ctx, moecl_variant *v, const char *nam
 #define MEM(m) ((kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
 #define LOCAL(bytes) ((kernel_arg){(bytes), NULL})
 
-/* After a launch: on success its event becomes the one the next waits on
- * (the previous one released); on failure the previous one is kept, the
- * last queued work. */
-static void advance(moecl_status st, cl_event *prev, cl_event *ev)
+/* The chained launches of one call. The first waits on the caller's wait
+ * list; on an in-order queue the later ones need no events (the queue
+ * orders them, and each event costs the host time on NVIDIA), on an
+ * out-of-order queue each waits on its predecessor's. The last one's event
+ * is the call's. */
+typedef struct chain {
+    moecl_context *ctx;
+    cl_uint num_wait;
+    const cl_event *wait;
+    cl_event prev; /* the last launch's event, where one was taken */
+    bool started;  /* something was enqueued */
+} chain;
+
+static moecl_status chain_launch(chain *c, moecl_variant *v, const char *name, const kernel_arg *args,
+                                 cl_uint num_args, size_t global, size_t local, bool last)
 {
+    const bool in_order = c->ctx->in_order;
+    const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
+    const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
+    cl_event ev = NULL;
+    moecl_status st = launch(c->ctx, v, name, args, num_args, global, local, num_wait, wait,
+                             last || !in_order ? &ev : NULL);
     if (st != MOECL_SUCCESS)
-        return;
-    if (*prev)
-        clReleaseEvent(*prev);
-    *prev = *ev;
-    *ev = NULL;
+        return st;
+    c->started = true;
+    if (ev) {
+        if (c->prev)
+            clReleaseEvent(c->prev);
+        c->prev = ev;
+    }
+    return MOECL_SUCCESS;
+}
+
+/* A launch of the chain failed after earlier ones were queued: wait for
+ * those, so that nothing writes the outputs after the call returns. */
+static void chain_abandon(chain *c)
+{
+    if (c->prev) {
+        clWaitForEvents(1, &c->prev);
+        clReleaseEvent(c->prev);
+    } else if (c->started) {
+        clFinish(c->ctx->queue);
+    }
 }
 
 /* Small routings: everything in one work-group, one launch, no scratch. */
@@ -261,34 +293,28 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     const cl_uint chunks = (cl_uint)(((uint64_t)slots + chunk - 1) / chunk);
     const size_t cols = (size_t)experts + 1;
     const size_t matrix_words = (size_t)chunks * cols;
-    cl_int err;
     /* The count matrix [chunks][cols], then expert_start[cols] and
      * totals[cols]. */
     const size_t scratch_bytes = (matrix_words + 2 * cols) * 4;
-    cl_mem scratch = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, scratch_bytes, NULL, &err);
-    if (!scratch)
-        return moecl_fail(ctx, err, "moe_align: clCreateBuffer of %zu scratch bytes failed (%s)", scratch_bytes,
-                          moecl_status_string(err));
+    cl_mem scratch;
+    moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
+    if (st != MOECL_SUCCESS)
+        return st;
     const cl_ulong starts_off = matrix_words;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
-    moecl_status st = MOECL_SUCCESS;
-    cl_event prev = NULL, ev = NULL;
+    chain c = {ctx, num_wait, wait, NULL, false};
 
     if (chunks > 0) {
         const kernel_arg args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts), ARG(chunk),
                                    MEM(scratch), LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[COUNT_KERNEL], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg, num_wait, wait,
-                    &ev);
-        prev = ev;
-        ev = NULL;
+        st = chain_launch(&c, p->variants[COUNT_KERNEL], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg,
+                          false);
     }
     if (st == MOECL_SUCCESS) {
         const kernel_arg args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
                                    MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
                                    MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[SCAN_KERNEL], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, prev ? 1 : num_wait,
-                    prev ? &prev : wait, &ev);
-        advance(st, &prev, &ev);
+        st = chain_launch(&c, p->variants[SCAN_KERNEL], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, false);
     }
     /* Also with no slots: the scatter writes the padding and the blocks. */
     if (st == MOECL_SUCCESS) {
@@ -297,25 +323,19 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
                                    ARG(a->sorted.off), MEM(a->slots.mem),  ARG(a->slots.off), ARG(has_slots),
                                    ARG(block),         ARG(max_padded),    ARG(num_blocks),   MEM(a->blocks.mem),
                                    ARG(a->blocks.off), LOCAL(cols * 4)};
-        st = launch(ctx, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 18,
-                    (size_t)(chunks ? chunks : 1) * s->wg, s->wg, 1, &prev, &ev);
-        advance(st, &prev, &ev);
+        st = chain_launch(&c, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 18,
+                          (size_t)(chunks ? chunks : 1) * s->wg, s->wg, true);
     }
-    /* Released now; OpenCL frees it once the kernels that use it finish. */
-    clReleaseMemObject(scratch);
-    if (st != MOECL_SUCCESS) {
-        /* A later launch failed after earlier ones were queued: wait for
-         * those, so that nothing writes the outputs after we return. */
-        if (prev) {
-            clWaitForEvents(1, &prev);
-            clReleaseEvent(prev);
-        }
+    if (st != MOECL_SUCCESS)
+        chain_abandon(&c);
+    /* Every kernel that uses it is enqueued (or waited for). */
+    moecl_scratch_release(ctx, scratch);
+    if (st != MOECL_SUCCESS)
         return st;
-    }
     if (done)
-        *done = prev;
+        *done = c.prev;
     else
-        clReleaseEvent(prev);
+        clReleaseEvent(c.prev);
     return MOECL_SUCCESS;
 }
 

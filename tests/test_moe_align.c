@@ -640,8 +640,8 @@ START_TEST(test_mutation_caught)
 }
 END_TEST
 
-/* Two threads calling on one context at once: each call has its own
- * scratch, so both results are exact. */
+/* Two threads calling on one context at once: they take turns with the
+ * context's scratch (in-order queue), so both results are exact. */
 typedef struct thread_job {
     moecl_context *ctx;
     moecl_moe_align_desc d;
@@ -696,6 +696,79 @@ START_TEST(test_threads)
 }
 END_TEST
 
+/* Calls enqueued back to back before any is waited for, each larger than
+ * the last (an in-order queue's shared scratch grows while the earlier
+ * calls' kernels may still be queued), on ctx's own in-order queue and on
+ * an adopted out-of-order queue where the device has one. */
+static void back_to_back(moecl_context *ctx, const char *label)
+{
+    enum { CALLS = 4 };
+    static const uint32_t shapes[CALLS][4] = {{500, 8, 64, 16}, {4096, 8, 256, 64}, {3000, 2, 4096, 8},
+                                              {8192, 8, 128, 128}};
+    moecl_moe_align_desc d[CALLS];
+    int32_t *ids[CALLS];
+    moecl_buffer bufs[CALLS][7];
+    cl_event done[CALLS];
+    for (int i = 0; i < CALLS; i++) {
+        d[i] = moecl_moe_align_desc_init(shapes[i][0], shapes[i][1], shapes[i][2], shapes[i][3]);
+        harness_rng rng = harness_rng_for(8000 + (uint64_t)i);
+        ids[i] = make_ids(&rng, &d[i], (enum load)(i % NUM_LOADS));
+        const size_t slots = (size_t)d[i].num_tokens * d[i].top_k, mp = (size_t)moecl_moe_align_max_padded(&d[i]);
+        const size_t sizes[7] = {slots * 4, d[i].num_experts * 4, mp * 4, mp / d[i].block_size * 4 + 4, 4, slots * 4, 4};
+        for (int b = 0; b < 7; b++)
+            bufs[i][b] = harness_buffer(ctx, sizes[b], 0, b == 0 ? ids[i] : NULL);
+        moecl_status st = moecl_moe_align(ctx, &d[i], bufs[i][0], bufs[i][1], bufs[i][2], bufs[i][3], bufs[i][4],
+                                          bufs[i][5], bufs[i][6], 0, NULL, &done[i]);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s, call %d: %s: %s", label, i, moecl_status_string(st),
+                      moecl_context_error(ctx));
+    }
+    ck_assert_int_eq(clWaitForEvents(CALLS, done), CL_SUCCESS);
+    for (int i = 0; i < CALLS; i++) {
+        result r;
+        result_alloc(&d[i], &r);
+        harness_read(ctx, bufs[i][1], d[i].num_experts * 4, r.counts);
+        harness_read(ctx, bufs[i][2], r.max_padded * 4, r.sorted);
+        harness_read(ctx, bufs[i][3], r.num_blocks * 4, r.blocks);
+        harness_read(ctx, bufs[i][4], 4, &r.post);
+        harness_read(ctx, bufs[i][5], r.slots_n * 4, r.slots);
+        harness_read(ctx, bufs[i][6], 4, &r.invalid);
+        char msg[256];
+        ck_assert_msg(ref_check_moe_align(&d[i], ids[i], r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid,
+                                          msg, sizeof(msg)) == 0,
+                      "%s, call %d: %s", label, i, msg);
+        result_free(&r);
+        clReleaseEvent(done[i]);
+        for (int b = 0; b < 7; b++)
+            harness_release(bufs[i][b]);
+        free(ids[i]);
+    }
+}
+
+START_TEST(test_queue_kinds)
+{
+    moecl_context *ctx = harness_context();
+    back_to_back(ctx, "in-order queue");
+    cl_device_id dev = moecl_context_device(ctx);
+    cl_command_queue_properties props = 0;
+    ck_assert_int_eq(clGetDeviceInfo(dev, CL_DEVICE_QUEUE_PROPERTIES, sizeof(props), &props, NULL), CL_SUCCESS);
+    if (props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) {
+        cl_int err;
+        cl_command_queue ooo =
+            clCreateCommandQueue(moecl_context_cl_context(ctx), dev, CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE, &err);
+        ck_assert_int_eq(err, CL_SUCCESS);
+        moecl_context *adopted = NULL;
+        ck_assert_int_eq(moecl_context_create_from_cl(moecl_context_cl_context(ctx), dev, ooo, &adopted),
+                         MOECL_SUCCESS);
+        back_to_back(adopted, "out-of-order queue");
+        moecl_context_destroy(adopted);
+        clReleaseCommandQueue(ooo);
+    } else {
+        fprintf(stderr, "moe_align: the device has no out-of-order queues; that half of test_queue_kinds is skipped\n");
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("moe_align");
@@ -709,6 +782,7 @@ int main(void)
     tcase_add_test(tc, test_prepare_and_chain);
     tcase_add_test(tc, test_mutation_caught);
     tcase_add_test(tc, test_threads);
+    tcase_add_test(tc, test_queue_kinds);
     tcase_add_test(tc, test_loads);
     tcase_add_test(tc, test_grid);
     suite_add_tcase(s, tc);

@@ -470,14 +470,17 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * device's local memory and the kernel's work-group limit allow) take one
  * kernel that does everything in one work-group; the rest take three
  * (count, scan, scatter; the count is skipped when num_tokens == 0). The
- * first kernel waits on the `num_wait` events of `wait`, each later one on
- * its predecessor. If `done` is non-NULL it receives the event of the last
- * kernel, which completes after all of them; the caller releases it. The
- * three-kernel path allocates a device scratch buffer of about
- * 4 * (num_tokens * top_k + 3 * num_experts) bytes per call with
- * clCreateBuffer and releases it once the kernels are enqueued (OpenCL
- * keeps it until they finish), so concurrent calls on one context share
- * nothing.
+ * first kernel waits on the `num_wait` events of `wait`; on an
+ * out-of-order queue each later one waits on its predecessor's event. If
+ * `done` is non-NULL it receives the event of the last kernel, which
+ * completes after all of them; the caller releases it. The three-kernel
+ * path needs a device scratch buffer of about 4 * (num_tokens * top_k +
+ * 3 * num_experts) bytes: on an in-order queue the context keeps one,
+ * grown as needed and reused (calls from several threads take turns while
+ * enqueueing, and the queue runs their kernels one call after another); on
+ * an out-of-order queue each call creates its own and releases it once the
+ * kernels are enqueued (OpenCL keeps it until they finish). The context's
+ * buffer is freed by moecl_context_destroy.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
