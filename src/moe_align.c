@@ -119,7 +119,7 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
  * after another in one work-group, so beyond some size the chunked path's
  * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
-#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1536u
+#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
 
 /* Whether the one-group kernel serves d: on GPUs up to the size above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
