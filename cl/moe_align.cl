@@ -47,6 +47,13 @@
 #ifndef ONE_WG
 #define ONE_WG 256
 #endif
+/* WARP_MATCH (set by the host for NVIDIA devices only): the one-group
+ * kernel's first warp places the slots in tiles of 32, ranking equal ids
+ * with PTX match.any.sync (sm_70 and later) instead of a loop over the
+ * tile. */
+#ifndef WARP_MATCH
+#define WARP_MATCH 0
+#endif
 
 /* The column of a slot's id: its expert, or E for an id outside [0, E). */
 static inline uint column_of(int id, uint num_experts)
@@ -228,7 +235,7 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
                          __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
                          __global int *post_padded, ulong post_off, __global int *slot_positions, ulong slot_off,
                          uint has_slots, __global int *num_invalid, ulong invalid_off, uint has_invalid,
-                         __local uint *tot, __local uint *start)
+                         __local uint *tot, __local uint *start, __local ushort *slot_cols)
 {
     __local uint part[ONE_WG];
     __local uint4 tile4[(ONE_WG + 3) / 4]; /* ONE_WG may be below 4 on tiny devices */
@@ -238,8 +245,13 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     for (uint e = lid; e < cols; e += ONE_WG)
         tot[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint s = lid; s < num_slots; s += ONE_WG)
-        atomic_inc(&tot[column_of(ids[s], num_experts)]);
+    for (uint s = lid; s < num_slots; s += ONE_WG) {
+        const uint e = column_of(ids[s], num_experts);
+        atomic_inc(&tot[e]);
+#if WARP_MATCH
+        slot_cols[s] = (ushort)e; /* the placing warp reads them from here */
+#endif
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
 
     /* Padded starts: contiguous ranges of experts per work-item, an
@@ -292,6 +304,33 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
         tot[e] = start[e];
     barrier(CLK_LOCAL_MEM_FENCE);
 
+#if WARP_MATCH
+    /* One warp, tiles of 32 slots: a slot's rank is the number of lower
+     * lanes with the same column; the lowest such lane then advances the
+     * expert's next position. bar.warp.sync orders the local accesses
+     * between the lanes. */
+    if (lid < 32) {
+        uint lower;
+        asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
+        for (uint base = 0; base < num_slots; base += 32) {
+            const uint slot = lid + base;
+            const uint e = slot < num_slots ? slot_cols[slot] : num_experts + 1;
+            uint same;
+            asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(same) : "r"(e));
+            int pos = -1;
+            if (e < num_experts) {
+                pos = (int)(tot[e] + popcount(same & lower));
+                sorted[sorted_off + pos] = (int)slot;
+            }
+            if (slot < num_slots && has_slots)
+                slot_positions[slot_off + slot] = pos;
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+            if (e < num_experts && (same & lower) == 0)
+                tot[e] += popcount(same);
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+        }
+    }
+#else
     for (uint base = 0; base < num_slots; base += ONE_WG) {
         const uint slot = base + lid;
         /* Past the end: a column no slot has. */
@@ -318,4 +357,5 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
             atomic_inc(&tot[e]);
         barrier(CLK_LOCAL_MEM_FENCE);
     }
+#endif
 }

@@ -53,6 +53,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 
 typedef struct align_shape {
     unsigned wg, scan_wg, one_wg;
+    bool warp_match; /* NVIDIA: the one-group kernel ranks with match.any.sync (cl/moe_align.cl) */
 } align_shape;
 
 static unsigned floor_pow2(size_t v, unsigned cap)
@@ -73,6 +74,7 @@ static align_shape shape_of(const moecl_device_info *info)
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
     s.one_wg = floor_pow2(info->max_work_group_size, 256);
+    s.warp_match = info->vendor == MOECL_VENDOR_NVIDIA && s.one_wg >= 32;
     return s;
 }
 
@@ -82,7 +84,8 @@ static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_al
 
 static void defines_of(const align_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u", s->wg, s->scan_wg, s->one_wg);
+    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u -DWARP_MATCH=%d", s->wg, s->scan_wg, s->one_wg,
+             s->warp_match);
 }
 
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
@@ -120,10 +123,21 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
  * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
+/* With WARP_MATCH a tile of 32 slots costs a few instructions, not a loop:
+ * the one-group kernel stays ahead of the chunked path further. */
+#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 8192u
 
-/* Whether the one-group kernel serves d: on GPUs up to the size above, on
+/* Local bytes of the one-group kernel's slot_cols argument: a ushort per
+ * slot where the warp path keeps them, else a placeholder. */
+static size_t slot_cols_bytes(const prepared *p, uint64_t slots)
+{
+    return p->shape.warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
+}
+
+/* Whether the one-group kernel serves d: on GPUs up to the sizes above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
- * forces a path; and only where local memory holds two words per expert. */
+ * forces a path; and only where local memory holds two words per expert
+ * (and, with WARP_MATCH, a ushort per slot). */
 static bool use_one_group(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
@@ -131,9 +145,13 @@ static bool use_one_group(const moecl_context *ctx, const prepared *p, const moe
         (info->align_path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
         return false;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    if (info->align_path == MOECL_ALIGN_AUTO && slots > MOECL_ALIGN_ONE_GROUP_MAX_SLOTS)
+    const uint32_t cap = p->shape.warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
+    if (info->align_path == MOECL_ALIGN_AUTO && slots > cap)
         return false;
-    const uint64_t bytes = 2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8;
+    if (p->shape.warp_match && slots > 65536) /* slot columns in local memory */
+        return false;
+    const uint64_t bytes =
+        2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8 + slot_cols_bytes(p, slots);
     /* 1 KiB for what the compiler places in local memory besides. */
     return bytes + 1024 <= info->local_mem_size;
 }
@@ -267,7 +285,8 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         ARG(max_padded),     ARG(num_blocks),     MEM(a->counts.mem),  ARG(a->counts.off),
         MEM(a->sorted.mem),  ARG(a->sorted.off),  MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
-        ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes)};
+        ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
+        LOCAL(slot_cols_bytes(p, slots))};
     cl_event ev = NULL;
     moecl_status st = launch(ctx, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
                              (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, num_wait,

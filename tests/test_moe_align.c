@@ -567,7 +567,8 @@ END_TEST
 
 /* A copy of cl/moe_align.cl whose scatter walks each chunk (CPU kernel) or
  * ranks each tile (GPU kernel) backwards, and whose one-group kernel takes
- * each tile's slots in reverse, loaded through MOECL_KERNEL_DIR:
+ * each tile's slots in reverse (its NVIDIA warp path ranks equal ids in
+ * reverse), loaded through MOECL_KERNEL_DIR:
  * still a grouping by expert, but not stable. The suite's check must
  * catch it. */
 static bool replace_once(char **text, const char *old, const char *new_text)
@@ -601,7 +602,9 @@ START_TEST(test_mutation_caught)
                                "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
                                "        const uint e = column_of") &&
                       replace_once(&text, "for (uint j = 0; j < lid; j++)", "for (uint j = lid + 1; j < WG; j++)") &&
-                      replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;"),
+                      replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
+                      replace_once(&text, "pos = (int)(tot[e] + popcount(same & lower));",
+                                   "pos = (int)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
                   "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
     char dir[] = "/tmp/moecl-mutant-XXXXXX";
     ck_assert_ptr_nonnull(mkdtemp(dir));
