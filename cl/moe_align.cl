@@ -305,10 +305,15 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     barrier(CLK_LOCAL_MEM_FENCE);
 
 #if WARP_MATCH
-    /* One warp, tiles of 32 slots: a slot's rank is the number of lower
-     * lanes with the same column; the lowest such lane then advances the
-     * expert's next position. bar.warp.sync orders the local accesses
-     * between the lanes. */
+    /* One warp ranks the slots in tiles of 32: a slot's rank within its
+     * expert is the expert's count so far plus the lower lanes with the
+     * same column; the lowest such lane then advances the count. Only
+     * local memory is touched here (bar.warp.sync orders it between the
+     * lanes, and would wait for global stores too); the rank replaces the
+     * slot's column, and all work-items write the outputs afterwards. */
+    for (uint e = lid; e < num_experts; e += ONE_WG)
+        tot[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
     if (lid < 32) {
         uint lower;
         asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
@@ -317,18 +322,24 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
             const uint e = slot < num_slots ? slot_cols[slot] : num_experts + 1;
             uint same;
             asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(same) : "r"(e));
-            int pos = -1;
-            if (e < num_experts) {
-                pos = (int)(tot[e] + popcount(same & lower));
-                sorted[sorted_off + pos] = (int)slot;
-            }
-            if (slot < num_slots && has_slots)
-                slot_positions[slot_off + slot] = pos;
+            if (e < num_experts)
+                slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));
             asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
             if (e < num_experts && (same & lower) == 0)
                 tot[e] += popcount(same);
             asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
         }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint slot = lid; slot < num_slots; slot += ONE_WG) {
+        const uint e = column_of(ids[slot], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)(start[e] + slot_cols[slot]);
+            sorted[sorted_off + pos] = (int)slot;
+        }
+        if (has_slots)
+            slot_positions[slot_off + slot] = pos;
     }
 #else
     for (uint base = 0; base < num_slots; base += ONE_WG) {

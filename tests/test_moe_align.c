@@ -603,8 +603,8 @@ START_TEST(test_mutation_caught)
                                "        const uint e = column_of") &&
                       replace_once(&text, "for (uint j = 0; j < lid; j++)", "for (uint j = lid + 1; j < WG; j++)") &&
                       replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      replace_once(&text, "pos = (int)(tot[e] + popcount(same & lower));",
-                                   "pos = (int)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
+                      replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
+                                   "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
                   "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
     char dir[] = "/tmp/moecl-mutant-XXXXXX";
     ck_assert_ptr_nonnull(mkdtemp(dir));
