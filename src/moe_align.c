@@ -123,9 +123,10 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
  * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
-/* With WARP_MATCH a tile of 32 slots costs a few instructions, not a loop:
- * the one-group kernel stays ahead of the chunked path further. */
-#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 8192u
+/* With WARP_MATCH a slot costs about 10 ns instead of 14 on the H200: the
+ * one-group kernel won at 1032 slots (33.2 against 39.6 us) and lost at
+ * 2048 (41.3 against 35.9). */
+#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 1536u
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
  * slot where the warp path keeps them, else a placeholder. */
