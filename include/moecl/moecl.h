@@ -466,7 +466,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * every block -1, num_invalid 0.
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
- * queue and returns. Small routings on GPUs (up to 1024 slots, where the
+ * queue and returns. Small routings on GPUs (up to 1024 slots, 1536 on
+ * NVIDIA, where the
  * device's local memory and the kernel's work-group limit allow) take one
  * kernel that does everything in one work-group; the rest take three
  * (count, scan, scatter; the count is skipped when num_tokens == 0). The
