@@ -156,6 +156,38 @@ static inline uint expert_at(__global const uint *start, uint num_experts, uint 
     return lo;
 }
 
+/* One tile of the stable placement, called by all n work-items of a
+ * work-group: work-item lid's slot (e: its column; past the end, a column
+ * no slot has) goes to run[e] plus the number of lower work-items in the
+ * tile with the same column, four read at a time; then run advances past
+ * the tile's slots. tile4 holds n columns. */
+static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __local uint4 *tile4, __local uint *run,
+                              uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
+                              ulong slot_off, uint has_slots)
+{
+    __local uint *tile = (__local uint *)tile4;
+    tile[lid] = e;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint rank = 0, j = 0;
+    for (; j + 4 <= lid; j += 4) {
+        const uint4 t = tile4[j / 4];
+        rank += (uint)(t.x == e) + (uint)(t.y == e) + (uint)(t.z == e) + (uint)(t.w == e);
+    }
+    for (; j < lid; j++)
+        rank += tile[j] == e;
+    int pos = -1;
+    if (e < num_experts) {
+        pos = (int)(run[e] + rank);
+        sorted[sorted_off + pos] = (int)slot;
+    }
+    if (in_range && has_slots)
+        slot_positions[slot_off + slot] = pos;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (e < num_experts)
+        atomic_inc(&run[e]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
                        __global const uint *matrix, ulong starts_off, __global int *sorted,
@@ -198,27 +230,13 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
             slot_positions[slot_off + s] = pos;
     }
 #else
-    __local uint tile[WG];
+    __local uint4 tile4[(WG + 3) / 4];
     for (uint base = begin; base < end; base += WG) {
         const uint s = base + lid;
         /* Past the end: a column no slot has. */
         const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
-        tile[lid] = e;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        uint rank = 0;
-        for (uint j = 0; j < lid; j++)
-            rank += tile[j] == e;
-        int pos = -1;
-        if (e < num_experts) {
-            pos = (int)(run[e] + rank);
-            sorted[sorted_off + pos] = (int)s;
-        }
-        if (s < end && has_slots)
-            slot_positions[slot_off + s] = pos;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (e < num_experts)
-            atomic_inc(&run[e]);
-        barrier(CLK_LOCAL_MEM_FENCE);
+        place_tile(s, e, s < end, lid, tile4, run, num_experts, sorted, sorted_off, slot_positions, slot_off,
+                   has_slots);
     }
 #endif
 }
@@ -238,8 +256,9 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
                          __local uint *tot, __local uint *start, __local ushort *slot_cols)
 {
     __local uint part[ONE_WG];
+#if !WARP_MATCH
     __local uint4 tile4[(ONE_WG + 3) / 4]; /* ONE_WG may be below 4 on tiny devices */
-    __local uint *tile = (__local uint *)tile4;
+#endif
     const uint lid = get_local_id(0), cols = num_experts + 1;
     ids += ids_off;
     for (uint e = lid; e < cols; e += ONE_WG)
@@ -299,21 +318,19 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     for (uint b = post / block_size + lid; b < num_blocks; b += ONE_WG)
         blocks[blocks_off + b] = -1;
     barrier(CLK_LOCAL_MEM_FENCE);
-    /* tot becomes each expert's next position. */
+    /* tot becomes each expert's next position (the warp path: its count
+     * so far, which fits the 16-bit ranks). */
     for (uint e = lid; e < num_experts; e += ONE_WG)
-        tot[e] = start[e];
+        tot[e] = WARP_MATCH ? 0 : start[e];
     barrier(CLK_LOCAL_MEM_FENCE);
 
 #if WARP_MATCH
     /* One warp ranks the slots in tiles of 32: a slot's rank within its
      * expert is the expert's count so far plus the lower lanes with the
-     * same column; the lowest such lane then advances the count. Only
-     * local memory is touched here (bar.warp.sync orders it between the
-     * lanes, and would wait for global stores too); the rank replaces the
-     * slot's column, and all work-items write the outputs afterwards. */
-    for (uint e = lid; e < num_experts; e += ONE_WG)
-        tot[e] = 0;
-    barrier(CLK_LOCAL_MEM_FENCE);
+     * same column; the lowest such lane then advances the count. The
+     * warp touches only local memory (bar.warp.sync orders it between the
+     * lanes); the rank replaces the slot's column, and all work-items write
+     * the outputs afterwards. */
     if (lid < 32) {
         uint lower;
         asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
@@ -346,27 +363,8 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
         const uint slot = base + lid;
         /* Past the end: a column no slot has. */
         const uint e = slot < num_slots ? column_of(ids[slot], num_experts) : num_experts + 1;
-        tile[lid] = e;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        /* Equal ids earlier in the tile, four at a time. */
-        uint rank = 0, j = 0;
-        for (; j + 4 <= lid; j += 4) {
-            const uint4 t = tile4[j / 4];
-            rank += (uint)(t.x == e) + (uint)(t.y == e) + (uint)(t.z == e) + (uint)(t.w == e);
-        }
-        for (; j < lid; j++)
-            rank += tile[j] == e;
-        int pos = -1;
-        if (e < num_experts) {
-            pos = (int)(tot[e] + rank);
-            sorted[sorted_off + pos] = (int)slot;
-        }
-        if (slot < num_slots && has_slots)
-            slot_positions[slot_off + slot] = pos;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (e < num_experts)
-            atomic_inc(&tot[e]);
-        barrier(CLK_LOCAL_MEM_FENCE);
+        place_tile(slot, e, slot < num_slots, lid, tile4, tot, num_experts, sorted, sorted_off, slot_positions,
+                   slot_off, has_slots);
     }
 #endif
 }

@@ -565,10 +565,10 @@ START_TEST(test_checker_rejects)
 }
 END_TEST
 
-/* A copy of cl/moe_align.cl whose scatter walks each chunk (CPU kernel) or
- * ranks each tile (GPU kernel) backwards, and whose one-group kernel takes
- * each tile's slots in reverse (its NVIDIA warp path ranks equal ids in
- * reverse), loaded through MOECL_KERNEL_DIR:
+/* A copy of cl/moe_align.cl whose scatter walks each chunk backwards (CPU
+ * kernel) or takes each tile's slots in reverse (GPU kernel), whose
+ * one-group kernel takes each tile's slots in reverse too (its NVIDIA warp
+ * path ranks equal ids in reverse), loaded through MOECL_KERNEL_DIR:
  * still a grouping by expert, but not stable. The suite's check must
  * catch it. */
 static bool replace_once(char **text, const char *old, const char *new_text)
@@ -601,7 +601,7 @@ START_TEST(test_mutation_caught)
     ck_assert_msg(replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
                                "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
                                "        const uint e = column_of") &&
-                      replace_once(&text, "for (uint j = 0; j < lid; j++)", "for (uint j = lid + 1; j < WG; j++)") &&
+                      replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
                       replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
                       replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
                                    "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
