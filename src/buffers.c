@@ -109,16 +109,19 @@ moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, co
     return MOECL_SUCCESS;
 }
 
-moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem)
+static moecl_status create_scratch(moecl_context *ctx, size_t bytes, cl_mem *mem)
 {
     cl_int err = CL_SUCCESS;
-    if (!ctx->in_order || !ctx->scratch_lock_ready) {
-        *mem = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, bytes, NULL, &err);
-        if (!*mem)
-            return moecl_fail(ctx, err, "clCreateBuffer of %zu scratch bytes failed (%s)", bytes,
-                              moecl_status_string(err));
-        return MOECL_SUCCESS;
-    }
+    *mem = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, bytes, NULL, &err);
+    if (!*mem)
+        return moecl_fail(ctx, err, "clCreateBuffer of %zu scratch bytes failed (%s)", bytes, moecl_status_string(err));
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem)
+{
+    if (!ctx->in_order || !ctx->scratch_lock_ready)
+        return create_scratch(ctx, bytes, mem);
     pthread_mutex_lock(&ctx->scratch_lock);
     if (ctx->scratch_bytes < bytes) {
         /* Released now, freed by OpenCL once earlier calls' kernels ran. */
@@ -126,11 +129,10 @@ moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem
             clReleaseMemObject(ctx->scratch);
         ctx->scratch_bytes = 0;
         const size_t grown = moecl_round_up(bytes, 64 * 1024);
-        ctx->scratch = clCreateBuffer(ctx->context, CL_MEM_READ_WRITE, grown, NULL, &err);
-        if (!ctx->scratch) {
+        const moecl_status st = create_scratch(ctx, grown, &ctx->scratch);
+        if (st != MOECL_SUCCESS) {
             pthread_mutex_unlock(&ctx->scratch_lock);
-            return moecl_fail(ctx, err, "clCreateBuffer of %zu scratch bytes failed (%s)", grown,
-                              moecl_status_string(err));
+            return st;
         }
         ctx->scratch_bytes = grown;
     }

@@ -86,7 +86,7 @@ static void choose_launch_class(moecl_device_info *info)
     const char *rounds = getenv("MOECL_TOPK_ROUNDS");
     info->topk_rounds = rounds && strcmp(rounds, "1") == 0;
     /* MOECL_ALIGN=one-group|chunked: moe_align's path whatever the size
-     * (one-group still only where local memory holds the keys). */
+     * (one-group still only where its local memory fits). */
     const char *align = getenv("MOECL_ALIGN");
     info->align_path = !align                         ? MOECL_ALIGN_AUTO
                        : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP

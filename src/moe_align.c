@@ -1,6 +1,6 @@
 /* moe_align, host side: validation, the launch shape, and either one
- * launch (small routings on GPUs) or a per-call scratch buffer and three
- * chained launches (cl/moe_align.cl says what each does); and the blocking
+ * launch (small routings on GPUs) or a scratch buffer and three chained
+ * launches (cl/moe_align.cl says what each does); and the blocking
  * host-memory path. */
 #include <stdio.h>
 #include <string.h>
@@ -273,6 +273,22 @@ static void chain_abandon(chain *c)
     }
 }
 
+/* The call's result once its launches are enqueued (st: how that went):
+ * the last event goes to done (or is released); after a failure whatever
+ * was queued is waited for. */
+static moecl_status chain_finish(chain *c, moecl_status st, cl_event *done)
+{
+    if (st != MOECL_SUCCESS) {
+        chain_abandon(c);
+        return st;
+    }
+    if (done)
+        *done = c->prev;
+    else
+        clReleaseEvent(c->prev);
+    return MOECL_SUCCESS;
+}
+
 /* Small routings: everything in one work-group, one launch, no scratch. */
 static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
                                       const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
@@ -288,17 +304,11 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
         LOCAL(slot_cols_bytes(p, slots))};
-    cl_event ev = NULL;
-    moecl_status st = launch(ctx, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
-                             (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, num_wait,
-                             wait, &ev);
-    if (st != MOECL_SUCCESS)
-        return st;
-    if (done)
-        *done = ev;
-    else
-        clReleaseEvent(ev);
-    return MOECL_SUCCESS;
+    chain c = {ctx, num_wait, wait, NULL, false};
+    const moecl_status st = chain_launch(&c, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
+                                         (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg,
+                                         true);
+    return chain_finish(&c, st, done);
 }
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
@@ -346,17 +356,10 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         st = chain_launch(&c, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 18,
                           (size_t)(chunks ? chunks : 1) * s->wg, s->wg, true);
     }
-    if (st != MOECL_SUCCESS)
-        chain_abandon(&c);
+    st = chain_finish(&c, st, done);
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
-    if (st != MOECL_SUCCESS)
-        return st;
-    if (done)
-        *done = c.prev;
-    else
-        clReleaseEvent(c.prev);
-    return MOECL_SUCCESS;
+    return st;
 }
 
 /* The outputs' sizes in bytes. */
