@@ -58,7 +58,15 @@ static inline float8 load_in8(__global const in_t *p, size_t i)
 #if IN_DTYPE == 0
     return vload8(0, p + i);
 #elif IN_DTYPE == 1
-    return vload_half8(0, (__global const half *)(p + i));
+    /* The words are loaded as ushort8 and converted from private memory:
+     * pocl 3.1 (Debian 12, x86-64) loads vload_half8's global operand with an aligned
+     * 16-byte move, which faults on rows that start off a 16-byte boundary
+     * (17 f16 experts: row 1 starts at byte 34). vload_halfn needs only
+     * 2-byte alignment; the private copy is aligned, so every driver is
+     * right. */
+    ushort w[8] __attribute__((aligned(16)));
+    vstore8(vload8(0, p + i), 0, w);
+    return vload_half8(0, (const half *)w);
 #else
     return as_float8(convert_uint8(vload8(0, p + i)) << 16);
 #endif

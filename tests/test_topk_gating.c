@@ -163,6 +163,32 @@ START_TEST(test_seed_shapes)
 }
 END_TEST
 
+/* Rows that start off a vector boundary: expert counts that are not a
+ * multiple of 8, in every dtype, with a second block that is partial. On
+ * pocl, f16 rows of 17-31 experts (except 24) faulted in the CPU kernel's
+ * block loads (the fuzzer's crash, tests/fuzz/corpus/
+ * topk-f16-e17-k7-cpu-unaligned-rows). Both scorings: softmax takes the CPU
+ * fast path, sigmoid the generic loop. */
+START_TEST(test_unaligned_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t experts[] = {17, 20, 23, 31, 47};
+    unsigned i = 0;
+    for (size_t e = 0; e < COUNT(experts); e++)
+        for (int dt = 0; dt < 3; dt++)
+            for (int scoring = 0; scoring < 2; scoring++) {
+                if (dt != MOECL_F16 && experts[e] != 17)
+                    continue; /* f16 is the dtype that faulted; f32 and bf16 once each */
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(2 + i % 5, experts[e], 7);
+                d.gating_dtype = (moecl_dtype)dt;
+                d.scoring = (moecl_scoring)scoring;
+                random_case(ctx, &d, false, 4500 + i, true);
+                i++;
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Scoring, bias, renormalize and scaling factor without groups. */
 START_TEST(test_options)
 {
@@ -650,6 +676,7 @@ int main(void)
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, test_checker_rejects);
     tcase_add_test(tc, test_special_rows);
+    tcase_add_test(tc, test_unaligned_rows);
     tcase_add_test(tc, test_options);
     tcase_add_test(tc, test_groups);
     tcase_add_test(tc, test_prepare_and_chain);
