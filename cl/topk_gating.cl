@@ -157,21 +157,16 @@ static inline uint8 select_rank8(float8 s)
 
 /* ---- Fast path: softmax, no bias, no groups (the seed's routing). ------ */
 /* The order of exp(x - max) / sum is the order of the logits (exp is
- * monotonic, and a rounded tie of two scores is a near-tie the spec lets go
- * either way), so the top-k is taken on the logits and exp runs once per
- * element only for the sum; the chosen weights get their own exp. Rows with
- * a NaN or +inf logit, or only -inf, have every score NaN (the sum is NaN):
- * those rows are all ties and give ids 0..k-1. Blocks of 16 floats (one
- * AVX-512 register); every loop below is over the row's blocks. */
-/* CPU_DEVICE (set by the host for CPU devices): the path is written for
- * and tested on CPU drivers (pocl); on the H200 the same code, run through
- * MOECL_LAUNCH_CLASS=cpu, broke the exact-tie rule and then faulted
- * (2026-11-30, not yet understood), so other devices keep the generic
- * loop below. */
-#ifndef CPU_DEVICE
-#define CPU_DEVICE 0
-#endif
-#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
+ * monotonic, and a rounded tie of two distinct scores is a near-tie the
+ * spec lets go either way), so the top-k is taken on the logits and exp
+ * runs once per element only for the sum; the chosen weights get their own
+ * exp. One exception keeps the exact-tie rule: logits whose exp(x - max)
+ * underflows to 0 all score exactly 0, so they rank as one value (-inf,
+ * rank_logit16) and go by index. Rows with a NaN or +inf logit, or only
+ * -inf, have every score NaN (the sum is NaN): those rows are all ties and
+ * give ids 0..k-1. Blocks of 16 floats (one AVX-512 register); every loop
+ * below is over the row's blocks. */
+#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0
 #define ROWS_FAST 1
 #define V16 16
 #define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
@@ -181,23 +176,39 @@ static inline uint8 select_rank8(float8 s)
 /* exp(x) for x <= 0 (or NaN), within about 1 ulp: Cody-Waite reduction by
  * ln 2 and Cephes' degree-6 polynomial, the power of two built in the
  * exponent bits. Below -88 it returns 0 (the true value is under 2^-126);
- * -inf gives 0 and NaN gives NaN. */
-static inline float16 exp_nonpos16(float16 x)
+ * -inf gives 0 and NaN gives NaN. One definition for the lanes and for
+ * one value, so both give the same bits. */
+#define DEFINE_EXP_NONPOS(name, F, I, AS_F, AS_I)                                                  \
+    static inline F name(F x)                                                                      \
+    {                                                                                              \
+        const F xc = x < -88.0f ? (F)(-88.0f) : x; /* NaN stays */                                 \
+        const F t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */           \
+        const F n = t - 12582912.0f;                                                               \
+        const I ni = AS_I(t) - 0x4B400000;                                                         \
+        F r = fma(n, (F)(-0.693359375f), xc);                                                      \
+        r = fma(n, (F)(2.12194440e-4f), r);                                                        \
+        F p = (F)(1.9875691500e-4f);                                                               \
+        p = fma(p, r, (F)(1.3981999507e-3f));                                                      \
+        p = fma(p, r, (F)(8.3334519073e-3f));                                                      \
+        p = fma(p, r, (F)(4.1665795894e-2f));                                                      \
+        p = fma(p, r, (F)(1.6666665459e-1f));                                                      \
+        p = fma(p, r, (F)(5.0000001201e-1f));                                                      \
+        const F y = fma(p, r * r, r) + 1.0f;                                                       \
+        return y * AS_F((ni + 127) << 23); /* n = -127: times 0 */                                 \
+    }
+DEFINE_EXP_NONPOS(exp_nonpos16, float16, int16, as_float16, as_int16)
+DEFINE_EXP_NONPOS(exp_nonpos, float, int, as_float, as_int)
+
+/* The value a logit ranks by: itself, or -inf where its score is 0 (p, its
+ * exp(x - max), underflowed). Monotone, so the floors below carry over. */
+static inline float16 rank_logit16(float16 v, float16 p)
 {
-    const float16 xc = x < -88.0f ? (float16)(-88.0f) : x; /* NaN stays */
-    const float16 t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */
-    const float16 n = t - 12582912.0f;
-    const int16 ni = as_int16(t) - 0x4B400000;
-    float16 r = fma(n, (float16)(-0.693359375f), xc);
-    r = fma(n, (float16)(2.12194440e-4f), r);
-    float16 p = (float16)(1.9875691500e-4f);
-    p = fma(p, r, (float16)(1.3981999507e-3f));
-    p = fma(p, r, (float16)(8.3334519073e-3f));
-    p = fma(p, r, (float16)(4.1665795894e-2f));
-    p = fma(p, r, (float16)(1.6666665459e-1f));
-    p = fma(p, r, (float16)(5.0000001201e-1f));
-    const float16 y = fma(p, r * r, r) + 1.0f;
-    return y * as_float16((ni + 127) << 23); /* n = -127: times 0 */
+    return p == 0.0f ? (float16)(-INFINITY) : v;
+}
+
+static inline float rank_logit(float v, float row_max)
+{
+    return exp_nonpos(v - row_max) == 0.0f ? -INFINITY : v;
 }
 
 /* Elements e0..e0+15 of x; lanes past the row get pad. */
@@ -274,6 +285,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
         floor_x = hmin16(above < TOPK ? lane_max : (float16)(INFINITY));
     }
 #endif
+    floor_x = rank_logit(floor_x, row_max);
 
     /* Pass 2, two blocks at a time: the sum of exp(x - max), and a bit for
      * each candidate (a logit at least the floor). */
@@ -283,9 +295,10 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
         const uint e0 = 2 * p * V16, e1 = e0 + V16;
         const float16 v0 = load_block16(x, e0, -INFINITY);
         const float16 v1 = load_block16(x, e1, -INFINITY);
-        acc += exp_nonpos16(v0 - row_max);
-        acc += exp_nonpos16(v1 - row_max);
-        int16 hit0 = v0 >= floor_x, hit1 = v1 >= floor_x;
+        const float16 p0 = exp_nonpos16(v0 - row_max), p1 = exp_nonpos16(v1 - row_max);
+        acc += p0;
+        acc += p1;
+        int16 hit0 = rank_logit16(v0, p0) >= floor_x, hit1 = rank_logit16(v1, p1) >= floor_x;
         if (e1 + V16 > NUM_EXPERTS) {
             hit0 &= as_int16(lane + e0 < (uint16)(NUM_EXPERTS));
             hit1 &= as_int16(lane + e1 < (uint16)(NUM_EXPERTS));
@@ -306,7 +319,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
             const uint e = p * 2 * V16 + 63 - (uint)clz(bits & (0ul - bits));
             bits &= bits - 1;
             const uint slot = min(count, (uint)V16);
-            cand_x[slot] = LOAD_IN(x, e);
+            cand_x[slot] = rank_logit(LOAD_IN(x, e), row_max);
             cand_e[slot] = e;
             count++;
         }
@@ -327,7 +340,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
         /* The floor is the max: the first candidate is the first max. */
         chosen_x[0] = cand_x[0];
         chosen_e[0] = cand_e[0];
-    } else if (TOPK <= V16 && count <= V16) {
+    } else if (TOPK <= V16 && count <= V16 && count >= TOPK) {
         /* Each candidate's place: the candidates above it (larger logit, or
          * equal and earlier; rotation s wraps lanes >= 16 - s onto earlier
          * candidates). Empty slots hold NaN, which is above nothing. */
@@ -352,21 +365,24 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
         }
     } else {
         /* Many candidates (ties at the floor) or k > 16: insertion of every
-         * candidate's key. */
+         * candidate's key. Fewer candidates than k cannot happen (k lanes
+         * hold a logit at least the floor); should a driver's vector
+         * compares say otherwise, every expert is a candidate. */
         ulong keys[TOPK];
         float unused[TOPK];
+        const float floor_all = count >= TOPK ? floor_x : -INFINITY;
         for (uint j = 0; j < TOPK; j++)
             keys[j] = KEY_NONE;
         for (uint e = 0; e < NUM_EXPERTS; e++) {
-            const float v = LOAD_IN(x, e);
-            if (v >= floor_x) {
+            const float v = rank_logit(LOAD_IN(x, e), row_max);
+            if (v >= floor_all) {
                 const ulong key = rank_key(v, e);
                 TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
             }
         }
         for (uint j = 0; j < TOPK; j++) {
             chosen_e[j] = key_index(keys[j]);
-            chosen_x[j] = LOAD_IN(x, chosen_e[j]);
+            chosen_x[j] = rank_logit(LOAD_IN(x, chosen_e[j]), row_max);
         }
     }
     for (uint j = TOPK; j < TOPK16; j++)
@@ -548,6 +564,17 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 #define GROUP_PARTS 1
 #endif
 
+/* A softmax score exp(x - max) / sum; under NATIVE_MATH sum_term is
+ * 1 / sum and the score e * (1 / sum). */
+static inline float team_softmax_score(float x, float row_max, float sum_term)
+{
+#if NATIVE_MATH
+    return EXP(x - row_max) * sum_term;
+#else
+    return EXP(x - row_max) / sum_term;
+#endif
+}
+
 /* EPT, the elements per work-item (NUM_EXPERTS / TEAM rounded up), comes
  * from the host, so that common.cl's team_topk sees it. */
 
@@ -603,7 +630,12 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
     }
 
-    /* Step 1: scores. */
+    /* Step 1: scores. value[] keeps the logits through every barrier below
+     * and the chosen ones are scored again after the selection (same
+     * expression, same bits): Intel's CPU runtime (2026.2) loses a
+     * work-item's exp() result held in private memory across a barrier and
+     * hands every work-item the last one's (tests/test_drivers.c,
+     * exp_across_barrier). Softmax needs the row's max and sum first. */
 #if SCORING == 0
     float local_max = -INFINITY;
     UNROLL
@@ -611,29 +643,20 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         if (i * TEAM + lane < NUM_EXPERTS)
             local_max = fmax(local_max, value[i]);
     const float row_max = team_max_float(local_max, FLOAT_SLOTS, lane);
-    /* exp once per element: kept for the scores after the sum. */
     float local_sum = 0.0f;
     UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        value[i] = EXP(value[i] - row_max);
+    for (uint i = 0; i < EPT; i++)
         if (i * TEAM + lane < NUM_EXPERTS)
-            local_sum += value[i];
-    }
+            local_sum += EXP(value[i] - row_max);
     const float row_sum = team_sum_float(local_sum, FLOAT_SLOTS, lane);
 #if NATIVE_MATH
-    const float inv_sum = 1.0f / row_sum;
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        value[i] = value[i] * inv_sum;
+    const float sum_term = 1.0f / row_sum;
 #else
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        value[i] = value[i] / row_sum;
+    const float sum_term = row_sum;
 #endif
+#define TEAM_SCORE(xv) team_softmax_score((xv), row_max, sum_term)
 #else
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        value[i] = 1.0f / (1.0f + EXP(-value[i]));
+#define TEAM_SCORE(xv) (1.0f / (1.0f + EXP(-(xv))))
 #endif
 
     /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. */
@@ -643,7 +666,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
         uint e = i * TEAM + lane;
         rank[i] = RANK_NONE;
         if (active && e < NUM_EXPERTS) {
-            float s = selection_score(value[i], bias, e);
+            float s = selection_score(TEAM_SCORE(value[i]), bias, e);
             rank[i] = select_rank(s);
 #if NUM_GROUPS > 0
             row_selection[r * NUM_EXPERTS + e] = s;
@@ -708,11 +731,18 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     }
 #endif
 
-    /* Step 4: TOPK rounds of "largest key in the team". */
+    /* Step 4: the top-k of the ranks; chosen_weights gets the chosen logits. */
     team_topk(rank, value, TOPK_SCRATCH, lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    /* Step 5: weights, and the ids from the chosen keys. */
+    /* Step 5: the chosen logits' scores (in local memory before the
+     * barrier, see step 1), the weights, and the ids from the chosen keys.
+     * A slot no candidate filled (fewer valid experts than TOPK cannot
+     * happen; kept 0 all the same) stays 0. */
+    for (uint j = lane; j < TOPK; j += TEAM)
+        if (chosen_ids[r * TOPK + j] != 0xffffffffu)
+            chosen_weights[r * TOPK + j] = TEAM_SCORE(chosen_weights[r * TOPK + j]);
+    barrier(CLK_LOCAL_MEM_FENCE);
     if (active) {
         float divisor;
         WEIGHTS_DIVISOR(divisor, chosen_weights + r * TOPK, TOPK);

@@ -205,11 +205,10 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
     snprintf(defines, size,
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
              "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
-             "-DTOPK_COUNT=%d -DCPU_DEVICE=%d",
+             "-DTOPK_COUNT=%d",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
-             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1,
-             (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
+             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1);
     /* Appended only when set: the plain entry points' defines, and so their
      * kernels and disk-cache entries, are what they were before counts. */
     if (has_counts) {

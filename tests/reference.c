@@ -40,6 +40,12 @@
 /* Every real >= this rounds to +inf in fp32: the midpoint between FLT_MAX
  * and 2^128. */
 #define OVERFLOW32 0x1.ffffffp127
+/* A softmax or sigmoid score below this is exactly 0 in fp32 on every
+ * device: softmax's exp(x - max) is then below 2^-160 (the sum is at most
+ * 4096 = 2^12), sigmoid's exp(-x) overflows to inf; either way 2^11 below
+ * the smallest subnormal (2^-149), beyond any ulp bound of exp. Such scores
+ * tie exactly, so they go by index (routing.md, 1). */
+#define ZERO32 0x1p-172
 
 /* Weights must agree with the float64 reference to this (routing.md, 3). */
 #define WEIGHT_TOL 1e-5
@@ -318,20 +324,20 @@ typedef struct rank_problem {
     rank_fault fault;
 } rank_problem;
 
-/* Whether experts a and b of the row have equal inputs (so that the device
- * computes bit-equal values for them). */
+/* Whether the device computes bit-equal values for experts a and b of the
+ * row (equal inputs, or values that are certainly 0). */
 typedef bool (*same_input_fn)(const void *ctx, uint32_t a, uint32_t b);
 
 /* Can the device put expert a before expert b? As may_precede, and never
- * when both have equal inputs and a has the larger index: the device then
- * holds one value for both, an exact tie, which goes to the lower index
- * (only equal float64 values can come from equal inputs: cheap filter). */
+ * when the device holds one value for both (same()) and a has the larger
+ * index: an exact tie, which goes to the lower index. */
 static bool may_precede_expert(const double *v, const double *lo, const double *hi, uint32_t a, uint32_t b,
                                same_input_fn same, const void *ctx)
 {
     if (!may_precede(hi[a], a, lo[b], b))
         return false;
-    return !(a > b && v[a] == v[b] && same(ctx, a, b));
+    (void)v;
+    return !(a > b && same(ctx, a, b));
 }
 
 /*
@@ -389,7 +395,7 @@ static bool check_ranking(const double *v, const double *lo, const double *hi, u
         }
         for (uint32_t j = 0; j < k; j++) {
             uint32_t c = (uint32_t)ids[j];
-            if (c > e && v[c] == v[e] && same(ctx, c, e)) {
+            if (c > e && same(ctx, c, e)) {
                 *problem = (rank_problem){j, (int32_t)e, RANK_TIE};
                 return false;
             }
@@ -413,7 +419,7 @@ static void rank_message(char *msg, size_t size, uint32_t row, const rank_proble
                  (int)o, name, v[o], err[o]);
     else
         snprintf(why, sizeof why,
-                 "id %d has the same inputs and a lower index than id %d (an exact tie on every device), "
+                 "id %d ties id %d exactly on every device (equal inputs, or both scores 0) and has the lower index, "
                  "but comes later or not at all",
                  (int)o, (int)id);
     put_msg(msg, size, "row %u pos %u: id %d (%s=%.9g +-%.2g) but reference id %d (%s=%.9g +-%.2g); %s",
@@ -563,6 +569,8 @@ static void softmax_scores(gating_row *r)
     double p_err = 0.0; /* sum of score_e * (relative error of p_e) */
     for (uint32_t e = 0; e < E; e++) {
         double score = r->score[e] / sum;
+        if (score < ZERO32)
+            score = 0.0; /* 0 on every device: an exact tie */
         double d = fabs(r->x[e] - m);
         r->score[e] = score;
         r->err[e] = 2.0 * TINY32;
@@ -590,6 +598,8 @@ static void sigmoid_scores(gating_row *r)
 {
     for (uint32_t e = 0; e < r->E; e++) {
         double score = 1.0 / (1.0 + exp(-r->x[e]));
+        if (score < ZERO32)
+            score = 0.0; /* 0 on every device: an exact tie */
         r->score[e] = score;
         r->err[e] = 2.0 * TINY32 + (score > 0.0 ? 8.0 * EPS32 * score : 0.0);
     }
@@ -851,11 +861,14 @@ static uint32_t boundary_group(gating_row *r)
     return r->scratch[r->kg - 1].index;
 }
 
-/* Equal logit and equal bias: the device's s are bit-equal. */
+/* Equal bias and either equal logits or scores that are both certainly 0
+ * (ZERO32): the device's s are bit-equal. */
 static bool gating_same_input(const void *ctx, uint32_t a, uint32_t b)
 {
     const gating_row *r = ctx;
-    return r->x[a] == r->x[b] && (!r->bias || r->bias[a] == r->bias[b]);
+    if (r->bias && r->bias[a] != r->bias[b])
+        return false;
+    return r->x[a] == r->x[b] || (r->score[a] == 0.0 && r->score[b] == 0.0);
 }
 
 /* Groups g and h hold experts with equal inputs, position by position. */
@@ -1232,6 +1245,8 @@ static bool grounded_same_input(const void *ctx, uint32_t a, uint32_t b)
 {
     const grounded_row *r = ctx;
     const moecl_grounded_router_desc *d = r->desc;
+    if (r->g[a] != r->g[b]) /* only equal float64 values come from equal inputs: a cheap filter */
+        return false;
     if (r->logits[(size_t)r->row * r->E + a] != r->logits[(size_t)r->row * r->E + b])
         return false;
     for (uint32_t i = 0; i < r->H; i++)

@@ -265,7 +265,7 @@ END_TEST
 /* Rows of exact ties, NaN, infinities and huge values. Where the inputs tie
  * exactly the ids must equal the reference's exactly (lower index first);
  * elsewhere the checker's rules apply. */
-enum { ROW_KINDS = 12 };
+enum { ROW_KINDS = 14 };
 
 static bool fill_special_row(harness_rng *rng, int kind, float *row, uint32_t e_count)
 {
@@ -320,6 +320,17 @@ static bool fill_special_row(harness_rng *rng, int kind, float *row, uint32_t e_
         row[e_count / 2] = INFINITY;
         row[e_count - 1] = -INFINITY;
         exact = false;
+        break;
+    case 11: /* scores that underflow to exactly 0 (ZERO32 in tests/reference.c),
+              * logits rising with the index: they tie and go by index, not
+              * by logit (the peers' underflow case: [0, -300, -200, -250]) */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = -130.0f - (float)(e_count - e);
+        row[e_count / 2] = 0.0f;
+        break;
+    case 12: /* the peers' row, repeated: [0, -300, -200, -250, ...] */
+        for (uint32_t e = 0; e < e_count; e++)
+            row[e] = (const float[]){0.0f, -300.0f, -200.0f, -250.0f}[e % 4];
         break;
     default: /* -0 and +0 tie */
         for (uint32_t e = 0; e < e_count; e++)
