@@ -28,14 +28,35 @@ if ! command -v debootstrap >/dev/null; then
 fi
 
 work=$(mktemp -d "${FRESH_DEBIAN_TMP:-/var/tmp}/moecl-fresh-debian.XXXXXX")
+work=$(cd "$work" && pwd -P)   # as /proc/PID/root names it
 root=$work/root readme=$work/readme
 mounts=(proc sys dev)
 failures=()
 
+# Processes whose root is the root: a killed run can leave some behind (a
+# TERMed apt left dpkg unpacking), holding its mounts and writing into it.
+root_pids() {
+    local p
+    for p in /proc/[0-9]*; do
+        [ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] && echo "${p#/proc/}"
+    done
+}
+
 cleanup() {
-    local rc=$? m busy=0
+    local rc=$? m busy=0 pids i
     set +e
     trap - EXIT INT TERM HUP
+    pids=$(root_pids)
+    if [ -n "$pids" ]; then
+        say "stopping what still runs in the root: ${pids//$'\n'/ }"
+        # shellcheck disable=SC2086 # one pid a word
+        kill -TERM $pids 2>/dev/null
+        for ((i = 0; i < 50; i++)); do [ -z "$(root_pids)" ] && break; sleep 0.1; done
+        pids=$(root_pids)
+        # shellcheck disable=SC2086
+        [ -z "$pids" ] || kill -KILL $pids 2>/dev/null
+        for ((i = 0; i < 50; i++)); do [ -z "$(root_pids)" ] && break; sleep 0.1; done
+    fi
     # Innermost first; a lazy unmount if something in the root still holds one.
     for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
         m=$root/${mounts[i]}
@@ -64,11 +85,15 @@ trap 'exit 143' TERM
 trap 'exit 129' HUP
 
 # Run CMD (a README command, exactly as written) in DIR in the root, in a
-# root login shell with nothing inherited from this environment.
+# root login shell with nothing inherited from this environment. In the
+# background and waited for, so that a signal to this script runs the trap
+# at once rather than when the command ends (a timeout's TERM, then KILL,
+# would otherwise leave the mounts behind).
 in_root() {
     # shellcheck disable=SC2016 # expanded by the root's shell
     chroot "$root" /usr/bin/env -i HOME=/root TERM="${TERM:-dumb}" DEBIAN_FRONTEND=noninteractive \
-        /bin/bash -l -c 'cd "$1" && eval "$2"' bash "$1" "$2"
+        /bin/bash -l -c 'cd "$1" && eval "$2"' bash "$1" "$2" &
+    wait $!
 }
 
 begin "reading the README's commands and app.c"
