@@ -6,9 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # intel-opencl-icd (ocloc) and clang-15: the portability suite's compilers;
-# g++, binutils and doxygen: the install suite's (as in .ci/run).
-packages=(gcc libc6-dev meson ninja-build pkg-config opencl-c-headers ocl-icd-opencl-dev pocl-opencl-icd check
-          intel-opencl-icd clang-15 g++ binutils doxygen)
+# g++, binutils and doxygen: the install suite's (as in .ci/run). dpkg-dev:
+# meson asks its dpkg-architecture for the multiarch libdir; without it,
+# `meson install` puts the library in lib64, where neither pkg-config nor
+# ldconfig look on Debian.
+packages=(gcc libc6-dev dpkg-dev meson ninja-build pkg-config opencl-c-headers ocl-icd-opencl-dev pocl-opencl-icd
+          check intel-opencl-icd clang-15 g++ binutils doxygen)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
