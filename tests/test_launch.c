@@ -553,20 +553,25 @@ START_TEST(test_invalid_config_ignored)
                               src_r = untuned_grounded(&r, &base_r), src_w = untuned_grounded(&wide, &base_w);
 
     /* team 256 x 4096 rows is past every device's work-group limit and
-     * local memory; 256 x 32 past the work-group limit of every device we
-     * know (pocl's is 4096) while its 100 KiB of local memory fit pocl;
+     * local memory; 256 x past_rows (the power of two of rows just past
+     * this device's work-group limit: 32 on pocl, whose limit is 4096, 64
+     * on Intel's CPU runtime, 8192) past the work-group limit;
      * 256 grouped rows of 4096 experts take 4 MiB of local memory in a
      * work-group of 4096, which pocl allows; the
      * team kernel with hidden 65536 in local memory past every device's
      * local memory; the 8x8 tile needs 64 experts a tile (16 here). */
     moecl_context *ctx = harness_context();
+    unsigned past_rows = 1;
+    while ((size_t)256 * past_rows <= ctx->info.max_work_group_size)
+        past_rows *= 2;
     char body[1024];
     snprintf(body, sizeof(body),
              "topk e=128 k=8 groups=0 kernel=team team=256 rows=4096\n"
-             "topk e=256 k=8 groups=0 kernel=team team=256 rows=32\n"
+             "topk e=256 k=8 groups=0 kernel=team team=256 rows=%u\n"
              "topk e=4096 k=8 groups=64 kernel=team team=16 rows=256\n"
              "grounded e=16 k=2 hidden=128 kernel=tiled tile=128\n"
-             "grounded e=16 k=2 hidden=65536 kernel=team team=4 rows=1\n");
+             "grounded e=16 k=2 hidden=65536 kernel=team team=4 rows=1\n",
+             past_rows);
     write_tune_file(ctx, true, body, strlen(body));
     moecl_context_destroy(ctx);
 
@@ -575,8 +580,8 @@ START_TEST(test_invalid_config_ignored)
     moecl_launch_config got;
     assert_source(topk_launch(ctx, &t, &got), src_t, "team 256 x 4096");
     assert_config(&got, &base_t, "team 256 x 4096");
-    assert_source(topk_launch(ctx, &t256, &got), src_t256, "team 256 x 32");
-    assert_config(&got, &base_t256, "team 256 x 32");
+    assert_source(topk_launch(ctx, &t256, &got), src_t256, "team 256 past the work-group limit");
+    assert_config(&got, &base_t256, "team 256 past the work-group limit");
     assert_source(topk_launch(ctx, &t4096, &got), src_t4096, "4 MiB of local memory");
     assert_config(&got, &base_t4096, "4 MiB of local memory");
     assert_source(grounded_launch(ctx, &r, &got), src_r, "tile 128 for 16 experts");
