@@ -19,6 +19,7 @@
 #include <math.h>
 #include <ftw.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1065,11 +1066,12 @@ static void align_buffers(moecl_context *ctx, const moecl_moe_align_desc *d, con
         b[i] = harness_buffer(ctx, sizes[i], 4 * (size_t)(i + 1), i == A_IDS ? ids : NULL);
 }
 
+/* wait: an event for the call's wait list, or NULL. */
 static moecl_status align_call(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_buffer *b,
-                               cl_event *done)
+                               cl_event wait, cl_event *done)
 {
     return moecl_moe_align(ctx, d, b[A_IDS], b[A_COUNTS], b[A_SORTED], b[A_BLOCKS], b[A_POST], b[A_SLOTS],
-                           b[A_INVALID], 0, NULL, done);
+                           b[A_INVALID], wait ? 1 : 0, wait ? &wait : NULL, done);
 }
 
 /* The outputs of mask (bits of A_*) are untouched. */
@@ -1099,7 +1101,7 @@ static void assert_align_right(moecl_context *ctx, const moecl_moe_align_desc *d
     moecl_buffer b[A_NUM];
     align_buffers(ctx, d, ids, b);
     cl_event done = NULL;
-    moecl_status st = align_call(ctx, d, b, &done);
+    moecl_status st = align_call(ctx, d, b, NULL, &done);
     ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", label, moecl_status_string(st), moecl_context_error(ctx));
     ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
     clReleaseEvent(done);
@@ -1124,19 +1126,54 @@ static void assert_align_right(moecl_context *ctx, const moecl_moe_align_desc *d
         harness_release(b[i]);
 }
 
+/* A wait-list event that another thread completes 200 ms after it is
+ * made: a failed call that waits for what it enqueued returns only after
+ * that, with those commands complete; one that does not returns while they
+ * are still queued. Static: the thread outlives a failed assertion. */
+static struct later {
+    cl_event ev;
+    pthread_t thread;
+} later;
+
+static void *complete_later(void *arg)
+{
+    (void)arg;
+    usleep(200 * 1000);
+    clSetUserEventStatus(later.ev, CL_COMPLETE);
+    return NULL;
+}
+
+static cl_event later_start(moecl_context *ctx)
+{
+    cl_int err;
+    later.ev = clCreateUserEvent(moecl_context_cl_context(ctx), &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(pthread_create(&later.thread, NULL, complete_later, NULL), 0);
+    return later.ev;
+}
+
+static void later_end(void)
+{
+    ck_assert_int_eq(pthread_join(later.thread, NULL), 0);
+    clReleaseEvent(later.ev);
+}
+
 /* One failing moe_align call: faults armed, the status, message and
  * commands as assert_failure checks them, and the outputs of `untouched`
- * unchanged. */
+ * unchanged. late: the call waits on later's event. */
 static void align_fault(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, const fault *faults,
-                        int n, const char *call, int arg, int enqueued, unsigned untouched, const char *label)
+                        int n, const char *call, int arg, int enqueued, unsigned untouched, bool late,
+                        const char *label)
 {
     moecl_buffer b[A_NUM];
     align_buffers(ctx, d, ids, b);
     arm(faults, n);
     cl_event done = NULL;
-    moecl_status st = align_call(ctx, d, b, &done);
+    moecl_status st = align_call(ctx, d, b, late ? later_start(ctx) : NULL, &done);
     ck_assert_msg(done == NULL, "%s: the failed call returned an event", label);
     assert_failure(ctx, st, faults[0].code, call, arg, enqueued, label);
+    if (late)
+        later_end();
     disarm();
     assert_align_untouched(ctx, b, untouched, label);
     for (int i = 0; i < A_NUM; i++)
@@ -1160,10 +1197,10 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     const fault scatter_arg[] = {{FAULT_SET_ARG, "moe_align_scatter", 7, CL_INVALID_MEM_OBJECT},
                                  {FAULT_SET_ARG, "moe_align_scatter", 15, CL_INVALID_ARG_VALUE}};
     snprintf(label, sizeof(label), "%s, chunked, scatter arg 7", queue);
-    align_fault(ctx, &d, ids, scatter_arg, 2, "clSetKernelArg", 7, 0, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, scatter_arg, 2, "clSetKernelArg", 7, 0, ALIGN_OUTPUTS, false, label);
     const fault scan_arg[] = {{FAULT_SET_ARG, "moe_align_scan", 4, CL_INVALID_MEM_OBJECT}};
     snprintf(label, sizeof(label), "%s, chunked, scan arg 4", queue);
-    align_fault(ctx, &d, ids, scan_arg, 1, "clSetKernelArg", 4, 0, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, scan_arg, 1, "clSetKernelArg", 4, 0, ALIGN_OUTPUTS, false, label);
     /* The driver refusing an enqueue: the first leaves nothing; the scan
      * leaves the count kernel, which writes only scratch; the scatter
      * leaves the count and the scan, which wrote expert_counts,
@@ -1171,23 +1208,25 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
      * what the scatter writes. Either way what ran is waited for. */
     const fault count_enq[] = {{FAULT_ENQUEUE, "moe_align_count", -1, CL_OUT_OF_RESOURCES}};
     snprintf(label, sizeof(label), "%s, chunked, count enqueue", queue);
-    align_fault(ctx, &d, ids, count_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, count_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
     const fault scan_enq[] = {{FAULT_ENQUEUE, "moe_align_scan", -1, CL_OUT_OF_RESOURCES}};
     snprintf(label, sizeof(label), "%s, chunked, scan enqueue", queue);
-    align_fault(ctx, &d, ids, scan_enq, 1, "clEnqueueNDRangeKernel", -1, 1, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, scan_enq, 1, "clEnqueueNDRangeKernel", -1, 1, ALIGN_OUTPUTS, false, label);
     const fault scatter_enq[] = {{FAULT_ENQUEUE, "moe_align_scatter", -1, CL_OUT_OF_HOST_MEMORY}};
     snprintf(label, sizeof(label), "%s, chunked, scatter enqueue", queue);
-    align_fault(ctx, &d, ids, scatter_enq, 1, "clEnqueueNDRangeKernel", -1, 2, ALIGN_SCATTERED, label);
+    align_fault(ctx, &d, ids, scatter_enq, 1, "clEnqueueNDRangeKernel", -1, 2, ALIGN_SCATTERED, false, label);
+    snprintf(label, sizeof(label), "%s, chunked, scatter enqueue, wait list pending", queue);
+    align_fault(ctx, &d, ids, scatter_enq, 1, "clEnqueueNDRangeKernel", -1, 2, ALIGN_SCATTERED, true, label);
     snprintf(label, sizeof(label), "%s, chunked, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
 
     ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
     const fault one_arg[] = {{FAULT_SET_ARG, "moe_align_one_group", 9, CL_INVALID_MEM_OBJECT}};
     snprintf(label, sizeof(label), "%s, one group, arg 9", queue);
-    align_fault(ctx, &d, ids, one_arg, 1, "clSetKernelArg", 9, 0, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, one_arg, 1, "clSetKernelArg", 9, 0, ALIGN_OUTPUTS, false, label);
     const fault one_enq[] = {{FAULT_ENQUEUE, "moe_align_one_group", -1, CL_OUT_OF_RESOURCES}};
     snprintf(label, sizeof(label), "%s, one group, enqueue", queue);
-    align_fault(ctx, &d, ids, one_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, label);
+    align_fault(ctx, &d, ids, one_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
     snprintf(label, sizeof(label), "%s, one group, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
     ctx->info.align_path = path;
@@ -1210,19 +1249,23 @@ static void gating_buffers(moecl_context *ctx, const moecl_topk_gating_desc *d, 
 }
 
 static void gating_fault(moecl_context *ctx, bool with_counts, const fault *faults, int n, const char *call, int arg,
-                         int enqueued, bool counts_untouched, const char *label)
+                         int enqueued, bool counts_untouched, bool late, const char *label)
 {
     const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(37, 32, 4);
     moecl_buffer b[G_NUM], none = {NULL, 0};
     gating_buffers(ctx, &d, b);
     arm(faults, n);
-    cl_event done = NULL;
+    cl_event done = NULL, wait = late ? later_start(ctx) : NULL;
+    const cl_uint num_wait = wait ? 1 : 0;
+    const cl_event *waits = wait ? &wait : NULL;
     moecl_status st =
         with_counts ? moecl_topk_gating_with_counts(ctx, &d, b[G_GATING], none, b[G_WEIGHTS], b[G_IDS], b[G_COUNTS],
-                                                    0, NULL, &done)
-                    : moecl_topk_gating(ctx, &d, b[G_GATING], none, b[G_WEIGHTS], b[G_IDS], 0, NULL, &done);
+                                                    num_wait, waits, &done)
+                    : moecl_topk_gating(ctx, &d, b[G_GATING], none, b[G_WEIGHTS], b[G_IDS], num_wait, waits, &done);
     ck_assert_msg(done == NULL, "%s: the failed call returned an event", label);
     assert_failure(ctx, st, faults[0].code, call, arg, enqueued, label);
+    if (late)
+        later_end();
     disarm();
     assert_untouched(ctx, b[G_WEIGHTS], "topk_weights", label);
     assert_untouched(ctx, b[G_IDS], "topk_ids", label);
@@ -1241,10 +1284,10 @@ START_TEST(test_failed_argument)
     moecl_context *ctx = harness_context();
     const fault gating_args[] = {{FAULT_SET_ARG, "topk_gating", 6, CL_INVALID_MEM_OBJECT},
                                  {FAULT_SET_ARG, "topk_gating", 9, CL_INVALID_ARG_SIZE}};
-    gating_fault(ctx, false, gating_args, 2, "clSetKernelArg", 6, 0, true, "topk_gating, arg 6");
-    gating_fault(ctx, true, gating_args, 2, "clSetKernelArg", 6, 0, true, "topk_gating_with_counts, arg 6");
+    gating_fault(ctx, false, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating, arg 6");
+    gating_fault(ctx, true, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating_with_counts, arg 6");
     const fault counts_arg[] = {{FAULT_SET_ARG, "topk_gating", 10, CL_INVALID_MEM_OBJECT}};
-    gating_fault(ctx, true, counts_arg, 1, "clSetKernelArg", 10, 0, true, "topk_gating_with_counts, arg 10");
+    gating_fault(ctx, true, counts_arg, 1, "clSetKernelArg", 10, 0, true, false, "topk_gating_with_counts, arg 10");
     const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(37, 32, 4);
     check_topk(ctx, &t, false, 7300, "topk_gating after the failures");
 
@@ -1318,11 +1361,16 @@ START_TEST(test_failed_enqueue)
      * leaves the fill, waited for (expert_counts unspecified), and the
      * kernel's outputs untouched. */
     const fault fill[] = {{FAULT_FILL, "expert_counts", -1, CL_OUT_OF_RESOURCES}};
-    gating_fault(ctx, true, fill, 1, "clEnqueueFillBuffer", -1, 0, true, "topk_gating_with_counts, fill");
+    gating_fault(ctx, true, fill, 1, "clEnqueueFillBuffer", -1, 0, true, false, "topk_gating_with_counts, fill");
     const fault kernel_enq[] = {{FAULT_ENQUEUE, "topk_gating", -1, CL_OUT_OF_RESOURCES}};
-    gating_fault(ctx, true, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 1, false,
+    gating_fault(ctx, true, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 1, false, false,
                  "topk_gating_with_counts, kernel enqueue");
-    gating_fault(ctx, false, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 0, true, "topk_gating, kernel enqueue");
+    /* The fill waits on an event not yet complete when the kernel's
+     * enqueue fails: the call returns only once the fill ran. */
+    gating_fault(ctx, true, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 1, false, true,
+                 "topk_gating_with_counts, kernel enqueue, wait list pending");
+    gating_fault(ctx, false, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 0, true, false,
+                 "topk_gating, kernel enqueue");
 
     cl_device_id dev = moecl_context_device(ctx);
     cl_command_queue_properties props = 0;
@@ -1364,7 +1412,7 @@ START_TEST(test_work_group_limit_first)
     moecl_buffer b[A_NUM];
     align_buffers(ctx, &d, ids, b);
     arm(scatter_limit, 1);
-    moecl_status st = align_call(ctx, &d, b, NULL);
+    moecl_status st = align_call(ctx, &d, b, NULL, NULL);
     ck_assert_msg(st == (moecl_status)CL_INVALID_WORK_GROUP_SIZE, "moe_align: status %d (%s): %s", (int)st,
                   moecl_status_string(st), moecl_context_error(ctx));
     ck_assert_msg(strstr(moecl_context_error(ctx), "moe_align_scatter"), "moe_align: message \"%s\"",
