@@ -223,7 +223,7 @@ static void give_back(step *steps, int n)
  * kernel of the call: the work-group limits, borrowing the kernels, and
  * every argument. So an argument error leaves nothing enqueued and no
  * output written; only an enqueue can still fail after the first. */
-static moecl_status bind(moecl_context *ctx, step *steps, int n)
+static moecl_status bind_steps(moecl_context *ctx, step *steps, int n)
 {
     moecl_status st = MOECL_SUCCESS;
     for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
@@ -286,10 +286,10 @@ static void chain_abandon(chain *c)
 /* Bind every step, then enqueue them in order; the last event goes to
  * done (or is released). After a failed enqueue, whatever was queued
  * before it is waited for. */
-static moecl_status run(moecl_context *ctx, step *steps, int n, cl_uint num_wait, const cl_event *wait,
-                        cl_event *done)
+static moecl_status run_steps(moecl_context *ctx, step *steps, int n, cl_uint num_wait, const cl_event *wait,
+                              cl_event *done)
 {
-    moecl_status st = bind(ctx, steps, n);
+    moecl_status st = bind_steps(ctx, steps, n);
     if (st != MOECL_SUCCESS)
         return st;
     chain c = {ctx, num_wait, wait, NULL, false};
@@ -324,7 +324,7 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         LOCAL(slot_cols_bytes(p, slots))};
     step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], args,
                 (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, NULL};
-    return run(ctx, &one, 1, num_wait, wait, done);
+    return run_steps(ctx, &one, 1, num_wait, wait, done);
 }
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
@@ -369,7 +369,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     /* Also with no slots: the scatter writes the padding and the blocks. */
     steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
 #undef STEP
-    st = run(ctx, steps, n, num_wait, wait, done);
+    st = run_steps(ctx, steps, n, num_wait, wait, done);
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;
