@@ -307,26 +307,27 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
     cl_ulong off[6] = {b->hidden_off / in_size, b->logits_off / 4, b->ground_off / in_size,
                        b->pairs_off / 4,        b->weights_off / 4, b->ids_off / 4};
     const cl_mem *mems[6] = {&b->hidden, &b->logits, &b->ground, &b->pairs, &b->weights, &b->ids};
-    cl_uint num_tokens = d->num_tokens;
-    cl_float alpha = d->alpha;
-    cl_int err = CL_SUCCESS;
+    const cl_uint num_tokens = d->num_tokens;
+    const cl_float alpha = d->alpha;
+    moecl_kernel_arg args[14];
     for (cl_uint i = 0; i < 6; i++) {
-        err |= clSetKernelArg(kernel, 2 * i, sizeof(cl_mem), *mems[i] ? mems[i] : NULL);
-        err |= clSetKernelArg(kernel, 2 * i + 1, sizeof(cl_ulong), &off[i]);
+        args[2 * i] = (moecl_kernel_arg){sizeof(cl_mem), *mems[i] ? mems[i] : NULL};
+        args[2 * i + 1] = (moecl_kernel_arg){sizeof(cl_ulong), &off[i]};
     }
-    err |= clSetKernelArg(kernel, 12, sizeof(cl_uint), &num_tokens);
-    err |= clSetKernelArg(kernel, 13, sizeof(cl_float), &alpha);
-    if (err != CL_SUCCESS) {
+    args[12] = (moecl_kernel_arg){sizeof(cl_uint), &num_tokens};
+    args[13] = (moecl_kernel_arg){sizeof(cl_float), &alpha};
+    const char *name = p->shape.kernel_name;
+    if ((st = moecl_set_kernel_args(ctx, kernel, name, args, 14)) != MOECL_SUCCESS) {
         moecl_variant_release(p->variant, kernel);
-        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
+        return st;
     }
     const size_t rows_per_group = p->shape.rows_per_group;
     const size_t local = p->shape.local;
     const size_t global = moecl_round_up(d->num_tokens, rows_per_group) / rows_per_group * local;
-    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
+    const cl_int err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
     moecl_variant_release(p->variant, kernel);
     if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "enqueueing the grounded router kernel failed (%s)", moecl_status_string(err));
+        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
     return MOECL_SUCCESS;
 }
 

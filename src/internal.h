@@ -270,6 +270,28 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
 
+/* ---- launch.c: binding a kernel's arguments ---- */
+
+/* One argument as clSetKernelArg takes it: value NULL with size > 0 is
+ * local memory of that size (and with size sizeof(cl_mem), an absent
+ * buffer). */
+typedef struct moecl_kernel_arg {
+    size_t size;
+    const void *value;
+} moecl_kernel_arg;
+
+/* Set arguments 0..count-1 of kernel, stopping at the first that fails:
+ * its own error code is returned, and the message names the kernel (name)
+ * and the argument's index. */
+moecl_status moecl_set_kernel_args(moecl_context *ctx, cl_kernel kernel, const char *name, const moecl_kernel_arg *args,
+                                   cl_uint count);
+
+/* A kernel's CL_KERNEL_WORK_GROUP_SIZE (limit, 0 if unknown) against the
+ * work-group a call will launch it with (local), checked before anything
+ * is enqueued: CL_INVALID_WORK_GROUP_SIZE, as the enqueue would have
+ * answered. */
+moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit);
+
 /* ---- buffers.c: validation shared by the ops ---- */
 
 /* Check that buf holds `bytes` bytes at its offset, that the offset is a

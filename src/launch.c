@@ -22,7 +22,10 @@
  *
  * A file whose first two lines differ (another device, another format) is
  * ignored whole; a bad entry line is ignored alone; a later line for the
- * same key replaces an earlier one. */
+ * same key replaces an earlier one.
+ *
+ * At the end, what every op does before it enqueues: binding a kernel's
+ * arguments, and checking its work-group limit. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -456,4 +459,27 @@ bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *t, 
         return false;
     }
     return true;
+}
+
+/* ---- before the first enqueue ---- */
+
+moecl_status moecl_set_kernel_args(moecl_context *ctx, cl_kernel kernel, const char *name, const moecl_kernel_arg *args,
+                                   cl_uint count)
+{
+    for (cl_uint i = 0; i < count; i++) {
+        const cl_int err = clSetKernelArg(kernel, i, args[i].size, args[i].value);
+        if (err != CL_SUCCESS)
+            return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
+    }
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
+{
+    if (limit && local > limit)
+        return moecl_fail(ctx, CL_INVALID_WORK_GROUP_SIZE,
+                          "%s needs work-groups of %zu work-items but allows at most %zu on this device "
+                          "(CL_KERNEL_WORK_GROUP_SIZE); nothing was enqueued",
+                          name, local, limit);
+    return MOECL_SUCCESS;
 }

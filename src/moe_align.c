@@ -195,38 +195,47 @@ static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint3
     return (uint32_t)moecl_round_up(chunk, s->wg);
 }
 
-/* Set args and enqueue one kernel of the chain. */
-typedef struct kernel_arg {
-    size_t size;
-    const void *value; /* NULL with size > 0: local memory of that size */
-} kernel_arg;
+#define ARG(v) ((moecl_kernel_arg){sizeof(v), &(v)})
+#define MEM(m) ((moecl_kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
+#define LOCAL(bytes) ((moecl_kernel_arg){(bytes), NULL})
 
-static moecl_status launch(moecl_context *ctx, moecl_variant *v, const char *name, const kernel_arg *args,
-                           cl_uint num_args, size_t global, size_t local, cl_uint num_wait, const cl_event *wait,
-                           cl_event *ev)
+/* One kernel of a call: its variant, arguments and launch size, and the
+ * cl_kernel borrowed for it. */
+typedef struct step {
+    moecl_variant *variant;
+    const char *name;
+    const moecl_kernel_arg *args;
+    cl_uint num_args;
+    size_t global, local;
+    cl_kernel kernel; /* borrowed, or NULL */
+} step;
+
+static void give_back(step *steps, int n)
 {
-    cl_kernel kernel;
-    moecl_status st = moecl_variant_acquire(ctx, v, &kernel);
-    if (st != MOECL_SUCCESS)
-        return st;
-    cl_int err = CL_SUCCESS;
-    for (cl_uint i = 0; i < num_args && err == CL_SUCCESS; i++)
-        err = clSetKernelArg(kernel, i, args[i].size, args[i].value);
-    if (err != CL_SUCCESS) {
-        moecl_variant_release(v, kernel);
-        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the arguments of %s failed (%s)", name,
-                          moecl_status_string(err));
-    }
-    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, ev);
-    moecl_variant_release(v, kernel);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "enqueueing %s failed (%s)", name, moecl_status_string(err));
-    return MOECL_SUCCESS;
+    for (int i = 0; i < n; i++)
+        if (steps[i].kernel) {
+            moecl_variant_release(steps[i].variant, steps[i].kernel);
+            steps[i].kernel = NULL;
+        }
 }
 
-#define ARG(v) ((kernel_arg){sizeof(v), &(v)})
-#define MEM(m) ((kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
-#define LOCAL(bytes) ((kernel_arg){(bytes), NULL})
+/* Everything that can be checked before a kernel is enqueued, for every
+ * kernel of the call: the work-group limits, borrowing the kernels, and
+ * every argument. So an argument error leaves nothing enqueued and no
+ * output written; only an enqueue can still fail after the first. */
+static moecl_status bind_steps(moecl_context *ctx, step *steps, int n)
+{
+    moecl_status st = MOECL_SUCCESS;
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        st = moecl_check_work_group(ctx, steps[i].name, steps[i].local,
+                                    moecl_variant_work_group_limit(steps[i].variant));
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        if ((st = moecl_variant_acquire(ctx, steps[i].variant, &steps[i].kernel)) == MOECL_SUCCESS)
+            st = moecl_set_kernel_args(ctx, steps[i].kernel, steps[i].name, steps[i].args, steps[i].num_args);
+    if (st != MOECL_SUCCESS)
+        give_back(steps, n);
+    return st;
+}
 
 /* The chained launches of one call. The first waits on the caller's wait
  * list; on an in-order queue the later ones need no events (the queue
@@ -241,17 +250,16 @@ typedef struct chain {
     bool started;  /* something was enqueued */
 } chain;
 
-static moecl_status chain_launch(chain *c, moecl_variant *v, const char *name, const kernel_arg *args,
-                                 cl_uint num_args, size_t global, size_t local, bool last)
+static moecl_status chain_launch(chain *c, const step *s, bool last)
 {
     const bool in_order = c->ctx->in_order;
     const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
     const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
     cl_event ev = NULL;
-    moecl_status st = launch(c->ctx, v, name, args, num_args, global, local, num_wait, wait,
-                             last || !in_order ? &ev : NULL);
-    if (st != MOECL_SUCCESS)
-        return st;
+    const cl_int err = clEnqueueNDRangeKernel(c->ctx->queue, s->kernel, 1, NULL, &s->global, &s->local, num_wait,
+                                              wait, last || !in_order ? &ev : NULL);
+    if (err != CL_SUCCESS)
+        return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", s->name, moecl_status_string(err));
     c->started = true;
     if (ev) {
         if (c->prev)
@@ -262,7 +270,9 @@ static moecl_status chain_launch(chain *c, moecl_variant *v, const char *name, c
 }
 
 /* A launch of the chain failed after earlier ones were queued: wait for
- * those, so that nothing writes the outputs after the call returns. */
+ * those, so that nothing writes the outputs after the call returns. The
+ * last event taken is the last kernel queued on an out-of-order queue
+ * (each waits on the one before); on an in-order queue none was taken. */
 static void chain_abandon(chain *c)
 {
     if (c->prev) {
@@ -273,19 +283,27 @@ static void chain_abandon(chain *c)
     }
 }
 
-/* The call's result once its launches are enqueued (st: how that went):
- * the last event goes to done (or is released); after a failure whatever
- * was queued is waited for. */
-static moecl_status chain_finish(chain *c, moecl_status st, cl_event *done)
+/* Bind every step, then enqueue them in order; the last event goes to
+ * done (or is released). After a failed enqueue, whatever was queued
+ * before it is waited for. */
+static moecl_status run_steps(moecl_context *ctx, step *steps, int n, cl_uint num_wait, const cl_event *wait,
+                              cl_event *done)
 {
+    moecl_status st = bind_steps(ctx, steps, n);
+    if (st != MOECL_SUCCESS)
+        return st;
+    chain c = {ctx, num_wait, wait, NULL, false};
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        st = chain_launch(&c, &steps[i], i == n - 1);
+    give_back(steps, n);
     if (st != MOECL_SUCCESS) {
-        chain_abandon(c);
+        chain_abandon(&c);
         return st;
     }
     if (done)
-        *done = c->prev;
+        *done = c.prev;
     else
-        clReleaseEvent(c->prev);
+        clReleaseEvent(c.prev);
     return MOECL_SUCCESS;
 }
 
@@ -297,18 +315,16 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
     const size_t cols_bytes = ((size_t)experts + 1) * 4;
-    const kernel_arg args[] = {
+    const moecl_kernel_arg args[] = {
         MEM(a->ids.mem),     ARG(a->ids.off),     ARG(slots),          ARG(experts),        ARG(block),
         ARG(max_padded),     ARG(num_blocks),     MEM(a->counts.mem),  ARG(a->counts.off),
         MEM(a->sorted.mem),  ARG(a->sorted.off),  MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
         LOCAL(slot_cols_bytes(p, slots))};
-    chain c = {ctx, num_wait, wait, NULL, false};
-    const moecl_status st = chain_launch(&c, p->variants[ONE_GROUP_KERNEL], "moe_align_one_group", args,
-                                         (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg,
-                                         true);
-    return chain_finish(&c, st, done);
+    step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], args,
+                (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, NULL};
+    return run_steps(ctx, &one, 1, num_wait, wait, done);
 }
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
@@ -332,31 +348,28 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         return st;
     const cl_ulong starts_off = matrix_words;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
-    chain c = {ctx, num_wait, wait, NULL, false};
-
-    if (chunks > 0) {
-        const kernel_arg args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts), ARG(chunk),
-                                   MEM(scratch), LOCAL(cols * 4)};
-        st = chain_launch(&c, p->variants[COUNT_KERNEL], "moe_align_count", args, 7, (size_t)chunks * s->wg, s->wg,
-                          false);
-    }
-    if (st == MOECL_SUCCESS) {
-        const kernel_arg args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
-                                   MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
-                                   MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
-        st = chain_launch(&c, p->variants[SCAN_KERNEL], "moe_align_scan", args, 12, s->scan_wg, s->scan_wg, false);
-    }
+    const moecl_kernel_arg count_args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts),
+                                           ARG(chunk),      MEM(scratch),    LOCAL(cols * 4)};
+    const moecl_kernel_arg scan_args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
+                                          MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
+                                          MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
+    const moecl_kernel_arg scatter_args[] = {
+        MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),      ARG(chunk),
+        MEM(scratch),       ARG(starts_off),    MEM(a->sorted.mem), ARG(a->sorted.off), MEM(a->slots.mem),
+        ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
+        MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(cols * 4)};
+#define STEP(k, args, groups, wg)                                                                                     \
+    ((step){p->variants[k], kernel_names[k], args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), \
+            (wg), NULL})
+    step steps[3];
+    int n = 0;
+    if (chunks > 0)
+        steps[n++] = STEP(COUNT_KERNEL, count_args, chunks, s->wg);
+    steps[n++] = STEP(SCAN_KERNEL, scan_args, 1, s->scan_wg);
     /* Also with no slots: the scatter writes the padding and the blocks. */
-    if (st == MOECL_SUCCESS) {
-        const kernel_arg args[] = {MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),
-                                   ARG(chunk),         MEM(scratch),       ARG(starts_off),   MEM(a->sorted.mem),
-                                   ARG(a->sorted.off), MEM(a->slots.mem),  ARG(a->slots.off), ARG(has_slots),
-                                   ARG(block),         ARG(max_padded),    ARG(num_blocks),   MEM(a->blocks.mem),
-                                   ARG(a->blocks.off), LOCAL(cols * 4)};
-        st = chain_launch(&c, p->variants[SCATTER_KERNEL], "moe_align_scatter", args, 18,
-                          (size_t)(chunks ? chunks : 1) * s->wg, s->wg, true);
-    }
-    st = chain_finish(&c, st, done);
+    steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
+#undef STEP
+    st = run_steps(ctx, steps, n, num_wait, wait, done);
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;

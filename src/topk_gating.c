@@ -253,57 +253,55 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
                             cl_mem ids, size_t ids_off, cl_mem counts, size_t counts_off, cl_uint num_wait,
                             const cl_event *wait, cl_event *done)
 {
-    cl_kernel kernel;
-    moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
+    const char *name = p->shape.kernel_name;
+    const size_t rows = p->shape.rows;
+    const size_t local = (size_t)p->shape.team * rows;
+    const size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
+    /* Checked before the fill, which the kernel's enqueue would otherwise
+     * find already queued. */
+    moecl_status st = moecl_check_work_group(ctx, name, local, moecl_variant_work_group_limit(p->variant));
     if (st != MOECL_SUCCESS)
         return st;
+    cl_kernel kernel;
+    if ((st = moecl_variant_acquire(ctx, p->variant, &kernel)) != MOECL_SUCCESS)
+        return st;
     /* Offsets travel in elements: the kernels index typed pointers. */
-    cl_ulong offsets[5] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4, ids_off / 4,
-                           counts_off / 4};
-    cl_uint num_tokens = d->num_tokens;
-    cl_float factor = d->routed_scaling_factor;
-    cl_int err = CL_SUCCESS;
-    err |= clSetKernelArg(kernel, 0, sizeof(cl_mem), &gating);
-    err |= clSetKernelArg(kernel, 1, sizeof(cl_ulong), &offsets[0]);
-    err |= clSetKernelArg(kernel, 2, sizeof(cl_mem), bias ? &bias : NULL);
-    err |= clSetKernelArg(kernel, 3, sizeof(cl_ulong), &offsets[1]);
-    err |= clSetKernelArg(kernel, 4, sizeof(cl_mem), &weights);
-    err |= clSetKernelArg(kernel, 5, sizeof(cl_ulong), &offsets[2]);
-    err |= clSetKernelArg(kernel, 6, sizeof(cl_mem), &ids);
-    err |= clSetKernelArg(kernel, 7, sizeof(cl_ulong), &offsets[3]);
-    err |= clSetKernelArg(kernel, 8, sizeof(cl_uint), &num_tokens);
-    err |= clSetKernelArg(kernel, 9, sizeof(cl_float), &factor);
-    if (counts) {
-        err |= clSetKernelArg(kernel, 10, sizeof(cl_mem), &counts);
-        err |= clSetKernelArg(kernel, 11, sizeof(cl_ulong), &offsets[4]);
-    }
-    if (err != CL_SUCCESS) {
+    const cl_ulong offsets[5] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4,
+                                 ids_off / 4, counts_off / 4};
+    const cl_uint num_tokens = d->num_tokens;
+    const cl_float factor = d->routed_scaling_factor;
+    const moecl_kernel_arg args[12] = {
+        {sizeof(cl_mem), &gating},   {sizeof(cl_ulong), &offsets[0]}, {sizeof(cl_mem), bias ? &bias : NULL},
+        {sizeof(cl_ulong), &offsets[1]}, {sizeof(cl_mem), &weights},  {sizeof(cl_ulong), &offsets[2]},
+        {sizeof(cl_mem), &ids},      {sizeof(cl_ulong), &offsets[3]}, {sizeof(cl_uint), &num_tokens},
+        {sizeof(cl_float), &factor}, {sizeof(cl_mem), &counts},       {sizeof(cl_ulong), &offsets[4]}};
+    if ((st = moecl_set_kernel_args(ctx, kernel, name, args, counts ? 12 : 10)) != MOECL_SUCCESS) {
         moecl_variant_release(p->variant, kernel);
-        return moecl_fail(ctx, CL_INVALID_KERNEL_ARGS, "binding the kernel's arguments failed");
+        return st;
     }
-    size_t rows = p->shape.rows;
-    size_t local = (size_t)p->shape.team * rows;
-    size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
     /* The counts are zeroed first; the kernel waits on that (the queue may
      * be out of order). */
     cl_event zeroed = NULL;
+    cl_int err = CL_SUCCESS;
     if (counts) {
         const cl_int zero = 0;
         err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off, (size_t)d->num_experts * 4,
                                   num_wait, wait, &zeroed);
         if (err != CL_SUCCESS) {
             moecl_variant_release(p->variant, kernel);
-            return moecl_fail(ctx, err, "zeroing expert_counts failed (%s)", moecl_status_string(err));
+            return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
         }
         num_wait = 1;
         wait = &zeroed;
     }
     err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
     moecl_variant_release(p->variant, kernel);
+    if (err != CL_SUCCESS && zeroed)
+        clWaitForEvents(1, &zeroed); /* nothing of the call runs after it returns */
     if (zeroed)
         clReleaseEvent(zeroed);
     if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "enqueueing the top-k gating kernel failed (%s)", moecl_status_string(err));
+        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
     return MOECL_SUCCESS;
 }
 
@@ -316,7 +314,7 @@ static moecl_status enqueue_zero_counts(moecl_context *ctx, const moecl_topk_gat
     cl_int err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off,
                                      (size_t)d->num_experts * 4, num_wait, wait, done);
     if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "zeroing expert_counts failed (%s)", moecl_status_string(err));
+        return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
     return MOECL_SUCCESS;
 }
 

@@ -1,7 +1,10 @@
 /* Launch configurations (src/launch.c and the ops' choose_launch): the tune
  * file round trip, garbage and foreign files ignored, configurations the
  * device cannot run ignored, the precedence forced > env > tune file >
- * table > default, and correct results under many configurations.
+ * table > default, and correct results under many configurations. And
+ * the failure contract of the header: OpenCL calls of the ops made to fail
+ * (see "Failures" below), the status and message that come back, and what
+ * the failed call left in its outputs.
  *
  * Links the library's objects, not its ABI, to reach the internals (the
  * tune table, moecl_launch_force), as moecl-tune does. Every test runs in a
@@ -11,10 +14,12 @@
 #include "internal.h"
 
 #include <dirent.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <math.h>
 #include <ftw.h>
 #include <limits.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -829,8 +834,631 @@ START_TEST(test_rows_per_group_bit_identical)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* Failures: what a failed call reports, and what it leaves                */
+/* ---------------------------------------------------------------------- */
+
+/* The OpenCL calls that can fail once a call is validated are interposed
+ * here: this program links the library's objects, so their calls of
+ * clSetKernelArg, clEnqueueNDRangeKernel, clEnqueueFillBuffer and
+ * clGetKernelWorkGroupInfo bind to the definitions below, which pass them
+ * on to the ICD loader's (dlsym RTLD_NEXT) unless a fault is armed for that
+ * call. The library has no hook and knows nothing of it. While faults are
+ * armed, every command enqueued gets an event, kept so that a test can see
+ * whether the failed call left it running. */
+
+enum fault_call { FAULT_SET_ARG, FAULT_ENQUEUE, FAULT_FILL, FAULT_WG_LIMIT };
+
+typedef struct fault {
+    enum fault_call call;
+    const char *kernel; /* a prefix of the kernel's name; for the fill, the buffer's name in the message */
+    int arg;            /* FAULT_SET_ARG: the argument's index */
+    cl_int code;        /* what the call returns; FAULT_WG_LIMIT: the CL_KERNEL_WORK_GROUP_SIZE reported */
+} fault;
+
+#define MAX_FAULTS 2
+#define MAX_WATCHED 16
+static fault armed[MAX_FAULTS];
+static int num_armed;
+static char fired_kernel[128]; /* the kernel of the first fault that fired */
+static cl_event watched[MAX_WATCHED]; /* the first MAX_WATCHED of them */
+static int num_watched;                /* commands enqueued while armed */
+
+static cl_int (*real_set_arg)(cl_kernel, cl_uint, size_t, const void *);
+static cl_int (*real_enqueue)(cl_command_queue, cl_kernel, cl_uint, const size_t *, const size_t *, const size_t *,
+                              cl_uint, const cl_event *, cl_event *);
+static cl_int (*real_fill)(cl_command_queue, cl_mem, const void *, size_t, size_t, size_t, cl_uint, const cl_event *,
+                           cl_event *);
+static cl_int (*real_wg_info)(cl_kernel, cl_device_id, cl_kernel_work_group_info, size_t, void *, size_t *);
+
+static void *real_symbol(const char *name)
+{
+    void *p = dlsym(RTLD_NEXT, name);
+    if (!p) {
+        fprintf(stderr, "launch: dlsym(RTLD_NEXT, %s) found nothing\n", name);
+        abort();
+    }
+    return p;
+}
+
+/* Before any OpenCL call (main). */
+static void faults_init(void)
+{
+    real_set_arg = (__typeof__(real_set_arg))real_symbol("clSetKernelArg");
+    real_enqueue = (__typeof__(real_enqueue))real_symbol("clEnqueueNDRangeKernel");
+    real_fill = (__typeof__(real_fill))real_symbol("clEnqueueFillBuffer");
+    real_wg_info = (__typeof__(real_wg_info))real_symbol("clGetKernelWorkGroupInfo");
+}
+
+static void kernel_name(cl_kernel kernel, char *name, size_t size)
+{
+    if (clGetKernelInfo(kernel, CL_KERNEL_FUNCTION_NAME, size, name, NULL) != CL_SUCCESS)
+        snprintf(name, size, "?");
+}
+
+/* The armed fault for this call, or NULL. */
+static const fault *fault_of(enum fault_call call, cl_kernel kernel, int arg)
+{
+    char name[128] = "";
+    if (kernel)
+        kernel_name(kernel, name, sizeof(name));
+    for (int i = 0; i < num_armed; i++) {
+        const fault *f = &armed[i];
+        if (f->call == call && (call == FAULT_FILL || strncmp(name, f->kernel, strlen(f->kernel)) == 0) &&
+            (call != FAULT_SET_ARG || f->arg == arg)) {
+            if (!fired_kernel[0] && call != FAULT_WG_LIMIT)
+                snprintf(fired_kernel, sizeof(fired_kernel), "%s", kernel ? name : f->kernel);
+            return f;
+        }
+    }
+    return NULL;
+}
+
+/* No ck_assert in here: a failure would longjmp out of the library. */
+static void watch(cl_event ev, bool callers)
+{
+    if (num_armed == 0 || !ev)
+        return;
+    if (num_watched < MAX_WATCHED) {
+        if (callers)
+            clRetainEvent(ev);
+        watched[num_watched] = ev;
+    } else if (!callers) {
+        clReleaseEvent(ev);
+    }
+    num_watched++;
+}
+
+cl_int clSetKernelArg(cl_kernel kernel, cl_uint index, size_t size, const void *value)
+{
+    const fault *f = num_armed ? fault_of(FAULT_SET_ARG, kernel, (int)index) : NULL;
+    return f ? f->code : real_set_arg(kernel, index, size, value);
+}
+
+cl_int clEnqueueNDRangeKernel(cl_command_queue queue, cl_kernel kernel, cl_uint dims, const size_t *offset,
+                              const size_t *global, const size_t *local, cl_uint num_wait, const cl_event *wait,
+                              cl_event *ev)
+{
+    if (num_armed) {
+        const fault *f = fault_of(FAULT_ENQUEUE, kernel, -1);
+        if (f)
+            return f->code;
+        /* A work-group past the limit the kernel reported: what a driver
+         * answers. */
+        f = fault_of(FAULT_WG_LIMIT, kernel, -1);
+        if (f && local && local[0] > (size_t)f->code)
+            return CL_INVALID_WORK_GROUP_SIZE;
+    }
+    cl_event mine = NULL;
+    cl_int err = real_enqueue(queue, kernel, dims, offset, global, local, num_wait, wait,
+                              ev ? ev : num_armed ? &mine : NULL);
+    if (err == CL_SUCCESS)
+        watch(ev ? *ev : mine, ev != NULL);
+    return err;
+}
+
+cl_int clEnqueueFillBuffer(cl_command_queue queue, cl_mem buffer, const void *pattern, size_t pattern_size,
+                           size_t offset, size_t size, cl_uint num_wait, const cl_event *wait, cl_event *ev)
+{
+    const fault *f = num_armed ? fault_of(FAULT_FILL, NULL, -1) : NULL;
+    if (f)
+        return f->code;
+    cl_event mine = NULL;
+    cl_int err = real_fill(queue, buffer, pattern, pattern_size, offset, size, num_wait, wait,
+                           ev ? ev : num_armed ? &mine : NULL);
+    if (err == CL_SUCCESS)
+        watch(ev ? *ev : mine, ev != NULL);
+    return err;
+}
+
+cl_int clGetKernelWorkGroupInfo(cl_kernel kernel, cl_device_id device, cl_kernel_work_group_info param, size_t size,
+                                void *value, size_t *size_ret)
+{
+    cl_int err = real_wg_info(kernel, device, param, size, value, size_ret);
+    const fault *f = num_armed && err == CL_SUCCESS && param == CL_KERNEL_WORK_GROUP_SIZE && value
+                         ? fault_of(FAULT_WG_LIMIT, kernel, -1)
+                         : NULL;
+    if (f)
+        *(size_t *)value = (size_t)f->code;
+    return err;
+}
+
+static void arm(const fault *faults, int n)
+{
+    ck_assert(n <= MAX_FAULTS);
+    for (int i = 0; i < n; i++)
+        armed[i] = faults[i];
+    num_armed = n;
+    fired_kernel[0] = '\0';
+    num_watched = 0;
+}
+
+static void disarm(void)
+{
+    num_armed = 0;
+    for (int i = 0; i < num_watched && i < MAX_WATCHED; i++)
+        clReleaseEvent(watched[i]);
+    num_watched = 0;
+}
+
+/* The failed call's status and message, and every command it enqueued
+ * (enqueued of them) complete when it returned. */
+static void assert_failure(moecl_context *ctx, moecl_status st, cl_int want, const char *call, int arg,
+                           int enqueued, const char *label)
+{
+    ck_assert_msg(st == (moecl_status)want, "%s: status %d (%s), expected %d (%s); message: %s", label, (int)st,
+                  moecl_status_string(st), (int)want, moecl_status_string((moecl_status)want),
+                  moecl_context_error(ctx));
+    char expect[256];
+    if (arg >= 0)
+        snprintf(expect, sizeof(expect), "%s(%s, arg %d) failed: %s", call, fired_kernel, arg,
+                 moecl_status_string((moecl_status)want));
+    else
+        snprintf(expect, sizeof(expect), "%s(%s) failed: %s", call, fired_kernel,
+                 moecl_status_string((moecl_status)want));
+    ck_assert_msg(fired_kernel[0], "%s: the fault never fired", label);
+    ck_assert_msg(strstr(moecl_context_error(ctx), expect), "%s: message \"%s\" does not say \"%s\"", label,
+                  moecl_context_error(ctx), expect);
+    ck_assert_msg(num_watched == enqueued, "%s: %d commands were enqueued before the failure, expected %d", label,
+                  num_watched, enqueued);
+    for (int i = 0; i < num_watched && i < MAX_WATCHED; i++) {
+        cl_int status = CL_QUEUED;
+        ck_assert_int_eq(clGetEventInfo(watched[i], CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof(status), &status, NULL),
+                         CL_SUCCESS);
+        ck_assert_msg(status == CL_COMPLETE, "%s: command %d of the failed call was still %d when it returned", label,
+                      i, (int)status);
+    }
+}
+
+/* Every byte of the whole buffer (the tensor and the poison around it)
+ * still poison. */
+static void assert_untouched(moecl_context *ctx, moecl_buffer b, const char *what, const char *label)
+{
+    size_t size = 0;
+    ck_assert_int_eq(clGetMemObjectInfo(b.mem, CL_MEM_SIZE, sizeof(size), &size, NULL), CL_SUCCESS);
+    unsigned char *bytes = malloc(size);
+    ck_assert_ptr_nonnull(bytes);
+    ck_assert_int_eq(clEnqueueReadBuffer(moecl_context_queue(ctx), b.mem, CL_TRUE, 0, size, bytes, 0, NULL, NULL),
+                     CL_SUCCESS);
+    size_t x = 0;
+    while (x < size && bytes[x] == HARNESS_POISON)
+        x++;
+    free(bytes);
+    ck_assert_msg(x == size, "%s: %s byte %zu of %zu changed by the failed call", label, what, x, size);
+}
+
+static void assert_host_untouched(const void *p, size_t size, const char *what, const char *label)
+{
+    const unsigned char *bytes = p;
+    size_t x = 0;
+    while (x < size && bytes[x] == HARNESS_POISON)
+        x++;
+    ck_assert_msg(x == size, "%s: %s byte %zu of %zu changed by the failed call", label, what, x, size);
+}
+
+/* moe_align's buffers for d and ids, outputs poisoned. */
+enum { A_IDS, A_COUNTS, A_SORTED, A_BLOCKS, A_POST, A_SLOTS, A_INVALID, A_NUM };
+static const char *const align_names[A_NUM] = {"topk_ids",         "expert_counts",  "sorted_token_ids",
+                                               "block_expert_ids", "num_tokens_post_padded", "slot_positions",
+                                               "num_invalid"};
+
+static void align_buffers(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, moecl_buffer *b)
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k, mp = (size_t)moecl_moe_align_max_padded(d);
+    const size_t sizes[A_NUM] = {slots * 4, (size_t)d->num_experts * 4, mp * 4, mp / d->block_size * 4, 4,
+                                 slots * 4, 4};
+    for (int i = 0; i < A_NUM; i++)
+        b[i] = harness_buffer(ctx, sizes[i], 4 * (size_t)(i + 1), i == A_IDS ? ids : NULL);
+}
+
+/* wait: an event for the call's wait list, or NULL. */
+static moecl_status align_call(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_buffer *b,
+                               cl_event wait, cl_event *done)
+{
+    return moecl_moe_align(ctx, d, b[A_IDS], b[A_COUNTS], b[A_SORTED], b[A_BLOCKS], b[A_POST], b[A_SLOTS],
+                           b[A_INVALID], wait ? 1 : 0, wait ? &wait : NULL, done);
+}
+
+/* The outputs of mask (bits of A_*) are untouched. */
+static void assert_align_untouched(moecl_context *ctx, const moecl_buffer *b, unsigned mask, const char *label)
+{
+    for (int i = A_COUNTS; i < A_NUM; i++)
+        if (mask & (1u << i))
+            assert_untouched(ctx, b[i], align_names[i], label);
+}
+
+#define ALIGN_OUTPUTS ((1u << A_NUM) - 2) /* all but topk_ids */
+/* What the scatter writes; the scan before it writes the rest. */
+#define ALIGN_SCATTERED (1u << A_SORTED | 1u << A_BLOCKS | 1u << A_SLOTS)
+
+static void align_ids(const moecl_moe_align_desc *d, int32_t *ids)
+{
+    harness_rng rng = harness_rng_for(7100);
+    const size_t slots = (size_t)d->num_tokens * d->top_k;
+    for (size_t s = 0; s < slots; s++)
+        ids[s] = s % 29 == 0 ? -1 : (int32_t)(harness_rand_u32(&rng) % d->num_experts);
+}
+
+/* A successful call on ctx after the failures: right, every output. */
+static void assert_align_right(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids,
+                               const char *label)
+{
+    moecl_buffer b[A_NUM];
+    align_buffers(ctx, d, ids, b);
+    cl_event done = NULL;
+    moecl_status st = align_call(ctx, d, b, NULL, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", label, moecl_status_string(st), moecl_context_error(ctx));
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    const size_t slots = (size_t)d->num_tokens * d->top_k, mp = (size_t)moecl_moe_align_max_padded(d);
+    int32_t *counts = malloc(d->num_experts * 4), *sorted = malloc(mp * 4), *blocks = malloc(mp / d->block_size * 4),
+            *pos = malloc(slots * 4), post, invalid;
+    ck_assert(counts && sorted && blocks && pos);
+    harness_read(ctx, b[A_COUNTS], d->num_experts * 4, counts);
+    harness_read(ctx, b[A_SORTED], mp * 4, sorted);
+    harness_read(ctx, b[A_BLOCKS], mp / d->block_size * 4, blocks);
+    harness_read(ctx, b[A_POST], 4, &post);
+    harness_read(ctx, b[A_SLOTS], slots * 4, pos);
+    harness_read(ctx, b[A_INVALID], 4, &invalid);
+    char msg[256];
+    ck_assert_msg(ref_check_moe_align(d, ids, counts, sorted, blocks, &post, pos, &invalid, msg, sizeof(msg)) == 0,
+                  "%s: %s", label, msg);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(pos);
+    for (int i = 0; i < A_NUM; i++)
+        harness_release(b[i]);
+}
+
+/* A wait-list event that another thread completes 200 ms after it is
+ * made: a failed call that waits for what it enqueued returns only after
+ * that, with those commands complete; one that does not returns while they
+ * are still queued. Static: the thread outlives a failed assertion. */
+static struct later {
+    cl_event ev;
+    pthread_t thread;
+} later;
+
+static void *complete_later(void *arg)
+{
+    (void)arg;
+    usleep(200 * 1000);
+    clSetUserEventStatus(later.ev, CL_COMPLETE);
+    return NULL;
+}
+
+static cl_event later_start(moecl_context *ctx)
+{
+    cl_int err;
+    later.ev = clCreateUserEvent(moecl_context_cl_context(ctx), &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(pthread_create(&later.thread, NULL, complete_later, NULL), 0);
+    return later.ev;
+}
+
+static void later_end(void)
+{
+    ck_assert_int_eq(pthread_join(later.thread, NULL), 0);
+    clReleaseEvent(later.ev);
+}
+
+/* One failing moe_align call: faults armed, the status, message and
+ * commands as assert_failure checks them, and the outputs of `untouched`
+ * unchanged. late: the call waits on later's event. */
+static void align_fault(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, const fault *faults,
+                        int n, const char *call, int arg, int enqueued, unsigned untouched, bool late,
+                        const char *label)
+{
+    moecl_buffer b[A_NUM];
+    align_buffers(ctx, d, ids, b);
+    arm(faults, n);
+    cl_event done = NULL;
+    moecl_status st = align_call(ctx, d, b, late ? later_start(ctx) : NULL, &done);
+    ck_assert_msg(done == NULL, "%s: the failed call returned an event", label);
+    assert_failure(ctx, st, faults[0].code, call, arg, enqueued, label);
+    if (late)
+        later_end();
+    disarm();
+    assert_align_untouched(ctx, b, untouched, label);
+    for (int i = 0; i < A_NUM; i++)
+        harness_release(b[i]);
+}
+
+/* The moe_align cases of both paths on ctx (its own queue, or an adopted
+ * out-of-order one). */
+static void align_faults_on(moecl_context *ctx, const char *queue)
+{
+    /* 256 slots: one chunk, so the chunked path runs all three kernels. */
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 4, 16, 8);
+    int32_t ids[256];
+    align_ids(&d, ids);
+    char label[160];
+    const moecl_align_path path = ctx->info.align_path;
+    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    /* Argument errors of a later kernel: found before anything is
+     * enqueued, reported with the first failing call's own code (a second
+     * failing argument must not change it). */
+    const fault scatter_arg[] = {{FAULT_SET_ARG, "moe_align_scatter", 7, CL_INVALID_MEM_OBJECT},
+                                 {FAULT_SET_ARG, "moe_align_scatter", 15, CL_INVALID_ARG_VALUE}};
+    snprintf(label, sizeof(label), "%s, chunked, scatter arg 7", queue);
+    align_fault(ctx, &d, ids, scatter_arg, 2, "clSetKernelArg", 7, 0, ALIGN_OUTPUTS, false, label);
+    const fault scan_arg[] = {{FAULT_SET_ARG, "moe_align_scan", 4, CL_INVALID_MEM_OBJECT}};
+    snprintf(label, sizeof(label), "%s, chunked, scan arg 4", queue);
+    align_fault(ctx, &d, ids, scan_arg, 1, "clSetKernelArg", 4, 0, ALIGN_OUTPUTS, false, label);
+    /* The driver refusing an enqueue: the first leaves nothing; the scan
+     * leaves the count kernel, which writes only scratch; the scatter
+     * leaves the count and the scan, which wrote expert_counts,
+     * num_tokens_post_padded and num_invalid (unspecified now), but not
+     * what the scatter writes. Either way what ran is waited for. */
+    const fault count_enq[] = {{FAULT_ENQUEUE, "moe_align_count", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, chunked, count enqueue", queue);
+    align_fault(ctx, &d, ids, count_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
+    const fault scan_enq[] = {{FAULT_ENQUEUE, "moe_align_scan", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, chunked, scan enqueue", queue);
+    align_fault(ctx, &d, ids, scan_enq, 1, "clEnqueueNDRangeKernel", -1, 1, ALIGN_OUTPUTS, false, label);
+    const fault scatter_enq[] = {{FAULT_ENQUEUE, "moe_align_scatter", -1, CL_OUT_OF_HOST_MEMORY}};
+    snprintf(label, sizeof(label), "%s, chunked, scatter enqueue", queue);
+    align_fault(ctx, &d, ids, scatter_enq, 1, "clEnqueueNDRangeKernel", -1, 2, ALIGN_SCATTERED, false, label);
+    snprintf(label, sizeof(label), "%s, chunked, scatter enqueue, wait list pending", queue);
+    align_fault(ctx, &d, ids, scatter_enq, 1, "clEnqueueNDRangeKernel", -1, 2, ALIGN_SCATTERED, true, label);
+    snprintf(label, sizeof(label), "%s, chunked, after the failures", queue);
+    assert_align_right(ctx, &d, ids, label);
+
+    ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
+    const fault one_arg[] = {{FAULT_SET_ARG, "moe_align_one_group", 9, CL_INVALID_MEM_OBJECT}};
+    snprintf(label, sizeof(label), "%s, one group, arg 9", queue);
+    align_fault(ctx, &d, ids, one_arg, 1, "clSetKernelArg", 9, 0, ALIGN_OUTPUTS, false, label);
+    const fault one_enq[] = {{FAULT_ENQUEUE, "moe_align_one_group", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, one group, enqueue", queue);
+    align_fault(ctx, &d, ids, one_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
+    snprintf(label, sizeof(label), "%s, one group, after the failures", queue);
+    assert_align_right(ctx, &d, ids, label);
+    ctx->info.align_path = path;
+}
+
+/* Top-k gating: 37 tokens of 32 experts, f32 (not the f16 shapes of issue
+ * 12's CPU-kernel fault). */
+enum { G_GATING, G_WEIGHTS, G_IDS, G_COUNTS, G_NUM };
+
+static void gating_buffers(moecl_context *ctx, const moecl_topk_gating_desc *d, moecl_buffer *b)
+{
+    harness_rng rng = harness_rng_for(7200);
+    const size_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
+    float *logits = harness_random_tensor(&rng, MOECL_F32, t * e, 2.0f);
+    b[G_GATING] = harness_buffer(ctx, t * e * 4, 8, logits);
+    b[G_WEIGHTS] = harness_buffer(ctx, t * k * 4, 4, NULL);
+    b[G_IDS] = harness_buffer(ctx, t * k * 4, 12, NULL);
+    b[G_COUNTS] = harness_buffer(ctx, e * 4, 16, NULL);
+    free(logits);
+}
+
+static void gating_fault(moecl_context *ctx, bool with_counts, const fault *faults, int n, const char *call, int arg,
+                         int enqueued, bool counts_untouched, bool late, const char *label)
+{
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(37, 32, 4);
+    moecl_buffer b[G_NUM], none = {NULL, 0};
+    gating_buffers(ctx, &d, b);
+    arm(faults, n);
+    cl_event done = NULL, wait = late ? later_start(ctx) : NULL;
+    const cl_uint num_wait = wait ? 1 : 0;
+    const cl_event *waits = wait ? &wait : NULL;
+    moecl_status st =
+        with_counts ? moecl_topk_gating_with_counts(ctx, &d, b[G_GATING], none, b[G_WEIGHTS], b[G_IDS], b[G_COUNTS],
+                                                    num_wait, waits, &done)
+                    : moecl_topk_gating(ctx, &d, b[G_GATING], none, b[G_WEIGHTS], b[G_IDS], num_wait, waits, &done);
+    ck_assert_msg(done == NULL, "%s: the failed call returned an event", label);
+    assert_failure(ctx, st, faults[0].code, call, arg, enqueued, label);
+    if (late)
+        later_end();
+    disarm();
+    assert_untouched(ctx, b[G_WEIGHTS], "topk_weights", label);
+    assert_untouched(ctx, b[G_IDS], "topk_ids", label);
+    if (counts_untouched)
+        assert_untouched(ctx, b[G_COUNTS], "expert_counts", label);
+    for (int i = 0; i < G_NUM; i++)
+        harness_release(b[i]);
+}
+
+/* The error of the first failing argument is the one reported, and a
+ * failed binding leaves nothing enqueued and every output byte as it was:
+ * each op, both moe_align paths, both queue kinds where the device has
+ * out-of-order queues; and the calls that follow are right. */
+START_TEST(test_failed_argument)
+{
+    moecl_context *ctx = harness_context();
+    const fault gating_args[] = {{FAULT_SET_ARG, "topk_gating", 6, CL_INVALID_MEM_OBJECT},
+                                 {FAULT_SET_ARG, "topk_gating", 9, CL_INVALID_ARG_SIZE}};
+    gating_fault(ctx, false, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating, arg 6");
+    gating_fault(ctx, true, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating_with_counts, arg 6");
+    const fault counts_arg[] = {{FAULT_SET_ARG, "topk_gating", 10, CL_INVALID_MEM_OBJECT}};
+    gating_fault(ctx, true, counts_arg, 1, "clSetKernelArg", 10, 0, true, false, "topk_gating_with_counts, arg 10");
+    const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(37, 32, 4);
+    check_topk(ctx, &t, false, 7300, "topk_gating after the failures");
+
+    /* The grounded router: an argument error with another after it. */
+    const moecl_grounded_router_desc r = grounded16();
+    harness_rng rng = harness_rng_for(7400);
+    const size_t n = r.num_tokens, h = r.hidden_dim, e = r.num_experts, k = r.top_k;
+    float *hidden = harness_random_tensor(&rng, MOECL_F32, n * h, 0.1f);
+    float *logits = harness_random_tensor(&rng, MOECL_F32, n * e, 1.0f);
+    float *ground = harness_random_tensor(&rng, MOECL_F32, e * h, 1.0f);
+    moecl_buffer hb = harness_buffer(ctx, n * h * 4, 0, hidden), lb = harness_buffer(ctx, n * e * 4, 4, logits),
+                 gb = harness_buffer(ctx, e * h * 4, 8, ground), pb = harness_buffer(ctx, n * k * 8, 4, NULL),
+                 wb = harness_buffer(ctx, n * k * 4, 8, NULL), ib = harness_buffer(ctx, n * k * 4, 12, NULL);
+    const fault router_args[] = {{FAULT_SET_ARG, "grounded_router", 12, CL_INVALID_ARG_SIZE},
+                                 {FAULT_SET_ARG, "grounded_router", 13, CL_INVALID_ARG_VALUE}};
+    arm(router_args, 2);
+    cl_event done = NULL;
+    moecl_status st = moecl_grounded_router(ctx, &r, hb, lb, gb, pb, wb, ib, 0, NULL, &done);
+    ck_assert_ptr_null(done);
+    assert_failure(ctx, st, CL_INVALID_ARG_SIZE, "clSetKernelArg", 12, 0, "grounded_router, arg 12");
+    disarm();
+    assert_untouched(ctx, pb, "out_pairs", "grounded_router, arg 12");
+    assert_untouched(ctx, wb, "topk_weights", "grounded_router, arg 12");
+    assert_untouched(ctx, ib, "topk_ids", "grounded_router, arg 12");
+    moecl_buffer all[] = {hb, lb, gb, pb, wb, ib};
+    for (size_t i = 0; i < sizeof(all) / sizeof(all[0]); i++)
+        harness_release(all[i]);
+    free(hidden);
+    free(logits);
+    free(ground);
+    check_grounded(ctx, &r, 7401, "grounded_router after the failures");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* What a call leaves when an enqueue after its first fails (the driver's
+ * CL_OUT_OF_RESOURCES and the like): moe_align's chained kernels on both
+ * queue kinds, its host path, and the zero fill of
+ * moecl_topk_gating_with_counts. */
+START_TEST(test_failed_enqueue)
+{
+    moecl_context *ctx = harness_context();
+    align_faults_on(ctx, "in-order queue");
+
+    /* The host path: no host byte written. */
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 4, 16, 8);
+    int32_t ids[256], counts[16], sorted[256 + 16 * 7], blocks[(256 + 16 * 7) / 8], post, pos[256], invalid;
+    align_ids(&d, ids);
+    const moecl_align_path path = ctx->info.align_path;
+    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    const fault scatter_enq[] = {{FAULT_ENQUEUE, "moe_align_scatter", -1, CL_OUT_OF_RESOURCES}};
+    memset(counts, HARNESS_POISON, sizeof(counts));
+    memset(sorted, HARNESS_POISON, sizeof(sorted));
+    memset(blocks, HARNESS_POISON, sizeof(blocks));
+    memset(&post, HARNESS_POISON, sizeof(post));
+    memset(pos, HARNESS_POISON, sizeof(pos));
+    memset(&invalid, HARNESS_POISON, sizeof(invalid));
+    arm(scatter_enq, 1);
+    moecl_status st = moecl_moe_align_host(ctx, &d, ids, counts, sorted, blocks, &post, pos, &invalid);
+    assert_failure(ctx, st, CL_OUT_OF_RESOURCES, "clEnqueueNDRangeKernel", -1, 2, "moe_align_host, scatter enqueue");
+    disarm();
+    assert_host_untouched(counts, sizeof(counts), "expert_counts", "moe_align_host");
+    assert_host_untouched(sorted, sizeof(sorted), "sorted_token_ids", "moe_align_host");
+    assert_host_untouched(blocks, sizeof(blocks), "block_expert_ids", "moe_align_host");
+    assert_host_untouched(&post, sizeof(post), "num_tokens_post_padded", "moe_align_host");
+    assert_host_untouched(pos, sizeof(pos), "slot_positions", "moe_align_host");
+    assert_host_untouched(&invalid, sizeof(invalid), "num_invalid", "moe_align_host");
+    ctx->info.align_path = path;
+
+    /* With counts: a failed fill leaves nothing; a failed kernel enqueue
+     * leaves the fill, waited for (expert_counts unspecified), and the
+     * kernel's outputs untouched. */
+    const fault fill[] = {{FAULT_FILL, "expert_counts", -1, CL_OUT_OF_RESOURCES}};
+    gating_fault(ctx, true, fill, 1, "clEnqueueFillBuffer", -1, 0, true, false, "topk_gating_with_counts, fill");
+    const fault kernel_enq[] = {{FAULT_ENQUEUE, "topk_gating", -1, CL_OUT_OF_RESOURCES}};
+    gating_fault(ctx, true, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 1, false, false,
+                 "topk_gating_with_counts, kernel enqueue");
+    /* The fill waits on an event not yet complete when the kernel's
+     * enqueue fails: the call returns only once the fill ran. */
+    gating_fault(ctx, true, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 1, false, true,
+                 "topk_gating_with_counts, kernel enqueue, wait list pending");
+    gating_fault(ctx, false, kernel_enq, 1, "clEnqueueNDRangeKernel", -1, 0, true, false,
+                 "topk_gating, kernel enqueue");
+
+    cl_device_id dev = moecl_context_device(ctx);
+    cl_command_queue_properties props = 0;
+    ck_assert_int_eq(clGetDeviceInfo(dev, CL_DEVICE_QUEUE_PROPERTIES, sizeof(props), &props, NULL), CL_SUCCESS);
+    if (props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) {
+        cl_int err;
+        cl_command_queue ooo =
+            clCreateCommandQueue(moecl_context_cl_context(ctx), dev, CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE, &err);
+        ck_assert_int_eq(err, CL_SUCCESS);
+        moecl_context *adopted = NULL;
+        ck_assert_int_eq(moecl_context_create_from_cl(moecl_context_cl_context(ctx), dev, ooo, &adopted),
+                         MOECL_SUCCESS);
+        align_faults_on(adopted, "out-of-order queue");
+        moecl_context_destroy(adopted);
+        clReleaseCommandQueue(ooo);
+    } else {
+        fprintf(stderr, "launch: the device has no out-of-order queues; test_failed_enqueue checks the in-order "
+                        "queue only\n");
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* A kernel whose CL_KERNEL_WORK_GROUP_SIZE is below the work-group the
+ * call needs (registers can lower it below the device's limit): refused
+ * before anything is enqueued, not after the kernels before it ran. The
+ * limit is read when the variant is created, so the fault is armed before
+ * the first call on a fresh context. The GPU class, so that moe_align's
+ * scatter has work-groups of more than one. */
+START_TEST(test_work_group_limit_first)
+{
+    moecl_context *ctx = harness_context();
+    ctx->info.launch_class = MOECL_LAUNCH_GPU;
+    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 4, 16, 8);
+    int32_t ids[256];
+    align_ids(&d, ids);
+    const fault scatter_limit[] = {{FAULT_WG_LIMIT, "moe_align_scatter", -1, 1}};
+    moecl_buffer b[A_NUM];
+    align_buffers(ctx, &d, ids, b);
+    arm(scatter_limit, 1);
+    moecl_status st = align_call(ctx, &d, b, NULL, NULL);
+    ck_assert_msg(st == (moecl_status)CL_INVALID_WORK_GROUP_SIZE, "moe_align: status %d (%s): %s", (int)st,
+                  moecl_status_string(st), moecl_context_error(ctx));
+    ck_assert_msg(strstr(moecl_context_error(ctx), "moe_align_scatter"), "moe_align: message \"%s\"",
+                  moecl_context_error(ctx));
+    ck_assert_msg(num_watched == 0, "moe_align: %d kernels enqueued before the refusal", num_watched);
+    disarm();
+    assert_align_untouched(ctx, b, ALIGN_OUTPUTS, "moe_align, scatter limit 1");
+    for (int i = 0; i < A_NUM; i++)
+        harness_release(b[i]);
+    moecl_context_destroy(ctx);
+
+    /* With counts: refused before the fill. */
+    ctx = harness_context();
+    const fault gating_limit[] = {{FAULT_WG_LIMIT, "topk_gating", -1, 1}};
+    const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(37, 32, 4);
+    moecl_buffer g[G_NUM], none = {NULL, 0};
+    gating_buffers(ctx, &t, g);
+    /* A configuration of more than one work-item, whatever the device. */
+    const moecl_launch_config rows8 = cfg_rows(8);
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &rows8);
+    arm(gating_limit, 1);
+    st = moecl_topk_gating_with_counts(ctx, &t, g[G_GATING], none, g[G_WEIGHTS], g[G_IDS], g[G_COUNTS], 0, NULL,
+                                       NULL);
+    ck_assert_msg(st == (moecl_status)CL_INVALID_WORK_GROUP_SIZE, "with counts: status %d (%s): %s", (int)st,
+                  moecl_status_string(st), moecl_context_error(ctx));
+    ck_assert_msg(strstr(moecl_context_error(ctx), "topk_gating_rows"), "with counts: message \"%s\"",
+                  moecl_context_error(ctx));
+    ck_assert_msg(num_watched == 0, "with counts: %d commands enqueued before the refusal", num_watched);
+    disarm();
+    assert_untouched(ctx, g[G_WEIGHTS], "topk_weights", "with counts, limit 1");
+    assert_untouched(ctx, g[G_IDS], "topk_ids", "with counts, limit 1");
+    assert_untouched(ctx, g[G_COUNTS], "expert_counts", "with counts, limit 1");
+    for (int i = 0; i < G_NUM; i++)
+        harness_release(g[i]);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
+    faults_init();
     Suite *s = suite_create("launch");
     TCase *tc = tcase_create("tune_file");
     tcase_set_timeout(tc, 600);
@@ -842,5 +1470,12 @@ int main(void)
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_configs_correct);
     suite_add_tcase(s, tc);
+    TCase *failures = tcase_create("failures");
+    tcase_set_timeout(failures, 600);
+    tcase_add_checked_fixture(failures, env_setup, env_teardown);
+    tcase_add_test(failures, test_failed_argument);
+    tcase_add_test(failures, test_failed_enqueue);
+    tcase_add_test(failures, test_work_group_limit_first);
+    suite_add_tcase(s, failures);
     return harness_run(s);
 }

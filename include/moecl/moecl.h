@@ -16,10 +16,34 @@
  * Conventions shared by every call:
  *  - A return value of MOECL_SUCCESS (0) means the work was validated and
  *    enqueued (device-buffer calls) or completed (_host calls). Negative
- *    OpenCL error codes are passed through unchanged; library codes are
- *    <= -2000. On any failure nothing has been enqueued and no output byte
- *    has changed, and moecl_context_error() holds a message for the calling
- *    thread.
+ *    OpenCL error codes are passed through unchanged: the code of the
+ *    OpenCL call that failed first, never a mix of several. Library codes
+ *    are <= -2000. On any failure moecl_context_error() holds a message for
+ *    the calling thread; an OpenCL failure's names the call and the kernel
+ *    (and for clSetKernelArg the argument's index), e.g.
+ *    "clSetKernelArg(moe_align_scatter, arg 7) failed: CL_INVALID_MEM_OBJECT".
+ *    No event is returned from a failed call.
+ *  - What a failed call leaves (the "errors" of every call). A call
+ *    validates its arguments, builds its kernels, allocates what it needs,
+ *    checks every kernel's work-group limit (CL_INVALID_WORK_GROUP_SIZE)
+ *    and sets every argument of every kernel it will enqueue before it
+ *    enqueues anything: a failure up to there leaves nothing enqueued and
+ *    no output byte changed. After its first enqueue only a later enqueue
+ *    can fail (the driver's CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY,
+ *    ...). Of the device-buffer calls, two have a later enqueue:
+ *    moecl_moe_align() on its three-kernel path and
+ *    moecl_topk_gating_with_counts() (a fill, then the kernel). Such a
+ *    failure leaves unspecified the outputs that the commands already
+ *    enqueued write, and every other output unchanged; those two
+ *    functions say which outputs are which. The call waits for the
+ *    commands it enqueued before it returns the error, so nothing of a
+ *    failed call runs after it returns (it blocks, then, until the events
+ *    of its wait list complete). The other device-buffer calls enqueue one
+ *    command, so any failure of theirs leaves nothing enqueued and no
+ *    output byte changed. A _host call writes host memory only when it
+ *    copies the results back: if that copy fails, any of its host outputs
+ *    may have been written (unspecified); after any other failure none
+ *    has.
  *  - The library never prints, aborts or exits.
  *  - Thread safety: a context may be used from several threads at once.
  *    Creating and destroying a context is not synchronised with its use:
@@ -264,7 +288,10 @@ MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing buffer, a buffer too small for the shape, an
  * unaligned offset, a buffer of another context, num_wait > 0 with wait
- * NULL), MOECL_ERROR_BUILD, or the OpenCL error of the enqueue.
+ * NULL), MOECL_ERROR_BUILD, the OpenCL error of a clSetKernelArg,
+ * CL_INVALID_WORK_GROUP_SIZE (the kernel's limit on this device is below
+ * the launch's work-group), or the OpenCL error of the enqueue. On any
+ * failure nothing is enqueued and no output byte changes.
  */
 MOECL_API moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc,
                                          moecl_buffer gating, moecl_buffer bias,
@@ -308,9 +335,14 @@ MOECL_API moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_to
  *                      NULL
  * @return MOECL_SUCCESS, or as moecl_topk_gating(): MOECL_ERROR_INVALID_ARGUMENT
  *         (also for an expert_counts buffer that is absent, too small,
- *         misaligned or of another context; nothing is enqueued and no
- *         output byte changes), MOECL_ERROR_BUILD, or the OpenCL error of
- *         an enqueue.
+ *         misaligned or of another context), MOECL_ERROR_BUILD, the error
+ *         of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE, or the OpenCL
+ *         error of an enqueue. All of these but the kernel's enqueue are
+ *         found before the fill is enqueued: nothing is enqueued and no
+ *         output byte changes. If the kernel's enqueue fails after the
+ *         fill's succeeded, expert_counts is unspecified (the fill has
+ *         normally zeroed it) and topk_weights and topk_ids are unchanged;
+ *         the call waits for the fill before it returns the error.
  */
 MOECL_API moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_gating_desc *desc,
                                                      moecl_buffer gating, moecl_buffer bias,
@@ -321,7 +353,10 @@ MOECL_API moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const m
 /**
  * Blocking convenience of moecl_topk_gating_with_counts() on host memory:
  * copies in, runs, copies out. Same validation as
- * moecl_topk_gating_with_counts().
+ * moecl_topk_gating_with_counts(). The device buffers are the call's own,
+ * so a failed enqueue leaves every host output unchanged; only a failed
+ * copy back may have written them (see "What a failed call leaves"
+ * above).
  *
  * @param ctx           the context
  * @param desc          what to compute, as for moecl_topk_gating()
@@ -382,6 +417,11 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  *   topk_weights   float[num_tokens][top_k], or absent
  *   topk_ids       int32_t[num_tokens][top_k], or absent
  * At least one output must be given.
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), and all
+ * three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
+ * clSetKernelArg, or that of the enqueue. On any failure nothing is
+ * enqueued and no output byte changes.
  */
 MOECL_API moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                              moecl_buffer token_hidden, moecl_buffer router_logits,
@@ -486,8 +526,21 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
  * unaligned offset, a buffer of another context, num_wait > 0 with wait
- * NULL; nothing is enqueued and no output byte changes),
- * MOECL_ERROR_BUILD, or an OpenCL error of an allocation or an enqueue.
+ * NULL), MOECL_ERROR_BUILD, or an OpenCL error: of the scratch buffer's
+ * allocation, of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE (a kernel's
+ * limit on this device is below its work-group), or of an enqueue. All of
+ * these but an enqueue after the first are found before anything is
+ * enqueued: nothing is enqueued and no output byte changes. On the
+ * three-kernel path a later enqueue can fail: if the scan's does, only
+ * the count kernel was enqueued, which writes nothing but the scratch
+ * buffer, so no output changes; if the scatter's does, the count and the
+ * scan were, and expert_counts, num_tokens_post_padded and num_invalid
+ * are unspecified while sorted_token_ids, block_expert_ids and
+ * slot_positions are unchanged. The call then waits for what it enqueued
+ * before it returns the error: for the last enqueued kernel's event on an
+ * out-of-order queue (each kernel waits on the one before), and with
+ * clFinish() on an in-order queue, which also waits for everything queued
+ * there before.
  */
 MOECL_API moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *desc, moecl_buffer topk_ids,
                                        moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
@@ -498,7 +551,10 @@ MOECL_API moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align
 /** Blocking convenience on host memory: copies in, runs, copies out. The
  *  outputs are as moecl_moe_align() describes; slot_positions and
  *  num_invalid may be NULL, the others are required (topk_ids may be NULL
- *  only when num_tokens is 0). Same validation as moecl_moe_align(). */
+ *  only when num_tokens is 0). Same validation as moecl_moe_align(). The
+ *  device buffers are the call's own, so a failed enqueue leaves every
+ *  host output unchanged; only a failed copy back may have written them
+ *  (see "What a failed call leaves" above). */
 MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc,
                                             const int32_t *topk_ids, int32_t *expert_counts,
                                             int32_t *sorted_token_ids, int32_t *block_expert_ids,
