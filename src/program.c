@@ -19,8 +19,12 @@ struct moecl_variant {
     size_t work_group_limit; /* CL_KERNEL_WORK_GROUP_SIZE, queried once at creation; 0 if unknown */
 };
 
+/* items, count and capacity change only with both locks held: a build
+ * holds build_lock throughout, and takes lock for each change, because
+ * find() walks items under lock alone (a build that moved the array under
+ * build_lock only would free it under a concurrent walk). */
 struct moecl_registry {
-    pthread_mutex_t lock;       /* guards items/count */
+    pthread_mutex_t lock;       /* guards items/count/capacity for find() */
     pthread_mutex_t build_lock; /* one build at a time per context */
     moecl_variant **items;
     size_t count, capacity;
@@ -186,14 +190,17 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
     moecl_status st = MOECL_SUCCESS;
     if (!v) {
         v = calloc(1, sizeof(*v));
-        moecl_variant **items = NULL;
+        /* Room for v before the build, so that running out of memory costs
+         * no compile; count and capacity are ours to read (build_lock). */
         if (v && reg->count == reg->capacity) {
             size_t cap = reg->capacity ? 2 * reg->capacity : 16;
-            items = realloc(reg->items, cap * sizeof(*items));
+            pthread_mutex_lock(&reg->lock);
+            moecl_variant **items = realloc(reg->items, cap * sizeof(*items));
             if (items) {
                 reg->items = items;
                 reg->capacity = cap;
             }
+            pthread_mutex_unlock(&reg->lock);
         }
         if (!v || reg->count == reg->capacity || !(v->defines = strdup(defines)) ||
             !(v->kernel_name = strdup(kernel_name))) {
