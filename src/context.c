@@ -213,6 +213,17 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
            vendors[i->vendor], i->compute_units, (unsigned long long)i->local_mem_size, i->max_work_group_size,
            moecl_launch_class_name(i->launch_class), i->launch_reason, ctx->kernel_dir ? ctx->kernel_dir : "embedded",
            cache);
+    /* The NVIDIA warp paths: whether they are built, and why not. */
+    if (i->ptx)
+        append(buf, size, &len, "inline PTX: on (compute capability %u.%u)\n", i->nv_compute_major,
+               i->nv_compute_minor);
+    else if (i->vendor != MOECL_VENDOR_NVIDIA)
+        append(buf, size, &len, "inline PTX: off (not an NVIDIA device)\n");
+    else if (i->nv_compute_major == 0)
+        append(buf, size, &len, "inline PTX: off (no compute capability: cl_nv_device_attribute_query absent)\n");
+    else
+        append(buf, size, &len, "inline PTX: off (compute capability %u.%u; the warp paths need 7.0)\n",
+               i->nv_compute_major, i->nv_compute_minor);
     char tune[4096];
     if (moecl_tune_path(i, tune, sizeof(tune)))
         append(buf, size, &len, "tune file: %s (%skeys read at creation: %zu)\n", tune,

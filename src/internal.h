@@ -60,10 +60,21 @@ typedef struct moecl_device_info {
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+    /* The compute capability of cl_nv_device_attribute_query, 0.0 where
+     * the device does not list that extension. */
+    cl_uint nv_compute_major, nv_compute_minor;
+    bool ptx; /* the kernels' inline PTX paths may be built: moecl_device_ptx(), set at query */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info);
+/* Whether the inline PTX of the kernels (TEAM_SHUFFLE in cl/common.cl,
+ * WARP_MATCH in cl/moe_align.cl) suits a device described by info: an
+ * NVIDIA device of compute capability 7.0 or later (src/device.c says
+ * why). The ops ask for those paths only where info->ptx is set. */
+bool moecl_device_ptx(const moecl_device_info *info);
+/* Whether the space-separated extension list names ext exactly. */
+bool moecl_extension_listed(const char *extensions, const char *ext);
 /* Resolve a selector (see moecl_context_create) to a device; on failure
  * the message is recorded for ctx NULL. */
 moecl_status moecl_device_select(const char *selector, cl_platform_id *platform, cl_device_id *device);

@@ -1,7 +1,8 @@
 /* Launch configurations (src/launch.c and the ops' choose_launch): the tune
  * file round trip, garbage and foreign files ignored, configurations the
  * device cannot run ignored, the precedence forced > env > tune file >
- * table > default, and correct results under many configurations.
+ * table > default, correct results under many configurations, and the
+ * inline PTX paths chosen by compute capability.
  *
  * Links the library's objects, not its ABI, to reach the internals (the
  * tune table, moecl_launch_force), as moecl-tune does. Every test runs in a
@@ -824,6 +825,100 @@ START_TEST(test_rows_per_group_bit_identical)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* Inline PTX by compute capability, and the portable fallback             */
+/* ---------------------------------------------------------------------- */
+
+/* An NVIDIA GPU as device.c would record it, H200-like apart from the
+ * compute capability (0.0: cl_nv_device_attribute_query not listed). */
+static moecl_device_info nvidia_gpu(cl_uint major, cl_uint minor)
+{
+    moecl_device_info info;
+    memset(&info, 0, sizeof(info));
+    snprintf(info.platform_name, sizeof(info.platform_name), "NVIDIA CUDA");
+    snprintf(info.device_name, sizeof(info.device_name), "NVIDIA test GPU");
+    info.type = CL_DEVICE_TYPE_GPU;
+    info.vendor = MOECL_VENDOR_NVIDIA;
+    info.compute_units = 132;
+    info.local_mem_size = 49152;
+    info.max_work_group_size = 1024;
+    info.launch_class = MOECL_LAUNCH_GPU;
+    info.launch_reason = "test";
+    info.nv_compute_major = major;
+    info.nv_compute_minor = minor;
+    info.ptx = moecl_device_ptx(&info);
+    return info;
+}
+
+static void assert_define(const char *text, const char *name, int value, const char *label)
+{
+    char want[64];
+    snprintf(want, sizeof(want), "-D%s=%d", name, value);
+    ck_assert_msg(strstr(text, want) != NULL, "%s: no %s in \"%s\"", label, want, text);
+}
+
+START_TEST(test_ptx_by_capability)
+{
+    static const struct {
+        cl_uint major, minor;
+        bool ptx;
+    } cases[] = {{0, 0, false}, {5, 2, false}, {6, 1, false}, {7, 0, true}, {8, 6, true}, {9, 0, true}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        moecl_device_info info = nvidia_gpu(cases[c].major, cases[c].minor);
+        char label[64];
+        snprintf(label, sizeof(label), "NVIDIA, compute capability %u.%u", cases[c].major, cases[c].minor);
+        ck_assert_msg(info.ptx == cases[c].ptx, "%s: PTX %s", label, info.ptx ? "on" : "off");
+        const int want = cases[c].ptx ? 1 : 0;
+        /* Team 16, 8 rows: whole warps, so only PTX decides the shuffles. */
+        char defines[1024];
+        const char *kernel = NULL;
+        const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(1, 128, 8);
+        moecl_topk_gating_defines(&info, &t, false, false, defines, sizeof(defines), &kernel);
+        ck_assert_str_eq(kernel, "topk_gating_team");
+        assert_define(defines, "TEAM", 16, label);
+        assert_define(defines, "TEAM_SHUFFLE", want, label);
+        const moecl_grounded_router_desc g = moecl_grounded_router_desc_init(1, 128, 16, 0.5f);
+        moecl_grounded_router_defines(&info, &g, true, false, false, defines, sizeof(defines), &kernel);
+        ck_assert_str_eq(kernel, "grounded_router_team");
+        assert_define(defines, "TEAM_SHUFFLE", want, label);
+        moecl_moe_align_defines(&info, defines, sizeof(defines), &kernel);
+        assert_define(defines, "WARP_MATCH", want, label);
+    }
+    /* The capability of another vendor's device does not count. */
+    moecl_device_info other = nvidia_gpu(9, 0);
+    other.vendor = MOECL_VENDOR_AMD;
+    ck_assert(!moecl_device_ptx(&other));
+
+    /* The extension list is matched by whole names. */
+    const char *const listed[] = {"cl_nv_device_attribute_query", "cl_khr_fp64 cl_nv_device_attribute_query",
+                                  "cl_nv_device_attribute_query cl_nv_pragma_unroll",
+                                  "cl_khr_fp64 cl_nv_device_attribute_query cl_nv_pragma_unroll "};
+    const char *const unlisted[] = {"", "cl_khr_fp64", "cl_nv_device_attribute_query_x",
+                                    "xcl_nv_device_attribute_query cl_khr_fp64", "cl_nv_device_attribute"};
+    for (size_t i = 0; i < sizeof(listed) / sizeof(listed[0]); i++)
+        ck_assert_msg(moecl_extension_listed(listed[i], "cl_nv_device_attribute_query"), "not found in \"%s\"",
+                      listed[i]);
+    for (size_t i = 0; i < sizeof(unlisted) / sizeof(unlisted[0]); i++)
+        ck_assert_msg(!moecl_extension_listed(unlisted[i], "cl_nv_device_attribute_query"), "found in \"%s\"",
+                      unlisted[i]);
+
+    /* The device here: what it recorded, and what describe says. */
+    moecl_context *ctx = harness_context();
+    const moecl_device_info *i = &ctx->info;
+    ck_assert(i->ptx == moecl_device_ptx(i));
+    if (i->vendor == MOECL_VENDOR_NVIDIA)
+        ck_assert_msg(i->nv_compute_major > 0, "an NVIDIA device without a compute capability (%s)", i->device_name);
+    else
+        ck_assert_msg(i->nv_compute_major == 0 && !i->ptx, "%s reports compute capability %u.%u", i->device_name,
+                      i->nv_compute_major, i->nv_compute_minor);
+    char text[8192];
+    moecl_context_describe(ctx, text, sizeof(text));
+    ck_assert_msg(strstr(text, i->ptx ? "inline PTX: on (compute capability" : "inline PTX: off (") != NULL,
+                  "describe: %s", text);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("launch");
@@ -836,6 +931,11 @@ int main(void)
     tcase_add_test(tc, test_rows_per_group_bit_identical);
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_configs_correct);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("ptx");
+    tcase_set_timeout(tc, 600);
+    tcase_add_checked_fixture(tc, env_setup, env_teardown);
+    tcase_add_test(tc, test_ptx_by_capability);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }
