@@ -79,7 +79,9 @@ bool moecl_extension_listed(const char *extensions, const char *ext)
  * shfl.sync and bar.warp.sync are defined only when every lane of the mask
  * runs them converged, which these kernels were never checked for (they
  * ran on sm_90 only). NVIDIA's compiler builds for the device's own sm,
- * so on an older GPU the build would fail. */
+ * so on an older GPU the build would fail; moecl_variant_get would then
+ * build the portable kernels, but asking only where the PTX builds saves
+ * a failed compile on every context. */
 bool moecl_device_ptx(const moecl_device_info *info)
 {
     return info->vendor == MOECL_VENDOR_NVIDIA && info->nv_compute_major >= 7;

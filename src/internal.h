@@ -184,7 +184,10 @@ void moecl_registry_destroy(moecl_registry *reg);
 
 /* The variant for (kind, defines): in memory, else from the disk cache,
  * else built from source. defines is a string of -D options; the kernel
- * named kernel_name is created from it. Thread-safe. */
+ * named kernel_name is created from it. Where the context's options
+ * enable inline PTX and that build fails, the variant is the portable
+ * build (ctx->portable_options); the ops' launch shapes serve both.
+ * Thread-safe. */
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
 /* Borrow a cl_kernel of the variant that no other thread is using, and give
@@ -194,6 +197,9 @@ void moecl_variant_release(moecl_variant *variant, cl_kernel kernel);
 /* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
  * once, when the variant was created); 0 if the query failed. */
 size_t moecl_variant_work_group_limit(const moecl_variant *variant);
+/* Whether a build with inline PTX failed on this registry's context and
+ * its builds since are portable (see moecl_variant_get). */
+bool moecl_registry_ptx_failed(moecl_registry *reg);
 
 /* ---- kernel_source.c: embedded or MOECL_KERNEL_DIR sources ---- */
 
@@ -227,7 +233,9 @@ uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 /* ---- context.c ---- */
 
 /* The options every kernel build on a device described by info gets
- * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory. */
+ * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory.
+ * -DMOECL_PTX=1 where info->ptx: without it the kernels compile no inline
+ * PTX, whatever the variant's defines ask for. */
 char *moecl_build_options(const moecl_device_info *info);
 
 struct moecl_context {
@@ -238,6 +246,7 @@ struct moecl_context {
     moecl_device_info info;
     moecl_registry *registry;
     char *build_options; /* common options for every build */
+    char *portable_options; /* the same with MOECL_PTX=0: what a build falls back to (src/program.c) */
     char *kernel_dir;    /* MOECL_KERNEL_DIR at creation, or NULL */
     moecl_tune_table tuned; /* the device's tune file, read at creation */
     struct {

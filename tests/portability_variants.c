@@ -199,7 +199,7 @@ static void emit(const target *t, const char *program, const char *build_options
     snprintf(options, sizeof(options), "%s %s", build_options, defines);
     num_specs++;
     /* The warp paths are inline PTX: only for NVIDIA. */
-    static const char *const ptx[] = {"-DTEAM_SHUFFLE=1", "-DWARP_MATCH=1"};
+    static const char *const ptx[] = {"-DMOECL_PTX=1", "-DTEAM_SHUFFLE=1", "-DWARP_MATCH=1"};
     for (size_t i = 0; i < sizeof(ptx) / sizeof(ptx[0]); i++) {
         if (t->vendor != MOECL_VENDOR_NVIDIA && strstr(options, ptx[i])) {
             fprintf(stderr, "portability_variants: %s on %s (%s) for %s: %s\n", ptx[i] + 2, t->arch, t->config,

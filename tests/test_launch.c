@@ -2,7 +2,8 @@
  * file round trip, garbage and foreign files ignored, configurations the
  * device cannot run ignored, the precedence forced > env > tune file >
  * table > default, correct results under many configurations, and the
- * inline PTX paths chosen by compute capability.
+ * inline PTX paths: chosen by compute capability, and a build with them
+ * that fails falls back to the portable kernels.
  *
  * Links the library's objects, not its ABI, to reach the internals (the
  * tune table, moecl_launch_force), as moecl-tune does. Every test runs in a
@@ -869,6 +870,11 @@ START_TEST(test_ptx_by_capability)
         snprintf(label, sizeof(label), "NVIDIA, compute capability %u.%u", cases[c].major, cases[c].minor);
         ck_assert_msg(info.ptx == cases[c].ptx, "%s: PTX %s", label, info.ptx ? "on" : "off");
         const int want = cases[c].ptx ? 1 : 0;
+        char *options = moecl_build_options(&info);
+        ck_assert_ptr_nonnull(options);
+        assert_define(options, "MOECL_PTX", want, label);
+        assert_define(options, "MOECL_VENDOR_NVIDIA", 1, label); /* the vendor's other choices stay */
+        free(options);
         /* Team 16, 8 rows: whole warps, so only PTX decides the shuffles. */
         char defines[1024];
         const char *kernel = NULL;
@@ -919,6 +925,104 @@ START_TEST(test_ptx_by_capability)
 }
 END_TEST
 
+/* A context on the device here that takes the PTX paths as on an NVIDIA
+ * GPU of compute capability 9.0, although its compiler has no inline asm
+ * (pocl and Intel's CPU runtime reject `asm`): every build with PTX fails,
+ * so calls must be served by the portable fallback. */
+static moecl_context *ptx_context(void)
+{
+    moecl_context *ctx = harness_context();
+    ctx->info.nv_compute_major = 9;
+    ctx->info.nv_compute_minor = 0;
+    ctx->info.ptx = true;
+    free(ctx->build_options);
+    ctx->build_options = moecl_build_options(&ctx->info);
+    ck_assert_ptr_nonnull(ctx->build_options);
+    ck_assert_ptr_nonnull(strstr(ctx->build_options, "-DMOECL_PTX=1"));
+    return ctx;
+}
+
+/* After the first call: the PTX build failed, the portable one served,
+ * describe says so, and the recovered failure left no message. */
+static void assert_fell_back(moecl_context *ctx, const char *label)
+{
+    ck_assert_msg(moecl_registry_ptx_failed(ctx->registry), "%s: no build with PTX failed", label);
+    ck_assert_msg(strcmp(moecl_context_error(ctx), "") == 0, "%s: an error message after success: %s", label,
+                  moecl_context_error(ctx));
+    char text[8192];
+    moecl_context_describe(ctx, text, sizeof(text));
+    ck_assert_msg(strstr(text, "inline PTX: off (compute capability 9.0, but a build with it failed") != NULL,
+                  "%s: describe: %s", label, text);
+}
+
+static void check_align(moecl_context *ctx, const moecl_moe_align_desc *d, uint64_t stream, const char *label)
+{
+    harness_rng rng = harness_rng_for(stream);
+    const size_t slots = (size_t)d->num_tokens * d->top_k, e = d->num_experts;
+    const size_t padded = (size_t)moecl_moe_align_max_padded(d), nblocks = padded / d->block_size;
+    int32_t *ids = malloc(slots * 4), *counts = malloc(e * 4), *sorted = malloc(padded * 4);
+    int32_t *blocks = malloc(nblocks * 4 + 4), *positions = malloc(slots * 4);
+    int32_t post = -7, invalid = -7;
+    ck_assert(ids && counts && sorted && blocks && positions);
+    for (size_t i = 0; i < slots; i++) /* a few ids out of range: they count as invalid */
+        ids[i] = harness_rand_u32(&rng) % 16 == 0 ? -1 : (int32_t)(harness_rand_u32(&rng) % e);
+    memset(counts, HARNESS_POISON, e * 4);
+    memset(sorted, HARNESS_POISON, padded * 4);
+    memset(blocks, HARNESS_POISON, nblocks * 4);
+    memset(positions, HARNESS_POISON, slots * 4);
+    moecl_status st = moecl_moe_align_host(ctx, d, ids, counts, sorted, blocks, &post, positions, &invalid);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", label, moecl_status_string(st), moecl_context_error(ctx));
+    char msg[512] = "";
+    int bad = ref_check_moe_align(d, ids, counts, sorted, blocks, &post, positions, &invalid, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d differences; first: %s", label, bad, msg);
+    free(ids);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(positions);
+}
+
+START_TEST(test_ptx_build_falls_back)
+{
+    moecl_context *probe = harness_context();
+    const bool native = probe->info.ptx;
+    moecl_context_destroy(probe);
+    if (native) {
+        /* An NVIDIA GPU that builds the PTX: nothing to fall back from. */
+        fprintf(stderr, "launch: the device builds inline PTX; the fallback test needs a device without asm\n");
+        return;
+    }
+    /* Top-k gating, team 16 with 2 rows: one warp a group, shuffles. */
+    moecl_context *ctx = ptx_context();
+    const moecl_topk_gating_desc t = topk128();
+    const moecl_launch_config team = cfg_team(16, 2);
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &team);
+    check_topk(ctx, &t, false, 1200, "topk e=128 team 16x2, PTX build failing");
+    assert_fell_back(ctx, "topk");
+    check_topk(ctx, &t, true, 1201, "topk e=128 team 16x2 with bias, after the fallback");
+    moecl_context_destroy(ctx);
+
+    /* The grounded router's team kernel. */
+    ctx = ptx_context();
+    moecl_launch_force(ctx, MOECL_OP_GROUNDED_ROUTER, &team);
+    const moecl_grounded_router_desc r = grounded16();
+    check_grounded(ctx, &r, 1210, "grounded team 16x2, PTX build failing");
+    assert_fell_back(ctx, "grounded");
+    moecl_context_destroy(ctx);
+
+    /* moe_align: one program for every path; the one-group kernel with the
+     * warp path's arguments, and the chunked path. */
+    ctx = ptx_context();
+    const moecl_moe_align_desc a = moecl_moe_align_desc_init(37, 6, 40, 16);
+    ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
+    check_align(ctx, &a, 1220, "moe_align one-group, PTX build failing");
+    assert_fell_back(ctx, "moe_align");
+    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    check_align(ctx, &a, 1221, "moe_align chunked, after the fallback");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("launch");
@@ -936,6 +1040,7 @@ int main(void)
     tcase_set_timeout(tc, 600);
     tcase_add_checked_fixture(tc, env_setup, env_teardown);
     tcase_add_test(tc, test_ptx_by_capability);
+    tcase_add_test(tc, test_ptx_build_falls_back);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }
