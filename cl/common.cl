@@ -6,6 +6,7 @@
  *   IN_DTYPE   0 f32, 1 f16, 2 bf16 (the dtype of the main input)
  *   TEAM       work-items per row (a power of two; 1 on CPUs)
  *   ROWS       rows per work-group
+ *   MOECL_PTX  1: inline PTX may be compiled (below)
  * OpenCL C 1.2, no extensions: f16 goes through vload_half and bf16 is a
  * 16-bit word widened by a shift, so both work on every device.
  * Helper functions are `static inline`: a plain (C99) `inline` function
@@ -25,6 +26,18 @@
 #define UNROLL _Pragma("unroll")
 #else
 #define UNROLL
+#endif
+
+/* MOECL_PTX (a build option, set by the host for NVIDIA devices of
+ * compute capability 7.0 or later, src/device.c): without it the warp
+ * shuffles a variant's TEAM_SHUFFLE asks for are off, so that a build
+ * whose inline PTX fails can be redone portable by this define alone
+ * (src/program.c; cl/moe_align.cl does the same for WARP_MATCH). */
+#ifndef MOECL_PTX
+#define MOECL_PTX 0
+#endif
+#if !MOECL_PTX
+#undef TEAM_SHUFFLE
 #endif
 
 #ifndef IN_DTYPE
@@ -122,7 +135,7 @@ static inline uint select_rank(float s)
  * same order, so all lanes agree bit for bit. Small teams read all slots
  * (two barriers); large teams use a tree.
  *
- * TEAM_SHUFFLE (set by the host only for NVIDIA devices, teams of at most
+ * TEAM_SHUFFLE (set by the host only with MOECL_PTX, for teams of at most
  * 32 work-items and work-groups of whole warps): the same reductions as
  * butterflies of warp shuffles in inline PTX, with no local memory and no
  * barriers. Max is exact and a butterfly sum adds the same pairs in every

@@ -47,10 +47,19 @@
 #ifndef ONE_WG
 #define ONE_WG 256
 #endif
-/* WARP_MATCH (set by the host for NVIDIA devices only): the one-group
+/* WARP_MATCH (set by the host only with MOECL_PTX): the one-group
  * kernel's first warp places the slots in tiles of 32, ranking equal ids
  * with PTX match.any.sync (sm_70 and later) instead of a loop over the
- * tile. */
+ * tile. MOECL_PTX, a build option (src/device.c): without it WARP_MATCH is
+ * off, so that a build whose inline PTX fails can be redone portable by
+ * that define alone (src/program.c; cl/common.cl, which this program does
+ * not include, does the same for TEAM_SHUFFLE). */
+#ifndef MOECL_PTX
+#define MOECL_PTX 0
+#endif
+#if !MOECL_PTX
+#undef WARP_MATCH
+#endif
 #ifndef WARP_MATCH
 #define WARP_MATCH 0
 #endif

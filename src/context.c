@@ -14,8 +14,8 @@ char *moecl_build_options(const moecl_device_info *info)
     const char *user = getenv("MOECL_BUILD_OPTIONS");
     char buf[1024];
     const int nvidia = info->vendor == MOECL_VENDOR_NVIDIA;
-    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d -DNATIVE_MATH=%d%s%s", nvidia, nvidia,
-             user && *user ? " " : "", user ? user : "");
+    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d -DNATIVE_MATH=%d -DMOECL_PTX=%d%s%s", nvidia,
+             nvidia, info->ptx ? 1 : 0, user && *user ? " " : "", user ? user : "");
     return strdup(buf);
 }
 
@@ -31,12 +31,15 @@ static moecl_status finish_context(moecl_context *c, moecl_context **out)
         return moecl_fail(NULL, st, "querying the device failed (%s)", moecl_status_string(st));
     }
     c->build_options = moecl_build_options(&c->info);
+    moecl_device_info portable = c->info;
+    portable.ptx = false;
+    c->portable_options = moecl_build_options(&portable);
     /* One small file read, once: warm creation stays fast. */
     moecl_tune_load(&c->info, &c->tuned);
     const char *dir = getenv("MOECL_KERNEL_DIR");
     c->kernel_dir = dir && *dir ? strdup(dir) : NULL;
     st = moecl_registry_create(&c->registry);
-    if (st == MOECL_SUCCESS && (!c->build_options || (dir && *dir && !c->kernel_dir)))
+    if (st == MOECL_SUCCESS && (!c->build_options || !c->portable_options || (dir && *dir && !c->kernel_dir)))
         st = MOECL_ERROR_OUT_OF_MEMORY;
     if (st != MOECL_SUCCESS) {
         moecl_context_destroy(c);
@@ -153,6 +156,7 @@ void moecl_context_destroy(moecl_context *ctx)
     if (ctx->context)
         clReleaseContext(ctx->context);
     free(ctx->build_options);
+    free(ctx->portable_options);
     free(ctx->kernel_dir);
     moecl_tune_free(&ctx->tuned);
     moecl_error_forget(ctx);
@@ -213,6 +217,20 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
            vendors[i->vendor], i->compute_units, (unsigned long long)i->local_mem_size, i->max_work_group_size,
            moecl_launch_class_name(i->launch_class), i->launch_reason, ctx->kernel_dir ? ctx->kernel_dir : "embedded",
            cache);
+    /* The NVIDIA warp paths: whether they are built, and why not. */
+    if (i->ptx && moecl_registry_ptx_failed(ctx->registry))
+        append(buf, size, &len, "inline PTX: off (compute capability %u.%u, but a build with it failed; portable "
+               "kernels)\n", i->nv_compute_major, i->nv_compute_minor);
+    else if (i->ptx)
+        append(buf, size, &len, "inline PTX: on (compute capability %u.%u)\n", i->nv_compute_major,
+               i->nv_compute_minor);
+    else if (i->vendor != MOECL_VENDOR_NVIDIA)
+        append(buf, size, &len, "inline PTX: off (not an NVIDIA device)\n");
+    else if (i->nv_compute_major == 0)
+        append(buf, size, &len, "inline PTX: off (no compute capability: cl_nv_device_attribute_query absent)\n");
+    else
+        append(buf, size, &len, "inline PTX: off (compute capability %u.%u; the warp paths need 7.0)\n",
+               i->nv_compute_major, i->nv_compute_minor);
     char tune[4096];
     if (moecl_tune_path(i, tune, sizeof(tune)))
         append(buf, size, &len, "tune file: %s (%skeys read at creation: %zu)\n", tune,

@@ -10,6 +10,14 @@
 #define MAX_PLATFORMS 16
 #define MAX_DEVICES 64
 
+/* cl_nv_device_attribute_query (CL/cl_ext.h, which not every SDK ships). */
+#ifndef CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV
+#define CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV 0x4000
+#endif
+#ifndef CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV
+#define CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV 0x4001
+#endif
+
 static const char no_platform_hint[] =
     "no OpenCL platform found: install an OpenCL driver (ICD). On Debian or Ubuntu, "
     "`apt-get install pocl-opencl-icd` gives a CPU device; GPU vendors ship their own "
@@ -50,6 +58,55 @@ static moecl_vendor vendor_of(const char *platform, const char *vendor)
     if (contains_nocase(vendor, "intel"))
         return MOECL_VENDOR_INTEL;
     return MOECL_VENDOR_OTHER;
+}
+
+bool moecl_extension_listed(const char *extensions, const char *ext)
+{
+    const size_t n = strlen(ext);
+    for (const char *p = extensions; n && (p = strstr(p, ext)) != NULL; p += n)
+        if ((p == extensions || p[-1] == ' ') && (p[n] == ' ' || p[n] == '\0'))
+            return true;
+    return false;
+}
+
+/* The inline PTX of the kernels and what each instruction needs (PTX ISA,
+ * "Target ISA Notes"):
+ *   shfl.sync.bfly.b32   TEAM_SHUFFLE reductions   PTX 6.0, sm_30
+ *   match.any.sync.b32   WARP_MATCH ranking        PTX 6.0, sm_70
+ *   bar.warp.sync        WARP_MATCH ranking        PTX 6.0, sm_30
+ *   mov.u32 %lanemask_lt WARP_MATCH ranking        PTX 2.0, sm_20
+ * One threshold serves all: 7.0. match.any.sync needs it, and below it
+ * shfl.sync and bar.warp.sync are defined only when every lane of the mask
+ * runs them converged, which these kernels were never checked for (they
+ * ran on sm_90 only). NVIDIA's compiler builds for the device's own sm,
+ * so on an older GPU the build would fail; moecl_variant_get would then
+ * build the portable kernels, but asking only where the PTX builds saves
+ * a failed compile on every context. */
+bool moecl_device_ptx(const moecl_device_info *info)
+{
+    return info->vendor == MOECL_VENDOR_NVIDIA && info->nv_compute_major >= 7;
+}
+
+/* The compute capability where the device lists the extension (0.0 else). */
+static void query_compute_capability(cl_device_id device, moecl_device_info *info)
+{
+    size_t size = 0;
+    if (clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, 0, NULL, &size) != CL_SUCCESS || size == 0)
+        return;
+    char *extensions = malloc(size + 1);
+    if (!extensions)
+        return; /* no PTX paths: the portable kernels serve */
+    if (clGetDeviceInfo(device, CL_DEVICE_EXTENSIONS, size, extensions, NULL) == CL_SUCCESS) {
+        extensions[size] = '\0';
+        cl_uint major = 0, minor = 0;
+        if (moecl_extension_listed(extensions, "cl_nv_device_attribute_query") &&
+            clGetDeviceInfo(device, CL_DEVICE_COMPUTE_CAPABILITY_MAJOR_NV, sizeof(major), &major, NULL) == CL_SUCCESS &&
+            clGetDeviceInfo(device, CL_DEVICE_COMPUTE_CAPABILITY_MINOR_NV, sizeof(minor), &minor, NULL) == CL_SUCCESS) {
+            info->nv_compute_major = major;
+            info->nv_compute_minor = minor;
+        }
+    }
+    free(extensions);
 }
 
 /* The launch class is data: device type decides, an override table keyed by
@@ -122,6 +179,8 @@ moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)
                               &info->max_work_group_size, NULL);
     if (err != CL_SUCCESS)
         return err;
+    query_compute_capability(device, info);
+    info->ptx = moecl_device_ptx(info);
     choose_launch_class(info);
     return MOECL_SUCCESS;
 }

@@ -45,7 +45,7 @@ typedef struct launch_shape {
     unsigned tm, tn, tk;       /* tiled: tile of tokens x experts x hidden step */
     unsigned mt, nt;           /* tiled: each work-item's register block */
     unsigned team, rows, ept;  /* team */
-    bool shuffle;              /* team: NVIDIA warp shuffles */
+    bool shuffle;              /* team: warp shuffles (inline PTX) */
     size_t local;              /* work-group size */
     size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
@@ -125,7 +125,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     shape->rows = rows;
     shape->ept = ept;
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
-    shape->shuffle = info->vendor == MOECL_VENDOR_NVIDIA && team <= 32 && (team * rows) % 32 == 0;
+    shape->shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     shape->local = (size_t)team * rows;
     shape->rows_per_group = rows;
     shape->kernel_name = "grounded_router_team";

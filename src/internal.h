@@ -60,10 +60,21 @@ typedef struct moecl_device_info {
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+    /* The compute capability of cl_nv_device_attribute_query, 0.0 where
+     * the device does not list that extension. */
+    cl_uint nv_compute_major, nv_compute_minor;
+    bool ptx; /* the kernels' inline PTX paths may be built: moecl_device_ptx(), set at query */
 } moecl_device_info;
 
 /* Fill info for device (queries OpenCL). */
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info);
+/* Whether the inline PTX of the kernels (TEAM_SHUFFLE in cl/common.cl,
+ * WARP_MATCH in cl/moe_align.cl) suits a device described by info: an
+ * NVIDIA device of compute capability 7.0 or later (src/device.c says
+ * why). The ops ask for those paths only where info->ptx is set. */
+bool moecl_device_ptx(const moecl_device_info *info);
+/* Whether the space-separated extension list names ext exactly. */
+bool moecl_extension_listed(const char *extensions, const char *ext);
 /* Resolve a selector (see moecl_context_create) to a device; on failure
  * the message is recorded for ctx NULL. */
 moecl_status moecl_device_select(const char *selector, cl_platform_id *platform, cl_device_id *device);
@@ -173,7 +184,10 @@ void moecl_registry_destroy(moecl_registry *reg);
 
 /* The variant for (kind, defines): in memory, else from the disk cache,
  * else built from source. defines is a string of -D options; the kernel
- * named kernel_name is created from it. Thread-safe. */
+ * named kernel_name is created from it. Where the context's options
+ * enable inline PTX and that build fails, the variant is the portable
+ * build (ctx->portable_options); the ops' launch shapes serve both.
+ * Thread-safe. */
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
 /* Borrow a cl_kernel of the variant that no other thread is using, and give
@@ -183,6 +197,9 @@ void moecl_variant_release(moecl_variant *variant, cl_kernel kernel);
 /* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
  * once, when the variant was created); 0 if the query failed. */
 size_t moecl_variant_work_group_limit(const moecl_variant *variant);
+/* Whether a build with inline PTX failed on this registry's context and
+ * its builds since are portable (see moecl_variant_get). */
+bool moecl_registry_ptx_failed(moecl_registry *reg);
 
 /* ---- kernel_source.c: embedded or MOECL_KERNEL_DIR sources ---- */
 
@@ -216,7 +233,9 @@ uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 /* ---- context.c ---- */
 
 /* The options every kernel build on a device described by info gets
- * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory. */
+ * (MOECL_BUILD_OPTIONS appended), malloc'ed; NULL when out of memory.
+ * -DMOECL_PTX=1 where info->ptx: without it the kernels compile no inline
+ * PTX, whatever the variant's defines ask for. */
 char *moecl_build_options(const moecl_device_info *info);
 
 struct moecl_context {
@@ -227,6 +246,7 @@ struct moecl_context {
     moecl_device_info info;
     moecl_registry *registry;
     char *build_options; /* common options for every build */
+    char *portable_options; /* the same with MOECL_PTX=0: what a build falls back to (src/program.c) */
     char *kernel_dir;    /* MOECL_KERNEL_DIR at creation, or NULL */
     moecl_tune_table tuned; /* the device's tune file, read at creation */
     struct {

@@ -53,7 +53,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 
 typedef struct align_shape {
     unsigned wg, scan_wg, one_wg;
-    bool warp_match; /* NVIDIA: the one-group kernel ranks with match.any.sync (cl/moe_align.cl) */
+    bool warp_match; /* inline PTX: the one-group kernel ranks with match.any.sync (cl/moe_align.cl) */
 } align_shape;
 
 static unsigned floor_pow2(size_t v, unsigned cap)
@@ -74,7 +74,7 @@ static align_shape shape_of(const moecl_device_info *info)
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
     s.one_wg = floor_pow2(info->max_work_group_size, 256);
-    s.warp_match = info->vendor == MOECL_VENDOR_NVIDIA && s.one_wg >= 32;
+    s.warp_match = info->ptx && s.one_wg >= 32;
     return s;
 }
 

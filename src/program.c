@@ -19,11 +19,16 @@ struct moecl_variant {
     size_t work_group_limit; /* CL_KERNEL_WORK_GROUP_SIZE, queried once at creation; 0 if unknown */
 };
 
+/* items, count, capacity and ptx_failed change only with both locks held:
+ * a build holds build_lock throughout, and takes lock for each change,
+ * because find() walks items under lock alone (a build that moved the
+ * array under build_lock only would free it under a concurrent walk). */
 struct moecl_registry {
-    pthread_mutex_t lock;       /* guards items/count */
+    pthread_mutex_t lock;       /* for readers without build_lock: find(), moecl_registry_ptx_failed() */
     pthread_mutex_t build_lock; /* one build at a time per context */
     moecl_variant **items;
     size_t count, capacity;
+    bool ptx_failed; /* a build with inline PTX failed: build portable from then on */
 };
 
 moecl_status moecl_registry_create(moecl_registry **reg)
@@ -109,20 +114,23 @@ static moecl_status build_failure(moecl_context *ctx, cl_program program, cl_int
                       moecl_status_string(err), log);
 }
 
-/* Build from the binary cache if it holds a valid entry, else from source
- * (and store the result). */
-static moecl_status build_program(moecl_context *ctx, moecl_program_kind kind, const char *defines, cl_program *out)
+/* Build with base options (the context's, or its portable ones) and
+ * defines, from the binary cache if it holds a valid entry, else from
+ * source (and store the result). quiet: a compile error is returned as
+ * MOECL_ERROR_BUILD without a message, for a caller that tries again. */
+static moecl_status build_program(moecl_context *ctx, const char *base_options, moecl_program_kind kind,
+                                  const char *defines, bool quiet, cl_program *out)
 {
     char *source = NULL;
     size_t source_size = 0;
     moecl_status st = moecl_program_source(ctx, kind, &source, &source_size);
     if (st != MOECL_SUCCESS)
         return st;
-    size_t opt_size = strlen(ctx->build_options) + strlen(defines) + 2;
+    size_t opt_size = strlen(base_options) + strlen(defines) + 2;
     char *options = malloc(opt_size);
     char *key = NULL;
     if (options) {
-        snprintf(options, opt_size, "%s %s", ctx->build_options, defines);
+        snprintf(options, opt_size, "%s %s", base_options, defines);
         key = cache_identity(ctx, options, source, source_size);
     }
     if (!options || !key) {
@@ -152,7 +160,7 @@ static moecl_status build_program(moecl_context *ctx, moecl_program_kind kind, c
         if (!program) {
             st = moecl_fail(ctx, err, "clCreateProgramWithSource failed (%s)", moecl_status_string(err));
         } else if ((err = clBuildProgram(program, 1, &ctx->device, options, NULL, NULL)) != CL_SUCCESS) {
-            st = build_failure(ctx, program, err, defines);
+            st = quiet ? MOECL_ERROR_BUILD : build_failure(ctx, program, err, defines);
             clReleaseProgram(program);
             program = NULL;
         } else {
@@ -172,6 +180,40 @@ static moecl_status build_program(moecl_context *ctx, moecl_program_kind kind, c
     return st;
 }
 
+/* The program for defines, with the context's options; where those enable
+ * inline PTX and the build fails (an NVIDIA compiler that rejects an
+ * instruction, or an implementation without asm), the portable build
+ * instead, and only that from then on. The PTX paths are one define
+ * (MOECL_PTX) away from the portable kernels, and the ops size arguments
+ * and local memory for both, so the variant serves its calls either way.
+ * Called with build_lock held. */
+static moecl_status build_variant_program(moecl_context *ctx, moecl_program_kind kind, const char *defines,
+                                          cl_program *out)
+{
+    moecl_registry *reg = ctx->registry;
+    if (ctx->info.ptx && !reg->ptx_failed) {
+        moecl_status st = build_program(ctx, ctx->build_options, kind, defines, true, out);
+        if (st != MOECL_ERROR_BUILD)
+            return st;
+    }
+    moecl_status st = build_program(ctx, ctx->portable_options, kind, defines, false, out);
+    /* Stop trying PTX only when it was the PTX that failed. */
+    if (st == MOECL_SUCCESS && ctx->info.ptx && !reg->ptx_failed) {
+        pthread_mutex_lock(&reg->lock);
+        reg->ptx_failed = true;
+        pthread_mutex_unlock(&reg->lock);
+    }
+    return st;
+}
+
+bool moecl_registry_ptx_failed(moecl_registry *reg)
+{
+    pthread_mutex_lock(&reg->lock);
+    bool failed = reg->ptx_failed;
+    pthread_mutex_unlock(&reg->lock);
+    return failed;
+}
+
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant)
 {
@@ -186,14 +228,17 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
     moecl_status st = MOECL_SUCCESS;
     if (!v) {
         v = calloc(1, sizeof(*v));
-        moecl_variant **items = NULL;
+        /* Room for v before the build, so that running out of memory costs
+         * no compile; count and capacity are ours to read (build_lock). */
         if (v && reg->count == reg->capacity) {
             size_t cap = reg->capacity ? 2 * reg->capacity : 16;
-            items = realloc(reg->items, cap * sizeof(*items));
+            pthread_mutex_lock(&reg->lock);
+            moecl_variant **items = realloc(reg->items, cap * sizeof(*items));
             if (items) {
                 reg->items = items;
                 reg->capacity = cap;
             }
+            pthread_mutex_unlock(&reg->lock);
         }
         if (!v || reg->count == reg->capacity || !(v->defines = strdup(defines)) ||
             !(v->kernel_name = strdup(kernel_name))) {
@@ -212,7 +257,7 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
             if (sibling && clRetainProgram(sibling) == CL_SUCCESS)
                 v->program = sibling;
             else
-                st = build_program(ctx, kind, defines, &v->program);
+                st = build_variant_program(ctx, kind, defines, &v->program);
             cl_kernel k = NULL;
             if (st == MOECL_SUCCESS) {
                 /* Create one kernel now so that a wrong kernel name fails here, not in a call. */

@@ -61,7 +61,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
 
 typedef struct launch_shape {
     unsigned team, rows;
-    bool shuffle; /* NVIDIA warp shuffles for the team reductions */
+    bool shuffle; /* warp shuffles (inline PTX) for the team reductions */
     const char *kernel_name;
 } launch_shape;
 
@@ -97,7 +97,7 @@ static bool shape_of_config(const moecl_context *ctx, const moecl_launch_config 
         (c->team & (c->team - 1)) || !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
         team_local_bytes(c->team, c->rows, k, experts, groups, info->topk_rounds) > budget)
         return false;
-    bool shuffle = info->vendor == MOECL_VENDOR_NVIDIA && c->team <= 32 && (c->team * c->rows) % 32 == 0;
+    bool shuffle = info->ptx && c->team <= 32 && (c->team * c->rows) % 32 == 0;
     *shape = (launch_shape){c->team, c->rows, shuffle, "topk_gating_team"};
     return true;
 }
@@ -158,7 +158,7 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
     if (rows == 0 || team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
-    bool shuffle = info->vendor == MOECL_VENDOR_NVIDIA && team <= 32 && (team * rows) % 32 == 0;
+    bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     return (launch_shape){team, rows, shuffle, "topk_gating_team"};
 }
 

@@ -198,11 +198,14 @@ static void emit(const target *t, const char *program, const char *build_options
     char options[2048];
     snprintf(options, sizeof(options), "%s %s", build_options, defines);
     num_specs++;
-    /* The warp shuffles are inline PTX: only for NVIDIA. */
-    if (t->vendor != MOECL_VENDOR_NVIDIA && strstr(options, "-DTEAM_SHUFFLE=1")) {
-        fprintf(stderr, "portability_variants: TEAM_SHUFFLE=1 on %s (%s) for %s: %s\n", t->arch, t->config,
-                description, options);
-        exit(1);
+    /* The warp paths are inline PTX: only for NVIDIA. */
+    static const char *const ptx[] = {"-DMOECL_PTX=1", "-DTEAM_SHUFFLE=1", "-DWARP_MATCH=1"};
+    for (size_t i = 0; i < sizeof(ptx) / sizeof(ptx[0]); i++) {
+        if (t->vendor != MOECL_VENDOR_NVIDIA && strstr(options, ptx[i])) {
+            fprintf(stderr, "portability_variants: %s on %s (%s) for %s: %s\n", ptx[i] + 2, t->arch, t->config,
+                    description, options);
+            exit(1);
+        }
     }
     for (size_t i = 0; i < num_lines; i++)
         if (strcmp(lines[i].compiler, t->compiler) == 0 && strcmp(lines[i].arch, t->arch) == 0 &&

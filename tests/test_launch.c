@@ -1,9 +1,11 @@
 /* Launch configurations (src/launch.c and the ops' choose_launch): the tune
  * file round trip, garbage and foreign files ignored, configurations the
  * device cannot run ignored, the precedence forced > env > tune file >
- * table > default, and correct results under many configurations. And
- * the failure contract of the header: OpenCL calls of the ops made to fail
- * (see "Failures" below), the status and message that come back, and what
+ * table > default, correct results under many configurations, the
+ * inline PTX paths (chosen by compute capability; a build with them
+ * that fails falls back to the portable kernels), and the failure
+ * contract of the header: OpenCL calls of the ops made to fail (see
+ * "Failures" below), the status and message that come back, and what
  * the failed call left in its outputs.
  *
  * Links the library's objects, not its ABI, to reach the internals (the
@@ -1456,6 +1458,203 @@ START_TEST(test_work_group_limit_first)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* Inline PTX by compute capability, and the portable fallback             */
+/* ---------------------------------------------------------------------- */
+
+/* An NVIDIA GPU as device.c would record it, H200-like apart from the
+ * compute capability (0.0: cl_nv_device_attribute_query not listed). */
+static moecl_device_info nvidia_gpu(cl_uint major, cl_uint minor)
+{
+    moecl_device_info info;
+    memset(&info, 0, sizeof(info));
+    snprintf(info.platform_name, sizeof(info.platform_name), "NVIDIA CUDA");
+    snprintf(info.device_name, sizeof(info.device_name), "NVIDIA test GPU");
+    info.type = CL_DEVICE_TYPE_GPU;
+    info.vendor = MOECL_VENDOR_NVIDIA;
+    info.compute_units = 132;
+    info.local_mem_size = 49152;
+    info.max_work_group_size = 1024;
+    info.launch_class = MOECL_LAUNCH_GPU;
+    info.launch_reason = "test";
+    info.nv_compute_major = major;
+    info.nv_compute_minor = minor;
+    info.ptx = moecl_device_ptx(&info);
+    return info;
+}
+
+static void assert_define(const char *text, const char *name, int value, const char *label)
+{
+    char want[64];
+    snprintf(want, sizeof(want), "-D%s=%d", name, value);
+    ck_assert_msg(strstr(text, want) != NULL, "%s: no %s in \"%s\"", label, want, text);
+}
+
+START_TEST(test_ptx_by_capability)
+{
+    static const struct {
+        cl_uint major, minor;
+        bool ptx;
+    } cases[] = {{0, 0, false}, {5, 2, false}, {6, 1, false}, {7, 0, true}, {8, 6, true}, {9, 0, true}};
+    for (size_t c = 0; c < sizeof(cases) / sizeof(cases[0]); c++) {
+        moecl_device_info info = nvidia_gpu(cases[c].major, cases[c].minor);
+        char label[64];
+        snprintf(label, sizeof(label), "NVIDIA, compute capability %u.%u", cases[c].major, cases[c].minor);
+        ck_assert_msg(info.ptx == cases[c].ptx, "%s: PTX %s", label, info.ptx ? "on" : "off");
+        const int want = cases[c].ptx ? 1 : 0;
+        char *options = moecl_build_options(&info);
+        ck_assert_ptr_nonnull(options);
+        assert_define(options, "MOECL_PTX", want, label);
+        assert_define(options, "MOECL_VENDOR_NVIDIA", 1, label); /* the vendor's other choices stay */
+        free(options);
+        /* Team 16, 8 rows: whole warps, so only PTX decides the shuffles. */
+        char defines[1024];
+        const char *kernel = NULL;
+        const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(1, 128, 8);
+        moecl_topk_gating_defines(&info, &t, false, false, defines, sizeof(defines), &kernel);
+        ck_assert_str_eq(kernel, "topk_gating_team");
+        assert_define(defines, "TEAM", 16, label);
+        assert_define(defines, "TEAM_SHUFFLE", want, label);
+        const moecl_grounded_router_desc g = moecl_grounded_router_desc_init(1, 128, 16, 0.5f);
+        moecl_grounded_router_defines(&info, &g, true, false, false, defines, sizeof(defines), &kernel);
+        ck_assert_str_eq(kernel, "grounded_router_team");
+        assert_define(defines, "TEAM_SHUFFLE", want, label);
+        moecl_moe_align_defines(&info, defines, sizeof(defines), &kernel);
+        assert_define(defines, "WARP_MATCH", want, label);
+    }
+    /* The capability of another vendor's device does not count. */
+    moecl_device_info other = nvidia_gpu(9, 0);
+    other.vendor = MOECL_VENDOR_AMD;
+    ck_assert(!moecl_device_ptx(&other));
+
+    /* The extension list is matched by whole names. */
+    const char *const listed[] = {"cl_nv_device_attribute_query", "cl_khr_fp64 cl_nv_device_attribute_query",
+                                  "cl_nv_device_attribute_query cl_nv_pragma_unroll",
+                                  "cl_khr_fp64 cl_nv_device_attribute_query cl_nv_pragma_unroll "};
+    const char *const unlisted[] = {"", "cl_khr_fp64", "cl_nv_device_attribute_query_x",
+                                    "xcl_nv_device_attribute_query cl_khr_fp64", "cl_nv_device_attribute"};
+    for (size_t i = 0; i < sizeof(listed) / sizeof(listed[0]); i++)
+        ck_assert_msg(moecl_extension_listed(listed[i], "cl_nv_device_attribute_query"), "not found in \"%s\"",
+                      listed[i]);
+    for (size_t i = 0; i < sizeof(unlisted) / sizeof(unlisted[0]); i++)
+        ck_assert_msg(!moecl_extension_listed(unlisted[i], "cl_nv_device_attribute_query"), "found in \"%s\"",
+                      unlisted[i]);
+
+    /* The device here: what it recorded, and what describe says. */
+    moecl_context *ctx = harness_context();
+    const moecl_device_info *i = &ctx->info;
+    ck_assert(i->ptx == moecl_device_ptx(i));
+    if (i->vendor == MOECL_VENDOR_NVIDIA)
+        ck_assert_msg(i->nv_compute_major > 0, "an NVIDIA device without a compute capability (%s)", i->device_name);
+    else
+        ck_assert_msg(i->nv_compute_major == 0 && !i->ptx, "%s reports compute capability %u.%u", i->device_name,
+                      i->nv_compute_major, i->nv_compute_minor);
+    char text[8192];
+    moecl_context_describe(ctx, text, sizeof(text));
+    ck_assert_msg(strstr(text, i->ptx ? "inline PTX: on (compute capability" : "inline PTX: off (") != NULL,
+                  "describe: %s", text);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* A context on the device here that takes the PTX paths as on an NVIDIA
+ * GPU of compute capability 9.0, although its compiler has no inline asm
+ * (pocl and Intel's CPU runtime reject `asm`): every build with PTX fails,
+ * so calls must be served by the portable fallback. */
+static moecl_context *ptx_context(void)
+{
+    moecl_context *ctx = harness_context();
+    ctx->info.nv_compute_major = 9;
+    ctx->info.nv_compute_minor = 0;
+    ctx->info.ptx = true;
+    free(ctx->build_options);
+    ctx->build_options = moecl_build_options(&ctx->info);
+    ck_assert_ptr_nonnull(ctx->build_options);
+    ck_assert_ptr_nonnull(strstr(ctx->build_options, "-DMOECL_PTX=1"));
+    return ctx;
+}
+
+/* After the first call: the PTX build failed, the portable one served,
+ * describe says so, and the recovered failure left no message. */
+static void assert_fell_back(moecl_context *ctx, const char *label)
+{
+    ck_assert_msg(moecl_registry_ptx_failed(ctx->registry), "%s: no build with PTX failed", label);
+    ck_assert_msg(strcmp(moecl_context_error(ctx), "") == 0, "%s: an error message after success: %s", label,
+                  moecl_context_error(ctx));
+    char text[8192];
+    moecl_context_describe(ctx, text, sizeof(text));
+    ck_assert_msg(strstr(text, "inline PTX: off (compute capability 9.0, but a build with it failed") != NULL,
+                  "%s: describe: %s", label, text);
+}
+
+static void check_align(moecl_context *ctx, const moecl_moe_align_desc *d, uint64_t stream, const char *label)
+{
+    harness_rng rng = harness_rng_for(stream);
+    const size_t slots = (size_t)d->num_tokens * d->top_k, e = d->num_experts;
+    const size_t padded = (size_t)moecl_moe_align_max_padded(d), nblocks = padded / d->block_size;
+    int32_t *ids = malloc(slots * 4), *counts = malloc(e * 4), *sorted = malloc(padded * 4);
+    int32_t *blocks = malloc(nblocks * 4 + 4), *positions = malloc(slots * 4);
+    int32_t post = -7, invalid = -7;
+    ck_assert(ids && counts && sorted && blocks && positions);
+    for (size_t i = 0; i < slots; i++) /* a few ids out of range: they count as invalid */
+        ids[i] = harness_rand_u32(&rng) % 16 == 0 ? -1 : (int32_t)(harness_rand_u32(&rng) % e);
+    memset(counts, HARNESS_POISON, e * 4);
+    memset(sorted, HARNESS_POISON, padded * 4);
+    memset(blocks, HARNESS_POISON, nblocks * 4);
+    memset(positions, HARNESS_POISON, slots * 4);
+    moecl_status st = moecl_moe_align_host(ctx, d, ids, counts, sorted, blocks, &post, positions, &invalid);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", label, moecl_status_string(st), moecl_context_error(ctx));
+    char msg[512] = "";
+    int bad = ref_check_moe_align(d, ids, counts, sorted, blocks, &post, positions, &invalid, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d differences; first: %s", label, bad, msg);
+    free(ids);
+    free(counts);
+    free(sorted);
+    free(blocks);
+    free(positions);
+}
+
+START_TEST(test_ptx_build_falls_back)
+{
+    moecl_context *probe = harness_context();
+    const bool native = probe->info.ptx;
+    moecl_context_destroy(probe);
+    if (native) {
+        /* An NVIDIA GPU that builds the PTX: nothing to fall back from. */
+        fprintf(stderr, "launch: the device builds inline PTX; the fallback test needs a device without asm\n");
+        return;
+    }
+    /* Top-k gating, team 16 with 2 rows: one warp a group, shuffles. */
+    moecl_context *ctx = ptx_context();
+    const moecl_topk_gating_desc t = topk128();
+    const moecl_launch_config team = cfg_team(16, 2);
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &team);
+    check_topk(ctx, &t, false, 1200, "topk e=128 team 16x2, PTX build failing");
+    assert_fell_back(ctx, "topk");
+    check_topk(ctx, &t, true, 1201, "topk e=128 team 16x2 with bias, after the fallback");
+    moecl_context_destroy(ctx);
+
+    /* The grounded router's team kernel. */
+    ctx = ptx_context();
+    moecl_launch_force(ctx, MOECL_OP_GROUNDED_ROUTER, &team);
+    const moecl_grounded_router_desc r = grounded16();
+    check_grounded(ctx, &r, 1210, "grounded team 16x2, PTX build failing");
+    assert_fell_back(ctx, "grounded");
+    moecl_context_destroy(ctx);
+
+    /* moe_align: one program for every path; the one-group kernel with the
+     * warp path's arguments, and the chunked path. */
+    ctx = ptx_context();
+    const moecl_moe_align_desc a = moecl_moe_align_desc_init(37, 6, 40, 16);
+    ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
+    check_align(ctx, &a, 1220, "moe_align one-group, PTX build failing");
+    assert_fell_back(ctx, "moe_align");
+    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    check_align(ctx, &a, 1221, "moe_align chunked, after the fallback");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     faults_init();
@@ -1477,5 +1676,11 @@ int main(void)
     tcase_add_test(failures, test_failed_enqueue);
     tcase_add_test(failures, test_work_group_limit_first);
     suite_add_tcase(s, failures);
+    tc = tcase_create("ptx");
+    tcase_set_timeout(tc, 600);
+    tcase_add_checked_fixture(tc, env_setup, env_teardown);
+    tcase_add_test(tc, test_ptx_by_capability);
+    tcase_add_test(tc, test_ptx_build_falls_back);
+    suite_add_tcase(s, tc);
     return harness_run(s);
 }

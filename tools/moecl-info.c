@@ -77,12 +77,11 @@ static void json_value(const char *s)
         json_str(s);
 }
 
-/* "name value" -> "name_value", in place. */
+/* "Name value" -> "name_value", in place ("inline PTX" -> "inline_ptx"). */
 static char *snake(char *s)
 {
     for (char *p = s; *p; p++)
-        if (*p == ' ' || *p == '-')
-            *p = '_';
+        *p = *p == ' ' || *p == '-' ? '_' : (char)tolower((unsigned char)*p);
     return s;
 }
 

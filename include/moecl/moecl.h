@@ -194,6 +194,7 @@ MOECL_API cl_command_queue moecl_context_queue(const moecl_context *ctx);
 /** Describe the context's device and what moecl chose for it, as lines of
  *  "key: value" text: platform, device, driver, device type, vendor, compute
  *  units, local memory, maximum work-group size, the launch class and why,
+ *  whether the NVIDIA inline PTX paths are built (by compute capability),
  *  the kernel cache directory, the device's tune file (moecl-tune), and for
  *  representative shapes the launch configuration and where it came from
  *  (default, table, tuned, env). Writes at most size bytes including the
