@@ -753,8 +753,8 @@ static void group_limit(gating_row *r)
  * s = 0 exactly, an interval [0, 0]. Without a bias the fill replaces the
  * score itself (the seed masks the scores, which are also its weights), so
  * such an expert weighs 0; with a bias only the selection score is replaced
- * (DeepSeek-V3's reference code masks scores_for_choice and gathers the
- * weights from the unbiased scores), so it weighs its score.
+ * (TensorRT-LLM's PyTorch DeepSeek-V3 path masks the biased scores and
+ * takes the weights from the unbiased ones), so it weighs its score.
  */
 static void fill_dropped(gating_row *r, bool by_try)
 {
