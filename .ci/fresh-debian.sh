@@ -180,7 +180,10 @@ begin "after installing into /usr/local: $c"
 record() { say "FAILED: $1"; failures+=("$1"); }
 in_root /root "$c" || record "the README's \"$c\" as root"
 in_root /root 'pkg-config --exists moecl' || record "pkg-config does not find moecl"
-in_root /root 'ldconfig -p | grep -q "libmoecl\.so\.0 "' || record "the loader cache (ldconfig -p) has no libmoecl.so.0"
+# The soname's number is meson.build's moecl_soversion (the README's ABI).
+sover=$(sed -n "s/^moecl_soversion = '\([0-9]*\)'.*/\1/p" meson.build)
+in_root /root "ldconfig -p | grep -q 'libmoecl\\.so\\.$sover '" ||
+    record "the loader cache (ldconfig -p) has no libmoecl.so.$sover"
 if [ ${#failures[@]} -gt 0 ]; then
     say "where meson installed the library:"
     in_root /root 'find /usr/local -name "libmoecl.so*" -o -name moecl.pc' >&2 || true

@@ -6,6 +6,9 @@
  *   NUM_GROUPS, TOPK_GROUP     group-limited selection (NUM_GROUPS 0: none)
  *   GROUP_SCORE                0 max, 1 sum of the top two
  *   RENORMALIZE                divide the weights by their sum when > 0
+ *   RENORM_FLOOR               (absent: none) divide by max(sum, floor)
+ *   GROUP_FILL                 0 (absent): dropped groups never selected;
+ *                              1: their selection score is 0.0 (below)
  *   HAS_COUNTS                 also count the chosen ids per expert (below)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
@@ -14,6 +17,9 @@
 
 #ifndef NUM_GROUPS
 #define NUM_GROUPS 0
+#endif
+#ifndef GROUP_FILL
+#define GROUP_FILL 0
 #endif
 
 /* HAS_COUNTS (moecl_topk_gating_with_counts; absent, i.e. 0, for the plain
@@ -92,16 +98,30 @@ static inline float group_acc_score(const group_acc *a)
 #endif
 }
 
+/* Step 3, the fill of dropped groups (GROUP_FILL): their experts' rank is
+ * RANK_NONE (never selected), or with the zero fill that of 0.0, which
+ * ranks above every negative score and NaN and ties the kept 0s. Inactive
+ * and padding entries (RANK_NONE) stay out. */
+#define DROPPED_RANK(rank) (GROUP_FILL == 1 && (rank) != RANK_NONE ? select_rank(0.0f) : RANK_NONE)
+
 /* Step 5: the divisor of the weights. The sum is taken in index order so
  * every device and launch shape gives the same bits. A macro because the
- * weights sit in private memory in one kernel and local in the other. */
+ * weights sit in private memory in one kernel and local in the other.
+ * moecl's rule divides by a sum > 0 only; with RENORM_FLOOR (llama.cpp's
+ * clamp) a sum below the floor divides by the floor. A NaN sum divides
+ * by 1 either way. */
+#ifdef RENORM_FLOOR
+#define RENORM_DIVISOR(s) ((s) >= RENORM_FLOOR ? (s) : isnan(s) ? 1.0f : RENORM_FLOOR)
+#else
+#define RENORM_DIVISOR(s) ((s) > 0.0f ? (s) : 1.0f)
+#endif
 #if RENORMALIZE
 #define WEIGHTS_DIVISOR(out, w, k)                                                                 \
     do {                                                                                           \
         float sum_ = 0.0f;                                                                         \
         for (uint j_ = 0; j_ < (k); j_++)                                                          \
             sum_ += (w)[j_];                                                                       \
-        (out) = sum_ > 0.0f ? sum_ : 1.0f;                                                         \
+        (out) = RENORM_DIVISOR(sum_);                                                              \
     } while (0)
 #else
 #define WEIGHTS_DIVISOR(out, w, k) ((out) = 1.0f)
@@ -505,6 +525,28 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
         floor_rank = best[TOPK - 1];
     }
 #endif
+#if NUM_GROUPS > 0 && GROUP_FILL == 1
+    /* Step 3, zero fill: dropped experts take the rank of 0.0, and without
+     * a bias the score 0.0 (the fill replaces the score, which is then the
+     * selection score); each block's largest rank is taken again. */
+    for (uint b = 0; b < BLOCKS; b++) {
+        uint r[BLOCK];
+        float w[BLOCK];
+        vstore8(rank[b], 0, r);
+        vstore8(score[b], 0, w);
+        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++) {
+            if (group_key[(b * BLOCK + l) / GROUP_SIZE] >= threshold)
+                continue;
+            r[l] = DROPPED_RANK(r[l]);
+            w[l] = HAS_BIAS ? w[l] : 0.0f;
+        }
+        rank[b] = vload8(0, r);
+        score[b] = vload8(0, w);
+        const uint4 m4 = max(rank[b].lo, rank[b].hi);
+        const uint2 m2 = max(m4.lo, m4.hi);
+        block_max[b] = max(m2.x, m2.y);
+    }
+#endif
 
     /* Step 4: top-k by insertion into a descending list of keys (rank above
      * the complemented index). A block is looked at lane by lane only when
@@ -528,7 +570,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
             const uint e = b * BLOCK + l;
             if (r[l] == RANK_NONE || r[l] < floor_rank)
                 continue;
-#if NUM_GROUPS > 0
+#if NUM_GROUPS > 0 && GROUP_FILL == 0
             if (group_key[e / GROUP_SIZE] < threshold)
                 continue;
 #endif
@@ -727,7 +769,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         if (e < NUM_EXPERTS && !group_kept[r * NUM_GROUPS + e / GROUP_SIZE])
-            rank[i] = RANK_NONE;
+            rank[i] = DROPPED_RANK(rank[i]);
     }
 #endif
 
@@ -739,9 +781,17 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
      * barrier, see step 1), the weights, and the ids from the chosen keys.
      * A slot no candidate filled (fewer valid experts than TOPK cannot
      * happen; kept 0 all the same) stays 0. */
-    for (uint j = lane; j < TOPK; j += TEAM)
-        if (chosen_ids[r * TOPK + j] != 0xffffffffu)
+    for (uint j = lane; j < TOPK; j += TEAM) {
+        const uint id = chosen_ids[r * TOPK + j];
+        if (id != 0xffffffffu)
             chosen_weights[r * TOPK + j] = TEAM_SCORE(chosen_weights[r * TOPK + j]);
+#if NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS
+        /* Zero fill without a bias: the fill replaced a dropped expert's
+         * score, which is its weight. */
+        if (id != 0xffffffffu && !group_kept[r * NUM_GROUPS + id / GROUP_SIZE])
+            chosen_weights[r * TOPK + j] = 0.0f;
+#endif
+    }
     barrier(CLK_LOCAL_MEM_FENCE);
     if (active) {
         float divisor;

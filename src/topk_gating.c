@@ -1,5 +1,6 @@
 /* Top-k gating, host side: validation, the kernel variant a request needs,
  * argument binding and one enqueue; and the blocking host-memory path. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -20,6 +21,8 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.group_score = MOECL_GROUP_SCORE_MAX;
     d.renormalize = false;
     d.routed_scaling_factor = 1.0f;
+    d.renormalize_floor = 0.0f;
+    d.group_fill = MOECL_GROUP_FILL_NEG_INF;
     return d;
 }
 
@@ -55,6 +58,14 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
                        (int)d->group_score);
     if (!isfinite(d->routed_scaling_factor))
         return INVALID("routed_scaling_factor is %g; it must be finite", (double)d->routed_scaling_factor);
+    /* Subnormal floors are refused: a device without denormals would
+     * flush one to 0 and divide as moecl's rule does, another not. */
+    const float rf = d->renormalize_floor;
+    if (!(rf == 0.0f || (isfinite(rf) && rf >= FLT_MIN)))
+        return INVALID("renormalize_floor is %g; it must be 0 or a finite float >= FLT_MIN (2^-126)", (double)rf);
+    if ((unsigned)d->group_fill > MOECL_GROUP_FILL_ZERO)
+        return INVALID("group_fill is %d; it must be MOECL_GROUP_FILL_NEG_INF or MOECL_GROUP_FILL_ZERO",
+                       (int)d->group_fill);
     return MOECL_SUCCESS;
 #undef INVALID
 }
@@ -162,14 +173,17 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
     return (launch_shape){team, rows, shuffle, "topk_gating_team"};
 }
 
-/* Group limits that select nothing away are dropped: groups of one expert
- * rank exactly as the experts do, and keeping every group keeps
- * everything. */
+/* Group limits that select nothing away are dropped: keeping every group
+ * keeps everything, and groups of one expert rank exactly as the experts
+ * do. Not the latter with the zero fill: a dropped expert then selects
+ * with 0.0, which can beat a kept one (a negative biased score, or an
+ * exact 0 of a higher index). */
 static void effective_groups(const moecl_topk_gating_desc *d, unsigned *groups, unsigned *topk_group)
 {
     *groups = d->num_expert_groups;
     *topk_group = d->topk_group;
-    if (*groups && (d->num_experts / *groups == 1 || *topk_group == *groups))
+    if (*groups && (*topk_group == *groups ||
+                    (d->num_experts / *groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         *groups = *topk_group = 0;
 }
 
@@ -209,11 +223,22 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
              (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1);
-    /* Appended only when set: the plain entry points' defines, and so their
-     * kernels and disk-cache entries, are what they were before counts. */
+    /* Appended only when set: the defines, and so the kernels and
+     * disk-cache entries, of requests that use none of these are what
+     * they were before each was added. The floor is a hex literal, so the
+     * kernel gets its exact bits. */
     if (has_counts) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DHAS_COUNTS=1");
+    }
+    if (d->renormalize && d->renormalize_floor > 0.0f) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af",
+                 (double)d->renormalize_floor);
+    }
+    if (groups && d->group_fill == MOECL_GROUP_FILL_ZERO) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DGROUP_FILL=1");
     }
     return shape;
 }

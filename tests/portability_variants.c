@@ -137,6 +137,13 @@ static const topk_spec topk_specs[] = {
  * kernel's softmax fast path is built for CPU devices only, which these
  * targets are not.) */
 static const size_t counts_specs[] = {0, 2, 5, 11};
+/* Indices into topk_specs of the specs also compiled with the peers'
+ * conventions, the zero fill of dropped groups and llama.cpp's
+ * renormalisation floor (-DGROUP_FILL=1 -DRENORM_FLOOR=...): grouped in
+ * the team kernel without and with a bias (E=128 k=64, E=256 k=8) and at
+ * E=4096 (the rows kernel where local memory runs out), and the rows
+ * kernel at E=7 (the floor only: no groups). */
+static const size_t convention_specs[] = {1, 3, 5, 9};
 
 #undef NONE
 #undef MAX8
@@ -307,6 +314,34 @@ int main(int argc, char **argv)
                     fprintf(stderr, "portability_variants: the plain variant names HAS_COUNTS: %s\n", defines);
                     exit(1);
                 }
+            }
+
+            /* The zero fill and the floor, appended to the plain defines
+             * only when set (so that the other variants' defines and cache
+             * entries are what they were). */
+            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
+                 i++) {
+                const topk_spec *s = &topk_specs[convention_specs[i]];
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
+                d.num_expert_groups = s->groups;
+                d.topk_group = s->topk_group;
+                d.group_score = s->group_score;
+                d.gating_dtype = s->dtype;
+                d.scoring = s->scoring;
+                d.renormalize = true;
+                d.group_fill = MOECL_GROUP_FILL_ZERO;
+                d.renormalize_floor = 6.103515625e-5f;
+                moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
+                if (!strstr(defines, " -DRENORM_FLOOR=0x1p-14f") || !s->groups != !strstr(defines, " -DGROUP_FILL=1")) {
+                    fprintf(stderr, "portability_variants: the conventions' defines are missing: %s\n", defines);
+                    exit(1);
+                }
+                snprintf(description, sizeof(description),
+                         "topk_gating E=%u k=%u %s %s%s groups=%s%s renormalize floor 2^-14 [%s]", s->experts, s->k,
+                         dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax", s->bias ? " bias" : "",
+                         s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
+                         s->groups ? " zero fill" : "", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
             }
 
             /* moecl_topk_gating_with_counts: the counting variant of a few

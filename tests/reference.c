@@ -445,6 +445,7 @@ enum {
     G_MUST = 2,     /* kept by every device whose values lie in the intervals */
     G_POSSIBLE = 4, /* kept by some such device */
     G_USED = 8,     /* holds one of the device's ids */
+    G_TRY = 16,     /* checker, zero fill: in the kept set being tried */
 };
 
 typedef struct gating_row {
@@ -458,6 +459,11 @@ typedef struct gating_row {
     double *s;       /* step 2: selection score */
     double *err;     /* bound of |device fp32 s - s| (the score's bound before step 2) */
     double *lo, *hi; /* device_interval(s, err) */
+    /* Zero fill (fill_zero): s, lo and hi with the dropped experts' s set
+     * to 0 (fs, flo, fhi), and the score each expert weighs with (wscore:
+     * 0 for a dropped expert without a bias). Without it wscore is score. */
+    bool fill_zero;
+    double *fs, *flo, *fhi, *wscore;
     unsigned char *flags;
     keyed *scratch;
     /* [G] */
@@ -486,6 +492,10 @@ static bool gating_desc_valid(const moecl_topk_gating_desc *d)
         return false;
     if (d->group_score != MOECL_GROUP_SCORE_MAX && d->group_score != MOECL_GROUP_SCORE_TOP2_SUM)
         return false;
+    if (d->group_fill != MOECL_GROUP_FILL_NEG_INF && d->group_fill != MOECL_GROUP_FILL_ZERO)
+        return false;
+    if (!(d->renormalize_floor == 0.0f || (isfinite(d->renormalize_floor) && d->renormalize_floor >= FLT_MIN)))
+        return false;
     return isfinite(d->routed_scaling_factor);
 }
 
@@ -506,8 +516,9 @@ static bool gating_row_alloc(gating_row *r, const moecl_topk_gating_desc *d)
     r->G = d->num_expert_groups;
     r->gs = r->G ? r->E / r->G : r->E;
     r->kg = d->topk_group;
+    r->fill_zero = r->G > 0 && d->group_fill == MOECL_GROUP_FILL_ZERO;
     size_t E = r->E, G = r->G ? r->G : 1;
-    r->x = malloc(6 * E * sizeof(double));
+    r->x = malloc(10 * E * sizeof(double));
     r->gscore = malloc(4 * G * sizeof(double));
     r->flags = calloc(E + G, 1);
     r->scratch = malloc(E * sizeof(keyed));
@@ -520,6 +531,10 @@ static bool gating_row_alloc(gating_row *r, const moecl_topk_gating_desc *d)
     r->err = r->s + E;
     r->lo = r->err + E;
     r->hi = r->lo + E;
+    r->fs = r->hi + E;
+    r->flo = r->fs + E;
+    r->fhi = r->flo + E;
+    r->wscore = r->fhi + E;
     r->glo = r->gscore + G;
     r->ghi = r->glo + G;
     r->sorted = r->ghi + G;
@@ -712,7 +727,9 @@ static void group_score(gating_row *r, uint32_t g)
 
 /* Step 3: group limit. Keep the topk_group groups ranking first by group
  * score (NaN last, ties to the lower group); only their experts are
- * eligible. Without groups every expert is. */
+ * eligible (MOECL_GROUP_FILL_NEG_INF), or every expert is, those of the
+ * dropped groups with s = 0 (MOECL_GROUP_FILL_ZERO, fill_dropped).
+ * Without groups every expert is. */
 static void group_limit(gating_row *r)
 {
     memset(r->flags, 0, r->E + (r->G ? r->G : 1));
@@ -730,10 +747,37 @@ static void group_limit(gating_row *r)
             r->flags[e] |= F_ELIGIBLE;
 }
 
-/* Step 4: the top_k eligible experts by s, in spec order. */
+/*
+ * Step 3, zero fill: the experts outside the kept groups (those without
+ * F_ELIGIBLE, or for the checker those of groups without G_TRY) select with
+ * s = 0 exactly, an interval [0, 0]. Without a bias the fill replaces the
+ * score itself (the seed masks the scores, which are also its weights), so
+ * such an expert weighs 0; with a bias only the selection score is replaced
+ * (TensorRT-LLM's PyTorch DeepSeek-V3 path masks the biased scores and
+ * takes the weights from the unbiased ones), so it weighs its score.
+ */
+static void fill_dropped(gating_row *r, bool by_try)
+{
+    for (uint32_t e = 0; e < r->E; e++) {
+        const bool kept = by_try ? (r->gflags[e / r->gs] & G_TRY) != 0 : (r->flags[e] & F_ELIGIBLE) != 0;
+        r->fs[e] = kept ? r->s[e] : 0.0;
+        r->flo[e] = kept ? r->lo[e] : 0.0;
+        r->fhi[e] = kept ? r->hi[e] : 0.0;
+        r->wscore[e] = kept || r->bias ? r->score[e] : 0.0;
+    }
+}
+
+/* Step 4: the top_k eligible experts by s, in spec order; with the zero
+ * fill, the top_k of all experts by the filled s. */
 static void select_topk(gating_row *r)
 {
-    rank_entries(r->s, r->flags, F_ELIGIBLE, r->E, r->scratch);
+    if (r->fill_zero) {
+        fill_dropped(r, false);
+        rank_entries(r->fs, NULL, 0, r->E, r->scratch);
+    } else {
+        memcpy(r->wscore, r->score, r->E * sizeof(double));
+        rank_entries(r->s, r->flags, F_ELIGIBLE, r->E, r->scratch);
+    }
     for (uint32_t j = 0; j < r->k; j++)
         r->ids[j] = (int32_t)r->scratch[j].index;
 }
@@ -749,9 +793,23 @@ static void gating_row_compute(const void *gating, const float *bias, uint32_t r
     select_topk(r);
 }
 
-/* Step 5: w = unbiased score of each chosen expert; divided by their sum
- * when renormalize and the sum is > 0 (a NaN sum is not); times
- * routed_scaling_factor. Returns the sum (of the scores, before scaling). */
+/* Step 5's divisor of the sum S of the chosen scores: 1 without
+ * renormalize; with it S when S > 0 (moecl's rule, renormalize_floor 0) or
+ * max(S, floor) (a floor > 0, llama.cpp's clamp); 1 for a NaN S, and for
+ * S = 0 without a floor. */
+static double weights_divisor(const moecl_topk_gating_desc *d, double sum)
+{
+    if (!d->renormalize || isnan(sum))
+        return 1.0;
+    const double fl = (double)d->renormalize_floor;
+    if (fl > 0.0)
+        return sum >= fl ? sum : fl;
+    return sum > 0.0 ? sum : 1.0;
+}
+
+/* Step 5: w = unbiased score of each chosen expert (wscore: 0 for a
+ * zero-filled expert without a bias); divided by weights_divisor();
+ * times routed_scaling_factor. Returns the divisor. */
 static double gating_weights(const moecl_topk_gating_desc *d, const double *score, const int32_t *ids, double *w)
 {
     double sum = 0.0;
@@ -759,12 +817,10 @@ static double gating_weights(const moecl_topk_gating_desc *d, const double *scor
         w[j] = score[ids[j]];
         sum += w[j];
     }
-    for (uint32_t j = 0; j < d->top_k; j++) {
-        if (d->renormalize && sum > 0.0)
-            w[j] /= sum;
-        w[j] *= (double)d->routed_scaling_factor;
-    }
-    return sum;
+    const double divisor = weights_divisor(d, sum);
+    for (uint32_t j = 0; j < d->top_k; j++)
+        w[j] = w[j] / divisor * (double)d->routed_scaling_factor;
+    return divisor;
 }
 
 void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
@@ -787,7 +843,7 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
     for (uint32_t t = 0; t < desc->num_tokens; t++) {
         double w[MAX_TOP_K];
         gating_row_compute(gating, bias, t, &r);
-        gating_weights(desc, r.score, r.ids, w);
+        gating_weights(desc, r.wscore, r.ids, w);
         for (size_t j = 0; j < k; j++) {
             if (topk_weights)
                 topk_weights[t * k + j] = (float)w[j];
@@ -966,8 +1022,8 @@ static bool check_group_fill(gating_row *r, uint32_t row, const int32_t *ids, ui
     return false;
 }
 
-/* Weights of one row against the reference scores of the ids the device
- * chose. */
+/* Weights of one row against the reference scores (wscore) of the ids the
+ * device chose. */
 static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_t *ids, const float *got, char *msg,
                                  size_t size)
 {
@@ -975,23 +1031,157 @@ static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_
     double want[MAX_TOP_K];
     double factor = (double)d->routed_scaling_factor;
     double tol = WEIGHT_TOL * fmax(1.0, fabs(factor));
-    double sum = gating_weights(d, r->score, ids, want);
-    bool tiny = d->renormalize && sum > 0.0 && sum < RENORM_TINY_SUM;
+    double divisor = gating_weights(d, r->wscore, ids, want);
+    bool tiny = d->renormalize && divisor < RENORM_TINY_SUM;
     for (uint32_t j = 0; j < r->k; j++) {
         double w = (double)got[j];
         bool ok = tiny ? (w >= fmin(0.0, factor) - tol && w <= fmax(0.0, factor) + tol)
                        : weight_ok(w, want[j], tol);
         if (!ok) {
             put_msg(msg, size,
-                    "row %u pos %u: weight %.9g for id %d but reference %.9g (score %.9g, %s sum %.9g, "
-                    "routed_scaling_factor %.9g)%s",
-                    (unsigned)row, (unsigned)j, w, (int)ids[j], want[j], r->score[ids[j]],
-                    d->renormalize ? "renormalised over the chosen ids," : "chosen score", sum, factor,
-                    tiny ? "; the sum is tiny, so only 0 <= weight/factor <= 1 is required" : "");
+                    "row %u pos %u: weight %.9g for id %d but reference %.9g (score %.9g, weighing %.9g, %s "
+                    "divisor %.9g, routed_scaling_factor %.9g)%s",
+                    (unsigned)row, (unsigned)j, w, (int)ids[j], want[j], r->score[ids[j]], r->wscore[ids[j]],
+                    d->renormalize ? "renormalised over the chosen ids," : "chosen score", divisor, factor,
+                    tiny ? "; the divisor is tiny, so only 0 <= weight/factor <= 1 is required" : "");
             return false;
         }
     }
     return true;
+}
+
+/* Zero fill: an expert the kept set being tried (G_TRY) drops has s = 0
+ * exactly; so has a kept one whose score is certainly 0 and whose bias is
+ * 0 (or absent). */
+static bool filled_zero(const gating_row *r, uint32_t e)
+{
+    if (!(r->gflags[e / r->gs] & G_TRY))
+        return true;
+    return r->score[e] == 0.0 && (!r->bias || r->bias[e] == 0.0f);
+}
+
+/* Bit-equal filled s on the device: two kept experts as without the fill,
+ * else both certainly 0. */
+static bool filled_same_input(const void *ctx, uint32_t a, uint32_t b)
+{
+    const gating_row *r = ctx;
+    if ((r->gflags[a / r->gs] & G_TRY) && (r->gflags[b / r->gs] & G_TRY))
+        return gating_same_input(r, a, b);
+    return filled_zero(r, a) && filled_zero(r, b);
+}
+
+/* The ids and weights against the kept set flagged G_TRY. */
+static bool check_filled(gating_row *r, uint32_t row, const float *weights, const int32_t *ids, char *msg,
+                         size_t size)
+{
+    fill_dropped(r, true);
+    memset(r->flags, F_POOL, r->E);
+    rank_problem p;
+    uint32_t weakest;
+    if (!check_ranking(r->fs, r->flo, r->fhi, r->flags, r->E, ids, r->k, filled_same_input, r, &p, &weakest)) {
+        rank_message(msg, size, row, &p, ids, r->ids, r->fs, r->err, "filled s");
+        return false;
+    }
+    return check_gating_weights(r, row, ids, weights, msg, size);
+}
+
+/* Kept sets tried per row at most; past it the row fails (a checker
+ * limit, said in the message). */
+#define MAX_KEPT_SETS 20000u
+
+typedef struct kept_search {
+    gating_row *r;
+    uint32_t row;
+    const float *weights;
+    const int32_t *ids;
+    const uint32_t *cand; /* the groups that may or may not be kept */
+    uint32_t n_cand;
+    unsigned *banned; /* [G]: lower-index twins left out that forbid this group */
+    uint32_t tries;
+    bool found;
+} kept_search;
+
+/* Every set of `need` groups from cand[pos..] added to the G_TRY set,
+ * until one passes. A group left out bans its higher-index twins: equal
+ * inputs give bit-equal group scores, and the tie goes to the lower
+ * index. */
+static void search_kept(kept_search *q, uint32_t pos, uint32_t need)
+{
+    gating_row *r = q->r;
+    if (q->found || q->tries >= MAX_KEPT_SETS)
+        return;
+    if (need == 0) {
+        q->tries++;
+        q->found = check_filled(r, q->row, q->weights, q->ids, NULL, 0);
+        return;
+    }
+    if (q->n_cand - pos < need)
+        return;
+    const uint32_t g = q->cand[pos];
+    if (!q->banned[g]) {
+        r->gflags[g] |= G_TRY;
+        search_kept(q, pos + 1, need - 1);
+        r->gflags[g] &= (unsigned char)~G_TRY;
+    }
+    for (uint32_t i = pos + 1; i < q->n_cand; i++)
+        if (r->gscore[q->cand[i]] == r->gscore[g] && same_group_input(r, g, q->cand[i]))
+            q->banned[q->cand[i]]++;
+    search_kept(q, pos + 1, need);
+    for (uint32_t i = pos + 1; i < q->n_cand; i++)
+        if (r->gscore[q->cand[i]] == r->gscore[g] && same_group_input(r, g, q->cand[i]))
+            q->banned[q->cand[i]]--;
+}
+
+/*
+ * Zero fill. Every expert may be chosen, those of the groups the device
+ * dropped with s = 0. Which groups it kept is not known where group scores
+ * are near a tie: the reference's kept set is tried, then every set of
+ * topk_group groups that holds each group every correct device keeps (and
+ * their lower-index twins), and others only among the groups some correct
+ * device can keep; the row passes if one set explains the ids and the
+ * weights. The message is the reference set's.
+ */
+static bool check_zero_fill_row(gating_row *r, uint32_t row, const float *weights, const int32_t *ids, char *msg,
+                                size_t size)
+{
+    for (uint32_t g = 0; g < r->G; g++)
+        r->gflags[g] = (r->gflags[g] & G_KEPT) ? G_KEPT | G_TRY : 0;
+    if (check_filled(r, row, weights, ids, msg, size))
+        return true;
+    classify_groups(r);
+    /* Lower-index twins of a must-keep group rank above it: kept too. */
+    for (uint32_t g = 0; g < r->G; g++)
+        if (r->gflags[g] & G_MUST)
+            for (uint32_t h = 0; h < g; h++)
+                if ((r->gflags[h] & G_POSSIBLE) && r->gscore[h] == r->gscore[g] && same_group_input(r, h, g))
+                    r->gflags[h] |= G_MUST;
+    uint32_t must = 0, n_cand = 0;
+    uint32_t *cand = malloc(r->G * (sizeof(uint32_t) + sizeof(unsigned)));
+    if (!cand)
+        return false;
+    unsigned *banned = (unsigned *)(cand + r->G);
+    for (uint32_t g = 0; g < r->G; g++) {
+        r->gflags[g] &= (unsigned char)~G_TRY;
+        banned[g] = 0;
+        if (r->gflags[g] & G_MUST) {
+            r->gflags[g] |= G_TRY;
+            must++;
+        } else if (r->gflags[g] & G_POSSIBLE) {
+            cand[n_cand++] = g;
+        }
+    }
+    kept_search q = {r, row, weights, ids, cand, n_cand, banned, 0, false};
+    if (must <= r->kg)
+        search_kept(&q, 0, r->kg - must);
+    free(cand);
+    if (q.found && msg && size)
+        msg[0] = '\0';
+    if (!q.found && q.tries >= MAX_KEPT_SETS) {
+        const size_t used = msg ? strlen(msg) : 0;
+        if (msg && used < size)
+            snprintf(msg + used, size - used, " (and the checker stopped after %u kept sets)", MAX_KEPT_SETS);
+    }
+    return q.found;
 }
 
 static bool check_gating_row(gating_row *r, uint32_t row, const float *weights, const int32_t *ids, char *msg,
@@ -999,6 +1189,8 @@ static bool check_gating_row(gating_row *r, uint32_t row, const float *weights, 
 {
     if (!check_ids_valid(row, ids, r->k, r->E, msg, size))
         return false;
+    if (r->fill_zero)
+        return check_zero_fill_row(r, row, weights, ids, msg, size);
 
     uint32_t fill = 0;
     if (r->G) {

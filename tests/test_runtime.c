@@ -18,6 +18,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <ftw.h>
 #include <limits.h>
 #include <math.h>
@@ -580,6 +581,8 @@ START_TEST(test_desc_init)
         ck_assert(d.renormalize == false);
         ck_assert_msg(d.routed_scaling_factor == 1.0f, "routed_scaling_factor is %g",
                       (double)d.routed_scaling_factor);
+        ck_assert_msg(d.renormalize_floor == 0.0f, "renormalize_floor is %g", (double)d.renormalize_floor);
+        ck_assert_int_eq(d.group_fill, MOECL_GROUP_FILL_NEG_INF);
     }
 }
 END_TEST
@@ -625,6 +628,18 @@ static bool bad_desc(int i, moecl_topk_gating_desc *d, const char **field, const
         CASE(16, "routed_scaling_factor NaN", "routed_scaling_factor", d->routed_scaling_factor = NAN)
         CASE(17, "routed_scaling_factor +inf", "routed_scaling_factor", d->routed_scaling_factor = INFINITY)
         CASE(18, "routed_scaling_factor -inf", "routed_scaling_factor", d->routed_scaling_factor = -INFINITY)
+        CASE(19, "renormalize_floor NaN", "renormalize_floor", d->renormalize = true; d->renormalize_floor = NAN)
+        CASE(20, "renormalize_floor +inf", "renormalize_floor", d->renormalize = true;
+             d->renormalize_floor = INFINITY)
+        CASE(21, "renormalize_floor -1", "renormalize_floor", d->renormalize = true; d->renormalize_floor = -1.0f)
+        CASE(22, "renormalize_floor -FLT_MIN", "renormalize_floor", d->renormalize_floor = -FLT_MIN)
+        CASE(23, "renormalize_floor subnormal", "renormalize_floor", d->renormalize = true;
+             d->renormalize_floor = 0x1p-140f)
+        CASE(24, "renormalize_floor NaN without renormalize", "renormalize_floor", d->renormalize_floor = NAN)
+        CASE(25, "group_fill 7 without groups", "group_fill", d->group_fill = (moecl_group_fill)7)
+        CASE(26, "group_fill 2 with groups", "group_fill", d->num_expert_groups = 4; d->topk_group = 2;
+             d->group_fill = (moecl_group_fill)2)
+        CASE(27, "group_fill -1", "group_fill", d->group_fill = (moecl_group_fill)-1)
     default:
         return false;
     }
@@ -685,11 +700,21 @@ START_TEST(test_invalid_desc)
         ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d (%s)", lbl, (int)st, moecl_status_string(st));
         assert_error_names(ctx, field, lbl);
     }
-    ck_assert_int_eq(cases, 19);
+    ck_assert_int_eq(cases, 28);
 
     /* The base descriptor itself is valid (so the cases above fail for the
      * field they change, not for something they share). */
     d = moecl_topk_gating_desc_init(BAD_T, EA, KA);
+    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    /* The edges of the floor that are valid: FLT_MIN, -0 (a zero), and a
+     * floor without renormalize. */
+    d.renormalize = true;
+    d.renormalize_floor = FLT_MIN;
+    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    d.renormalize_floor = -0.0f;
+    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    d.renormalize = false;
+    d.renormalize_floor = 6.103515625e-5f;
     ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
 
     harness_release(g);

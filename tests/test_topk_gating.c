@@ -13,11 +13,12 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 static void describe(const moecl_topk_gating_desc *d, bool bias, char *buf, size_t size)
 {
-    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s factor=%g", d->num_tokens, d->num_experts, d->top_k,
-             dtype_name(d->gating_dtype), d->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid",
-             bias ? " bias" : "", d->num_expert_groups, d->topk_group,
-             d->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum", d->renormalize ? " renormalize" : "",
-             (double)d->routed_scaling_factor);
+    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g floor=%g", d->num_tokens,
+             d->num_experts, d->top_k, dtype_name(d->gating_dtype),
+             d->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", bias ? " bias" : "", d->num_expert_groups,
+             d->topk_group, d->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum",
+             d->group_fill == MOECL_GROUP_FILL_ZERO ? " fill-zero" : "", d->renormalize ? " renormalize" : "",
+             (double)d->routed_scaling_factor, (double)d->renormalize_floor);
 }
 
 /* Run desc on the given inputs through the host path or the device path
@@ -72,19 +73,23 @@ static void check(const moecl_topk_gating_desc *d, const void *gating, const flo
     ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
 }
 
-/* Fresh random logits (and bias if asked) for d; run both paths when
+/* Fresh random logits, shift + scale * N(0, 1), and a bias of
+ * bias_scale * N(0, 1) when bias_scale > 0, for d; run both paths when
  * both_paths, else alternate by the stream number. */
-static void random_case(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream,
-                        bool both_paths)
+static void random_case_scaled(moecl_context *ctx, const moecl_topk_gating_desc *d, float shift, float scale,
+                               float bias_scale, uint64_t stream, bool both_paths)
 {
     harness_rng rng = harness_rng_for(stream);
     const size_t n = (size_t)d->num_tokens * d->num_experts, nk = (size_t)d->num_tokens * d->top_k;
-    void *gating = harness_random_tensor(&rng, d->gating_dtype, n, 2.0f);
+    void *gating = malloc(n * ref_dtype_size(d->gating_dtype) + 4);
+    ck_assert_ptr_nonnull(gating);
+    for (size_t i = 0; i < n; i++)
+        harness_store(d->gating_dtype, gating, i, shift + scale * harness_randn(&rng));
     float *bias = NULL;
-    if (with_bias) {
+    if (bias_scale > 0.0f) {
         bias = malloc(d->num_experts * sizeof(float));
         for (uint32_t e = 0; e < d->num_experts; e++)
-            bias[e] = harness_randn(&rng) * 0.05f;
+            bias[e] = harness_randn(&rng) * bias_scale;
     }
     float *w = malloc(nk * sizeof(float) + 4);
     int32_t *ids = malloc(nk * sizeof(int32_t) + 4);
@@ -100,6 +105,13 @@ static void random_case(moecl_context *ctx, const moecl_topk_gating_desc *d, boo
     free(bias);
     free(w);
     free(ids);
+}
+
+/* Standard-normal logits times 2, and a bias of 0.05 N(0, 1) if asked. */
+static void random_case(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream,
+                        bool both_paths)
+{
+    random_case_scaled(ctx, d, 0.0f, 2.0f, with_bias ? 0.05f : 0.0f, stream, both_paths);
 }
 
 static const uint32_t grid_experts[] = {1, 2, 3, 7, 16, 60, 64, 100, 128, 160, 192, 256, 257, 384, 512, 1000, 2048, 4096};
@@ -262,6 +274,293 @@ START_TEST(test_deepseek_v3)
 }
 END_TEST
 
+/* ---- The peers' conventions (docs/routing.md, section 5) ---- */
+
+/* One row through both paths; ids exactly, weights within tol of want
+ * (NaN where want is NaN, and exactly 0 where want is 0). */
+static void expect_row(moecl_context *ctx, const moecl_topk_gating_desc *d0, const float *logits, const float *bias,
+                       const int32_t *want_ids, const double *want_w, const char *label)
+{
+    moecl_topk_gating_desc d = *d0;
+    d.num_tokens = 1;
+    float w[64 + 1];
+    int32_t ids[64 + 1];
+    for (int path = 0; path < 2; path++) {
+        run(ctx, &d, logits, bias, path == 1, w, ids);
+        check(&d, logits, bias, w, ids);
+        for (uint32_t j = 0; j < d.top_k; j++) {
+            ck_assert_msg(ids[j] == want_ids[j], "%s (%s path): position %u id %d, want %d", label,
+                          path ? "device" : "host", j, ids[j], want_ids[j]);
+            const double got = w[j], want = want_w[j];
+            const bool ok = isnan(want) ? isnan(got) : want == 0.0 ? got == 0.0 : fabs(got - want) <= 1e-6;
+            ck_assert_msg(ok, "%s (%s path): position %u weight %.9g, want %.9g", label, path ? "device" : "host", j,
+                          got, want);
+        }
+    }
+}
+
+/* Zero fill, fixed rows. SGLang's grouped_topk (DeepSeek-V2) example,
+ * logits [0, -200, 0, -200, -1, -1, -1, -1], 4 groups keeping 2, top 4:
+ * experts 1 and 3 underflow to a score of exactly 0, experts 4-7 are
+ * filled with 0, and the six zeros tie. SGLang returned [2, 0, 4, 6]
+ * (torch.topk's order among ties); the tie rule (lower index) gives
+ * [0, 2, 1, 3] with either fill. The mirrored row, where the zeros of the
+ * dropped groups have the lower indices, tells the fills apart. With a
+ * bias, kept experts selecting below 0 lose to the dropped ones (vLLM's
+ * pull request 13474 moved from this 0 fill to -inf for it), which then
+ * weigh their unbiased scores. */
+START_TEST(test_group_fill_examples)
+{
+    moecl_context *ctx = harness_context();
+    const double a = 1.0 / (2.0 + 4.0 * exp(-1.0)); /* exp(0) over the row's sum */
+    const float sglang[8] = {0, -200, 0, -200, -1, -1, -1, -1}, mirrored[8] = {-1, -1, -1, -1, 0, -200, 0, -200};
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 8, 4);
+    d.num_expert_groups = 4;
+    d.topk_group = 2;
+    for (int fill = 0; fill < 2; fill++) {
+        d.group_fill = (moecl_group_fill)fill;
+        d.renormalize = false;
+        expect_row(ctx, &d, sglang, NULL, (const int32_t[]){0, 2, 1, 3}, (const double[]){a, a, 0, 0},
+                   fill ? "SGLang's row, zero fill" : "SGLang's row, -inf fill");
+        expect_row(ctx, &d, mirrored, NULL, fill ? (const int32_t[]){4, 6, 0, 1} : (const int32_t[]){4, 6, 5, 7},
+                   (const double[]){a, a, 0, 0}, fill ? "mirrored row, zero fill" : "mirrored row, -inf fill");
+        d.renormalize = true;
+        expect_row(ctx, &d, mirrored, NULL, fill ? (const int32_t[]){4, 6, 0, 1} : (const int32_t[]){4, 6, 5, 7},
+                   (const double[]){0.5, 0.5, 0, 0}, fill ? "mirrored row, zero fill, renormalised"
+                                                          : "mirrored row, -inf fill, renormalised");
+    }
+    /* Sigmoid of 0 is 0.5 everywhere; the bias puts the kept groups at
+     * -0.5 and the dropped ones at -1.5, below the fill. */
+    const float zeros[8] = {0}, bias[8] = {-1, -1, -1, -1, -2, -2, -2, -2};
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.renormalize = true;
+    for (int fill = 0; fill < 2; fill++) {
+        d.group_fill = (moecl_group_fill)fill;
+        expect_row(ctx, &d, zeros, bias, fill ? (const int32_t[]){4, 5, 6, 7} : (const int32_t[]){0, 1, 2, 3},
+                   (const double[]){0.25, 0.25, 0.25, 0.25}, fill ? "negative bias, zero fill" : "negative bias, -inf fill");
+    }
+    /* Groups of one expert are not dropped as a no-op under the zero fill:
+     * top 2 of 4 groups kept out of 8 experts, the kept ones selecting
+     * below 0 through the bias, so experts 4 and 5 (filled) win. */
+    const float one_bias[8] = {-1, -1, -1, -1, -3, -3, -3, -3};
+    d = moecl_topk_gating_desc_init(1, 8, 2);
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.num_expert_groups = 8;
+    d.topk_group = 4;
+    for (int fill = 0; fill < 2; fill++) {
+        d.group_fill = (moecl_group_fill)fill;
+        expect_row(ctx, &d, zeros, one_bias, fill ? (const int32_t[]){4, 5} : (const int32_t[]){0, 1},
+                   (const double[]){0.5, 0.5}, fill ? "groups of one, zero fill" : "groups of one, -inf fill");
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The seed reference's forward (002_*: softmax, group max, the top
+ * topk_group groups, masked_fill(~mask, 0.0), top-k), ported literally in
+ * fp32 as torch runs it, with the tie rule for torch.topk's unspecified
+ * order of ties. One row; ids and weights out. */
+static void seed_forward(const float *x, uint32_t E, uint32_t G, uint32_t kg, uint32_t k, int32_t *ids, float *w)
+{
+    float m = -INFINITY, sum = 0.0f, score[64], gmax[64];
+    for (uint32_t e = 0; e < E; e++)
+        m = fmaxf(m, x[e]);
+    for (uint32_t e = 0; e < E; e++)
+        sum += expf(x[e] - m);
+    for (uint32_t e = 0; e < E; e++)
+        score[e] = expf(x[e] - m) / sum;
+    const uint32_t gs = E / G;
+    bool kept[64] = {false}, taken[64] = {false};
+    for (uint32_t g = 0; g < G; g++) {
+        gmax[g] = -INFINITY;
+        for (uint32_t i = 0; i < gs; i++)
+            gmax[g] = fmaxf(gmax[g], score[g * gs + i]);
+    }
+    for (uint32_t r = 0; r < kg; r++) {
+        int best = -1;
+        for (uint32_t g = 0; g < G; g++)
+            if (!kept[g] && (best < 0 || gmax[g] > gmax[best]))
+                best = (int)g;
+        kept[best] = true;
+    }
+    for (uint32_t e = 0; e < E; e++)
+        if (!kept[e / gs])
+            score[e] = 0.0f;
+    for (uint32_t j = 0; j < k; j++) {
+        int best = -1;
+        for (uint32_t e = 0; e < E; e++)
+            if (!taken[e] && (best < 0 || score[e] > score[best]))
+                best = (int)e;
+        taken[best] = true;
+        ids[j] = best;
+        w[j] = score[best];
+    }
+}
+
+/* moecl reproduces the seed reference at every input with the zero fill:
+ * rows drawn from {0, -1, -2, -200, -300} with a 0 in each, so that
+ * scores tie exactly
+ * (equal logits) or underflow to 0 (the dropped groups' fill then meets
+ * kept zeros) and never nearly tie; the ids must equal the seed's
+ * exactly, the weights to 1e-6, through both paths. */
+START_TEST(test_seed_zero_fill)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t configs[][4] = {{16, 4, 2, 8}, {16, 8, 3, 6}, {64, 8, 4, 8}, {32, 4, 1, 8}};
+    static const float values[] = {0.0f, -1.0f, -2.0f, -200.0f, -300.0f};
+    for (size_t c = 0; c < COUNT(configs); c++) {
+        const uint32_t E = configs[c][0], T = 200, k = configs[c][3];
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(T, E, k);
+        d.num_expert_groups = configs[c][1];
+        d.topk_group = configs[c][2];
+        d.group_fill = MOECL_GROUP_FILL_ZERO;
+        harness_rng rng = harness_rng_for(14000 + c);
+        float *x = malloc((size_t)T * E * sizeof(float));
+        float *w = malloc((T * k + 1) * sizeof(float)), *want_w = malloc(T * k * sizeof(float));
+        int32_t *ids = malloc((T * k + 1) * sizeof(int32_t)), *want_ids = malloc(T * k * sizeof(int32_t));
+        ck_assert(x && w && want_w && ids && want_ids);
+        for (size_t i = 0; i < (size_t)T * E; i++)
+            /* Mostly the underflowing values, so the kept groups often
+             * hold fewer than k nonzero scores. */
+            x[i] = values[harness_rand_u32(&rng) % 8 < 3 ? harness_rand_u32(&rng) % 3 : 3 + harness_rand_u32(&rng) % 2];
+        /* A 0 in every row: the maximum is 0, so -200 and -300 give
+         * exactly 0 in fp32 (not a subnormal a device may flush). */
+        for (uint32_t t = 0; t < T; t++)
+            x[(size_t)t * E + harness_rand_u32(&rng) % E] = 0.0f;
+        for (uint32_t t = 0; t < T; t++)
+            seed_forward(x + (size_t)t * E, E, d.num_expert_groups, d.topk_group, k, want_ids + t * k, want_w + t * k);
+        for (int path = 0; path < 2; path++) {
+            run(ctx, &d, x, NULL, path == 1, w, ids);
+            check(&d, x, NULL, w, ids);
+            for (uint32_t i = 0; i < T * k; i++) {
+                ck_assert_msg(ids[i] == want_ids[i], "E=%u groups %u/%u k=%u, %s path: row %u pos %u id %d, seed %d",
+                              E, d.num_expert_groups, d.topk_group, k, path ? "device" : "host", i / k, i % k, ids[i],
+                              want_ids[i]);
+                ck_assert_msg(fabsf(w[i] - want_w[i]) <= 1e-6f, "E=%u, %s path: row %u pos %u weight %.9g, seed %.9g",
+                              E, path ? "device" : "host", i / k, i % k, w[i], want_w[i]);
+            }
+        }
+        free(x);
+        free(w);
+        free(want_w);
+        free(ids);
+        free(want_ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Renormalisation floor, fixed rows: llama.cpp's 2^-14 (6.103515625e-5)
+ * with a sum below it (sigmoid of -12 and -13: each weight is its score
+ * over the floor), a sum above it (the plain division), a sum of exactly 0
+ * (weights 0 with or without a floor, where vLLM and SGLang give NaN), and
+ * a NaN sum (the weights are left as they are). */
+START_TEST(test_renormalize_floor_examples)
+{
+    moecl_context *ctx = harness_context();
+    const double floor = 6.103515625e-5;
+    const double s12 = 1.0 / (1.0 + exp(12.0)), s13 = 1.0 / (1.0 + exp(13.0));
+    const float tiny[4] = {-12, -13, -14, -15}, plain[4] = {0, -1, -2, -3}, zero[4] = {-100, -100, -100, -100};
+    const float nan_row[2] = {NAN, 0};
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 4, 2);
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.renormalize = true;
+    for (int with_floor = 0; with_floor < 2; with_floor++) {
+        d.renormalize_floor = with_floor ? (float)floor : 0.0f;
+        const char *f = with_floor ? "floor 2^-14" : "floor 0";
+        char label[96];
+        snprintf(label, sizeof label, "sum below the floor, %s", f);
+        expect_row(ctx, &d, tiny, NULL, (const int32_t[]){0, 1},
+                   with_floor ? (const double[]){s12 / floor, s13 / floor}
+                              : (const double[]){s12 / (s12 + s13), s13 / (s12 + s13)},
+                   label);
+        const double p0 = 0.5, p1 = 1.0 / (1.0 + exp(1.0));
+        snprintf(label, sizeof label, "sum above the floor, %s", f);
+        expect_row(ctx, &d, plain, NULL, (const int32_t[]){0, 1}, (const double[]){p0 / (p0 + p1), p1 / (p0 + p1)},
+                   label);
+        snprintf(label, sizeof label, "sum 0, %s", f);
+        expect_row(ctx, &d, zero, NULL, (const int32_t[]){0, 1}, (const double[]){0, 0}, label);
+        moecl_topk_gating_desc dn = d;
+        dn.num_experts = 2;
+        snprintf(label, sizeof label, "NaN sum, %s", f);
+        expect_row(ctx, &dn, nan_row, NULL, (const int32_t[]){1, 0}, (const double[]){0.5, NAN}, label);
+    }
+    /* The floor is ignored without renormalize. */
+    d.renormalize = false;
+    d.renormalize_floor = (float)floor;
+    expect_row(ctx, &d, tiny, NULL, (const int32_t[]){0, 1}, (const double[]){s12, s13}, "floor without renormalize");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Zero fill on random rows: the group configurations of test_groups with
+ * a bias large enough (0.5 N(0, 1) beside sigmoid scores) that kept
+ * experts often select below 0, softmax rows spread wide enough that kept
+ * scores underflow, groups of one expert, and every launch shape. */
+START_TEST(test_group_fill_random)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t configs[][4] = {
+        /* experts, groups, topk_group, top_k */
+        {256, 8, 4, 8}, {128, 4, 2, 6}, {64, 8, 1, 8}, {60, 4, 3, 16}, {64, 64, 8, 8}, {16, 16, 3, 2},
+    };
+    unsigned i = 0;
+    for (size_t c = 0; c < COUNT(configs); c++)
+        for (int gs = 0; gs < 2; gs++)
+            for (int scoring = 0; scoring < 2; scoring++)
+                for (int bias = 0; bias < 2; bias++) {
+                    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[1 + i % 6], configs[c][0],
+                                                                           configs[c][3]);
+                    d.num_expert_groups = configs[c][1];
+                    d.topk_group = configs[c][2];
+                    d.group_score = (moecl_group_score)gs;
+                    d.scoring = (moecl_scoring)scoring;
+                    d.group_fill = MOECL_GROUP_FILL_ZERO;
+                    d.renormalize = i % 2;
+                    d.routed_scaling_factor = i % 4 == 1 ? 2.5f : 1.0f;
+                    d.gating_dtype = (moecl_dtype)(i % 3);
+                    /* Softmax without a bias: logits spread by 40, so most
+                     * scores of a row are 0 and the fill competes. */
+                    const float scale = scoring == MOECL_SCORING_SOFTMAX && !bias ? 40.0f : 2.0f;
+                    random_case_scaled(ctx, &d, 0.0f, scale, bias ? 0.5f : 0.0f, 12000 + i, i % 3 == 0);
+                    i++;
+                }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The floor on random rows: sigmoid logits around -14, so the chosen sums
+ * fall on both sides of llama.cpp's 2^-14; other floors (FLT_MIN, 0.5,
+ * 1) with softmax, bias and groups. */
+START_TEST(test_renormalize_floor_random)
+{
+    moecl_context *ctx = harness_context();
+    static const float floors[] = {6.103515625e-5f, 0x1p-126f, 0.5f, 1.0f};
+    static const uint32_t shapes[][2] = {{128, 8}, {60, 2}, {256, 8}};
+    unsigned i = 0;
+    for (size_t f = 0; f < COUNT(floors); f++)
+        for (size_t s = 0; s < COUNT(shapes); s++)
+            for (int scoring = 0; scoring < 2; scoring++) {
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(129 + i, shapes[s][0], shapes[s][1]);
+                d.scoring = (moecl_scoring)scoring;
+                d.renormalize = true;
+                d.renormalize_floor = floors[f];
+                d.routed_scaling_factor = i % 3 == 1 ? 2.5f : 1.0f;
+                d.gating_dtype = (moecl_dtype)(i % 3);
+                if (shapes[s][0] == 256) {
+                    d.num_expert_groups = 8;
+                    d.topk_group = 4;
+                    d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+                    d.group_fill = (moecl_group_fill)(i % 2);
+                }
+                const bool sig = scoring == MOECL_SCORING_SIGMOID;
+                random_case_scaled(ctx, &d, sig ? -14.0f : 0.0f, 2.0f, i % 2 ? 0.05f : 0.0f, 13000 + i, i % 2 == 0);
+                i++;
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Rows of exact ties, NaN, infinities and huge values. Where the inputs tie
  * exactly the ids must equal the reference's exactly (lower index first);
  * elsewhere the checker's rules apply. */
@@ -340,6 +639,8 @@ static bool fill_special_row(harness_rng *rng, int kind, float *row, uint32_t e_
     return exact;
 }
 
+/* grouped: 0 none, 1 groups with the -inf fill, 2 with the zero fill (and
+ * renormalised with llama.cpp's floor). */
 START_TEST(test_special_rows)
 {
     moecl_context *ctx = harness_context();
@@ -347,7 +648,7 @@ START_TEST(test_special_rows)
     unsigned i = 0;
     for (size_t s = 0; s < COUNT(shapes); s++)
         for (int scoring = 0; scoring < 2; scoring++)
-            for (int grouped = 0; grouped < 2; grouped++) {
+            for (int grouped = 0; grouped < 3; grouped++) {
                 const uint32_t e_count = shapes[s][0];
                 if (grouped && e_count % 8 != 0)
                     continue;
@@ -358,6 +659,11 @@ START_TEST(test_special_rows)
                     d.num_expert_groups = 8;
                     d.topk_group = 4;
                     d.group_score = (moecl_group_score)(i % 2);
+                }
+                if (grouped == 2) {
+                    d.group_fill = MOECL_GROUP_FILL_ZERO;
+                    d.renormalize = true;
+                    d.renormalize_floor = 6.103515625e-5f;
                 }
                 d.gating_dtype = (moecl_dtype)(i % 3);
                 float *row = malloc(e_count * sizeof(float));
@@ -677,6 +983,42 @@ START_TEST(test_checker_rejects)
     w[2] += 1e-3f;
     ck_assert_int_ne(ref_check_topk_gating(&d, gating, NULL, w, ids, msg, sizeof(msg)), 0);
     free(gating);
+
+    /* Each fill's answer is wrong for the other, and so are the weights of
+     * a division by the sum where the floor applies. */
+    const float mirrored[8] = {-1, -1, -1, -1, 0, -200, 0, -200};
+    const float a = (float)(1.0 / (2.0 + 4.0 * exp(-1.0)));
+    const float fw[4] = {a, a, 0, 0};
+    const int32_t neg_inf_ids[4] = {4, 6, 5, 7}, zero_ids[4] = {4, 6, 0, 1};
+    moecl_topk_gating_desc g = moecl_topk_gating_desc_init(1, 8, 4);
+    g.num_expert_groups = 4;
+    g.topk_group = 2;
+    ck_assert_int_eq(ref_check_topk_gating(&g, mirrored, NULL, fw, neg_inf_ids, msg, sizeof(msg)), 0);
+    ck_assert_int_ne(ref_check_topk_gating(&g, mirrored, NULL, fw, zero_ids, msg, sizeof(msg)), 0);
+    g.group_fill = MOECL_GROUP_FILL_ZERO;
+    ck_assert_int_eq(ref_check_topk_gating(&g, mirrored, NULL, fw, zero_ids, msg, sizeof(msg)), 0);
+    ck_assert_int_ne(ref_check_topk_gating(&g, mirrored, NULL, fw, neg_inf_ids, msg, sizeof(msg)), 0);
+    /* Zero fill with a bias: the dropped experts weigh their scores, not 0. */
+    const float zeros[8] = {0}, bias[8] = {-1, -1, -1, -1, -2, -2, -2, -2};
+    const int32_t dropped_ids[4] = {4, 5, 6, 7};
+    const float half[4] = {0.5f, 0.5f, 0.5f, 0.5f}, nothing[4] = {0, 0, 0, 0};
+    g.scoring = MOECL_SCORING_SIGMOID;
+    ck_assert_int_eq(ref_check_topk_gating(&g, zeros, bias, half, dropped_ids, msg, sizeof(msg)), 0);
+    ck_assert_int_ne(ref_check_topk_gating(&g, zeros, bias, nothing, dropped_ids, msg, sizeof(msg)), 0);
+    /* Sigmoid of -12 and -13, renormalised: their sum is below 2^-14. */
+    const float tiny[2] = {-12, -13};
+    const int32_t tiny_ids[2] = {0, 1};
+    const double s12 = 1.0 / (1.0 + exp(12.0)), s13 = 1.0 / (1.0 + exp(13.0));
+    const float by_sum[2] = {(float)(s12 / (s12 + s13)), (float)(s13 / (s12 + s13))};
+    const float by_floor[2] = {(float)(s12 * 16384.0), (float)(s13 * 16384.0)};
+    moecl_topk_gating_desc f = moecl_topk_gating_desc_init(1, 2, 2);
+    f.scoring = MOECL_SCORING_SIGMOID;
+    f.renormalize = true;
+    ck_assert_int_eq(ref_check_topk_gating(&f, tiny, NULL, by_sum, tiny_ids, msg, sizeof(msg)), 0);
+    ck_assert_int_ne(ref_check_topk_gating(&f, tiny, NULL, by_floor, tiny_ids, msg, sizeof(msg)), 0);
+    f.renormalize_floor = 6.103515625e-5f;
+    ck_assert_int_eq(ref_check_topk_gating(&f, tiny, NULL, by_floor, tiny_ids, msg, sizeof(msg)), 0);
+    ck_assert_int_ne(ref_check_topk_gating(&f, tiny, NULL, by_sum, tiny_ids, msg, sizeof(msg)), 0);
 }
 END_TEST
 
@@ -693,6 +1035,11 @@ int main(void)
     tcase_add_test(tc, test_prepare_and_chain);
     tcase_add_test(tc, test_with_counts);
     tcase_add_test(tc, test_with_counts_invalid);
+    tcase_add_test(tc, test_group_fill_examples);
+    tcase_add_test(tc, test_seed_zero_fill);
+    tcase_add_test(tc, test_renormalize_floor_examples);
+    tcase_add_test(tc, test_group_fill_random);
+    tcase_add_test(tc, test_renormalize_floor_random);
     /* MOECL_TEST_QUICK (the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants. */
     if (!harness_quick()) {

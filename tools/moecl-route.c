@@ -42,10 +42,11 @@ typedef struct options {
     long experts;    /* --op align */
     long block_size; /* 0: none given */
     moecl_group_score group_score;
+    moecl_group_fill group_fill;
     moecl_scoring scoring;
     bool renormalize, bf16, json, progress, no_progress, all_experts;
-    float scale, alpha;
-    bool scale_set, alpha_set, scoring_set, group_score_set;
+    float scale, alpha, renormalize_floor;
+    bool scale_set, alpha_set, scoring_set, group_score_set, group_fill_set, floor_set;
     long long chunk_rows; /* 0: about 64 MiB of input per chunk */
 } options;
 
@@ -73,7 +74,13 @@ static void usage(FILE *f)
             "  --bias FILE.npy         correction bias, float32 [experts], steers selection only (topk)\n"
             "  --groups G --topk-group K         group-limited selection: G groups, K kept (topk)\n"
             "  --group-score max|top2sum         group score (topk; default max)\n"
+            "  --group-fill neg-inf|zero         the experts of dropped groups: never selected (default,\n"
+            "                          vLLM), or selecting with 0.0 (the seed reference, SGLang's\n"
+            "                          DeepSeek-V2 grouped_topk) (topk, with --groups)\n"
             "  --renormalize           divide each token's weights by their sum (topk)\n"
+            "  --renormalize-floor F   divide by max(sum, F) instead: 0 or at least 2^-126 (llama.cpp:\n"
+            "                          6.103515625e-5; default 0, moecl's rule: a sum of 0 divides by 1)\n"
+            "                          (topk, with --renormalize)\n"
             "  --scale F               routed scaling factor, applied last (topk; default 1)\n"
             "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
             "  --experts E             the expert count, 1..4096 (align; required)\n"
@@ -278,6 +285,18 @@ static int parse_args(int argc, char **argv, options *o)
                 o->group_score = MOECL_GROUP_SCORE_TOP2_SUM;
             else
                 return bad_usage("--group-score is max or top2sum, not '%s'", v);
+        } else if (!strcmp(a, "--group-fill")) {
+            o->group_fill_set = true;
+            if (!strcmp(v, "neg-inf"))
+                o->group_fill = MOECL_GROUP_FILL_NEG_INF;
+            else if (!strcmp(v, "zero"))
+                o->group_fill = MOECL_GROUP_FILL_ZERO;
+            else
+                return bad_usage("--group-fill is neg-inf or zero, not '%s'", v);
+        } else if (!strcmp(a, "--renormalize-floor")) {
+            if (!parse_float(v, &o->renormalize_floor))
+                return bad_usage("--renormalize-floor needs a finite number, not '%s'", v);
+            o->floor_set = true;
         } else if (!strcmp(a, "--scoring")) {
             o->scoring_set = true;
             if (!strcmp(v, "softmax"))
@@ -306,7 +325,8 @@ static int parse_args(int argc, char **argv, options *o)
         if (!o->ids_in || !o->experts)
             return bad_usage("%s", "--op align needs --ids-in and --experts");
         if (o->logits || o->hidden || o->ground || o->bias || o->top_k || o->groups || o->topk_group ||
-            o->group_score_set || o->scoring_set || o->renormalize || o->scale_set || o->alpha_set || o->bf16)
+            o->group_score_set || o->group_fill_set || o->scoring_set || o->renormalize || o->floor_set ||
+            o->scale_set || o->alpha_set || o->bf16)
             return bad_usage("%s", "--op align reads --ids-in only: no logits, hidden states, ground rows, bias, "
                                    "--top-k (the ids file's width) or routing options");
         for (int i = 0; i < FIRST_DISPATCH_OUT; i++)
@@ -326,13 +346,17 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--groups and --topk-group come together");
         if (o->group_score_set && !o->groups)
             return bad_usage("%s", "--group-score needs --groups and --topk-group");
+        if (o->group_fill_set && !o->groups)
+            return bad_usage("%s", "--group-fill needs --groups and --topk-group");
+        if (o->floor_set && !o->renormalize)
+            return bad_usage("%s", "--renormalize-floor needs --renormalize");
     } else if (o->op == OP_GROUNDED) {
         if (!o->hidden || !o->ground)
             return bad_usage("%s", "--op grounded needs --hidden, --logits and --ground");
-        if (o->bias || o->groups || o->topk_group || o->group_score_set || o->scoring_set || o->renormalize ||
-            o->scale_set)
-            return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --scoring, --renormalize and "
-                                   "--scale belong to --op topk");
+        if (o->bias || o->groups || o->topk_group || o->group_score_set || o->group_fill_set || o->scoring_set ||
+            o->renormalize || o->floor_set || o->scale_set)
+            return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --group-fill, --scoring, "
+                                   "--renormalize, --renormalize-floor and --scale belong to --op topk");
     }
     for (int a = 0; a < NUM_OUT; a++)
         for (int b = a + 1; b < NUM_OUT; b++)
@@ -561,10 +585,11 @@ static void print_json(const summary *s, const options *o, const moecl_topk_gati
            o->op == OP_ALIGN ? "i32" : dtype_name(dtype), (unsigned long long)s->tokens, s->experts, s->top_k);
     if (o->op == OP_TOPK)
         printf("\"scoring\": \"%s\", \"bias\": %s, \"groups\": %u, \"topk_group\": %u, \"group_score\": \"%s\", "
-               "\"renormalize\": %s, \"scale\": %.9g, ",
+               "\"group_fill\": \"%s\", \"renormalize\": %s, \"renormalize_floor\": %.9g, \"scale\": %.9g, ",
                t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o->bias ? "true" : "false",
                t->num_expert_groups, t->topk_group, t->group_score == MOECL_GROUP_SCORE_TOP2_SUM ? "top2sum" : "max",
-               t->renormalize ? "true" : "false", (double)t->routed_scaling_factor);
+               t->group_fill == MOECL_GROUP_FILL_ZERO ? "zero" : "neg-inf", t->renormalize ? "true" : "false",
+               (double)t->renormalize_floor, (double)t->routed_scaling_factor);
     else if (o->op == OP_GROUNDED)
         printf("\"hidden\": %u, \"alpha\": %.9g, ", g->hidden_dim, (double)g->alpha);
     if (s->dispatch)
@@ -729,6 +754,8 @@ int main(int argc, char **argv)
         td.group_score = o.group_score;
         td.renormalize = o.renormalize;
         td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
+        td.group_fill = o.group_fill;
+        td.renormalize_floor = o.renormalize_floor;
     } else if (o.op == OP_GROUNDED) {
         const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
         moecl_dtype lt, gt;
@@ -1070,13 +1097,15 @@ int main(int argc, char **argv)
         snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts", o.ids_in,
                  (unsigned long long)tokens, top_k, experts);
     else if (o.op == OP_TOPK)
-        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s", o.logits,
-                 (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
+        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s",
+                 o.logits, (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
                  td.scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o.bias ? ", bias" : "",
                  td.num_expert_groups ? (td.group_score == MOECL_GROUP_SCORE_TOP2_SUM ? ", groups (top2sum)"
                                                                                       : ", groups (max)")
                                       : "",
-                 td.renormalize ? ", renormalize" : "", td.routed_scaling_factor != 1.0f ? ", scaled" : "");
+                 td.num_expert_groups && td.group_fill == MOECL_GROUP_FILL_ZERO ? ", zero fill" : "",
+                 td.renormalize ? ", renormalize" : "", td.renormalize && td.renormalize_floor > 0.0f ? " (floored)" : "",
+                 td.routed_scaling_factor != 1.0f ? ", scaled" : "");
     else
         snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "
                                      "alpha %g", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,

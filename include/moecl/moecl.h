@@ -8,8 +8,10 @@
  *
  *  - top-k gating: softmax or sigmoid scores over the experts of each token,
  *    an optional correction bias that steers selection only, optional
- *    group-limited selection, top-k, optional renormalisation and a scaling
- *    factor (every convention vLLM, SGLang and TensorRT-LLM route with);
+ *    group-limited selection (dropped groups never selected, or selecting
+ *    with 0.0 as in the seed reference), top-k, optional renormalisation
+ *    (with an optional floor, as llama.cpp's) and a scaling factor (the
+ *    conventions vLLM, SGLang, TensorRT-LLM and llama.cpp route with);
  *  - grounded router: router_logits + alpha * hidden @ ground^T, top-k and a
  *    softmax over the chosen values.
  *
@@ -229,6 +231,23 @@ typedef enum moecl_group_score {
     MOECL_GROUP_SCORE_TOP2_SUM = 1, /**< the sum of its two largest */
 } moecl_group_score;
 
+/** What group-limited selection does with the experts of the groups it
+ *  drops (docs/routing.md, section 2, step 3). */
+typedef enum moecl_group_fill {
+    /** Never selected, as if their selection score were -inf (vLLM's
+     *  grouped_topk, SGLang's biased_grouped_topk). The default, and what
+     *  moecl did before this field existed. */
+    MOECL_GROUP_FILL_NEG_INF = 0,
+    /** Their selection score becomes 0.0, as in the seed reference,
+     *  SGLang's unbiased grouped_topk (DeepSeek-V2) and TensorRT-LLM's
+     *  PyTorch DeepSeek-V3 path: they are selected when fewer than top_k
+     *  kept experts rank above 0.0 (ties to the lower index, kept or not).
+     *  The weight of such an expert is 0.0 without a bias (the fill
+     *  replaces the score, which is the selection score) and its unbiased
+     *  score with one (the fill replaces only the selection score). */
+    MOECL_GROUP_FILL_ZERO = 1,
+} moecl_group_fill;
+
 /** A device buffer and a byte offset into it; mem == NULL means "absent".
  *  The offset must be a multiple of the element size of the tensor it
  *  holds, and the tensor must lie inside the buffer (checked through
@@ -252,8 +271,12 @@ typedef struct moecl_buffer {
  *   num_experts % num_expert_groups == 0, 1 <= topk_group <=
  *   num_expert_groups and top_k <= topk_group * (num_experts /
  *   num_expert_groups);
- *   gating_dtype, scoring and group_score one of their enum values;
- *   routed_scaling_factor finite.
+ *   gating_dtype, scoring, group_score and group_fill one of their enum
+ *   values (whether or not groups are used);
+ *   routed_scaling_factor finite;
+ *   renormalize_floor 0, or a normal float (>= FLT_MIN) and finite, whether
+ *   or not renormalize is set (a subnormal floor could be flushed to 0 by
+ *   one device and not another).
  */
 typedef struct moecl_topk_gating_desc {
     uint32_t num_tokens;        /**< rows of the gating logits */
@@ -264,12 +287,28 @@ typedef struct moecl_topk_gating_desc {
     moecl_dtype gating_dtype;   /**< dtype of the gating logits */
     moecl_scoring scoring;      /**< softmax or sigmoid */
     moecl_group_score group_score; /**< how a group is scored when num_expert_groups > 0 */
-    bool renormalize;            /**< divide the k weights by their sum when it is > 0 */
+    bool renormalize;            /**< divide the k weights by their sum (see renormalize_floor) */
     float routed_scaling_factor; /**< applied to the weights last */
+    /** With renormalize, the smallest divisor. 0 (the default): moecl's
+     *  rule, divide by the sum S when S > 0 and leave the weights as they
+     *  are when S is 0 or NaN. > 0: divide by max(S, renormalize_floor),
+     *  as llama.cpp does with 6.103515625e-5 (2^-14, its clamp of the sum),
+     *  and leave the weights as they are when S is NaN. Ignored without
+     *  renormalize. */
+    float renormalize_floor;
+    /** With num_expert_groups > 0, what becomes of the experts of dropped
+     *  groups; MOECL_GROUP_FILL_NEG_INF (the default) never selects them,
+     *  MOECL_GROUP_FILL_ZERO gives them the selection score 0.0 of the
+     *  seed reference. Ignored without groups. */
+    moecl_group_fill group_fill;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
- *  MOECL_GROUP_SCORE_MAX, no renormalisation, factor 1. */
+ *  MOECL_GROUP_SCORE_MAX, no renormalisation, factor 1; renormalize_floor
+ *  0 and MOECL_GROUP_FILL_NEG_INF, moecl's behaviour before those fields
+ *  existed. The seed reference fills dropped groups with 0.0: a caller
+ *  that sets its groups reproduces it at every input with
+ *  group_fill = MOECL_GROUP_FILL_ZERO. */
 MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts,
                                                              uint32_t top_k);
 

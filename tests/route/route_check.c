@@ -139,9 +139,10 @@ int main(int argc, char **argv)
     long long want_post = -1, want_invalid = -1;
     bool any_dispatch = false;
     bool renormalize = false, bf16 = false;
-    float scale = 1.0f, alpha = 1.0f;
+    float scale = 1.0f, alpha = 1.0f, renormalize_floor = 0.0f;
     moecl_scoring scoring = MOECL_SCORING_SOFTMAX;
     moecl_group_score group_score = MOECL_GROUP_SCORE_MAX;
+    moecl_group_fill group_fill = MOECL_GROUP_FILL_NEG_INF;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--renormalize")) {
@@ -195,6 +196,10 @@ int main(int argc, char **argv)
             topk_group = atol(v);
         else if (!strcmp(a, "--group-score"))
             group_score = !strcmp(v, "top2sum") ? MOECL_GROUP_SCORE_TOP2_SUM : MOECL_GROUP_SCORE_MAX;
+        else if (!strcmp(a, "--group-fill"))
+            group_fill = !strcmp(v, "zero") ? MOECL_GROUP_FILL_ZERO : MOECL_GROUP_FILL_NEG_INF;
+        else if (!strcmp(a, "--renormalize-floor"))
+            renormalize_floor = strtof(v, NULL);
         else if (!strcmp(a, "--scoring"))
             scoring = !strcmp(v, "sigmoid") ? MOECL_SCORING_SIGMOID : MOECL_SCORING_SOFTMAX;
         else if (!strcmp(a, "--scale"))
@@ -288,6 +293,8 @@ int main(int argc, char **argv)
         d.group_score = group_score;
         d.renormalize = renormalize;
         d.routed_scaling_factor = scale;
+        d.group_fill = group_fill;
+        d.renormalize_floor = renormalize_floor;
         /* The op needs both weights and ids; rebuild them from the pairs. */
         if (!w || !id) {
             if (!p)

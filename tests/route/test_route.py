@@ -236,6 +236,26 @@ def case_topk_softmax_groups_max(c):
                        "--renormalize", "--scale", "-1.5", "--top-k", str(k)], k, t)
 
 
+def case_topk_conventions(c):
+    """The peers' conventions: the seed's zero fill of dropped groups with a
+    bias wide enough that kept experts select below 0 (so the fill shows on
+    ordinary rows), and llama.cpp's renormalisation floor on sigmoid logits
+    around -14 (chosen sums on both sides of 2^-14); --json reports both."""
+    t, e, k = 300, 64, 6
+    lg = write_npy(c.path("logits.npy"), [x - 14.0 for x in randn(c.rng, t * e)], (t, e))
+    bias = write_npy(c.path("bias.npy"), randn(c.rng, e, 0.5), (e,))
+    c.route_and_check([lg, "--bias", bias, "--groups", "8", "--topk-group", "3", "--group-fill", "zero",
+                       "--scoring", "sigmoid", "--top-k", str(k)], k, t)
+    c.route_and_check([lg, "--scoring", "sigmoid", "--renormalize", "--renormalize-floor", "6.103515625e-5",
+                       "--top-k", str(k)], k, t)
+    outs, p = c.route_and_check([lg, "--groups", "8", "--topk-group", "3", "--group-fill", "zero", "--renormalize",
+                                 "--renormalize-floor", "6.103515625e-5", "--top-k", str(k), "--json"], k, t,
+                                outputs=("weights", "ids"))
+    s = json.loads(p.stdout)
+    if s["group_fill"] != "zero" or abs(s["renormalize_floor"] - 6.103515625e-5) > 1e-12:
+        raise Failure("JSON summary does not report the fill and the floor: %r" % s)
+
+
 def case_topk_sigmoid(c):
     t, e, k = 400, 32, 4
     lg = logits_file(c, "logits.npy", t, e)
@@ -628,7 +648,10 @@ def case_usage(c):
     for argv in (["--no-such-flag"], [], [lg, "--top-k", "0"], [lg, "--top-k", "9"],
                  [lg, "--groups", "3", "--topk-group", "1"], [lg, "--groups", "4"],
                  [lg, "--scoring", "relu"], [lg, "--scale", "inf"], [lg, "--op", "grounded"],
-                 [lg, "--alpha", "1"]):
+                 [lg, "--alpha", "1"], [lg, "--group-fill", "zero"],
+                 [lg, "--groups", "4", "--topk-group", "2", "--group-fill", "nan"],
+                 [lg, "--renormalize-floor", "1e-3"], [lg, "--renormalize", "--renormalize-floor", "-1"],
+                 [lg, "--renormalize", "--renormalize-floor", "1e-40"]):
         c.expect_failure(argv, ["moecl-route"], rc=2)
     same = c.path("same.npy")
     c.expect_failure([lg, "--weights", same, "--ids", same], [same], rc=2, outputs=False)
