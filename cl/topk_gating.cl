@@ -185,8 +185,12 @@ static inline uint8 select_rank8(float8 s)
  * rank_logit16) and go by index. Rows with a NaN or +inf logit, or only
  * -inf, have every score NaN (the sum is NaN): those rows are all ties and
  * give ids 0..k-1. Blocks of 16 floats (one AVX-512 register); every loop
- * below is over the row's blocks. */
-#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0
+ * below is over the row's blocks. f32 logits only: with f16 and bf16 rows
+ * of 60 or 64 experts this path chose wrong ids on NVIDIA's OpenCL (the
+ * H200, through MOECL_LAUNCH_CLASS=cpu) while pocl and Intel's runtime
+ * were right, and the cause is not found; narrow logits take the generic
+ * loop below on every device. */
+#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && IN_DTYPE == 0
 #define ROWS_FAST 1
 #define V16 16
 #define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
