@@ -659,19 +659,24 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
 #define TEAM_SCORE(xv) (1.0f / (1.0f + EXP(-(xv))))
 #endif
 
-    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. */
+    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE.
+     * Inactive rows store NaN selection scores (no score), so that step 3,
+     * which every row runs for its barriers, reads no unwritten local
+     * memory. */
     uint rank[EPT];
     UNROLL
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         rank[i] = RANK_NONE;
+        float s = NAN;
         if (active && e < NUM_EXPERTS) {
-            float s = selection_score(TEAM_SCORE(value[i]), bias, e);
+            s = selection_score(TEAM_SCORE(value[i]), bias, e);
             rank[i] = select_rank(s);
+        }
 #if NUM_GROUPS > 0
+        if (e < NUM_EXPERTS)
             row_selection[r * NUM_EXPERTS + e] = s;
 #endif
-        }
     }
 
 #if NUM_GROUPS > 0
