@@ -2,13 +2,16 @@
  * reference (tests/reference.c), for running under oclgrind
  * (tests/oclgrind/run.sh): a simulated device that reports data races,
  * out-of-bounds and uninitialised accesses, which no real driver does.
- * oclgrind is about 1000 times slower than pocl, so every shape is a few
- * tokens; the special rows (exact ties, NaN, inf, underflow) are what
- * reaches the kernels' rare branches.
+ * oclgrind simulates every work-item, so every shape is a few tokens; the
+ * special rows (exact ties, NaN, inf, underflow) are what reaches the
+ * kernels' rare branches.
  *
  *   oclgrind_routes --list      the runs, one name a line
- *   oclgrind_routes RUN...      run them (each in a context of its own,
- *                               with the environment its name says)
+ *   oclgrind_routes [FLAGS] RUN...
+ *                               run them (each in a context of its own,
+ *                               with the environment its name says);
+ *                               --help lists the flags, which leave out
+ *                               what an oclgrind bug breaks
  *
  * A run is one op under one launch configuration: the MOECL_* variables of
  * the README set before its context is created, and where no variable
@@ -45,7 +48,7 @@ static void skipped(const char *why)
     skips++;
 }
 
-/* Whether the case just described leaves out, given whether oclgrind's
+/* Whether to leave out the case just described, given whether oclgrind's
  * --uninitialized can run it (why: the tool bug, when it cannot). */
 static bool left_out_by_uninit(const char *why)
 {
@@ -215,6 +218,7 @@ static const run_def runs[] = {
      * every tile, team sizes. */
     {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-gpu-rounds", OP_GROUNDED, "gpu", {"MOECL_TOPK_ROUNDS=1", NULL}, false, {0, 0, 0, 0}, true, false},
     {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0}, true, false},
     TILE_RUN(16),
     TILE_RUN(32),
@@ -280,27 +284,37 @@ typedef struct topk_case {
     bool bias, renormalize, counts;
     float factor;
     bool every_shape; /* also in the team-size runs */
+    bool big;         /* in one dtype only (in turn) */
 } topk_case;
 
 static const topk_case topk_cases[] = {
     /* softmax, no bias, no groups: the rows kernel's fast path */
-    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true},
-    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false},
-    {16, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 2.5f, false},
-    {40, 20, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false},
+    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, false},
+    {16, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 2.5f, false, false},
+    {40, 20, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
     /* the generic paths */
-    {3, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false},
-    {24, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true},
-    {32, 4, 4, 2, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true},
-    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true},
-    {64, 8, 2, 1, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false},
+    {3, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, false},
+    {24, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
+    {32, 4, 4, 2, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
+    {64, 8, 2, 1, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
+    /* the seed's shape, DeepSeek-V2 and -V3, the largest top_k and expert
+     * count (several blocks per lane, the counting top-k's rare branch on
+     * the tied rows, the team kernels' tree reductions) */
+    {128, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, true},
+    {160, 6, 8, 3, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 16.0f, false, true},
+    {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, false, true},
+    {257, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, true},
+    {4096, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, true},
     /* moecl_topk_gating_with_counts */
-    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, true, 1.0f, false},
-    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true},
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, true, 1.0f, false, false},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true, false},
 };
 
 /* Tokens of each case: every kind of row, and a partial last work-group
- * for every rows count the runs use. */
+ * for every rows count the runs use; 3 (and three kinds of row) for the
+ * big cases. */
 #define TOPK_TOKENS (ROW_KINDS + 1)
 
 /* A buffer of offset + size bytes, all 0xFF but data at offset: tight at
@@ -357,7 +371,7 @@ static moecl_status topk_counts_device(moecl_context *ctx, const moecl_topk_gati
 
 static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c, moecl_dtype dtype, unsigned shift)
 {
-    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(TOPK_TOKENS, c->experts, c->top_k);
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->big ? 3 : TOPK_TOKENS, c->experts, c->top_k);
     d.num_expert_groups = c->groups;
     d.topk_group = c->topk_group;
     d.group_score = c->group_score;
@@ -453,7 +467,7 @@ static void run_topk(moecl_context *ctx, const run_def *run)
         if (!run->all_cases && !topk_cases[i].every_shape)
             continue;
         for (int dt = 0; dt < 3; dt++)
-            if (!run->one_dtype || (size_t)dt == i % 3)
+            if (!(run->one_dtype || topk_cases[i].big) || (size_t)dt == i % 3)
                 topk_one(ctx, run, &topk_cases[i], (moecl_dtype)dt, (unsigned)(i + dt));
     }
 }
@@ -463,12 +477,17 @@ static void run_topk(moecl_context *ctx, const run_def *run)
 typedef struct grounded_case {
     uint32_t tokens, hidden, experts, top_k;
     float alpha;
+    /* Where local memory does not hold the team kernel's ground table, or
+     * the 128-token tile's keys, the library takes another kernel. */
+    bool team_fits, tile128_fits;
 } grounded_case;
 
 static const grounded_case grounded_cases[] = {
-    {5, 32, 16, 2, 1.0f},  /* the seed's shape, smaller */
-    {7, 24, 40, 5, 0.5f},  /* more experts than a 32-expert tile */
-    {3, 16, 100, 8, 2.0f}, /* partial expert tiles of 64 */
+    {5, 32, 16, 2, 1.0f, true, true},   /* the seed's shape, smaller */
+    {7, 24, 40, 5, 0.5f, true, true},   /* more experts than a 32-expert tile */
+    {3, 16, 100, 8, 2.0f, true, true},  /* partial expert tiles of 64 */
+    {1, 1030, 8, 3, 1.0f, false, true}, /* hidden chunks of 1024 and a tail of 6 */
+    {2, 8, 64, 64, 1.0f, true, false},  /* every expert chosen */
 };
 
 static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype)
@@ -547,11 +566,15 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
 static void run_grounded(moecl_context *ctx, const run_def *run)
 {
     for (size_t i = 0; i < COUNT(grounded_cases); i++) {
+        const grounded_case *c = &grounded_cases[i];
+        const moecl_launch_config want = expected_launch(run, c->experts);
         /* The 128-token tile needs 64-expert tiles (8 x 8 blocks). */
-        if (run->forced && run->force.tile == 128 && grounded_cases[i].experts <= 32)
+        if (want.tile == 128 && (c->experts <= 32 || !c->tile128_fits))
+            continue;
+        if (want.kernel == MOECL_KERNEL_TEAM && !c->team_fits)
             continue;
         for (int dt = 0; dt < 3; dt++)
-            grounded_one(ctx, run, &grounded_cases[i], (moecl_dtype)dt);
+            grounded_one(ctx, run, c, (moecl_dtype)dt);
     }
 }
 
@@ -569,6 +592,7 @@ static const align_case align_cases[] = {
     {7, 4, 16, 8, 2},    /* invalid ids: -1, E, INT32_MIN, INT32_MAX */
     {150, 2, 16, 8, 2},  /* 300 slots: more than one chunk of 256 */
     {70, 8, 300, 16, 0}, /* more experts than a scan work-group */
+    {3, 64, 4096, 16, 2}, /* the most experts, most of them empty */
 };
 
 static void align_one(moecl_context *ctx, const run_def *run, const align_case *c)

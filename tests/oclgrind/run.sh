@@ -70,7 +70,8 @@ export -f job
 
 start=$SECONDS
 mapfile -t runs < <("$routes" --list)
-for pass in opt O0-uninit O0; do
+# The slowest pass first, so that the last jobs are short.
+for pass in O0-uninit opt O0; do
     for run in "${runs[@]}"; do
         echo "$pass $run"
     done
