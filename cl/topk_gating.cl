@@ -32,6 +32,7 @@
 #endif
 #if HAS_COUNTS
 #define COUNTS_PARAMS , __global int *counts, ulong counts_off
+#define COUNTS_ARGS , counts, counts_off
 #define COUNT_ID(id)                                                                               \
     do {                                                                                           \
         const uint id_ = (uint)(id);                                                               \
@@ -40,6 +41,7 @@
     } while (0)
 #else
 #define COUNTS_PARAMS
+#define COUNTS_ARGS
 #define COUNT_ID(id) ((void)0)
 #endif
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
@@ -283,7 +285,7 @@ __constant uint lane_bit16[16] = {1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 
                                   1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
 static inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __global int *id_out,
-                              float scaling_factor)
+                              float scaling_factor COUNTS_PARAMS)
 {
     const uint16 lane_bits = vload16(0, lane_bit16);
     const uint16 lane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -421,6 +423,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
     for (uint j = 0; j < TOPK; j++) {
         w_out[j] = weights[j] / divisor * scaling_factor;
         id_out[j] = (int)chosen_e[j];
+        COUNT_ID(chosen_e[j]);
     }
 }
 #endif
@@ -437,13 +440,10 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 #if ROWS_FAST
     (void)bias;
     (void)bias_off;
+    /* It counts the ids from its registers: topk_ids may be write-only to
+     * kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
     topk_rows_softmax(x, topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
-                      scaling_factor);
-#if HAS_COUNTS
-    /* The ids this work-item has just written. */
-    for (uint j = 0; j < TOPK; j++)
-        COUNT_ID(topk_ids[ids_off + (size_t)row * TOPK + j]);
-#endif
+                      scaling_factor COUNTS_ARGS);
 #else
 #if HAS_BIAS
     bias += bias_off;
@@ -705,19 +705,24 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
 #define TEAM_SCORE(xv) (1.0f / (1.0f + EXP(-(xv))))
 #endif
 
-    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. */
+    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE.
+     * Inactive rows store NaN selection scores (no score), so that step 3,
+     * which every row runs for its barriers, reads no unwritten local
+     * memory. */
     uint rank[EPT];
     UNROLL
     for (uint i = 0; i < EPT; i++) {
         uint e = i * TEAM + lane;
         rank[i] = RANK_NONE;
+        float s = NAN;
         if (active && e < NUM_EXPERTS) {
-            float s = selection_score(TEAM_SCORE(value[i]), bias, e);
+            s = selection_score(TEAM_SCORE(value[i]), bias, e);
             rank[i] = select_rank(s);
+        }
 #if NUM_GROUPS > 0
+        if (e < NUM_EXPERTS)
             row_selection[r * NUM_EXPERTS + e] = s;
 #endif
-        }
     }
 
 #if NUM_GROUPS > 0

@@ -1,0 +1,741 @@
+/* Every moecl kernel at small shapes, each result judged by the float64
+ * reference (tests/reference.c), for running under oclgrind
+ * (tests/oclgrind/run.sh): a simulated device that reports data races,
+ * out-of-bounds and uninitialised accesses, which no real driver does.
+ * oclgrind simulates every work-item, so every shape is a few tokens; the
+ * special rows (exact ties, NaN, inf, underflow) are what reaches the
+ * kernels' rare branches.
+ *
+ *   oclgrind_routes --list      the runs, one name a line
+ *   oclgrind_routes [FLAGS] RUN...
+ *                               run them (each in a context of its own,
+ *                               with the environment its name says);
+ *                               --help lists the flags, which leave out
+ *                               what an oclgrind bug breaks
+ *
+ * A run is one op under one launch configuration: the MOECL_* variables of
+ * the README set before its context is created, and where no variable
+ * reaches a configuration (team kernels with a few rows a work-group, the
+ * grounded router's tiles) moecl_launch_force, as moecl-tune does. Each run
+ * checks that the kernel it meant to reach is the one the library chose.
+ * Exit status 0 when every result agrees with the reference, 1 otherwise. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "reference.h"
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+static int failures;
+static char current[256];
+static const char *only; /* --only: the cases whose description contains it */
+/* --skip-rows-fast, --uninitialized: leave out what a tool bug breaks
+ * (tests/oclgrind/tool_bugs/README.md); --uninitialized-left-out: run only
+ * what --uninitialized leaves out. */
+static bool skip_rows_fast;
+static enum { UNINIT_ANY, UNINIT_FIT, UNINIT_UNFIT } uninit_mode = UNINIT_ANY;
+static int skips;
+
+static void skipped(const char *why)
+{
+    fprintf(stderr, "  skip [%s]: %s\n", current, why);
+    skips++;
+}
+
+/* Whether to leave out the case just described, given whether oclgrind's
+ * --uninitialized can run it (why: the tool bug, when it cannot). */
+static bool left_out_by_uninit(const char *why)
+{
+    if (uninit_mode == UNINIT_FIT && why) {
+        skipped(why);
+        return true;
+    }
+    return uninit_mode == UNINIT_UNFIT && !why;
+}
+
+/* Whether the case just described in current runs. */
+static bool selected(void)
+{
+    if (only && !strstr(current, only))
+        return false;
+    fprintf(stderr, "case [%s]\n", current);
+    return true;
+}
+
+static void fail(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "FAIL [%s] ", current);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    failures++;
+}
+
+/* ---- inputs ---- */
+
+static uint64_t rng_state;
+
+static uint64_t splitmix(void)
+{
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static float randn(void)
+{
+    const double u1 = (double)(splitmix() >> 11) * 0x1.0p-53 + 0x1.0p-54;
+    const double u2 = (double)(splitmix() >> 11) * 0x1.0p-53;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+static void store(moecl_dtype dtype, void *data, size_t index, float value)
+{
+    if (dtype == MOECL_F32)
+        ((float *)data)[index] = value;
+    else if (dtype == MOECL_F16)
+        ((uint16_t *)data)[index] = ref_float_to_half(value);
+    else
+        ((uint16_t *)data)[index] = ref_float_to_bf16(value);
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) {
+        fprintf(stderr, "out of memory\n");
+        exit(2);
+    }
+    return p;
+}
+
+/* The kinds of row, by row index: each is what one rare branch needs. */
+enum {
+    ROW_RANDOM,    /* normal, scale 2 */
+    ROW_EQUAL,     /* every logit the same: all exact ties, ids by index */
+    ROW_REPEATS,   /* five values repeated: ties within the top-k */
+    ROW_UNDERFLOW, /* 0 then <= -200: softmax and sigmoid scores 0 exactly */
+    ROW_SATURATED, /* >= 20: sigmoid scores 1 exactly */
+    ROW_NAN,       /* one NaN: softmax's whole row NaN */
+    ROW_POS_INF,   /* one +inf */
+    ROW_NEG_INF,   /* every other -inf */
+    ROW_ALL_NEG_INF,
+    ROW_HUGE,      /* +-6e4, near f16's largest */
+    ROW_KINDS
+};
+
+static float row_value(unsigned kind, unsigned row, unsigned e, unsigned experts)
+{
+    switch (kind) {
+    case ROW_EQUAL:
+        return 0.5f;
+    case ROW_REPEATS:
+        return (float)((e * 7u) % 5u) * 0.25f;
+    case ROW_UNDERFLOW:
+        return e == 0 ? 0.0f : -200.0f - (float)((e * 37u) % 101u);
+    case ROW_SATURATED:
+        return 20.0f + (float)(e % 4u);
+    case ROW_NAN:
+        return e == row % experts ? NAN : randn();
+    case ROW_POS_INF:
+        return e == row % experts ? INFINITY : randn();
+    case ROW_NEG_INF:
+        return e % 2 ? -INFINITY : randn();
+    case ROW_ALL_NEG_INF:
+        return -INFINITY;
+    case ROW_HUGE:
+        return randn() * 3.0e4f;
+    default:
+        return randn() * 2.0f;
+    }
+}
+
+/* rows x cols of dtype; row r is of kind (r + shift) % ROW_KINDS. */
+static void *special_rows(moecl_dtype dtype, unsigned rows, unsigned cols, unsigned shift)
+{
+    void *data = xmalloc((size_t)rows * cols * ref_dtype_size(dtype));
+    for (unsigned r = 0; r < rows; r++)
+        for (unsigned e = 0; e < cols; e++)
+            store(dtype, data, (size_t)r * cols + e, row_value((r + shift) % ROW_KINDS, r, e, cols));
+    return data;
+}
+
+static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t == MOECL_F16 ? "f16" : "bf16"; }
+
+/* ---- runs ---- */
+
+typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
+
+typedef struct run_def {
+    const char *name;
+    op_kind op;
+    const char *launch_class; /* MOECL_LAUNCH_CLASS, or NULL */
+    const char *env[2];       /* more "NAME=value", or NULL */
+    /* moecl_launch_force's configuration, when forced */
+    bool forced;
+    moecl_launch_config force;
+    bool all_cases; /* false: only the cases marked every_shape */
+    /* The cases' dtypes in turn rather than each case in all three (the
+     * largest teams are the slowest to simulate). */
+    bool one_dtype;
+} run_def;
+
+#define TEAM_RUN(n, rows, one_dtype)                                                               \
+    {"topk-team" #n "-rows" #rows, OP_TOPK, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TEAM, n, rows, 0},      \
+     false, one_dtype}
+#define TILE_RUN(t)                                                                                \
+    {"grounded-tile" #t, OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t},               \
+     true, false}
+#define GTEAM_RUN(n, rows)                                                                         \
+    {"grounded-team" #n "-rows" #rows, OP_GROUNDED, "gpu", {NULL, NULL}, true,                              \
+     {MOECL_KERNEL_TEAM, n, rows, 0}, true, false}
+
+static const run_def runs[] = {
+    /* Top-k gating: the rows kernel (fast path and generic loop), the team
+     * kernel as the rule sizes it, with the rounds top-k, and at every team
+     * size with few rows a work-group (the last group's padding rows). */
+    {"topk-cpu", OP_TOPK, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"topk-gpu", OP_TOPK, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"topk-gpu-rounds", OP_TOPK, "gpu", {"MOECL_TOPK_ROUNDS=1", NULL}, false, {0, 0, 0, 0}, true, false},
+    TEAM_RUN(2, 4, false),
+    TEAM_RUN(4, 4, false),
+    TEAM_RUN(8, 2, false),
+    TEAM_RUN(16, 2, false),
+    TEAM_RUN(32, 2, false),
+    TEAM_RUN(64, 2, true),
+    TEAM_RUN(128, 2, true),
+    TEAM_RUN(256, 2, true),
+    /* The grounded router: rows kernel, the rule's team and tiled kernels,
+     * every tile, team sizes. */
+    {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-gpu-rounds", OP_GROUNDED, "gpu", {"MOECL_TOPK_ROUNDS=1", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0}, true, false},
+    TILE_RUN(16),
+    TILE_RUN(32),
+    TILE_RUN(64),
+    TILE_RUN(128),
+    GTEAM_RUN(2, 4),
+    GTEAM_RUN(8, 2),
+    GTEAM_RUN(32, 2),
+    /* moe_align: every path in both launch classes. */
+    {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-cpu-chunked", OP_ALIGN, "cpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-gpu", OP_ALIGN, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
+};
+
+static const char *kernel_name(moecl_kernel_kind k)
+{
+    return k == MOECL_KERNEL_ROWS ? "rows" : k == MOECL_KERNEL_TEAM ? "team" : "tiled";
+}
+
+/* The kernel the run is for: the forced one, the rows kernel in the CPU
+ * class, and in the GPU class the rule's (src/topk_gating.c: a team of
+ * about one work-item per 8 experts, none for up to 8; src/grounded_router.c:
+ * a team for up to 64 experts, then tiles, of 128 tokens under
+ * MOECL_GROUNDED_TILE=128 where the expert tile is 64). */
+static moecl_launch_config expected_launch(const run_def *run, uint32_t experts)
+{
+    if (run->forced)
+        return run->force;
+    if (strcmp(run->launch_class, "cpu") == 0)
+        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0};
+    if (run->op == OP_TOPK)
+        return experts <= 8 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0}
+                            : (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0};
+    if (experts <= 64)
+        return (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0};
+    return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, run->env[0] && strstr(run->env[0], "TILE=128") ? 128 : 0};
+}
+
+/* The configuration the library chose must be the run's (0: any). */
+static void check_launch(const run_def *run, uint32_t experts, moecl_launch_config got)
+{
+    const moecl_launch_config want = expected_launch(run, experts);
+    char text[128];
+    moecl_launch_config_text(&got, text, sizeof(text));
+    fprintf(stderr, "  [%s] launch: %s\n", current, text);
+    if (got.kernel != want.kernel || (want.team && got.team != want.team) || (want.rows && got.rows != want.rows) ||
+        (want.tile && got.tile != want.tile))
+        fail("reached kernel=%s team=%u rows=%u tile=%u, the run is for kernel=%s team=%u rows=%u tile=%u "
+             "(0: any)",
+             kernel_name(got.kernel), got.team, got.rows, got.tile, kernel_name(want.kernel), want.team, want.rows,
+             want.tile);
+}
+
+/* ---- top-k gating ---- */
+
+typedef struct topk_case {
+    uint32_t experts, top_k, groups, topk_group;
+    moecl_group_score group_score;
+    moecl_scoring scoring;
+    bool bias, renormalize, counts;
+    float factor;
+    bool every_shape; /* also in the team-size runs */
+    bool big;         /* in one dtype only (in turn) */
+} topk_case;
+
+static const topk_case topk_cases[] = {
+    /* softmax, no bias, no groups: the rows kernel's fast path */
+    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, false},
+    {16, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 2.5f, false, false},
+    {40, 20, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
+    /* the generic paths */
+    {3, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, false},
+    {24, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
+    {32, 4, 4, 2, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
+    {64, 8, 2, 1, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
+    /* the seed's shape, DeepSeek-V2 and -V3, the largest top_k and expert
+     * count (several blocks per lane, the counting top-k's rare branch on
+     * the tied rows, the team kernels' tree reductions) */
+    {128, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, true},
+    {160, 6, 8, 3, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 16.0f, false, true},
+    {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, false, true},
+    {257, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, true},
+    {4096, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, true},
+    /* moecl_topk_gating_with_counts */
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, true, 1.0f, false, false},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true, false},
+};
+
+/* Tokens of each case: every kind of row, and a partial last work-group
+ * for every rows count the runs use; 3 (and three kinds of row) for the
+ * big cases. */
+#define TOPK_TOKENS (ROW_KINDS + 1)
+
+/* A buffer of offset + size bytes, all 0xFF but data at offset: tight at
+ * the end, so that oclgrind sees any access past the tensor. */
+static moecl_buffer tight_buffer(moecl_context *ctx, size_t offset, size_t size, const void *data)
+{
+    unsigned char *fill = xmalloc(offset + size);
+    memset(fill, 0xff, offset + size);
+    if (data)
+        memcpy(fill + offset, data, size);
+    cl_int err;
+    cl_mem mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR,
+                                offset + size, fill, &err);
+    free(fill);
+    if (!mem) {
+        fprintf(stderr, "clCreateBuffer: %d\n", err);
+        exit(2);
+    }
+    return (moecl_buffer){mem, offset};
+}
+
+static void read_back(moecl_context *ctx, moecl_buffer b, size_t size, void *out)
+{
+    if (clEnqueueReadBuffer(moecl_context_queue(ctx), b.mem, CL_TRUE, b.offset, size, out, 0, NULL, NULL))
+        fail("clEnqueueReadBuffer failed");
+    clReleaseMemObject(b.mem);
+}
+
+/* moecl_topk_gating_with_counts on device buffers at offsets. */
+static moecl_status topk_counts_device(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating,
+                                       const float *bias, float *w, int32_t *ids, int32_t *counts)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    moecl_buffer in = tight_buffer(ctx, 64, (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype),
+                                   gating);
+    moecl_buffer b = bias ? tight_buffer(ctx, 8, d->num_experts * sizeof(float), bias) : (moecl_buffer){NULL, 0};
+    moecl_buffer wb = tight_buffer(ctx, 4, nk * sizeof(float), NULL);
+    moecl_buffer ib = tight_buffer(ctx, 12, nk * sizeof(int32_t), NULL);
+    moecl_buffer cb = tight_buffer(ctx, 16, d->num_experts * sizeof(int32_t), NULL);
+    cl_event done = NULL;
+    const moecl_status st = moecl_topk_gating_with_counts(ctx, d, in, b, wb, ib, cb, 0, NULL, &done);
+    if (done) {
+        clWaitForEvents(1, &done);
+        clReleaseEvent(done);
+    }
+    read_back(ctx, wb, nk * sizeof(float), w);
+    read_back(ctx, ib, nk * sizeof(int32_t), ids);
+    read_back(ctx, cb, d->num_experts * sizeof(int32_t), counts);
+    clReleaseMemObject(in.mem);
+    if (b.mem)
+        clReleaseMemObject(b.mem);
+    return st;
+}
+
+static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c, moecl_dtype dtype, unsigned shift)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->big ? 3 : TOPK_TOKENS, c->experts, c->top_k);
+    d.num_expert_groups = c->groups;
+    d.topk_group = c->topk_group;
+    d.group_score = c->group_score;
+    d.scoring = c->scoring;
+    d.renormalize = c->renormalize;
+    d.routed_scaling_factor = c->factor;
+    d.gating_dtype = dtype;
+    snprintf(current, sizeof(current), "%s T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g", run->name,
+             d.num_tokens, d.num_experts, d.top_k, dtype_name(dtype),
+             c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->groups,
+             c->topk_group, c->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum",
+             c->renormalize ? " renormalize" : "", c->counts ? " with_counts" : "", (double)c->factor);
+    if (!selected())
+        return;
+
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_topk_gating_launch(ctx, &d, &key, &config);
+    check_launch(run, d.num_experts, config);
+    /* The rows kernel's fast path: softmax, no bias, no groups (all the
+     * cases' groups select). */
+    const bool rows_fast = config.kernel == MOECL_KERNEL_ROWS && c->scoring == MOECL_SCORING_SOFTMAX && !c->bias &&
+                           !c->groups;
+    if (rows_fast && skip_rows_fast) {
+        skipped("the rows kernel's fast path is wrong under oclgrind's optimised build (tool_bugs: "
+                "zext_bool_vector)");
+        return;
+    }
+    const char *unfit = NULL;
+    if (rows_fast)
+        unfit = "the fast path's 16-lane vectors break --uninitialized (tool_bugs: shuffle16_uninitialized, "
+                "shuffle_undef_crash)";
+    else if (c->counts)
+        unfit = "the counts are zeroed by clEnqueueFillBuffer, whose bytes --uninitialized takes for unwritten "
+                "(tool_bugs: fill_buffer_uninitialized)";
+    if (left_out_by_uninit(unfit))
+        return;
+
+    const size_t nk = (size_t)d.num_tokens * d.top_k;
+    void *gating = special_rows(dtype, d.num_tokens, d.num_experts, shift);
+    float *bias = NULL;
+    if (c->bias) {
+        bias = xmalloc(d.num_experts * sizeof(float));
+        for (uint32_t e = 0; e < d.num_experts; e++)
+            bias[e] = randn() * 0.05f;
+    }
+    float *w = xmalloc(nk * sizeof(float));
+    int32_t *ids = xmalloc(nk * sizeof(int32_t));
+    int32_t *counts = xmalloc(d.num_experts * sizeof(int32_t));
+    /* Through _host, whose buffers are exactly the tensors (the outputs
+     * CL_MEM_WRITE_ONLY); _with_counts also through device buffers at
+     * offsets. */
+    for (int path = 0; path < (c->counts ? 2 : 1); path++) {
+        memset(w, 0xff, nk * sizeof(float));
+        memset(ids, 0xff, nk * sizeof(int32_t));
+        memset(counts, 0xff, d.num_experts * sizeof(int32_t));
+        moecl_status st;
+        if (!c->counts)
+            st = moecl_topk_gating_host(ctx, &d, gating, bias, w, ids);
+        else if (path == 0)
+            st = moecl_topk_gating_with_counts_host(ctx, &d, gating, bias, w, ids, counts);
+        else
+            st = topk_counts_device(ctx, &d, gating, bias, w, ids, counts);
+        const char *how = path ? " (device buffers)" : "";
+        if (st != MOECL_SUCCESS) {
+            fail("%s%s: %s", moecl_status_string(st), how, moecl_context_error(ctx));
+            continue;
+        }
+        char msg[512] = "";
+        const int bad = ref_check_topk_gating(&d, gating, bias, w, ids, msg, sizeof(msg));
+        if (bad)
+            fail("%d bad rows%s; first: %s", bad, how, msg);
+        for (uint32_t e = 0; c->counts && e < d.num_experts; e++) {
+            int32_t want = 0;
+            for (size_t i = 0; i < nk; i++)
+                want += ids[i] == (int32_t)e;
+            if (counts[e] != want) {
+                fail("expert_counts[%u] is %d%s, the ids hold %d", e, counts[e], how, want);
+                break;
+            }
+        }
+    }
+    free(gating);
+    free(bias);
+    free(w);
+    free(ids);
+    free(counts);
+}
+
+static void run_topk(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(topk_cases); i++) {
+        if (!run->all_cases && !topk_cases[i].every_shape)
+            continue;
+        for (int dt = 0; dt < 3; dt++)
+            if (!(run->one_dtype || topk_cases[i].big) || (size_t)dt == i % 3)
+                topk_one(ctx, run, &topk_cases[i], (moecl_dtype)dt, (unsigned)(i + dt));
+    }
+}
+
+/* ---- grounded router ---- */
+
+typedef struct grounded_case {
+    uint32_t tokens, hidden, experts, top_k;
+    float alpha;
+    /* Where local memory does not hold the team kernel's ground table, or
+     * the 128-token tile's keys, the library takes another kernel. */
+    bool team_fits, tile128_fits;
+} grounded_case;
+
+static const grounded_case grounded_cases[] = {
+    {5, 32, 16, 2, 1.0f, true, true},   /* the seed's shape, smaller */
+    {7, 24, 40, 5, 0.5f, true, true},   /* more experts than a 32-expert tile */
+    {3, 16, 100, 8, 2.0f, true, true},  /* partial expert tiles of 64 */
+    {1, 1030, 8, 3, 1.0f, false, true}, /* hidden chunks of 1024 and a tail of 6 */
+    {2, 8, 64, 64, 1.0f, true, false},  /* every expert chosen */
+};
+
+static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype)
+{
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
+    d.top_k = c->top_k;
+    d.hidden_dtype = dtype;
+    snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u alpha=%g %s", run->name, d.num_tokens, d.hidden_dim,
+             d.num_experts, d.top_k, (double)d.alpha, dtype_name(dtype));
+    if (!selected())
+        return;
+
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_grounded_router_launch(ctx, &d, &key, &config);
+    check_launch(run, d.num_experts, config);
+    if (left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
+                               ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
+                                 "shuffle16_uninitialized, shuffle_undef_crash)"
+                               : NULL))
+        return;
+
+    const size_t nk = (size_t)d.num_tokens * d.top_k, sz = ref_dtype_size(dtype);
+    void *hidden = xmalloc((size_t)d.num_tokens * d.hidden_dim * sz);
+    void *ground = xmalloc((size_t)d.num_experts * d.hidden_dim * sz);
+    float *logits = xmalloc((size_t)d.num_tokens * d.num_experts * sizeof(float));
+    const float h_scale = 1.0f / sqrtf((float)d.hidden_dim);
+    /* Token 0 is all zero, so that its g is its logits, which are all
+     * equal (exact ties); token 1's logits hold NaN and +-inf; experts 1
+     * and 2 have the same ground row (ties in every token with equal
+     * logits). */
+    for (uint32_t t = 0; t < d.num_tokens; t++)
+        for (uint32_t h = 0; h < d.hidden_dim; h++)
+            store(dtype, hidden, (size_t)t * d.hidden_dim + h, t == 0 ? 0.0f : randn() * h_scale);
+    for (uint32_t e = 0; e < d.num_experts; e++)
+        for (uint32_t h = 0; h < d.hidden_dim; h++) {
+            const size_t at = (size_t)e * d.hidden_dim + h;
+            if (e == 2)
+                memcpy((char *)ground + at * sz, (char *)ground + (at - d.hidden_dim) * sz, sz);
+            else
+                store(dtype, ground, at, randn());
+        }
+    for (uint32_t t = 0; t < d.num_tokens; t++)
+        for (uint32_t e = 0; e < d.num_experts; e++) {
+            float v = t == 0 ? 0.25f : randn();
+            if (t == 1)
+                v = e % 5 == 1 ? NAN : e % 5 == 2 ? INFINITY : e % 5 == 3 ? -INFINITY : v;
+            if (t >= 2 && e == 2)
+                v = logits[(size_t)t * d.num_experts + 1];
+            logits[(size_t)t * d.num_experts + e] = v;
+        }
+
+    float *pairs = xmalloc(nk * 2 * sizeof(float));
+    float *w = xmalloc(nk * sizeof(float));
+    int32_t *ids = xmalloc(nk * sizeof(int32_t));
+    memset(pairs, 0xff, nk * 2 * sizeof(float));
+    memset(w, 0xff, nk * sizeof(float));
+    memset(ids, 0xff, nk * sizeof(int32_t));
+    const moecl_status st = moecl_grounded_router_host(ctx, &d, hidden, logits, ground, pairs, w, ids);
+    if (st != MOECL_SUCCESS) {
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        char msg[512] = "";
+        const int bad = ref_check_grounded_router(&d, hidden, logits, ground, pairs, w, ids, msg, sizeof(msg));
+        if (bad)
+            fail("%d bad rows; first: %s", bad, msg);
+    }
+    free(hidden);
+    free(ground);
+    free(logits);
+    free(pairs);
+    free(w);
+    free(ids);
+}
+
+static void run_grounded(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(grounded_cases); i++) {
+        const grounded_case *c = &grounded_cases[i];
+        const moecl_launch_config want = expected_launch(run, c->experts);
+        /* The 128-token tile needs 64-expert tiles (8 x 8 blocks). */
+        if (want.tile == 128 && (c->experts <= 32 || !c->tile128_fits))
+            continue;
+        if (want.kernel == MOECL_KERNEL_TEAM && !c->team_fits)
+            continue;
+        for (int dt = 0; dt < 3; dt++)
+            grounded_one(ctx, run, c, (moecl_dtype)dt);
+    }
+}
+
+/* ---- moe_align ---- */
+
+typedef struct align_case {
+    uint32_t tokens, top_k, experts, block;
+    int load; /* 0 uniform, 1 all on one expert, 2 with invalid ids */
+} align_case;
+
+static const align_case align_cases[] = {
+    {0, 2, 8, 4, 0},     /* empty */
+    {5, 2, 8, 4, 0},     /* a few slots */
+    {9, 3, 4, 1, 1},     /* one expert takes everything; block 1 */
+    {7, 4, 16, 8, 2},    /* invalid ids: -1, E, INT32_MIN, INT32_MAX */
+    {150, 2, 16, 8, 2},  /* 300 slots: more than one chunk of 256 */
+    {70, 8, 300, 16, 0}, /* more experts than a scan work-group */
+    {3, 64, 4096, 16, 2}, /* the most experts, most of them empty */
+};
+
+static void align_one(moecl_context *ctx, const run_def *run, const align_case *c)
+{
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, c->block);
+    snprintf(current, sizeof(current), "%s T=%u k=%u E=%u block=%u load=%d", run->name, d.num_tokens, d.top_k,
+             d.num_experts, d.block_size, c->load);
+    if (!selected())
+        return;
+    const size_t slots = (size_t)d.num_tokens * d.top_k;
+    const size_t max_padded = (size_t)moecl_moe_align_max_padded(&d), blocks = max_padded / d.block_size;
+    int32_t *ids = xmalloc(slots * sizeof(int32_t));
+    static const int32_t bad[] = {-1, INT32_MIN, INT32_MAX};
+    for (size_t s = 0; s < slots; s++) {
+        const uint64_t r = splitmix();
+        int32_t id = (int32_t)(r % d.num_experts);
+        if (c->load == 1)
+            id = (int32_t)(d.num_experts - 1);
+        else if (c->load == 2 && (r >> 32) % 5 == 0)
+            id = (r >> 40) % 4 == 3 ? (int32_t)d.num_experts : bad[(r >> 40) % 4 % 3];
+        ids[s] = id;
+    }
+    int32_t *counts = xmalloc(d.num_experts * 4), *sorted = xmalloc(max_padded * 4), *block_ids = xmalloc(blocks * 4);
+    int32_t *positions = xmalloc(slots * 4), post = -7, invalid = -7;
+    memset(sorted, 0xff, max_padded * 4);
+    memset(block_ids, 0x7f, blocks * 4);
+    memset(positions, 0x7f, slots * 4);
+    const moecl_status st =
+        moecl_moe_align_host(ctx, &d, ids, counts, sorted, block_ids, &post, positions, &invalid);
+    if (st != MOECL_SUCCESS) {
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        char msg[512] = "";
+        const int bad_count =
+            ref_check_moe_align(&d, ids, counts, sorted, block_ids, &post, positions, &invalid, msg, sizeof(msg));
+        if (bad_count)
+            fail("%d elements differ; first: %s", bad_count, msg);
+    }
+    free(ids);
+    free(counts);
+    free(sorted);
+    free(block_ids);
+    free(positions);
+}
+
+static void run_align(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(align_cases); i++)
+        align_one(ctx, run, &align_cases[i]);
+}
+
+/* ---- main ---- */
+
+static int run_one(const run_def *run)
+{
+    const int before = failures;
+    /* The launch variables are read when a context is created. */
+    unsetenv("MOECL_LAUNCH_CLASS");
+    unsetenv("MOECL_TEAM");
+    unsetenv("MOECL_TOPK_ROUNDS");
+    unsetenv("MOECL_GROUNDED_TILE");
+    unsetenv("MOECL_ALIGN");
+    if (run->launch_class)
+        setenv("MOECL_LAUNCH_CLASS", run->launch_class, 1);
+    for (size_t i = 0; i < COUNT(run->env) && run->env[i]; i++) {
+        char name[64];
+        const char *eq = strchr(run->env[i], '=');
+        snprintf(name, sizeof(name), "%.*s", (int)(eq - run->env[i]), run->env[i]);
+        setenv(name, eq + 1, 1);
+    }
+    snprintf(current, sizeof(current), "%s", run->name);
+    moecl_context *ctx = NULL;
+    const moecl_status st = moecl_context_create(NULL, &ctx);
+    if (st != MOECL_SUCCESS) {
+        fail("moecl_context_create: %s: %s", moecl_status_string(st), moecl_context_error(NULL));
+        return 1;
+    }
+    char device[256] = "?";
+    clGetDeviceInfo(moecl_context_device(ctx), CL_DEVICE_NAME, sizeof(device), device, NULL);
+    fprintf(stderr, "run %s on %s\n", run->name, device);
+    if (run->forced)
+        moecl_launch_force(ctx, run->op == OP_TOPK ? MOECL_OP_TOPK_GATING : MOECL_OP_GROUNDED_ROUTER, &run->force);
+    if (run->op == OP_TOPK)
+        run_topk(ctx, run);
+    else if (run->op == OP_GROUNDED)
+        run_grounded(ctx, run);
+    else
+        run_align(ctx, run);
+    moecl_context_destroy(ctx);
+    fprintf(stderr, "run %s: %s\n", run->name, failures == before ? "ok" : "FAILED");
+    return failures != before;
+}
+
+int main(int argc, char **argv)
+{
+    int a = 1;
+    for (; a < argc && strncmp(argv[a], "--", 2) == 0; a++) {
+        if (strcmp(argv[a], "--list") == 0) {
+            for (size_t i = 0; i < COUNT(runs); i++)
+                printf("%s\n", runs[i].name);
+            return 0;
+        } else if (strcmp(argv[a], "--only") == 0 && a + 1 < argc) {
+            only = argv[++a];
+        } else if (strcmp(argv[a], "--skip-rows-fast") == 0) {
+            skip_rows_fast = true;
+        } else if (strcmp(argv[a], "--uninitialized") == 0) {
+            uninit_mode = UNINIT_FIT;
+        } else if (strcmp(argv[a], "--uninitialized-left-out") == 0) {
+            uninit_mode = UNINIT_UNFIT;
+        } else {
+            a = argc; /* usage */
+        }
+    }
+    if (a >= argc) {
+        fprintf(stderr,
+                "usage: %s --list\n"
+                "       %s [--only TEXT] [--skip-rows-fast] [--uninitialized | --uninitialized-left-out]\n"
+                "          RUN...\n"
+                "  --only TEXT        the cases whose description contains TEXT\n"
+                "  --skip-rows-fast   leave out the top-k rows kernel's fast path (oclgrind's optimised\n"
+                "                     build computes it wrong: tool_bugs/zext_bool_vector)\n"
+                "  --uninitialized    leave out what oclgrind --uninitialized cannot run: the rows kernels'\n"
+                "                     16-lane vectors (tool_bugs/shuffle16_uninitialized, shuffle_undef_crash)\n"
+                "                     and _with_counts (tool_bugs/fill_buffer_uninitialized)\n"
+                "  --uninitialized-left-out  only what --uninitialized leaves out\n",
+                argv[0], argv[0]);
+        return 2;
+    }
+    const char *seed = getenv("MOECL_TEST_SEED");
+    rng_state = seed && *seed ? strtoull(seed, NULL, 0) : ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
+    fprintf(stderr, "oclgrind_routes: seed %llu (set MOECL_TEST_SEED to repeat)\n", (unsigned long long)rng_state);
+    int status = 0;
+    for (; a < argc; a++) {
+        const run_def *run = NULL;
+        for (size_t i = 0; i < COUNT(runs); i++)
+            if (strcmp(argv[a], runs[i].name) == 0)
+                run = &runs[i];
+        if (!run) {
+            fprintf(stderr, "unknown run %s (--list names them)\n", argv[a]);
+            return 2;
+        }
+        status |= run_one(run);
+    }
+    fprintf(stderr, "oclgrind_routes: %d failures, %d cases skipped\n", failures, skips);
+    return status;
+}
