@@ -187,12 +187,17 @@ static inline uint8 select_rank8(float8 s)
  * rank_logit16) and go by index. Rows with a NaN or +inf logit, or only
  * -inf, have every score NaN (the sum is NaN): those rows are all ties and
  * give ids 0..k-1. Blocks of 16 floats (one AVX-512 register); every loop
- * below is over the row's blocks. f32 logits only: with f16 and bf16 rows
- * of 60 or 64 experts this path chose wrong ids on NVIDIA's OpenCL (the
- * H200, through MOECL_LAUNCH_CLASS=cpu) while pocl and Intel's runtime
- * were right, and the cause is not found; narrow logits take the generic
- * loop below on every device. */
-#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && IN_DTYPE == 0
+ * below is over the row's blocks. CPU_DEVICE (set by the host for CPU
+ * devices): the path is checked on pocl and Intel's CPU runtime; on the
+ * H200 (forced through MOECL_LAUNCH_CLASS=cpu) it chose wrong ids for f32,
+ * f16 and bf16 rows of 60 and 64 experts, with scalar loads, a scalar floor
+ * and a guarded k = 1 branch alike, and the cause is not found (oclgrind
+ * miscounts the same vector compares: tests/oclgrind/tool_bugs). Other
+ * devices take the generic loop below. */
+#ifndef CPU_DEVICE
+#define CPU_DEVICE 0
+#endif
+#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
 #define ROWS_FAST 1
 #define V16 16
 #define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)

@@ -219,10 +219,11 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
     snprintf(defines, size,
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
              "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
-             "-DTOPK_COUNT=%d",
+             "-DTOPK_COUNT=%d -DCPU_DEVICE=%d",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
-             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1);
+             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1,
+             (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
     /* Appended only when set: the defines, and so the kernels and
      * disk-cache entries, of requests that use none of these are what
      * they were before each was added. The floor is a hex literal, so the
