@@ -280,12 +280,19 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
                             const cl_event *wait, cl_event *done)
 {
     const char *name = p->shape.kernel_name;
-    const size_t rows = p->shape.rows;
+    const size_t limit = moecl_variant_work_group_limit(p->variant);
+    size_t rows = p->shape.rows;
+    /* The rows kernel (one work-item a row, no required work-group size)
+     * runs in work-groups of any size: it takes the kernel's limit where
+     * that is smaller (Intel's CPU runtime reports 1 for rows of 4096
+     * experts, whose private arrays are large). */
+    if (p->shape.team == 1 && limit && rows > limit)
+        rows = limit;
     const size_t local = (size_t)p->shape.team * rows;
     const size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
     /* Checked before the fill, which the kernel's enqueue would otherwise
      * find already queued. */
-    moecl_status st = moecl_check_work_group(ctx, name, local, moecl_variant_work_group_limit(p->variant));
+    moecl_status st = moecl_check_work_group(ctx, name, local, limit);
     if (st != MOECL_SUCCESS)
         return st;
     cl_kernel kernel;
