@@ -223,6 +223,20 @@ START_TEST(test_options)
 }
 END_TEST
 
+/* Case i of a group configuration {experts, groups, topk_group, top_k}:
+ * token count, renormalisation and factor rotate with i. */
+static moecl_topk_gating_desc group_case(const uint32_t config[4], unsigned i, int group_score, int scoring)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[1 + i % 6], config[0], config[3]);
+    d.num_expert_groups = config[1];
+    d.topk_group = config[2];
+    d.group_score = (moecl_group_score)group_score;
+    d.scoring = (moecl_scoring)scoring;
+    d.renormalize = i % 2;
+    d.routed_scaling_factor = i % 4 == 1 ? 2.5f : 1.0f;
+    return d;
+}
+
 /* Group-limited selection: the issue's group configurations with both group
  * scores, softmax and sigmoid, with and without bias. */
 START_TEST(test_groups)
@@ -237,14 +251,7 @@ START_TEST(test_groups)
         for (int gs = 0; gs < 2; gs++)
             for (int scoring = 0; scoring < 2; scoring++)
                 for (int bias = 0; bias < 2; bias++) {
-                    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[1 + i % 6], configs[c][0],
-                                                                           configs[c][3]);
-                    d.num_expert_groups = configs[c][1];
-                    d.topk_group = configs[c][2];
-                    d.group_score = (moecl_group_score)gs;
-                    d.scoring = (moecl_scoring)scoring;
-                    d.renormalize = i % 2;
-                    d.routed_scaling_factor = i % 4 == 1 ? 2.5f : 1.0f;
+                    moecl_topk_gating_desc d = group_case(configs[c], i, gs, scoring);
                     random_case(ctx, &d, bias, 5000 + i, false);
                     i++;
                 }
@@ -509,15 +516,8 @@ START_TEST(test_group_fill_random)
         for (int gs = 0; gs < 2; gs++)
             for (int scoring = 0; scoring < 2; scoring++)
                 for (int bias = 0; bias < 2; bias++) {
-                    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(grid_tokens[1 + i % 6], configs[c][0],
-                                                                           configs[c][3]);
-                    d.num_expert_groups = configs[c][1];
-                    d.topk_group = configs[c][2];
-                    d.group_score = (moecl_group_score)gs;
-                    d.scoring = (moecl_scoring)scoring;
+                    moecl_topk_gating_desc d = group_case(configs[c], i, gs, scoring);
                     d.group_fill = MOECL_GROUP_FILL_ZERO;
-                    d.renormalize = i % 2;
-                    d.routed_scaling_factor = i % 4 == 1 ? 2.5f : 1.0f;
                     d.gating_dtype = (moecl_dtype)(i % 3);
                     /* Softmax without a bias: logits spread by 40, so most
                      * scores of a row are 0 and the fill competes. */
