@@ -53,7 +53,7 @@ typedef struct options {
     const char *shapes[16]; /* --shape T,E,K: extra softmax top-k cases */
     int num_shapes;
     int iterations, wall_calls;
-    bool cold, quick;
+    bool cold, quick, host_cost;
 } options;
 
 static void die(const char *what, moecl_context *ctx, int st)
@@ -70,11 +70,57 @@ static const char *probe_source = "__kernel void empty(__global float *p) { (voi
 
 typedef struct probes {
     double empty_us, copy_gbps;
+    double empty_wall_us; /* wall time per call back to back, as the cases' wall_us */
 } probes;
 
-static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q, int iterations)
+static cl_kernel empty_kernel(cl_context c, cl_device_id dev)
 {
-    probes r = {0, 0};
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(c, 1, &probe_source, NULL, &err);
+    if (!prog || clBuildProgram(prog, 1, &dev, NULL, NULL, NULL) != CL_SUCCESS) {
+        fprintf(stderr, "moecl-bench: cannot build the empty kernel\n");
+        exit(1);
+    }
+    cl_kernel k = clCreateKernel(prog, "empty", &err);
+    clReleaseProgram(prog); /* the kernel keeps it */
+    if (!k) {
+        fprintf(stderr, "moecl-bench: cannot create the empty kernel (%d)\n", err);
+        exit(1);
+    }
+    return k;
+}
+
+/* What a bare launch costs the host: the argument and the enqueue, as a
+ * library call has at least. */
+static cl_int enqueue_empty(cl_command_queue q, cl_kernel k, cl_mem arg, cl_uint num_wait, const cl_event *wait,
+                            cl_event *done)
+{
+    const size_t one = 1;
+    cl_int err = clSetKernelArg(k, 0, sizeof(cl_mem), &arg);
+    return err != CL_SUCCESS ? err : clEnqueueNDRangeKernel(q, k, 1, NULL, &one, &one, num_wait, wait, done);
+}
+
+/* Wall time per call of `calls` empty kernels back to back on q, one clFinish
+ * (the same count and queue as a case's wall_us). */
+static double empty_wall_us(cl_command_queue q, cl_kernel k, cl_mem arg, int calls)
+{
+    for (int i = 0; i < 10; i++)
+        enqueue_empty(q, k, arg, 0, NULL, NULL);
+    clFinish(q);
+    const double t0 = tool_now_us();
+    for (int i = 0; i < calls; i++)
+        if (enqueue_empty(q, k, arg, 0, NULL, NULL) != CL_SUCCESS) {
+            fprintf(stderr, "moecl-bench: enqueueing the empty kernel failed\n");
+            exit(1);
+        }
+    clFinish(q);
+    return (tool_now_us() - t0) / calls;
+}
+
+static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q, cl_command_queue plain_q,
+                             int iterations, int wall_calls)
+{
+    probes r = {0, 0, 0};
     cl_int err;
     cl_program prog = clCreateProgramWithSource(c, 1, &probe_source, NULL, &err);
     if (!prog || clBuildProgram(prog, 1, &dev, NULL, NULL, NULL) != CL_SUCCESS)
@@ -112,6 +158,7 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
             r.copy_gbps = 2.0 * count * 16 / (t[iterations / 2] * 1e3);
     }
     free(t);
+    r.empty_wall_us = empty_wall_us(plain_q, empty, a, wall_calls);
     clReleaseMemObject(a);
     clReleaseMemObject(b);
     clReleaseKernel(empty);
@@ -458,6 +505,118 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     free_buffers(&b);
 }
 
+/* ---- --host-cost: what a call costs the host ---- */
+
+enum { HOST_COST_BATCH = 200, HOST_COST_ROUNDS = 15 };
+
+typedef struct host_cost {
+    double topk_us, empty_us;           /* host time per call behind a user event, best round */
+    double topk_wall_us, empty_wall_us; /* wall time per call back to back, no user event */
+} host_cost;
+
+/* One batch of calls: either moecl_topk_gating or the bare empty launch. */
+typedef struct host_cost_target {
+    moecl_context *ctx;
+    const moecl_topk_gating_desc *desc;
+    cl_mem gating, weights, ids; /* NULL gating: the empty kernel instead */
+    cl_kernel empty;
+} host_cost_target;
+
+static void host_cost_call(const host_cost_target *t, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    cl_int err;
+    if (t->gating) {
+        moecl_buffer none = {NULL, 0};
+        err = moecl_topk_gating(t->ctx, t->desc, (moecl_buffer){t->gating, 0}, none, (moecl_buffer){t->weights, 0},
+                                (moecl_buffer){t->ids, 0}, num_wait, wait, done);
+    } else {
+        err = enqueue_empty(moecl_context_queue(t->ctx), t->empty, t->weights, num_wait, wait, done);
+    }
+    if (err != CL_SUCCESS) {
+        fprintf(stderr, "moecl-bench: %s failed during --host-cost: %d: %s\n",
+                t->gating ? "moecl_topk_gating" : "the empty kernel", err, moecl_context_error(t->ctx));
+        exit(1);
+    }
+}
+
+/* Host time per call: batches of HOST_COST_BATCH calls on the context's own
+ * queue, each waiting on a user event that is completed only after the
+ * batch is timed, so no kernel runs meanwhile and only the host's work is
+ * measured. Best of HOST_COST_ROUNDS; between rounds every returned event is
+ * released, the user event completed and the queue drained. */
+static double host_cost_behind_event(const host_cost_target *t)
+{
+    cl_command_queue q = moecl_context_queue(t->ctx);
+    cl_context cl = moecl_context_cl_context(t->ctx);
+    cl_event done[HOST_COST_BATCH];
+    double best = INFINITY;
+    for (int round = 0; round < HOST_COST_ROUNDS; round++) {
+        cl_int err;
+        cl_event gate = clCreateUserEvent(cl, &err);
+        if (!gate) {
+            fprintf(stderr, "moecl-bench: clCreateUserEvent failed: %d\n", err);
+            exit(1);
+        }
+        const double t0 = tool_now_us();
+        for (int i = 0; i < HOST_COST_BATCH; i++)
+            host_cost_call(t, 1, &gate, &done[i]);
+        const double per_call = (tool_now_us() - t0) / HOST_COST_BATCH;
+        best = per_call < best ? per_call : best;
+        for (int i = 0; i < HOST_COST_BATCH; i++)
+            clReleaseEvent(done[i]);
+        clSetUserEventStatus(gate, CL_COMPLETE);
+        clReleaseEvent(gate);
+        clFinish(q);
+    }
+    return best;
+}
+
+/* Wall time per call of `calls` calls back to back, one clFinish. */
+static double host_cost_wall(const host_cost_target *t, int calls)
+{
+    cl_command_queue q = moecl_context_queue(t->ctx);
+    for (int i = 0; i < 10; i++)
+        host_cost_call(t, 0, NULL, NULL);
+    clFinish(q);
+    const double t0 = tool_now_us();
+    for (int i = 0; i < calls; i++)
+        host_cost_call(t, 0, NULL, NULL);
+    clFinish(q);
+    return (tool_now_us() - t0) / calls;
+}
+
+/* The top-k call (device buffers, no bias) and the bare empty launch, both
+ * on ctx's own queue (no profiling), measured the same two ways. The call
+ * is checked against the reference first, so what is timed is a real call. */
+static host_cost measure_host_cost(moecl_context *ctx, const moecl_topk_gating_desc *desc, int wall_calls)
+{
+    cl_context cl = moecl_context_cl_context(ctx);
+    bench_case c;
+    memset(&c, 0, sizeof(c));
+    c.label = "topk host cost";
+    c.op = OP_TOPK;
+    c.topk = *desc;
+    case_buffers b;
+    setup_buffers(cl, &c, false, &b);
+    bench_result check;
+    memset(&check, 0, sizeof(check));
+    check_case(ctx, &c, &b, &check);
+    if (!check.checked_ok) {
+        fprintf(stderr, "moecl-bench: the top-k call failed its check: %s\n", check.check_msg);
+        exit(1);
+    }
+    host_cost_target topk = {ctx, desc, b.in[0], b.out1, b.out2, NULL};
+    host_cost_target empty = {ctx, desc, NULL, b.out1, NULL, empty_kernel(cl, moecl_context_device(ctx))};
+    host_cost r;
+    r.topk_us = host_cost_behind_event(&topk);
+    r.empty_us = host_cost_behind_event(&empty);
+    r.topk_wall_us = host_cost_wall(&topk, wall_calls);
+    r.empty_wall_us = host_cost_wall(&empty, wall_calls);
+    clReleaseKernel(empty.empty);
+    free_buffers(&b);
+    return r;
+}
+
 /* ---- the default cases ---- */
 
 static int default_cases(bench_case *out, bool quick)
@@ -540,7 +699,7 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick]\n"
-               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE] [--help]\n"
+               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE] [--host-cost] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
@@ -550,6 +709,10 @@ static void usage(FILE *f)
                "scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32 (moe_align); ids_fnv1a hashes the ids\n"
                "of the check, for moe_align the sorted_token_ids). moe_align's device time spans its four\n"
                "kernels: from a marker just before the call to the end of its last kernel.\n"
+               "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32; 1,128,8\n"
+               "or the first --shape) costs the host: batches of 200 calls on the context's own queue behind an\n"
+               "uncompleted user event, so no kernel runs, best of 15 rounds, against a bare clSetKernelArg +\n"
+               "clEnqueueNDRangeKernel of an empty kernel; then both as wall time per call back to back.\n"
                "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
 }
 
@@ -583,6 +746,8 @@ int main(int argc, char **argv)
             o.cold = true;
         } else if (!strcmp(a, "--quick")) {
             o.quick = true;
+        } else if (!strcmp(a, "--host-cost")) {
+            o.host_cost = true;
         } else {
             usage(stderr);
             return 2;
@@ -627,9 +792,48 @@ int main(int argc, char **argv)
     moecl_context_describe(plain, desc, sizeof(desc));
     printf("moecl %s  %s\n%s", moecl_version(), o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)",
            desc);
-    probes pr = measure_probes(cl, dev, moecl_context_queue(prof), o.iterations);
-    printf("context creation: %.1f ms; empty kernel: %.2f us device time; copy kernel: %.1f GB/s (read + write)\n\n",
-           create_ms, pr.empty_us, pr.copy_gbps);
+    if (o.host_cost) {
+        unsigned t = 1, e = 128, k = 8;
+        if (o.num_shapes > 0 && sscanf(o.shapes[0], "%u,%u,%u", &t, &e, &k) != 3) {
+            usage(stderr);
+            return 2;
+        }
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(t, e, k);
+        host_cost h = measure_host_cost(plain, &d, o.wall_calls);
+        printf("host cost per call, topk softmax %ux%u k%u f32, device buffers, on the context's own queue:\n"
+               "  behind a user event (best of %d rounds of %d calls, no kernel runs):\n"
+               "    moecl_topk_gating                      %8.3f us\n"
+               "    clSetKernelArg + clEnqueueNDRangeKernel %7.3f us (empty kernel)\n"
+               "    ratio                                  %8.2f\n"
+               "  wall time per call, %d calls back to back, one clFinish:\n"
+               "    moecl_topk_gating                      %8.3f us\n"
+               "    empty kernel                           %8.3f us\n"
+               "    difference                             %8.3f us\n",
+               t, e, k, HOST_COST_ROUNDS, HOST_COST_BATCH, h.topk_us, h.empty_us, h.topk_us / h.empty_us,
+               o.wall_calls, h.topk_wall_us, h.empty_wall_us, h.topk_wall_us - h.empty_wall_us);
+        if (jf) {
+            fprintf(jf,
+                    "{\"version\": \"%s\", \"host_cost\": {\"shape\": \"%ux%u k%u\", \"rounds\": %d, "
+                    "\"batch\": %d, \"topk_host_us\": %.4f, \"empty_host_us\": %.4f, \"ratio\": %.4f, "
+                    "\"wall_calls\": %d, \"topk_wall_us\": %.4f, \"empty_wall_us\": %.4f}}\n",
+                    moecl_version(), t, e, k, HOST_COST_ROUNDS, HOST_COST_BATCH, h.topk_us, h.empty_us,
+                    h.topk_us / h.empty_us, o.wall_calls, h.topk_wall_us, h.empty_wall_us);
+            if (fclose(jf) != 0) {
+                fprintf(stderr, "moecl-bench: writing %s failed\n", o.json);
+                return 1;
+            }
+        }
+        if (cf)
+            fclose(cf);
+        moecl_context_destroy(prof);
+        moecl_context_destroy(plain);
+        return 0;
+    }
+    probes pr = measure_probes(cl, dev, moecl_context_queue(prof), moecl_context_queue(plain), o.iterations,
+                               o.wall_calls);
+    printf("context creation: %.1f ms; empty kernel: %.2f us device time, %.2f us wall time per call of %d back to "
+           "back; copy kernel: %.1f GB/s (read + write)\n\n",
+           create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, pr.copy_gbps);
 
     bench_case cases[48];
     int n = default_cases(cases, o.quick);
@@ -698,8 +902,8 @@ int main(int argc, char **argv)
     if (jf)
         fprintf(jf,
                 "{\"version\": \"%s\", \"cold\": %s, \"context_create_ms\": %.2f, \"empty_kernel_us\": %.3f, "
-                "\"copy_gbps\": %.1f, \"cases\": [",
-                moecl_version(), o.cold ? "true" : "false", create_ms, pr.empty_us, pr.copy_gbps);
+                "\"empty_kernel_wall_us\": %.3f, \"copy_gbps\": %.1f, \"cases\": [",
+                moecl_version(), o.cold ? "true" : "false", create_ms, pr.empty_us, pr.empty_wall_us, pr.copy_gbps);
     if (cf)
         fprintf(cf, "op,shape,dtype,device_us,p10_us,p90_us,wall_us,gbps,copy_ratio,t_sol_us,t_prod_us,check\n");
     bool first = true;
