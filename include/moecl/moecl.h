@@ -193,15 +193,76 @@ MOECL_API cl_device_id moecl_context_device(const moecl_context *ctx);
 /** The command queue of ctx, its own or the adopted one (not retained). */
 MOECL_API cl_command_queue moecl_context_queue(const moecl_context *ctx);
 
+/** The most launch entries a moecl_context_info holds. */
+#define MOECL_CONTEXT_INFO_MAX_LAUNCHES 8
+
+/** What a representative shape launches with on the context's device. */
+typedef struct moecl_launch_info {
+    char op[16];            /**< "topk" (top-k gating) or "grounded" (the grounded router) */
+    uint32_t num_experts;   /**< the key: experts, */
+    uint32_t top_k;         /**< top_k, */
+    uint32_t groups;        /**< top-k gating's expert groups (0: none; 0 for the grounded router), */
+    uint32_t hidden_bucket; /**< the grounded router's hidden size rounded up to a power of two (0 for top-k) */
+    char kernel[16];        /**< the kernel family: "rows", "team" or "tiled" */
+    uint32_t team;          /**< work-items per row (1 for rows and tiled) */
+    uint32_t rows;          /**< rows (tokens) per work-group (0 for tiled) */
+    uint32_t tile;          /**< tokens per work-group of the tiled kernel (0 otherwise) */
+    char source[16];        /**< where it came from: "default", "table", "tuned", "env" or "forced" */
+    char key_text[64];      /**< the key as a tune file line spells it, "topk e=128 k=8 groups=0" */
+    char config_text[64];   /**< the configuration as a tune file line spells it, "kernel=rows rows=8" */
+} moecl_launch_info;
+
+/** The description of a context: its device, and what moecl chose for it
+ *  and why. One record behind moecl_context_describe() (which formats it)
+ *  and `moecl-info --json` (which serialises it). Strings are NUL-terminated
+ *  and truncated to their arrays; OpenCL's names are copied as the driver
+ *  gives them (not necessarily valid UTF-8). An empty path means "none". */
+typedef struct moecl_context_info {
+    /** The caller sets this to sizeof(moecl_context_info) before the call:
+     *  a later moecl with a longer record fills only the fields this
+     *  size covers. */
+    size_t struct_size;
+    char platform[128];          /**< CL_PLATFORM_NAME */
+    char device[128];            /**< CL_DEVICE_NAME */
+    char device_version[128];    /**< CL_DEVICE_VERSION */
+    char driver[128];            /**< CL_DRIVER_VERSION */
+    char type[16];               /**< "CPU", "GPU", "accelerator" or "other" */
+    char vendor[16];             /**< "NVIDIA", "AMD", "Intel", "pocl" or "other", as moecl classifies it */
+    uint32_t compute_units;      /**< CL_DEVICE_MAX_COMPUTE_UNITS */
+    uint64_t local_memory_bytes; /**< CL_DEVICE_LOCAL_MEM_SIZE */
+    size_t max_work_group_size;  /**< CL_DEVICE_MAX_WORK_GROUP_SIZE */
+    char launch_class[16];       /**< "cpu" or "gpu": how the kernels are shaped */
+    char launch_class_reason[128]; /**< why that class */
+    char kernel_dir[4096];       /**< $MOECL_KERNEL_DIR the kernels are read from; "": the embedded sources */
+    char kernel_cache[4096];     /**< the kernel cache directory; "": caching is off */
+    bool inline_ptx;             /**< the NVIDIA inline PTX (warp) paths are built */
+    char inline_ptx_reason[128]; /**< why they are or are not, e.g. "compute capability 9.0" */
+    char tune_file[4096];        /**< the device's tune file (moecl-tune writes it); "": no cache directory */
+    bool tune_file_present;      /**< that file exists */
+    uint32_t tune_keys_read;     /**< configurations read from it at context creation */
+    uint32_t num_launches;       /**< entries of launches[] filled */
+    moecl_launch_info launches[MOECL_CONTEXT_INFO_MAX_LAUNCHES]; /**< representative shapes */
+} moecl_context_info;
+
+/** Fill *info with the description of ctx. info->struct_size must be set
+ *  (see moecl_context_info); bytes past it are not written, and on success
+ *  struct_size is set to the size this moecl filled. Errors:
+ *  MOECL_ERROR_INVALID_ARGUMENT for a NULL ctx or info or a struct_size
+ *  below that of the first version of the record (which ends at
+ *  launches[]); then *info is unchanged. Thread-safe. */
+MOECL_API moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_context_info *info);
+
 /** Describe the context's device and what moecl chose for it, as lines of
- *  "key: value" text: platform, device, driver, device type, vendor, compute
- *  units, local memory, maximum work-group size, the launch class and why,
- *  whether the NVIDIA inline PTX paths are built (by compute capability),
- *  the kernel cache directory, the device's tune file (moecl-tune), and for
- *  representative shapes the launch configuration and where it came from
- *  (default, table, tuned, env). Writes at most size bytes including the
- *  terminating NUL (like snprintf) and returns the length the whole text
- *  needs. buf may be NULL when size is 0. Thread-safe. */
+ *  "key: value" text formatted from moecl_context_query_info()'s record
+ *  (for people: scripts read the record, or `moecl-info --json`): platform,
+ *  device, driver, device type, vendor, compute units, local memory,
+ *  maximum work-group size, the launch class and why, whether the NVIDIA
+ *  inline PTX paths are built, the kernel cache directory, the device's
+ *  tune file, and for representative shapes the launch configuration and
+ *  where it came from. Writes at most size bytes including the terminating
+ *  NUL (like snprintf) and returns the length the whole text needs; for a
+ *  NULL ctx it writes "" (when size > 0) and returns 0. buf may be NULL
+ *  when size is 0. Thread-safe. */
 MOECL_API size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size);
 
 /* ---------------------------------------------------------------------- */
