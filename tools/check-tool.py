@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Runs a tool and checks what scripts rely on: its exit status (--status,
-default 0), that stdout contains each --contains text, and with --json that
-stdout (or --json-file) is one valid JSON object (what `python3 -m
-json.tool` accepts) holding each --key (a dotted path; `a.0.b` indexes a
-list). Usage: check-tool.py [options] -- TOOL [ARGS...]. Exit 0 when all
-holds, 1 otherwise."""
+default 0), that stdout contains each --contains text and none of the
+--stdout-lacks texts, that stderr contains each --stderr-contains text,
+and with --json that stdout (or --json-file) is valid UTF-8 and one valid
+JSON object (what `python3 -m json.tool` accepts) holding each --key (a
+dotted path; `a.0.b` indexes a list). Usage: check-tool.py [options] --
+TOOL [ARGS...]. Exit 0 when all holds, 1 otherwise."""
 import argparse
 import json
 import subprocess
@@ -15,27 +16,36 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--status', type=int, default=0)
     ap.add_argument('--contains', action='append', default=[])
+    ap.add_argument('--stdout-lacks', action='append', default=[])
     ap.add_argument('--stderr-contains', action='append', default=[])
     ap.add_argument('--json', action='store_true')
     ap.add_argument('--json-file')
     ap.add_argument('--key', action='append', default=[])
     ap.add_argument('command', nargs='+')
     a = ap.parse_args()
-    r = subprocess.run(a.command, capture_output=True, text=True)
-    sys.stdout.write(r.stdout)
-    sys.stdout.write(r.stderr)
+    r = subprocess.run(a.command, capture_output=True)
     bad = []
+    # Decoded strictly: a byte that is not UTF-8 is a failure, not a crash.
+    try:
+        stdout = r.stdout.decode('utf-8')
+    except UnicodeDecodeError as e:
+        bad.append('stdout is not valid UTF-8: %s' % e)
+        stdout = r.stdout.decode('utf-8', 'replace')
+    stderr = r.stderr.decode('utf-8', 'replace')
+    sys.stdout.write(stdout)
+    sys.stdout.write(stderr)
     if r.returncode != a.status:
         bad.append('exit status %d, expected %d' % (r.returncode, a.status))
-    bad += ['stdout lacks %r' % c for c in a.contains if c not in r.stdout]
-    bad += ['stderr lacks %r' % c for c in a.stderr_contains if c not in r.stderr]
+    bad += ['stdout lacks %r' % c for c in a.contains if c not in stdout]
+    bad += ['stdout has %r' % c for c in a.stdout_lacks if c in stdout]
+    bad += ['stderr lacks %r' % c for c in a.stderr_contains if c not in stderr]
     if a.json or a.json_file:
         try:
             if a.json_file:
-                with open(a.json_file, encoding='utf-8') as f:
+                with open(a.json_file, encoding='utf-8', errors='strict') as f:
                     doc = json.load(f)
             else:
-                doc = json.loads(r.stdout)
+                doc = json.loads(stdout)
         except (OSError, ValueError) as e:
             bad.append('not valid JSON: %s' % e)
             doc = None

@@ -23,7 +23,9 @@
 #include <moecl/moecl.h>
 
 #include "reference.h"
+#include "tool_args.h"
 #include "tool_common.h"
+#include "tool_json.h"
 
 typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
 
@@ -50,7 +52,7 @@ typedef struct bench_result {
 
 typedef struct options {
     const char *device, *json, *csv, *only;
-    const char *shapes[16]; /* --shape T,E,K: extra softmax top-k cases */
+    unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases */
     int num_shapes;
     int iterations, wall_calls;
     bool cold, quick, host_cost;
@@ -699,68 +701,249 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick]\n"
-               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE] [--host-cost] [--help]\n"
+               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
+               "                   [--host-cost] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
                "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
-               "label or shape contains SUBSTRING. --json FILE and --csv FILE write the table for\n"
-               "scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32 (moe_align); ids_fnv1a hashes the ids\n"
-               "of the check, for moe_align the sorted_token_ids). moe_align's device time spans its four\n"
-               "kernels: from a marker just before the call to the end of its last kernel.\n"
-               "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32; 1,128,8\n"
-               "or the first --shape) costs the host: batches of 200 calls on the context's own queue behind an\n"
-               "uncompleted user event, so no kernel runs, best of 15 rounds, against a bare clSetKernelArg +\n"
-               "clEnqueueNDRangeKernel of an empty kernel; then both as wall time per call back to back.\n"
+               "label or shape contains SUBSTRING (one that keeps none is a bad usage). --json FILE and\n"
+               "--csv FILE write the table for scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32\n"
+               "(moe_align); ids_fnv1a hashes the ids of the check, for moe_align the sorted_token_ids;\n"
+               "JSON strings are valid UTF-8: a byte that is not is written as U+FFFD). moe_align's\n"
+               "device time spans its kernels: from a marker just before the call to the end of its last.\n"
+               "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32;\n"
+               "1,128,8 or the --shape) costs the host: batches of 200 calls on the context's own queue\n"
+               "behind an uncompleted user event, so no kernel runs, best of 15 rounds, against a bare\n"
+               "clSetKernelArg + clEnqueueNDRangeKernel of an empty kernel; then both as wall time per\n"
+               "call back to back (--wall-calls).\n"
                "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
+}
+
+enum {
+    OPT_DEVICE = 256,
+    OPT_ITERATIONS,
+    OPT_WALL_CALLS,
+    OPT_JSON,
+    OPT_CSV,
+    OPT_ONLY,
+    OPT_SHAPE,
+    OPT_COLD,
+    OPT_QUICK,
+    OPT_HOST_COST,
+};
+
+/* "T,E,K": three whole numbers, experts and top_k at least 1. */
+static bool parse_shape(const char *text, unsigned out[3])
+{
+    char buf[64];
+    if (snprintf(buf, sizeof(buf), "%s", text) >= (int)sizeof(buf))
+        return false;
+    char *save = NULL, *part = strtok_r(buf, ",", &save);
+    for (int i = 0; i < 3; i++, part = strtok_r(NULL, ",", &save)) {
+        long v;
+        if (!tool_parse_int(part, i == 0 ? 0 : 1, UINT32_MAX, &v))
+            return false;
+        out[i] = (unsigned)v;
+    }
+    return part == NULL && text[strlen(text) - 1] != ',';
+}
+
+/* The options, checked before any device is touched: -1 to go on, else
+ * the exit status (0 after --help, 2 for a bad usage, named). */
+static int parse_args(int argc, char **argv, options *o)
+{
+    static const struct option longopts[] = {
+        {"device", required_argument, NULL, OPT_DEVICE},   {"iterations", required_argument, NULL, OPT_ITERATIONS},
+        {"wall-calls", required_argument, NULL, OPT_WALL_CALLS}, {"json", required_argument, NULL, OPT_JSON},
+        {"csv", required_argument, NULL, OPT_CSV},         {"only", required_argument, NULL, OPT_ONLY},
+        {"shape", required_argument, NULL, OPT_SHAPE},     {"cold", no_argument, NULL, OPT_COLD},
+        {"quick", no_argument, NULL, OPT_QUICK},           {"host-cost", no_argument, NULL, OPT_HOST_COST},
+        {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
+    };
+    const char *prog = "moecl-bench";
+    memset(o, 0, sizeof(*o));
+    o->iterations = 200;
+    o->wall_calls = 1000;
+    int c;
+    long v;
+    while ((c = tool_getopt(prog, usage, argc, argv, "h", longopts)) != -1) {
+        switch (c) {
+        case 'h':
+            usage(stdout);
+            return 0;
+        case OPT_DEVICE:
+            o->device = optarg;
+            break;
+        case OPT_ITERATIONS:
+            if (!tool_parse_int(optarg, 10, 10000000, &v))
+                return tool_bad_usage(prog, usage, "--iterations %s: expected a whole number, at least 10", optarg);
+            o->iterations = (int)v;
+            break;
+        case OPT_WALL_CALLS:
+            if (!tool_parse_int(optarg, 1, 100000000, &v))
+                return tool_bad_usage(prog, usage, "--wall-calls %s: expected a whole number, at least 1", optarg);
+            o->wall_calls = (int)v;
+            break;
+        case OPT_JSON:
+            o->json = optarg;
+            break;
+        case OPT_CSV:
+            o->csv = optarg;
+            break;
+        case OPT_ONLY:
+            o->only = optarg;
+            break;
+        case OPT_SHAPE:
+            if (o->num_shapes == 16)
+                return tool_bad_usage(prog, usage, "--shape %s: at most 16 --shape", optarg);
+            if (!parse_shape(optarg, o->shapes[o->num_shapes]))
+                return tool_bad_usage(prog, usage, "--shape %s: expected T,E,K (tokens, experts, top_k)", optarg);
+            o->num_shapes++;
+            break;
+        case OPT_COLD:
+            o->cold = true;
+            break;
+        case OPT_QUICK:
+            o->quick = true;
+            break;
+        case OPT_HOST_COST:
+            o->host_cost = true;
+            break;
+        default:
+            return 2; /* tool_getopt named it */
+        }
+    }
+    if (optind < argc)
+        return tool_bad_usage(prog, usage, "unexpected argument '%s'", argv[optind]);
+    if (o->host_cost && o->num_shapes > 1)
+        return tool_bad_usage(prog, usage, "--host-cost times one shape: one --shape at most");
+    if (o->host_cost && (o->only || o->cold || o->csv))
+        return tool_bad_usage(prog, usage, "--host-cost times one top-k call: not with --only, --cold or --csv");
+    if (o->quick) {
+        o->iterations = o->iterations > 50 ? 50 : o->iterations;
+        o->wall_calls = o->wall_calls > 100 ? 100 : o->wall_calls;
+    }
+    return -1;
+}
+
+static bool case_selected(const bench_case *c, const char *only)
+{
+    char shape[64];
+    shape_text(c, shape, sizeof(shape));
+    return !only || strstr(c->label, only) || strstr(shape, only);
+}
+
+static const char *dtype_name(const bench_case *c)
+{
+    moecl_dtype dt = c->op == OP_TOPK ? c->topk.gating_dtype : c->grounded.hidden_dtype;
+    return c->op == OP_ALIGN ? "i32" : dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16";
+}
+
+/* Figures rounded for the JSON, as the table prints them. */
+static double rounded(double v, double scale) { return round(v * scale) / scale; }
+
+static cJSON *case_json(const bench_case *c, const bench_result *r)
+{
+    char shape[64], hash[17];
+    shape_text(c, shape, sizeof(shape));
+    snprintf(hash, sizeof(hash), "%016llx", (unsigned long long)r->ids_hash);
+    const int dt = c->op == OP_ALIGN ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+    cJSON *j = cJSON_CreateObject();
+    const struct {
+        const char *name;
+        double value, scale;
+    } numbers[] = {{"dtype", dt, 1},
+                   {"device_us", r->median_us, 1e3},
+                   {"p10_us", r->p10_us, 1e3},
+                   {"p90_us", r->p90_us, 1e3},
+                   {"wall_us", r->wall_us, 1e3},
+                   {"gbps", r->gbps, 1e2},
+                   {"copy_ratio", r->copy_ratio, 1e4},
+                   {"t_sol_us", c->t_sol_us, 1e2},
+                   {"t_prod_us", c->t_prod_us, 1e2},
+                   {"prepare_ms", r->prepare_ms, 1e2},
+                   {"calls", r->iterations, 1},
+                   {"wall_calls", r->wall_calls, 1},
+                   {"host_us", r->host_us, 1e3},
+                   {"kernel_us", r->kernel_us, 1e3}};
+    tool_json_add_string(j, "op", c->label);
+    tool_json_add_string(j, "shape", shape);
+    for (size_t i = 0; i < sizeof(numbers) / sizeof(numbers[0]); i++)
+        tool_json_add_number(j, numbers[i].name, rounded(numbers[i].value, numbers[i].scale));
+    tool_json_add_bool(j, "check", r->checked_ok);
+    tool_json_add_string(j, "ids_fnv1a", hash);
+    return j;
+}
+
+/* Writes doc to f and closes f; false (and a message) if either failed. */
+static bool finish_json(FILE *f, const char *path, cJSON *doc)
+{
+    bool ok = tool_json_write(f, doc);
+    ok = fclose(f) == 0 && ok;
+    cJSON_Delete(doc);
+    if (!ok)
+        fprintf(stderr, "moecl-bench: writing %s failed\n", path);
+    return ok;
+}
+
+static int run_host_cost(moecl_context *plain, const options *o, FILE *jf)
+{
+    const unsigned *shape = o->num_shapes ? o->shapes[0] : (const unsigned[3]){1, 128, 8};
+    const unsigned t = shape[0], e = shape[1], k = shape[2];
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(t, e, k);
+    host_cost h = measure_host_cost(plain, &d, o->wall_calls);
+    printf("host cost per call, topk softmax %ux%u k%u f32, device buffers, on the context's own queue:\n"
+           "  behind a user event (best of %d rounds of %d calls, no kernel runs):\n"
+           "    moecl_topk_gating                      %8.3f us\n"
+           "    clSetKernelArg + clEnqueueNDRangeKernel %7.3f us (empty kernel)\n"
+           "    ratio                                  %8.2f\n"
+           "  wall time per call, %d calls back to back, one clFinish:\n"
+           "    moecl_topk_gating                      %8.3f us\n"
+           "    empty kernel                           %8.3f us\n"
+           "    difference                             %8.3f us\n",
+           t, e, k, HOST_COST_ROUNDS, HOST_COST_BATCH, h.topk_us, h.empty_us, h.topk_us / h.empty_us, o->wall_calls,
+           h.topk_wall_us, h.empty_wall_us, h.topk_wall_us - h.empty_wall_us);
+    if (!jf)
+        return 0;
+    char shape_text_buf[64];
+    snprintf(shape_text_buf, sizeof(shape_text_buf), "%ux%u k%u", t, e, k);
+    cJSON *doc = cJSON_CreateObject(), *hc = cJSON_CreateObject();
+    tool_json_add_string(doc, "version", moecl_version());
+    cJSON_AddItemToObject(doc, "host_cost", hc);
+    tool_json_add_string(hc, "shape", shape_text_buf);
+    tool_json_add_number(hc, "rounds", HOST_COST_ROUNDS);
+    tool_json_add_number(hc, "batch", HOST_COST_BATCH);
+    tool_json_add_number(hc, "topk_host_us", rounded(h.topk_us, 1e4));
+    tool_json_add_number(hc, "empty_host_us", rounded(h.empty_us, 1e4));
+    tool_json_add_number(hc, "ratio", rounded(h.topk_us / h.empty_us, 1e4));
+    tool_json_add_number(hc, "wall_calls", o->wall_calls);
+    tool_json_add_number(hc, "topk_wall_us", rounded(h.topk_wall_us, 1e4));
+    tool_json_add_number(hc, "empty_wall_us", rounded(h.empty_wall_us, 1e4));
+    return finish_json(jf, o->json, doc) ? 0 : 1;
 }
 
 int main(int argc, char **argv)
 {
     options o;
-    memset(&o, 0, sizeof(o));
-    o.iterations = 200;
-    o.wall_calls = 1000;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        bool has = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--device") && has) {
-            o.device = argv[++i];
-        } else if (!strcmp(a, "--iterations") && has) {
-            o.iterations = atoi(argv[++i]);
-        } else if (!strcmp(a, "--wall-calls") && has) {
-            o.wall_calls = atoi(argv[++i]);
-        } else if (!strcmp(a, "--json") && has) {
-            o.json = argv[++i];
-        } else if (!strcmp(a, "--csv") && has) {
-            o.csv = argv[++i];
-        } else if (!strcmp(a, "--only") && has) {
-            o.only = argv[++i];
-        } else if (!strcmp(a, "--shape") && has && o.num_shapes < 16) {
-            o.shapes[o.num_shapes++] = argv[++i];
-        } else if (!strcmp(a, "--cold")) {
-            o.cold = true;
-        } else if (!strcmp(a, "--quick")) {
-            o.quick = true;
-        } else if (!strcmp(a, "--host-cost")) {
-            o.host_cost = true;
-        } else {
-            usage(stderr);
-            return 2;
-        }
+    int status = parse_args(argc, argv, &o);
+    if (status >= 0)
+        return status;
+    bench_case cases[48];
+    int n = o.host_cost ? 0 : default_cases(cases, o.quick);
+    for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
+        bench_case *c = &cases[n++];
+        memset(c, 0, sizeof(*c));
+        c->label = "topk custom";
+        c->op = OP_TOPK;
+        c->topk = moecl_topk_gating_desc_init(o.shapes[i][0], o.shapes[i][1], o.shapes[i][2]);
     }
-    if (o.quick) {
-        o.iterations = o.iterations > 50 ? 50 : o.iterations;
-        o.wall_calls = o.wall_calls > 100 ? 100 : o.wall_calls;
-    }
-    if (o.iterations < 10 || o.wall_calls < 1) {
-        usage(stderr);
-        return 2;
-    }
+    int selected = 0;
+    for (int i = 0; i < n; i++)
+        selected += case_selected(&cases[i], o.only);
+    if (!o.host_cost && selected == 0)
+        return tool_bad_usage("moecl-bench", usage, "--only %s matches no case's label or shape", o.only);
     /* Opened before the runs, so that a path that cannot be written fails
      * at once rather than after the timing. */
     FILE *jf = o.json ? fopen(o.json, "w") : NULL, *cf = o.csv ? fopen(o.csv, "w") : NULL;
@@ -775,6 +958,15 @@ int main(int argc, char **argv)
     double create_ms = (tool_now_us() - c0) / 1e3;
     if (st != MOECL_SUCCESS)
         die("creating the context", NULL, st);
+    char desc[4096];
+    moecl_context_describe(plain, desc, sizeof(desc));
+    printf("moecl %s  %s\n%s", moecl_version(), o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)",
+           desc);
+    if (o.host_cost) {
+        status = run_host_cost(plain, &o, jf);
+        moecl_context_destroy(plain);
+        return status;
+    }
     cl_context cl = moecl_context_cl_context(plain);
     cl_device_id dev = moecl_context_device(plain);
     cl_int err;
@@ -788,67 +980,12 @@ int main(int argc, char **argv)
         die("adopting the profiling queue", NULL, st);
     clReleaseCommandQueue(pq);
 
-    char desc[4096];
-    moecl_context_describe(plain, desc, sizeof(desc));
-    printf("moecl %s  %s\n%s", moecl_version(), o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)",
-           desc);
-    if (o.host_cost) {
-        unsigned t = 1, e = 128, k = 8;
-        if (o.num_shapes > 0 && sscanf(o.shapes[0], "%u,%u,%u", &t, &e, &k) != 3) {
-            usage(stderr);
-            return 2;
-        }
-        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(t, e, k);
-        host_cost h = measure_host_cost(plain, &d, o.wall_calls);
-        printf("host cost per call, topk softmax %ux%u k%u f32, device buffers, on the context's own queue:\n"
-               "  behind a user event (best of %d rounds of %d calls, no kernel runs):\n"
-               "    moecl_topk_gating                      %8.3f us\n"
-               "    clSetKernelArg + clEnqueueNDRangeKernel %7.3f us (empty kernel)\n"
-               "    ratio                                  %8.2f\n"
-               "  wall time per call, %d calls back to back, one clFinish:\n"
-               "    moecl_topk_gating                      %8.3f us\n"
-               "    empty kernel                           %8.3f us\n"
-               "    difference                             %8.3f us\n",
-               t, e, k, HOST_COST_ROUNDS, HOST_COST_BATCH, h.topk_us, h.empty_us, h.topk_us / h.empty_us,
-               o.wall_calls, h.topk_wall_us, h.empty_wall_us, h.topk_wall_us - h.empty_wall_us);
-        if (jf) {
-            fprintf(jf,
-                    "{\"version\": \"%s\", \"host_cost\": {\"shape\": \"%ux%u k%u\", \"rounds\": %d, "
-                    "\"batch\": %d, \"topk_host_us\": %.4f, \"empty_host_us\": %.4f, \"ratio\": %.4f, "
-                    "\"wall_calls\": %d, \"topk_wall_us\": %.4f, \"empty_wall_us\": %.4f}}\n",
-                    moecl_version(), t, e, k, HOST_COST_ROUNDS, HOST_COST_BATCH, h.topk_us, h.empty_us,
-                    h.topk_us / h.empty_us, o.wall_calls, h.topk_wall_us, h.empty_wall_us);
-            if (fclose(jf) != 0) {
-                fprintf(stderr, "moecl-bench: writing %s failed\n", o.json);
-                return 1;
-            }
-        }
-        if (cf)
-            fclose(cf);
-        moecl_context_destroy(prof);
-        moecl_context_destroy(plain);
-        return 0;
-    }
     probes pr = measure_probes(cl, dev, moecl_context_queue(prof), moecl_context_queue(plain), o.iterations,
                                o.wall_calls);
     printf("context creation: %.1f ms; empty kernel: %.2f us device time, %.2f us wall time per call of %d back to "
            "back; copy kernel: %.1f GB/s (read + write)\n\n",
            create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, pr.copy_gbps);
 
-    bench_case cases[48];
-    int n = default_cases(cases, o.quick);
-    for (int i = 0; i < o.num_shapes; i++) {
-        unsigned t, e, k;
-        if (sscanf(o.shapes[i], "%u,%u,%u", &t, &e, &k) != 3) {
-            usage(stderr);
-            return 2;
-        }
-        bench_case *c = &cases[n++];
-        memset(c, 0, sizeof(*c));
-        c->label = "topk custom";
-        c->op = OP_TOPK;
-        c->topk = moecl_topk_gating_desc_init(t, e, k);
-    }
     bench_result results[48];
     bool ran[48] = {false};
     int failures = 0;
@@ -858,17 +995,12 @@ int main(int argc, char **argv)
         const bench_case *c = &cases[i];
         char shape[64];
         shape_text(c, shape, sizeof(shape));
-        if (o.only && !strstr(c->label, o.only) && !strstr(shape, o.only))
+        if (!case_selected(c, o.only))
             continue;
         fprintf(stderr, "\r[%d/%d] %s %s ...          ", i + 1, n, c->label, shape);
         run_case(prof, plain, c, &o, pr.copy_gbps, &results[i]);
         ran[i] = true;
         const bench_result *r = &results[i];
-        moecl_dtype dt = c->op == OP_TOPK ? c->topk.gating_dtype : c->grounded.hidden_dtype;
-        const char *dt_name = c->op == OP_ALIGN  ? "i32"
-                              : dt == MOECL_F32 ? "f32"
-                              : dt == MOECL_F16 ? "f16"
-                                                : "bf16";
         char sol[16] = "", prod[16] = "";
         if (c->t_prod_us > 0) {
             snprintf(sol, sizeof(sol), "%.2f", c->t_sol_us);
@@ -876,9 +1008,8 @@ int main(int argc, char **argv)
         }
         fprintf(stderr, "\r%60s\r", "");
         printf("%-18s %-20s %-5s %9.2f %9.2f %9.2f %10.2f %9.1f %5.1f%% %7s %7s %8.1f %5d %s\n", c->label, shape,
-               dt_name, r->median_us, r->p10_us, r->p90_us,
-               r->wall_us, r->gbps, 100 * r->copy_ratio, sol, prod, r->prepare_ms, r->iterations,
-               r->checked_ok ? "ok" : "FAIL");
+               dtype_name(c), r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps, 100 * r->copy_ratio, sol, prod,
+               r->prepare_ms, r->iterations, r->checked_ok ? "ok" : "FAIL");
         fflush(stdout);
         if (!r->checked_ok) {
             printf("  %s\n", r->check_msg);
@@ -899,14 +1030,9 @@ int main(int argc, char **argv)
             printf("\n");
         }
     }
-    if (jf)
-        fprintf(jf,
-                "{\"version\": \"%s\", \"cold\": %s, \"context_create_ms\": %.2f, \"empty_kernel_us\": %.3f, "
-                "\"empty_kernel_wall_us\": %.3f, \"copy_gbps\": %.1f, \"cases\": [",
-                moecl_version(), o.cold ? "true" : "false", create_ms, pr.empty_us, pr.empty_wall_us, pr.copy_gbps);
     if (cf)
         fprintf(cf, "op,shape,dtype,device_us,p10_us,p90_us,wall_us,gbps,copy_ratio,t_sol_us,t_prod_us,check\n");
-    bool first = true;
+    cJSON *doc = jf ? cJSON_CreateObject() : NULL, *list = jf ? cJSON_CreateArray() : NULL;
     for (int i = 0; i < n; i++) {
         if (!ran[i])
             continue;
@@ -915,27 +1041,22 @@ int main(int argc, char **argv)
         char shape[64];
         shape_text(c, shape, sizeof(shape));
         int dt = c->op == OP_ALIGN ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
-        if (jf)
-            fprintf(jf,
-                    "%s\n  {\"op\": \"%s\", \"shape\": \"%s\", \"dtype\": %d, \"device_us\": %.3f, \"p10_us\": %.3f, "
-                    "\"p90_us\": %.3f, \"wall_us\": %.3f, \"gbps\": %.2f, \"copy_ratio\": %.4f, \"t_sol_us\": %.2f, "
-                    "\"t_prod_us\": %.2f, \"prepare_ms\": %.2f, \"calls\": %d, \"wall_calls\": %d, \"check\": %s, "
-                    "\"ids_fnv1a\": \"%016llx\", \"host_us\": %.3f, \"kernel_us\": %.3f}",
-                    first ? "" : ",", c->label, shape, dt, r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps,
-                    r->copy_ratio, c->t_sol_us, c->t_prod_us, r->prepare_ms, r->iterations, r->wall_calls,
-                    r->checked_ok ? "true" : "false", (unsigned long long)r->ids_hash, r->host_us, r->kernel_us);
+        if (list)
+            cJSON_AddItemToArray(list, case_json(c, r));
         if (cf)
             fprintf(cf, "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.2f,%.4f,%.2f,%.2f,%s\n", c->label, shape, dt, r->median_us,
                     r->p10_us, r->p90_us, r->wall_us, r->gbps, r->copy_ratio, c->t_sol_us, c->t_prod_us,
                     r->checked_ok ? "ok" : "FAIL");
-        first = false;
     }
     if (jf) {
-        fprintf(jf, "\n]}\n");
-        if (fclose(jf) != 0) {
-            fprintf(stderr, "moecl-bench: writing %s failed\n", o.json);
-            failures++;
-        }
+        tool_json_add_string(doc, "version", moecl_version());
+        tool_json_add_bool(doc, "cold", o.cold);
+        tool_json_add_number(doc, "context_create_ms", rounded(create_ms, 1e2));
+        tool_json_add_number(doc, "empty_kernel_us", rounded(pr.empty_us, 1e3));
+        tool_json_add_number(doc, "empty_kernel_wall_us", rounded(pr.empty_wall_us, 1e3));
+        tool_json_add_number(doc, "copy_gbps", rounded(pr.copy_gbps, 1e1));
+        cJSON_AddItemToObject(doc, "cases", list);
+        failures += !finish_json(jf, o.json, doc);
     }
     if (cf && fclose(cf) != 0) {
         fprintf(stderr, "moecl-bench: writing %s failed\n", o.csv);

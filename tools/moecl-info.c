@@ -1,14 +1,17 @@
 /* moecl-info: the OpenCL platforms and devices there are, which one moecl
  * picks and why, the device facts its kernels are tuned on, and the launch
  * configurations it chose for representative shapes and where from.
- * --json writes the same as one JSON object, for scripts. */
-#include <ctype.h>
+ * --json writes the same as one JSON object, for scripts: the picked
+ * device is moecl_context_query_info()'s record, serialised. */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <moecl/moecl.h>
+
+#include "tool_args.h"
+#include "tool_json.h"
 
 static void usage(FILE *f)
 {
@@ -19,7 +22,9 @@ static void usage(FILE *f)
                "shapes and their source.\n"
                "  --json   one JSON object on stdout instead of the text: moecl_version,\n"
                "           platforms[] with their devices[], selection, picked (null when moecl\n"
-               "           picks no device) with launch[], and error (null or the reason)\n"
+               "           picks no device: moecl_context_query_info's record, with launch[]), and\n"
+               "           error (null or the reason). Strings are valid UTF-8: a byte of a driver's\n"
+               "           name that is not is written as U+FFFD.\n"
                "Exit status: 0 ok, 1 no usable device (moecl picks none), 2 bad usage.\n");
 }
 
@@ -34,162 +39,15 @@ static const char *type_name(cl_device_type t)
     return "other";
 }
 
-/* A JSON string: quotes, backslashes and control characters escaped; other
- * bytes as they are (the OpenCL names are ASCII or UTF-8). */
-static void json_str(const char *s)
+/* A path member: the path, or null where the record has none (""). */
+static void add_path(cJSON *obj, const char *name, const char *path)
 {
-    if (!s) {
-        fputs("null", stdout);
-        return;
-    }
-    putchar('"');
-    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
-        if (*p == '"' || *p == '\\')
-            printf("\\%c", *p);
-        else if (*p == '\n')
-            fputs("\\n", stdout);
-        else if (*p == '\t')
-            fputs("\\t", stdout);
-        else if (*p < 0x20)
-            printf("\\u%04x", *p);
-        else
-            putchar(*p);
-    }
-    putchar('"');
+    tool_json_add_string(obj, name, *path ? path : NULL);
 }
 
-static bool all_digits(const char *s)
+static cJSON *device_json(cl_device_id dev, cl_uint p, cl_uint d)
 {
-    if (!*s)
-        return false;
-    for (; *s; s++)
-        if (!isdigit((unsigned char)*s))
-            return false;
-    return true;
-}
-
-/* A value: a JSON number if it is all digits, else a string. */
-static void json_value(const char *s)
-{
-    if (all_digits(s))
-        fputs(s, stdout);
-    else
-        json_str(s);
-}
-
-/* "Name value" -> "name_value", in place ("inline PTX" -> "inline_ptx"). */
-static char *snake(char *s)
-{
-    for (char *p = s; *p; p++)
-        *p = *p == ' ' || *p == '-' ? '_' : (char)tolower((unsigned char)*p);
-    return s;
-}
-
-/* Space-separated "k=v" tokens as JSON members, after an optional leading
- * token without '=' that becomes `first_name`. */
-static void json_kv_tokens(char *text, const char *first_name)
-{
-    bool first = true;
-    for (char *tok = strtok(text, " "); tok; tok = strtok(NULL, " ")) {
-        char *eq = strchr(tok, '=');
-        printf("%s", first ? "" : ", ");
-        first = false;
-        if (!eq) {
-            json_str(first_name);
-            printf(": ");
-            json_str(tok);
-            continue;
-        }
-        *eq = '\0';
-        json_str(tok);
-        printf(": ");
-        json_value(eq + 1);
-    }
-}
-
-/* "launch KEY: CONFIG (SOURCE)", not "launch class: ...". */
-static bool is_launch_line(const char *line)
-{
-    return !strncmp(line, "launch ", 7) && strncmp(line, "launch class: ", 14);
-}
-
-/* One line of moecl_context_describe(), "key: value", as a JSON member;
- * launch lines ("launch KEY: CONFIG (SOURCE)") go to the launch array. The
- * few values with a unit or a note get their own members. */
-static void json_describe_line(char *line, bool *first)
-{
-    char *colon = strstr(line, ": ");
-    if (!colon || is_launch_line(line))
-        return;
-    *colon = '\0';
-    char *key = snake(line), *value = colon + 2;
-    printf("%s\n    ", *first ? "" : ",");
-    *first = false;
-    size_t n = strlen(value);
-    if (!strcmp(key, "local_memory") && n > 6 && !strcmp(value + n - 6, " bytes")) {
-        value[n - 6] = '\0';
-        printf("\"local_memory_bytes\": ");
-        json_value(value);
-    } else if (!strcmp(key, "launch_class") && strstr(value, " (") && value[n - 1] == ')') {
-        char *paren = strstr(value, " (");
-        *paren = '\0';
-        value[n - 1] = '\0';
-        printf("\"launch_class\": ");
-        json_str(value);
-        printf(",\n    \"launch_class_reason\": ");
-        json_str(paren + 2);
-    } else if (!strcmp(key, "kernel_cache")) {
-        printf("\"kernel_cache\": ");
-        json_str(strcmp(value, "off") ? value : NULL);
-    } else if (!strcmp(key, "tune_file")) {
-        /* "PATH (absent, ...; keys read at creation: N)" or "off (...)" */
-        char *paren = strstr(value, " (");
-        if (paren)
-            *paren = '\0';
-        bool off = !strcmp(value, "off");
-        const char *keys = paren ? strstr(paren + 2, "keys read at creation: ") : NULL;
-        printf("\"tune_file\": ");
-        json_str(off ? NULL : value);
-        printf(",\n    \"tune_file_present\": %s", !off && paren && !strstr(paren + 2, "absent") ? "true" : "false");
-        printf(",\n    \"tune_keys_read\": %d", keys ? atoi(keys + strlen("keys read at creation: ")) : 0);
-    } else {
-        json_str(key);
-        printf(": ");
-        json_value(value);
-    }
-}
-
-static void json_launch_lines(char *text)
-{
-    printf(",\n    \"launch\": [");
-    bool first = true;
-    char *save = NULL;
-    for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-        if (!is_launch_line(line))
-            continue;
-        /* launch KEY: CONFIG (SOURCE) */
-        char *colon = strstr(line, ": "), *paren = strrchr(line, '(');
-        size_t n = strlen(line);
-        if (!colon || !paren || paren < colon || line[n - 1] != ')')
-            continue;
-        *colon = '\0';
-        paren[-1] = '\0';
-        line[n - 1] = '\0';
-        printf("%s\n      {\"key\": {", first ? "" : ",");
-        first = false;
-        json_kv_tokens(line + 7, "op");
-        printf("}, \"config\": {");
-        json_kv_tokens(colon + 2, "config");
-        printf("}, \"source\": ");
-        json_str(paren + 1);
-        printf("}");
-    }
-    printf("\n    ]");
-}
-
-static void device_json(cl_device_id dev, cl_uint p, cl_uint d, bool first)
-{
-    char name[256] = "", vendor[256] = "", version[256] = "", driver[256] = "";
+    char name[256] = "", vendor[256] = "", version[256] = "", driver[256] = "", selector[32];
     cl_device_type t = 0;
     cl_uint units = 0;
     cl_ulong global = 0, local = 0;
@@ -203,46 +61,75 @@ static void device_json(cl_device_id dev, cl_uint p, cl_uint d, bool first)
     clGetDeviceInfo(dev, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof(global), &global, NULL);
     clGetDeviceInfo(dev, CL_DEVICE_LOCAL_MEM_SIZE, sizeof(local), &local, NULL);
     clGetDeviceInfo(dev, CL_DEVICE_MAX_WORK_GROUP_SIZE, sizeof(wg), &wg, NULL);
-    printf("%s\n        {\"index\": %u, \"selector\": \"%u:%u\", \"name\": ", first ? "" : ",", d, p, d);
-    json_str(name);
-    printf(", \"type\": ");
-    json_str(type_name(t));
-    printf(", \"vendor\": ");
-    json_str(vendor);
-    printf(", \"version\": ");
-    json_str(version);
-    printf(", \"driver\": ");
-    json_str(driver);
-    printf(", \"compute_units\": %u, \"global_memory_bytes\": %llu, \"local_memory_bytes\": %llu, "
-           "\"max_work_group_size\": %zu}",
-           units, (unsigned long long)global, (unsigned long long)local, wg);
+    snprintf(selector, sizeof(selector), "%u:%u", p, d);
+    cJSON *j = cJSON_CreateObject();
+    tool_json_add_number(j, "index", d);
+    tool_json_add_string(j, "selector", selector);
+    tool_json_add_string(j, "name", name);
+    tool_json_add_string(j, "type", type_name(t));
+    tool_json_add_string(j, "vendor", vendor);
+    tool_json_add_string(j, "version", version);
+    tool_json_add_string(j, "driver", driver);
+    tool_json_add_number(j, "compute_units", units);
+    tool_json_add_number(j, "global_memory_bytes", (double)global);
+    tool_json_add_number(j, "local_memory_bytes", (double)local);
+    tool_json_add_number(j, "max_work_group_size", (double)wg);
+    return j;
 }
 
-int main(int argc, char **argv)
+static cJSON *launch_json(const moecl_launch_info *l)
 {
-    const char *selector = NULL;
-    bool json = false;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(argv[i], "--device") && i + 1 < argc) {
-            selector = argv[++i];
-        } else if (!strcmp(argv[i], "--json")) {
-            json = true;
-        } else {
-            usage(stderr);
-            return 2;
-        }
-    }
-    if (json) {
-        printf("{\n  \"moecl_version\": ");
-        json_str(moecl_version());
-        printf(",\n  \"platforms\": [");
-    } else {
-        printf("moecl %s\n\nOpenCL devices (select with \"P:D\", \"gpu\", \"cpu\" or a name substring):\n",
-               moecl_version());
-    }
+    cJSON *j = cJSON_CreateObject(), *key = cJSON_CreateObject(), *config = cJSON_CreateObject();
+    cJSON_AddItemToObject(j, "key", key);
+    tool_json_add_string(key, "op", l->op);
+    tool_json_add_number(key, "num_experts", l->num_experts);
+    tool_json_add_number(key, "top_k", l->top_k);
+    tool_json_add_number(key, "groups", l->groups);
+    tool_json_add_number(key, "hidden_bucket", l->hidden_bucket);
+    tool_json_add_string(key, "text", l->key_text);
+    cJSON_AddItemToObject(j, "config", config);
+    tool_json_add_string(config, "kernel", l->kernel);
+    tool_json_add_number(config, "team", l->team);
+    tool_json_add_number(config, "rows", l->rows);
+    tool_json_add_number(config, "tile", l->tile);
+    tool_json_add_string(config, "text", l->config_text);
+    tool_json_add_string(j, "source", l->source);
+    return j;
+}
+
+/* The record, member for member. */
+static cJSON *picked_json(const moecl_context_info *r)
+{
+    cJSON *j = cJSON_CreateObject();
+    tool_json_add_string(j, "platform", r->platform);
+    tool_json_add_string(j, "device", r->device);
+    tool_json_add_string(j, "device_version", r->device_version);
+    tool_json_add_string(j, "driver", r->driver);
+    tool_json_add_string(j, "type", r->type);
+    tool_json_add_string(j, "vendor", r->vendor);
+    tool_json_add_number(j, "compute_units", r->compute_units);
+    tool_json_add_number(j, "local_memory_bytes", (double)r->local_memory_bytes);
+    tool_json_add_number(j, "max_work_group_size", (double)r->max_work_group_size);
+    tool_json_add_string(j, "launch_class", r->launch_class);
+    tool_json_add_string(j, "launch_class_reason", r->launch_class_reason);
+    add_path(j, "kernel_dir", r->kernel_dir);
+    add_path(j, "kernel_cache", r->kernel_cache);
+    tool_json_add_bool(j, "inline_ptx", r->inline_ptx);
+    tool_json_add_string(j, "inline_ptx_reason", r->inline_ptx_reason);
+    add_path(j, "tune_file", r->tune_file);
+    tool_json_add_bool(j, "tune_file_present", r->tune_file_present);
+    tool_json_add_number(j, "tune_keys_read", r->tune_keys_read);
+    cJSON *launch = cJSON_CreateArray();
+    for (uint32_t i = 0; i < r->num_launches; i++)
+        cJSON_AddItemToArray(launch, launch_json(&r->launches[i]));
+    cJSON_AddItemToObject(j, "launch", launch);
+    return j;
+}
+
+/* The platforms and their devices: a JSON array, or the text list. */
+static cJSON *list_devices(bool json)
+{
+    cJSON *list = json ? cJSON_CreateArray() : NULL;
     cl_platform_id platforms[16];
     cl_uint np = 0;
     if (clGetPlatformIDs(16, platforms, &np) != CL_SUCCESS)
@@ -256,18 +143,10 @@ int main(int argc, char **argv)
         cl_uint nd = 0;
         if (clGetDeviceIDs(platforms[p], CL_DEVICE_TYPE_ALL, 64, devices, &nd) != CL_SUCCESS)
             nd = 0;
-        if (json) {
-            printf("%s\n    {\"index\": %u, \"name\": ", p ? "," : "", p);
-            json_str(pname);
-            printf(", \"vendor\": ");
-            json_str(pvendor);
-            printf(", \"version\": ");
-            json_str(pversion);
-            printf(", \"devices\": [");
-        }
+        cJSON *plat = json ? cJSON_CreateObject() : NULL, *devs = json ? cJSON_CreateArray() : NULL;
         for (cl_uint d = 0; d < nd && d < 64; d++) {
             if (json) {
-                device_json(devices[d], p, d, d == 0);
+                cJSON_AddItemToArray(devs, device_json(devices[d], p, d));
                 continue;
             }
             char dname[256] = "";
@@ -276,74 +155,113 @@ int main(int argc, char **argv)
             clGetDeviceInfo(devices[d], CL_DEVICE_TYPE, sizeof(t), &t, NULL);
             printf("  %u:%u  %-11s  %s / %s\n", p, d, type_name(t), pname, dname);
         }
-        if (json)
-            printf("%s]}", nd ? "\n      " : "");
+        if (json) {
+            tool_json_add_number(plat, "index", p);
+            tool_json_add_string(plat, "name", pname);
+            tool_json_add_string(plat, "vendor", pvendor);
+            tool_json_add_string(plat, "version", pversion);
+            cJSON_AddItemToObject(plat, "devices", devs);
+            cJSON_AddItemToArray(list, plat);
+        }
     }
-    if (json)
-        printf("%s],\n", np ? "\n  " : "");
-    else if (np == 0)
+    if (!json && np == 0)
         printf("  (none)\n");
+    return list;
+}
 
-    const char *env = getenv("MOECL_DEVICE");
-    const char *why = selector ? "the --device selector"
-                      : env && *env ? "$MOECL_DEVICE"
-                                    : "the default rule: first GPU/accelerator, else first CPU";
+static int parse_args(int argc, char **argv, const char **selector, bool *json)
+{
+    enum { OPT_DEVICE = 256, OPT_JSON };
+    static const struct option longopts[] = {{"device", required_argument, NULL, OPT_DEVICE},
+                                             {"json", no_argument, NULL, OPT_JSON},
+                                             {"help", no_argument, NULL, 'h'},
+                                             {NULL, 0, NULL, 0}};
+    int c;
+    while ((c = tool_getopt("moecl-info", usage, argc, argv, "h", longopts)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            return 0;
+        } else if (c == OPT_DEVICE) {
+            *selector = optarg;
+        } else if (c == OPT_JSON) {
+            *json = true;
+        } else {
+            return 2; /* tool_getopt named it */
+        }
+    }
+    if (optind < argc)
+        return tool_bad_usage("moecl-info", usage, "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
+int main(int argc, char **argv)
+{
+    const char *selector = NULL;
+    bool json = false;
+    int status = parse_args(argc, argv, &selector, &json);
+    if (status >= 0)
+        return status;
+    cJSON *doc = json ? cJSON_CreateObject() : NULL;
     if (json) {
-        printf("  \"selection\": {\"selector\": ");
-        json_str(selector ? selector : env && *env ? env : NULL);
-        printf(", \"by\": ");
-        json_str(selector ? "--device" : env && *env ? "MOECL_DEVICE" : "default");
-        printf("},\n");
+        tool_json_add_string(doc, "moecl_version", moecl_version());
+    } else {
+        printf("moecl %s\n\nOpenCL devices (select with \"P:D\", \"gpu\", \"cpu\" or a name substring):\n",
+               moecl_version());
+    }
+    cJSON *platforms = list_devices(json);
+    const char *env = getenv("MOECL_DEVICE");
+    const bool by_env = !selector && env && *env;
+    if (json) {
+        cJSON_AddItemToObject(doc, "platforms", platforms);
+        cJSON *sel = cJSON_CreateObject();
+        tool_json_add_string(sel, "selector", selector ? selector : by_env ? env : NULL);
+        tool_json_add_string(sel, "by", selector ? "--device" : by_env ? "MOECL_DEVICE" : "default");
+        cJSON_AddItemToObject(doc, "selection", sel);
     }
     moecl_context *ctx = NULL;
+    moecl_context_info info = {.struct_size = sizeof(info)};
     moecl_status st = moecl_context_create(selector, &ctx);
+    char err[1024] = "";
+    if (st != MOECL_SUCCESS)
+        snprintf(err, sizeof(err), "%s: %s", moecl_status_string(st), moecl_context_error(NULL));
+    else if ((st = moecl_context_query_info(ctx, &info)) != MOECL_SUCCESS)
+        snprintf(err, sizeof(err), "describing the context: %s: %s", moecl_status_string(st),
+                 moecl_context_error(ctx));
+    if (json) {
+        cJSON_AddItemToObject(doc, "picked", st == MOECL_SUCCESS ? picked_json(&info) : cJSON_CreateNull());
+        tool_json_add_string(doc, "error", st == MOECL_SUCCESS ? NULL : err);
+        const bool written = tool_json_write(stdout, doc);
+        cJSON_Delete(doc);
+        moecl_context_destroy(ctx);
+        return st != MOECL_SUCCESS || !written ? 1 : 0;
+    }
     if (st != MOECL_SUCCESS) {
-        if (json) {
-            char err[1024];
-            snprintf(err, sizeof(err), "%s: %s", moecl_status_string(st), moecl_context_error(NULL));
-            printf("  \"picked\": null,\n  \"error\": ");
-            json_str(err);
-            printf("\n}\n");
-        } else {
-            printf("\nmoecl picks no device: %s: %s\n", moecl_status_string(st), moecl_context_error(NULL));
-        }
+        printf("\nmoecl picks no device: %s\n", err);
+        moecl_context_destroy(ctx);
         return 1;
     }
     /* The whole description, however long the paths in it. */
     size_t need = moecl_context_describe(ctx, NULL, 0);
-    char *text = malloc(need + 1), *copy = malloc(need + 1);
-    if (!text || !copy) {
-        free(text);
-        free(copy);
+    char *text = malloc(need + 1);
+    if (!text) {
         moecl_context_destroy(ctx);
         return 1;
     }
     moecl_context_describe(ctx, text, need + 1);
     moecl_context_destroy(ctx);
-    if (json) {
-        memcpy(copy, text, need + 1);
-        printf("  \"picked\": {");
-        bool first = true;
-        char *save = NULL;
-        for (char *line = strtok_r(text, "\n", &save); line; line = strtok_r(NULL, "\n", &save))
-            json_describe_line(line, &first);
-        json_launch_lines(copy);
-        printf("\n  },\n  \"error\": null\n}\n");
-        free(text);
-        free(copy);
-        return 0;
-    }
     printf("\nOps: top-k gating (moecl_topk_gating: softmax/sigmoid, bias, groups, renormalize, scale;\n"
            "     f32/f16/bf16 logits; 1..4096 experts, top_k 1..64) and the grounded router\n"
            "     (moecl_grounded_router: logits + alpha * hidden @ ground^T, top-k, softmax over the chosen;\n"
            "     hidden 1..65536).\n");
-    printf("\nmoecl picks (by %s):\n", why);
+    printf("\nmoecl picks (by %s):\n",
+           selector ? "the --device selector"
+           : by_env ? "$MOECL_DEVICE"
+                    : "the default rule: first GPU/accelerator, else first CPU");
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
         printf("  %s\n", line);
     printf("\n\"launch\" lines: the configuration representative keys launch with, and where it came from:\n"
            "default (computed from the device facts), table (moecl's built-in per-device table), tuned (the\n"
            "tune file moecl-tune wrote), env (MOECL_LAUNCH_CLASS, MOECL_TEAM or MOECL_GROUNDED_TILE).\n");
     free(text);
-    free(copy);
     return 0;
 }

@@ -20,6 +20,8 @@
 #include <moecl/moecl.h>
 
 #include "npy.h"
+#include "tool_args.h"
+#include "tool_json.h"
 
 typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
 
@@ -198,46 +200,56 @@ static bool wants_dispatch(const options *o)
     return o->op == OP_ALIGN || o->block_size;
 }
 
+static void try_help(FILE *f) { fprintf(f, "Try 'moecl-route --help'.\n"); }
+
+/* The options: each long option's value is 256 + its index here, so the
+ * name it matched is longopts[c - 256].name. */
+#define FLAG(name) {name, no_argument, NULL, 0}
+#define VALUE(name) {name, required_argument, NULL, 0}
+static struct option longopts[] = {
+    FLAG("renormalize"), FLAG("bf16"), FLAG("json"), FLAG("progress"), FLAG("no-progress"), FLAG("all-experts"),
+    VALUE("op"), VALUE("logits"), VALUE("hidden"), VALUE("ground"), VALUE("bias"), VALUE("ids-in"),
+    VALUE("weights"), VALUE("ids"), VALUE("pairs"), VALUE("expert-counts"), VALUE("sorted-token-ids"),
+    VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
+    VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
+    VALUE("group-fill"), VALUE("renormalize-floor"), VALUE("scoring"), VALUE("scale"), VALUE("alpha"),
+    VALUE("chunk-rows"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
+};
+#undef FLAG
+#undef VALUE
+
 /* Returns -1 to go on, else the exit status. */
 static int parse_args(int argc, char **argv, options *o)
 {
     memset(o, 0, sizeof(*o));
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        const bool has = i + 1 < argc;
-        const char *v = has ? argv[i + 1] : NULL;
-        long n;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+    for (int i = 0; longopts[i].name; i++)
+        if (longopts[i].val != 'h')
+            longopts[i].val = 256 + i;
+    int c;
+    while ((c = tool_getopt("moecl-route", try_help, argc, argv, "h", longopts)) != -1) {
+        if (c == 'h') {
             usage(stdout);
             return 0;
-        } else if (a[0] != '-') {
-            if (o->logits)
-                return bad_usage("one logits file only (got a second: %s)", a);
-            o->logits = a;
-            continue;
-        } else if (!strcmp(a, "--renormalize")) {
+        }
+        if (c < 256)
+            return 2; /* tool_getopt named it */
+        char a[40];
+        snprintf(a, sizeof(a), "--%s", longopts[c - 256].name);
+        const char *v = optarg;
+        long n;
+        if (!strcmp(a, "--renormalize")) {
             o->renormalize = true;
-            continue;
         } else if (!strcmp(a, "--bf16")) {
             o->bf16 = true;
-            continue;
         } else if (!strcmp(a, "--json")) {
             o->json = true;
-            continue;
         } else if (!strcmp(a, "--progress")) {
             o->progress = true;
-            continue;
         } else if (!strcmp(a, "--no-progress")) {
             o->no_progress = true;
-            continue;
         } else if (!strcmp(a, "--all-experts")) {
             o->all_experts = true;
-            continue;
-        }
-        if (!has)
-            return bad_usage("%s needs a value, or is not an option", a);
-        i++;
-        if (!strcmp(a, "--op")) {
+        } else if (!strcmp(a, "--op")) {
             if (!strcmp(v, "topk"))
                 o->op = OP_TOPK;
             else if (!strcmp(v, "grounded"))
@@ -317,9 +329,12 @@ static int parse_args(int argc, char **argv, options *o)
             if (!parse_long(v, 1, 1L << 30, &n))
                 return bad_usage("--chunk-rows is 1..2^30, not '%s'", v);
             o->chunk_rows = n;
-        } else {
-            return bad_usage("unknown option %s", a);
         }
+    }
+    for (; optind < argc; optind++) {
+        if (o->logits)
+            return bad_usage("one logits file only (got a second: %s)", argv[optind]);
+        o->logits = argv[optind];
     }
     if (o->op == OP_ALIGN) {
         if (!o->ids_in || !o->experts)
@@ -563,56 +578,63 @@ static void print_text(const summary *s, const options *o, const char *what)
     }
 }
 
-static void json_string(const char *s)
+/* f as the shortest decimal that reads back as f, so that 1e-20f is
+ * written 1e-20 and not 9.9999996826552254e-21. */
+static double float_value(float f)
 {
-    putchar('"');
-    for (; *s; s++) {
-        if (*s == '"' || *s == '\\')
-            printf("\\%c", *s);
-        else if ((unsigned char)*s < 0x20)
-            printf("\\u%04x", *s);
-        else
-            putchar(*s);
+    char text[32];
+    for (int digits = 1; digits < 9; digits++) {
+        snprintf(text, sizeof(text), "%.*g", digits, (double)f);
+        if (strtof(text, NULL) == f)
+            return strtod(text, NULL);
     }
-    putchar('"');
+    return f;
 }
 
-static void print_json(const summary *s, const options *o, const moecl_topk_gating_desc *t,
+/* One JSON object: what ran, where and how long, and the load. */
+static bool print_json(const summary *s, const options *o, const moecl_topk_gating_desc *t,
                        const moecl_grounded_router_desc *g, moecl_dtype dtype)
 {
-    printf("{\"op\": \"%s\", \"dtype\": \"%s\", \"tokens\": %llu, \"experts\": %u, \"top_k\": %u, ",
-           o->op == OP_TOPK ? "topk" : o->op == OP_GROUNDED ? "grounded" : "align",
-           o->op == OP_ALIGN ? "i32" : dtype_name(dtype), (unsigned long long)s->tokens, s->experts, s->top_k);
-    if (o->op == OP_TOPK)
-        printf("\"scoring\": \"%s\", \"bias\": %s, \"groups\": %u, \"topk_group\": %u, \"group_score\": \"%s\", "
-               "\"group_fill\": \"%s\", \"renormalize\": %s, \"renormalize_floor\": %.9g, \"scale\": %.9g, ",
-               t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o->bias ? "true" : "false",
-               t->num_expert_groups, t->topk_group, t->group_score == MOECL_GROUP_SCORE_TOP2_SUM ? "top2sum" : "max",
-               t->group_fill == MOECL_GROUP_FILL_ZERO ? "zero" : "neg-inf", t->renormalize ? "true" : "false",
-               (double)t->renormalize_floor, (double)t->routed_scaling_factor);
-    else if (o->op == OP_GROUNDED)
-        printf("\"hidden\": %u, \"alpha\": %.9g, ", g->hidden_dim, (double)g->alpha);
-    if (s->dispatch)
-        printf("\"block_size\": %u, \"max_padded\": %llu, \"num_tokens_post_padded\": %d, \"num_invalid\": %d, "
-               "\"align_s\": %.6f, ",
-               s->block_size, (unsigned long long)s->max_padded, s->post_padded, s->num_invalid, s->align_s);
-    else
-        printf("\"block_size\": null, \"max_padded\": null, \"num_tokens_post_padded\": null, \"num_invalid\": null, "
-               "\"align_s\": null, ");
-    printf("\"device\": ");
-    json_string(s->device);
-    printf(", \"chunks\": %llu, \"chunk_rows\": %llu, \"wall_s\": %.6f, \"read_s\": %.6f, \"write_s\": %.6f, "
-           "\"prepare_s\": %.6f, ",
-           (unsigned long long)s->chunks, (unsigned long long)s->chunk_rows, s->wall_s, s->read_s, s->write_s,
-           s->prepare_s);
-    if (s->device_time)
-        printf("\"kernel_s\": %.6f, \"transfer_s\": %.6f, ", s->kernel_s, s->transfer_s);
-    else
-        printf("\"kernel_s\": null, \"transfer_s\": null, ");
-    printf("\"load\": [");
+    cJSON *j = cJSON_CreateObject();
+    tool_json_add_string(j, "op", o->op == OP_TOPK ? "topk" : o->op == OP_GROUNDED ? "grounded" : "align");
+    tool_json_add_string(j, "dtype", o->op == OP_ALIGN ? "i32" : dtype_name(dtype));
+    tool_json_add_number(j, "tokens", (double)s->tokens);
+    tool_json_add_number(j, "experts", s->experts);
+    tool_json_add_number(j, "top_k", s->top_k);
+    if (o->op == OP_TOPK) {
+        tool_json_add_string(j, "scoring", t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax");
+        tool_json_add_bool(j, "bias", o->bias);
+        tool_json_add_number(j, "groups", t->num_expert_groups);
+        tool_json_add_number(j, "topk_group", t->topk_group);
+        tool_json_add_string(j, "group_score", t->group_score == MOECL_GROUP_SCORE_TOP2_SUM ? "top2sum" : "max");
+        tool_json_add_string(j, "group_fill", t->group_fill == MOECL_GROUP_FILL_ZERO ? "zero" : "neg-inf");
+        tool_json_add_bool(j, "renormalize", t->renormalize);
+        tool_json_add_number(j, "renormalize_floor", float_value(t->renormalize_floor));
+        tool_json_add_number(j, "scale", float_value(t->routed_scaling_factor));
+    } else if (o->op == OP_GROUNDED) {
+        tool_json_add_number(j, "hidden", g->hidden_dim);
+        tool_json_add_number(j, "alpha", float_value(g->alpha));
+    }
+    const char *dispatch[] = {"block_size", "max_padded", "num_tokens_post_padded", "num_invalid", "align_s"};
+    const double values[] = {s->block_size, (double)s->max_padded, s->post_padded, s->num_invalid, s->align_s};
+    for (int i = 0; i < 5; i++)
+        cJSON_AddItemToObject(j, dispatch[i], s->dispatch ? cJSON_CreateNumber(values[i]) : cJSON_CreateNull());
+    tool_json_add_string(j, "device", s->device);
+    tool_json_add_number(j, "chunks", (double)s->chunks);
+    tool_json_add_number(j, "chunk_rows", (double)s->chunk_rows);
+    tool_json_add_number(j, "wall_s", s->wall_s);
+    tool_json_add_number(j, "read_s", s->read_s);
+    tool_json_add_number(j, "write_s", s->write_s);
+    tool_json_add_number(j, "prepare_s", s->prepare_s);
+    cJSON_AddItemToObject(j, "kernel_s", s->device_time ? cJSON_CreateNumber(s->kernel_s) : cJSON_CreateNull());
+    cJSON_AddItemToObject(j, "transfer_s", s->device_time ? cJSON_CreateNumber(s->transfer_s) : cJSON_CreateNull());
+    cJSON *load = cJSON_CreateArray();
     for (uint32_t i = 0; i < s->experts; i++)
-        printf("%s%llu", i ? ", " : "", (unsigned long long)s->load[i]);
-    printf("]}\n");
+        cJSON_AddItemToArray(load, cJSON_CreateNumber((double)s->load[i]));
+    cJSON_AddItemToObject(j, "load", load);
+    const bool ok = tool_json_write(stdout, j);
+    cJSON_Delete(j);
+    return ok;
 }
 
 /* Each valid id's expert gains a slot; the others are counted invalid. */
@@ -1110,11 +1132,11 @@ int main(int argc, char **argv)
         snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "
                                      "alpha %g", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,
                  dtype_name(dtype), top_k, (double)gd.alpha);
-    if (o.json)
-        print_json(&s, &o, &td, &gd, dtype);
-    else
-        print_text(&s, &o, what);
     rc = 0;
+    if (!o.json)
+        print_text(&s, &o, what);
+    else if (!print_json(&s, &o, &td, &gd, dtype))
+        rc = fail_run("writing the JSON summary failed");
     goto cleanup;
 
 run_error:

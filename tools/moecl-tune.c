@@ -22,6 +22,7 @@
 
 #include "internal.h"
 #include "reference.h"
+#include "tool_args.h"
 #include "tool_common.h"
 
 /* A winner must beat the untuned choice by more than this to replace it. */
@@ -840,46 +841,81 @@ static void usage(FILE *f)
             "Exit status: 0 ok, 1 a check or a call failed or the file could not be written, 2 bad usage.\n");
 }
 
+/* The options, checked before any device is touched: -1 to go on, else
+ * the exit status (0 after --help, 2 for a bad usage, named). */
+static int parse_args(int argc, char **argv, options *o)
+{
+    enum { OPT_DEVICE = 256, OPT_ONLY, OPT_ITERATIONS, OPT_QUICK, OPT_DRY_RUN, OPT_ALL, OPT_PLAN, OPT_CHILD };
+    static const struct option longopts[] = {
+        {"device", required_argument, NULL, OPT_DEVICE}, {"only", required_argument, NULL, OPT_ONLY},
+        {"iterations", required_argument, NULL, OPT_ITERATIONS}, {"quick", no_argument, NULL, OPT_QUICK},
+        {"dry-run", no_argument, NULL, OPT_DRY_RUN},     {"all", no_argument, NULL, OPT_ALL},
+        {"plan", no_argument, NULL, OPT_PLAN},           {"child", no_argument, NULL, OPT_CHILD},
+        {"help", no_argument, NULL, 'h'},                {NULL, 0, NULL, 0},
+    };
+    const char *prog = "moecl-tune";
+    memset(o, 0, sizeof(*o));
+    int c;
+    long v;
+    while ((c = tool_getopt(prog, usage, argc, argv, "h", longopts)) != -1) {
+        switch (c) {
+        case 'h':
+            usage(stdout);
+            return 0;
+        case OPT_DEVICE:
+            o->device = optarg;
+            break;
+        case OPT_ONLY:
+            o->only = optarg;
+            break;
+        case OPT_ITERATIONS:
+            if (!tool_parse_int(optarg, 1, 10000000, &v))
+                return tool_bad_usage(prog, usage, "--iterations %s: expected a whole number, at least 1", optarg);
+            o->iterations = (int)v;
+            break;
+        case OPT_QUICK:
+            o->quick = true;
+            break;
+        case OPT_DRY_RUN:
+            o->dry_run = true;
+            break;
+        case OPT_ALL:
+            o->all = true;
+            break;
+        case OPT_PLAN:
+            o->plan = true; /* internal: see run_planner */
+            break;
+        case OPT_CHILD:
+            /* internal: one configuration, the six words after it (see run_child) */
+            if (optind + 6 > argc)
+                return tool_bad_usage(prog, usage, "--child needs six values");
+            o->child = argv + optind;
+            optind += 6;
+            break;
+        default:
+            return 2; /* tool_getopt named it */
+        }
+    }
+    if (optind < argc)
+        return tool_bad_usage(prog, usage, "unexpected argument '%s'", argv[optind]);
+    return -1;
+}
+
 int main(int argc, char **argv)
 {
     options o;
-    memset(&o, 0, sizeof(o));
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i];
-        bool has = i + 1 < argc;
-        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-            usage(stdout);
-            return 0;
-        } else if (!strcmp(a, "--device") && has) {
-            o.device = argv[++i];
-        } else if (!strcmp(a, "--only") && has) {
-            o.only = argv[++i];
-        } else if (!strcmp(a, "--iterations") && has) {
-            o.iterations = atoi(argv[++i]);
-            if (o.iterations < 1) {
-                usage(stderr);
-                return 2;
-            }
-        } else if (!strcmp(a, "--quick")) {
-            o.quick = true;
-        } else if (!strcmp(a, "--dry-run")) {
-            o.dry_run = true;
-        } else if (!strcmp(a, "--all")) {
-            o.all = true;
-        } else if (!strcmp(a, "--plan")) {
-            o.plan = true; /* internal: see run_planner */
-        } else if (!strcmp(a, "--child") && i + 6 < argc) {
-            o.child = argv + i + 1; /* internal: one configuration, see run_child */
-            i += 6;
-        } else {
-            usage(stderr);
-            return 2;
-        }
-    }
+    int status = parse_args(argc, argv, &o);
+    if (status >= 0)
+        return status;
     if (!o.iterations)
         o.iterations = o.quick ? 10 : 50;
     tune_case cases[8];
     const int n = default_cases(cases);
+    int selected = 0;
+    for (int i = 0; i < n; i++)
+        selected += shape_selected(&o, &cases[i]);
+    if (!selected)
+        return tool_bad_usage("moecl-tune", usage, "--only %s matches no shape", o.only);
     if (o.child)
         return run_child(&o, cases, n);
     if (o.plan)
@@ -951,11 +987,11 @@ int main(int argc, char **argv)
         swept++;
         failures += !outcomes[i].ok;
     }
-    int status = failures ? 1 : 0;
+    status = failures ? 1 : 0;
     char path[4096];
     const bool have_path = moecl_tune_path(info, path, sizeof(path));
     if (!swept) {
-        fprintf(stderr, "moecl-tune: no shape to sweep%s%s\n", o.only ? " matches --only " : "", o.only ? o.only : "");
+        fprintf(stderr, "moecl-tune: no shape to sweep: the ones selected are skipped (above)\n");
         status = 2;
     } else if (failures) {
         printf("\n%d shape(s) failed: the tune file is not written\n", failures);

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 # `meson install` puts the library in lib64, where neither pkg-config nor
 # ldconfig look on Debian.
 packages=(gcc libc6-dev dpkg-dev meson ninja-build pkg-config opencl-c-headers ocl-icd-opencl-dev pocl-opencl-icd
-          check intel-opencl-icd clang-15 g++ binutils doxygen)
+          check libcjson-dev intel-opencl-icd clang-15 g++ binutils doxygen)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
