@@ -261,7 +261,8 @@ MOECL_API moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_
  *  tune file, and for representative shapes the launch configuration and
  *  where it came from. Writes at most size bytes including the terminating
  *  NUL (like snprintf) and returns the length the whole text needs; for a
- *  NULL ctx it writes "" (when size > 0) and returns 0. buf may be NULL
+ *  NULL ctx, or out of host memory, it writes "" (when size > 0) and
+ *  returns 0. buf may be NULL
  *  when size is 0. Thread-safe. */
 MOECL_API size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size);
 
