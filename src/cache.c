@@ -100,6 +100,44 @@ static uint64_t get_u64(const unsigned char *p)
     return v;
 }
 
+bool moecl_cache_entry_parse(const unsigned char *data, size_t size, moecl_cache_entry *entry)
+{
+    /* magic | key length | key | binary length | checksum | binary */
+    const size_t head = sizeof(entry_magic) + 8;
+    if (size < head + 16 || memcmp(data, entry_magic, sizeof(entry_magic)) != 0)
+        return false;
+    const uint64_t key_len = get_u64(data + sizeof(entry_magic));
+    if (key_len == 0 || key_len > size - head - 16)
+        return false;
+    const unsigned char *p = data + head + key_len;
+    const uint64_t bin_len = get_u64(p), sum = get_u64(p + 8);
+    const unsigned char *bin = p + 16;
+    if (bin_len == 0 || bin_len != size - (size_t)(bin - data) || moecl_hash64(bin, bin_len, 2) != sum)
+        return false;
+    entry->key = (const char *)data + head;
+    entry->key_len = (size_t)key_len;
+    entry->binary = bin;
+    entry->binary_size = (size_t)bin_len;
+    return true;
+}
+
+unsigned char *moecl_cache_entry_encode(const char *key, size_t key_len, const unsigned char *binary, size_t size,
+                                        size_t *entry_size)
+{
+    const size_t head = sizeof(entry_magic) + 8, total = head + key_len + 16 + size;
+    unsigned char *out = malloc(total);
+    if (!out)
+        return NULL;
+    memcpy(out, entry_magic, sizeof(entry_magic));
+    put_u64(out + sizeof(entry_magic), key_len);
+    memcpy(out + head, key, key_len);
+    put_u64(out + head + key_len, size);
+    put_u64(out + head + key_len + 8, moecl_hash64(binary, size, 2));
+    memcpy(out + head + key_len + 16, binary, size);
+    *entry_size = total;
+    return out;
+}
+
 bool moecl_cache_load(const char *key, unsigned char **binary, size_t *size)
 {
     char path[4096];
@@ -111,25 +149,17 @@ bool moecl_cache_load(const char *key, unsigned char **binary, size_t *size)
     bool ok = false;
     unsigned char *data = NULL;
     long len = -1;
+    moecl_cache_entry entry;
     if (fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 && (size_t)len <= MAX_ENTRY_SIZE &&
-        fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)len)) && fread(data, 1, (size_t)len, f) == (size_t)len) {
-        /* magic | key length | key | binary length | checksum | binary */
-        size_t key_len = strlen(key), n = (size_t)len;
-        size_t head = sizeof(entry_magic) + 8;
-        if (n >= head + key_len + 16 && memcmp(data, entry_magic, sizeof(entry_magic)) == 0 &&
-            get_u64(data + 8) == key_len && memcmp(data + head, key, key_len) == 0) {
-            const unsigned char *p = data + head + key_len;
-            uint64_t bin_len = get_u64(p), sum = get_u64(p + 8);
-            const unsigned char *bin = p + 16;
-            if (bin_len > 0 && bin_len == n - (size_t)(bin - data) && moecl_hash64(bin, bin_len, 2) == sum) {
-                unsigned char *out = malloc(bin_len);
-                if (out) {
-                    memcpy(out, bin, bin_len);
-                    *binary = out;
-                    *size = bin_len;
-                    ok = true;
-                }
-            }
+        fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)len)) && fread(data, 1, (size_t)len, f) == (size_t)len &&
+        moecl_cache_entry_parse(data, (size_t)len, &entry) && entry.key_len == strlen(key) &&
+        memcmp(entry.key, key, entry.key_len) == 0) {
+        unsigned char *out = malloc(entry.binary_size);
+        if (out) {
+            memcpy(out, entry.binary, entry.binary_size);
+            *binary = out;
+            *size = entry.binary_size;
+            ok = true;
         }
     }
     free(data);
@@ -142,21 +172,19 @@ void moecl_cache_store(const char *key, const unsigned char *binary, size_t size
     char path[4096], tmp[4200];
     if (!size || !entry_path(key, path, sizeof(path), true))
         return;
+    size_t entry_size;
+    unsigned char *entry = moecl_cache_entry_encode(key, strlen(key), binary, size, &entry_size);
+    if (!entry)
+        return;
     /* A name no other writer uses: the pid and this call's stack address. */
     int local;
     snprintf(tmp, sizeof(tmp), "%s.tmp.%ld.%llx", path, (long)getpid(), (unsigned long long)(uintptr_t)&local);
     FILE *f = fopen(tmp, "wb");
-    if (!f)
-        return;
-    size_t key_len = strlen(key);
-    unsigned char head[16], tail[16];
-    memcpy(head, entry_magic, 8);
-    put_u64(head + 8, key_len);
-    put_u64(tail, size);
-    put_u64(tail + 8, moecl_hash64(binary, size, 2));
-    bool ok = fwrite(head, 1, 16, f) == 16 && fwrite(key, 1, key_len, f) == key_len && fwrite(tail, 1, 16, f) == 16 &&
-              fwrite(binary, 1, size, f) == size;
-    ok = fclose(f) == 0 && ok;
-    if (!ok || rename(tmp, path) != 0)
-        unlink(tmp);
+    if (f) {
+        bool ok = fwrite(entry, 1, entry_size, f) == entry_size;
+        ok = fclose(f) == 0 && ok;
+        if (!ok || rename(tmp, path) != 0)
+            unlink(tmp);
+    }
+    free(entry);
 }

@@ -227,6 +227,21 @@ bool moecl_cache_load(const char *key, unsigned char **binary, size_t *size);
 void moecl_cache_store(const char *key, const unsigned char *binary, size_t size);
 /* mkdir -p dir (restored before returning); true if it exists afterwards. */
 bool moecl_cache_make_dir(char *dir);
+/* An entry file's parts, pointing into the bytes it was parsed from. */
+typedef struct moecl_cache_entry {
+    const char *key; /* not NUL-terminated */
+    size_t key_len;
+    const unsigned char *binary;
+    size_t binary_size;
+} moecl_cache_entry;
+/* The one definition of the entry format: magic | u64 key length | key |
+ * u64 binary length | u64 checksum of the binary | binary. parse is true
+ * only for a whole entry whose checksum matches; encode returns the
+ * malloc'ed entry (NULL when out of memory). The cache test reads and
+ * forges entries with these. */
+bool moecl_cache_entry_parse(const unsigned char *data, size_t size, moecl_cache_entry *entry);
+unsigned char *moecl_cache_entry_encode(const char *key, size_t key_len, const unsigned char *binary, size_t size,
+                                        size_t *entry_size);
 /* 64-bit FNV-1a, used for file names and checksums. */
 uint64_t moecl_hash64(const void *data, size_t size, uint64_t seed);
 

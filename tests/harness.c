@@ -1,6 +1,7 @@
 #include "harness.h"
 
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,12 +59,37 @@ void harness_store(moecl_dtype dtype, void *data, size_t index, float value)
         ((uint16_t *)data)[index] = ref_float_to_bf16(value);
 }
 
-void *harness_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, float scale)
+bool harness_fail(harness_error *e, const char *fmt, ...)
+{
+    if (e->count++ == 0) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(e->msg, sizeof(e->msg), fmt, ap);
+        va_end(ap);
+    }
+    return false;
+}
+
+/* The message of a failed harness_try_* call, as a test failure. */
+#define ASSERT_TRIED(ok, e) ck_assert_msg((ok), "%s", (e).msg)
+
+void *harness_try_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, float scale, harness_error *e)
 {
     void *data = malloc(n * ref_dtype_size(dtype) + 1);
-    ck_assert_ptr_nonnull(data);
+    if (!data) {
+        harness_fail(e, "out of host memory for %zu values", n);
+        return NULL;
+    }
     for (size_t i = 0; i < n; i++)
         harness_store(dtype, data, i, harness_randn(rng) * scale);
+    return data;
+}
+
+void *harness_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, float scale)
+{
+    harness_error e = {0};
+    void *data = harness_try_random_tensor(rng, dtype, n, scale, &e);
+    ASSERT_TRIED(data != NULL, e);
     return data;
 }
 
@@ -76,35 +102,182 @@ moecl_context *harness_context(void)
     return ctx;
 }
 
-moecl_buffer harness_buffer(moecl_context *ctx, size_t size, size_t offset, const void *data)
+void *harness_poisoned(size_t n)
 {
-    size_t total = size + offset + 64; /* slack after the tensor too: writes past it show */
-    unsigned char *fill = malloc(total);
-    ck_assert_ptr_nonnull(fill);
-    memset(fill, HARNESS_POISON, total);
+    void *p = malloc(n ? n : 1);
+    if (p)
+        memset(p, HARNESS_POISON, n ? n : 1);
+    return p;
+}
+
+size_t harness_first_unpoisoned(const void *p, size_t n)
+{
+    const unsigned char *b = p;
+    for (size_t i = 0; i < n; i++)
+        if (b[i] != HARNESS_POISON)
+            return i;
+    return n;
+}
+
+moecl_buffer harness_try_buffer(moecl_context *ctx, size_t size, size_t offset, const void *data, harness_error *e)
+{
+    const size_t total = size + offset + HARNESS_SLACK; /* writes past the tensor show */
+    unsigned char *fill = harness_poisoned(total);
+    moecl_buffer b = {NULL, 0};
+    if (!fill) {
+        harness_fail(e, "out of host memory for a buffer of %zu bytes", total);
+        return b;
+    }
     if (data && size)
         memcpy(fill + offset, data, size);
     cl_int err;
     cl_mem mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, total, fill,
                                 &err);
     free(fill);
-    ck_assert_msg(mem != NULL, "clCreateBuffer: %d", err);
-    moecl_buffer b = {mem, offset};
+    if (!mem) {
+        harness_fail(e, "clCreateBuffer(%zu bytes): %d", total, err);
+        return b;
+    }
+    b.mem = mem;
+    b.offset = offset;
     return b;
+}
+
+moecl_buffer harness_buffer(moecl_context *ctx, size_t size, size_t offset, const void *data)
+{
+    harness_error e = {0};
+    moecl_buffer b = harness_try_buffer(ctx, size, offset, data, &e);
+    ASSERT_TRIED(b.mem != NULL, e);
+    return b;
+}
+
+bool harness_try_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out, harness_error *e)
+{
+    if (!size)
+        return true;
+    cl_int err = clEnqueueReadBuffer(moecl_context_queue(ctx), buf.mem, CL_TRUE, buf.offset, size, out, 0, NULL, NULL);
+    return err == CL_SUCCESS || harness_fail(e, "clEnqueueReadBuffer(%zu bytes at %zu): %d", size, buf.offset, err);
 }
 
 void harness_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out)
 {
-    if (!size)
-        return;
-    cl_int err = clEnqueueReadBuffer(moecl_context_queue(ctx), buf.mem, CL_TRUE, buf.offset, size, out, 0, NULL, NULL);
-    ck_assert_int_eq(err, CL_SUCCESS);
+    harness_error e = {0};
+    ASSERT_TRIED(harness_try_read(ctx, buf, size, out, &e), e);
 }
 
 void harness_release(moecl_buffer buf)
 {
     if (buf.mem)
         clReleaseMemObject(buf.mem);
+}
+
+/* The device path of harness_try_topk: outputs read back whole, so that a
+ * write outside a tensor shows. */
+static bool topk_device(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
+                        float *w, int32_t *ids, size_t offset, harness_error *e)
+{
+    const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    const size_t obytes = (size_t)d->num_tokens * d->top_k * 4, total = offset + obytes + HARNESS_SLACK;
+    moecl_buffer bg = harness_try_buffer(ctx, gbytes, offset, gating, e);
+    moecl_buffer bb = bias && bg.mem ? harness_try_buffer(ctx, (size_t)d->num_experts * 4, offset, bias, e)
+                                     : (moecl_buffer){NULL, 0};
+    moecl_buffer bw = bg.mem ? harness_try_buffer(ctx, obytes, offset, NULL, e) : (moecl_buffer){NULL, 0};
+    moecl_buffer bi = bw.mem ? harness_try_buffer(ctx, obytes, offset, NULL, e) : (moecl_buffer){NULL, 0};
+    unsigned char *all = malloc(total);
+    cl_event done = NULL;
+    bool ok = false;
+    if (!bg.mem || (bias && !bb.mem) || !bw.mem || !bi.mem || !all) {
+        if (!all)
+            harness_fail(e, "out of host memory");
+        goto out;
+    }
+    moecl_status st = moecl_topk_gating(ctx, d, bg, bb, bw, bi, 0, NULL, &done);
+    if (st != MOECL_SUCCESS) {
+        harness_fail(e, "moecl_topk_gating: %s (%d): %s", moecl_status_string(st), (int)st, moecl_context_error(ctx));
+        goto out;
+    }
+    if (!done) {
+        harness_fail(e, "moecl_topk_gating succeeded but gave no event");
+        goto out;
+    }
+    cl_int err = clWaitForEvents(1, &done);
+    if (err != CL_SUCCESS) {
+        harness_fail(e, "clWaitForEvents on the call's event: %d", err);
+        goto out;
+    }
+    const moecl_buffer outs[2] = {bw, bi};
+    void *dst[2] = {w, ids};
+    for (int i = 0; i < 2; i++) {
+        const char *name = i ? "topk_ids" : "topk_weights";
+        if (!harness_try_read(ctx, (moecl_buffer){outs[i].mem, 0}, total, all, e))
+            goto out;
+        size_t before = harness_first_unpoisoned(all, offset);
+        size_t after = harness_first_unpoisoned(all + offset + obytes, HARNESS_SLACK);
+        if (before != offset || after != HARNESS_SLACK) {
+            harness_fail(e, "%s: a byte outside the tensor changed (%s it, offset %zu)", name,
+                         before != offset ? "before" : "after", offset);
+            goto out;
+        }
+        memcpy(dst[i], all + offset, obytes);
+    }
+    ok = true;
+out:
+    if (done)
+        clReleaseEvent(done);
+    free(all);
+    harness_release(bg);
+    harness_release(bb);
+    harness_release(bw);
+    harness_release(bi);
+    return ok;
+}
+
+bool harness_try_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng, bool with_bias,
+                      harness_path path, size_t offset, harness_error *e)
+{
+    const size_t t = d->num_tokens, n = t * d->top_k;
+    char where[128];
+    snprintf(where, sizeof(where), "%s path, T=%zu E=%u k=%u, %s bias, offset %zu",
+             path == HARNESS_HOST ? "host" : "device", t, d->num_experts, d->top_k, with_bias ? "with" : "no", offset);
+    /* The failures below go into a local record first, so the message
+     * can name the shape. */
+    harness_error local = {0};
+    void *gating = harness_try_random_tensor(rng, d->gating_dtype, t * d->num_experts, 2.0f, &local);
+    /* Bias of the size of a typical softmax score, so it changes picks. */
+    float *bias = with_bias ? harness_try_random_tensor(rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts,
+                                                        &local)
+                            : NULL;
+    float *w = harness_poisoned(n * 4);
+    int32_t *ids = harness_poisoned(n * 4);
+    bool ok = false;
+    if (!gating || (with_bias && !bias) || !w || !ids) {
+        harness_fail(&local, "out of host memory");
+    } else if (path == HARNESS_HOST) {
+        moecl_status st = moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
+        ok = st == MOECL_SUCCESS || harness_fail(&local, "moecl_topk_gating_host: %s (%d): %s",
+                                                 moecl_status_string(st), (int)st, moecl_context_error(ctx));
+    } else {
+        ok = topk_device(ctx, d, gating, bias, w, ids, offset, &local);
+    }
+    if (ok) {
+        char detail[600] = "";
+        int rows = ref_check_topk_gating(d, gating, bias, w, ids, detail, sizeof(detail));
+        ok = rows == 0 || harness_fail(&local, "%d bad rows: %s", rows, detail);
+    }
+    if (!ok)
+        harness_fail(e, "%s: %s", where, local.msg);
+    free(gating);
+    free(bias);
+    free(w);
+    free(ids);
+    return ok;
+}
+
+void harness_check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng, bool with_bias,
+                        harness_path path, size_t offset)
+{
+    harness_error e = {0};
+    ASSERT_TRIED(harness_try_topk(ctx, d, rng, with_bias, path, offset, &e), e);
 }
 
 bool harness_quick(void)

@@ -1,6 +1,11 @@
 /* Helpers shared by the Check suites: contexts, fresh random inputs with a
- * printed seed (MOECL_TEST_SEED reproduces a run), poisoned outputs, and
- * device buffers with offsets. */
+ * printed seed (MOECL_TEST_SEED reproduces a run), poisoned outputs,
+ * device buffers with offsets, and one checked top-k gating call.
+ *
+ * The helpers named harness_try_* make no Check assertion: they return
+ * false or NULL and record why in a harness_error, so worker threads may
+ * call them (with CK_FORK=no a failed assertion jumps back into the test's
+ * own thread, which a worker must never do). The others assert. */
 #ifndef MOECL_TESTS_HARNESS_H
 #define MOECL_TESTS_HARNESS_H
 
@@ -25,10 +30,21 @@ uint32_t harness_rand_u32(harness_rng *rng);
 double harness_rand_uniform(harness_rng *rng); /* [0, 1) */
 float harness_randn(harness_rng *rng);
 
+/* The failures of a run of calls, for code that must not assert: how many,
+ * and the first one's message. Zero-initialise it. */
+typedef struct harness_error {
+    int count;
+    char msg[1200];
+} harness_error;
+
+/* Count a failure, keeping the message if it is the first. Returns false. */
+bool harness_fail(harness_error *e, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* Store value into element index of a tensor of dtype (rounding to it). */
 void harness_store(moecl_dtype dtype, void *data, size_t index, float value);
 /* n standard-normal values times scale, in dtype; malloc'ed. */
 void *harness_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, float scale);
+void *harness_try_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, float scale, harness_error *e);
 
 /* A context on $MOECL_DEVICE or the default device; fails the test if
  * none. */
@@ -37,13 +53,36 @@ moecl_context *harness_context(void);
 /* 0xFF bytes: NaN weights and id -1, so unwritten elements show. */
 #define HARNESS_POISON 0xFF
 
-/* A device buffer of size bytes plus room before it: returns the buffer
- * with its offset, filled with poison, and data copied in at the offset if
- * data != NULL. */
+/* n bytes (at least one) of poison, malloc'ed; NULL when out of memory. */
+void *harness_poisoned(size_t n);
+/* The index of the first byte of p[0..n) that is not poison, or n. */
+size_t harness_first_unpoisoned(const void *p, size_t n);
+
+/* A device buffer of size bytes plus room before it and HARNESS_SLACK bytes
+ * after it: returns the buffer with its offset, filled with poison, and
+ * data copied in at the offset if data != NULL. */
+#define HARNESS_SLACK 64
 moecl_buffer harness_buffer(moecl_context *ctx, size_t size, size_t offset, const void *data);
+/* The same; {NULL, 0} on failure. */
+moecl_buffer harness_try_buffer(moecl_context *ctx, size_t size, size_t offset, const void *data, harness_error *e);
 /* Read size bytes at the buffer's offset (blocking). */
 void harness_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out);
+bool harness_try_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out, harness_error *e);
+/* Release buf.mem if set. */
 void harness_release(moecl_buffer buf);
+
+/* One top-k gating call of d on fresh random inputs (a bias of a softmax
+ * score's size if with_bias), checked against the float64 reference. The
+ * host path calls moecl_topk_gating_host; the device path copies the
+ * inputs into poisoned buffers at offset, waits on the call's event, and
+ * also fails if a byte before the offset or after a tensor changed. False,
+ * with the shape and the reason in e, if anything is wrong. */
+typedef enum harness_path { HARNESS_HOST, HARNESS_DEVICE } harness_path;
+bool harness_try_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng, bool with_bias,
+                      harness_path path, size_t offset, harness_error *e);
+/* The same, failing the test. */
+void harness_check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng, bool with_bias,
+                        harness_path path, size_t offset);
 
 /* MOECL_TEST_QUICK set (and not "0"): the op suites leave out their
  * largest grids, for slow runs such as the valgrind setup. */

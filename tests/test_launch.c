@@ -13,13 +13,12 @@
  * fixture with its own MOECL_CACHE_DIR and none of the launch variables
  * set, restored afterwards. */
 #include "harness.h"
+#include "harness_env.h"
 #include "internal.h"
 
 #include <dirent.h>
 #include <dlfcn.h>
-#include <errno.h>
 #include <math.h>
-#include <ftw.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -32,64 +31,28 @@
 /* Fixture                                                                 */
 /* ---------------------------------------------------------------------- */
 
-static const char *const fx_names[] = {"MOECL_CACHE_DIR", "MOECL_LAUNCH_CLASS", "MOECL_TEAM", "MOECL_GROUNDED_TILE"};
-#define FX_COUNT (sizeof(fx_names) / sizeof(fx_names[0]))
-static char *fx_values[FX_COUNT];
-static char fx_root[PATH_MAX];
-
-static int remove_entry(const char *path, const struct stat *sb, int type, struct FTW *ftw)
-{
-    (void)sb;
-    (void)type;
-    (void)ftw;
-    remove(path);
-    return 0;
-}
+static const char *const fx_names[] = {"MOECL_CACHE_DIR", "MOECL_LAUNCH_CLASS", "MOECL_TEAM", "MOECL_GROUNDED_TILE",
+                                       NULL};
 
 static void env_setup(void)
 {
-    for (size_t i = 0; i < FX_COUNT; i++) {
-        const char *v = getenv(fx_names[i]);
-        fx_values[i] = v ? strdup(v) : NULL;
+    harness_env_save(fx_names, "launch");
+    for (size_t i = 0; fx_names[i]; i++)
         unsetenv(fx_names[i]);
-    }
-    const char *tmp = getenv("TMPDIR");
-    snprintf(fx_root, sizeof(fx_root), "%s/moecl-launch-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    ck_assert_msg(mkdtemp(fx_root) != NULL, "mkdtemp(%s): %s", fx_root, strerror(errno));
-    ck_assert_int_eq(setenv("MOECL_CACHE_DIR", fx_root, 1), 0);
+    ck_assert_int_eq(setenv("MOECL_CACHE_DIR", harness_env_dir(), 1), 0);
 }
 
-static void env_teardown(void)
-{
-    for (size_t i = 0; i < FX_COUNT; i++) {
-        if (fx_values[i])
-            setenv(fx_names[i], fx_values[i], 1);
-        else
-            unsetenv(fx_names[i]);
-        free(fx_values[i]);
-        fx_values[i] = NULL;
-    }
-    if (fx_root[0])
-        nftw(fx_root, remove_entry, 16, FTW_PHYS | FTW_DEPTH);
-    fx_root[0] = '\0';
-}
+static void env_teardown(void) { harness_env_restore(); }
 
 /* ---------------------------------------------------------------------- */
 /* Helpers                                                                 */
 /* ---------------------------------------------------------------------- */
 
-static void write_file(const char *path, const void *data, size_t size)
-{
-    FILE *f = fopen(path, "wb");
-    ck_assert_msg(f != NULL, "fopen(%s): %s", path, strerror(errno));
-    ck_assert(fwrite(data, 1, size, f) == size);
-    ck_assert(fclose(f) == 0);
-}
-
 static void tune_path_of(const moecl_context *ctx, char *path, size_t size)
 {
-    ck_assert_msg(moecl_tune_path(&ctx->info, path, size), "no tune file path with MOECL_CACHE_DIR=%s", fx_root);
-    ck_assert_msg(strncmp(path, fx_root, strlen(fx_root)) == 0, "tune file %s is not in %s", path, fx_root);
+    const char *dir = harness_env_dir();
+    ck_assert_msg(moecl_tune_path(&ctx->info, path, size), "no tune file path with MOECL_CACHE_DIR=%s", dir);
+    ck_assert_msg(strncmp(path, dir, strlen(dir)) == 0, "tune file %s is not in %s", path, dir);
 }
 
 /* The file's first two lines for this device. */
@@ -111,7 +74,7 @@ static void write_tune_file(const moecl_context *ctx, bool header, const char *b
     ck_assert_ptr_nonnull(all);
     memcpy(all, head, hl);
     memcpy(all + hl, body, body_size);
-    write_file(path, all, hl + body_size);
+    harness_write_file(path, all, hl + body_size);
     free(all);
 }
 
@@ -235,10 +198,10 @@ static moecl_launch_source untuned_grounded(const moecl_grounded_router_desc *d,
     return s;
 }
 
-/* Entries of fx_root other than . and .. */
+/* Entries of the fixture's directory other than . and .. */
 static int entries_in_root(void)
 {
-    DIR *d = opendir(fx_root);
+    DIR *d = opendir(harness_env_dir());
     ck_assert_ptr_nonnull(d);
     int n = 0;
     for (struct dirent *e; (e = readdir(d));)
@@ -467,7 +430,7 @@ START_TEST(test_garbage_ignored)
     snprintf(half_header, sizeof(half_header), "%.*s", (int)(strlen(head) / 2), head);
     const char *const texts[] = {foreign, wrong_magic, no_identity, case_changed, half_header, "", entry};
     for (size_t i = 0; i < sizeof(texts) / sizeof(texts[0]); i++) {
-        write_file(path, texts[i], strlen(texts[i]));
+        harness_write_file(path, texts[i], strlen(texts[i]));
         ctx = harness_context();
         ck_assert_msg(ctx->tuned.count == 0, "file %zu: %zu entries loaded", i, ctx->tuned.count);
         moecl_context_destroy(ctx);
@@ -509,7 +472,7 @@ START_TEST(test_garbage_ignored)
             memcpy(big + at, entry, el);
             at += el;
         }
-        write_file(path, big, at);
+        harness_write_file(path, big, at);
         moecl_context_destroy(ctx);
         free(big);
         ctx = harness_context();

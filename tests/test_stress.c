@@ -21,16 +21,8 @@ extern char **environ;
 /* One checked call of either op, on the host or the device-buffer path.   */
 /* ---------------------------------------------------------------------- */
 
-typedef struct call_result {
-    int failed;
-    char msg[1024];
-} call_result;
-
-static void note_failure(call_result *r, const char *fmt, const char *a, const char *b)
-{
-    if (r->failed++ == 0)
-        snprintf(r->msg, sizeof(r->msg), fmt, a, b);
-}
+/* The calls run in worker threads, so they record failures in a
+ * harness_error and use the harness_try_* helpers: no Check assertion. */
 
 /* A random top-k gating descriptor among a few model shapes. */
 static moecl_topk_gating_desc random_topk_desc(harness_rng *rng, uint32_t tokens)
@@ -49,54 +41,72 @@ static moecl_topk_gating_desc random_topk_desc(harness_rng *rng, uint32_t tokens
     return d;
 }
 
-static void topk_call(moecl_context *ctx, harness_rng *rng, bool device_path, call_result *r)
+/* Wait for done and read the n outputs back; false (recorded in r) on a
+ * failure. Releases done. */
+static bool read_outputs(moecl_context *ctx, cl_event done, const moecl_buffer *outs, void *const *dst,
+                         const size_t *sizes, int n, harness_error *r)
+{
+    cl_int err = clWaitForEvents(1, &done);
+    clReleaseEvent(done);
+    if (err != CL_SUCCESS)
+        return harness_fail(r, "clWaitForEvents on the call's event: %d", err);
+    for (int i = 0; i < n; i++)
+        if (!harness_try_read(ctx, outs[i], sizes[i], dst[i], r))
+            return false;
+    return true;
+}
+
+static void topk_call(moecl_context *ctx, harness_rng *rng, bool device_path, harness_error *r)
 {
     const uint32_t tokens = 1 + harness_rand_u32(rng) % 40;
     const moecl_topk_gating_desc d = random_topk_desc(rng, tokens);
     const bool has_bias = (harness_rand_u32(rng) & 1) != 0;
     const size_t n = (size_t)tokens * d.num_experts, out = (size_t)tokens * d.top_k;
-    void *g = harness_random_tensor(rng, d.gating_dtype, n, 2.0f);
-    float *bias = has_bias ? harness_random_tensor(rng, MOECL_F32, d.num_experts, 0.5f) : NULL;
-    float *w = malloc(out * sizeof(float));
-    int32_t *ids = malloc(out * sizeof(int32_t));
+    void *g = harness_try_random_tensor(rng, d.gating_dtype, n, 2.0f, r);
+    float *bias = has_bias ? harness_try_random_tensor(rng, MOECL_F32, d.num_experts, 0.5f, r) : NULL;
+    float *w = harness_poisoned(out * sizeof(float));
+    int32_t *ids = harness_poisoned(out * sizeof(int32_t));
     if (!g || (has_bias && !bias) || !w || !ids) {
-        note_failure(r, "%s%s", "out of memory", "");
+        harness_fail(r, "out of memory");
         goto done;
     }
-    memset(w, HARNESS_POISON, out * sizeof(float));
-    memset(ids, HARNESS_POISON, out * sizeof(int32_t));
-    moecl_status st;
+    moecl_status st = MOECL_SUCCESS;
+    bool made = true;
     if (!device_path) {
         st = moecl_topk_gating_host(ctx, &d, g, bias, w, ids);
     } else {
         const size_t esz = ref_dtype_size(d.gating_dtype);
         const size_t off = (size_t)(harness_rand_u32(rng) % 4) * 64;
-        moecl_buffer bg = harness_buffer(ctx, n * esz, off, g);
-        moecl_buffer bb = has_bias ? harness_buffer(ctx, d.num_experts * sizeof(float), 0, bias)
+        moecl_buffer bg = harness_try_buffer(ctx, n * esz, off, g, r);
+        moecl_buffer bb = has_bias ? harness_try_buffer(ctx, d.num_experts * sizeof(float), 0, bias, r)
                                    : (moecl_buffer){NULL, 0};
-        moecl_buffer bw = harness_buffer(ctx, out * sizeof(float), off, NULL);
-        moecl_buffer bi = harness_buffer(ctx, out * sizeof(int32_t), 0, NULL);
-        cl_event done_ev = NULL;
-        st = moecl_topk_gating(ctx, &d, bg, bb, bw, bi, 0, NULL, &done_ev);
-        if (st == MOECL_SUCCESS) {
-            clWaitForEvents(1, &done_ev);
-            clReleaseEvent(done_ev);
-            harness_read(ctx, bw, out * sizeof(float), w);
-            harness_read(ctx, bi, out * sizeof(int32_t), ids);
+        moecl_buffer bw = harness_try_buffer(ctx, out * sizeof(float), off, NULL, r);
+        moecl_buffer bi = harness_try_buffer(ctx, out * sizeof(int32_t), 0, NULL, r);
+        if (bg.mem && (!has_bias || bb.mem) && bw.mem && bi.mem) {
+            cl_event done_ev = NULL;
+            st = moecl_topk_gating(ctx, &d, bg, bb, bw, bi, 0, NULL, &done_ev);
+            const moecl_buffer outs[2] = {bw, bi};
+            void *dst[2] = {w, ids};
+            const size_t sizes[2] = {out * sizeof(float), out * sizeof(int32_t)};
+            if (st == MOECL_SUCCESS && !read_outputs(ctx, done_ev, outs, dst, sizes, 2, r))
+                made = false;
+        } else {
+            made = false;
         }
         harness_release(bg);
-        if (has_bias)
-            harness_release(bb);
+        harness_release(bb);
         harness_release(bw);
         harness_release(bi);
     }
+    if (!made)
+        goto done; /* recorded in r */
     if (st != MOECL_SUCCESS) {
-        note_failure(r, "top-k gating: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+        harness_fail(r, "top-k gating: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
         goto done;
     }
     char msg[900];
     if (ref_check_topk_gating(&d, g, bias, w, ids, msg, sizeof(msg)) != 0)
-        note_failure(r, "top-k gating%s: %s", device_path ? " (device buffers)" : " (host)", msg);
+        harness_fail(r, "top-k gating%s: %s", device_path ? " (device buffers)" : " (host)", msg);
 done:
     free(g);
     free(bias);
@@ -104,7 +114,7 @@ done:
     free(ids);
 }
 
-static void grounded_call(moecl_context *ctx, harness_rng *rng, bool device_path, call_result *r)
+static void grounded_call(moecl_context *ctx, harness_rng *rng, bool device_path, harness_error *r)
 {
     static const uint32_t shapes[][3] = {{16, 16, 2}, {128, 16, 2}, {64, 96, 8}};
     const uint32_t *s = shapes[harness_rand_u32(rng) % 3];
@@ -114,53 +124,52 @@ static void grounded_call(moecl_context *ctx, harness_rng *rng, bool device_path
     d.hidden_dtype = (moecl_dtype)(harness_rand_u32(rng) % 3);
     const size_t nh = (size_t)tokens * d.hidden_dim, nl = (size_t)tokens * d.num_experts;
     const size_t ng = (size_t)d.num_experts * d.hidden_dim, out = (size_t)tokens * d.top_k;
-    void *h = harness_random_tensor(rng, d.hidden_dtype, nh, 1.0f);
-    float *l = harness_random_tensor(rng, MOECL_F32, nl, 1.0f);
-    void *gr = harness_random_tensor(rng, d.hidden_dtype, ng, 1.0f);
-    float *pairs = malloc(out * 2 * sizeof(float));
-    float *w = malloc(out * sizeof(float));
-    int32_t *ids = malloc(out * sizeof(int32_t));
+    void *h = harness_try_random_tensor(rng, d.hidden_dtype, nh, 1.0f, r);
+    float *l = harness_try_random_tensor(rng, MOECL_F32, nl, 1.0f, r);
+    void *gr = harness_try_random_tensor(rng, d.hidden_dtype, ng, 1.0f, r);
+    float *pairs = harness_poisoned(out * 2 * sizeof(float));
+    float *w = harness_poisoned(out * sizeof(float));
+    int32_t *ids = harness_poisoned(out * sizeof(int32_t));
     if (!h || !l || !gr || !pairs || !w || !ids) {
-        note_failure(r, "%s%s", "out of memory", "");
+        harness_fail(r, "out of memory");
         goto done;
     }
-    memset(pairs, HARNESS_POISON, out * 2 * sizeof(float));
-    memset(w, HARNESS_POISON, out * sizeof(float));
-    memset(ids, HARNESS_POISON, out * sizeof(int32_t));
-    moecl_status st;
+    moecl_status st = MOECL_SUCCESS;
+    bool made = true;
     if (!device_path) {
         st = moecl_grounded_router_host(ctx, &d, h, l, gr, pairs, w, ids);
     } else {
         const size_t esz = ref_dtype_size(d.hidden_dtype);
-        moecl_buffer bh = harness_buffer(ctx, nh * esz, 128, h);
-        moecl_buffer bl = harness_buffer(ctx, nl * sizeof(float), 0, l);
-        moecl_buffer bg = harness_buffer(ctx, ng * esz, 64, gr);
-        moecl_buffer bp = harness_buffer(ctx, out * 2 * sizeof(float), 0, NULL);
-        moecl_buffer bw = harness_buffer(ctx, out * sizeof(float), 32, NULL);
-        moecl_buffer bi = harness_buffer(ctx, out * sizeof(int32_t), 0, NULL);
-        cl_event done_ev = NULL;
-        st = moecl_grounded_router(ctx, &d, bh, bl, bg, bp, bw, bi, 0, NULL, &done_ev);
-        if (st == MOECL_SUCCESS) {
-            clWaitForEvents(1, &done_ev);
-            clReleaseEvent(done_ev);
-            harness_read(ctx, bp, out * 2 * sizeof(float), pairs);
-            harness_read(ctx, bw, out * sizeof(float), w);
-            harness_read(ctx, bi, out * sizeof(int32_t), ids);
+        moecl_buffer b[6] = {
+            harness_try_buffer(ctx, nh * esz, 128, h, r),
+            harness_try_buffer(ctx, nl * sizeof(float), 0, l, r),
+            harness_try_buffer(ctx, ng * esz, 64, gr, r),
+            harness_try_buffer(ctx, out * 2 * sizeof(float), 0, NULL, r),
+            harness_try_buffer(ctx, out * sizeof(float), 32, NULL, r),
+            harness_try_buffer(ctx, out * sizeof(int32_t), 0, NULL, r),
+        };
+        for (int i = 0; i < 6; i++)
+            made = made && b[i].mem;
+        if (made) {
+            cl_event done_ev = NULL;
+            st = moecl_grounded_router(ctx, &d, b[0], b[1], b[2], b[3], b[4], b[5], 0, NULL, &done_ev);
+            void *dst[3] = {pairs, w, ids};
+            const size_t sizes[3] = {out * 2 * sizeof(float), out * sizeof(float), out * sizeof(int32_t)};
+            if (st == MOECL_SUCCESS && !read_outputs(ctx, done_ev, b + 3, dst, sizes, 3, r))
+                made = false;
         }
-        harness_release(bh);
-        harness_release(bl);
-        harness_release(bg);
-        harness_release(bp);
-        harness_release(bw);
-        harness_release(bi);
+        for (int i = 0; i < 6; i++)
+            harness_release(b[i]);
     }
+    if (!made)
+        goto done; /* recorded in r */
     if (st != MOECL_SUCCESS) {
-        note_failure(r, "grounded router: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+        harness_fail(r, "grounded router: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
         goto done;
     }
     char msg[900];
     if (ref_check_grounded_router(&d, h, l, gr, pairs, w, ids, msg, sizeof(msg)) != 0)
-        note_failure(r, "grounded router%s: %s", device_path ? " (device buffers)" : " (host)", msg);
+        harness_fail(r, "grounded router%s: %s", device_path ? " (device buffers)" : " (host)", msg);
 done:
     free(h);
     free(l);
@@ -180,7 +189,7 @@ done:
 typedef struct worker {
     moecl_context *ctx; /* NULL: the worker makes its own contexts */
     int id, calls;
-    call_result result;
+    harness_error result;
 } worker;
 
 static void *shared_worker(void *arg)
@@ -212,8 +221,8 @@ static void run_workers(worker *workers, int n, void *(*fn)(void *))
     int failures = 0;
     const char *first = NULL;
     for (int i = 0; i < n; i++) {
-        failures += workers[i].result.failed;
-        if (workers[i].result.failed && !first)
+        failures += workers[i].result.count;
+        if (workers[i].result.count && !first)
             first = workers[i].result.msg;
     }
     ck_assert_msg(failures == 0, "%d calls failed; first: %s", failures, first);
@@ -247,7 +256,7 @@ static void *own_context_worker(void *arg)
         moecl_context *ctx = NULL;
         moecl_status st = moecl_context_create(getenv("MOECL_DEVICE"), &ctx);
         if (st != MOECL_SUCCESS) {
-            note_failure(&w->result, "context create: %s: %s", moecl_status_string(st), moecl_context_error(NULL));
+            harness_fail(&w->result, "context create: %s: %s", moecl_status_string(st), moecl_context_error(NULL));
             continue;
         }
         topk_call(ctx, &rng, (i & 1) != 0, &w->result);
@@ -279,13 +288,13 @@ START_TEST(test_warm_child)
 {
     moecl_context *ctx = harness_context();
     harness_rng rng = harness_rng_for(4000 + (uint64_t)getpid());
-    call_result r = {0, ""};
+    harness_error r = {0};
     for (int i = 0; i < 6; i++) {
         topk_call(ctx, &rng, (i & 1) != 0, &r);
         grounded_call(ctx, &rng, (i & 1) == 0, &r);
     }
     moecl_context_destroy(ctx);
-    ck_assert_msg(r.failed == 0, "child %d: %d failed calls; first: %s", (int)getpid(), r.failed, r.msg);
+    ck_assert_msg(r.count == 0, "child %d: %d failed calls; first: %s", (int)getpid(), r.count, r.msg);
 }
 END_TEST
 
