@@ -138,10 +138,6 @@ static void choose_launch_class(moecl_device_info *info)
     info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
     const char *tile = getenv("MOECL_GROUNDED_TILE");
     info->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
-    /* MOECL_TOPK_ROUNDS=1: the team kernels' earlier top-k (k rounds of a
-     * team-wide maximum), kept to compare against. */
-    const char *rounds = getenv("MOECL_TOPK_ROUNDS");
-    info->topk_rounds = rounds && strcmp(rounds, "1") == 0;
     /* MOECL_ALIGN=one-group|chunked: moe_align's path whatever the size
      * (one-group still only where its local memory fits). */
     const char *align = getenv("MOECL_ALIGN");

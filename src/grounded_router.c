@@ -60,11 +60,11 @@ static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned 
 }
 
 /* Local memory of grounded_router_team. */
-static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k, bool rounds)
+static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
 {
     /* ground_local, hidden_local, chosen_g and chosen_ids, then the top-k
      * scratch (see topk_gating.c). */
-    const size_t top = moecl_team_topk_bytes(team, ept, k, rounds);
+    const size_t top = moecl_team_topk_bytes(team, ept, k);
     return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 8 +
            (size_t)rows * top;
 }
@@ -118,7 +118,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
                        unsigned experts, unsigned k, size_t budget, launch_shape *shape)
 {
     const unsigned ept = (experts + team - 1) / team;
-    if ((size_t)team * rows > info->max_work_group_size || team_local_bytes(hidden, team, ept, rows, k, info->topk_rounds) > budget)
+    if ((size_t)team * rows > info->max_work_group_size || team_local_bytes(hidden, team, ept, rows, k) > budget)
         return false;
     shape->kind = KERNEL_TEAM;
     shape->team = team;
@@ -253,10 +253,9 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
     const launch_shape *s = &shape;
     snprintf(defines, size,
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
-             "-DTOPK_COUNT=%d",
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, info->topk_rounds ? 0 : 1);
+             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
     return shape;
 }
 

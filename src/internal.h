@@ -58,7 +58,6 @@ typedef struct moecl_device_info {
     bool launch_class_forced;  /* MOECL_LAUNCH_CLASS set it */
     unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
     bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
-    bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
     /* The compute capability of cl_nv_device_attribute_query, 0.0 where
      * the device does not list that extension. */
@@ -362,12 +361,11 @@ static inline size_t moecl_local_budget(const moecl_device_info *info)
     return info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
 }
 
-/* Local memory of one row's team top-k (cl/common.cl team_topk): key
- * slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys and
- * values for counting. */
-static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k, bool rounds)
+/* Local memory of one row's team top-k (cl/common.cl team_topk):
+ * TOPK_COUNT_U32 uints and TOPK_CAP keys and values. */
+static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k)
 {
-    return rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+    return (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
 }
 
 static inline bool moecl_is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }

@@ -78,15 +78,13 @@ typedef struct launch_shape {
 
 /* Local memory the team kernel needs for `rows` rows (mirrors the __local
  * arrays of topk_gating_team). */
-static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups,
-                               bool rounds)
+static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
 {
-    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch:
-     * key slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys
-     * and values for counting (common.cl). */
+    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch
+     * (common.cl). */
     const unsigned ept = (experts + team - 1) / team;
     size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
-    per_row += moecl_team_topk_bytes(team, ept, k, rounds);
+    per_row += moecl_team_topk_bytes(team, ept, k);
     if (groups)
         per_row += (size_t)experts * 4 + (size_t)groups * 9 + (team / groups >= 2 ? (size_t)team * 12 : 0);
     return per_row * rows;
@@ -106,7 +104,7 @@ static bool shape_of_config(const moecl_context *ctx, const moecl_launch_config 
     size_t budget = moecl_local_budget(info);
     if (c->kernel != MOECL_KERNEL_TEAM || c->team < 2 || c->team > MOECL_LAUNCH_MAX_TEAM ||
         (c->team & (c->team - 1)) || !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
-        team_local_bytes(c->team, c->rows, k, experts, groups, info->topk_rounds) > budget)
+        team_local_bytes(c->team, c->rows, k, experts, groups) > budget)
         return false;
     bool shuffle = info->ptx && c->team <= 32 && (c->team * c->rows) % 32 == 0;
     *shape = (launch_shape){c->team, c->rows, shuffle, "topk_gating_team"};
@@ -164,9 +162,9 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
     while (rows * team > info->max_work_group_size)
         rows >>= 1;
     size_t budget = moecl_local_budget(info);
-    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
+    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups) > budget)
         rows >>= 1;
-    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
+    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
     bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
@@ -219,10 +217,10 @@ static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info
     snprintf(defines, size,
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
              "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
-             "-DTOPK_COUNT=%d -DCPU_DEVICE=%d",
+             "-DCPU_DEVICE=%d",
              d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
              groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
-             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1,
+             (d->num_experts + shape.team - 1) / shape.team,
              (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
     /* Appended only when set: the defines, and so the kernels and
      * disk-cache entries, of requests that use none of these are what
