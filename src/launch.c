@@ -9,6 +9,8 @@
  *   file > built-in table > computed default.
  * This file hands out the candidates; the ops check each against the device
  * (work-group size, local memory), since only they know their kernels.
+ * Both happen when a request's launch plan is built (src/plan.c), not per
+ * call.
  *
  * The tune file is plain text, one per device identity (platform, device
  * name, driver version), named by a hash of it like the cache entries:
@@ -22,10 +24,7 @@
  *
  * A file whose first two lines differ (another device, another format) is
  * ignored whole; a bad entry line is ignored alone; a later line for the
- * same key replaces an earlier one.
- *
- * At the end, what every op does before it enqueues: binding a kernel's
- * arguments, and checking its work-group limit. */
+ * same key replaces an earlier one. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -168,19 +167,9 @@ static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key
     return (uint64_t)c->rows * key->num_experts * per_expert > ((uint64_t)4 << 20);
 }
 
-/* Whether an environment variable decides op's configuration: then the
- * tune file and the table step aside and the computed rule runs under what
- * the variables force (tests run both kernels on one device this way). */
-static bool env_decides(const moecl_device_info *info, moecl_op op)
-{
-    if (info->launch_class_forced)
-        return true;
-    return op == MOECL_OP_TOPK_GATING ? info->team_override != 0 : info->grounded_wide_tile;
-}
-
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
 {
-    return env_decides(info, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
+    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
 }
 
 unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,
@@ -190,7 +179,7 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
     const moecl_launch_config *c[MOECL_LAUNCH_MAX_OVERRIDES] = {NULL, NULL, NULL};
     if ((unsigned)key->op < MOECL_NUM_OPS && ctx->forced[key->op].active)
         c[0] = &ctx->forced[key->op].config;
-    if (!env_decides(&ctx->info, key->op)) {
+    if (!moecl_launch_env_decides(&ctx->info.env, key->op)) {
         c[1] = moecl_tune_find(&ctx->tuned, key);
         c[2] = table_find(&ctx->info, key);
     }
@@ -206,6 +195,30 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
     return n;
 }
 
+moecl_launch_source moecl_launch_resolve(const moecl_context *ctx, const moecl_device_info *info,
+                                         const moecl_launch_key *key, const moecl_launch_rule *rule,
+                                         const void *request, moecl_launch_config *config, void *shape)
+{
+    if (ctx) {
+        moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
+        moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
+        const unsigned n = moecl_launch_overrides(ctx, key, configs, sources);
+        for (unsigned i = 0; i < n; i++) {
+            if (rule->check(info, &configs[i], request, shape)) {
+                *config = configs[i];
+                return sources[i];
+            }
+        }
+    }
+    *config = rule->rule(info, request);
+    if (!rule->check(info, config, request, shape)) {
+        /* A device whose work-groups hold fewer than the rule's rows. */
+        *config = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 1, 0};
+        rule->check(info, config, request, shape);
+    }
+    return moecl_launch_default_source(info, key->op);
+}
+
 void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_config *config)
 {
     if ((unsigned)op >= MOECL_NUM_OPS)
@@ -213,6 +226,8 @@ void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_conf
     ctx->forced[op].active = config != NULL;
     if (config)
         ctx->forced[op].config = *config;
+    /* Plans resolved before are not this op's plans any more. */
+    atomic_fetch_add(&ctx->force_gen[op], 1);
 }
 
 /* ---- the tune table ---- */
@@ -459,27 +474,4 @@ bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *t, 
         return false;
     }
     return true;
-}
-
-/* ---- before the first enqueue ---- */
-
-moecl_status moecl_set_kernel_args(moecl_context *ctx, cl_kernel kernel, const char *name, const moecl_kernel_arg *args,
-                                   cl_uint count)
-{
-    for (cl_uint i = 0; i < count; i++) {
-        const cl_int err = clSetKernelArg(kernel, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS)
-            return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
-    }
-    return MOECL_SUCCESS;
-}
-
-moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
-{
-    if (limit && local > limit)
-        return moecl_fail(ctx, CL_INVALID_WORK_GROUP_SIZE,
-                          "%s needs work-groups of %zu work-items but allows at most %zu on this device "
-                          "(CL_KERNEL_WORK_GROUP_SIZE); nothing was enqueued",
-                          name, local, limit);
-    return MOECL_SUCCESS;
 }

@@ -95,27 +95,38 @@ void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t si
     *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group";
 }
 
-typedef struct prepared {
-    align_shape shape;
-    moecl_variant *variants[NUM_KERNELS];
-    bool one_group_fits; /* the device runs moe_align_one_group at one_wg work-items */
-} prepared;
-
-static moecl_status prepare(moecl_context *ctx, prepared *p)
+/* The plan (moecl_plan_build): one program of four kernels, which the
+ * registry shares between them. */
+static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
 {
+    (void)request;
     char defines[128];
-    p->shape = shape_of(&ctx->info);
-    defines_of(&p->shape, defines, sizeof(defines));
-    /* One program: the registry shares it between the kernels. */
+    const align_shape s = shape_of(&ctx->info);
+    defines_of(&s, defines, sizeof(defines));
     for (int i = 0; i < NUM_KERNELS; i++) {
         moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_MOE_ALIGN, defines, kernel_names[i], &p->variants[i]);
         if (st != MOECL_SUCCESS)
             return st;
+        p->kernel_names[i] = kernel_names[i];
+        p->limits[i] = moecl_variant_work_group_limit(p->variants[i]);
     }
+    p->num_kernels = NUM_KERNELS;
+    p->source = MOECL_SOURCE_DEFAULT;
+    p->wg = s.wg;
+    p->scan_wg = s.scan_wg;
+    p->one_wg = s.one_wg;
+    p->warp_match = s.warp_match;
     /* Register use can lower a kernel's work-group limit below the
      * device's; then the chunked path serves every size. */
-    p->one_group_fits = moecl_variant_work_group_limit(p->variants[ONE_GROUP_KERNEL]) >= p->shape.one_wg;
+    p->one_group_fits = p->limits[ONE_GROUP_KERNEL] >= s.one_wg;
     return MOECL_SUCCESS;
+}
+
+/* Keyed by the launch class alone: the device facts are the context's. */
+moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
+{
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, 0);
+    return moecl_plan_get(ctx, &key, build_plan, NULL, plan);
 }
 
 /* The most slots the one-group kernel takes by default: its tiles run one
@@ -130,29 +141,30 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
  * slot where the warp path keeps them, else a placeholder. */
-static size_t slot_cols_bytes(const prepared *p, uint64_t slots)
+static size_t slot_cols_bytes(const moecl_plan *p, uint64_t slots)
 {
-    return p->shape.warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
+    return p->warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
 }
 
 /* Whether the one-group kernel serves d: on GPUs up to the sizes above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
  * forces a path; and only where local memory holds two words per expert
  * (and, with WARP_MATCH, a ushort per slot). */
-static bool use_one_group(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
+static bool use_one_group(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
-    if (!p->one_group_fits || info->align_path == MOECL_ALIGN_CHUNKED ||
-        (info->align_path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
+    const moecl_align_path path = info->env.align_path;
+    if (!p->one_group_fits || path == MOECL_ALIGN_CHUNKED ||
+        (path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
         return false;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    const uint32_t cap = p->shape.warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
-    if (info->align_path == MOECL_ALIGN_AUTO && slots > cap)
+    const uint32_t cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
+    if (path == MOECL_ALIGN_AUTO && slots > cap)
         return false;
-    if (p->shape.warp_match && slots > 65536) /* slot columns in local memory */
+    if (p->warp_match && slots > 65536) /* slot columns in local memory */
         return false;
     const uint64_t bytes =
-        2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8 + slot_cols_bytes(p, slots);
+        2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->one_wg * 8 + slot_cols_bytes(p, slots);
     /* 1 KiB for what the compiler places in local memory besides. */
     return bytes + 1024 <= info->local_mem_size;
 }
@@ -164,8 +176,8 @@ moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_d
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    prepared p;
-    return prepare(ctx, &p);
+    const moecl_plan *p;
+    return moecl_moe_align_plan(ctx, &p);
 }
 
 /* ---- enqueue ---- */
@@ -182,7 +194,7 @@ typedef struct align_args {
 /* Chunks of slots: at least num_experts + 1 slots each, so that the count
  * matrix is no larger than the slots; about 256 chunks on GPUs (the scan
  * walks them serially) and 8 per compute unit on CPUs. */
-static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint32_t slots, uint32_t experts)
+static uint32_t chunk_size(const moecl_context *ctx, const moecl_plan *s, uint32_t slots, uint32_t experts)
 {
     const uint32_t target = ctx->info.launch_class == MOECL_LAUNCH_CPU
                                 ? 8 * (ctx->info.compute_units ? ctx->info.compute_units : 1)
@@ -195,19 +207,20 @@ static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint3
     return (uint32_t)moecl_round_up(chunk, s->wg);
 }
 
-#define ARG(v) ((moecl_kernel_arg){sizeof(v), &(v)})
-#define MEM(m) ((moecl_kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
-#define LOCAL(bytes) ((moecl_kernel_arg){(bytes), NULL})
+#define ARG(v) MOECL_ARG(v)
+#define MEM(m) MOECL_ARG_MEM(m)
+#define LOCAL(bytes) MOECL_ARG_LOCAL(bytes)
 
 /* One kernel of a call: its variant, arguments and launch size, and the
  * cl_kernel borrowed for it. */
 typedef struct step {
     moecl_variant *variant;
     const char *name;
+    size_t limit; /* CL_KERNEL_WORK_GROUP_SIZE */
     const moecl_kernel_arg *args;
     cl_uint num_args;
     size_t global, local;
-    cl_kernel kernel; /* borrowed, or NULL */
+    moecl_pooled_kernel *kernel; /* borrowed, or NULL */
 } step;
 
 static void give_back(step *steps, int n)
@@ -227,11 +240,10 @@ static moecl_status bind_steps(moecl_context *ctx, step *steps, int n)
 {
     moecl_status st = MOECL_SUCCESS;
     for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        st = moecl_check_work_group(ctx, steps[i].name, steps[i].local,
-                                    moecl_variant_work_group_limit(steps[i].variant));
+        st = moecl_check_work_group(ctx, steps[i].name, steps[i].local, steps[i].limit);
     for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
         if ((st = moecl_variant_acquire(ctx, steps[i].variant, &steps[i].kernel)) == MOECL_SUCCESS)
-            st = moecl_set_kernel_args(ctx, steps[i].kernel, steps[i].name, steps[i].args, steps[i].num_args);
+            st = moecl_bind_args(ctx, steps[i].kernel, steps[i].name, steps[i].args, steps[i].num_args);
     if (st != MOECL_SUCCESS)
         give_back(steps, n);
     return st;
@@ -256,7 +268,7 @@ static moecl_status chain_launch(chain *c, const step *s, bool last)
     const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
     const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
     cl_event ev = NULL;
-    const cl_int err = clEnqueueNDRangeKernel(c->ctx->queue, s->kernel, 1, NULL, &s->global, &s->local, num_wait,
+    const cl_int err = clEnqueueNDRangeKernel(c->ctx->queue, s->kernel->kernel, 1, NULL, &s->global, &s->local, num_wait,
                                               wait, last || !in_order ? &ev : NULL);
     if (err != CL_SUCCESS)
         return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", s->name, moecl_status_string(err));
@@ -308,7 +320,7 @@ static moecl_status run_steps(moecl_context *ctx, step *steps, int n, cl_uint nu
 }
 
 /* Small routings: everything in one work-group, one launch, no scratch. */
-static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                                       const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
@@ -322,17 +334,17 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
         LOCAL(slot_cols_bytes(p, slots))};
-    step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], args,
-                (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, NULL};
+    step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], p->limits[ONE_GROUP_KERNEL], args,
+                (cl_uint)(sizeof(args) / sizeof(args[0])), p->one_wg, p->one_wg, NULL};
     return run_steps(ctx, &one, 1, num_wait, wait, done);
 }
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     if (use_one_group(ctx, p, d))
         return enqueue_one_group(ctx, d, p, a, num_wait, wait, done);
-    const align_shape *s = &p->shape;
+    const moecl_plan *s = p;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
     const cl_uint chunk = chunk_size(ctx, s, slots, experts);
@@ -359,7 +371,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
         MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(cols * 4)};
 #define STEP(k, args, groups, wg)                                                                                     \
-    ((step){p->variants[k], kernel_names[k], args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), \
+    ((step){p->variants[k], kernel_names[k], p->limits[k], args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), \
             (wg), NULL})
     step steps[3];
     int n = 0;
@@ -408,8 +420,8 @@ moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *des
         (st = moecl_check_buffer(ctx, "slot_positions", slot_positions, z.ids, 4, false)) != MOECL_SUCCESS ||
         (st = moecl_check_buffer(ctx, "num_invalid", num_invalid, 4, 4, false)) != MOECL_SUCCESS)
         return st;
-    prepared p;
-    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+    const moecl_plan *p;
+    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
         return st;
     const align_args a = {
         {topk_ids.mem, topk_ids.offset / 4},
@@ -420,7 +432,7 @@ moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *des
         {slot_positions.mem, slot_positions.offset / 4},
         {num_invalid.mem, num_invalid.offset / 4},
     };
-    return enqueue(ctx, desc, &p, &a, num_wait, wait, done);
+    return enqueue(ctx, desc, p, &a, num_wait, wait, done);
 }
 
 moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc, const int32_t *topk_ids,
@@ -441,8 +453,8 @@ moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc
                                                           : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
-    prepared p;
-    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+    const moecl_plan *p;
+    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
         return st;
     /* Buffers of at least 4 bytes: OpenCL refuses empty ones. */
 #define AT_LEAST_4(n) ((size_t)((n) ? (n) : 4))
@@ -466,7 +478,7 @@ moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc
     if (st == MOECL_SUCCESS) {
         const align_args a = {{m[IDS], 0},  {m[COUNTS], 0}, {m[SORTED], 0},  {m[BLOCKS], 0},
                               {m[POST], 0}, {m[SLOTS], 0},  {m[INVALID], 0}};
-        st = enqueue(ctx, desc, &p, &a, 0, NULL, &ran);
+        st = enqueue(ctx, desc, p, &a, 0, NULL, &ran);
     }
     if (st == MOECL_SUCCESS) {
         /* Every output but the input, read back where the host gave one. */

@@ -91,7 +91,7 @@ static moecl_device_info fabricate(const target *t, const config *c)
     info.max_work_group_size = t->max_work_group_size;
     info.launch_class = c->launch_class;
     info.launch_reason = c->name;
-    info.grounded_wide_tile = c->grounded_wide_tile;
+    info.env.grounded_wide_tile = c->grounded_wide_tile;
     return info;
 }
 
