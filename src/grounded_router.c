@@ -76,7 +76,8 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
 
 /* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
  * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
- * local-memory read) measured slower on the H200 (bench/RESULTS.md), so
+ * local-memory read) measured slower on the H200 (bench/RESULTS.md,
+ * "Moved from code comments"), so
  * only MOECL_GROUNDED_TILE=128 (or a tuned configuration) asks for it.
  * Rows: tokens, register block rows and columns. */
 static const unsigned tile_configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
@@ -281,10 +282,28 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
     return st;
 }
 
+/* The buffers of a call, in the kernel's argument order, and whether
+ * binding validates them (the caller's; the host path's own need none). */
+enum { HIDDEN, LOGITS, GROUND, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
 typedef struct bound_buffers {
-    cl_mem hidden, logits, ground, pairs, weights, ids;
-    size_t hidden_off, logits_off, ground_off, pairs_off, weights_off, ids_off; /* bytes */
+    moecl_buffer b[NUM_BUFFERS];
+    bool check;
 } bound_buffers;
+
+static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground",
+                                                      "out_pairs",    "topk_weights",  "topk_ids"};
+
+/* What each buffer must hold: bytes, element size, required. */
+static void buffer_checks(const moecl_grounded_router_desc *d, const bound_buffers *b,
+                          moecl_buffer_check checks[NUM_BUFFERS])
+{
+    const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
+    const size_t in_size = moecl_dtype_size(d->hidden_dtype);
+    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], b->b[i].offset, i == HIDDEN || i == GROUND ? in_size : 4,
+                                         i < PAIRS};
+}
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc *d, const moecl_plan *p,
                             const bound_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
@@ -293,15 +312,16 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
     moecl_status st = moecl_variant_acquire(ctx, p->variants[0], &kernel);
     if (st != MOECL_SUCCESS)
         return st;
-    const size_t in_size = moecl_dtype_size(d->hidden_dtype);
-    cl_ulong off[6] = {b->hidden_off / in_size, b->logits_off / 4, b->ground_off / in_size,
-                       b->pairs_off / 4,        b->weights_off / 4, b->ids_off / 4};
-    const cl_mem *mems[6] = {&b->hidden, &b->logits, &b->ground, &b->pairs, &b->weights, &b->ids};
+    moecl_buffer_check checks[NUM_BUFFERS];
+    buffer_checks(d, b, checks);
+    cl_ulong off[NUM_BUFFERS];
     const cl_uint num_tokens = d->num_tokens;
     const cl_float alpha = d->alpha;
     moecl_kernel_arg args[14];
-    for (cl_uint i = 0; i < 6; i++) {
-        args[2 * i] = MOECL_ARG_MEM(*mems[i]);
+    for (cl_uint i = 0; i < NUM_BUFFERS; i++) {
+        /* Offsets travel in elements: the kernels index typed pointers. */
+        off[i] = b->b[i].offset / checks[i].elem_size;
+        args[2 * i] = MOECL_ARG_CHECKED(b->b[i].mem, b->check ? &checks[i] : NULL);
         args[2 * i + 1] = MOECL_ARG(off[i]);
     }
     args[12] = MOECL_ARG(num_tokens);
@@ -335,25 +355,25 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
     if (!out_pairs.mem && !topk_weights.mem && !topk_ids.mem)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
-    const uint64_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
-    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "token_hidden", token_hidden, t * h * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "router_logits", router_logits, t * e * 4, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "expert_ground", expert_ground, e * h * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "out_pairs", out_pairs, t * k * 8, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, false)) != MOECL_SUCCESS)
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
-    const moecl_plan *p;
-    if ((st = moecl_grounded_router_plan(ctx, desc, out_pairs.mem != NULL, topk_weights.mem != NULL,
-                                         topk_ids.mem != NULL, &p)) != MOECL_SUCCESS)
-        return st;
+    const bound_buffers b = {{token_hidden, router_logits, expert_ground, out_pairs, topk_weights, topk_ids}, true};
+    const grounded_request r = {desc, out_pairs.mem != NULL, topk_weights.mem != NULL, topk_ids.mem != NULL};
+    const moecl_plan_key key = key_of(ctx, &r);
+    const moecl_plan *p = moecl_plan_find(ctx, &key);
+    if (!p || desc->num_tokens == 0) {
+        /* Before a build: a bad buffer costs no compile. */
+        moecl_buffer_check checks[NUM_BUFFERS];
+        buffer_checks(desc, &b, checks);
+        for (int i = 0; i < NUM_BUFFERS; i++)
+            if ((st = moecl_check_buffer(ctx, checks[i].name, b.b[i], checks[i].bytes, checks[i].elem_size,
+                                         checks[i].required)) != MOECL_SUCCESS)
+                return st;
+        if (!p && (st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS)
+            return st;
+    }
     if (desc->num_tokens == 0)
         return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    bound_buffers b = {token_hidden.mem,    router_logits.mem,    expert_ground.mem,  out_pairs.mem,
-                       topk_weights.mem,    topk_ids.mem,         token_hidden.offset, router_logits.offset,
-                       expert_ground.offset, out_pairs.offset,    topk_weights.offset, topk_ids.offset};
     return enqueue(ctx, desc, p, &b, num_wait, wait, done);
 }
 
@@ -381,32 +401,24 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
     const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
     bound_buffers b;
     memset(&b, 0, sizeof(b));
+    const void *inputs[3] = {token_hidden, router_logits, expert_ground};
     void *outputs[3] = {out_pairs, topk_weights, topk_ids};
-    cl_mem *out_mems[3] = {&b.pairs, &b.weights, &b.ids};
-    const size_t out_sizes[3] = {t * k * 8, t * k * 4, t * k * 4};
-    static const char *const out_names[3] = {"out_pairs", "topk_weights", "topk_ids"};
+    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
     cl_event ran = NULL;
-    if ((st = moecl_host_buffer(ctx, "token_hidden", CL_MEM_READ_ONLY, t * h * in_size, token_hidden, &b.hidden)) ==
-            MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "router_logits", CL_MEM_READ_ONLY, t * e * 4, router_logits, &b.logits)) ==
-            MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "expert_ground", CL_MEM_READ_ONLY, e * h * in_size, expert_ground, &b.ground)) ==
-            MOECL_SUCCESS) {
-        for (int i = 0; i < 3 && st == MOECL_SUCCESS; i++)
-            if (outputs[i])
-                st = moecl_host_buffer(ctx, out_names[i], CL_MEM_WRITE_ONLY, out_sizes[i], NULL, out_mems[i]);
-        if (st == MOECL_SUCCESS)
-            st = enqueue(ctx, desc, p, &b, 0, NULL, &ran);
-    }
+    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++)
+        if (i < PAIRS || outputs[i - PAIRS])
+            st = moecl_host_buffer(ctx, buffer_names[i], i < PAIRS ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
+                                   i < PAIRS ? inputs[i] : NULL, &b.b[i].mem);
+    if (st == MOECL_SUCCESS)
+        st = enqueue(ctx, desc, p, &b, 0, NULL, &ran);
     if (st == MOECL_SUCCESS) {
-        const cl_mem mems[3] = {b.pairs, b.weights, b.ids};
-        st = moecl_read_back(ctx, ran, 3, mems, out_sizes, outputs);
+        const cl_mem mems[3] = {b.b[PAIRS].mem, b.b[WEIGHTS].mem, b.b[IDS].mem};
+        st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, outputs);
     }
     if (ran)
         clReleaseEvent(ran);
-    cl_mem all[6] = {b.hidden, b.logits, b.ground, b.pairs, b.weights, b.ids};
-    for (int i = 0; i < 6; i++)
-        if (all[i])
-            clReleaseMemObject(all[i]);
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        if (b.b[i].mem)
+            clReleaseMemObject(b.b[i].mem);
     return st;
 }

@@ -102,16 +102,15 @@ typedef struct table_entry {
  * the computed default where that is all we know, so the choice is written
  * down per device. */
 static const table_entry builtin_table[] = {
-    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. H200
-     * (2026-11-30, bench/RESULTS.md): teams of 8, 16 and 32 came within 16%
-     * of each other at 13526x256 and 4 was 38% slower; 32 is also what the
+    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. On the
+     * H200 teams of 8 to 32 came close and smaller ones were slower
+     * (bench/RESULTS.md, "Moved from code comments"); 32 is also what the
      * rule computes, so this restates it. */
     {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
-     * which restates the rule. moecl-tune on a 2-core Xeon (pocl 3.1,
-     * 2026-11-30): at 8192x128 every rows count from 1 to 4096 came within
-     * -4%..+8% of each other, about the run-to-run noise of that shared
-     * machine; the team kernels were 3x to 25x slower. */
+     * which restates the rule: moecl-tune found every rows count within
+     * noise of the others and the team kernels several times slower
+     * (bench/RESULTS.md, "Moved from code comments"). */
     {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0}},
 };
 

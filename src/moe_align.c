@@ -134,9 +134,8 @@ moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
  * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
-/* With WARP_MATCH a slot costs about 10 ns instead of 14 on the H200: the
- * one-group kernel won at 1032 slots (33.2 against 39.6 us) and lost at
- * 2048 (41.3 against 35.9). */
+/* With WARP_MATCH a slot costs less on the H200, so the one-group kernel
+ * wins up to larger sizes (bench/RESULTS.md, "Moved from code comments"). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 1536u
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
