@@ -225,18 +225,23 @@ void moecl_registry_destroy(moecl_registry *reg);
  * Thread-safe. */
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
+/* A caller's buffer that a context has validated (src/plan.c): its size,
+ * and a flag its destructor callback sets when OpenCL deletes it, before
+ * its handle can come back for a new buffer. Shared by reference count. */
+typedef struct moecl_mem_watch moecl_mem_watch;
+void moecl_mem_watch_unref(moecl_mem_watch *watch);
+
 /* What a pooled kernel's argument was last set to (src/plan.c binds it):
- * a value of at most 8 bytes, local memory of a size, or a buffer that the
- * kernel holds a reference to (so that an equal handle is the same buffer:
- * a released one's handle could otherwise come back for a new buffer),
- * with its size where it was validated (SIZE_MAX: not known). */
+ * a value of at most 8 bytes, local memory of a size, or a caller's
+ * buffer and its watch (the same handle with the watch not fired is the
+ * same buffer). */
 #define MOECL_MAX_KERNEL_ARGS 24
 typedef struct moecl_arg_state {
     bool valid, local;
     size_t size;
     uint64_t bits;
     cl_mem mem;
-    size_t mem_size;
+    moecl_mem_watch *watch;
 } moecl_arg_state;
 
 typedef struct moecl_pooled_kernel {
@@ -440,9 +445,10 @@ typedef struct moecl_kernel_arg {
  * kernel as it was), then set every argument whose value differs from
  * what this pooled kernel was last given, stopping at the first that
  * fails: its own error code is returned, and the message names the kernel
- * (name) and the argument's index. A bound buffer is retained by the
- * pooled kernel until it is bound to another or the context is destroyed,
- * which is what makes an equal handle the same buffer. */
+ * (name) and the argument's index. A checked buffer (the caller's) is
+ * queried once per context while it lives and set again only when the
+ * kernel had another; unchecked ones (the library's own) are set on every
+ * call. */
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *kernel, const char *name,
                              const moecl_kernel_arg *args, cl_uint count);
 

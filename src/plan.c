@@ -29,12 +29,22 @@ struct moecl_plans {
     pthread_mutex_t lock;
     plan_node *overflow;
     atomic_size_t count;
+    /* The watches of the caller's buffers the context validated, an
+     * open-addressed table by handle (src/plan.c, "validated buffers"). */
+    pthread_mutex_t watch_lock;
+    moecl_mem_watch **watches;
+    size_t watch_count, watch_cap;
 };
 
 moecl_status moecl_plans_create(moecl_plans **out)
 {
     moecl_plans *t = calloc(1, sizeof(*t));
     if (!t || pthread_mutex_init(&t->lock, NULL) != 0) {
+        free(t);
+        return MOECL_ERROR_OUT_OF_MEMORY;
+    }
+    if (pthread_mutex_init(&t->watch_lock, NULL) != 0) {
+        pthread_mutex_destroy(&t->lock);
         free(t);
         return MOECL_ERROR_OUT_OF_MEMORY;
     }
@@ -56,6 +66,11 @@ void moecl_plans_destroy(moecl_plans *t)
         free(n);
         n = next;
     }
+    for (size_t i = 0; i < t->watch_cap; i++)
+        if (t->watches[i])
+            moecl_mem_watch_unref(t->watches[i]);
+    free(t->watches);
+    pthread_mutex_destroy(&t->watch_lock);
     pthread_mutex_destroy(&t->lock);
     free(t);
 }
@@ -179,51 +194,185 @@ moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl
     return st;
 }
 
+/* ---- validated buffers ---- */
+
+struct moecl_mem_watch {
+    atomic_bool dead; /* the destructor callback ran: the handle may now name another buffer */
+    atomic_int refs;  /* the callback's, the table's and each pooled kernel's that binds it */
+    cl_mem mem;
+    size_t size;
+};
+
+void moecl_mem_watch_unref(moecl_mem_watch *w)
+{
+    if (atomic_fetch_sub_explicit(&w->refs, 1, memory_order_acq_rel) == 1)
+        free(w);
+}
+
+static void CL_CALLBACK watch_died(cl_mem mem, void *user)
+{
+    (void)mem;
+    moecl_mem_watch *w = user;
+    atomic_store_explicit(&w->dead, true, memory_order_release);
+    moecl_mem_watch_unref(w);
+}
+
+static bool watch_alive(const moecl_mem_watch *w)
+{
+    return w && !atomic_load_explicit(&w->dead, memory_order_acquire);
+}
+
+static size_t mem_hash(cl_mem mem, size_t cap)
+{
+    uint64_t h = (uint64_t)(uintptr_t)mem * 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 32) & (cap - 1);
+}
+
+/* Under watch_lock: the live watch of mem in the table, or NULL. */
+static moecl_mem_watch *watch_find(const moecl_plans *t, cl_mem mem)
+{
+    if (!t->watch_cap)
+        return NULL;
+    for (size_t i = mem_hash(mem, t->watch_cap), n = 0; n < t->watch_cap; i = (i + 1) & (t->watch_cap - 1), n++) {
+        moecl_mem_watch *w = t->watches[i];
+        if (!w)
+            return NULL;
+        if (w->mem == mem && watch_alive(w))
+            return w;
+    }
+    return NULL;
+}
+
+static void watch_place(moecl_mem_watch **table, size_t cap, moecl_mem_watch *w)
+{
+    size_t i = mem_hash(w->mem, cap);
+    while (table[i])
+        i = (i + 1) & (cap - 1);
+    table[i] = w;
+}
+
+/* Under watch_lock: add w, first dropping the watches of deleted buffers
+ * when the table is half full (and growing it if that frees too little). */
+static bool watch_insert(moecl_plans *t, moecl_mem_watch *w)
+{
+    if (2 * (t->watch_count + 1) > t->watch_cap) {
+        size_t live = 0;
+        for (size_t i = 0; i < t->watch_cap; i++)
+            live += t->watches[i] && watch_alive(t->watches[i]);
+        size_t cap = t->watch_cap ? t->watch_cap : 64;
+        while (4 * (live + 1) > cap)
+            cap *= 2;
+        moecl_mem_watch **grown = calloc(cap, sizeof(*grown));
+        if (!grown)
+            return false;
+        for (size_t i = 0; i < t->watch_cap; i++) {
+            moecl_mem_watch *old = t->watches[i];
+            if (old && watch_alive(old))
+                watch_place(grown, cap, old);
+            else if (old)
+                moecl_mem_watch_unref(old);
+        }
+        free(t->watches);
+        t->watches = grown;
+        t->watch_cap = cap;
+        t->watch_count = live;
+    }
+    watch_place(t->watches, t->watch_cap, w);
+    t->watch_count++;
+    return true;
+}
+
+/* The watch of a caller's buffer: found, or made after validating it
+ * (CL_MEM_SIZE, CL_MEM_CONTEXT) with its destructor callback registered.
+ * NULL with *st set when the buffer is not one of this context's; NULL
+ * with *st success when it could not be watched (then *size is set and
+ * nothing is remembered). */
+static moecl_mem_watch *watch_of(moecl_context *ctx, const char *name, cl_mem mem, size_t *size, moecl_status *st)
+{
+    moecl_plans *t = ctx->plans;
+    *st = MOECL_SUCCESS;
+    pthread_mutex_lock(&t->watch_lock);
+    moecl_mem_watch *w = watch_find(t, mem);
+    pthread_mutex_unlock(&t->watch_lock);
+    if (w) {
+        *size = w->size;
+        return w;
+    }
+    cl_context owner = NULL;
+    cl_int err = clGetMemObjectInfo(mem, CL_MEM_SIZE, sizeof(*size), size, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetMemObjectInfo(mem, CL_MEM_CONTEXT, sizeof(owner), &owner, NULL);
+    if (err != CL_SUCCESS) {
+        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: not a valid cl_mem (%s)", name,
+                         moecl_status_string(err));
+        return NULL;
+    }
+    if (owner != ctx->context) {
+        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
+        return NULL;
+    }
+    w = malloc(sizeof(*w));
+    if (!w)
+        return NULL;
+    atomic_init(&w->dead, false);
+    atomic_init(&w->refs, 2); /* the callback's and the table's */
+    w->mem = mem;
+    w->size = *size;
+    if (clSetMemObjectDestructorCallback(mem, watch_died, w) != CL_SUCCESS) {
+        free(w);
+        return NULL;
+    }
+    pthread_mutex_lock(&t->watch_lock);
+    moecl_mem_watch *other = watch_find(t, mem); /* another thread's, meanwhile */
+    if (other || !watch_insert(t, w)) {
+        /* The callback keeps its reference and fires harmlessly. */
+        moecl_mem_watch_unref(w);
+        w = other;
+    }
+    pthread_mutex_unlock(&t->watch_lock);
+    return w;
+}
+
 /* ---- binding ---- */
 
+/* Validate a checked argument; *watch: the buffer's watch (NULL: absent,
+ * or not watched). */
 static moecl_status check_arg_buffer(moecl_context *ctx, const moecl_kernel_arg *arg, const moecl_arg_state *last,
-                                     size_t *size_out)
+                                     moecl_mem_watch **watch)
 {
     const moecl_buffer_check *c = arg->check;
     const cl_mem mem = arg->value ? *(const cl_mem *)arg->value : NULL;
+    *watch = NULL;
     if (!mem) {
         if (c->required)
             return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer is absent (mem is NULL)", c->name);
         return MOECL_SUCCESS;
     }
     size_t size;
-    if (last->valid && last->mem == mem && last->mem_size != SIZE_MAX) {
-        /* The kernel holds a reference to this buffer, validated when it
-         * was bound: the same object, of the same size and context. */
-        size = last->mem_size;
-    } else {
-        cl_context owner = NULL;
-        cl_int err = clGetMemObjectInfo(mem, CL_MEM_SIZE, sizeof(size), &size, NULL);
-        if (err == CL_SUCCESS)
-            err = clGetMemObjectInfo(mem, CL_MEM_CONTEXT, sizeof(owner), &owner, NULL);
-        if (err != CL_SUCCESS)
-            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: not a valid cl_mem (%s)", c->name,
-                              moecl_status_string(err));
-        if (owner != ctx->context)
-            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context",
-                              c->name);
+    moecl_status st = MOECL_SUCCESS;
+    if (last->valid && last->mem == mem && watch_alive(last->watch)) {
+        *watch = last->watch; /* what this kernel was last given, and still alive */
+        size = last->watch->size;
+    } else if (!(*watch = watch_of(ctx, c->name, mem, &size, &st)) && st != MOECL_SUCCESS) {
+        return st;
     }
-    *size_out = size;
     return moecl_check_buffer_fits(ctx, c->name, c->offset, c->bytes, c->elem_size, size);
 }
 
-/* What the argument would be remembered as. */
-static moecl_arg_state state_of(const moecl_kernel_arg *arg, size_t mem_size)
+/* What the argument would be remembered as: a value, local memory (or an
+ * absent buffer: the size alone), or a caller's buffer with its watch. The
+ * library's own buffers (host paths, moe_align's scratch) and buffers that
+ * could not be watched are not remembered: set on every call. */
+static moecl_arg_state state_of(const moecl_kernel_arg *arg, moecl_mem_watch *watch)
 {
     moecl_arg_state s;
     memset(&s, 0, sizeof(s));
     s.valid = true;
     s.size = arg->size;
-    s.mem_size = SIZE_MAX;
     if (!arg->value)
-        s.local = true; /* local memory, or an absent buffer: size alone */
+        s.local = true;
     else if (arg->mem)
-        s.mem = *(const cl_mem *)arg->value, s.mem_size = mem_size;
+        s.mem = *(const cl_mem *)arg->value, s.watch = watch, s.valid = watch != NULL;
     else
         memcpy(&s.bits, arg->value, arg->size);
     return s;
@@ -231,38 +380,38 @@ static moecl_arg_state state_of(const moecl_kernel_arg *arg, size_t mem_size)
 
 static bool same(const moecl_arg_state *a, const moecl_arg_state *b)
 {
-    return a->valid && a->local == b->local && a->size == b->size && a->bits == b->bits && a->mem == b->mem;
+    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->bits == b->bits &&
+           a->mem == b->mem && a->watch == b->watch;
 }
 
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const char *name,
                              const moecl_kernel_arg *args, cl_uint count)
 {
-    size_t sizes[MOECL_MAX_KERNEL_ARGS];
+    moecl_mem_watch *watches[MOECL_MAX_KERNEL_ARGS];
     /* Every buffer first, so that a bad one leaves the kernel as it was. */
     for (cl_uint i = 0; i < count; i++) {
-        sizes[i] = SIZE_MAX;
+        watches[i] = NULL;
         if (args[i].check) {
-            const moecl_status st = check_arg_buffer(ctx, &args[i], &k->args[i], &sizes[i]);
+            const moecl_status st = check_arg_buffer(ctx, &args[i], &k->args[i], &watches[i]);
             if (st != MOECL_SUCCESS)
                 return st;
         }
     }
     for (cl_uint i = 0; i < count; i++) {
-        moecl_arg_state next = state_of(&args[i], sizes[i]);
+        const moecl_arg_state next = state_of(&args[i], watches[i]);
         moecl_arg_state *last = &k->args[i];
-        if (same(last, &next)) {
-            if (next.mem && next.mem_size != SIZE_MAX)
-                last->mem_size = next.mem_size;
+        if (same(last, &next))
             continue; /* the kernel still has this value */
-        }
         const cl_int err = clSetKernelArg(k->kernel, i, args[i].size, args[i].value);
-        if (last->mem)
-            clReleaseMemObject(last->mem);
+        if (last->watch)
+            moecl_mem_watch_unref(last->watch);
         memset(last, 0, sizeof(*last));
         if (err != CL_SUCCESS)
             return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
-        if (next.mem && clRetainMemObject(next.mem) != CL_SUCCESS)
+        if (!next.valid)
             continue; /* not remembered: set again next time */
+        if (next.watch)
+            atomic_fetch_add_explicit(&next.watch->refs, 1, memory_order_relaxed);
         *last = next;
     }
     return MOECL_SUCCESS;

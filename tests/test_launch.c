@@ -854,6 +854,50 @@ START_TEST(test_plan_force_after_cached)
 }
 END_TEST
 
+/* A validated buffer is not checked again while it lives, but one that is
+ * released and whose handle comes back for a smaller buffer is: the call
+ * that needs the old size is refused. The context keeps no reference to a
+ * caller's buffer. */
+START_TEST(test_plan_buffer_released)
+{
+    moecl_context *ctx = harness_context();
+    cl_context cc = moecl_context_cl_context(ctx);
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(64, 32, 4);
+    const size_t in_bytes = (size_t)64 * 32 * 4, out_bytes = (size_t)64 * 4 * 4;
+    cl_int err;
+    cl_mem w = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
+    cl_mem ids = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
+    ck_assert(w && ids);
+    const moecl_buffer none = {NULL, 0}, bw = {w, 0}, bi = {ids, 0};
+    bool reused = false;
+    for (int round = 0; round < 8; round++) {
+        cl_mem big = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes, NULL, &err);
+        ck_assert_ptr_nonnull(big);
+        cl_uint refs = 0;
+        moecl_status st = moecl_topk_gating(ctx, &d, (moecl_buffer){big, 0}, none, bw, bi, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_SUCCESS, "round %d: %s", round, moecl_context_error(ctx));
+        ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+        ck_assert_int_eq(clGetMemObjectInfo(big, CL_MEM_REFERENCE_COUNT, sizeof(refs), &refs, NULL), CL_SUCCESS);
+        ck_assert_msg(refs == 1, "round %d: the context holds a reference to the caller's buffer (%u)", round, refs);
+        const cl_mem old = big;
+        clReleaseMemObject(big);
+        cl_mem small = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes / 2, NULL, &err);
+        ck_assert_ptr_nonnull(small);
+        reused |= small == old;
+        st = moecl_topk_gating(ctx, &d, (moecl_buffer){small, 0}, none, bw, bi, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT && strstr(moecl_context_error(ctx), "gating: needs"),
+                      "round %d (handle %s): a buffer of half the size was accepted: %s", round,
+                      small == old ? "reused" : "new", moecl_context_error(ctx));
+        clReleaseMemObject(small);
+    }
+    if (!reused)
+        fprintf(stderr, "launch: the driver never gave a released buffer's handle to the next buffer here\n");
+    clReleaseMemObject(w);
+    clReleaseMemObject(ids);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 #define PLAN_THREADS 4
 
 /* One thread's call of the concurrent test: no ck_assert in here. */
@@ -1897,6 +1941,7 @@ int main(void)
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_configs_correct);
     tcase_add_test(tc, test_plan_cache);
+    tcase_add_test(tc, test_plan_buffer_released);
     tcase_add_test(tc, test_plan_force_after_cached);
     tcase_add_test(tc, test_plan_concurrent_first_calls);
     suite_add_tcase(s, tc);

@@ -252,11 +252,10 @@ typedef enum moecl_group_fill {
  *  The offset must be a multiple of the element size of the tensor it
  *  holds, and the tensor must lie inside the buffer (checked through
  *  CL_MEM_SIZE). Tensors are row-major and contiguous. The buffer must
- *  belong to the context's cl_context. The context keeps a reference to
- *  the buffers of the last call that used each of its kernels (so that a
- *  later call with the same buffers sets and checks nothing again), until
- *  a call binds other buffers to that kernel or the context is destroyed:
- *  releasing a buffer frees its memory only then. */
+ *  belong to the context's cl_context. A context checks a buffer once
+ *  while it lives: it registers a destructor callback on it
+ *  (clSetMemObjectDestructorCallback) that tells it when OpenCL deletes
+ *  the buffer; it keeps no reference. */
 typedef struct moecl_buffer {
     cl_mem mem;    /**< the buffer, or NULL for an absent tensor */
     size_t offset; /**< byte offset of the tensor in mem */
