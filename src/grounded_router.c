@@ -308,10 +308,6 @@ static void buffer_checks(const moecl_grounded_router_desc *d, const bound_buffe
 static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc *d, const moecl_plan *p,
                             const bound_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    moecl_pooled_kernel *kernel;
-    moecl_status st = moecl_variant_acquire(ctx, p->variants[0], &kernel);
-    if (st != MOECL_SUCCESS)
-        return st;
     moecl_buffer_check checks[NUM_BUFFERS];
     buffer_checks(d, b, checks);
     cl_ulong off[NUM_BUFFERS];
@@ -326,20 +322,9 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
     }
     args[12] = MOECL_ARG(num_tokens);
     args[13] = MOECL_ARG(alpha);
-    const char *name = p->kernel_names[0];
-    if ((st = moecl_bind_args(ctx, kernel, name, args, 14)) != MOECL_SUCCESS) {
-        moecl_variant_release(p->variants[0], kernel);
-        return st;
-    }
-    const size_t rows_per_group = p->rows_per_group;
-    const size_t local = p->local;
-    const size_t global = moecl_round_up(d->num_tokens, rows_per_group) / rows_per_group * local;
-    const cl_int err =
-        clEnqueueNDRangeKernel(ctx->queue, kernel->kernel, 1, NULL, &global, &local, num_wait, wait, done);
-    moecl_variant_release(p->variants[0], kernel);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
-    return MOECL_SUCCESS;
+    const size_t global = moecl_round_up(d->num_tokens, p->rows_per_group) / p->rows_per_group * p->local;
+    moecl_step step = {0, args, 14, global, p->local, NULL, 0, 0, NULL, NULL};
+    return moecl_plan_run(ctx, p, &step, 1, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,

@@ -452,6 +452,29 @@ typedef struct moecl_kernel_arg {
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *kernel, const char *name,
                              const moecl_kernel_arg *args, cl_uint count);
 
+/* One command of a call: kernel `kernel` of the plan with its arguments
+ * and sizes, or (args NULL) a fill of fill_bytes zeros at fill_offset of
+ * fill (named fill_name in a message). */
+typedef struct moecl_step {
+    unsigned kernel;
+    const moecl_kernel_arg *args;
+    cl_uint num_args;
+    size_t global, local;
+    cl_mem fill;
+    size_t fill_offset, fill_bytes;
+    const char *fill_name;
+    moecl_pooled_kernel *borrowed; /* set while the call runs */
+} moecl_step;
+
+/* Run a call's commands in order: first every kernel's work-group limit,
+ * pooled kernel and arguments (a failure there leaves nothing enqueued),
+ * then the enqueues, the first waiting on the wait list and each after on
+ * the one before (by the queue's order where it is in order); *done gets
+ * the last one's event where done is not NULL. After a failed enqueue,
+ * whatever was queued before it is waited for. */
+moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *plan, moecl_step *steps, int n, cl_uint num_wait,
+                            const cl_event *wait, cl_event *done);
+
 /* A kernel's CL_KERNEL_WORK_GROUP_SIZE (limit, 0 if unknown) against the
  * work-group a call will launch it with (local), checked before anything
  * is enqueued: CL_INVALID_WORK_GROUP_SIZE, as the enqueue would have

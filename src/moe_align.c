@@ -210,114 +210,6 @@ static uint32_t chunk_size(const moecl_context *ctx, const moecl_plan *s, uint32
 #define MEM(m) MOECL_ARG_MEM(m)
 #define LOCAL(bytes) MOECL_ARG_LOCAL(bytes)
 
-/* One kernel of a call: its variant, arguments and launch size, and the
- * cl_kernel borrowed for it. */
-typedef struct step {
-    moecl_variant *variant;
-    const char *name;
-    size_t limit; /* CL_KERNEL_WORK_GROUP_SIZE */
-    const moecl_kernel_arg *args;
-    cl_uint num_args;
-    size_t global, local;
-    moecl_pooled_kernel *kernel; /* borrowed, or NULL */
-} step;
-
-static void give_back(step *steps, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (steps[i].kernel) {
-            moecl_variant_release(steps[i].variant, steps[i].kernel);
-            steps[i].kernel = NULL;
-        }
-}
-
-/* Everything that can be checked before a kernel is enqueued, for every
- * kernel of the call: the work-group limits, borrowing the kernels, and
- * every argument. So an argument error leaves nothing enqueued and no
- * output written; only an enqueue can still fail after the first. */
-static moecl_status bind_steps(moecl_context *ctx, step *steps, int n)
-{
-    moecl_status st = MOECL_SUCCESS;
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        st = moecl_check_work_group(ctx, steps[i].name, steps[i].local, steps[i].limit);
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        if ((st = moecl_variant_acquire(ctx, steps[i].variant, &steps[i].kernel)) == MOECL_SUCCESS)
-            st = moecl_bind_args(ctx, steps[i].kernel, steps[i].name, steps[i].args, steps[i].num_args);
-    if (st != MOECL_SUCCESS)
-        give_back(steps, n);
-    return st;
-}
-
-/* The chained launches of one call. The first waits on the caller's wait
- * list; on an in-order queue the later ones need no events (the queue
- * orders them, and each event costs the host time on NVIDIA), on an
- * out-of-order queue each waits on its predecessor's. The last one's event
- * is the call's. */
-typedef struct chain {
-    moecl_context *ctx;
-    cl_uint num_wait;
-    const cl_event *wait;
-    cl_event prev; /* the last launch's event, where one was taken */
-    bool started;  /* something was enqueued */
-} chain;
-
-static moecl_status chain_launch(chain *c, const step *s, bool last)
-{
-    const bool in_order = c->ctx->in_order;
-    const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
-    const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
-    cl_event ev = NULL;
-    const cl_int err = clEnqueueNDRangeKernel(c->ctx->queue, s->kernel->kernel, 1, NULL, &s->global, &s->local, num_wait,
-                                              wait, last || !in_order ? &ev : NULL);
-    if (err != CL_SUCCESS)
-        return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", s->name, moecl_status_string(err));
-    c->started = true;
-    if (ev) {
-        if (c->prev)
-            clReleaseEvent(c->prev);
-        c->prev = ev;
-    }
-    return MOECL_SUCCESS;
-}
-
-/* A launch of the chain failed after earlier ones were queued: wait for
- * those, so that nothing writes the outputs after the call returns. The
- * last event taken is the last kernel queued on an out-of-order queue
- * (each waits on the one before); on an in-order queue none was taken. */
-static void chain_abandon(chain *c)
-{
-    if (c->prev) {
-        clWaitForEvents(1, &c->prev);
-        clReleaseEvent(c->prev);
-    } else if (c->started) {
-        clFinish(c->ctx->queue);
-    }
-}
-
-/* Bind every step, then enqueue them in order; the last event goes to
- * done (or is released). After a failed enqueue, whatever was queued
- * before it is waited for. */
-static moecl_status run_steps(moecl_context *ctx, step *steps, int n, cl_uint num_wait, const cl_event *wait,
-                              cl_event *done)
-{
-    moecl_status st = bind_steps(ctx, steps, n);
-    if (st != MOECL_SUCCESS)
-        return st;
-    chain c = {ctx, num_wait, wait, NULL, false};
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        st = chain_launch(&c, &steps[i], i == n - 1);
-    give_back(steps, n);
-    if (st != MOECL_SUCCESS) {
-        chain_abandon(&c);
-        return st;
-    }
-    if (done)
-        *done = c.prev;
-    else
-        clReleaseEvent(c.prev);
-    return MOECL_SUCCESS;
-}
-
 /* Small routings: everything in one work-group, one launch, no scratch. */
 static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                                       const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
@@ -333,9 +225,9 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
         LOCAL(slot_cols_bytes(p, slots))};
-    step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], p->limits[ONE_GROUP_KERNEL], args,
-                (cl_uint)(sizeof(args) / sizeof(args[0])), p->one_wg, p->one_wg, NULL};
-    return run_steps(ctx, &one, 1, num_wait, wait, done);
+    moecl_step one = {ONE_GROUP_KERNEL, args, (cl_uint)(sizeof(args) / sizeof(args[0])), p->one_wg, p->one_wg,
+                      NULL, 0, 0, NULL, NULL};
+    return moecl_plan_run(ctx, p, &one, 1, num_wait, wait, done);
 }
 
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
@@ -369,10 +261,10 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         MEM(scratch),       ARG(starts_off),    MEM(a->sorted.mem), ARG(a->sorted.off), MEM(a->slots.mem),
         ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
         MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(cols * 4)};
-#define STEP(k, args, groups, wg)                                                                                     \
-    ((step){p->variants[k], kernel_names[k], p->limits[k], args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), \
-            (wg), NULL})
-    step steps[3];
+#define STEP(k, args, groups, wg)                                                                                 \
+    ((moecl_step){k, args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, \
+                  NULL})
+    moecl_step steps[3];
     int n = 0;
     if (chunks > 0)
         steps[n++] = STEP(COUNT_KERNEL, count_args, chunks, s->wg);
@@ -380,7 +272,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     /* Also with no slots: the scatter writes the padding and the blocks. */
     steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
 #undef STEP
-    st = run_steps(ctx, steps, n, num_wait, wait, done);
+    st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;

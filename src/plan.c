@@ -417,6 +417,115 @@ moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const c
     return MOECL_SUCCESS;
 }
 
+/* ---- running a call ---- */
+
+static void give_back(const moecl_plan *p, moecl_step *steps, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (steps[i].borrowed) {
+            moecl_variant_release(p->variants[steps[i].kernel], steps[i].borrowed);
+            steps[i].borrowed = NULL;
+        }
+}
+
+/* Everything that can be checked before a command is enqueued, for every
+ * kernel of the call: the work-group limits, borrowing the kernels, and
+ * every argument. So an argument error leaves nothing enqueued and no
+ * output written; only an enqueue can still fail after the first. */
+static moecl_status bind_steps(moecl_context *ctx, const moecl_plan *p, moecl_step *steps, int n)
+{
+    moecl_status st = MOECL_SUCCESS;
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        if (steps[i].args)
+            st = moecl_check_work_group(ctx, p->kernel_names[steps[i].kernel], steps[i].local,
+                                        p->limits[steps[i].kernel]);
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++) {
+        moecl_step *s = &steps[i];
+        s->borrowed = NULL;
+        if (s->args && (st = moecl_variant_acquire(ctx, p->variants[s->kernel], &s->borrowed)) == MOECL_SUCCESS)
+            st = moecl_bind_args(ctx, s->borrowed, p->kernel_names[s->kernel], s->args, s->num_args);
+    }
+    if (st != MOECL_SUCCESS)
+        give_back(p, steps, n);
+    return st;
+}
+
+/* The chained commands of one call. The first waits on the caller's wait
+ * list; on an in-order queue the later ones need no events (the queue
+ * orders them, and each event costs the host time on NVIDIA), on an
+ * out-of-order queue each waits on its predecessor's. The last one's event
+ * is the call's, taken only where the caller asks for it. */
+typedef struct chain {
+    moecl_context *ctx;
+    cl_uint num_wait;
+    const cl_event *wait;
+    cl_event prev; /* the last command's event, where one was taken */
+    bool started;  /* something was enqueued */
+} chain;
+
+static moecl_status chain_launch(chain *c, const moecl_plan *p, const moecl_step *s, cl_event *done)
+{
+    const bool in_order = c->ctx->in_order;
+    const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
+    const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
+    cl_event ev = NULL, *want = done ? done : in_order ? NULL : &ev;
+    cl_int err;
+    if (s->args) {
+        err = clEnqueueNDRangeKernel(c->ctx->queue, s->borrowed->kernel, 1, NULL, &s->global, &s->local, num_wait,
+                                     wait, want);
+        if (err != CL_SUCCESS)
+            return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", p->kernel_names[s->kernel],
+                              moecl_status_string(err));
+    } else {
+        const cl_int zero = 0;
+        err = clEnqueueFillBuffer(c->ctx->queue, s->fill, &zero, sizeof(zero), s->fill_offset, s->fill_bytes,
+                                  num_wait, wait, want);
+        if (err != CL_SUCCESS)
+            return moecl_fail(c->ctx, err, "clEnqueueFillBuffer(%s) failed: %s", s->fill_name,
+                              moecl_status_string(err));
+    }
+    c->started = true;
+    if (ev) {
+        if (c->prev)
+            clReleaseEvent(c->prev);
+        c->prev = ev;
+    }
+    return MOECL_SUCCESS;
+}
+
+/* A command of the chain failed after earlier ones were queued: wait for
+ * those, so that nothing writes the outputs after the call returns. The
+ * last event taken is the last command queued on an out-of-order queue
+ * (each waits on the one before); on an in-order queue none was taken. */
+static void chain_abandon(chain *c)
+{
+    if (c->prev) {
+        clWaitForEvents(1, &c->prev);
+        clReleaseEvent(c->prev);
+    } else if (c->started) {
+        clFinish(c->ctx->queue);
+    }
+}
+
+moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *p, moecl_step *steps, int n, cl_uint num_wait,
+                            const cl_event *wait, cl_event *done)
+{
+    moecl_status st = bind_steps(ctx, p, steps, n);
+    if (st != MOECL_SUCCESS)
+        return st;
+    chain c = {ctx, num_wait, wait, NULL, false};
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        st = chain_launch(&c, p, &steps[i], i == n - 1 ? done : NULL);
+    give_back(p, steps, n);
+    if (st != MOECL_SUCCESS) {
+        chain_abandon(&c);
+        return st;
+    }
+    if (c.prev)
+        clReleaseEvent(c.prev);
+    return MOECL_SUCCESS;
+}
+
 moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
 {
     if (limit && local > limit)

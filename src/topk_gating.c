@@ -322,17 +322,6 @@ typedef struct topk_buffers {
 static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d, const moecl_plan *p,
                             const topk_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    const char *name = p->kernel_names[0];
-    const size_t local = p->local;
-    const size_t global = moecl_round_up(d->num_tokens, p->rows_per_group) / p->rows_per_group * local;
-    /* Checked before the fill, which the kernel's enqueue would otherwise
-     * find already queued. */
-    moecl_status st = moecl_check_work_group(ctx, name, local, p->limits[0]);
-    if (st != MOECL_SUCCESS)
-        return st;
-    moecl_pooled_kernel *kernel;
-    if ((st = moecl_variant_acquire(ctx, p->variants[0], &kernel)) != MOECL_SUCCESS)
-        return st;
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->gating_dtype);
     const moecl_buffer_check checks[5] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
@@ -353,35 +342,13 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
         MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL),     MOECL_ARG(offsets[3]),
         MOECL_ARG(num_tokens),                               MOECL_ARG(factor),
         MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL),  MOECL_ARG(offsets[4])};
-    const cl_mem counts = b->counts.mem;
-    if ((st = moecl_bind_args(ctx, kernel, name, args, counts ? 12 : 10)) != MOECL_SUCCESS) {
-        moecl_variant_release(p->variants[0], kernel);
-        return st;
-    }
+    const size_t global = moecl_round_up(d->num_tokens, p->rows_per_group) / p->rows_per_group * p->local;
     /* The counts are zeroed first; the kernel waits on that (the queue may
      * be out of order). */
-    cl_event zeroed = NULL;
-    cl_int err = CL_SUCCESS;
-    if (counts) {
-        const cl_int zero = 0;
-        err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), b->counts.offset,
-                                  (size_t)d->num_experts * 4, num_wait, wait, &zeroed);
-        if (err != CL_SUCCESS) {
-            moecl_variant_release(p->variants[0], kernel);
-            return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
-        }
-        num_wait = 1;
-        wait = &zeroed;
-    }
-    err = clEnqueueNDRangeKernel(ctx->queue, kernel->kernel, 1, NULL, &global, &local, num_wait, wait, done);
-    moecl_variant_release(p->variants[0], kernel);
-    if (err != CL_SUCCESS && zeroed)
-        clWaitForEvents(1, &zeroed); /* nothing of the call runs after it returns */
-    if (zeroed)
-        clReleaseEvent(zeroed);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
-    return MOECL_SUCCESS;
+    moecl_step steps[2] = {{0, NULL, 0, 0, 0, b->counts.mem, b->counts.offset, e * 4, "expert_counts", NULL},
+                           {0, args, b->counts.mem ? 12 : 10, global, p->local, NULL, 0, 0, NULL, NULL}};
+    return b->counts.mem ? moecl_plan_run(ctx, p, steps, 2, num_wait, wait, done)
+                         : moecl_plan_run(ctx, p, steps + 1, 1, num_wait, wait, done);
 }
 
 /* num_tokens == 0 with counts: only the zeroing, honouring the wait list;
