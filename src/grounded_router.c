@@ -305,8 +305,9 @@ static void buffer_checks(const moecl_grounded_router_desc *d, const bound_buffe
                                          i < PAIRS};
 }
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc *d, const moecl_plan *p,
-                            const bound_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
+/* Bind and enqueue (src/plan.c). */
+static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc *d, const bound_buffers *b,
+                           cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     moecl_buffer_check checks[NUM_BUFFERS];
     buffer_checks(d, b, checks);
@@ -322,9 +323,9 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc
     }
     args[12] = MOECL_ARG(num_tokens);
     args[13] = MOECL_ARG(alpha);
-    const size_t global = moecl_round_up(d->num_tokens, p->rows_per_group) / p->rows_per_group * p->local;
-    moecl_step step = {0, args, 14, global, p->local, NULL, 0, 0, NULL, NULL};
-    return moecl_plan_run(ctx, p, &step, 1, num_wait, wait, done);
+    const grounded_request r = {d, b->b[PAIRS].mem != NULL, b->b[WEIGHTS].mem != NULL, b->b[IDS].mem != NULL};
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, args, 14, d->num_tokens, NULL, 0, 0, NULL};
+    return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -343,23 +344,7 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
     const bound_buffers b = {{token_hidden, router_logits, expert_ground, out_pairs, topk_weights, topk_ids}, true};
-    const grounded_request r = {desc, out_pairs.mem != NULL, topk_weights.mem != NULL, topk_ids.mem != NULL};
-    const moecl_plan_key key = key_of(ctx, &r);
-    const moecl_plan *p = moecl_plan_find(ctx, &key);
-    if (!p || desc->num_tokens == 0) {
-        /* Before a build: a bad buffer costs no compile. */
-        moecl_buffer_check checks[NUM_BUFFERS];
-        buffer_checks(desc, &b, checks);
-        for (int i = 0; i < NUM_BUFFERS; i++)
-            if ((st = moecl_check_buffer(ctx, checks[i].name, b.b[i], checks[i].bytes, checks[i].elem_size,
-                                         checks[i].required)) != MOECL_SUCCESS)
-                return st;
-        if (!p && (st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS)
-            return st;
-    }
-    if (desc->num_tokens == 0)
-        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    return enqueue(ctx, desc, p, &b, num_wait, wait, done);
+    return launch(ctx, desc, &b, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -395,7 +380,7 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
             st = moecl_host_buffer(ctx, buffer_names[i], i < PAIRS ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
                                    i < PAIRS ? inputs[i] : NULL, &b.b[i].mem);
     if (st == MOECL_SUCCESS)
-        st = enqueue(ctx, desc, p, &b, 0, NULL, &ran);
+        st = launch(ctx, desc, &b, 0, NULL, &ran);
     if (st == MOECL_SUCCESS) {
         const cl_mem mems[3] = {b.b[PAIRS].mem, b.b[WEIGHTS].mem, b.b[IDS].mem};
         st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, outputs);

@@ -475,6 +475,28 @@ typedef struct moecl_step {
 moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *plan, moecl_step *steps, int n, cl_uint num_wait,
                             const cl_event *wait, cl_event *done);
 
+/* A call of a one-kernel op (top-k gating, the grounded router): the
+ * request's key and how to build its plan, the kernel's arguments, the
+ * tokens (the global size is ceil(tokens / rows_per_group) * local), and a
+ * buffer range to zero first (the kernel waiting on it) or zero NULL. */
+typedef struct moecl_launch_call {
+    moecl_plan_key key;
+    moecl_plan_build build;
+    const void *request;
+    const moecl_kernel_arg *args;
+    cl_uint num_args;
+    uint32_t tokens;
+    cl_mem zero;
+    size_t zero_offset, zero_bytes;
+    const char *zero_name;
+} moecl_launch_call;
+
+/* The whole call after the op's own validation: find the plan (on a miss,
+ * validate the checked buffers and build it), then with no tokens only the
+ * zeroing or a marker (moecl_enqueue_nothing), else moecl_plan_run. */
+moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *call, cl_uint num_wait,
+                               const cl_event *wait, cl_event *done);
+
 /* A kernel's CL_KERNEL_WORK_GROUP_SIZE (limit, 0 if unknown) against the
  * work-group a call will launch it with (local), checked before anything
  * is enqueued: CL_INVALID_WORK_GROUP_SIZE, as the enqueue would have

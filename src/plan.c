@@ -526,6 +526,34 @@ moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *p, moecl_step 
     return MOECL_SUCCESS;
 }
 
+moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *c, cl_uint num_wait, const cl_event *wait,
+                               cl_event *done)
+{
+    moecl_status st = MOECL_SUCCESS;
+    const moecl_plan *p = moecl_plan_find(ctx, &c->key);
+    if (!p || c->tokens == 0) {
+        /* Before a build: a bad buffer costs no compile. */
+        const moecl_arg_state none = {0};
+        moecl_mem_watch *watch;
+        for (cl_uint i = 0; i < c->num_args && st == MOECL_SUCCESS; i++)
+            if (c->args[i].check)
+                st = check_arg_buffer(ctx, &c->args[i], &none, &watch);
+        if (st == MOECL_SUCCESS && !p)
+            st = moecl_plan_get(ctx, &c->key, c->build, c->request, &p);
+        if (st != MOECL_SUCCESS)
+            return st;
+    }
+    const size_t global = moecl_round_up(c->tokens, p->rows_per_group) / p->rows_per_group * p->local;
+    moecl_step steps[2] = {{0, NULL, 0, 0, 0, c->zero, c->zero_offset, c->zero_bytes, c->zero_name, NULL},
+                           {0, c->args, c->num_args, global, p->local, NULL, 0, 0, NULL, NULL}};
+    /* No tokens: only the zeroing, or a marker that keeps the wait list. */
+    if (c->tokens == 0)
+        return c->zero ? moecl_plan_run(ctx, p, steps, 1, num_wait, wait, done)
+                       : moecl_enqueue_nothing(ctx, num_wait, wait, done);
+    return c->zero ? moecl_plan_run(ctx, p, steps, 2, num_wait, wait, done)
+                   : moecl_plan_run(ctx, p, steps + 1, 1, num_wait, wait, done);
+}
+
 moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
 {
     if (limit && local > limit)

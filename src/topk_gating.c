@@ -316,11 +316,13 @@ moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gati
  * buffers; the host path's own need no check). */
 typedef struct topk_buffers {
     moecl_buffer gating, bias, weights, ids, counts;
-    bool check;
+    bool has_counts, check;
 } topk_buffers;
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d, const moecl_plan *p,
-                            const topk_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
+/* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
+ * kernel waits on that. */
+static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, const topk_buffers *b,
+                           cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->gating_dtype);
@@ -342,44 +344,11 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d,
         MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL),     MOECL_ARG(offsets[3]),
         MOECL_ARG(num_tokens),                               MOECL_ARG(factor),
         MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL),  MOECL_ARG(offsets[4])};
-    const size_t global = moecl_round_up(d->num_tokens, p->rows_per_group) / p->rows_per_group * p->local;
-    /* The counts are zeroed first; the kernel waits on that (the queue may
-     * be out of order). */
-    moecl_step steps[2] = {{0, NULL, 0, 0, 0, b->counts.mem, b->counts.offset, e * 4, "expert_counts", NULL},
-                           {0, args, b->counts.mem ? 12 : 10, global, p->local, NULL, 0, 0, NULL, NULL}};
-    return b->counts.mem ? moecl_plan_run(ctx, p, steps, 2, num_wait, wait, done)
-                         : moecl_plan_run(ctx, p, steps + 1, 1, num_wait, wait, done);
-}
-
-/* num_tokens == 0 with counts: only the zeroing, honouring the wait list;
- * done is its event. */
-static moecl_status enqueue_zero_counts(moecl_context *ctx, const moecl_topk_gating_desc *d, cl_mem counts,
-                                        size_t counts_off, cl_uint num_wait, const cl_event *wait, cl_event *done)
-{
-    const cl_int zero = 0;
-    cl_int err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off,
-                                     (size_t)d->num_experts * 4, num_wait, wait, done);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
-    return MOECL_SUCCESS;
-}
-
-/* Every buffer checked by queries (a call that finds no plan, or routes no
- * tokens: binding checks the others). */
-static moecl_status check_buffers(moecl_context *ctx, const moecl_topk_gating_desc *desc, const topk_buffers *b,
-                                  bool has_counts)
-{
-    const uint64_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = moecl_dtype_size(desc->gating_dtype);
-    moecl_status st;
-    if ((st = moecl_check_buffer(ctx, "gating", b->gating, t * e * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "bias", b->bias, e * 4, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_weights", b->weights, t * k * 4, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_ids", b->ids, t * k * 4, 4, true)) != MOECL_SUCCESS)
-        return st;
-    if (has_counts)
-        return moecl_check_buffer(ctx, "expert_counts", b->counts, e * 4, 4, true);
-    return MOECL_SUCCESS;
+    const bool has_counts = b->has_counts;
+    const topk_request r = request_of(d, b->bias.mem != NULL, has_counts);
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan,      &r,       args,           has_counts ? 12 : 10,
+                                    d->num_tokens,   b->counts.mem,   b->counts.offset, e * 4, "expert_counts"};
+    return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
 /* The device-buffer call; expert_counts.mem == NULL (with has_counts
@@ -396,22 +365,9 @@ static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_de
         return st;
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
-    const topk_buffers b = {gating, bias, topk_weights, topk_ids,
-                            has_counts ? expert_counts : (moecl_buffer){NULL, 0}, true};
-    const topk_request r = request_of(desc, bias.mem != NULL, has_counts);
-    const moecl_plan_key key = key_of(ctx, &r);
-    const moecl_plan *p = moecl_plan_find(ctx, &key);
-    if (!p || desc->num_tokens == 0) {
-        /* Before a build: a bad buffer costs no compile. */
-        if ((st = check_buffers(ctx, desc, &b, has_counts)) != MOECL_SUCCESS ||
-            (!p && (st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS))
-            return st;
-    }
-    if (desc->num_tokens == 0)
-        return has_counts
-                   ? enqueue_zero_counts(ctx, desc, expert_counts.mem, expert_counts.offset, num_wait, wait, done)
-                   : moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    return enqueue(ctx, desc, p, &b, num_wait, wait, done);
+    const topk_buffers b = {gating,     bias, topk_weights, topk_ids, has_counts ? expert_counts : (moecl_buffer){NULL, 0},
+                            has_counts, true};
+    return launch(ctx, desc, &b, num_wait, wait, done);
 }
 
 moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
@@ -448,6 +404,7 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     const moecl_plan *p;
     if ((st = moecl_topk_gating_plan(ctx, desc, bias != NULL, has_counts, &p)) != MOECL_SUCCESS)
         return st;
+    (void)p; /* built before the buffers are made: a build failure costs no copy */
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
     if (desc->num_tokens == 0) {
         if (has_counts)
@@ -463,7 +420,7 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
         (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
         (!has_counts ||
          (st = moecl_host_buffer(ctx, "expert_counts", CL_MEM_READ_WRITE, e * 4, NULL, &counts)) == MOECL_SUCCESS) &&
-        (st = enqueue(ctx, desc, p, &(topk_buffers){{in, 0}, {b, 0}, {w, 0}, {ids, 0}, {counts, 0}, false}, 0, NULL,
+        (st = launch(ctx, desc, &(topk_buffers){{in, 0}, {b, 0}, {w, 0}, {ids, 0}, {counts, 0}, has_counts, false}, 0, NULL,
                       &ran)) == MOECL_SUCCESS) {
         const cl_mem mems[3] = {w, ids, counts};
         const size_t sizes[3] = {t * k * 4, t * k * 4, e * 4};
