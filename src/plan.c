@@ -1,15 +1,24 @@
 /* Launch plans: what a distinct request launches, resolved once per
- * context, and the binding of a plan's kernel arguments.
+ * context; the caller's buffers the context has validated; and running a
+ * call: binding a plan's kernel arguments and enqueueing.
  *
- * A call of an op is: validate the request, look its plan up here, bind
- * the arguments, enqueue. The plan is built on a context's first call of a
- * request (the op's rule, the tune file, the table, the variant's build:
- * src/topk_gating.c, grounded_router.c, moe_align.c) and lives until the
+ * A call of an op is: validate the request (the op's file), then here:
+ * look its plan up, bind the arguments, enqueue. The plan is built on a
+ * context's first call of a request (the op's rule and check through
+ * src/launch.c, the variant's build in src/program.c) and lives until the
  * context is destroyed. The table is open-addressed with atomically
  * published pointers, so a lookup takes no lock; building and inserting
  * take one mutex, so concurrent first calls of a request build one plan.
  * moecl_launch_force bumps its op's generation, which is part of the key:
- * the next call builds (or finds) the plan of the new configuration. */
+ * the next call builds (or finds) the plan of the new configuration.
+ *
+ * Binding sets only the arguments a pooled kernel does not hold already.
+ * Scalars compare by value. A buffer compares by handle only while it is
+ * known to be alive: a handle value comes back for a new buffer once the
+ * old one is deleted. So a caller's buffer, validated once (CL_MEM_SIZE,
+ * CL_MEM_CONTEXT), gets a watch that its destructor callback marks when
+ * OpenCL deletes it; no reference is kept, so the caller's release frees
+ * it as before. */
 #include <stdlib.h>
 #include <string.h>
 

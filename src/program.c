@@ -1,7 +1,9 @@
 /* Kernel variants: a registry from (program, defines, kernel) to a built
- * cl_program and a pool of cl_kernel objects. Lookups are lock-light (one
- * mutex around a short search); builds take a second mutex so that a long
- * compile never blocks calls of variants already built. */
+ * cl_program and a pool of cl_kernel objects. Lookups (made when a launch
+ * plan is built, src/plan.c) take one mutex around a short search; builds
+ * take a second mutex so that a long compile never blocks calls of
+ * variants already built. A call borrows a pooled kernel with an atomic
+ * flag. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
