@@ -148,22 +148,29 @@ static const moecl_launch_config *table_find(const moecl_device_info *info, cons
  * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
  * past 4 MiB. The grounded rows kernel's private arrays are per work-item
  * (8 tokens' dot products and keys), counted the same way. */
-static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
+/* The private arrays of a work-group of configuration c, roughly (the
+ * formula the refusal below rests on). */
+static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moecl_launch_config *c)
 {
-    if (info->vendor != MOECL_VENDOR_POCL)
-        return false;
-    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
-        return true;
     if (key->op == MOECL_OP_GROUNDED_ROUTER && c->kernel == MOECL_KERNEL_ROWS) {
         /* grounded_router_rows: each work-item keeps 8 tokens' dot products
          * for an expert block of up to 256 (float dots[8][EB]) and their
          * top-k keys (ulong keys[8][TOPK]). */
         const uint64_t block = key->num_experts < 256 ? (key->num_experts + 1) / 2 * 2 : 256;
         const uint64_t per_item = 8 * block * 4 + 8 * (uint64_t)key->top_k * 8;
-        return (uint64_t)c->rows * per_item > ((uint64_t)4 << 20);
+        return (uint64_t)c->rows * per_item;
     }
     const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
-    return (uint64_t)c->rows * key->num_experts * per_expert > ((uint64_t)4 << 20);
+    return (uint64_t)c->rows * key->num_experts * per_expert;
+}
+
+static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
+{
+    if (info->vendor != MOECL_VENDOR_POCL)
+        return false;
+    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
+        return true;
+    return work_group_private_bytes(key, c) > ((uint64_t)4 << 20);
 }
 
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)

@@ -145,6 +145,13 @@ static size_t slot_cols_bytes(const moecl_plan *p, uint64_t slots)
     return p->warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
 }
 
+/* Local memory of the one-group kernel: two words per expert column, two
+ * per work-item, and the slot columns. */
+static uint64_t one_group_local_bytes(const moecl_plan *p, uint32_t experts, uint64_t slots)
+{
+    return 2 * ((uint64_t)experts + 1) * 4 + (uint64_t)p->one_wg * 8 + slot_cols_bytes(p, slots);
+}
+
 /* Whether the one-group kernel serves d: on GPUs up to the sizes above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
  * forces a path; and only where local memory holds two words per expert
@@ -162,10 +169,8 @@ static bool use_one_group(const moecl_context *ctx, const moecl_plan *p, const m
         return false;
     if (p->warp_match && slots > 65536) /* slot columns in local memory */
         return false;
-    const uint64_t bytes =
-        2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->one_wg * 8 + slot_cols_bytes(p, slots);
     /* 1 KiB for what the compiler places in local memory besides. */
-    return bytes + 1024 <= info->local_mem_size;
+    return one_group_local_bytes(p, d->num_experts, slots) + 1024 <= info->local_mem_size;
 }
 
 moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
