@@ -152,20 +152,6 @@ static inline uint shuffle_xor(uint v, uint lane_mask)
     return r;
 }
 
-static inline uint team_max_u32(uint v)
-{
-    for (uint m = TEAM / 2; m > 0; m >>= 1)
-        v = max(v, shuffle_xor(v, m));
-    return v;
-}
-
-static inline uint team_min_u32(uint v)
-{
-    for (uint m = TEAM / 2; m > 0; m >>= 1)
-        v = min(v, shuffle_xor(v, m));
-    return v;
-}
-
 static inline float team_max_float(float v, __local float *slots, uint lane)
 {
     (void)slots;
@@ -185,26 +171,6 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
 }
 
 #elif TEAM > 1
-static inline ulong team_max_key(ulong v, __local ulong *slots, uint lane)
-{
-    slots[lane] = v;
-    barrier(CLK_LOCAL_MEM_FENCE);
-#if TEAM <= 32
-    ulong r = slots[0];
-    for (uint i = 1; i < TEAM; i++)
-        r = max(r, slots[i]);
-#else
-    for (uint s = TEAM / 2; s > 0; s >>= 1) {
-        if (lane < s)
-            slots[lane] = max(slots[lane], slots[lane + s]);
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    ulong r = slots[0];
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    return r;
-}
-
 /* fmax ignores NaN, as the spec's max over the non-NaN logits does. */
 static inline float team_max_float(float v, __local float *slots, uint lane)
 {
@@ -279,20 +245,15 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
 #if defined(EPT) && defined(TOPK) && TEAM > 1
 /* Top-k across a team. Each lane holds EPT selection ranks (its element i
  * is expert i * TEAM + lane; RANK_NONE marks an excluded one) and EPT
- * values. Both methods fill the row's chosen_ids[j] / chosen_values[j]
- * (local memory) in order, the largest key first; the caller puts a
- * barrier before reading them. Every work-item of the work-group must call
- * (the methods use barriers).
+ * values. It fills the row's chosen_ids[j] / chosen_values[j] (local
+ * memory) in order, the largest key first; the caller puts a barrier
+ * before reading them. Every work-item of the work-group must call (it
+ * uses barriers).
  *
  * The EPT loops are unrolled so that rank[] and value[] stay in registers:
  * indexing a private array with a loop variable would put it in memory. */
 
-#ifndef TOPK_COUNT
-#define TOPK_COUNT 1
-#endif
-
-#if TOPK_COUNT
-/* Counting, with no per-k rounds:
+/* By counting:
  * 1. a floor: the TOPK-th largest of the lanes' maximum ranks. TOPK lanes
  *    hold a rank at least that large, so every chosen rank is >= floor.
  * 2. each lane appends its elements with rank >= floor (at most TOPK of
@@ -400,52 +361,4 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
     }
 }
 
-#else
-/* TOPK rounds of "largest selection rank in the team" (the first method;
- * kept for comparison, MOECL_TOPK_ROUNDS=1). The owner of each winner
- * retires it and records value[i] into chosen_values[j]; chosen_ids[j] gets
- * the winner's expert (written by lane 0). Scans keep the first of equal
- * ranks, so within a lane the lower index wins a tie. Scratch per row:
- * TEAM ulongs (unused with TEAM_SHUFFLE). */
-static inline void team_topk(uint *rank, const float *value, __local ulong *slots, uint lane,
-                             __local uint *chosen_ids, __local float *chosen_values)
-{
-    for (uint j = 0; j < TOPK; j++) {
-        uint best = RANK_NONE, slot = 0;
-        UNROLL
-        for (uint i = 0; i < EPT; i++) {
-            if (rank[i] > best) {
-                best = rank[i];
-                slot = i;
-            }
-        }
-#if TEAM_SHUFFLE
-        /* Two 32-bit butterflies: the largest rank, then the lowest index
-         * among the lanes that hold it. */
-        (void)slots;
-        const uint team_best = team_max_u32(best);
-        const uint mine = (best == team_best && best != RANK_NONE) ? slot * TEAM + lane : 0xffffffffu;
-        const uint winner = team_min_u32(mine);
-        const bool owner = mine == winner && winner != 0xffffffffu;
-#else
-        /* One reduction of 64-bit keys through local memory. */
-        const ulong key = best != RANK_NONE ? ((ulong)best << 32) | (ulong)(~(slot * TEAM + lane)) : KEY_NONE;
-        const ulong team_key = team_max_key(key, slots, lane);
-        const uint winner = team_key != KEY_NONE ? key_index(team_key) : 0xffffffffu;
-        const bool owner = key != KEY_NONE && key == team_key;
-#endif
-        if (owner) {
-        UNROLL
-            for (uint i = 0; i < EPT; i++) {
-                if (i == slot) {
-                    chosen_values[j] = value[i];
-                    rank[i] = RANK_NONE;
-                }
-            }
-        }
-        if (lane == 0)
-            chosen_ids[j] = winner;
-    }
-}
-#endif /* TOPK_COUNT */
 #endif

@@ -215,17 +215,10 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     __local float hidden_local[ROWS * HIDDEN_DIM];
     __local float chosen_g[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
-#if TOPK_COUNT
     __local uint topk_u32[ROWS * TOPK_COUNT_U32];
     __local ulong topk_keys[ROWS * TOPK_CAP];
     __local float topk_values[ROWS * TOPK_CAP];
 #define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
-#elif TEAM_SHUFFLE
-#define TOPK_SCRATCH ((__local ulong *)0)
-#else
-    __local ulong key_slots[ROWS * TEAM];
-#define TOPK_SCRATCH (key_slots + r * TEAM)
-#endif
     const uint lid = get_local_id(0);
     const uint lane = lid % TEAM;
     const uint r = lid / TEAM;

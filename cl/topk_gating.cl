@@ -640,17 +640,10 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     __local float float_slots[ROWS * TEAM];
 #define FLOAT_SLOTS (float_slots + r * TEAM)
 #endif
-#if TOPK_COUNT
     __local uint topk_u32[ROWS * TOPK_COUNT_U32];
     __local ulong topk_keys[ROWS * TOPK_CAP];
     __local float topk_values[ROWS * TOPK_CAP];
 #define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
-#elif TEAM_SHUFFLE
-#define TOPK_SCRATCH ((__local ulong *)0)
-#else
-    __local ulong key_slots[ROWS * TEAM];
-#define TOPK_SCRATCH (key_slots + r * TEAM)
-#endif
     __local float chosen_weights[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
 #if NUM_GROUPS > 0

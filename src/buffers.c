@@ -19,13 +19,19 @@ moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buff
                           moecl_status_string(err));
     if (owner != ctx->context)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
-    if (buf.offset % elem_size != 0)
+    return moecl_check_buffer_fits(ctx, name, buf.offset, bytes, elem_size, size);
+}
+
+moecl_status moecl_check_buffer_fits(moecl_context *ctx, const char *name, size_t offset, uint64_t bytes,
+                                     size_t elem_size, size_t size)
+{
+    if (offset % elem_size != 0)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                          "%s: byte offset %zu is not a multiple of the element size %zu", name, buf.offset, elem_size);
-    if (buf.offset > size || bytes > (uint64_t)(size - buf.offset))
+                          "%s: byte offset %zu is not a multiple of the element size %zu", name, offset, elem_size);
+    if (offset > size || bytes > (uint64_t)(size - offset))
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "%s: needs %llu bytes at offset %zu but the buffer holds %zu bytes", name,
-                          (unsigned long long)bytes, buf.offset, size);
+                          (unsigned long long)bytes, offset, size);
     return MOECL_SUCCESS;
 }
 

@@ -39,6 +39,8 @@ static moecl_status finish_context(moecl_context *c, moecl_context **out)
     const char *dir = getenv("MOECL_KERNEL_DIR");
     c->kernel_dir = dir && *dir ? strdup(dir) : NULL;
     st = moecl_registry_create(&c->registry);
+    if (st == MOECL_SUCCESS)
+        st = moecl_plans_create(&c->plans);
     if (st == MOECL_SUCCESS && (!c->build_options || !c->portable_options || (dir && *dir && !c->kernel_dir)))
         st = MOECL_ERROR_OUT_OF_MEMORY;
     if (st != MOECL_SUCCESS) {
@@ -144,6 +146,8 @@ void moecl_context_destroy(moecl_context *ctx)
 {
     if (!ctx)
         return;
+    /* Plans first: they point into the registry's variants. */
+    moecl_plans_destroy(ctx->plans);
     moecl_registry_destroy(ctx->registry);
     if (ctx->scratch)
         clReleaseMemObject(ctx->scratch);

@@ -109,13 +109,50 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
     free(extensions);
 }
 
+/* The launch variables, read once here (every later decision reads the
+ * record). MOECL_TEAM: a power of two 2..256 fixes the team size of the
+ * top-k gating team kernel (tuning sweeps); anything else is ignored. It
+ * and MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
+ * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
+ * chunked: moe_align's path whatever the size (one-group still only where
+ * its local memory fits). */
+static void read_launch_env(moecl_launch_env *env)
+{
+    const char *forced = getenv("MOECL_LAUNCH_CLASS");
+    env->launch_class_forced = forced && (strcmp(forced, "cpu") == 0 || strcmp(forced, "gpu") == 0);
+    const char *team = getenv("MOECL_TEAM");
+    unsigned long t = team ? strtoul(team, NULL, 10) : 0;
+    env->team = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
+    const char *tile = getenv("MOECL_GROUNDED_TILE");
+    env->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
+    const char *align = getenv("MOECL_ALIGN");
+    env->align_path = !align                            ? MOECL_ALIGN_AUTO
+                      : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
+                      : strcmp(align, "chunked") == 0   ? MOECL_ALIGN_CHUNKED
+                                                        : MOECL_ALIGN_AUTO;
+}
+
+bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
+{
+    if (env->launch_class_forced)
+        return true;
+    switch (op) {
+    case MOECL_OP_TOPK_GATING:
+        return env->team != 0;
+    case MOECL_OP_GROUNDED_ROUTER:
+        return env->grounded_wide_tile;
+    default:
+        return env->align_path != MOECL_ALIGN_AUTO;
+    }
+}
+
 /* The launch class is data: device type decides, an override table keyed by
  * vendor and type could refine it. MOECL_LAUNCH_CLASS overrides for kernel
  * development and for testing both paths on one device. */
 static void choose_launch_class(moecl_device_info *info)
 {
+    read_launch_env(&info->env);
     const char *forced = getenv("MOECL_LAUNCH_CLASS");
-    info->launch_class_forced = forced && (strcmp(forced, "cpu") == 0 || strcmp(forced, "gpu") == 0);
     if (forced && strcmp(forced, "cpu") == 0) {
         info->launch_class = MOECL_LAUNCH_CPU;
         info->launch_reason = "forced by MOECL_LAUNCH_CLASS=cpu";
@@ -129,26 +166,6 @@ static void choose_launch_class(moecl_device_info *info)
         info->launch_class = MOECL_LAUNCH_GPU;
         info->launch_reason = "GPU or accelerator: a team of work-items per row";
     }
-    /* MOECL_TEAM: a power of two 2..256 fixes the team size of the top-k
-     * gating team kernel (tuning sweeps); anything else is ignored. It and
-     * MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
-     * MOECL_LAUNCH_CLASS=cpu (see choose_launch of each op). */
-    const char *team = getenv("MOECL_TEAM");
-    unsigned long t = team ? strtoul(team, NULL, 10) : 0;
-    info->team_override = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
-    const char *tile = getenv("MOECL_GROUNDED_TILE");
-    info->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
-    /* MOECL_TOPK_ROUNDS=1: the team kernels' earlier top-k (k rounds of a
-     * team-wide maximum), kept to compare against. */
-    const char *rounds = getenv("MOECL_TOPK_ROUNDS");
-    info->topk_rounds = rounds && strcmp(rounds, "1") == 0;
-    /* MOECL_ALIGN=one-group|chunked: moe_align's path whatever the size
-     * (one-group still only where its local memory fits). */
-    const char *align = getenv("MOECL_ALIGN");
-    info->align_path = !align                         ? MOECL_ALIGN_AUTO
-                       : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
-                       : strcmp(align, "chunked") == 0   ? MOECL_ALIGN_CHUNKED
-                                                         : MOECL_ALIGN_AUTO;
 }
 
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info)

@@ -38,10 +38,9 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_route
 #undef INVALID
 }
 
-typedef enum kernel_kind { KERNEL_ROWS = 0, KERNEL_TEAM = 1, KERNEL_TILED = 2 } kernel_kind;
-
-typedef struct launch_shape {
-    kernel_kind kind;
+/* What a configuration launches on a device. */
+typedef struct grounded_shape {
+    moecl_kernel_kind kind;
     unsigned tm, tn, tk;       /* tiled: tile of tokens x experts x hidden step */
     unsigned mt, nt;           /* tiled: each work-item's register block */
     unsigned team, rows, ept;  /* team */
@@ -49,7 +48,13 @@ typedef struct launch_shape {
     size_t local;              /* work-group size */
     size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
-} launch_shape;
+} grounded_shape;
+
+/* A request: the descriptor and the outputs the call writes. */
+typedef struct grounded_request {
+    const moecl_grounded_router_desc *desc;
+    bool pairs, weights, ids;
+} grounded_request;
 
 /* Local memory of grounded_router_tiled (mirrors its __local arrays: the
  * input tiles and the tile of g share one array). */
@@ -60,21 +65,21 @@ static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned 
 }
 
 /* Local memory of grounded_router_team. */
-static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k, bool rounds)
+static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
 {
     /* ground_local, hidden_local, chosen_g and chosen_ids, then the top-k
      * scratch (see topk_gating.c). */
-    const size_t top = moecl_team_topk_bytes(team, ept, k, rounds);
+    const size_t top = moecl_team_topk_bytes(team, ept, k);
     return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 8 +
            (size_t)rows * top;
 }
 
 /* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
  * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
- * local-memory read) measured slower on the H200 (3112 us against
- * 1289 us at 16384 x 4096 x 128), so only MOECL_GROUNDED_TILE=128 (or a
- * tuned configuration) asks for it. Rows: tokens, register block rows and
- * columns. */
+ * local-memory read) measured slower on the H200 (bench/RESULTS.md,
+ * "Moved from code comments"), so
+ * only MOECL_GROUNDED_TILE=128 (or a tuned configuration) asks for it.
+ * Rows: tokens, register block rows and columns. */
 static const unsigned tile_configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
 #define NUM_TILE_CONFIGS (sizeof(tile_configs) / sizeof(tile_configs[0]))
 
@@ -88,125 +93,82 @@ static unsigned tile_experts(unsigned experts)
 }
 
 /* The tiled kernel with tile_configs[c], if the device can run it. */
-static bool tiled_shape(const moecl_device_info *info, size_t c, unsigned experts, unsigned k, size_t budget,
-                        launch_shape *shape)
+static bool tiled_shape(const moecl_device_info *info, size_t c, unsigned experts, unsigned k, grounded_shape *shape)
 {
     const unsigned tm = tile_configs[c][0], mt = tile_configs[c][1], nt = tile_configs[c][2];
     const unsigned tn = tile_experts(experts), tk = 16;
     if (mt == 8 && tn < 64)
         return false;
     size_t local = (size_t)(tm / mt) * (tn / nt);
-    if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, tn, tk, k) > budget)
+    if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, tn, tk, k) > moecl_local_budget(info))
         return false;
-    shape->kind = KERNEL_TILED;
-    shape->tm = tm;
-    shape->tn = tn;
-    shape->tk = tk;
-    shape->mt = mt;
-    shape->nt = nt;
-    shape->team = shape->rows = shape->ept = 1;
-    shape->shuffle = false;
-    shape->local = local;
-    shape->rows_per_group = tm;
-    shape->kernel_name = "grounded_router_tiled";
+    *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, tn, tk, mt, nt, 1, 1, 1, false, local, tm,
+                              "grounded_router_tiled"};
     return true;
 }
 
 /* The team kernel with team work-items per token and rows tokens a
  * work-group, if the device can run it. */
 static bool team_shape(const moecl_device_info *info, unsigned team, unsigned rows, unsigned hidden,
-                       unsigned experts, unsigned k, size_t budget, launch_shape *shape)
+                       unsigned experts, unsigned k, grounded_shape *shape)
 {
     const unsigned ept = (experts + team - 1) / team;
-    if ((size_t)team * rows > info->max_work_group_size || team_local_bytes(hidden, team, ept, rows, k, info->topk_rounds) > budget)
+    if ((size_t)team * rows > info->max_work_group_size ||
+        team_local_bytes(hidden, team, ept, rows, k) > moecl_local_budget(info))
         return false;
-    shape->kind = KERNEL_TEAM;
-    shape->team = team;
-    shape->rows = rows;
-    shape->ept = ept;
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
-    shape->shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
-    shape->local = (size_t)team * rows;
-    shape->rows_per_group = rows;
-    shape->kernel_name = "grounded_router_team";
+    const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
+    /* mt, nt: defines every kernel's source expects. */
+    *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, team, rows, ept, shuffle, (size_t)team * rows, rows,
+                              "grounded_router_team"};
     return true;
 }
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
  * 8 tokens (grounded_router_rows' register block, TM). */
-static void rows_shape(unsigned rows, launch_shape *shape)
+static grounded_shape rows_shape(unsigned rows)
 {
-    memset(shape, 0, sizeof(*shape));
-    shape->kind = KERNEL_ROWS;
-    shape->mt = shape->nt = 4; /* defines every kernel's source expects */
-    shape->team = shape->rows = shape->ept = 1;
-    shape->tm = 8;
-    shape->local = rows;
-    shape->rows_per_group = (size_t)rows * shape->tm;
-    shape->kernel_name = "grounded_router_rows";
+    return (grounded_shape){MOECL_KERNEL_ROWS, 8, 0, 0, 4, 4, 1, 1, 1, false, rows, (size_t)rows * 8,
+                            "grounded_router_rows"};
 }
 
-
-/* The first configuration of the forced / tune file / table overrides
- * (launch.c orders them) that the device can run, checked for the exact
- * hidden size. */
-static bool override_shape(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k,
-                           launch_shape *shape, moecl_launch_source *source)
+/* The check: whether the device can run configuration c for the request,
+ * for its exact hidden size, and the shape it launches. */
+static bool check_config(const moecl_device_info *info, const moecl_launch_config *c, const void *request,
+                         void *shape_out)
 {
-    const moecl_device_info *info = &ctx->info;
-    const size_t budget = moecl_local_budget(info);
-    const moecl_launch_key key = moecl_launch_key_grounded(hidden, experts, k);
-    moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
-    moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
-    const unsigned n = moecl_launch_overrides(ctx, &key, configs, sources);
-    for (unsigned i = 0; i < n; i++) {
-        const moecl_launch_config *c = &configs[i];
-        bool ok = false;
-        if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && moecl_is_pow2(c->rows) &&
-            c->rows <= info->max_work_group_size) {
-            rows_shape(c->rows, shape);
-            ok = true;
-        } else if (c->kernel == MOECL_KERNEL_TEAM && c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM &&
-                   moecl_is_pow2(c->team) && moecl_is_pow2(c->rows)) {
-            rows_shape(8, shape);
-            ok = team_shape(info, c->team, c->rows, hidden, experts, k, budget, shape);
-        } else if (c->kernel == MOECL_KERNEL_TILED) {
-            rows_shape(8, shape);
-            for (size_t t = 0; t < NUM_TILE_CONFIGS && !ok; t++)
-                ok = tile_configs[t][0] == c->tile && tiled_shape(info, t, experts, k, budget, shape);
-        }
-        if (ok) {
-            *source = sources[i];
-            return true;
-        }
+    const grounded_request *r = request;
+    grounded_shape *shape = shape_out;
+    const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
+    switch (c->kernel) {
+    case MOECL_KERNEL_ROWS:
+        if (c->team != 1 || !moecl_is_pow2(c->rows) || c->rows > info->max_work_group_size)
+            return false;
+        *shape = rows_shape(c->rows);
+        return true;
+    case MOECL_KERNEL_TEAM:
+        return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
+               team_shape(info, c->team, c->rows, hidden, experts, k, shape);
+    case MOECL_KERNEL_TILED:
+        for (size_t t = 0; t < NUM_TILE_CONFIGS; t++)
+            if (tile_configs[t][0] == c->tile && tiled_shape(info, t, experts, k, shape))
+                return true;
+        return false;
     }
-    *source = moecl_launch_default_source(info, MOECL_OP_GROUNDED_ROUTER);
     return false;
 }
 
-/* An override that the device can run, else the rule computed from the
- * device facts. */
-static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, unsigned experts, unsigned k);
-
-static launch_shape choose_launch(const moecl_context *ctx, unsigned hidden, unsigned experts, unsigned k,
-                                  moecl_launch_source *source)
+/* The rule: the configuration the device facts (and the environment's
+ * record) give a request. */
+static moecl_launch_config rule_config(const moecl_device_info *info, const void *request)
 {
-    launch_shape shape;
-    if (override_shape(ctx, hidden, experts, k, &shape, source))
-        return shape;
-    return rule_launch(&ctx->info, hidden, experts, k);
-}
-
-/* The rule computed from the device facts alone. */
-static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, unsigned experts, unsigned k)
-{
-    launch_shape shape;
-    rows_shape(8, &shape);
+    const grounded_request *r = request;
+    const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0};
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
-    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->grounded_wide_tile || info->launch_class_forced))
-        return shape;
-    const size_t budget = moecl_local_budget(info);
-
+    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.grounded_wide_tile || info->env.launch_class_forced))
+        return rows_kernel;
+    grounded_shape shape;
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
      * in local memory. */
     if (experts <= 64) {
@@ -214,65 +176,94 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned hidden, 
         while (team < experts && team < 32)
             team <<= 1;
         for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1)
-            if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, budget, &shape))
-                return shape;
+            if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, &shape))
+                return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
     }
-    for (size_t c = info->grounded_wide_tile ? 0 : 1; c < NUM_TILE_CONFIGS; c++)
-        if (tiled_shape(info, c, experts, k, budget, &shape))
-            return shape;
-    return shape; /* a device too small for either still runs the plain loops */
+    for (size_t c = info->env.grounded_wide_tile ? 0 : 1; c < NUM_TILE_CONFIGS; c++)
+        if (tiled_shape(info, c, experts, k, &shape))
+            return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, tile_configs[c][0]};
+    return rows_kernel; /* a device too small for either still runs the plain loops */
+}
+
+static const moecl_launch_rule launch_rule = {rule_config, check_config};
+
+static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_info *info, const grounded_request *r,
+                                   moecl_launch_config *config, grounded_shape *shape)
+{
+    const moecl_launch_key key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
+    return moecl_launch_resolve(ctx, info, &key, &launch_rule, r, config, shape);
 }
 
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *d,
                                                  moecl_launch_key *key, moecl_launch_config *config)
 {
-    moecl_launch_source source;
-    const launch_shape s = choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source);
+    const grounded_request r = {d, true, false, false};
+    grounded_shape shape;
     *key = moecl_launch_key_grounded(d->hidden_dim, d->num_experts, d->top_k);
-    *config = s.kind == KERNEL_TILED  ? (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, s.tm}
-              : s.kind == KERNEL_TEAM ? (moecl_launch_config){MOECL_KERNEL_TEAM, s.team, s.rows, 0}
-                                      : (moecl_launch_config){MOECL_KERNEL_ROWS, 1, (unsigned)s.local, 0};
-    return source;
+    return resolve(ctx, &ctx->info, &r, config, &shape);
 }
 
-typedef struct prepared {
-    moecl_variant *variant;
-    launch_shape shape;
-} prepared;
-
-/* The launch shape and the -D defines of the variant that serves d, with
- * the outputs named by pairs/weights/ids: on ctx (overrides, then the
- * rule), or with ctx NULL on a device described by info (the rule alone). */
-static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info *info,
-                               const moecl_grounded_router_desc *d, bool pairs, bool weights, bool ids, char *defines,
-                               size_t size)
+/* The -D defines of the variant of request r in shape s. */
+static void defines_of(const grounded_request *r, const grounded_shape *s, char *defines, size_t size)
 {
-    moecl_launch_source source;
-    const launch_shape shape = ctx ? choose_launch(ctx, d->hidden_dim, d->num_experts, d->top_k, &source)
-                                   : rule_launch(info, d->hidden_dim, d->num_experts, d->top_k);
-    const launch_shape *s = &shape;
+    const moecl_grounded_router_desc *d = r->desc;
     snprintf(defines, size,
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
-             "-DTOPK_COUNT=%d",
-             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, pairs, weights, ids, (int)s->kind, s->tm,
-             s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0, info->topk_rounds ? 0 : 1);
-    return shape;
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
+             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, r->pairs, r->weights, r->ids,
+             (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
 }
 
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name)
 {
-    *kernel_name = variant_of(NULL, info, desc, pairs, weights, ids, buf, size).kernel_name;
+    const grounded_request r = {desc, pairs, weights, ids};
+    moecl_launch_config config;
+    grounded_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(&r, &shape, buf, size);
+    *kernel_name = shape.kernel_name;
 }
 
-static moecl_status prepare(moecl_context *ctx, const moecl_grounded_router_desc *d, bool pairs, bool weights,
-                            bool ids, prepared *out)
+/* The plan of a request (moecl_plan_build). */
+static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *plan)
 {
+    const grounded_request *r = request;
+    grounded_shape shape;
+    plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
+    plan->launch_key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
     char defines[512];
-    out->shape = variant_of(ctx, &ctx->info, d, pairs, weights, ids, defines, sizeof(defines));
-    return moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, out->shape.kernel_name, &out->variant);
+    defines_of(r, &shape, defines, sizeof(defines));
+    moecl_status st =
+        moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, shape.kernel_name, &plan->variants[0]);
+    if (st != MOECL_SUCCESS)
+        return st;
+    plan->num_kernels = 1;
+    plan->kernel_names[0] = shape.kernel_name;
+    plan->limits[0] = moecl_variant_work_group_limit(plan->variants[0]);
+    plan->local = shape.local;
+    plan->rows_per_group = shape.rows_per_group;
+    return MOECL_SUCCESS;
+}
+
+/* Everything the defines depend on, packed: dtype 2 bits, the three
+ * outputs, experts 13, top_k 7, hidden 17. */
+static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
+{
+    const moecl_grounded_router_desc *d = r->desc;
+    const uint64_t a = (uint64_t)d->hidden_dtype | (uint64_t)r->pairs << 2 | (uint64_t)r->weights << 3 |
+                       (uint64_t)r->ids << 4 | (uint64_t)d->num_experts << 5 | (uint64_t)d->top_k << 18 |
+                       (uint64_t)d->hidden_dim << 25;
+    return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, 0);
+}
+
+moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
+                                        bool weights, bool ids, const moecl_plan **plan)
+{
+    const grounded_request r = {desc, pairs, weights, ids};
+    const moecl_plan_key key = key_of(ctx, &r);
+    return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
 
 moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc)
@@ -284,51 +275,57 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
         return st;
     /* The outputs are a build-time choice: prepare the seed's pairs, the
      * separate weights and ids, and all three. */
-    prepared p;
-    if ((st = prepare(ctx, desc, true, false, false, &p)) == MOECL_SUCCESS &&
-        (st = prepare(ctx, desc, false, true, true, &p)) == MOECL_SUCCESS)
-        st = prepare(ctx, desc, true, true, true, &p);
+    const moecl_plan *p;
+    if ((st = moecl_grounded_router_plan(ctx, desc, true, false, false, &p)) == MOECL_SUCCESS &&
+        (st = moecl_grounded_router_plan(ctx, desc, false, true, true, &p)) == MOECL_SUCCESS)
+        st = moecl_grounded_router_plan(ctx, desc, true, true, true, &p);
     return st;
 }
 
+/* The buffers of a call, in the kernel's argument order, and whether
+ * binding validates them (the caller's; the host path's own need none). */
+enum { HIDDEN, LOGITS, GROUND, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
 typedef struct bound_buffers {
-    cl_mem hidden, logits, ground, pairs, weights, ids;
-    size_t hidden_off, logits_off, ground_off, pairs_off, weights_off, ids_off; /* bytes */
+    moecl_buffer b[NUM_BUFFERS];
+    bool check;
 } bound_buffers;
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_grounded_router_desc *d, const prepared *p,
-                            const bound_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
+static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground",
+                                                      "out_pairs",    "topk_weights",  "topk_ids"};
+
+/* What each buffer must hold: bytes, element size, required. */
+static void buffer_checks(const moecl_grounded_router_desc *d, const bound_buffers *b,
+                          moecl_buffer_check checks[NUM_BUFFERS])
 {
-    cl_kernel kernel;
-    moecl_status st = moecl_variant_acquire(ctx, p->variant, &kernel);
-    if (st != MOECL_SUCCESS)
-        return st;
+    const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->hidden_dtype);
-    cl_ulong off[6] = {b->hidden_off / in_size, b->logits_off / 4, b->ground_off / in_size,
-                       b->pairs_off / 4,        b->weights_off / 4, b->ids_off / 4};
-    const cl_mem *mems[6] = {&b->hidden, &b->logits, &b->ground, &b->pairs, &b->weights, &b->ids};
+    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], b->b[i].offset, i == HIDDEN || i == GROUND ? in_size : 4,
+                                         i < PAIRS};
+}
+
+/* Bind and enqueue (src/plan.c). */
+static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc *d, const bound_buffers *b,
+                           cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    moecl_buffer_check checks[NUM_BUFFERS];
+    buffer_checks(d, b, checks);
+    cl_ulong off[NUM_BUFFERS];
     const cl_uint num_tokens = d->num_tokens;
     const cl_float alpha = d->alpha;
     moecl_kernel_arg args[14];
-    for (cl_uint i = 0; i < 6; i++) {
-        args[2 * i] = (moecl_kernel_arg){sizeof(cl_mem), *mems[i] ? mems[i] : NULL};
-        args[2 * i + 1] = (moecl_kernel_arg){sizeof(cl_ulong), &off[i]};
+    for (cl_uint i = 0; i < NUM_BUFFERS; i++) {
+        /* Offsets travel in elements: the kernels index typed pointers. */
+        off[i] = b->b[i].offset / checks[i].elem_size;
+        args[2 * i] = MOECL_ARG_CHECKED(b->b[i].mem, b->check ? &checks[i] : NULL);
+        args[2 * i + 1] = MOECL_ARG(off[i]);
     }
-    args[12] = (moecl_kernel_arg){sizeof(cl_uint), &num_tokens};
-    args[13] = (moecl_kernel_arg){sizeof(cl_float), &alpha};
-    const char *name = p->shape.kernel_name;
-    if ((st = moecl_set_kernel_args(ctx, kernel, name, args, 14)) != MOECL_SUCCESS) {
-        moecl_variant_release(p->variant, kernel);
-        return st;
-    }
-    const size_t rows_per_group = p->shape.rows_per_group;
-    const size_t local = p->shape.local;
-    const size_t global = moecl_round_up(d->num_tokens, rows_per_group) / rows_per_group * local;
-    const cl_int err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
-    moecl_variant_release(p->variant, kernel);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
-    return MOECL_SUCCESS;
+    args[12] = MOECL_ARG(num_tokens);
+    args[13] = MOECL_ARG(alpha);
+    const grounded_request r = {d, b->b[PAIRS].mem != NULL, b->b[WEIGHTS].mem != NULL, b->b[IDS].mem != NULL};
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, args, 14, d->num_tokens, NULL, 0, 0, NULL};
+    return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -344,26 +341,10 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
     if (!out_pairs.mem && !topk_weights.mem && !topk_ids.mem)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
-    const uint64_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
-    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "token_hidden", token_hidden, t * h * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "router_logits", router_logits, t * e * 4, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "expert_ground", expert_ground, e * h * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "out_pairs", out_pairs, t * k * 8, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, false)) != MOECL_SUCCESS)
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
-    prepared p;
-    if ((st = prepare(ctx, desc, out_pairs.mem != NULL, topk_weights.mem != NULL, topk_ids.mem != NULL, &p)) !=
-        MOECL_SUCCESS)
-        return st;
-    if (desc->num_tokens == 0)
-        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    bound_buffers b = {token_hidden.mem,    router_logits.mem,    expert_ground.mem,  out_pairs.mem,
-                       topk_weights.mem,    topk_ids.mem,         token_hidden.offset, router_logits.offset,
-                       expert_ground.offset, out_pairs.offset,    topk_weights.offset, topk_ids.offset};
-    return enqueue(ctx, desc, &p, &b, num_wait, wait, done);
+    const bound_buffers b = {{token_hidden, router_logits, expert_ground, out_pairs, topk_weights, topk_ids}, true};
+    return launch(ctx, desc, &b, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -381,40 +362,33 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
     if (desc->num_tokens > 0 && (!token_hidden || !router_logits || !expert_ground))
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
                           !token_hidden ? "token_hidden" : !router_logits ? "router_logits" : "expert_ground");
-    prepared p;
-    if ((st = prepare(ctx, desc, out_pairs != NULL, topk_weights != NULL, topk_ids != NULL, &p)) != MOECL_SUCCESS ||
+    const moecl_plan *p;
+    if ((st = moecl_grounded_router_plan(ctx, desc, out_pairs != NULL, topk_weights != NULL, topk_ids != NULL, &p)) !=
+            MOECL_SUCCESS ||
         desc->num_tokens == 0)
         return st;
     const size_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
     const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
     bound_buffers b;
     memset(&b, 0, sizeof(b));
+    const void *inputs[3] = {token_hidden, router_logits, expert_ground};
     void *outputs[3] = {out_pairs, topk_weights, topk_ids};
-    cl_mem *out_mems[3] = {&b.pairs, &b.weights, &b.ids};
-    const size_t out_sizes[3] = {t * k * 8, t * k * 4, t * k * 4};
-    static const char *const out_names[3] = {"out_pairs", "topk_weights", "topk_ids"};
+    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
     cl_event ran = NULL;
-    if ((st = moecl_host_buffer(ctx, "token_hidden", CL_MEM_READ_ONLY, t * h * in_size, token_hidden, &b.hidden)) ==
-            MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "router_logits", CL_MEM_READ_ONLY, t * e * 4, router_logits, &b.logits)) ==
-            MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "expert_ground", CL_MEM_READ_ONLY, e * h * in_size, expert_ground, &b.ground)) ==
-            MOECL_SUCCESS) {
-        for (int i = 0; i < 3 && st == MOECL_SUCCESS; i++)
-            if (outputs[i])
-                st = moecl_host_buffer(ctx, out_names[i], CL_MEM_WRITE_ONLY, out_sizes[i], NULL, out_mems[i]);
-        if (st == MOECL_SUCCESS)
-            st = enqueue(ctx, desc, &p, &b, 0, NULL, &ran);
-    }
+    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++)
+        if (i < PAIRS || outputs[i - PAIRS])
+            st = moecl_host_buffer(ctx, buffer_names[i], i < PAIRS ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
+                                   i < PAIRS ? inputs[i] : NULL, &b.b[i].mem);
+    if (st == MOECL_SUCCESS)
+        st = launch(ctx, desc, &b, 0, NULL, &ran);
     if (st == MOECL_SUCCESS) {
-        const cl_mem mems[3] = {b.pairs, b.weights, b.ids};
-        st = moecl_read_back(ctx, ran, 3, mems, out_sizes, outputs);
+        const cl_mem mems[3] = {b.b[PAIRS].mem, b.b[WEIGHTS].mem, b.b[IDS].mem};
+        st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, outputs);
     }
     if (ran)
         clReleaseEvent(ran);
-    cl_mem all[6] = {b.hidden, b.logits, b.ground, b.pairs, b.weights, b.ids};
-    for (int i = 0; i < 6; i++)
-        if (all[i])
-            clReleaseMemObject(all[i]);
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        if (b.b[i].mem)
+            clReleaseMemObject(b.b[i].mem);
     return st;
 }

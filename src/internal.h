@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -43,6 +44,28 @@ typedef enum moecl_vendor {
  * forced by MOECL_ALIGN for tests and measurements. */
 typedef enum moecl_align_path { MOECL_ALIGN_AUTO = 0, MOECL_ALIGN_ONE_GROUP, MOECL_ALIGN_CHUNKED } moecl_align_path;
 
+typedef enum moecl_op {
+    MOECL_OP_TOPK_GATING = 0,
+    MOECL_OP_GROUNDED_ROUTER = 1,
+    MOECL_NUM_OPS, /* the ops with launch configurations */
+    MOECL_OP_MOE_ALIGN = MOECL_NUM_OPS,
+} moecl_op;
+
+/* What the environment forces, read once when a context is created
+ * (moecl_launch_env_read): tests run both kernels of an op on one device
+ * this way, measurements force one path. */
+typedef struct moecl_launch_env {
+    bool launch_class_forced;    /* MOECL_LAUNCH_CLASS=cpu|gpu set the class */
+    unsigned team;               /* MOECL_TEAM: work-items per row of the top-k team kernel, 0 = chosen */
+    bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
+    moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+} moecl_launch_env;
+
+/* Whether the environment decides op's configuration: then the tune file
+ * and the built-in table step aside and the op's rule runs under what the
+ * variables force (the source is MOECL_SOURCE_ENV). */
+bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
+
 typedef struct moecl_device_info {
     char platform_name[128];
     char device_name[128];
@@ -55,11 +78,7 @@ typedef struct moecl_device_info {
     size_t max_work_group_size;
     moecl_launch_class launch_class;
     const char *launch_reason; /* static text: why this class */
-    bool launch_class_forced;  /* MOECL_LAUNCH_CLASS set it */
-    unsigned team_override;    /* MOECL_TEAM: work-items per row of the team kernels, 0 = chosen */
-    bool grounded_wide_tile;   /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
-    bool topk_rounds;          /* MOECL_TOPK_ROUNDS=1: team kernels take top-k in k rounds, not by counting */
-    moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+    moecl_launch_env env;      /* what the environment forces */
     /* The compute capability of cl_nv_device_attribute_query, 0.0 where
      * the device does not list that extension. */
     cl_uint nv_compute_major, nv_compute_minor;
@@ -81,8 +100,6 @@ moecl_status moecl_device_select(const char *selector, cl_platform_id *platform,
 const char *moecl_launch_class_name(moecl_launch_class c);
 
 /* ---- launch.c: launch configurations (per-device table, tune file, forcing) ---- */
-
-typedef enum moecl_op { MOECL_OP_TOPK_GATING = 0, MOECL_OP_GROUNDED_ROUTER = 1, MOECL_NUM_OPS } moecl_op;
 
 /* What a configuration is keyed by. groups: top-k gating's group count
  * after dropping limits that select nothing away (0 for none, and for the
@@ -151,6 +168,23 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
                                 moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES],
                                 moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES]);
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op);
+
+/* An op's rule (device facts + request -> configuration) and check (can
+ * the device run this configuration for the request; if so, the shape it
+ * launches, into the op's own record). A rows configuration of one row
+ * passes every check. */
+typedef struct moecl_launch_rule {
+    moecl_launch_config (*rule)(const moecl_device_info *info, const void *request);
+    bool (*check)(const moecl_device_info *info, const moecl_launch_config *config, const void *request, void *shape);
+} moecl_launch_rule;
+
+/* The configuration of a request, its shape and its source: on ctx the
+ * first override that passes the check, else the rule; with ctx NULL, on a
+ * device described by info, the rule alone. Called when a plan is built,
+ * and by the introspection of moecl-info and moecl-tune. */
+moecl_launch_source moecl_launch_resolve(const moecl_context *ctx, const moecl_device_info *info,
+                                         const moecl_launch_key *key, const moecl_launch_rule *rule,
+                                         const void *request, moecl_launch_config *config, void *shape);
 /* Force config for every call of op on ctx (NULL: stop forcing). For
  * moecl-tune and the tests: not synchronised with calls in flight. */
 void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_config *config);
@@ -171,6 +205,7 @@ void moecl_tune_free(moecl_tune_table *table);
 
 typedef struct moecl_variant moecl_variant;
 typedef struct moecl_registry moecl_registry;
+typedef struct moecl_plans moecl_plans; /* src/plan.c */
 
 /* Which .cl file(s) a program is built from. */
 typedef enum moecl_program_kind {
@@ -190,10 +225,40 @@ void moecl_registry_destroy(moecl_registry *reg);
  * Thread-safe. */
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
-/* Borrow a cl_kernel of the variant that no other thread is using, and give
+/* A caller's buffer that a context has validated (src/plan.c): its size,
+ * and a flag its destructor callback sets when OpenCL deletes it, before
+ * its handle can come back for a new buffer. Shared by reference count. */
+typedef struct moecl_mem_watch moecl_mem_watch;
+void moecl_mem_watch_unref(moecl_mem_watch *watch);
+
+/* What a pooled kernel's argument was last set to (src/plan.c binds it):
+ * a value of at most 8 bytes, local memory of a size, or a caller's
+ * buffer and its watch (the same handle with the watch not fired is the
+ * same buffer). */
+#define MOECL_MAX_KERNEL_ARGS 24
+typedef struct moecl_arg_state {
+    bool valid, local;
+    size_t size;
+    uint64_t bits;
+    cl_mem mem;
+    moecl_mem_watch *watch;
+} moecl_arg_state;
+
+typedef struct moecl_pooled_kernel {
+    atomic_bool busy; /* borrowed by a call */
+    bool temporary;   /* past the pool's capacity: released after its one call */
+    cl_kernel kernel;
+    moecl_arg_state args[MOECL_MAX_KERNEL_ARGS];
+} moecl_pooled_kernel;
+
+/* Borrow a kernel of the variant that no other thread is using (an atomic
+ * flag per pooled kernel; a new one is made when all are busy), and give
  * it back after enqueueing (clSetKernelArg on a shared kernel races). */
-moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, cl_kernel *kernel);
-void moecl_variant_release(moecl_variant *variant, cl_kernel kernel);
+moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, moecl_pooled_kernel **kernel);
+void moecl_variant_release(moecl_variant *variant, moecl_pooled_kernel *kernel);
+/* Drop what a pooled kernel remembers of its arguments (and the buffer
+ * references it holds). */
+void moecl_pooled_forget(moecl_pooled_kernel *kernel);
 /* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
  * once, when the variant was created); 0 if the query failed. */
 size_t moecl_variant_work_group_limit(const moecl_variant *variant);
@@ -268,6 +333,8 @@ struct moecl_context {
         bool active;
         moecl_launch_config config;
     } forced[MOECL_NUM_OPS]; /* moecl_launch_force */
+    atomic_uint force_gen[MOECL_NUM_OPS]; /* bumped by moecl_launch_force: part of the plan keys */
+    moecl_plans *plans;                   /* src/plan.c */
     bool in_order; /* the queue runs commands in order (no CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) */
     /* The device scratch buffer moecl_scratch_acquire reuses on an
      * in-order queue, and the lock its users hold while enqueueing. */
@@ -285,6 +352,17 @@ moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moe
                                              moecl_launch_key *key, moecl_launch_config *config);
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                  moecl_launch_key *key, moecl_launch_config *config);
+
+/* The plans of a valid desc's calls on ctx (built on first use; the same
+ * pointer while the request and moecl_launch_force stay), with the
+ * build-time choices of the call: a bias, a histogram (with_counts), the
+ * grounded router's outputs. moe_align has one per context's launch class. */
+struct moecl_plan;
+moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                    bool has_counts, const struct moecl_plan **plan);
+moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
+                                        bool weights, bool ids, const struct moecl_plan **plan);
+moecl_status moecl_moe_align_plan(moecl_context *ctx, const struct moecl_plan **plan);
 
 /* The -D defines (into buf) and the kernel name of the variant that serves
  * a valid desc on a device described by info, by the rule computed from
@@ -305,21 +383,134 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
 
-/* ---- launch.c: binding a kernel's arguments ---- */
+/* ---- plan.c: launch plans and binding a kernel's arguments ---- */
+
+/* A request packed into two words (the op's fields, each op packs its
+ * own) and the generation of moecl_launch_force it was resolved under. */
+typedef struct moecl_plan_key {
+    uint64_t a, b;
+    unsigned gen;
+} moecl_plan_key;
+
+#define MOECL_PLAN_MAX_KERNELS 4
+
+/* What a distinct request launches, resolved once per context. */
+typedef struct moecl_plan {
+    moecl_plan_key key;
+    moecl_launch_key launch_key;    /* the tune file's key (top-k gating, grounded router) */
+    moecl_launch_config config;     /* the configuration, and where it came from */
+    moecl_launch_source source;
+    unsigned num_kernels;
+    moecl_variant *variants[MOECL_PLAN_MAX_KERNELS]; /* each with its cl_kernel pool */
+    const char *kernel_names[MOECL_PLAN_MAX_KERNELS];
+    size_t limits[MOECL_PLAN_MAX_KERNELS]; /* CL_KERNEL_WORK_GROUP_SIZE, 0 if unknown */
+    /* Top-k gating, grounded router: work-items of a work-group (after the
+     * rows kernel's CL_KERNEL_WORK_GROUP_SIZE) and the tokens it routes;
+     * the global size is ceil(tokens / rows_per_group) * local. */
+    size_t local, rows_per_group;
+    /* moe_align: the work-group sizes of the chunk kernels, the scan and
+     * the one-group kernel, whether that one ranks with WARP_MATCH and
+     * whether the device runs it at one_wg. */
+    unsigned wg, scan_wg, one_wg;
+    bool warp_match, one_group_fits;
+} moecl_plan;
+
+/* Fill plan (key already set) for the op's request; called once per
+ * distinct key, under the table's lock. */
+typedef moecl_status (*moecl_plan_build)(moecl_context *ctx, const void *request, moecl_plan *plan);
+
+moecl_status moecl_plans_create(moecl_plans **plans);
+void moecl_plans_destroy(moecl_plans *plans);
+/* The key of a request of op packed into a (62 bits) and b, under op's
+ * current moecl_launch_force generation. */
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b);
+/* The plan of key: found without a lock, else built by build(request) and
+ * kept until the context is destroyed. */
+moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl_plan_build build,
+                            const void *request, const moecl_plan **plan);
+/* The plan of key if ctx holds it (no lock unless the table is full). */
+const moecl_plan *moecl_plan_find(moecl_context *ctx, const moecl_plan_key *key);
+/* How many plans ctx holds (tests). */
+size_t moecl_plan_count(const moecl_context *ctx);
+
+/* A caller's buffer that binding validates as moecl_check_buffer does. */
+typedef struct moecl_buffer_check {
+    const char *name;
+    uint64_t bytes;
+    size_t offset, elem_size;
+    bool required;
+} moecl_buffer_check;
 
 /* One argument as clSetKernelArg takes it: value NULL with size > 0 is
- * local memory of that size (and with size sizeof(cl_mem), an absent
- * buffer). */
+ * local memory of that size (and, for a buffer argument, an absent
+ * buffer). mem: value points to a cl_mem; check: validate it first. */
 typedef struct moecl_kernel_arg {
     size_t size;
     const void *value;
+    bool mem;
+    const moecl_buffer_check *check;
 } moecl_kernel_arg;
 
-/* Set arguments 0..count-1 of kernel, stopping at the first that fails:
- * its own error code is returned, and the message names the kernel (name)
- * and the argument's index. */
-moecl_status moecl_set_kernel_args(moecl_context *ctx, cl_kernel kernel, const char *name, const moecl_kernel_arg *args,
-                                   cl_uint count);
+#define MOECL_ARG(v) ((moecl_kernel_arg){sizeof(v), &(v), false, NULL})
+#define MOECL_ARG_MEM(m) ((moecl_kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL, true, NULL})
+#define MOECL_ARG_CHECKED(m, chk) ((moecl_kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL, true, (chk)})
+#define MOECL_ARG_LOCAL(bytes) ((moecl_kernel_arg){(bytes), NULL, false, NULL})
+
+/* Validate the checked buffers of args 0..count-1 (a failure leaves the
+ * kernel as it was), then set every argument whose value differs from
+ * what this pooled kernel was last given, stopping at the first that
+ * fails: its own error code is returned, and the message names the kernel
+ * (name) and the argument's index. A checked buffer (the caller's) is
+ * queried once per context while it lives and set again only when the
+ * kernel had another; unchecked ones (the library's own) are set on every
+ * call. */
+moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *kernel, const char *name,
+                             const moecl_kernel_arg *args, cl_uint count);
+
+/* One command of a call: kernel `kernel` of the plan with its arguments
+ * and sizes, or (args NULL) a fill of fill_bytes zeros at fill_offset of
+ * fill (named fill_name in a message). */
+typedef struct moecl_step {
+    unsigned kernel;
+    const moecl_kernel_arg *args;
+    cl_uint num_args;
+    size_t global, local;
+    cl_mem fill;
+    size_t fill_offset, fill_bytes;
+    const char *fill_name;
+    moecl_pooled_kernel *borrowed; /* set while the call runs */
+} moecl_step;
+
+/* Run a call's commands in order: first every kernel's work-group limit,
+ * pooled kernel and arguments (a failure there leaves nothing enqueued),
+ * then the enqueues, the first waiting on the wait list and each after on
+ * the one before (by the queue's order where it is in order); *done gets
+ * the last one's event where done is not NULL. After a failed enqueue,
+ * whatever was queued before it is waited for. */
+moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *plan, moecl_step *steps, int n, cl_uint num_wait,
+                            const cl_event *wait, cl_event *done);
+
+/* A call of a one-kernel op (top-k gating, the grounded router): the
+ * request's key and how to build its plan, the kernel's arguments, the
+ * tokens (the global size is ceil(tokens / rows_per_group) * local), and a
+ * buffer range to zero first (the kernel waiting on it) or zero NULL. */
+typedef struct moecl_launch_call {
+    moecl_plan_key key;
+    moecl_plan_build build;
+    const void *request;
+    const moecl_kernel_arg *args;
+    cl_uint num_args;
+    uint32_t tokens;
+    cl_mem zero;
+    size_t zero_offset, zero_bytes;
+    const char *zero_name;
+} moecl_launch_call;
+
+/* The whole call after the op's own validation: find the plan (on a miss,
+ * validate the checked buffers and build it), then with no tokens only the
+ * zeroing or a marker (moecl_enqueue_nothing), else moecl_plan_run. */
+moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *call, cl_uint num_wait,
+                               const cl_event *wait, cl_event *done);
 
 /* A kernel's CL_KERNEL_WORK_GROUP_SIZE (limit, 0 if unknown) against the
  * work-group a call will launch it with (local), checked before anything
@@ -335,6 +526,10 @@ moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t
  * buffer. */
 moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
                                 size_t elem_size, bool required);
+/* The offset and size checks of moecl_check_buffer for a buffer of size
+ * bytes. */
+moecl_status moecl_check_buffer_fits(moecl_context *ctx, const char *name, size_t offset, uint64_t bytes,
+                                     size_t elem_size, size_t size);
 moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait);
 /* num_tokens == 0: enqueue nothing but honour the wait list and give a
  * marker event if asked. */
@@ -377,12 +572,11 @@ static inline size_t moecl_local_budget(const moecl_device_info *info)
     return info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
 }
 
-/* Local memory of one row's team top-k (cl/common.cl team_topk): key
- * slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys and
- * values for counting. */
-static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k, bool rounds)
+/* Local memory of one row's team top-k (cl/common.cl team_topk):
+ * TOPK_COUNT_U32 uints and TOPK_CAP keys and values. */
+static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k)
 {
-    return rounds ? (size_t)team * 8 : (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
+    return (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
 }
 
 static inline bool moecl_is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }

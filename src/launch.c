@@ -9,6 +9,8 @@
  *   file > built-in table > computed default.
  * This file hands out the candidates; the ops check each against the device
  * (work-group size, local memory), since only they know their kernels.
+ * Both happen when a request's launch plan is built (src/plan.c), not per
+ * call.
  *
  * The tune file is plain text, one per device identity (platform, device
  * name, driver version), named by a hash of it like the cache entries:
@@ -22,10 +24,7 @@
  *
  * A file whose first two lines differ (another device, another format) is
  * ignored whole; a bad entry line is ignored alone; a later line for the
- * same key replaces an earlier one.
- *
- * At the end, what every op does before it enqueues: binding a kernel's
- * arguments, and checking its work-group limit. */
+ * same key replaces an earlier one. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,16 +102,15 @@ typedef struct table_entry {
  * the computed default where that is all we know, so the choice is written
  * down per device. */
 static const table_entry builtin_table[] = {
-    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. H200
-     * (2026-11-30, bench/RESULTS.md): teams of 8, 16 and 32 came within 16%
-     * of each other at 13526x256 and 4 was 38% slower; 32 is also what the
+    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. On the
+     * H200 teams of 8 to 32 came close and smaller ones were slower
+     * (bench/RESULTS.md, "Moved from code comments"); 32 is also what the
      * rule computes, so this restates it. */
     {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
-     * which restates the rule. moecl-tune on a 2-core Xeon (pocl 3.1,
-     * 2026-11-30): at 8192x128 every rows count from 1 to 4096 came within
-     * -4%..+8% of each other, about the run-to-run noise of that shared
-     * machine; the team kernels were 3x to 25x slower. */
+     * which restates the rule: moecl-tune found every rows count within
+     * noise of the others and the team kernels several times slower
+     * (bench/RESULTS.md, "Moved from code comments"). */
     {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0}},
 };
 
@@ -150,37 +148,34 @@ static const moecl_launch_config *table_find(const moecl_device_info *info, cons
  * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
  * past 4 MiB. The grounded rows kernel's private arrays are per work-item
  * (8 tokens' dot products and keys), counted the same way. */
-static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
+/* The private arrays of a work-group of configuration c, roughly (the
+ * formula the refusal below rests on). */
+static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moecl_launch_config *c)
 {
-    if (info->vendor != MOECL_VENDOR_POCL)
-        return false;
-    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
-        return true;
     if (key->op == MOECL_OP_GROUNDED_ROUTER && c->kernel == MOECL_KERNEL_ROWS) {
         /* grounded_router_rows: each work-item keeps 8 tokens' dot products
          * for an expert block of up to 256 (float dots[8][EB]) and their
          * top-k keys (ulong keys[8][TOPK]). */
         const uint64_t block = key->num_experts < 256 ? (key->num_experts + 1) / 2 * 2 : 256;
         const uint64_t per_item = 8 * block * 4 + 8 * (uint64_t)key->top_k * 8;
-        return (uint64_t)c->rows * per_item > ((uint64_t)4 << 20);
+        return (uint64_t)c->rows * per_item;
     }
     const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
-    return (uint64_t)c->rows * key->num_experts * per_expert > ((uint64_t)4 << 20);
+    return (uint64_t)c->rows * key->num_experts * per_expert;
 }
 
-/* Whether an environment variable decides op's configuration: then the
- * tune file and the table step aside and the computed rule runs under what
- * the variables force (tests run both kernels on one device this way). */
-static bool env_decides(const moecl_device_info *info, moecl_op op)
+static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
 {
-    if (info->launch_class_forced)
+    if (info->vendor != MOECL_VENDOR_POCL)
+        return false;
+    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
         return true;
-    return op == MOECL_OP_TOPK_GATING ? info->team_override != 0 : info->grounded_wide_tile;
+    return work_group_private_bytes(key, c) > ((uint64_t)4 << 20);
 }
 
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
 {
-    return env_decides(info, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
+    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
 }
 
 unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,
@@ -190,7 +185,7 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
     const moecl_launch_config *c[MOECL_LAUNCH_MAX_OVERRIDES] = {NULL, NULL, NULL};
     if ((unsigned)key->op < MOECL_NUM_OPS && ctx->forced[key->op].active)
         c[0] = &ctx->forced[key->op].config;
-    if (!env_decides(&ctx->info, key->op)) {
+    if (!moecl_launch_env_decides(&ctx->info.env, key->op)) {
         c[1] = moecl_tune_find(&ctx->tuned, key);
         c[2] = table_find(&ctx->info, key);
     }
@@ -206,6 +201,30 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
     return n;
 }
 
+moecl_launch_source moecl_launch_resolve(const moecl_context *ctx, const moecl_device_info *info,
+                                         const moecl_launch_key *key, const moecl_launch_rule *rule,
+                                         const void *request, moecl_launch_config *config, void *shape)
+{
+    if (ctx) {
+        moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
+        moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
+        const unsigned n = moecl_launch_overrides(ctx, key, configs, sources);
+        for (unsigned i = 0; i < n; i++) {
+            if (rule->check(info, &configs[i], request, shape)) {
+                *config = configs[i];
+                return sources[i];
+            }
+        }
+    }
+    *config = rule->rule(info, request);
+    if (!rule->check(info, config, request, shape)) {
+        /* A device whose work-groups hold fewer than the rule's rows. */
+        *config = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 1, 0};
+        rule->check(info, config, request, shape);
+    }
+    return moecl_launch_default_source(info, key->op);
+}
+
 void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_config *config)
 {
     if ((unsigned)op >= MOECL_NUM_OPS)
@@ -213,6 +232,8 @@ void moecl_launch_force(moecl_context *ctx, moecl_op op, const moecl_launch_conf
     ctx->forced[op].active = config != NULL;
     if (config)
         ctx->forced[op].config = *config;
+    /* Plans resolved before are not this op's plans any more. */
+    atomic_fetch_add(&ctx->force_gen[op], 1);
 }
 
 /* ---- the tune table ---- */
@@ -459,27 +480,4 @@ bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *t, 
         return false;
     }
     return true;
-}
-
-/* ---- before the first enqueue ---- */
-
-moecl_status moecl_set_kernel_args(moecl_context *ctx, cl_kernel kernel, const char *name, const moecl_kernel_arg *args,
-                                   cl_uint count)
-{
-    for (cl_uint i = 0; i < count; i++) {
-        const cl_int err = clSetKernelArg(kernel, i, args[i].size, args[i].value);
-        if (err != CL_SUCCESS)
-            return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
-    }
-    return MOECL_SUCCESS;
-}
-
-moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
-{
-    if (limit && local > limit)
-        return moecl_fail(ctx, CL_INVALID_WORK_GROUP_SIZE,
-                          "%s needs work-groups of %zu work-items but allows at most %zu on this device "
-                          "(CL_KERNEL_WORK_GROUP_SIZE); nothing was enqueued",
-                          name, local, limit);
-    return MOECL_SUCCESS;
 }

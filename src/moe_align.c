@@ -95,27 +95,38 @@ void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t si
     *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group";
 }
 
-typedef struct prepared {
-    align_shape shape;
-    moecl_variant *variants[NUM_KERNELS];
-    bool one_group_fits; /* the device runs moe_align_one_group at one_wg work-items */
-} prepared;
-
-static moecl_status prepare(moecl_context *ctx, prepared *p)
+/* The plan (moecl_plan_build): one program of four kernels, which the
+ * registry shares between them. */
+static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
 {
+    (void)request;
     char defines[128];
-    p->shape = shape_of(&ctx->info);
-    defines_of(&p->shape, defines, sizeof(defines));
-    /* One program: the registry shares it between the kernels. */
+    const align_shape s = shape_of(&ctx->info);
+    defines_of(&s, defines, sizeof(defines));
     for (int i = 0; i < NUM_KERNELS; i++) {
         moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_MOE_ALIGN, defines, kernel_names[i], &p->variants[i]);
         if (st != MOECL_SUCCESS)
             return st;
+        p->kernel_names[i] = kernel_names[i];
+        p->limits[i] = moecl_variant_work_group_limit(p->variants[i]);
     }
+    p->num_kernels = NUM_KERNELS;
+    p->source = MOECL_SOURCE_DEFAULT;
+    p->wg = s.wg;
+    p->scan_wg = s.scan_wg;
+    p->one_wg = s.one_wg;
+    p->warp_match = s.warp_match;
     /* Register use can lower a kernel's work-group limit below the
      * device's; then the chunked path serves every size. */
-    p->one_group_fits = moecl_variant_work_group_limit(p->variants[ONE_GROUP_KERNEL]) >= p->shape.one_wg;
+    p->one_group_fits = p->limits[ONE_GROUP_KERNEL] >= s.one_wg;
     return MOECL_SUCCESS;
+}
+
+/* Keyed by the launch class alone: the device facts are the context's. */
+moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
+{
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, 0);
+    return moecl_plan_get(ctx, &key, build_plan, NULL, plan);
 }
 
 /* The most slots the one-group kernel takes by default: its tiles run one
@@ -123,38 +134,43 @@ static moecl_status prepare(moecl_context *ctx, prepared *p)
  * many work-groups win despite their three launches (measured on the H200,
  * bench/RESULTS.md). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
-/* With WARP_MATCH a slot costs about 10 ns instead of 14 on the H200: the
- * one-group kernel won at 1032 slots (33.2 against 39.6 us) and lost at
- * 2048 (41.3 against 35.9). */
+/* With WARP_MATCH a slot costs less on the H200, so the one-group kernel
+ * wins up to larger sizes (bench/RESULTS.md, "Moved from code comments"). */
 #define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 1536u
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
  * slot where the warp path keeps them, else a placeholder. */
-static size_t slot_cols_bytes(const prepared *p, uint64_t slots)
+static size_t slot_cols_bytes(const moecl_plan *p, uint64_t slots)
 {
-    return p->shape.warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
+    return p->warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
+}
+
+/* Local memory of the one-group kernel: two words per expert column, two
+ * per work-item, and the slot columns. */
+static uint64_t one_group_local_bytes(const moecl_plan *p, uint32_t experts, uint64_t slots)
+{
+    return 2 * ((uint64_t)experts + 1) * 4 + (uint64_t)p->one_wg * 8 + slot_cols_bytes(p, slots);
 }
 
 /* Whether the one-group kernel serves d: on GPUs up to the sizes above, on
  * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
  * forces a path; and only where local memory holds two words per expert
  * (and, with WARP_MATCH, a ushort per slot). */
-static bool use_one_group(const moecl_context *ctx, const prepared *p, const moecl_moe_align_desc *d)
+static bool use_one_group(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
-    if (!p->one_group_fits || info->align_path == MOECL_ALIGN_CHUNKED ||
-        (info->align_path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
+    const moecl_align_path path = info->env.align_path;
+    if (!p->one_group_fits || path == MOECL_ALIGN_CHUNKED ||
+        (path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
         return false;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    const uint32_t cap = p->shape.warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
-    if (info->align_path == MOECL_ALIGN_AUTO && slots > cap)
+    const uint32_t cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
+    if (path == MOECL_ALIGN_AUTO && slots > cap)
         return false;
-    if (p->shape.warp_match && slots > 65536) /* slot columns in local memory */
+    if (p->warp_match && slots > 65536) /* slot columns in local memory */
         return false;
-    const uint64_t bytes =
-        2 * ((uint64_t)d->num_experts + 1) * 4 + (uint64_t)p->shape.one_wg * 8 + slot_cols_bytes(p, slots);
     /* 1 KiB for what the compiler places in local memory besides. */
-    return bytes + 1024 <= info->local_mem_size;
+    return one_group_local_bytes(p, d->num_experts, slots) + 1024 <= info->local_mem_size;
 }
 
 moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
@@ -164,8 +180,8 @@ moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_d
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    prepared p;
-    return prepare(ctx, &p);
+    const moecl_plan *p;
+    return moecl_moe_align_plan(ctx, &p);
 }
 
 /* ---- enqueue ---- */
@@ -182,7 +198,7 @@ typedef struct align_args {
 /* Chunks of slots: at least num_experts + 1 slots each, so that the count
  * matrix is no larger than the slots; about 256 chunks on GPUs (the scan
  * walks them serially) and 8 per compute unit on CPUs. */
-static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint32_t slots, uint32_t experts)
+static uint32_t chunk_size(const moecl_context *ctx, const moecl_plan *s, uint32_t slots, uint32_t experts)
 {
     const uint32_t target = ctx->info.launch_class == MOECL_LAUNCH_CPU
                                 ? 8 * (ctx->info.compute_units ? ctx->info.compute_units : 1)
@@ -195,120 +211,12 @@ static uint32_t chunk_size(const moecl_context *ctx, const align_shape *s, uint3
     return (uint32_t)moecl_round_up(chunk, s->wg);
 }
 
-#define ARG(v) ((moecl_kernel_arg){sizeof(v), &(v)})
-#define MEM(m) ((moecl_kernel_arg){sizeof(cl_mem), (m) ? (const void *)&(m) : NULL})
-#define LOCAL(bytes) ((moecl_kernel_arg){(bytes), NULL})
-
-/* One kernel of a call: its variant, arguments and launch size, and the
- * cl_kernel borrowed for it. */
-typedef struct step {
-    moecl_variant *variant;
-    const char *name;
-    const moecl_kernel_arg *args;
-    cl_uint num_args;
-    size_t global, local;
-    cl_kernel kernel; /* borrowed, or NULL */
-} step;
-
-static void give_back(step *steps, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (steps[i].kernel) {
-            moecl_variant_release(steps[i].variant, steps[i].kernel);
-            steps[i].kernel = NULL;
-        }
-}
-
-/* Everything that can be checked before a kernel is enqueued, for every
- * kernel of the call: the work-group limits, borrowing the kernels, and
- * every argument. So an argument error leaves nothing enqueued and no
- * output written; only an enqueue can still fail after the first. */
-static moecl_status bind_steps(moecl_context *ctx, step *steps, int n)
-{
-    moecl_status st = MOECL_SUCCESS;
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        st = moecl_check_work_group(ctx, steps[i].name, steps[i].local,
-                                    moecl_variant_work_group_limit(steps[i].variant));
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        if ((st = moecl_variant_acquire(ctx, steps[i].variant, &steps[i].kernel)) == MOECL_SUCCESS)
-            st = moecl_set_kernel_args(ctx, steps[i].kernel, steps[i].name, steps[i].args, steps[i].num_args);
-    if (st != MOECL_SUCCESS)
-        give_back(steps, n);
-    return st;
-}
-
-/* The chained launches of one call. The first waits on the caller's wait
- * list; on an in-order queue the later ones need no events (the queue
- * orders them, and each event costs the host time on NVIDIA), on an
- * out-of-order queue each waits on its predecessor's. The last one's event
- * is the call's. */
-typedef struct chain {
-    moecl_context *ctx;
-    cl_uint num_wait;
-    const cl_event *wait;
-    cl_event prev; /* the last launch's event, where one was taken */
-    bool started;  /* something was enqueued */
-} chain;
-
-static moecl_status chain_launch(chain *c, const step *s, bool last)
-{
-    const bool in_order = c->ctx->in_order;
-    const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
-    const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
-    cl_event ev = NULL;
-    const cl_int err = clEnqueueNDRangeKernel(c->ctx->queue, s->kernel, 1, NULL, &s->global, &s->local, num_wait,
-                                              wait, last || !in_order ? &ev : NULL);
-    if (err != CL_SUCCESS)
-        return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", s->name, moecl_status_string(err));
-    c->started = true;
-    if (ev) {
-        if (c->prev)
-            clReleaseEvent(c->prev);
-        c->prev = ev;
-    }
-    return MOECL_SUCCESS;
-}
-
-/* A launch of the chain failed after earlier ones were queued: wait for
- * those, so that nothing writes the outputs after the call returns. The
- * last event taken is the last kernel queued on an out-of-order queue
- * (each waits on the one before); on an in-order queue none was taken. */
-static void chain_abandon(chain *c)
-{
-    if (c->prev) {
-        clWaitForEvents(1, &c->prev);
-        clReleaseEvent(c->prev);
-    } else if (c->started) {
-        clFinish(c->ctx->queue);
-    }
-}
-
-/* Bind every step, then enqueue them in order; the last event goes to
- * done (or is released). After a failed enqueue, whatever was queued
- * before it is waited for. */
-static moecl_status run_steps(moecl_context *ctx, step *steps, int n, cl_uint num_wait, const cl_event *wait,
-                              cl_event *done)
-{
-    moecl_status st = bind_steps(ctx, steps, n);
-    if (st != MOECL_SUCCESS)
-        return st;
-    chain c = {ctx, num_wait, wait, NULL, false};
-    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
-        st = chain_launch(&c, &steps[i], i == n - 1);
-    give_back(steps, n);
-    if (st != MOECL_SUCCESS) {
-        chain_abandon(&c);
-        return st;
-    }
-    if (done)
-        *done = c.prev;
-    else
-        clReleaseEvent(c.prev);
-    return MOECL_SUCCESS;
-}
+#define ARG(v) MOECL_ARG(v)
+#define MEM(m) MOECL_ARG_MEM(m)
+#define LOCAL(bytes) MOECL_ARG_LOCAL(bytes)
 
 /* Small routings: everything in one work-group, one launch, no scratch. */
-static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                                       const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
@@ -322,17 +230,17 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
         LOCAL(slot_cols_bytes(p, slots))};
-    step one = {p->variants[ONE_GROUP_KERNEL], kernel_names[ONE_GROUP_KERNEL], args,
-                (cl_uint)(sizeof(args) / sizeof(args[0])), p->shape.one_wg, p->shape.one_wg, NULL};
-    return run_steps(ctx, &one, 1, num_wait, wait, done);
+    moecl_step one = {ONE_GROUP_KERNEL, args, (cl_uint)(sizeof(args) / sizeof(args[0])), p->one_wg, p->one_wg,
+                      NULL, 0, 0, NULL, NULL};
+    return moecl_plan_run(ctx, p, &one, 1, num_wait, wait, done);
 }
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const prepared *p,
+static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     if (use_one_group(ctx, p, d))
         return enqueue_one_group(ctx, d, p, a, num_wait, wait, done);
-    const align_shape *s = &p->shape;
+    const moecl_plan *s = p;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
     const cl_uint chunk = chunk_size(ctx, s, slots, experts);
@@ -358,10 +266,10 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         MEM(scratch),       ARG(starts_off),    MEM(a->sorted.mem), ARG(a->sorted.off), MEM(a->slots.mem),
         ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
         MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(cols * 4)};
-#define STEP(k, args, groups, wg)                                                                                     \
-    ((step){p->variants[k], kernel_names[k], args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), \
-            (wg), NULL})
-    step steps[3];
+#define STEP(k, args, groups, wg)                                                                                 \
+    ((moecl_step){k, args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, \
+                  NULL})
+    moecl_step steps[3];
     int n = 0;
     if (chunks > 0)
         steps[n++] = STEP(COUNT_KERNEL, count_args, chunks, s->wg);
@@ -369,7 +277,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     /* Also with no slots: the scatter writes the padding and the blocks. */
     steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
 #undef STEP
-    st = run_steps(ctx, steps, n, num_wait, wait, done);
+    st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;
@@ -408,8 +316,8 @@ moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *des
         (st = moecl_check_buffer(ctx, "slot_positions", slot_positions, z.ids, 4, false)) != MOECL_SUCCESS ||
         (st = moecl_check_buffer(ctx, "num_invalid", num_invalid, 4, 4, false)) != MOECL_SUCCESS)
         return st;
-    prepared p;
-    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+    const moecl_plan *p;
+    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
         return st;
     const align_args a = {
         {topk_ids.mem, topk_ids.offset / 4},
@@ -420,7 +328,7 @@ moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *des
         {slot_positions.mem, slot_positions.offset / 4},
         {num_invalid.mem, num_invalid.offset / 4},
     };
-    return enqueue(ctx, desc, &p, &a, num_wait, wait, done);
+    return enqueue(ctx, desc, p, &a, num_wait, wait, done);
 }
 
 moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc, const int32_t *topk_ids,
@@ -441,8 +349,8 @@ moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc
                                                           : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
-    prepared p;
-    if ((st = prepare(ctx, &p)) != MOECL_SUCCESS)
+    const moecl_plan *p;
+    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
         return st;
     /* Buffers of at least 4 bytes: OpenCL refuses empty ones. */
 #define AT_LEAST_4(n) ((size_t)((n) ? (n) : 4))
@@ -466,7 +374,7 @@ moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc
     if (st == MOECL_SUCCESS) {
         const align_args a = {{m[IDS], 0},  {m[COUNTS], 0}, {m[SORTED], 0},  {m[BLOCKS], 0},
                               {m[POST], 0}, {m[SLOTS], 0},  {m[INVALID], 0}};
-        st = enqueue(ctx, desc, &p, &a, 0, NULL, &ran);
+        st = enqueue(ctx, desc, p, &a, 0, NULL, &ran);
     }
     if (st == MOECL_SUCCESS) {
         /* Every output but the input, read back where the host gave one. */

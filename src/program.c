@@ -1,21 +1,26 @@
 /* Kernel variants: a registry from (program, defines, kernel) to a built
- * cl_program and a pool of cl_kernel objects. Lookups are lock-light (one
- * mutex around a short search); builds take a second mutex so that a long
- * compile never blocks calls of variants already built. */
+ * cl_program and a pool of cl_kernel objects. Lookups (made when a launch
+ * plan is built, src/plan.c) take one mutex around a short search; builds
+ * take a second mutex so that a long compile never blocks calls of
+ * variants already built. A call borrows a pooled kernel with an atomic
+ * flag. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "internal.h"
 
+/* Kernels per variant: one per thread that calls it at the same time. */
+#define POOL_MAX 64
+
 struct moecl_variant {
     moecl_program_kind kind;
     char *defines;
     char *kernel_name;
     cl_program program;
-    pthread_mutex_t pool_lock;
-    cl_kernel *free_kernels; /* capacity == number created */
-    size_t free_count, created;
+    pthread_mutex_t pool_lock; /* making a pooled kernel */
+    moecl_pooled_kernel *pool[POOL_MAX];
+    atomic_size_t created; /* pool[0..created-1] are published */
     size_t work_group_limit; /* CL_KERNEL_WORK_GROUP_SIZE, queried once at creation; 0 if unknown */
 };
 
@@ -47,12 +52,15 @@ static void variant_destroy(moecl_variant *v)
     if (!v)
         return;
     /* Every kernel is back in the pool once no call is in flight. */
-    for (size_t i = 0; i < v->free_count; i++)
-        clReleaseKernel(v->free_kernels[i]);
+    const size_t n = atomic_load(&v->created);
+    for (size_t i = 0; i < n; i++) {
+        moecl_pooled_forget(v->pool[i]);
+        clReleaseKernel(v->pool[i]->kernel);
+        free(v->pool[i]);
+    }
     if (v->program)
         clReleaseProgram(v->program);
     pthread_mutex_destroy(&v->pool_lock);
-    free(v->free_kernels);
     free(v->defines);
     free(v->kernel_name);
     free(v);
@@ -259,14 +267,15 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
             else
                 st = build_variant_program(ctx, kind, defines, &v->program);
             cl_kernel k = NULL;
+            moecl_pooled_kernel *first = NULL;
             if (st == MOECL_SUCCESS) {
                 /* Create one kernel now so that a wrong kernel name fails here, not in a call. */
                 cl_int err;
                 k = clCreateKernel(v->program, kernel_name, &err);
-                v->free_kernels = malloc(sizeof(cl_kernel));
+                first = calloc(1, sizeof(*first));
                 if (!k)
                     st = moecl_fail(ctx, err, "clCreateKernel(%s) failed (%s)", kernel_name, moecl_status_string(err));
-                else if (!v->free_kernels)
+                else if (!first)
                     st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory registering a kernel");
             }
             if (st == MOECL_SUCCESS) {
@@ -274,13 +283,17 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
                 if (clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof(v->work_group_limit),
                                              &v->work_group_limit, NULL) != CL_SUCCESS)
                     v->work_group_limit = 0;
-                v->free_kernels[0] = k;
-                v->free_count = v->created = 1;
+                first->kernel = k;
+                atomic_init(&first->busy, false);
+                v->pool[0] = first;
+                atomic_init(&v->created, 1);
                 pthread_mutex_lock(&reg->lock);
                 reg->items[reg->count++] = v;
                 pthread_mutex_unlock(&reg->lock);
-            } else if (k) {
-                clReleaseKernel(k);
+            } else {
+                if (k)
+                    clReleaseKernel(k);
+                free(first);
             }
         }
         if (st != MOECL_SUCCESS) {
@@ -293,30 +306,40 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
     return st;
 }
 
-moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *v, cl_kernel *kernel)
+moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *v, moecl_pooled_kernel **kernel)
 {
-    pthread_mutex_lock(&v->pool_lock);
-    if (v->free_count > 0) {
-        *kernel = v->free_kernels[--v->free_count];
-        pthread_mutex_unlock(&v->pool_lock);
-        return MOECL_SUCCESS;
+    size_t n = atomic_load_explicit(&v->created, memory_order_acquire);
+    for (size_t i = 0; i < n; i++) {
+        bool idle = false;
+        if (!atomic_load_explicit(&v->pool[i]->busy, memory_order_relaxed) &&
+            atomic_compare_exchange_strong_explicit(&v->pool[i]->busy, &idle, true, memory_order_acquire,
+                                                    memory_order_relaxed)) {
+            *kernel = v->pool[i];
+            return MOECL_SUCCESS;
+        }
     }
-    /* Every kernel is in use by another thread: make one more. Its slot in
-     * free_kernels is reserved now, so release never allocates. */
-    cl_kernel *grown = realloc(v->free_kernels, (v->created + 1) * sizeof(cl_kernel));
-    if (!grown) {
-        pthread_mutex_unlock(&v->pool_lock);
+    /* Every kernel is in use by another thread: make one more, pooled
+     * while there is room. */
+    moecl_pooled_kernel *p = calloc(1, sizeof(*p));
+    if (!p)
         return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory creating a kernel");
-    }
-    v->free_kernels = grown;
     cl_int err;
-    cl_kernel k = clCreateKernel(v->program, v->kernel_name, &err);
-    if (k)
-        v->created++;
-    pthread_mutex_unlock(&v->pool_lock);
-    if (!k)
+    p->kernel = clCreateKernel(v->program, v->kernel_name, &err);
+    if (!p->kernel) {
+        free(p);
         return moecl_fail(ctx, err, "clCreateKernel(%s) failed (%s)", v->kernel_name, moecl_status_string(err));
-    *kernel = k;
+    }
+    atomic_init(&p->busy, true);
+    pthread_mutex_lock(&v->pool_lock);
+    n = atomic_load_explicit(&v->created, memory_order_relaxed);
+    if (n < POOL_MAX) {
+        v->pool[n] = p;
+        atomic_store_explicit(&v->created, n + 1, memory_order_release);
+    } else {
+        p->temporary = true;
+    }
+    pthread_mutex_unlock(&v->pool_lock);
+    *kernel = p;
     return MOECL_SUCCESS;
 }
 
@@ -325,9 +348,22 @@ size_t moecl_variant_work_group_limit(const moecl_variant *v)
     return v->work_group_limit;
 }
 
-void moecl_variant_release(moecl_variant *v, cl_kernel kernel)
+void moecl_pooled_forget(moecl_pooled_kernel *k)
 {
-    pthread_mutex_lock(&v->pool_lock);
-    v->free_kernels[v->free_count++] = kernel;
-    pthread_mutex_unlock(&v->pool_lock);
+    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
+        if (k->args[i].watch)
+            moecl_mem_watch_unref(k->args[i].watch);
+    memset(k->args, 0, sizeof(k->args));
+}
+
+void moecl_variant_release(moecl_variant *v, moecl_pooled_kernel *k)
+{
+    (void)v;
+    if (k->temporary) {
+        moecl_pooled_forget(k);
+        clReleaseKernel(k->kernel);
+        free(k);
+        return;
+    }
+    atomic_store_explicit(&k->busy, false, memory_order_release);
 }

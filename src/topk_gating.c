@@ -70,107 +70,96 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
 #undef INVALID
 }
 
-typedef struct launch_shape {
+/* What a configuration launches on a device: work-items per row, rows a
+ * work-group, warp shuffles (inline PTX) for the team reductions, and the
+ * kernel. */
+typedef struct topk_shape {
     unsigned team, rows;
-    bool shuffle; /* warp shuffles (inline PTX) for the team reductions */
+    bool shuffle;
     const char *kernel_name;
-} launch_shape;
+} topk_shape;
+
+/* A request: the descriptor and the build-time choices of the call, with
+ * the group limits that select nothing away dropped. */
+typedef struct topk_request {
+    const moecl_topk_gating_desc *desc;
+    bool has_bias, has_counts;
+    unsigned groups, topk_group;
+} topk_request;
 
 /* Local memory the team kernel needs for `rows` rows (mirrors the __local
  * arrays of topk_gating_team). */
-static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups,
-                               bool rounds)
+static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
 {
-    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch:
-     * key slots for the rounds, or TOPK_COUNT_U32 uints and TOPK_CAP keys
-     * and values for counting (common.cl). */
+    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch
+     * (common.cl). */
     const unsigned ept = (experts + team - 1) / team;
     size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
-    per_row += moecl_team_topk_bytes(team, ept, k, rounds);
+    per_row += moecl_team_topk_bytes(team, ept, k);
     if (groups)
         per_row += (size_t)experts * 4 + (size_t)groups * 9 + (team / groups >= 2 ? (size_t)team * 12 : 0);
     return per_row * rows;
 }
 
-/* The shape of a configuration from the table, the tune file or moecl-tune;
- * false when the device cannot run it (work-group size, local memory). */
-static bool shape_of_config(const moecl_context *ctx, const moecl_launch_config *c, unsigned experts, unsigned k,
-                            unsigned groups, launch_shape *shape)
+/* The check: whether the device can run configuration c for the request
+ * (work-group size, local memory), and the shape it launches. */
+static bool check_config(const moecl_device_info *info, const moecl_launch_config *c, const void *request,
+                         void *shape_out)
 {
-    const moecl_device_info *info = &ctx->info;
-    const bool pow2_rows = c->rows >= 1 && (c->rows & (c->rows - 1)) == 0;
+    const topk_request *r = request;
+    topk_shape *shape = shape_out;
+    const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
+    const bool pow2_rows = moecl_is_pow2(c->rows);
     if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && pow2_rows && c->rows <= info->max_work_group_size) {
-        *shape = (launch_shape){1, c->rows, false, "topk_gating_rows"};
+        *shape = (topk_shape){1, c->rows, false, "topk_gating_rows"};
         return true;
     }
-    size_t budget = moecl_local_budget(info);
-    if (c->kernel != MOECL_KERNEL_TEAM || c->team < 2 || c->team > MOECL_LAUNCH_MAX_TEAM ||
-        (c->team & (c->team - 1)) || !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
-        team_local_bytes(c->team, c->rows, k, experts, groups, info->topk_rounds) > budget)
+    if (c->kernel != MOECL_KERNEL_TEAM || c->team < 2 || c->team > MOECL_LAUNCH_MAX_TEAM || !moecl_is_pow2(c->team) ||
+        !pow2_rows || (size_t)c->team * c->rows > info->max_work_group_size ||
+        team_local_bytes(c->team, c->rows, k, experts, r->groups) > moecl_local_budget(info))
         return false;
-    bool shuffle = info->ptx && c->team <= 32 && (c->team * c->rows) % 32 == 0;
-    *shape = (launch_shape){c->team, c->rows, shuffle, "topk_gating_team"};
+    /* Shuffles need teams inside a warp and work-groups of whole warps. */
+    const bool shuffle = info->ptx && c->team <= 32 && (c->team * c->rows) % 32 == 0;
+    *shape = (topk_shape){c->team, c->rows, shuffle, "topk_gating_team"};
     return true;
 }
 
-/* The first configuration of the forced / tune file / table overrides
- * (launch.c orders them) that the device can run. */
-static bool override_shape(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups,
-                           launch_shape *shape, moecl_launch_source *source)
+/* The rule: the configuration the device facts (and the environment's
+ * record) give a request. */
+static moecl_launch_config rule_config(const moecl_device_info *info, const void *request)
 {
-    const moecl_launch_key key = moecl_launch_key_topk(experts, k, groups);
-    moecl_launch_config configs[MOECL_LAUNCH_MAX_OVERRIDES];
-    moecl_launch_source sources[MOECL_LAUNCH_MAX_OVERRIDES];
-    const unsigned n = moecl_launch_overrides(ctx, &key, configs, sources);
-    for (unsigned i = 0; i < n; i++) {
-        if (shape_of_config(ctx, &configs[i], experts, k, groups, shape)) {
-            *source = sources[i];
-            return true;
-        }
-    }
-    *source = moecl_launch_default_source(&ctx->info, MOECL_OP_TOPK_GATING);
-    return false;
-}
-
-/* An override that the device can run, else the rule computed from the
- * device facts. */
-static launch_shape rule_launch(const moecl_device_info *info, unsigned experts, unsigned k, unsigned groups);
-
-static launch_shape choose_launch(const moecl_context *ctx, unsigned experts, unsigned k, unsigned groups,
-                                  moecl_launch_source *source)
-{
-    launch_shape chosen;
-    if (override_shape(ctx, experts, k, groups, &chosen, source))
-        return chosen;
-    return rule_launch(&ctx->info, experts, k, groups);
-}
-
-/* The rule computed from the device facts alone. */
-static launch_shape rule_launch(const moecl_device_info *info, unsigned experts, unsigned k, unsigned groups)
-{
-    launch_shape rows_kernel = {1, 8, false, "topk_gating_rows"};
+    const topk_request *r = request;
+    const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0};
     /* MOECL_TEAM asks for the team kernel unless MOECL_LAUNCH_CLASS=cpu. */
-    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->team_override || info->launch_class_forced))
+    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.team || info->env.launch_class_forced))
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
-    unsigned team = info->team_override ? info->team_override : moecl_pow2_at_least((experts + 7) / 8);
+    unsigned team = info->env.team ? info->env.team : moecl_pow2_at_least((experts + 7) / 8);
     if (team > 256)
         team = 256;
     while (team > 1 && team > info->max_work_group_size)
         team >>= 1;
     if (team == 1)
-        return (launch_shape){1, 64, false, "topk_gating_rows"};
+        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 64, 0};
     unsigned rows = team >= 128 ? 1 : 128 / team;
     while (rows * team > info->max_work_group_size)
         rows >>= 1;
-    size_t budget = moecl_local_budget(info);
-    while (rows > 1 && team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
+    const size_t budget = moecl_local_budget(info);
+    while (rows > 1 && team_local_bytes(team, rows, k, experts, r->groups) > budget)
         rows >>= 1;
-    if (rows == 0 || team_local_bytes(team, rows, k, experts, groups, info->topk_rounds) > budget)
+    if (rows == 0 || team_local_bytes(team, rows, k, experts, r->groups) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
-    /* Shuffles need teams inside a warp and work-groups of whole warps. */
-    bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
-    return (launch_shape){team, rows, shuffle, "topk_gating_team"};
+    return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
+}
+
+static const moecl_launch_rule launch_rule = {rule_config, check_config};
+
+static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_info *info, const topk_request *r,
+                                   moecl_launch_config *config, topk_shape *shape)
+{
+    const moecl_launch_key key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
+    return moecl_launch_resolve(ctx, info, &key, &launch_rule, r, config, shape);
 }
 
 /* Group limits that select nothing away are dropped: keeping every group
@@ -178,84 +167,133 @@ static launch_shape rule_launch(const moecl_device_info *info, unsigned experts,
  * do. Not the latter with the zero fill: a dropped expert then selects
  * with 0.0, which can beat a kept one (a negative biased score, or an
  * exact 0 of a higher index). */
-static void effective_groups(const moecl_topk_gating_desc *d, unsigned *groups, unsigned *topk_group)
+static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    *groups = d->num_expert_groups;
-    *topk_group = d->topk_group;
-    if (*groups && (*topk_group == *groups ||
-                    (d->num_experts / *groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
-        *groups = *topk_group = 0;
+    topk_request r = {d, has_bias, has_counts, d->num_expert_groups, d->topk_group};
+    if (r.groups && (r.topk_group == r.groups ||
+                     (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
+        r.groups = r.topk_group = 0;
+    return r;
+}
+
+static bool has_floor(const moecl_topk_gating_desc *d)
+{
+    return d->renormalize && d->renormalize_floor > 0.0f;
+}
+
+static bool zero_fill(const topk_request *r)
+{
+    return r->groups && r->desc->group_fill == MOECL_GROUP_FILL_ZERO;
+}
+
+/* Everything the defines depend on, packed: dtype 2 bits, scoring, group
+ * score, renormalize, bias, counts, zero fill, experts 13, top_k 7, groups
+ * 13, topk_group 13; the floor's bits in the second word. */
+static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
+{
+    const moecl_topk_gating_desc *d = r->desc;
+    const uint64_t a = (uint64_t)d->gating_dtype | (uint64_t)d->scoring << 2 |
+                       (uint64_t)(r->groups ? d->group_score : 0) << 3 | (uint64_t)d->renormalize << 4 |
+                       (uint64_t)r->has_bias << 5 | (uint64_t)r->has_counts << 6 | (uint64_t)zero_fill(r) << 7 |
+                       (uint64_t)d->num_experts << 8 | (uint64_t)d->top_k << 21 | (uint64_t)r->groups << 28 |
+                       (uint64_t)r->topk_group << 41;
+    uint32_t floor_bits = 0;
+    if (has_floor(d))
+        memcpy(&floor_bits, &d->renormalize_floor, sizeof(floor_bits));
+    return moecl_plan_key_of(ctx, MOECL_OP_TOPK_GATING, a, floor_bits);
 }
 
 moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *d,
                                              moecl_launch_key *key, moecl_launch_config *config)
 {
-    unsigned groups, topk_group;
-    effective_groups(d, &groups, &topk_group);
-    moecl_launch_source source;
-    const launch_shape s = choose_launch(ctx, d->num_experts, d->top_k, groups, &source);
-    *key = moecl_launch_key_topk(d->num_experts, d->top_k, groups);
-    *config = (moecl_launch_config){s.team > 1 ? MOECL_KERNEL_TEAM : MOECL_KERNEL_ROWS, s.team, s.rows, 0};
-    return source;
+    const topk_request r = request_of(d, false, false);
+    topk_shape shape;
+    *key = moecl_launch_key_topk(d->num_experts, d->top_k, r.groups);
+    return resolve(ctx, &ctx->info, &r, config, &shape);
 }
 
-typedef struct prepared {
-    moecl_variant *variant;
-    launch_shape shape;
-} prepared;
-
-/* The launch shape and the -D defines of the variant that serves d: on
- * ctx (overrides, then the rule), or with ctx NULL on a device described
- * by info (the rule alone). */
-static launch_shape variant_of(const moecl_context *ctx, const moecl_device_info *info,
-                               const moecl_topk_gating_desc *d, bool has_bias, bool has_counts, char *defines,
-                               size_t size)
+/* The -D defines of the variant of request r in shape s. */
+static void defines_of(const moecl_device_info *info, const topk_request *r, const topk_shape *s, char *defines,
+                       size_t size)
 {
-    unsigned groups, topk_group;
-    effective_groups(d, &groups, &topk_group);
-    moecl_launch_source source;
-    const launch_shape shape = ctx ? choose_launch(ctx, d->num_experts, d->top_k, groups, &source)
-                                   : rule_launch(info, d->num_experts, d->top_k, groups);
+    const moecl_topk_gating_desc *d = r->desc;
     snprintf(defines, size,
              "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
              "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
-             "-DTOPK_COUNT=%d -DCPU_DEVICE=%d",
-             d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, has_bias ? 1 : 0, groups, topk_group,
-             groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, shape.team, shape.rows, shape.shuffle ? 1 : 0,
-             (d->num_experts + shape.team - 1) / shape.team, info->topk_rounds ? 0 : 1,
-             (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
+             "-DCPU_DEVICE=%d",
+             d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, r->has_bias ? 1 : 0, r->groups,
+             r->topk_group, r->groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, s->team, s->rows,
+             s->shuffle ? 1 : 0, (d->num_experts + s->team - 1) / s->team, (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
     /* Appended only when set: the defines, and so the kernels and
      * disk-cache entries, of requests that use none of these are what
      * they were before each was added. The floor is a hex literal, so the
      * kernel gets its exact bits. */
-    if (has_counts) {
+    if (r->has_counts) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DHAS_COUNTS=1");
     }
-    if (d->renormalize && d->renormalize_floor > 0.0f) {
+    if (has_floor(d)) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af",
                  (double)d->renormalize_floor);
     }
-    if (groups && d->group_fill == MOECL_GROUP_FILL_ZERO) {
+    if (zero_fill(r)) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DGROUP_FILL=1");
     }
-    return shape;
 }
 
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                bool has_counts, char *buf, size_t size, const char **kernel_name)
 {
-    *kernel_name = variant_of(NULL, info, desc, has_bias, has_counts, buf, size).kernel_name;
+    const topk_request r = request_of(desc, has_bias, has_counts);
+    moecl_launch_config config;
+    topk_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(info, &r, &shape, buf, size);
+    *kernel_name = shape.kernel_name;
 }
 
-static moecl_status prepare(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias, bool has_counts,
-                            prepared *out)
+/* The plan of a request (moecl_plan_build): the configuration, the
+ * variant and the work sizes. */
+static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *plan)
 {
+    const topk_request *r = request;
+    topk_shape shape;
+    plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
+    plan->launch_key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
     char defines[512];
-    out->shape = variant_of(ctx, &ctx->info, d, has_bias, has_counts, defines, sizeof(defines));
-    return moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, out->shape.kernel_name, &out->variant);
+    defines_of(&ctx->info, r, &shape, defines, sizeof(defines));
+    moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, shape.kernel_name, &plan->variants[0]);
+    if (st != MOECL_SUCCESS)
+        return st;
+    plan->num_kernels = 1;
+    plan->kernel_names[0] = shape.kernel_name;
+    plan->limits[0] = moecl_variant_work_group_limit(plan->variants[0]);
+    /* The rows kernel (one work-item a row, no required work-group size)
+     * runs in work-groups of any size: it takes the kernel's limit where
+     * that is smaller (Intel's CPU runtime reports 1 for rows of 4096
+     * experts, whose private arrays are large). The team kernel's size is
+     * compiled in: a call checks it against the limit. */
+    size_t rows = shape.rows;
+    if (shape.team == 1 && plan->limits[0] && rows > plan->limits[0])
+        rows = plan->limits[0];
+    plan->local = (size_t)shape.team * rows;
+    plan->rows_per_group = rows;
+    return MOECL_SUCCESS;
+}
+
+static moecl_status plan_of(moecl_context *ctx, const topk_request *r, const moecl_plan **plan)
+{
+    const moecl_plan_key key = key_of(ctx, r);
+    return moecl_plan_get(ctx, &key, build_plan, r, plan);
+}
+
+moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                    bool has_counts, const moecl_plan **plan)
+{
+    const topk_request r = request_of(desc, has_bias, has_counts);
+    return plan_of(ctx, &r, plan);
 }
 
 moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc)
@@ -267,88 +305,50 @@ moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gati
         return st;
     /* Bias or not is a build-time choice; prepare both so that either call
      * finds its kernel. */
-    prepared p;
-    st = prepare(ctx, desc, false, false, &p);
+    const moecl_plan *p;
+    st = moecl_topk_gating_plan(ctx, desc, false, false, &p);
     if (st == MOECL_SUCCESS)
-        st = prepare(ctx, desc, true, false, &p);
+        st = moecl_topk_gating_plan(ctx, desc, true, false, &p);
     return st;
 }
 
-static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *d, const prepared *p, cl_mem gating,
-                            size_t gating_off, cl_mem bias, size_t bias_off, cl_mem weights, size_t weights_off,
-                            cl_mem ids, size_t ids_off, cl_mem counts, size_t counts_off, cl_uint num_wait,
-                            const cl_event *wait, cl_event *done)
+/* The buffers of a call, and whether binding validates them (the caller's
+ * buffers; the host path's own need no check). */
+typedef struct topk_buffers {
+    moecl_buffer gating, bias, weights, ids, counts;
+    bool has_counts, check;
+} topk_buffers;
+
+/* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
+ * kernel waits on that. */
+static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, const topk_buffers *b,
+                           cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    const char *name = p->shape.kernel_name;
-    const size_t limit = moecl_variant_work_group_limit(p->variant);
-    size_t rows = p->shape.rows;
-    /* The rows kernel (one work-item a row, no required work-group size)
-     * runs in work-groups of any size: it takes the kernel's limit where
-     * that is smaller (Intel's CPU runtime reports 1 for rows of 4096
-     * experts, whose private arrays are large). */
-    if (p->shape.team == 1 && limit && rows > limit)
-        rows = limit;
-    const size_t local = (size_t)p->shape.team * rows;
-    const size_t global = moecl_round_up(d->num_tokens, rows) / rows * local;
-    /* Checked before the fill, which the kernel's enqueue would otherwise
-     * find already queued. */
-    moecl_status st = moecl_check_work_group(ctx, name, local, limit);
-    if (st != MOECL_SUCCESS)
-        return st;
-    cl_kernel kernel;
-    if ((st = moecl_variant_acquire(ctx, p->variant, &kernel)) != MOECL_SUCCESS)
-        return st;
+    const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
+    const size_t in_size = moecl_dtype_size(d->gating_dtype);
+    const moecl_buffer_check checks[5] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
+                                          {"bias", e * 4, b->bias.offset, 4, false},
+                                          {"topk_weights", t * k * 4, b->weights.offset, 4, true},
+                                          {"topk_ids", t * k * 4, b->ids.offset, 4, true},
+                                          {"expert_counts", e * 4, b->counts.offset, 4, true}};
+    const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. */
-    const cl_ulong offsets[5] = {gating_off / moecl_dtype_size(d->gating_dtype), bias_off / 4, weights_off / 4,
-                                 ids_off / 4, counts_off / 4};
+    const cl_ulong offsets[5] = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
+                                 b->ids.offset / 4, b->counts.offset / 4};
     const cl_uint num_tokens = d->num_tokens;
     const cl_float factor = d->routed_scaling_factor;
     const moecl_kernel_arg args[12] = {
-        {sizeof(cl_mem), &gating},   {sizeof(cl_ulong), &offsets[0]}, {sizeof(cl_mem), bias ? &bias : NULL},
-        {sizeof(cl_ulong), &offsets[1]}, {sizeof(cl_mem), &weights},  {sizeof(cl_ulong), &offsets[2]},
-        {sizeof(cl_mem), &ids},      {sizeof(cl_ulong), &offsets[3]}, {sizeof(cl_uint), &num_tokens},
-        {sizeof(cl_float), &factor}, {sizeof(cl_mem), &counts},       {sizeof(cl_ulong), &offsets[4]}};
-    if ((st = moecl_set_kernel_args(ctx, kernel, name, args, counts ? 12 : 10)) != MOECL_SUCCESS) {
-        moecl_variant_release(p->variant, kernel);
-        return st;
-    }
-    /* The counts are zeroed first; the kernel waits on that (the queue may
-     * be out of order). */
-    cl_event zeroed = NULL;
-    cl_int err = CL_SUCCESS;
-    if (counts) {
-        const cl_int zero = 0;
-        err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off, (size_t)d->num_experts * 4,
-                                  num_wait, wait, &zeroed);
-        if (err != CL_SUCCESS) {
-            moecl_variant_release(p->variant, kernel);
-            return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
-        }
-        num_wait = 1;
-        wait = &zeroed;
-    }
-    err = clEnqueueNDRangeKernel(ctx->queue, kernel, 1, NULL, &global, &local, num_wait, wait, done);
-    moecl_variant_release(p->variant, kernel);
-    if (err != CL_SUCCESS && zeroed)
-        clWaitForEvents(1, &zeroed); /* nothing of the call runs after it returns */
-    if (zeroed)
-        clReleaseEvent(zeroed);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", name, moecl_status_string(err));
-    return MOECL_SUCCESS;
-}
-
-/* num_tokens == 0 with counts: only the zeroing, honouring the wait list;
- * done is its event. */
-static moecl_status enqueue_zero_counts(moecl_context *ctx, const moecl_topk_gating_desc *d, cl_mem counts,
-                                        size_t counts_off, cl_uint num_wait, const cl_event *wait, cl_event *done)
-{
-    const cl_int zero = 0;
-    cl_int err = clEnqueueFillBuffer(ctx->queue, counts, &zero, sizeof(zero), counts_off,
-                                     (size_t)d->num_experts * 4, num_wait, wait, done);
-    if (err != CL_SUCCESS)
-        return moecl_fail(ctx, err, "clEnqueueFillBuffer(expert_counts) failed: %s", moecl_status_string(err));
-    return MOECL_SUCCESS;
+        MOECL_ARG_CHECKED(b->gating.mem, c ? &c[0] : NULL),  MOECL_ARG(offsets[0]),
+        MOECL_ARG_CHECKED(b->bias.mem, c ? &c[1] : NULL),    MOECL_ARG(offsets[1]),
+        MOECL_ARG_CHECKED(b->weights.mem, c ? &c[2] : NULL), MOECL_ARG(offsets[2]),
+        MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL),     MOECL_ARG(offsets[3]),
+        MOECL_ARG(num_tokens),                               MOECL_ARG(factor),
+        MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL),  MOECL_ARG(offsets[4])};
+    const bool has_counts = b->has_counts;
+    const topk_request r = request_of(d, b->bias.mem != NULL, has_counts);
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan,      &r,       args,           has_counts ? 12 : 10,
+                                    d->num_tokens,   b->counts.mem,   b->counts.offset, e * 4, "expert_counts"};
+    return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
 /* The device-buffer call; expert_counts.mem == NULL (with has_counts
@@ -363,28 +363,11 @@ static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_de
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    const uint64_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = moecl_dtype_size(desc->gating_dtype);
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
-    if ((st = moecl_check_buffer(ctx, "gating", gating, t * e * in_size, in_size, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "bias", bias, e * 4, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_weights", topk_weights, t * k * 4, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, t * k * 4, 4, true)) != MOECL_SUCCESS)
-        return st;
-    if (has_counts &&
-        (st = moecl_check_buffer(ctx, "expert_counts", expert_counts, e * 4, 4, true)) != MOECL_SUCCESS)
-        return st;
-    prepared p;
-    if ((st = prepare(ctx, desc, bias.mem != NULL, has_counts, &p)) != MOECL_SUCCESS)
-        return st;
-    if (desc->num_tokens == 0)
-        return has_counts
-                   ? enqueue_zero_counts(ctx, desc, expert_counts.mem, expert_counts.offset, num_wait, wait, done)
-                   : moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    return enqueue(ctx, desc, &p, gating.mem, gating.offset, bias.mem, bias.offset, topk_weights.mem,
-                   topk_weights.offset, topk_ids.mem, topk_ids.offset, has_counts ? expert_counts.mem : NULL,
-                   expert_counts.offset, num_wait, wait, done);
+    const topk_buffers b = {gating,     bias, topk_weights, topk_ids, has_counts ? expert_counts : (moecl_buffer){NULL, 0},
+                            has_counts, true};
+    return launch(ctx, desc, &b, num_wait, wait, done);
 }
 
 moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
@@ -418,9 +401,10 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
                           !gating ? "gating" : !topk_weights ? "topk_weights" : "topk_ids");
     if (has_counts && !expert_counts)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "expert_counts is NULL");
-    prepared p;
-    if ((st = prepare(ctx, desc, bias != NULL, has_counts, &p)) != MOECL_SUCCESS)
+    const moecl_plan *p;
+    if ((st = moecl_topk_gating_plan(ctx, desc, bias != NULL, has_counts, &p)) != MOECL_SUCCESS)
         return st;
+    (void)p; /* built before the buffers are made: a build failure costs no copy */
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
     if (desc->num_tokens == 0) {
         if (has_counts)
@@ -436,7 +420,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
         (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
         (!has_counts ||
          (st = moecl_host_buffer(ctx, "expert_counts", CL_MEM_READ_WRITE, e * 4, NULL, &counts)) == MOECL_SUCCESS) &&
-        (st = enqueue(ctx, desc, &p, in, 0, b, 0, w, 0, ids, 0, counts, 0, 0, NULL, &ran)) == MOECL_SUCCESS) {
+        (st = launch(ctx, desc, &(topk_buffers){{in, 0}, {b, 0}, {w, 0}, {ids, 0}, {counts, 0}, has_counts, false}, 0, NULL,
+                      &ran)) == MOECL_SUCCESS) {
         const cl_mem mems[3] = {w, ids, counts};
         const size_t sizes[3] = {t * k * 4, t * k * 4, e * 4};
         void *const hosts[3] = {topk_weights, topk_ids, expert_counts};

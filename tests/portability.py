@@ -18,8 +18,9 @@ suite, exit 77, when none is left). Compilers: ocloc (Debian
 intel-opencl-icd) and clang-15; MOECL_OCLOC and MOECL_CLANG name others.
 
 --inject-error: compile a copy of the kernels with a non-OpenCL-1.2 call
-(work_group_reduce_max, OpenCL 2.0) in a rarely used branch (the team
-kernels' rounds top-k, TOPK_COUNT=0), for a should_fail test that shows the
+(work_group_reduce_max, OpenCL 2.0) in a rarely compiled branch (one that
+only variants with teams of more than 32 work-items compile, as the tree
+reductions of cl/common.cl are), for a should_fail test that shows the
 suite catches it. Exit 1 then means "failed, and only because of the
 injected call, in the variants that compile that branch"; anything else
 (nothing failed, or something else did) exits 0, which the should_fail
@@ -36,9 +37,19 @@ import tempfile
 import time
 
 AMD_TRIPLE = 'amdgcn-amd-amdhsa'
-INJECT_ANCHOR = '#endif /* TOPK_COUNT */'
-INJECT_TEXT = ('/* injected by tests/portability.py --inject-error: OpenCL 2.0 only */\n'
-               'static inline uint moecl_injected_error(uint v) { return work_group_reduce_max(v); }\n')
+# Appended to cl/common.cl, so at file scope whatever the file holds.
+INJECT_TEXT = ('\n/* injected by tests/portability.py --inject-error: OpenCL 2.0 only */\n'
+               '#if TEAM > 32\n'
+               'static inline uint moecl_injected_error(uint v) { return work_group_reduce_max(v); }\n'
+               '#endif\n')
+
+
+def large_team(options):
+    """Whether a compile's options name a team of more than 32 work-items."""
+    for word in options.split():
+        if word.startswith('-DTEAM='):
+            return int(word[len('-DTEAM='):]) > 32
+    return False
 
 
 def compiler_path(kind):
@@ -154,19 +165,11 @@ def main():
         broken = os.path.join(args.workdir, 'broken-cl')
         shutil.copytree(args.cl_dir, broken)
         path = os.path.join(broken, 'common.cl')
-        with open(path, encoding='utf-8') as f:
-            text = f.read()
-        if text.count(INJECT_ANCHOR) != 1:
-            # Exit 0 so that the should_fail test reports an unexpected
-            # pass: the injection needs a new anchor.
-            print('[portability] the anchor %r is not in cl/common.cl exactly once: nothing injected; '
-                  'update INJECT_ANCHOR in tests/portability.py' % INJECT_ANCHOR)
-            return 0
-        with open(path, 'w', encoding='utf-8') as f:
-            f.write(text.replace(INJECT_ANCHOR, INJECT_TEXT + INJECT_ANCHOR))
+        with open(path, 'a', encoding='utf-8') as f:
+            f.write(INJECT_TEXT)
         env['MOECL_KERNEL_DIR'] = broken
-        print('[portability] MOECL_KERNEL_DIR=%s: common.cl with a work_group_reduce_max call in the '
-              'TOPK_COUNT=0 branch' % broken)
+        print('[portability] MOECL_KERNEL_DIR=%s: common.cl with a work_group_reduce_max call that only '
+              'teams of more than 32 compile' % broken)
 
     variants_dir = os.path.join(args.workdir, 'variants')
     gen = subprocess.run([args.generator, variants_dir], env=env)
@@ -287,10 +290,10 @@ def check_injected(failures, rows, targets):
     problems = []
     for compiler, arch in targets:
         expected = {r['options'] for r in rows if (r['compiler'], r['arch']) == (compiler, arch)
-                    and '-DTOPK_COUNT=0' in r['options'] and '-DTEAM=1 ' not in r['options']}
+                    and large_team(r['options'])}
         failed = {job['options'] for job, _, _ in failures if job['arch'] == arch}
         if not expected:
-            problems.append('%s: no variant compiles the TOPK_COUNT=0 team branch' % arch)
+            problems.append('%s: no variant compiles the branch of teams of more than 32' % arch)
         elif failed != expected:
             problems.append('%s: %d variants compile the broken branch, %d failed, %d of them outside it' % (
                 arch, len(expected), len(failed), len(failed - expected)))
@@ -303,7 +306,7 @@ def check_injected(failures, rows, targets):
         print('\n'.join('  ' + p for p in problems[:20]))
         return 0
     print('[portability] --inject-error: the suite failed as expected: %d compiles failed, all on the injected '
-          'work_group_reduce_max in the TOPK_COUNT=0 team branch, and no other' % len(failures))
+          'work_group_reduce_max of the teams of more than 32, and no other' % len(failures))
     return 1
 
 

@@ -61,21 +61,19 @@ static const target targets[] = {
 };
 
 /* The per-device configurations a device of a target can be in: the GPU
- * launch class (its default) with the counting and the rounds top-k
- * (MOECL_TOPK_ROUNDS=1), the CPU launch class (MOECL_LAUNCH_CLASS=cpu),
- * and the 128-token grounded tile (MOECL_GROUNDED_TILE=128). */
+ * launch class (its default), the CPU launch class
+ * (MOECL_LAUNCH_CLASS=cpu), and the 128-token grounded tile
+ * (MOECL_GROUNDED_TILE=128). */
 typedef struct config {
     const char *name;
     moecl_launch_class launch_class;
-    bool topk_rounds;
     bool grounded_wide_tile;
 } config;
 
 static const config configs[] = {
-    {"gpu class, counting top-k", MOECL_LAUNCH_GPU, false, false},
-    {"gpu class, rounds top-k", MOECL_LAUNCH_GPU, true, false},
-    {"cpu class", MOECL_LAUNCH_CPU, false, false},
-    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, false, true},
+    {"gpu class", MOECL_LAUNCH_GPU, false},
+    {"cpu class", MOECL_LAUNCH_CPU, false},
+    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, true},
 };
 
 static moecl_device_info fabricate(const target *t, const config *c)
@@ -93,8 +91,7 @@ static moecl_device_info fabricate(const target *t, const config *c)
     info.max_work_group_size = t->max_work_group_size;
     info.launch_class = c->launch_class;
     info.launch_reason = c->name;
-    info.topk_rounds = c->topk_rounds;
-    info.grounded_wide_tile = c->grounded_wide_tile;
+    info.env.grounded_wide_tile = c->grounded_wide_tile;
     return info;
 }
 
@@ -388,7 +385,7 @@ int main(int argc, char **argv)
             /* moe_align: one program of four kernels, whose defines
              * depend on the launch class and the maximum work-group size
              * only (the other configurations repeat these). */
-            if (!c->topk_rounds && !c->grounded_wide_tile) {
+            if (!c->grounded_wide_tile) {
                 moecl_moe_align_defines(&info, defines, sizeof(defines), &kernel);
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");

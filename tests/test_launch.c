@@ -133,28 +133,44 @@ static moecl_topk_gating_desc topk_grouped(void)
 }
 static moecl_grounded_router_desc grounded16(void) { return moecl_grounded_router_desc_init(75, 128, 16, 0.5f); }
 
-/* Run d on random inputs and compare with the reference. */
-static void check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream,
-                       const char *label)
+/* Run d on random inputs and compare with the reference; with_counts:
+ * through moecl_topk_gating_with_counts_host, the histogram checked
+ * against the ids the call chose. */
+static void check_topk_run(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, bool with_counts,
+                           uint64_t stream, const char *label)
 {
     harness_rng rng = harness_rng_for(stream);
     const size_t n = (size_t)d->num_tokens * d->num_experts, nk = (size_t)d->num_tokens * d->top_k;
     void *gating = harness_random_tensor(&rng, d->gating_dtype, n, 2.0f);
     float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 0.05f) : NULL;
     float *w = malloc(nk * 4 + 4);
-    int32_t *ids = malloc(nk * 4 + 4);
-    ck_assert(w && ids);
+    int32_t *ids = malloc(nk * 4 + 4), *counts = malloc(d->num_experts * 4), *want = calloc(d->num_experts, 4);
+    ck_assert(w && ids && counts && want);
     memset(w, HARNESS_POISON, nk * 4);
     memset(ids, HARNESS_POISON, nk * 4);
-    moecl_status st = moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
+    moecl_status st = with_counts ? moecl_topk_gating_with_counts_host(ctx, d, gating, bias, w, ids, counts)
+                                  : moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
     ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", label, moecl_status_string(st), moecl_context_error(ctx));
     char msg[512] = "";
     int bad = ref_check_topk_gating(d, gating, bias, w, ids, msg, sizeof(msg));
     ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", label, bad, msg);
+    if (with_counts) {
+        for (size_t i = 0; i < nk; i++)
+            want[ids[i]]++;
+        ck_assert_msg(memcmp(counts, want, d->num_experts * 4) == 0, "%s: expert_counts differ from the ids", label);
+    }
     free(gating);
     free(bias);
     free(w);
     free(ids);
+    free(counts);
+    free(want);
+}
+
+static void check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream,
+                       const char *label)
+{
+    check_topk_run(ctx, d, with_bias, false, stream, label);
 }
 
 static void check_grounded(moecl_context *ctx, const moecl_grounded_router_desc *d, uint64_t stream,
@@ -684,6 +700,250 @@ START_TEST(test_precedence)
 END_TEST
 
 /* ---------------------------------------------------------------------- */
+/* Launch plans (src/plan.c)                                               */
+/* ---------------------------------------------------------------------- */
+
+static const moecl_plan *topk_plan(moecl_context *ctx, const moecl_topk_gating_desc *d, bool bias, bool counts)
+{
+    const moecl_plan *p = NULL;
+    moecl_status st = moecl_topk_gating_plan(ctx, d, bias, counts, &p);
+    ck_assert_msg(st == MOECL_SUCCESS, "plan: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    ck_assert_ptr_nonnull(p);
+    return p;
+}
+
+/* A request's plan is built once and found again; requests that differ in
+ * what the kernel is built with (bias, histogram, dtype, floor, grounded
+ * outputs) get plans of their own, and calls that alternate between them
+ * each route right. */
+START_TEST(test_plan_cache)
+{
+    moecl_context *ctx = harness_context();
+    ck_assert_uint_eq(moecl_plan_count(ctx), 0);
+    const moecl_topk_gating_desc d = topk128();
+    const moecl_plan *plain = topk_plan(ctx, &d, false, false);
+    ck_assert_uint_eq(moecl_plan_count(ctx), 1);
+    ck_assert_ptr_eq(topk_plan(ctx, &d, false, false), plain);
+    check_topk(ctx, &d, false, 5100, "plain, first call");
+    ck_assert_uint_eq(moecl_plan_count(ctx), 1); /* the host path found the same plan */
+    ck_assert_ptr_eq(topk_plan(ctx, &d, false, false), plain);
+
+    const moecl_plan *bias = topk_plan(ctx, &d, true, false), *counts = topk_plan(ctx, &d, false, true);
+    moecl_topk_gating_desc half = d;
+    half.gating_dtype = MOECL_F16;
+    const moecl_plan *f16 = topk_plan(ctx, &half, false, false);
+    moecl_topk_gating_desc floored = d;
+    floored.renormalize = true;
+    floored.renormalize_floor = 0.25f;
+    const moecl_plan *floor1 = topk_plan(ctx, &floored, false, false);
+    floored.renormalize_floor = 0.5f;
+    const moecl_plan *floor2 = topk_plan(ctx, &floored, false, false);
+    const moecl_plan *all[] = {plain, bias, counts, f16, floor1, floor2};
+    for (size_t i = 0; i < 6; i++)
+        for (size_t j = i + 1; j < 6; j++) {
+            ck_assert_msg(all[i] != all[j], "requests %zu and %zu share a plan", i, j);
+            ck_assert_msg(all[i]->variants[0] != all[j]->variants[0], "requests %zu and %zu share a kernel", i, j);
+        }
+    ck_assert_uint_eq(moecl_plan_count(ctx), 6);
+    /* Only the floor's bits tell those two apart; the same bits are the same plan. */
+    ck_assert_ptr_eq(topk_plan(ctx, &floored, false, false), floor2);
+
+    /* Alternating calls: each takes its own kernel (a bias applied to a
+     * plain call, or a histogram kernel run without one, would route
+     * wrong or fail). */
+    for (int round = 0; round < 2; round++) {
+        check_topk(ctx, &d, true, 5110 + round, "bias");
+        check_topk(ctx, &d, false, 5120 + round, "plain after bias");
+        check_topk_run(ctx, &d, false, true, 5130 + round, "counts");
+        check_topk(ctx, &half, true, 5140 + round, "f16 with bias after f32");
+        check_topk(ctx, &d, false, 5150 + round, "f32 after f16");
+        check_topk(ctx, &floored, false, 5160 + round, "floor 0.5");
+    }
+    ck_assert_uint_eq(moecl_plan_count(ctx), 7); /* f16 with bias is the one new request */
+
+    /* The grounded router: the outputs are build-time choices. */
+    const moecl_grounded_router_desc r = grounded16();
+    const moecl_plan *pairs = NULL, *separate = NULL, *again = NULL;
+    ck_assert_int_eq(moecl_grounded_router_plan(ctx, &r, true, false, false, &pairs), MOECL_SUCCESS);
+    ck_assert_int_eq(moecl_grounded_router_plan(ctx, &r, false, true, true, &separate), MOECL_SUCCESS);
+    ck_assert_int_eq(moecl_grounded_router_plan(ctx, &r, true, false, false, &again), MOECL_SUCCESS);
+    ck_assert(pairs != separate && pairs->variants[0] != separate->variants[0]);
+    ck_assert_ptr_eq(again, pairs);
+    check_grounded(ctx, &r, 5170, "grounded pairs");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* moecl_launch_force takes effect on the next call after the request's
+ * plan was cached, for its op only, and stopping it brings back the
+ * unforced configuration. */
+START_TEST(test_plan_force_after_cached)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc d = topk128();
+    const moecl_grounded_router_desc r = grounded16();
+    check_topk(ctx, &d, false, 5200, "before forcing");
+    check_grounded(ctx, &r, 5201, "grounded before forcing");
+    const moecl_plan *before = topk_plan(ctx, &d, false, false), *grounded_before = NULL, *grounded_after = NULL;
+    ck_assert_int_eq(moecl_grounded_router_plan(ctx, &r, true, false, false, &grounded_before), MOECL_SUCCESS);
+    const moecl_launch_config unforced = before->config;
+    const moecl_launch_source unforced_source = before->source;
+    ck_assert(unforced_source != MOECL_SOURCE_FORCED);
+
+    const moecl_launch_config team = cfg_team(16, 4), rows = cfg_rows(2);
+    const moecl_launch_config first = moecl_launch_config_equal(&unforced, &team) ? rows : team;
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &first);
+    const moecl_plan *forced = topk_plan(ctx, &d, false, false);
+    ck_assert(forced != before);
+    assert_source(forced->source, MOECL_SOURCE_FORCED, "forced after cached");
+    assert_config(&forced->config, &first, "forced after cached");
+    check_topk(ctx, &d, false, 5210, "forced after cached");
+    /* Another forced configuration, again on the next call. */
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &rows);
+    const moecl_plan *second = topk_plan(ctx, &d, false, false);
+    assert_config(&second->config, &rows, "second forced");
+    ck_assert_uint_eq(second->local, 2);
+    check_topk(ctx, &d, false, 5220, "second forced");
+    /* The grounded router's plan is untouched. */
+    ck_assert_int_eq(moecl_grounded_router_plan(ctx, &r, true, false, false, &grounded_after), MOECL_SUCCESS);
+    ck_assert_ptr_eq(grounded_after, grounded_before);
+
+    moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, NULL);
+    const moecl_plan *after = topk_plan(ctx, &d, false, false);
+    assert_source(after->source, unforced_source, "forcing stopped");
+    assert_config(&after->config, &unforced, "forcing stopped");
+    check_topk(ctx, &d, false, 5230, "forcing stopped");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* A validated buffer is not checked again while it lives, but one that is
+ * released and whose handle comes back for a smaller buffer is: the call
+ * that needs the old size is refused. The context keeps no reference to a
+ * caller's buffer. */
+START_TEST(test_plan_buffer_released)
+{
+    moecl_context *ctx = harness_context();
+    cl_context cc = moecl_context_cl_context(ctx);
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(64, 32, 4);
+    const size_t in_bytes = (size_t)64 * 32 * 4, out_bytes = (size_t)64 * 4 * 4;
+    cl_int err;
+    cl_mem w = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
+    cl_mem ids = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
+    ck_assert(w && ids);
+    const moecl_buffer none = {NULL, 0}, bw = {w, 0}, bi = {ids, 0};
+    bool reused = false;
+    for (int round = 0; round < 8; round++) {
+        cl_mem big = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes, NULL, &err);
+        ck_assert_ptr_nonnull(big);
+        cl_uint refs = 0;
+        moecl_status st = moecl_topk_gating(ctx, &d, (moecl_buffer){big, 0}, none, bw, bi, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_SUCCESS, "round %d: %s", round, moecl_context_error(ctx));
+        ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+        ck_assert_int_eq(clGetMemObjectInfo(big, CL_MEM_REFERENCE_COUNT, sizeof(refs), &refs, NULL), CL_SUCCESS);
+        ck_assert_msg(refs == 1, "round %d: the context holds a reference to the caller's buffer (%u)", round, refs);
+        const cl_mem old = big;
+        clReleaseMemObject(big);
+        cl_mem small = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes / 2, NULL, &err);
+        ck_assert_ptr_nonnull(small);
+        reused |= small == old;
+        st = moecl_topk_gating(ctx, &d, (moecl_buffer){small, 0}, none, bw, bi, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT && strstr(moecl_context_error(ctx), "gating: needs"),
+                      "round %d (handle %s): a buffer of half the size was accepted: %s", round,
+                      small == old ? "reused" : "new", moecl_context_error(ctx));
+        clReleaseMemObject(small);
+    }
+    if (!reused)
+        fprintf(stderr, "launch: the driver never gave a released buffer's handle to the next buffer here\n");
+    clReleaseMemObject(w);
+    clReleaseMemObject(ids);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+#define PLAN_THREADS 4
+
+/* One thread's call of the concurrent test: no ck_assert in here. */
+typedef struct plan_worker {
+    moecl_context *ctx;
+    const moecl_topk_gating_desc *desc;
+    pthread_barrier_t *start;
+    cl_mem gating, weights, ids;
+    float *w;
+    int32_t *chosen;
+    moecl_status st;
+    cl_int read;
+} plan_worker;
+
+static void *plan_worker_run(void *arg)
+{
+    plan_worker *p = arg;
+    const size_t nk = (size_t)p->desc->num_tokens * p->desc->top_k;
+    pthread_barrier_wait(p->start);
+    cl_event done = NULL;
+    p->st = moecl_topk_gating(p->ctx, p->desc, (moecl_buffer){p->gating, 0}, (moecl_buffer){NULL, 0},
+                              (moecl_buffer){p->weights, 0}, (moecl_buffer){p->ids, 0}, 0, NULL, &done);
+    p->read = CL_SUCCESS;
+    if (p->st == MOECL_SUCCESS) {
+        cl_command_queue q = moecl_context_queue(p->ctx);
+        p->read = clEnqueueReadBuffer(q, p->weights, CL_TRUE, 0, nk * 4, p->w, 1, &done, NULL);
+        if (p->read == CL_SUCCESS)
+            p->read = clEnqueueReadBuffer(q, p->ids, CL_TRUE, 0, nk * 4, p->chosen, 0, NULL, NULL);
+        clReleaseEvent(done);
+    }
+    return NULL;
+}
+
+/* First calls of one request from several threads at once on a fresh
+ * context: one plan is built, and every call routes right. */
+START_TEST(test_plan_concurrent_first_calls)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(41, 96, 6);
+    const size_t n = (size_t)d.num_tokens * d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+    pthread_barrier_t start;
+    ck_assert_int_eq(pthread_barrier_init(&start, NULL, PLAN_THREADS), 0);
+    plan_worker workers[PLAN_THREADS];
+    void *inputs[PLAN_THREADS];
+    pthread_t threads[PLAN_THREADS];
+    for (int i = 0; i < PLAN_THREADS; i++) {
+        harness_rng rng = harness_rng_for(5300 + (uint64_t)i);
+        inputs[i] = harness_random_tensor(&rng, MOECL_F32, n, 2.0f);
+        cl_int err;
+        cl_context cc = moecl_context_cl_context(ctx);
+        workers[i] = (plan_worker){ctx, &d, &start, NULL, NULL, NULL, malloc(nk * 4), malloc(nk * 4), MOECL_SUCCESS,
+                                   CL_SUCCESS};
+        workers[i].gating = clCreateBuffer(cc, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, n * 4, inputs[i], &err);
+        workers[i].weights = clCreateBuffer(cc, CL_MEM_READ_WRITE, nk * 4, NULL, &err);
+        workers[i].ids = clCreateBuffer(cc, CL_MEM_READ_WRITE, nk * 4, NULL, &err);
+        ck_assert(workers[i].gating && workers[i].weights && workers[i].ids && workers[i].w && workers[i].chosen);
+    }
+    ck_assert_uint_eq(moecl_plan_count(ctx), 0);
+    for (int i = 0; i < PLAN_THREADS; i++)
+        ck_assert_int_eq(pthread_create(&threads[i], NULL, plan_worker_run, &workers[i]), 0);
+    for (int i = 0; i < PLAN_THREADS; i++)
+        ck_assert_int_eq(pthread_join(threads[i], NULL), 0);
+    pthread_barrier_destroy(&start);
+    ck_assert_uint_eq(moecl_plan_count(ctx), 1);
+    for (int i = 0; i < PLAN_THREADS; i++) {
+        plan_worker *p = &workers[i];
+        ck_assert_msg(p->st == MOECL_SUCCESS, "thread %d: %s", i, moecl_status_string(p->st));
+        ck_assert_int_eq(p->read, CL_SUCCESS);
+        char msg[512] = "";
+        const int bad = ref_check_topk_gating(&d, inputs[i], NULL, p->w, p->chosen, msg, sizeof(msg));
+        ck_assert_msg(bad == 0, "thread %d: %d bad rows; first: %s", i, bad, msg);
+        clReleaseMemObject(p->gating);
+        clReleaseMemObject(p->weights);
+        clReleaseMemObject(p->ids);
+        free(p->w);
+        free(p->chosen);
+        free(inputs[i]);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
 /* Results stay right under every kind of configuration                    */
 /* ---------------------------------------------------------------------- */
 
@@ -1159,8 +1419,8 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     int32_t ids[256];
     align_ids(&d, ids);
     char label[160];
-    const moecl_align_path path = ctx->info.align_path;
-    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    const moecl_align_path path = ctx->info.env.align_path;
+    ctx->info.env.align_path = MOECL_ALIGN_CHUNKED;
     /* Argument errors of a later kernel: found before anything is
      * enqueued, reported with the first failing call's own code (a second
      * failing argument must not change it). */
@@ -1190,7 +1450,7 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     snprintf(label, sizeof(label), "%s, chunked, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
 
-    ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
+    ctx->info.env.align_path = MOECL_ALIGN_ONE_GROUP;
     const fault one_arg[] = {{FAULT_SET_ARG, "moe_align_one_group", 9, CL_INVALID_MEM_OBJECT}};
     snprintf(label, sizeof(label), "%s, one group, arg 9", queue);
     align_fault(ctx, &d, ids, one_arg, 1, "clSetKernelArg", 9, 0, ALIGN_OUTPUTS, false, label);
@@ -1199,7 +1459,7 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     align_fault(ctx, &d, ids, one_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
     snprintf(label, sizeof(label), "%s, one group, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
-    ctx->info.align_path = path;
+    ctx->info.env.align_path = path;
 }
 
 /* Top-k gating: 37 tokens of 32 experts, f32 (not the f16 shapes of issue
@@ -1306,8 +1566,8 @@ START_TEST(test_failed_enqueue)
     const moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 4, 16, 8);
     int32_t ids[256], counts[16], sorted[256 + 16 * 7], blocks[(256 + 16 * 7) / 8], post, pos[256], invalid;
     align_ids(&d, ids);
-    const moecl_align_path path = ctx->info.align_path;
-    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    const moecl_align_path path = ctx->info.env.align_path;
+    ctx->info.env.align_path = MOECL_ALIGN_CHUNKED;
     const fault scatter_enq[] = {{FAULT_ENQUEUE, "moe_align_scatter", -1, CL_OUT_OF_RESOURCES}};
     memset(counts, HARNESS_POISON, sizeof(counts));
     memset(sorted, HARNESS_POISON, sizeof(sorted));
@@ -1325,7 +1585,7 @@ START_TEST(test_failed_enqueue)
     assert_host_untouched(&post, sizeof(post), "num_tokens_post_padded", "moe_align_host");
     assert_host_untouched(pos, sizeof(pos), "slot_positions", "moe_align_host");
     assert_host_untouched(&invalid, sizeof(invalid), "num_invalid", "moe_align_host");
-    ctx->info.align_path = path;
+    ctx->info.env.align_path = path;
 
     /* With counts: a failed fill leaves nothing; a failed kernel enqueue
      * leaves the fill, waited for (expert_counts unspecified), and the
@@ -1374,7 +1634,7 @@ START_TEST(test_work_group_limit_first)
 {
     moecl_context *ctx = harness_context();
     ctx->info.launch_class = MOECL_LAUNCH_GPU;
-    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    ctx->info.env.align_path = MOECL_ALIGN_CHUNKED;
     const moecl_moe_align_desc d = moecl_moe_align_desc_init(64, 4, 16, 8);
     int32_t ids[256];
     align_ids(&d, ids);
@@ -1621,10 +1881,10 @@ START_TEST(test_ptx_build_falls_back)
      * warp path's arguments, and the chunked path. */
     ctx = ptx_context();
     const moecl_moe_align_desc a = moecl_moe_align_desc_init(37, 6, 40, 16);
-    ctx->info.align_path = MOECL_ALIGN_ONE_GROUP;
+    ctx->info.env.align_path = MOECL_ALIGN_ONE_GROUP;
     check_align(ctx, &a, 1220, "moe_align one-group, PTX build failing");
     assert_fell_back(ctx, "moe_align");
-    ctx->info.align_path = MOECL_ALIGN_CHUNKED;
+    ctx->info.env.align_path = MOECL_ALIGN_CHUNKED;
     check_align(ctx, &a, 1221, "moe_align chunked, after the fallback");
     moecl_context_destroy(ctx);
 }
@@ -1643,6 +1903,10 @@ int main(void)
     tcase_add_test(tc, test_rows_per_group_bit_identical);
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_configs_correct);
+    tcase_add_test(tc, test_plan_cache);
+    tcase_add_test(tc, test_plan_buffer_released);
+    tcase_add_test(tc, test_plan_force_after_cached);
+    tcase_add_test(tc, test_plan_concurrent_first_calls);
     suite_add_tcase(s, tc);
     TCase *failures = tcase_create("failures");
     tcase_set_timeout(failures, 600);

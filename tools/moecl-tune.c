@@ -649,7 +649,7 @@ static int run_planner(const options *o, const tune_case *cases, int num_cases)
     print_name("platform", info->platform_name);
     print_name("device", info->device_name);
     print_name("driver", info->driver_version);
-    printf("flags %d %d\n", cpu, info->launch_class_forced || info->team_override || info->grounded_wide_tile);
+    printf("flags %d %d\n", cpu, info->env.launch_class_forced || info->env.team || info->env.grounded_wide_tile);
     static plan p;
     for (int i = 0; i < num_cases; i++) {
         if (!shape_selected(o, &cases[i]))

@@ -201,11 +201,10 @@ typedef struct run_def {
 
 static const run_def runs[] = {
     /* Top-k gating: the rows kernel (fast path and generic loop), the team
-     * kernel as the rule sizes it, with the rounds top-k, and at every team
+     * kernel as the rule sizes it, and at every team
      * size with few rows a work-group (the last group's padding rows). */
     {"topk-cpu", OP_TOPK, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"topk-gpu", OP_TOPK, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"topk-gpu-rounds", OP_TOPK, "gpu", {"MOECL_TOPK_ROUNDS=1", NULL}, false, {0, 0, 0, 0}, true, false},
     TEAM_RUN(2, 4, false),
     TEAM_RUN(4, 4, false),
     TEAM_RUN(8, 2, false),
@@ -218,7 +217,6 @@ static const run_def runs[] = {
      * every tile, team sizes. */
     {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"grounded-gpu-rounds", OP_GROUNDED, "gpu", {"MOECL_TOPK_ROUNDS=1", NULL}, false, {0, 0, 0, 0}, true, false},
     {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0}, true, false},
     TILE_RUN(16),
     TILE_RUN(32),
@@ -652,7 +650,6 @@ static int run_one(const run_def *run)
     /* The launch variables are read when a context is created. */
     unsetenv("MOECL_LAUNCH_CLASS");
     unsetenv("MOECL_TEAM");
-    unsetenv("MOECL_TOPK_ROUNDS");
     unsetenv("MOECL_GROUNDED_TILE");
     unsetenv("MOECL_ALIGN");
     if (run->launch_class)

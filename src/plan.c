@@ -1,0 +1,574 @@
+/* Launch plans: what a distinct request launches, resolved once per
+ * context; the caller's buffers the context has validated; and running a
+ * call: binding a plan's kernel arguments and enqueueing.
+ *
+ * A call of an op is: validate the request (the op's file), then here:
+ * look its plan up, bind the arguments, enqueue. The plan is built on a
+ * context's first call of a request (the op's rule and check through
+ * src/launch.c, the variant's build in src/program.c) and lives until the
+ * context is destroyed. The table is open-addressed with atomically
+ * published pointers, so a lookup takes no lock; building and inserting
+ * take one mutex, so concurrent first calls of a request build one plan.
+ * moecl_launch_force bumps its op's generation, which is part of the key:
+ * the next call builds (or finds) the plan of the new configuration.
+ *
+ * Binding sets only the arguments a pooled kernel does not hold already.
+ * Scalars compare by value. A buffer compares by handle only while it is
+ * known to be alive: a handle value comes back for a new buffer once the
+ * old one is deleted. So a caller's buffer, validated once (CL_MEM_SIZE,
+ * CL_MEM_CONTEXT), gets a watch that its destructor callback marks when
+ * OpenCL deletes it; no reference is kept, so the caller's release frees
+ * it as before. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+
+#define PLAN_SLOTS 1024u /* a power of two */
+
+/* Plans that found no slot (a table full of moecl-tune's sweep) go on a
+ * list read under the lock. */
+typedef struct plan_node {
+    moecl_plan plan;
+    struct plan_node *next;
+} plan_node;
+
+struct moecl_plans {
+    _Atomic(moecl_plan *) slots[PLAN_SLOTS];
+    pthread_mutex_t lock;
+    plan_node *overflow;
+    atomic_size_t count;
+    /* The watches of the caller's buffers the context validated, an
+     * open-addressed table by handle (src/plan.c, "validated buffers"). */
+    pthread_mutex_t watch_lock;
+    moecl_mem_watch **watches;
+    size_t watch_count, watch_cap;
+};
+
+moecl_status moecl_plans_create(moecl_plans **out)
+{
+    moecl_plans *t = calloc(1, sizeof(*t));
+    if (!t || pthread_mutex_init(&t->lock, NULL) != 0) {
+        free(t);
+        return MOECL_ERROR_OUT_OF_MEMORY;
+    }
+    if (pthread_mutex_init(&t->watch_lock, NULL) != 0) {
+        pthread_mutex_destroy(&t->lock);
+        free(t);
+        return MOECL_ERROR_OUT_OF_MEMORY;
+    }
+    for (size_t i = 0; i < PLAN_SLOTS; i++)
+        atomic_init(&t->slots[i], NULL);
+    atomic_init(&t->count, 0);
+    *out = t;
+    return MOECL_SUCCESS;
+}
+
+void moecl_plans_destroy(moecl_plans *t)
+{
+    if (!t)
+        return;
+    for (size_t i = 0; i < PLAN_SLOTS; i++)
+        free(atomic_load(&t->slots[i]));
+    for (plan_node *n = t->overflow; n;) {
+        plan_node *next = n->next;
+        free(n);
+        n = next;
+    }
+    for (size_t i = 0; i < t->watch_cap; i++)
+        if (t->watches[i])
+            moecl_mem_watch_unref(t->watches[i]);
+    free(t->watches);
+    pthread_mutex_destroy(&t->watch_lock);
+    pthread_mutex_destroy(&t->lock);
+    free(t);
+}
+
+size_t moecl_plan_count(const moecl_context *ctx)
+{
+    return atomic_load(&ctx->plans->count);
+}
+
+static bool key_equal(const moecl_plan_key *a, const moecl_plan_key *b)
+{
+    return a->a == b->a && a->b == b->b && a->gen == b->gen;
+}
+
+static size_t key_hash(const moecl_plan_key *k)
+{
+    uint64_t h = (k->a ^ (k->b * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)k->gen << 40)) * 0xff51afd7ed558ccdull;
+    return (size_t)(h ^ (h >> 29));
+}
+
+/* The plan of key in the table, or NULL; *full: no empty slot was met. */
+static const moecl_plan *find_slot(moecl_plans *t, const moecl_plan_key *key, bool *full)
+{
+    const size_t h = key_hash(key);
+    for (size_t i = 0; i < PLAN_SLOTS; i++) {
+        const moecl_plan *p = atomic_load_explicit(&t->slots[(h + i) & (PLAN_SLOTS - 1)], memory_order_acquire);
+        if (!p) {
+            *full = false;
+            return NULL;
+        }
+        if (key_equal(&p->key, key))
+            return p;
+    }
+    *full = true;
+    return NULL;
+}
+
+static const moecl_plan *find_overflow(const moecl_plans *t, const moecl_plan_key *key)
+{
+    for (const plan_node *n = t->overflow; n; n = n->next)
+        if (key_equal(&n->plan.key, key))
+            return &n->plan;
+    return NULL;
+}
+
+/* Under the lock: a copy of plan in the first empty slot of its probe
+ * sequence, else on the overflow list; NULL when out of memory. */
+static const moecl_plan *insert(moecl_plans *t, const moecl_plan *plan)
+{
+    const size_t h = key_hash(&plan->key);
+    for (size_t i = 0; i < PLAN_SLOTS; i++) {
+        _Atomic(moecl_plan *) *slot = &t->slots[(h + i) & (PLAN_SLOTS - 1)];
+        if (atomic_load_explicit(slot, memory_order_relaxed))
+            continue;
+        moecl_plan *p = malloc(sizeof(*p));
+        if (!p)
+            return NULL;
+        *p = *plan;
+        atomic_store_explicit(slot, p, memory_order_release);
+        return p;
+    }
+    plan_node *n = malloc(sizeof(*n));
+    if (!n)
+        return NULL;
+    n->plan = *plan;
+    n->next = t->overflow;
+    t->overflow = n;
+    return &n->plan;
+}
+
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b)
+{
+    const unsigned gen = (unsigned)op < MOECL_NUM_OPS ? atomic_load_explicit(&ctx->force_gen[op], memory_order_relaxed)
+                                                      : 0;
+    return (moecl_plan_key){(a << 2) | (uint64_t)op, b, gen};
+}
+
+const moecl_plan *moecl_plan_find(moecl_context *ctx, const moecl_plan_key *key)
+{
+    moecl_plans *t = ctx->plans;
+    bool full = false;
+    const moecl_plan *p = find_slot(t, key, &full);
+    if (!p && full) {
+        pthread_mutex_lock(&t->lock);
+        p = find_overflow(t, key);
+        pthread_mutex_unlock(&t->lock);
+    }
+    return p;
+}
+
+moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl_plan_build build,
+                            const void *request, const moecl_plan **plan)
+{
+    moecl_plans *t = ctx->plans;
+    bool full = false;
+    const moecl_plan *p = find_slot(t, key, &full);
+    if (p) {
+        *plan = p;
+        return MOECL_SUCCESS;
+    }
+    pthread_mutex_lock(&t->lock);
+    p = find_slot(t, key, &full);
+    if (!p && full)
+        p = find_overflow(t, key);
+    moecl_status st = MOECL_SUCCESS;
+    if (!p) {
+        moecl_plan fresh;
+        memset(&fresh, 0, sizeof(fresh));
+        fresh.key = *key;
+        st = build(ctx, request, &fresh);
+        if (st == MOECL_SUCCESS) {
+            p = insert(t, &fresh);
+            if (p)
+                atomic_fetch_add(&t->count, 1);
+            else
+                st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory keeping a launch plan");
+        }
+    }
+    pthread_mutex_unlock(&t->lock);
+    *plan = p;
+    return st;
+}
+
+/* ---- validated buffers ---- */
+
+struct moecl_mem_watch {
+    atomic_bool dead; /* the destructor callback ran: the handle may now name another buffer */
+    atomic_int refs;  /* the callback's, the table's and each pooled kernel's that binds it */
+    cl_mem mem;
+    size_t size;
+};
+
+void moecl_mem_watch_unref(moecl_mem_watch *w)
+{
+    if (atomic_fetch_sub_explicit(&w->refs, 1, memory_order_acq_rel) == 1)
+        free(w);
+}
+
+static void CL_CALLBACK watch_died(cl_mem mem, void *user)
+{
+    (void)mem;
+    moecl_mem_watch *w = user;
+    atomic_store_explicit(&w->dead, true, memory_order_release);
+    moecl_mem_watch_unref(w);
+}
+
+static bool watch_alive(const moecl_mem_watch *w)
+{
+    return w && !atomic_load_explicit(&w->dead, memory_order_acquire);
+}
+
+static size_t mem_hash(cl_mem mem, size_t cap)
+{
+    uint64_t h = (uint64_t)(uintptr_t)mem * 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 32) & (cap - 1);
+}
+
+/* Under watch_lock: the live watch of mem in the table, or NULL. */
+static moecl_mem_watch *watch_find(const moecl_plans *t, cl_mem mem)
+{
+    if (!t->watch_cap)
+        return NULL;
+    for (size_t i = mem_hash(mem, t->watch_cap), n = 0; n < t->watch_cap; i = (i + 1) & (t->watch_cap - 1), n++) {
+        moecl_mem_watch *w = t->watches[i];
+        if (!w)
+            return NULL;
+        if (w->mem == mem && watch_alive(w))
+            return w;
+    }
+    return NULL;
+}
+
+static void watch_place(moecl_mem_watch **table, size_t cap, moecl_mem_watch *w)
+{
+    size_t i = mem_hash(w->mem, cap);
+    while (table[i])
+        i = (i + 1) & (cap - 1);
+    table[i] = w;
+}
+
+/* Under watch_lock: add w, first dropping the watches of deleted buffers
+ * when the table is half full (and growing it if that frees too little). */
+static bool watch_insert(moecl_plans *t, moecl_mem_watch *w)
+{
+    if (2 * (t->watch_count + 1) > t->watch_cap) {
+        size_t live = 0;
+        for (size_t i = 0; i < t->watch_cap; i++)
+            live += t->watches[i] && watch_alive(t->watches[i]);
+        size_t cap = t->watch_cap ? t->watch_cap : 64;
+        while (4 * (live + 1) > cap)
+            cap *= 2;
+        moecl_mem_watch **grown = calloc(cap, sizeof(*grown));
+        if (!grown)
+            return false;
+        for (size_t i = 0; i < t->watch_cap; i++) {
+            moecl_mem_watch *old = t->watches[i];
+            if (old && watch_alive(old))
+                watch_place(grown, cap, old);
+            else if (old)
+                moecl_mem_watch_unref(old);
+        }
+        free(t->watches);
+        t->watches = grown;
+        t->watch_cap = cap;
+        t->watch_count = live;
+    }
+    watch_place(t->watches, t->watch_cap, w);
+    t->watch_count++;
+    return true;
+}
+
+/* The watch of a caller's buffer: found, or made after validating it
+ * (CL_MEM_SIZE, CL_MEM_CONTEXT) with its destructor callback registered.
+ * NULL with *st set when the buffer is not one of this context's; NULL
+ * with *st success when it could not be watched (then *size is set and
+ * nothing is remembered). */
+static moecl_mem_watch *watch_of(moecl_context *ctx, const char *name, cl_mem mem, size_t *size, moecl_status *st)
+{
+    moecl_plans *t = ctx->plans;
+    *st = MOECL_SUCCESS;
+    pthread_mutex_lock(&t->watch_lock);
+    moecl_mem_watch *w = watch_find(t, mem);
+    pthread_mutex_unlock(&t->watch_lock);
+    if (w) {
+        *size = w->size;
+        return w;
+    }
+    cl_context owner = NULL;
+    cl_int err = clGetMemObjectInfo(mem, CL_MEM_SIZE, sizeof(*size), size, NULL);
+    if (err == CL_SUCCESS)
+        err = clGetMemObjectInfo(mem, CL_MEM_CONTEXT, sizeof(owner), &owner, NULL);
+    if (err != CL_SUCCESS) {
+        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: not a valid cl_mem (%s)", name,
+                         moecl_status_string(err));
+        return NULL;
+    }
+    if (owner != ctx->context) {
+        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
+        return NULL;
+    }
+    w = malloc(sizeof(*w));
+    if (!w)
+        return NULL;
+    atomic_init(&w->dead, false);
+    atomic_init(&w->refs, 2); /* the callback's and the table's */
+    w->mem = mem;
+    w->size = *size;
+    if (clSetMemObjectDestructorCallback(mem, watch_died, w) != CL_SUCCESS) {
+        free(w);
+        return NULL;
+    }
+    pthread_mutex_lock(&t->watch_lock);
+    moecl_mem_watch *other = watch_find(t, mem); /* another thread's, meanwhile */
+    if (other || !watch_insert(t, w)) {
+        /* The callback keeps its reference and fires harmlessly. */
+        moecl_mem_watch_unref(w);
+        w = other;
+    }
+    pthread_mutex_unlock(&t->watch_lock);
+    return w;
+}
+
+/* ---- binding ---- */
+
+/* Validate a checked argument; *watch: the buffer's watch (NULL: absent,
+ * or not watched). */
+static moecl_status check_arg_buffer(moecl_context *ctx, const moecl_kernel_arg *arg, const moecl_arg_state *last,
+                                     moecl_mem_watch **watch)
+{
+    const moecl_buffer_check *c = arg->check;
+    const cl_mem mem = arg->value ? *(const cl_mem *)arg->value : NULL;
+    *watch = NULL;
+    if (!mem) {
+        if (c->required)
+            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer is absent (mem is NULL)", c->name);
+        return MOECL_SUCCESS;
+    }
+    size_t size;
+    moecl_status st = MOECL_SUCCESS;
+    if (last->valid && last->mem == mem && watch_alive(last->watch)) {
+        *watch = last->watch; /* what this kernel was last given, and still alive */
+        size = last->watch->size;
+    } else if (!(*watch = watch_of(ctx, c->name, mem, &size, &st)) && st != MOECL_SUCCESS) {
+        return st;
+    }
+    return moecl_check_buffer_fits(ctx, c->name, c->offset, c->bytes, c->elem_size, size);
+}
+
+/* What the argument would be remembered as: a value, local memory (or an
+ * absent buffer: the size alone), or a caller's buffer with its watch. The
+ * library's own buffers (host paths, moe_align's scratch) and buffers that
+ * could not be watched are not remembered: set on every call. */
+static moecl_arg_state state_of(const moecl_kernel_arg *arg, moecl_mem_watch *watch)
+{
+    moecl_arg_state s;
+    memset(&s, 0, sizeof(s));
+    s.valid = true;
+    s.size = arg->size;
+    if (!arg->value)
+        s.local = true;
+    else if (arg->mem)
+        s.mem = *(const cl_mem *)arg->value, s.watch = watch, s.valid = watch != NULL;
+    else
+        memcpy(&s.bits, arg->value, arg->size);
+    return s;
+}
+
+static bool same(const moecl_arg_state *a, const moecl_arg_state *b)
+{
+    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->bits == b->bits &&
+           a->mem == b->mem && a->watch == b->watch;
+}
+
+moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const char *name,
+                             const moecl_kernel_arg *args, cl_uint count)
+{
+    moecl_mem_watch *watches[MOECL_MAX_KERNEL_ARGS];
+    /* Every buffer first, so that a bad one leaves the kernel as it was. */
+    for (cl_uint i = 0; i < count; i++) {
+        watches[i] = NULL;
+        if (args[i].check) {
+            const moecl_status st = check_arg_buffer(ctx, &args[i], &k->args[i], &watches[i]);
+            if (st != MOECL_SUCCESS)
+                return st;
+        }
+    }
+    for (cl_uint i = 0; i < count; i++) {
+        const moecl_arg_state next = state_of(&args[i], watches[i]);
+        moecl_arg_state *last = &k->args[i];
+        if (same(last, &next))
+            continue; /* the kernel still has this value */
+        const cl_int err = clSetKernelArg(k->kernel, i, args[i].size, args[i].value);
+        if (last->watch)
+            moecl_mem_watch_unref(last->watch);
+        memset(last, 0, sizeof(*last));
+        if (err != CL_SUCCESS)
+            return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
+        if (!next.valid)
+            continue; /* not remembered: set again next time */
+        if (next.watch)
+            atomic_fetch_add_explicit(&next.watch->refs, 1, memory_order_relaxed);
+        *last = next;
+    }
+    return MOECL_SUCCESS;
+}
+
+/* ---- running a call ---- */
+
+static void give_back(const moecl_plan *p, moecl_step *steps, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (steps[i].borrowed) {
+            moecl_variant_release(p->variants[steps[i].kernel], steps[i].borrowed);
+            steps[i].borrowed = NULL;
+        }
+}
+
+/* Everything that can be checked before a command is enqueued, for every
+ * kernel of the call: the work-group limits, borrowing the kernels, and
+ * every argument. So an argument error leaves nothing enqueued and no
+ * output written; only an enqueue can still fail after the first. */
+static moecl_status bind_steps(moecl_context *ctx, const moecl_plan *p, moecl_step *steps, int n)
+{
+    moecl_status st = MOECL_SUCCESS;
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        if (steps[i].args)
+            st = moecl_check_work_group(ctx, p->kernel_names[steps[i].kernel], steps[i].local,
+                                        p->limits[steps[i].kernel]);
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++) {
+        moecl_step *s = &steps[i];
+        s->borrowed = NULL;
+        if (s->args && (st = moecl_variant_acquire(ctx, p->variants[s->kernel], &s->borrowed)) == MOECL_SUCCESS)
+            st = moecl_bind_args(ctx, s->borrowed, p->kernel_names[s->kernel], s->args, s->num_args);
+    }
+    if (st != MOECL_SUCCESS)
+        give_back(p, steps, n);
+    return st;
+}
+
+/* The chained commands of one call. The first waits on the caller's wait
+ * list; on an in-order queue the later ones need no events (the queue
+ * orders them, and each event costs the host time on NVIDIA), on an
+ * out-of-order queue each waits on its predecessor's. The last one's event
+ * is the call's, taken only where the caller asks for it. */
+typedef struct chain {
+    moecl_context *ctx;
+    cl_uint num_wait;
+    const cl_event *wait;
+    cl_event prev; /* the last command's event, where one was taken */
+    bool started;  /* something was enqueued */
+} chain;
+
+static moecl_status chain_launch(chain *c, const moecl_plan *p, const moecl_step *s, cl_event *done)
+{
+    const bool in_order = c->ctx->in_order;
+    const cl_uint num_wait = !c->started ? c->num_wait : in_order ? 0 : 1;
+    const cl_event *wait = !c->started ? c->wait : in_order ? NULL : &c->prev;
+    cl_event ev = NULL, *want = done ? done : in_order ? NULL : &ev;
+    cl_int err;
+    if (s->args) {
+        err = clEnqueueNDRangeKernel(c->ctx->queue, s->borrowed->kernel, 1, NULL, &s->global, &s->local, num_wait,
+                                     wait, want);
+        if (err != CL_SUCCESS)
+            return moecl_fail(c->ctx, err, "clEnqueueNDRangeKernel(%s) failed: %s", p->kernel_names[s->kernel],
+                              moecl_status_string(err));
+    } else {
+        const cl_int zero = 0;
+        err = clEnqueueFillBuffer(c->ctx->queue, s->fill, &zero, sizeof(zero), s->fill_offset, s->fill_bytes,
+                                  num_wait, wait, want);
+        if (err != CL_SUCCESS)
+            return moecl_fail(c->ctx, err, "clEnqueueFillBuffer(%s) failed: %s", s->fill_name,
+                              moecl_status_string(err));
+    }
+    c->started = true;
+    if (ev) {
+        if (c->prev)
+            clReleaseEvent(c->prev);
+        c->prev = ev;
+    }
+    return MOECL_SUCCESS;
+}
+
+/* A command of the chain failed after earlier ones were queued: wait for
+ * those, so that nothing writes the outputs after the call returns. The
+ * last event taken is the last command queued on an out-of-order queue
+ * (each waits on the one before); on an in-order queue none was taken. */
+static void chain_abandon(chain *c)
+{
+    if (c->prev) {
+        clWaitForEvents(1, &c->prev);
+        clReleaseEvent(c->prev);
+    } else if (c->started) {
+        clFinish(c->ctx->queue);
+    }
+}
+
+moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *p, moecl_step *steps, int n, cl_uint num_wait,
+                            const cl_event *wait, cl_event *done)
+{
+    moecl_status st = bind_steps(ctx, p, steps, n);
+    if (st != MOECL_SUCCESS)
+        return st;
+    chain c = {ctx, num_wait, wait, NULL, false};
+    for (int i = 0; i < n && st == MOECL_SUCCESS; i++)
+        st = chain_launch(&c, p, &steps[i], i == n - 1 ? done : NULL);
+    give_back(p, steps, n);
+    if (st != MOECL_SUCCESS) {
+        chain_abandon(&c);
+        return st;
+    }
+    if (c.prev)
+        clReleaseEvent(c.prev);
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *c, cl_uint num_wait, const cl_event *wait,
+                               cl_event *done)
+{
+    moecl_status st = MOECL_SUCCESS;
+    const moecl_plan *p = moecl_plan_find(ctx, &c->key);
+    if (!p || c->tokens == 0) {
+        /* Before a build: a bad buffer costs no compile. */
+        const moecl_arg_state none = {0};
+        moecl_mem_watch *watch;
+        for (cl_uint i = 0; i < c->num_args && st == MOECL_SUCCESS; i++)
+            if (c->args[i].check)
+                st = check_arg_buffer(ctx, &c->args[i], &none, &watch);
+        if (st == MOECL_SUCCESS && !p)
+            st = moecl_plan_get(ctx, &c->key, c->build, c->request, &p);
+        if (st != MOECL_SUCCESS)
+            return st;
+    }
+    const size_t global = moecl_round_up(c->tokens, p->rows_per_group) / p->rows_per_group * p->local;
+    moecl_step steps[2] = {{0, NULL, 0, 0, 0, c->zero, c->zero_offset, c->zero_bytes, c->zero_name, NULL},
+                           {0, c->args, c->num_args, global, p->local, NULL, 0, 0, NULL, NULL}};
+    /* No tokens: only the zeroing, or a marker that keeps the wait list. */
+    if (c->tokens == 0)
+        return c->zero ? moecl_plan_run(ctx, p, steps, 1, num_wait, wait, done)
+                       : moecl_enqueue_nothing(ctx, num_wait, wait, done);
+    return c->zero ? moecl_plan_run(ctx, p, steps, 2, num_wait, wait, done)
+                   : moecl_plan_run(ctx, p, steps + 1, 1, num_wait, wait, done);
+}
+
+moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit)
+{
+    if (limit && local > limit)
+        return moecl_fail(ctx, CL_INVALID_WORK_GROUP_SIZE,
+                          "%s needs work-groups of %zu work-items but allows at most %zu on this device "
+                          "(CL_KERNEL_WORK_GROUP_SIZE); nothing was enqueued",
+                          name, local, limit);
+    return MOECL_SUCCESS;
+}
