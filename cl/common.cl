@@ -265,10 +265,10 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
  *    result is deterministic.
  * On random rows only a handful of elements pass the floor, so step 3 is
  * short; with many ties at the floor it is quadratic but still correct.
- * Scratch per row: TOPK_COUNT_U32 uints, TOPK_CAP ulongs and floats. */
-#define TOPK_PER_LANE (EPT < TOPK ? EPT : TOPK)
-#define TOPK_CAP (TEAM * TOPK_PER_LANE)
-#define TOPK_COUNT_U32 (TEAM + 2)
+ * Scratch per row: cl/layout.h (LAYOUT_TEAM_TOPK_COUNT_BYTES). */
+#define TOPK_PER_LANE LAYOUT_TOPK_PER_LANE(EPT, TOPK)
+#define TOPK_CAP LAYOUT_TOPK_CAP(TEAM, EPT, TOPK)
+#define TOPK_COUNT_U32 LAYOUT_TOPK_U32(TEAM)
 
 static inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
                              __local float *cand_values, uint lane, __local uint *chosen_ids,

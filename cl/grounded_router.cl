@@ -110,10 +110,10 @@ static inline void write_outputs_from_keys(const ulong *keys, uint row, __global
 #undef TM
 #define TM 1
 #endif
-#define RN 2
+#define RN LAYOUT_GROUNDED_RN
 #define H16 (HIDDEN_DIM / 16 * 16)
 #define HC 1024 /* hidden chunk (a multiple of 16) */
-#define EB (NUM_EXPERTS < 256 ? (NUM_EXPERTS + 1) / 2 * 2 : 256) /* expert block (a multiple of RN) */
+#define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block (a multiple of RN) */
 
 static inline float16 load_hidden16(__global const in_t *p, uint i)
 {
@@ -203,7 +203,7 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
 /* A team of TEAM work-items per token, ROWS tokens per work-group.        */
 /* ---------------------------------------------------------------------- */
 
-#define GROUND_STRIDE (EPT * TEAM + 1) /* +1 against bank conflicts */
+#define GROUND_STRIDE LAYOUT_GROUND_STRIDE(TEAM, EPT)
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
@@ -316,10 +316,8 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
      * its MT rows and NT columns of one k step from one row of each. The
      * tile of g is only live between the hidden loop and the merge, when
      * the input tiles are not, so the two share one array. */
-#define INPUT_TILES (TK * (TM + 1) + TK * (TN + 1))
-#define G_TILE (TM * (TN + 1))
-    __local float tile_memory[INPUT_TILES > G_TILE ? INPUT_TILES : G_TILE];
-    __local ulong top_keys[TM * TOPK];
+    __local float tile_memory[LAYOUT_TILE_FLOATS(TM, TN, TK)];
+    __local ulong top_keys[LAYOUT_TILE_KEYS(TM, TOPK)];
 #define HIDDEN_TILE(kk, m) tile_memory[(kk) * (TM + 1) + (m)]
 #define GROUND_TILE(kk, n) tile_memory[TK * (TM + 1) + (kk) * (TN + 1) + (n)]
 #define G_AT(m, n) tile_memory[(m) * (TN + 1) + (n)]

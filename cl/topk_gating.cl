@@ -138,8 +138,8 @@ static inline float group_acc_score(const group_acc *a)
  * CPU driver runs exp and the comparisons in SIMD registers. The last,
  * partial block goes through the same vector code (padded), so equal inputs
  * give equal scores wherever they sit in the row. */
-#define BLOCK 8
-#define BLOCKS ((NUM_EXPERTS + BLOCK - 1) / BLOCK)
+#define BLOCK LAYOUT_ROWS_BLOCK
+#define BLOCKS LAYOUT_ROWS_BLOCKS(NUM_EXPERTS)
 
 /* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
 static inline float8 load_block(__global const in_t *x, uint e0, float pad)
@@ -607,13 +607,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 
 /* GROUP_PARTS: lanes that score one group together (a power of two, so
  * that a group's parts are neighbouring lanes). */
-#if NUM_GROUPS > 0 && TEAM / NUM_GROUPS >= 2
-#define GROUP_PARTS_RAW (TEAM / NUM_GROUPS)
-#define GROUP_PARTS                                                                                \
-    (GROUP_PARTS_RAW >= 32 ? 32 : GROUP_PARTS_RAW >= 16 ? 16 : GROUP_PARTS_RAW >= 8 ? 8 : GROUP_PARTS_RAW >= 4 ? 4 : 2)
-#else
-#define GROUP_PARTS 1
-#endif
+#define GROUP_PARTS LAYOUT_GROUP_PARTS(TEAM, NUM_GROUPS)
 
 /* A softmax score exp(x - max) / sum; under NATIVE_MATH sum_term is
  * 1 / sum and the score e * (1 / sum). */
@@ -634,7 +628,9 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
                  __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
                  uint num_tokens, float scaling_factor COUNTS_PARAMS)
 {
-#if TEAM_SHUFFLE
+    /* The slots of the softmax's max and sum (none with shuffles, and
+     * none for sigmoid, which reduces nothing across the team). */
+#if TEAM_SHUFFLE || SCORING != 0
 #define FLOAT_SLOTS ((__local float *)0)
 #else
     __local float float_slots[ROWS * TEAM];

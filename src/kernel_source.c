@@ -1,4 +1,8 @@
-/* Program text: the embedded .cl sources, or the files of MOECL_KERNEL_DIR. */
+/* Program text: cl/layout.h, then the embedded .cl sources or the files of
+ * MOECL_KERNEL_DIR. The layout is always the embedded copy, even under
+ * MOECL_KERNEL_DIR: the host sizes launches from the same header compiled
+ * into the library (src/layout.c), so a kernel built from another copy
+ * could disagree with the sizes it is launched with. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,14 +47,20 @@ static char *read_file(const char *dir, const char *name, size_t *size)
 
 moecl_status moecl_program_source(const moecl_context *ctx, moecl_program_kind kind, char **text, size_t *size)
 {
-    const char *parts[3] = {NULL, NULL, NULL};
-    size_t lengths[3] = {0, 0, 0};
-    char *owned[3] = {NULL, NULL, NULL};
+    const char *parts[4] = {NULL, NULL, NULL, NULL};
+    size_t lengths[4] = {0, 0, 0, 0};
+    char *owned[4] = {NULL, NULL, NULL, NULL};
     moecl_status st = MOECL_SUCCESS;
     size_t total = 0;
     int n = 0;
-    for (; program_files[kind][n]; n++) {
-        const char *name = program_files[kind][n];
+    const moecl_embedded_source *layout = embedded("layout.h");
+    if (!layout)
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "this build embeds no layout.h");
+    parts[n] = layout->text;
+    lengths[n] = layout->size;
+    total += lengths[n++] + 1;
+    for (int f = 0; program_files[kind][f]; f++, n++) {
+        const char *name = program_files[kind][f];
         if (ctx->kernel_dir) {
             owned[n] = read_file(ctx->kernel_dir, name, &lengths[n]);
             parts[n] = owned[n];
@@ -87,7 +97,7 @@ moecl_status moecl_program_source(const moecl_context *ctx, moecl_program_kind k
             *size = at;
         }
     }
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < 4; i++)
         free(owned[i]);
     return st;
 }

@@ -1,0 +1,122 @@
+/* The memory layout of every kernel: the element count of each __local
+ * array and of each large private array, and each kernel's local bytes, as
+ * macros of its compile-time parameters. One description for both sides:
+ * the kernels declare their arrays with these counts (the host prepends
+ * this file to each program's text, src/kernel_source.c), and the host
+ * sizes launches with the byte totals (src/layout.c includes it). Written
+ * in the common subset of C11 and OpenCL C, so it holds only integer
+ * expressions of its arguments; the arguments may be preprocessor
+ * constants (in #if too) or host variables. Element sizes are OpenCL C's:
+ * uchar 1, ushort 2, uint and float 4, ulong 8 bytes.
+ *
+ * tests/test_layout.c holds these totals against CL_KERNEL_LOCAL_MEM_SIZE
+ * and CL_KERNEL_PRIVATE_MEM_SIZE for every variant of the portability
+ * suite. */
+#ifndef MOECL_LAYOUT_H
+#define MOECL_LAYOUT_H
+
+#define LAYOUT_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define LAYOUT_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* ---- team top-k (cl/common.cl team_topk), one row's scratch ---------- */
+
+/* Counting: a lane contributes at most its own TOPK best, so the candidate
+ * list (keys and values) holds TEAM * min(EPT, TOPK); the uints are the
+ * lanes' maxima, the floor and the candidate count. */
+#define LAYOUT_TOPK_PER_LANE(ept, k) LAYOUT_MIN(ept, k)
+#define LAYOUT_TOPK_CAP(team, ept, k) ((team) * LAYOUT_TOPK_PER_LANE(ept, k))
+#define LAYOUT_TOPK_U32(team) ((team) + 2)
+#define LAYOUT_TEAM_TOPK_COUNT_BYTES(team, ept, k)                                                 \
+    (4 * LAYOUT_TOPK_U32(team) + (8 + 4) * LAYOUT_TOPK_CAP(team, ept, k))
+/* Rounds (MOECL_TOPK_ROUNDS): TEAM key slots, none with warp shuffles. */
+#define LAYOUT_TEAM_TOPK_ROUNDS_BYTES(team, shuffle) ((shuffle) ? 0 : 8 * (team))
+#define LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting)                                    \
+    ((counting) ? LAYOUT_TEAM_TOPK_COUNT_BYTES(team, ept, k) : LAYOUT_TEAM_TOPK_ROUNDS_BYTES(team, shuffle))
+
+/* ---- topk_gating_team: ROWS rows of TEAM lanes, EPT experts a lane ---- */
+
+/* Lanes that score one group together: a power of two of at most 32, so
+ * that a group's parts are neighbouring lanes (1: one lane per group). */
+#define LAYOUT_GROUP_PARTS_RAW(team, groups) ((groups) > 0 ? (team) / (groups) : 0)
+#define LAYOUT_GROUP_PARTS(team, groups)                                                           \
+    (LAYOUT_GROUP_PARTS_RAW(team, groups) >= 32   ? 32                                             \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 16 ? 16                                             \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 8  ? 8                                              \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 4  ? 4                                              \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 2  ? 2                                              \
+                                                  : 1)
+
+/* One row's local memory: the softmax's float slots for the team max and
+ * sum (none with shuffles, none for sigmoid), the top-k scratch, the
+ * chosen weights and ids, and with groups the row's selection scores, the
+ * group keys and kept flags, and the parts' top two and counts. */
+#define LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle, counting)      \
+    (((shuffle) || !(softmax) ? 0 : 4 * (team)) + LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting) + \
+     (4 + 4) * (k) +                                                                               \
+     ((groups) > 0 ? 4 * (experts) + (8 + 1) * (groups) + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 12 * (team) : 0) \
+                   : 0))
+#define LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, rows, ept, k, experts, groups, softmax, shuffle, counting) \
+    ((rows) * LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle, counting))
+/* A lane's private row: EPT logits and EPT ranks. */
+#define LAYOUT_TOPK_TEAM_PRIVATE_BYTES(ept) ((4 + 4) * (ept))
+
+/* ---- topk_gating_rows: one work-item per row ------------------------- */
+
+/* The generic loop keeps the row as blocks of eight: scores (float8),
+ * ranks (uint8) and each block's largest rank, then TOPK keys and weights;
+ * with groups, each group's top-two accumulator (two floats and a count)
+ * and key. */
+#define LAYOUT_ROWS_BLOCK 8
+#define LAYOUT_ROWS_BLOCKS(experts) (((experts) + LAYOUT_ROWS_BLOCK - 1) / LAYOUT_ROWS_BLOCK)
+#define LAYOUT_TOPK_ROWS_PRIVATE_BYTES(experts, k, groups)                                         \
+    ((32 + 32 + 4) * LAYOUT_ROWS_BLOCKS(experts) + (8 + 4) * (k) + (12 + 8) * (groups))
+
+/* ---- grounded_router_team -------------------------------------------- */
+
+/* The ground table k-major, one column per lane's expert, +1 column
+ * against bank conflicts. */
+#define LAYOUT_GROUND_STRIDE(team, ept) ((ept) * (team) + 1)
+#define LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(hidden, team, ept, rows, k, shuffle, counting)            \
+    (4 * (hidden) * LAYOUT_GROUND_STRIDE(team, ept) + 4 * (rows) * (hidden) + (4 + 4) * (rows) * (k) + \
+     (rows) * LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting))
+/* A lane's EPT logits, four partial dot products, ranks and g. */
+#define LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(ept) ((4 + 16 + 4 + 4) * (ept))
+
+/* ---- grounded_router_tiled: TM tokens x TN experts, hidden by TK ------ */
+
+/* k-major input tiles (+1 column each); the tile of g shares their array,
+ * since the two are never live together. Then TOPK keys per token. */
+#define LAYOUT_TILE_INPUTS(tm, tn, tk) ((tk) * ((tm) + 1) + (tk) * ((tn) + 1))
+#define LAYOUT_TILE_G(tm, tn) ((tm) * ((tn) + 1))
+#define LAYOUT_TILE_FLOATS(tm, tn, tk) LAYOUT_MAX(LAYOUT_TILE_INPUTS(tm, tn, tk), LAYOUT_TILE_G(tm, tn))
+#define LAYOUT_TILE_KEYS(tm, k) ((tm) * (k))
+#define LAYOUT_GROUNDED_TILED_LOCAL_BYTES(tm, tn, tk, k)                                           \
+    (4 * LAYOUT_TILE_FLOATS(tm, tn, tk) + 8 * LAYOUT_TILE_KEYS(tm, k))
+
+/* ---- grounded_router_rows: TM tokens per work-item ------------------- */
+
+/* Experts go in blocks of EB (a multiple of the two experts a step takes)
+ * whose dot products wait in dots[TM][EB]; each token keeps TOPK keys. */
+#define LAYOUT_GROUNDED_RN 2
+#define LAYOUT_GROUNDED_EB(experts) ((experts) < 256 ? ((experts) + 1) / 2 * 2 : 256)
+#define LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k)                                         \
+    (4 * (tm) * LAYOUT_GROUNDED_EB(experts) + 8 * (tm) * (k))
+
+/* ---- moe_align ------------------------------------------------------- */
+
+/* Arrays sized at launch (__local kernel arguments): count, scan and
+ * scatter take one array of E + 1 words (a column per expert and one for
+ * invalid ids; scatter's running positions use E of them), the one-group
+ * kernel two such arrays and, on the warp path, a ushort per slot (rounded
+ * up to a word; a word when unused). */
+#define LAYOUT_ALIGN_COLS_BYTES(experts) (4 * ((experts) + 1))
+#define LAYOUT_ALIGN_SLOT_COLS_BYTES(slots, warp) ((warp) && (slots) > 0 ? ((slots) * 2 + 3) / 4 * 4 : 4)
+/* Arrays compiled in: the scan's partial sums and its total; the
+ * scatter's tile of WG columns (none with WG 1, the plain loop); the
+ * one-group kernel's partial sums and its tile (none on the warp path). */
+#define LAYOUT_ALIGN_COUNT_STATIC_BYTES 0
+#define LAYOUT_ALIGN_SCAN_STATIC_BYTES(scan_wg) (4 * (scan_wg) + 4)
+#define LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg) ((wg) > 1 ? 4 * (wg) : 0)
+#define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
+
+#endif

@@ -1,0 +1,71 @@
+/* The host's view of cl/layout.h: each function is one of its macros,
+ * evaluated in size_t. */
+#include "kernel_layout.h"
+
+#include "../cl/layout.h"
+
+static unsigned ept_of(unsigned experts, unsigned team) { return (experts + team - 1) / team; }
+
+size_t moecl_layout_team_topk_row(unsigned team, unsigned ept, unsigned k)
+{
+    return LAYOUT_TEAM_TOPK_COUNT_BYTES((size_t)team, (size_t)ept, (size_t)k);
+}
+
+size_t moecl_layout_topk_team_local(unsigned team, unsigned rows, unsigned experts, unsigned k, unsigned groups,
+                                    bool softmax, bool shuffle)
+{
+    const size_t ept = ept_of(experts, team);
+    return LAYOUT_TOPK_TEAM_LOCAL_BYTES((size_t)team, (size_t)rows, ept, (size_t)k, (size_t)experts,
+                                        (size_t)groups, softmax, shuffle, 1);
+}
+
+size_t moecl_layout_topk_team_private(unsigned team, unsigned experts)
+{
+    return LAYOUT_TOPK_TEAM_PRIVATE_BYTES((size_t)ept_of(experts, team));
+}
+
+size_t moecl_layout_topk_rows_private(unsigned experts, unsigned k, unsigned groups)
+{
+    return LAYOUT_TOPK_ROWS_PRIVATE_BYTES((size_t)experts, (size_t)k, (size_t)groups);
+}
+
+size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k,
+                                        bool shuffle)
+{
+    return LAYOUT_GROUNDED_TEAM_LOCAL_BYTES((size_t)hidden, (size_t)team, (size_t)ept, (size_t)rows, (size_t)k,
+                                            shuffle, 1);
+}
+
+size_t moecl_layout_grounded_team_private(unsigned ept) { return LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES((size_t)ept); }
+
+size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned k)
+{
+    return LAYOUT_GROUNDED_TILED_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)tk, (size_t)k);
+}
+
+size_t moecl_layout_grounded_rows_private(unsigned tm, unsigned experts, unsigned k)
+{
+    return LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES((size_t)tm, (size_t)experts, (size_t)k);
+}
+
+size_t moecl_layout_moe_align_cols(unsigned experts) { return LAYOUT_ALIGN_COLS_BYTES((size_t)experts); }
+
+size_t moecl_layout_moe_align_slot_cols(uint64_t slots, bool warp_match)
+{
+    return (size_t)LAYOUT_ALIGN_SLOT_COLS_BYTES(slots, warp_match);
+}
+
+size_t moecl_layout_moe_align_scan_static(unsigned scan_wg) { return LAYOUT_ALIGN_SCAN_STATIC_BYTES((size_t)scan_wg); }
+
+size_t moecl_layout_moe_align_scatter_static(unsigned wg) { return LAYOUT_ALIGN_SCATTER_STATIC_BYTES((size_t)wg); }
+
+size_t moecl_layout_moe_align_one_group_static(unsigned one_wg, bool warp_match)
+{
+    return LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES((size_t)one_wg, warp_match);
+}
+
+size_t moecl_layout_moe_align_one_group_local(unsigned experts, uint64_t slots, unsigned one_wg, bool warp_match)
+{
+    return 2 * moecl_layout_moe_align_cols(experts) + moecl_layout_moe_align_slot_cols(slots, warp_match) +
+           moecl_layout_moe_align_one_group_static(one_wg, warp_match);
+}
