@@ -361,4 +361,12 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
     }
 }
 
+/* team_topk's local scratch for the ROWS rows of a work-group, declared at
+ * the top of a kernel (OpenCL C allows __local variables only at kernel
+ * scope), and row r's share of it as team_topk's scratch arguments. */
+#define TEAM_TOPK_LOCALS                                                                           \
+    __local uint topk_u32[ROWS * TOPK_COUNT_U32];                                                  \
+    __local ulong topk_keys[ROWS * TOPK_CAP];                                                      \
+    __local float topk_values[ROWS * TOPK_CAP]
+#define TEAM_TOPK_SCRATCH(r) topk_u32 + (r)*TOPK_COUNT_U32, topk_keys + (r)*TOPK_CAP, topk_values + (r)*TOPK_CAP
 #endif

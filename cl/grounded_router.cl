@@ -215,10 +215,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     __local float hidden_local[ROWS * HIDDEN_DIM];
     __local float chosen_g[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
-    __local uint topk_u32[ROWS * TOPK_COUNT_U32];
-    __local ulong topk_keys[ROWS * TOPK_CAP];
-    __local float topk_values[ROWS * TOPK_CAP];
-#define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
+    TEAM_TOPK_LOCALS;
     const uint lid = get_local_id(0);
     const uint lane = lid % TEAM;
     const uint r = lid / TEAM;
@@ -279,7 +276,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
             rank[j] = select_rank(g[j]);
         }
     }
-    team_topk(rank, g, TOPK_SCRATCH, lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
+    team_topk(rank, g, TEAM_TOPK_SCRATCH(r), lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
     if (active && lane == 0) {
         uint id[TOPK];

@@ -28,7 +28,8 @@
  * Small routings (GPUs; the host decides by size) take one launch instead,
  * moe_align_one_group: one work-group does every step. It saves two
  * launches and the scratch buffer, which is most of the time at decode
- * sizes (each launch costs the host 10-20 us on NVIDIA's OpenCL).
+ * sizes where a launch costs the host more than the work (NVIDIA's OpenCL;
+ * bench/RESULTS.md, moe_align).
  *
  * Build-time defines: WG (work-items of the count and scatter work-groups;
  * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
@@ -169,8 +170,8 @@ static inline uint expert_at(__global const uint *start, uint num_experts, uint 
  * work-group: work-item lid's slot (e: its column; past the end, a column
  * no slot has) goes to run[e] plus the number of lower work-items in the
  * tile with the same column; then run advances past the tile's slots. tile
- * holds n columns. (Reading the tile four columns at a time made the
- * scatter 1-2 us slower on the H200.) */
+ * holds n columns, read one at a time (four at a time was slower on the
+ * H200: bench/RESULTS.md, moe_align). */
 static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __local uint *tile, __local uint *run,
                               uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
                               ulong slot_off, uint has_slots)

@@ -188,12 +188,9 @@ static inline uint8 select_rank8(float8 s)
  * -inf, have every score NaN (the sum is NaN): those rows are all ties and
  * give ids 0..k-1. Blocks of 16 floats (one AVX-512 register); every loop
  * below is over the row's blocks. CPU_DEVICE (set by the host for CPU
- * devices): the path is checked on pocl and Intel's CPU runtime; on the
- * H200 (forced through MOECL_LAUNCH_CLASS=cpu) it chose wrong ids for f32,
- * f16 and bf16 rows of 60 and 64 experts, with scalar loads, a scalar floor
- * and a guarded k = 1 branch alike, and the cause is not found (oclgrind
- * miscounts the same vector compares: tests/oclgrind/tool_bugs). Other
- * devices take the generic loop below. */
+ * devices): the path is only taken where it is known right, pocl and
+ * Intel's CPU runtime; the H200 gives wrong ids with it (bench/RESULTS.md,
+ * "Correctness fixes"), so other devices take the generic loop below. */
 #ifndef CPU_DEVICE
 #define CPU_DEVICE 0
 #endif
@@ -433,32 +430,28 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 }
 #endif
 
-__kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
-                               ulong bias_off, __global float *topk_weights, ulong weights_off,
-                               __global int *topk_ids, ulong ids_off, uint num_tokens,
-                               float scaling_factor COUNTS_PARAMS)
-{
-    const uint row = (uint)get_global_id(0);
-    if (row >= num_tokens)
-        return;
-    __global const in_t *x = gating + gating_off + (size_t)row * NUM_EXPERTS;
-#if ROWS_FAST
-    (void)bias;
-    (void)bias_off;
-    /* It counts the ids from its registers: topk_ids may be write-only to
-     * kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
-    topk_rows_softmax(x, topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
-                      scaling_factor COUNTS_ARGS);
-#else
-#if HAS_BIAS
-    bias += bias_off;
-#endif
-    const uint8 lane = (uint8)(0, 1, 2, 3, 4, 5, 6, 7);
+#if !ROWS_FAST
+/* ---- The generic loop: every scoring, bias and grouping. ------------- */
 
-    /* Step 1: scores. Softmax: the row's max (padding lanes -inf), then
-     * exp(x - max) once per element, kept, and their sum (padding adds
-     * nothing); the sum's order is fixed, so the bits are too. */
-    float8 score[BLOCKS];
+/* The lanes of block b past the row's end. */
+static inline int8 past_end(uint b)
+{
+    return as_int8((uint8)(0, 1, 2, 3, 4, 5, 6, 7) + b * BLOCK >= (uint8)(NUM_EXPERTS));
+}
+
+/* The largest of a block's eight ranks. */
+static inline uint block_max_of(uint8 rank)
+{
+    const uint4 m4 = max(rank.lo, rank.hi);
+    const uint2 m2 = max(m4.lo, m4.hi);
+    return max(m2.x, m2.y);
+}
+
+/* Step 1: the row's scores. Softmax: the row's max (padding lanes -inf),
+ * then exp(x - max) once per element, kept, and their sum (padding adds
+ * nothing); the sum's order is fixed, so the bits are too. */
+static inline void rows_scores(__global const in_t *x, float8 *score)
+{
 #if SCORING == 0
     float8 max8 = (float8)(-INFINITY);
     for (uint b = 0; b < BLOCKS; b++)
@@ -468,7 +461,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     float8 sum8 = (float8)(0.0f);
     for (uint b = 0; b < BLOCKS; b++) {
         score[b] = exp(load_block(x, b * BLOCK, 0.0f) - row_max);
-        sum8 += select(score[b], (float8)(0.0f), as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
+        sum8 += select(score[b], (float8)(0.0f), past_end(b));
     }
     const float row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
     for (uint b = 0; b < BLOCKS; b++)
@@ -477,24 +470,25 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
     for (uint b = 0; b < BLOCKS; b++)
         score[b] = 1.0f / (1.0f + exp(-load_block(x, b * BLOCK, 0.0f)));
 #endif
+}
 
-    /* Step 2: selection ranks (padding: RANK_NONE), and each block's
-     * largest. */
-    uint8 rank[BLOCKS];
-    uint block_max[BLOCKS];
+/* Step 2: selection ranks (padding: RANK_NONE), and each block's largest. */
+static inline void rows_selection_ranks(const float8 *score, __global const float *bias, uint8 *rank,
+                                        uint *block_max)
+{
     for (uint b = 0; b < BLOCKS; b++) {
-        rank[b] = select(select_rank8(score[b] + load_bias_block(bias, b * BLOCK)), (uint8)(RANK_NONE),
-                         as_int8(lane + b * BLOCK >= (uint8)(NUM_EXPERTS)));
-        const uint4 m4 = max(rank[b].lo, rank[b].hi);
-        const uint2 m2 = max(m4.lo, m4.hi);
-        block_max[b] = max(m2.x, m2.y);
+        rank[b] = select(select_rank8(score[b] + load_bias_block(bias, b * BLOCK)), (uint8)(RANK_NONE), past_end(b));
+        block_max[b] = block_max_of(rank[b]);
     }
+}
 
-    uint floor_rank = RANK_NONE;
 #if NUM_GROUPS > 0
-    /* Step 3: keep the TOPK_GROUP groups of largest group score: find the
-     * TOPK_GROUP-th largest group key; keys are unique, so a group is kept
-     * exactly when its key is at least that. */
+/* Step 3: keep the TOPK_GROUP groups of largest group score. Each group's
+ * key goes to group_key[g]; the result is the TOPK_GROUP-th largest key:
+ * keys are unique, so a group is kept exactly when its key is at least
+ * that. */
+static inline ulong rows_group_limit(const float8 *score, __global const float *bias, ulong *group_key)
+{
     group_acc accs[NUM_GROUPS];
     for (uint g = 0; g < NUM_GROUPS; g++)
         group_acc_init(&accs[g]);
@@ -504,7 +498,6 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
         for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++)
             group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], sel[l]);
     }
-    ulong group_key[NUM_GROUPS];
     for (uint g = 0; g < NUM_GROUPS; g++)
         group_key[g] = rank_key(group_acc_score(&accs[g]), g);
     ulong threshold = ~0ul;
@@ -515,29 +508,16 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
                 next = group_key[g];
         threshold = next;
     }
-#else
-    /* A floor for the k-th largest rank: the k-th largest block maximum
-     * (k different blocks hold a rank at least that large). Ranks below it
-     * can never be chosen, so most blocks are skipped whole. */
-    if (BLOCKS >= TOPK) {
-        uint best[TOPK];
-        for (uint j = 0; j < TOPK; j++)
-            best[j] = RANK_NONE;
-        for (uint b = 0; b < BLOCKS; b++) {
-            uint v = block_max[b];
-            for (uint j = 0; j < TOPK; j++) {
-                const uint hi = max(best[j], v);
-                v = min(best[j], v);
-                best[j] = hi;
-            }
-        }
-        floor_rank = best[TOPK - 1];
-    }
-#endif
-#if NUM_GROUPS > 0 && GROUP_FILL == 1
-    /* Step 3, zero fill: dropped experts take the rank of 0.0, and without
-     * a bias the score 0.0 (the fill replaces the score, which is then the
-     * selection score); each block's largest rank is taken again. */
+    return threshold;
+}
+
+#if GROUP_FILL == 1
+/* Step 3, zero fill: dropped experts take the rank of 0.0, and without a
+ * bias the score 0.0 (the fill replaces the score, which is then the
+ * selection score); each block's largest rank is taken again. */
+static inline void rows_zero_fill(const ulong *group_key, ulong threshold, float8 *score, uint8 *rank,
+                                  uint *block_max)
+{
     for (uint b = 0; b < BLOCKS; b++) {
         uint r[BLOCK];
         float w[BLOCK];
@@ -551,18 +531,42 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
         }
         rank[b] = vload8(0, r);
         score[b] = vload8(0, w);
-        const uint4 m4 = max(rank[b].lo, rank[b].hi);
-        const uint2 m2 = max(m4.lo, m4.hi);
-        block_max[b] = max(m2.x, m2.y);
+        block_max[b] = block_max_of(rank[b]);
     }
+}
+#endif
+#else
+/* A floor for the k-th largest rank: the k-th largest block maximum (k
+ * different blocks hold a rank at least that large). Ranks below it can
+ * never be chosen, so most blocks are skipped whole. */
+static inline uint rows_floor(const uint *block_max)
+{
+    if (BLOCKS < TOPK)
+        return RANK_NONE;
+    uint best[TOPK];
+    for (uint j = 0; j < TOPK; j++)
+        best[j] = RANK_NONE;
+    for (uint b = 0; b < BLOCKS; b++) {
+        uint v = block_max[b];
+        for (uint j = 0; j < TOPK; j++) {
+            const uint hi = max(best[j], v);
+            v = min(best[j], v);
+            best[j] = hi;
+        }
+    }
+    return best[TOPK - 1];
+}
 #endif
 
-    /* Step 4: top-k by insertion into a descending list of keys (rank above
-     * the complemented index). A block is looked at lane by lane only when
-     * one of its ranks could still enter: experts come in index order, so
-     * an equal rank never beats the list's last entry. */
-    ulong keys[TOPK];
-    float weights[TOPK];
+/* Step 4: top-k by insertion into a descending list of keys (rank above
+ * the complemented index), with each chosen expert's score as its weight.
+ * A block is looked at lane by lane only when one of its ranks could
+ * still enter: experts come in index order, so an equal rank never beats
+ * the list's last entry. dropped(e): expert e's group is dropped (the
+ * plain fill: never selected). */
+static inline void rows_topk(const float8 *score, const uint8 *rank, const uint *block_max, uint floor_rank,
+                             const ulong *group_key, ulong threshold, ulong *keys, float *weights)
+{
     for (uint j = 0; j < TOPK; j++) {
         keys[j] = KEY_NONE;
         weights[j] = 0.0f;
@@ -582,21 +586,78 @@ __kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __
 #if NUM_GROUPS > 0 && GROUP_FILL == 0
             if (group_key[e / GROUP_SIZE] < threshold)
                 continue;
+#else
+            (void)group_key;
+            (void)threshold;
 #endif
             const ulong key = ((ulong)r[l] << 32) | (ulong)(~e);
             TOPK_INSERT(keys, weights, TOPK, key, w[l]);
         }
     }
+}
 
+/* Step 5: renormalise, scale and write the row. */
+static inline void rows_write(const ulong *keys, const float *weights, __global float *w_out, __global int *id_out,
+                              float scaling_factor COUNTS_PARAMS)
+{
     float divisor;
     WEIGHTS_DIVISOR(divisor, weights, TOPK);
-    __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
-    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
     for (uint j = 0; j < TOPK; j++) {
         w_out[j] = weights[j] / divisor * scaling_factor;
         id_out[j] = (int)key_index(keys[j]);
         COUNT_ID(key_index(keys[j]));
     }
+}
+
+static inline void topk_rows_generic(__global const in_t *x, __global const float *bias, __global float *w_out,
+                                     __global int *id_out, float scaling_factor COUNTS_PARAMS)
+{
+    float8 score[BLOCKS];
+    rows_scores(x, score);
+    uint8 rank[BLOCKS];
+    uint block_max[BLOCKS];
+    rows_selection_ranks(score, bias, rank, block_max);
+#if NUM_GROUPS > 0
+    ulong group_key[NUM_GROUPS];
+    const ulong threshold = rows_group_limit(score, bias, group_key);
+    const uint floor_rank = RANK_NONE;
+#if GROUP_FILL == 1
+    rows_zero_fill(group_key, threshold, score, rank, block_max);
+#endif
+#else
+    const ulong *group_key = 0;
+    const ulong threshold = 0;
+    const uint floor_rank = rows_floor(block_max);
+#endif
+    ulong keys[TOPK];
+    float weights[TOPK];
+    rows_topk(score, rank, block_max, floor_rank, group_key, threshold, keys, weights);
+    rows_write(keys, weights, w_out, id_out, scaling_factor COUNTS_ARGS);
+}
+#endif
+
+__kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
+                               ulong bias_off, __global float *topk_weights, ulong weights_off,
+                               __global int *topk_ids, ulong ids_off, uint num_tokens,
+                               float scaling_factor COUNTS_PARAMS)
+{
+    const uint row = (uint)get_global_id(0);
+    if (row >= num_tokens)
+        return;
+    __global const in_t *x = gating + gating_off + (size_t)row * NUM_EXPERTS;
+    __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
+    /* The fast path counts the ids from its registers: topk_ids may be
+     * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
+    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
+#if ROWS_FAST
+    (void)bias;
+    (void)bias_off;
+    topk_rows_softmax(x, w_out, id_out, scaling_factor COUNTS_ARGS);
+#else
+#if HAS_BIAS
+    bias += bias_off;
+#endif
+    topk_rows_generic(x, bias, w_out, id_out, scaling_factor COUNTS_ARGS);
 #endif
 }
 
@@ -620,37 +681,232 @@ static inline float team_softmax_score(float x, float row_max, float sum_term)
 #endif
 }
 
-/* EPT, the elements per work-item (NUM_EXPERTS / TEAM rounded up), comes
- * from the host, so that common.cl's team_topk sees it. */
+/* The score of a logit (step 1); for softmax from the row's terms. */
+static inline float team_score(float x, float row_max, float sum_term)
+{
+#if SCORING == 0
+    return team_softmax_score(x, row_max, sum_term);
+#else
+    (void)row_max;
+    (void)sum_term;
+    return 1.0f / (1.0f + EXP(-x));
+#endif
+}
+
+/* The row in registers: element e = i * TEAM + lane, so each load
+ * instruction of the team reads consecutive addresses. EPT, the elements
+ * per work-item (NUM_EXPERTS / TEAM rounded up), comes from the host, so
+ * that common.cl's team_topk sees it. */
+static inline void team_load_row(__global const in_t *x, bool active, uint lane, float *value)
+{
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
+    }
+}
+
+/* Step 1: what the scores need from the whole row, softmax's max and sum
+ * (sum_term is 1 / sum under NATIVE_MATH); sigmoid needs nothing. The
+ * scores themselves are computed where they are used, from the logits in
+ * value[], which survive every barrier: Intel's CPU runtime (2026.2) loses
+ * a work-item's exp() result held in private memory across a barrier and
+ * hands every work-item the last one's (tests/test_drivers.c,
+ * exp_across_barrier), so no score is kept across one. Every work-item
+ * of the work-group calls (the reductions use barriers). */
+static inline void team_score_terms(const float *value, uint lane, __local float *slots, float *row_max,
+                                    float *sum_term)
+{
+#if SCORING == 0
+    float local_max = -INFINITY;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_max = fmax(local_max, value[i]);
+    const float m = team_max_float(local_max, slots, lane);
+    float local_sum = 0.0f;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_sum += EXP(value[i] - m);
+    const float row_sum = team_sum_float(local_sum, slots, lane);
+    *row_max = m;
+    *sum_term = NATIVE_MATH ? 1.0f / row_sum : row_sum;
+#else
+    (void)value;
+    (void)lane;
+    (void)slots;
+    *row_max = 0.0f;
+    *sum_term = 1.0f;
+#endif
+}
+
+/* Step 2: selection ranks; padding and inactive rows get RANK_NONE. With
+ * groups the selection scores also go to the row's local copy for step 3;
+ * inactive rows store NaN (no score) there, so that step 3, which every
+ * row runs for its barriers, reads no unwritten local memory. */
+static inline void team_selection_ranks(const float *value, bool active, uint lane, __global const float *bias,
+                                        float row_max, float sum_term, uint *rank, __local float *selection)
+{
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        rank[i] = RANK_NONE;
+        float s = NAN;
+        if (active && e < NUM_EXPERTS) {
+            s = selection_score(team_score(value[i], row_max, sum_term), bias, e);
+            rank[i] = select_rank(s);
+        }
+#if NUM_GROUPS > 0
+        if (e < NUM_EXPERTS)
+            selection[e] = s;
+#else
+        (void)selection;
+#endif
+    }
+}
+
+#if NUM_GROUPS > 0
+/* Step 3, the group scores into keys[g] from the row's selection scores.
+ * With GROUP_PARTS > 1, GROUP_PARTS lanes per group each take every
+ * GROUP_PARTS-th element (neighbouring lanes read neighbouring words) and
+ * the group's first lane merges the parts (first/second/count: TEAM
+ * slots); the top two of a group do not depend on the order they are met
+ * in, so this scores as the plain loop does. */
+static inline void team_group_scores(uint lane, __local const float *selection, __local ulong *keys,
+                                     __local float *first, __local float *second, __local uint *count)
+{
+#if GROUP_PARTS > 1
+    const uint g = lane / GROUP_PARTS, part = lane % GROUP_PARTS;
+    group_acc acc;
+    group_acc_init(&acc);
+    if (g < NUM_GROUPS)
+        for (uint e = g * GROUP_SIZE + part; e < (g + 1) * GROUP_SIZE; e += GROUP_PARTS)
+            group_acc_add(&acc, selection[e]);
+    first[lane] = acc.first;
+    second[lane] = acc.second;
+    count[lane] = min(acc.count, 2u);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (part == 0 && g < NUM_GROUPS) {
+        for (uint q = 1; q < GROUP_PARTS; q++) {
+            const uint n = count[lane + q];
+            if (n >= 1)
+                group_acc_add(&acc, first[lane + q]);
+            if (n >= 2)
+                group_acc_add(&acc, second[lane + q]);
+        }
+        keys[g] = rank_key(group_acc_score(&acc), g);
+    }
+#else
+    (void)first;
+    (void)second;
+    (void)count;
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        group_acc acc;
+        group_acc_init(&acc);
+        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
+            group_acc_add(&acc, selection[e]);
+        keys[g] = rank_key(group_acc_score(&acc), g);
+    }
+#endif
+}
+
+/* Step 3: keep the TOPK_GROUP groups of largest score (kept[g]) and give
+ * the experts of the others DROPPED_RANK. Every work-item of the
+ * work-group calls (barriers). */
+static inline void team_group_limit(uint *rank, uint lane, __local const float *selection, __local ulong *keys,
+                                    __local uchar *kept, __local float *first, __local float *second,
+                                    __local uint *count)
+{
+    barrier(CLK_LOCAL_MEM_FENCE);
+    team_group_scores(lane, selection, keys, first, second, count);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        const ulong mine = keys[g];
+        uint above = 0;
+        for (uint h = 0; h < NUM_GROUPS; h++)
+            above += keys[h] > mine;
+        kept[g] = above < TOPK_GROUP;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        if (e < NUM_EXPERTS && !kept[e / GROUP_SIZE])
+            rank[i] = DROPPED_RANK(rank[i]);
+    }
+}
+#endif
+
+/* Step 5: the chosen logits' scores, which are the weights (scored again
+ * here rather than kept across the barriers, see step 1). A slot no
+ * candidate filled (fewer valid experts than TOPK cannot happen; kept 0
+ * all the same) stays 0. */
+static inline void team_chosen_weights(uint lane, float row_max, float sum_term, __local const uint *ids,
+                                       __local float *weights, __local const uchar *kept)
+{
+    for (uint j = lane; j < TOPK; j += TEAM) {
+        const uint id = ids[j];
+        if (id != 0xffffffffu)
+            weights[j] = team_score(weights[j], row_max, sum_term);
+#if NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS
+        /* Zero fill without a bias: the fill replaced a dropped expert's
+         * score, which is its weight. */
+        if (id != 0xffffffffu && !kept[id / GROUP_SIZE])
+            weights[j] = 0.0f;
+#else
+        (void)kept;
+#endif
+    }
+}
+
+/* Step 5, the rest: renormalise, scale and write the row. */
+static inline void team_write_row(uint lane, __local const uint *ids, __local const float *weights,
+                                  __global float *w_out, __global int *id_out, float scaling_factor COUNTS_PARAMS)
+{
+    float divisor;
+    WEIGHTS_DIVISOR(divisor, weights, TOPK);
+    for (uint j = lane; j < TOPK; j += TEAM) {
+        w_out[j] = weights[j] / divisor * scaling_factor;
+        id_out[j] = (int)ids[j];
+        COUNT_ID(ids[j]);
+    }
+}
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, ulong gating_off, __global const float *bias, ulong bias_off,
                  __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
                  uint num_tokens, float scaling_factor COUNTS_PARAMS)
 {
-    /* The slots of the softmax's max and sum (none with shuffles, and
-     * none for sigmoid, which reduces nothing across the team). */
+    /* Local memory (cl/layout.h, LAYOUT_TOPK_TEAM_ROW_BYTES), ROWS rows;
+     * each macro below is row r's share. The softmax's slots for the max
+     * and sum: none with shuffles, none for sigmoid (nothing to reduce). */
 #if TEAM_SHUFFLE || SCORING != 0
 #define FLOAT_SLOTS ((__local float *)0)
 #else
     __local float float_slots[ROWS * TEAM];
 #define FLOAT_SLOTS (float_slots + r * TEAM)
 #endif
-    __local uint topk_u32[ROWS * TOPK_COUNT_U32];
-    __local ulong topk_keys[ROWS * TOPK_CAP];
-    __local float topk_values[ROWS * TOPK_CAP];
-#define TOPK_SCRATCH topk_u32 + r * TOPK_COUNT_U32, topk_keys + r * TOPK_CAP, topk_values + r * TOPK_CAP
+    TEAM_TOPK_LOCALS;
     __local float chosen_weights[ROWS * TOPK];
     __local uint chosen_ids[ROWS * TOPK];
 #if NUM_GROUPS > 0
     __local float row_selection[ROWS * NUM_EXPERTS];
     __local ulong group_keys[ROWS * NUM_GROUPS];
     __local uchar group_kept[ROWS * NUM_GROUPS];
+#define SELECTION (row_selection + r * NUM_EXPERTS)
+#define KEPT (group_kept + r * NUM_GROUPS)
 #if GROUP_PARTS > 1
     __local float part_first[ROWS * TEAM];
     __local float part_second[ROWS * TEAM];
     __local uint part_count[ROWS * TEAM];
+#define PARTS part_first + r * TEAM, part_second + r * TEAM, part_count + r * TEAM
+#else
+#define PARTS (__local float *)0, (__local float *)0, (__local uint *)0
 #endif
+#else
+#define SELECTION ((__local float *)0)
+#define KEPT ((__local uchar *)0)
 #endif
     const uint lane = get_local_id(0) % TEAM;
     const uint r = get_local_id(0) / TEAM;
@@ -661,151 +917,23 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     bias += bias_off;
 #endif
 
-    /* The row in registers: element e = i * TEAM + lane, so each load
-     * instruction of the team reads consecutive addresses. */
     float value[EPT];
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        uint e = i * TEAM + lane;
-        value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
-    }
-
-    /* Step 1: scores. value[] keeps the logits through every barrier below
-     * and the chosen ones are scored again after the selection (same
-     * expression, same bits): Intel's CPU runtime (2026.2) loses a
-     * work-item's exp() result held in private memory across a barrier and
-     * hands every work-item the last one's (tests/test_drivers.c,
-     * exp_across_barrier). Softmax needs the row's max and sum first. */
-#if SCORING == 0
-    float local_max = -INFINITY;
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        if (i * TEAM + lane < NUM_EXPERTS)
-            local_max = fmax(local_max, value[i]);
-    const float row_max = team_max_float(local_max, FLOAT_SLOTS, lane);
-    float local_sum = 0.0f;
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        if (i * TEAM + lane < NUM_EXPERTS)
-            local_sum += EXP(value[i] - row_max);
-    const float row_sum = team_sum_float(local_sum, FLOAT_SLOTS, lane);
-#if NATIVE_MATH
-    const float sum_term = 1.0f / row_sum;
-#else
-    const float sum_term = row_sum;
-#endif
-#define TEAM_SCORE(xv) team_softmax_score((xv), row_max, sum_term)
-#else
-#define TEAM_SCORE(xv) (1.0f / (1.0f + EXP(-(xv))))
-#endif
-
-    /* Step 2: selection ranks; padding and inactive rows get RANK_NONE.
-     * Inactive rows store NaN selection scores (no score), so that step 3,
-     * which every row runs for its barriers, reads no unwritten local
-     * memory. */
+    team_load_row(x, active, lane, value);
+    float row_max, sum_term;
+    team_score_terms(value, lane, FLOAT_SLOTS, &row_max, &sum_term);
     uint rank[EPT];
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        uint e = i * TEAM + lane;
-        rank[i] = RANK_NONE;
-        float s = NAN;
-        if (active && e < NUM_EXPERTS) {
-            s = selection_score(TEAM_SCORE(value[i]), bias, e);
-            rank[i] = select_rank(s);
-        }
+    team_selection_ranks(value, active, lane, bias, row_max, sum_term, rank, SELECTION);
 #if NUM_GROUPS > 0
-        if (e < NUM_EXPERTS)
-            row_selection[r * NUM_EXPERTS + e] = s;
+    team_group_limit(rank, lane, SELECTION, group_keys + r * NUM_GROUPS, KEPT, PARTS);
 #endif
-    }
-
-#if NUM_GROUPS > 0
-    /* Step 3: group scores from the row's selection scores in local memory,
-     * then each group's rank among the row's groups. */
-    barrier(CLK_LOCAL_MEM_FENCE);
-#if GROUP_PARTS > 1
-    /* GROUP_PARTS lanes per group each take every GROUP_PARTS-th element
-     * (neighbouring lanes read neighbouring words); the group's first lane
-     * then merges the parts. The top two of a group do not depend on the
-     * order they are met in, so this scores as the plain loop does. */
-    {
-        const uint g = lane / GROUP_PARTS, part = lane % GROUP_PARTS;
-        group_acc acc;
-        group_acc_init(&acc);
-        if (g < NUM_GROUPS)
-            for (uint e = g * GROUP_SIZE + part; e < (g + 1) * GROUP_SIZE; e += GROUP_PARTS)
-                group_acc_add(&acc, row_selection[r * NUM_EXPERTS + e]);
-        part_first[r * TEAM + lane] = acc.first;
-        part_second[r * TEAM + lane] = acc.second;
-        part_count[r * TEAM + lane] = min(acc.count, 2u);
-        barrier(CLK_LOCAL_MEM_FENCE);
-        if (part == 0 && g < NUM_GROUPS) {
-            for (uint q = 1; q < GROUP_PARTS; q++) {
-                const uint n = part_count[r * TEAM + lane + q];
-                if (n >= 1)
-                    group_acc_add(&acc, part_first[r * TEAM + lane + q]);
-                if (n >= 2)
-                    group_acc_add(&acc, part_second[r * TEAM + lane + q]);
-            }
-            group_keys[r * NUM_GROUPS + g] = rank_key(group_acc_score(&acc), g);
-        }
-    }
-#else
-    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
-        group_acc acc;
-        group_acc_init(&acc);
-        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
-            group_acc_add(&acc, row_selection[r * NUM_EXPERTS + e]);
-        group_keys[r * NUM_GROUPS + g] = rank_key(group_acc_score(&acc), g);
-    }
-#endif
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
-        ulong mine = group_keys[r * NUM_GROUPS + g];
-        uint above = 0;
-        for (uint h = 0; h < NUM_GROUPS; h++)
-            above += group_keys[r * NUM_GROUPS + h] > mine;
-        group_kept[r * NUM_GROUPS + g] = above < TOPK_GROUP;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        uint e = i * TEAM + lane;
-        if (e < NUM_EXPERTS && !group_kept[r * NUM_GROUPS + e / GROUP_SIZE])
-            rank[i] = DROPPED_RANK(rank[i]);
-    }
-#endif
-
     /* Step 4: the top-k of the ranks; chosen_weights gets the chosen logits. */
-    team_topk(rank, value, TOPK_SCRATCH, lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
+    team_topk(rank, value, TEAM_TOPK_SCRATCH(r), lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
     barrier(CLK_LOCAL_MEM_FENCE);
-
-    /* Step 5: the chosen logits' scores (in local memory before the
-     * barrier, see step 1), the weights, and the ids from the chosen keys.
-     * A slot no candidate filled (fewer valid experts than TOPK cannot
-     * happen; kept 0 all the same) stays 0. */
-    for (uint j = lane; j < TOPK; j += TEAM) {
-        const uint id = chosen_ids[r * TOPK + j];
-        if (id != 0xffffffffu)
-            chosen_weights[r * TOPK + j] = TEAM_SCORE(chosen_weights[r * TOPK + j]);
-#if NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS
-        /* Zero fill without a bias: the fill replaced a dropped expert's
-         * score, which is its weight. */
-        if (id != 0xffffffffu && !group_kept[r * NUM_GROUPS + id / GROUP_SIZE])
-            chosen_weights[r * TOPK + j] = 0.0f;
-#endif
-    }
+    team_chosen_weights(lane, row_max, sum_term, chosen_ids + r * TOPK, chosen_weights + r * TOPK, KEPT);
     barrier(CLK_LOCAL_MEM_FENCE);
-    if (active) {
-        float divisor;
-        WEIGHTS_DIVISOR(divisor, chosen_weights + r * TOPK, TOPK);
-        __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
-        __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
-        for (uint j = lane; j < TOPK; j += TEAM) {
-            w_out[j] = chosen_weights[r * TOPK + j] / divisor * scaling_factor;
-            id_out[j] = (int)chosen_ids[r * TOPK + j];
-            COUNT_ID(chosen_ids[r * TOPK + j]);
-        }
-    }
+    if (active)
+        team_write_row(lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK,
+                       topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
+                       scaling_factor COUNTS_ARGS);
 }
 #endif
