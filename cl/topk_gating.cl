@@ -105,6 +105,11 @@ static inline float group_acc_score(const group_acc *a)
  * ranks above every negative score and NaN and ties the kept 0s. Inactive
  * and padding entries (RANK_NONE) stay out. */
 #define DROPPED_RANK(rank) (GROUP_FILL == 1 && (rank) != RANK_NONE ? select_rank(0.0f) : RANK_NONE)
+/* The plain fill skips a dropped group's experts; the zero fill without a
+ * bias zeroes their weights (the fill replaced the score). One name each,
+ * so that constant conditions read as one operand. */
+#define SKIPS_DROPPED (NUM_GROUPS > 0 && GROUP_FILL == 0)
+#define ZERO_FILLED_WEIGHTS (NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS)
 
 /* Step 5: the divisor of the weights. The sum is taken in index order so
  * every device and launch shape gives the same bits. A macro because the
@@ -583,13 +588,8 @@ static inline void rows_topk(const float8 *score, const uint8 *rank, const uint 
             const uint e = b * BLOCK + l;
             if (r[l] == RANK_NONE || r[l] < floor_rank)
                 continue;
-#if NUM_GROUPS > 0 && GROUP_FILL == 0
-            if (group_key[e / GROUP_SIZE] < threshold)
+            if (SKIPS_DROPPED && group_key[e / GROUP_SIZE] < threshold)
                 continue;
-#else
-            (void)group_key;
-            (void)threshold;
-#endif
             const ulong key = ((ulong)r[l] << 32) | (ulong)(~e);
             TOPK_INSERT(keys, weights, TOPK, key, w[l]);
         }
@@ -684,13 +684,7 @@ static inline float team_softmax_score(float x, float row_max, float sum_term)
 /* The score of a logit (step 1); for softmax from the row's terms. */
 static inline float team_score(float x, float row_max, float sum_term)
 {
-#if SCORING == 0
-    return team_softmax_score(x, row_max, sum_term);
-#else
-    (void)row_max;
-    (void)sum_term;
-    return 1.0f / (1.0f + EXP(-x));
-#endif
+    return SCORING == 0 ? team_softmax_score(x, row_max, sum_term) : 1.0f / (1.0f + EXP(-x));
 }
 
 /* The row in registers: element e = i * TEAM + lane, so each load
@@ -717,7 +711,11 @@ static inline void team_load_row(__global const in_t *x, bool active, uint lane,
 static inline void team_score_terms(const float *value, uint lane, __local float *slots, float *row_max,
                                     float *sum_term)
 {
-#if SCORING == 0
+    if (SCORING != 0) {
+        *row_max = 0.0f;
+        *sum_term = 1.0f;
+        return;
+    }
     float local_max = -INFINITY;
     UNROLL
     for (uint i = 0; i < EPT; i++)
@@ -732,13 +730,6 @@ static inline void team_score_terms(const float *value, uint lane, __local float
     const float row_sum = team_sum_float(local_sum, slots, lane);
     *row_max = m;
     *sum_term = NATIVE_MATH ? 1.0f / row_sum : row_sum;
-#else
-    (void)value;
-    (void)lane;
-    (void)slots;
-    *row_max = 0.0f;
-    *sum_term = 1.0f;
-#endif
 }
 
 /* Step 2: selection ranks; padding and inactive rows get RANK_NONE. With
@@ -757,12 +748,8 @@ static inline void team_selection_ranks(const float *value, bool active, uint la
             s = selection_score(team_score(value[i], row_max, sum_term), bias, e);
             rank[i] = select_rank(s);
         }
-#if NUM_GROUPS > 0
-        if (e < NUM_EXPERTS)
+        if (NUM_GROUPS > 0 && e < NUM_EXPERTS)
             selection[e] = s;
-#else
-        (void)selection;
-#endif
     }
 }
 
@@ -849,14 +836,10 @@ static inline void team_chosen_weights(uint lane, float row_max, float sum_term,
         const uint id = ids[j];
         if (id != 0xffffffffu)
             weights[j] = team_score(weights[j], row_max, sum_term);
-#if NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS
         /* Zero fill without a bias: the fill replaced a dropped expert's
          * score, which is its weight. */
-        if (id != 0xffffffffu && !kept[id / GROUP_SIZE])
+        if (ZERO_FILLED_WEIGHTS && id != 0xffffffffu && !kept[id / GROUP_SIZE])
             weights[j] = 0.0f;
-#else
-        (void)kept;
-#endif
     }
 }
 

@@ -5,8 +5,8 @@
  * (its path in MOECL_TEST_VARIANTS) writes the manifest of every variant
  * the library builds on the Intel and AMD GPUs it describes, and each is
  * built here on the present device with the same -D defines. Variants that
- * differ only in defines the layout does not read (dtype, scoring, bias,
- * outputs, conventions) are built once: the layout is a function of the
+ * differ only in defines the layout does not read (dtype, bias, outputs,
+ * conventions, counts) are built once: the layout is a function of the
  * rest, so those compiles would test the same description again.
  *
  * Local memory: CL_KERNEL_LOCAL_MEM_SIZE of a kernel whose __local
@@ -30,9 +30,9 @@
  * registers, LARGE_PRIVATE bytes and more): reported >= described, so a
  * description that leaves out or undersizes one fails, and that is the
  * side the host relies on (it refuses work-groups whose private arrays
- * overflow pocl's stacks, src/launch.c). No upper bound: where Intel
- * vectorises a kernel across 16 work-items it reports all 16 (about 17
- * times the description for 8 of the rows kernels). */
+ * overflow pocl's stacks, src/launch.c). No upper bound: for 8 of the
+ * rows kernels Intel reports 17-18 times the description, which reads as
+ * the arrays of the 16 work-items it vectorises together. */
 #include "harness.h"
 #include "internal.h"
 
