@@ -265,7 +265,7 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
  *    result is deterministic.
  * On random rows only a handful of elements pass the floor, so step 3 is
  * short; with many ties at the floor it is quadratic but still correct.
- * Scratch per row: cl/layout.h (LAYOUT_TEAM_TOPK_COUNT_BYTES). */
+ * Scratch per row: cl/layout.h (LAYOUT_TEAM_TOPK_BYTES). */
 #define TOPK_PER_LANE LAYOUT_TOPK_PER_LANE(EPT, TOPK)
 #define TOPK_CAP LAYOUT_TOPK_CAP(TEAM, EPT, TOPK)
 #define TOPK_COUNT_U32 LAYOUT_TOPK_U32(TEAM)

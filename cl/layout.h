@@ -26,12 +26,7 @@
 #define LAYOUT_TOPK_PER_LANE(ept, k) LAYOUT_MIN(ept, k)
 #define LAYOUT_TOPK_CAP(team, ept, k) ((team) * LAYOUT_TOPK_PER_LANE(ept, k))
 #define LAYOUT_TOPK_U32(team) ((team) + 2)
-#define LAYOUT_TEAM_TOPK_COUNT_BYTES(team, ept, k)                                                 \
-    (4 * LAYOUT_TOPK_U32(team) + (8 + 4) * LAYOUT_TOPK_CAP(team, ept, k))
-/* Rounds (MOECL_TOPK_ROUNDS): TEAM key slots, none with warp shuffles. */
-#define LAYOUT_TEAM_TOPK_ROUNDS_BYTES(team, shuffle) ((shuffle) ? 0 : 8 * (team))
-#define LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting)                                    \
-    ((counting) ? LAYOUT_TEAM_TOPK_COUNT_BYTES(team, ept, k) : LAYOUT_TEAM_TOPK_ROUNDS_BYTES(team, shuffle))
+#define LAYOUT_TEAM_TOPK_BYTES(team, ept, k) (4 * LAYOUT_TOPK_U32(team) + (8 + 4) * LAYOUT_TOPK_CAP(team, ept, k))
 
 /* ---- topk_gating_team: ROWS rows of TEAM lanes, EPT experts a lane ---- */
 
@@ -50,13 +45,13 @@
  * sum (none with shuffles, none for sigmoid), the top-k scratch, the
  * chosen weights and ids, and with groups the row's selection scores, the
  * group keys and kept flags, and the parts' top two and counts. */
-#define LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle, counting)      \
-    (((shuffle) || !(softmax) ? 0 : 4 * (team)) + LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting) + \
+#define LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle)      \
+    (((shuffle) || !(softmax) ? 0 : 4 * (team)) + LAYOUT_TEAM_TOPK_BYTES(team, ept, k) + \
      (4 + 4) * (k) +                                                                               \
      ((groups) > 0 ? 4 * (experts) + (8 + 1) * (groups) + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 12 * (team) : 0) \
                    : 0))
-#define LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, rows, ept, k, experts, groups, softmax, shuffle, counting) \
-    ((rows) * LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle, counting))
+#define LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, rows, ept, k, experts, groups, softmax, shuffle) \
+    ((rows) * LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle))
 /* A lane's private row: EPT logits and EPT ranks. */
 #define LAYOUT_TOPK_TEAM_PRIVATE_BYTES(ept) ((4 + 4) * (ept))
 
@@ -76,9 +71,9 @@
 /* The ground table k-major, one column per lane's expert, +1 column
  * against bank conflicts. */
 #define LAYOUT_GROUND_STRIDE(team, ept) ((ept) * (team) + 1)
-#define LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(hidden, team, ept, rows, k, shuffle, counting)            \
+#define LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(hidden, team, ept, rows, k)            \
     (4 * (hidden) * LAYOUT_GROUND_STRIDE(team, ept) + 4 * (rows) * (hidden) + (4 + 4) * (rows) * (k) + \
-     (rows) * LAYOUT_TEAM_TOPK_BYTES(team, ept, k, shuffle, counting))
+     (rows) * LAYOUT_TEAM_TOPK_BYTES(team, ept, k))
 /* A lane's EPT logits, four partial dot products, ranks and g. */
 #define LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(ept) ((4 + 16 + 4 + 4) * (ept))
 

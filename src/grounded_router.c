@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, uint32_t hidden_dim,
                                                            uint32_t num_experts, float alpha)
@@ -56,22 +57,16 @@ typedef struct grounded_request {
     bool pairs, weights, ids;
 } grounded_request;
 
-/* Local memory of grounded_router_tiled (mirrors its __local arrays: the
- * input tiles and the tile of g share one array). */
+/* Local memory of grounded_router_tiled and grounded_router_team
+ * (cl/layout.h). */
 static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned k)
 {
-    size_t inputs = (size_t)tk * (tm + 1) + (size_t)tk * (tn + 1), g = (size_t)tm * (tn + 1);
-    return (inputs > g ? inputs : g) * 4 + (size_t)tm * k * 8;
+    return moecl_layout_grounded_tiled_local(tm, tn, tk, k);
 }
 
-/* Local memory of grounded_router_team. */
 static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
 {
-    /* ground_local, hidden_local, chosen_g and chosen_ids, then the top-k
-     * scratch (see topk_gating.c). */
-    const size_t top = moecl_team_topk_bytes(team, ept, k);
-    return (size_t)hidden * (ept * team + 1) * 4 + (size_t)rows * hidden * 4 + (size_t)rows * k * 8 +
-           (size_t)rows * top;
+    return moecl_layout_grounded_team_local(hidden, team, ept, rows, k);
 }
 
 /* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local

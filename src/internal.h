@@ -572,13 +572,6 @@ static inline size_t moecl_local_budget(const moecl_device_info *info)
     return info->local_mem_size > 1024 ? (size_t)info->local_mem_size - 1024 : 0;
 }
 
-/* Local memory of one row's team top-k (cl/common.cl team_topk):
- * TOPK_COUNT_U32 uints and TOPK_CAP keys and values. */
-static inline size_t moecl_team_topk_bytes(unsigned team, unsigned ept, unsigned k)
-{
-    return (size_t)(team + 2) * 4 + (size_t)team * (ept < k ? ept : k) * 12;
-}
-
 static inline bool moecl_is_pow2(uint32_t v) { return v && (v & (v - 1)) == 0; }
 
 /* The smallest power of two >= v (at most 2^31). */

@@ -1,8 +1,7 @@
 /* Kernel memory sizes for the host, from the same description the kernels
  * are compiled with (cl/layout.h; src/layout.c). Bytes; "local" is a
  * work-group's __local memory compiled into the kernel, "private" the large
- * private arrays of one work-item. Team kernels use the counting top-k
- * (the rounds top-k, MOECL_TOPK_ROUNDS, is described in cl/layout.h only). */
+ * private arrays of one work-item. */
 #ifndef MOECL_KERNEL_LAYOUT_H
 #define MOECL_KERNEL_LAYOUT_H
 
@@ -22,8 +21,7 @@ size_t moecl_layout_topk_team_private(unsigned team, unsigned experts);
 size_t moecl_layout_topk_rows_private(unsigned experts, unsigned k, unsigned groups);
 
 /* grounded_router_team, ept experts a lane. */
-size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k,
-                                        bool shuffle);
+size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k);
 size_t moecl_layout_grounded_team_private(unsigned ept);
 /* grounded_router_tiled: tm tokens x tn experts, hidden steps of tk. */
 size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned k);

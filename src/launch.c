@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 #define TUNE_MAGIC "moecl-tune 1"
 #define TUNE_MAX_FILE ((size_t)1 << 20)
@@ -153,12 +154,8 @@ static const moecl_launch_config *table_find(const moecl_device_info *info, cons
 static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moecl_launch_config *c)
 {
     if (key->op == MOECL_OP_GROUNDED_ROUTER && c->kernel == MOECL_KERNEL_ROWS) {
-        /* grounded_router_rows: each work-item keeps 8 tokens' dot products
-         * for an expert block of up to 256 (float dots[8][EB]) and their
-         * top-k keys (ulong keys[8][TOPK]). */
-        const uint64_t block = key->num_experts < 256 ? (key->num_experts + 1) / 2 * 2 : 256;
-        const uint64_t per_item = 8 * block * 4 + 8 * (uint64_t)key->top_k * 8;
-        return (uint64_t)c->rows * per_item;
+        /* grounded_router_rows: 8 tokens a work-item (cl/layout.h). */
+        return (uint64_t)c->rows * moecl_layout_grounded_rows_private(8, key->num_experts, key->top_k);
     }
     const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
     return (uint64_t)c->rows * key->num_experts * per_expert;

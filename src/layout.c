@@ -8,7 +8,7 @@ static unsigned ept_of(unsigned experts, unsigned team) { return (experts + team
 
 size_t moecl_layout_team_topk_row(unsigned team, unsigned ept, unsigned k)
 {
-    return LAYOUT_TEAM_TOPK_COUNT_BYTES((size_t)team, (size_t)ept, (size_t)k);
+    return LAYOUT_TEAM_TOPK_BYTES((size_t)team, (size_t)ept, (size_t)k);
 }
 
 size_t moecl_layout_topk_team_local(unsigned team, unsigned rows, unsigned experts, unsigned k, unsigned groups,
@@ -16,7 +16,7 @@ size_t moecl_layout_topk_team_local(unsigned team, unsigned rows, unsigned exper
 {
     const size_t ept = ept_of(experts, team);
     return LAYOUT_TOPK_TEAM_LOCAL_BYTES((size_t)team, (size_t)rows, ept, (size_t)k, (size_t)experts,
-                                        (size_t)groups, softmax, shuffle, 1);
+                                        (size_t)groups, softmax, shuffle);
 }
 
 size_t moecl_layout_topk_team_private(unsigned team, unsigned experts)
@@ -29,11 +29,9 @@ size_t moecl_layout_topk_rows_private(unsigned experts, unsigned k, unsigned gro
     return LAYOUT_TOPK_ROWS_PRIVATE_BYTES((size_t)experts, (size_t)k, (size_t)groups);
 }
 
-size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k,
-                                        bool shuffle)
+size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
 {
-    return LAYOUT_GROUNDED_TEAM_LOCAL_BYTES((size_t)hidden, (size_t)team, (size_t)ept, (size_t)rows, (size_t)k,
-                                            shuffle, 1);
+    return LAYOUT_GROUNDED_TEAM_LOCAL_BYTES((size_t)hidden, (size_t)team, (size_t)ept, (size_t)rows, (size_t)k);
 }
 
 size_t moecl_layout_grounded_team_private(unsigned ept) { return LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES((size_t)ept); }

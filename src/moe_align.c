@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 #define MOECL_ALIGN_MAX_BLOCK 1024u
 
@@ -142,7 +143,7 @@ moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
  * slot where the warp path keeps them, else a placeholder. */
 static size_t slot_cols_bytes(const moecl_plan *p, uint64_t slots)
 {
-    return p->warp_match && slots > 0 ? (size_t)moecl_round_up((size_t)slots * 2, 4) : 4;
+    return moecl_layout_moe_align_slot_cols(slots, p->warp_match);
 }
 
 /* Local memory of the one-group kernel: two words per expert column, two
@@ -222,7 +223,7 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
-    const size_t cols_bytes = ((size_t)experts + 1) * 4;
+    const size_t cols_bytes = moecl_layout_moe_align_cols(experts);
     const moecl_kernel_arg args[] = {
         MEM(a->ids.mem),     ARG(a->ids.off),     ARG(slots),          ARG(experts),        ARG(block),
         ARG(max_padded),     ARG(num_blocks),     MEM(a->counts.mem),  ARG(a->counts.off),
@@ -257,15 +258,15 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     const cl_ulong starts_off = matrix_words;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
     const moecl_kernel_arg count_args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts),
-                                           ARG(chunk),      MEM(scratch),    LOCAL(cols * 4)};
+                                           ARG(chunk),      MEM(scratch),    LOCAL(moecl_layout_moe_align_cols(experts))};
     const moecl_kernel_arg scan_args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
                                           MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
-                                          MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(cols * 4)};
+                                          MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(moecl_layout_moe_align_cols(experts))};
     const moecl_kernel_arg scatter_args[] = {
         MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),      ARG(chunk),
         MEM(scratch),       ARG(starts_off),    MEM(a->sorted.mem), ARG(a->sorted.off), MEM(a->slots.mem),
         ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
-        MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(cols * 4)};
+        MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(moecl_layout_moe_align_cols(experts))};
 #define STEP(k, args, groups, wg)                                                                                 \
     ((moecl_step){k, args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, \
                   NULL})

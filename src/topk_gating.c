@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts, uint32_t top_k)
 {
@@ -87,18 +88,11 @@ typedef struct topk_request {
     unsigned groups, topk_group;
 } topk_request;
 
-/* Local memory the team kernel needs for `rows` rows (mirrors the __local
- * arrays of topk_gating_team). */
+/* Local memory the team kernel needs for `rows` rows (cl/layout.h), for
+ * either scoring and without shuffles: a bound for every variant. */
 static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
 {
-    /* float_slots, chosen_weights and chosen_ids, then the top-k scratch
-     * (common.cl). */
-    const unsigned ept = (experts + team - 1) / team;
-    size_t per_row = (size_t)team * 4 + (size_t)k * (4 + 4);
-    per_row += moecl_team_topk_bytes(team, ept, k);
-    if (groups)
-        per_row += (size_t)experts * 4 + (size_t)groups * 9 + (team / groups >= 2 ? (size_t)team * 12 : 0);
-    return per_row * rows;
+    return moecl_layout_topk_team_local(team, rows, experts, k, groups, true, false);
 }
 
 /* The check: whether the device can run configuration c for the request

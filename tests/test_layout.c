@@ -76,7 +76,7 @@ static size_t num_variants;
 /* The defines each kernel's layout reads: the key that makes a variant
  * distinct here. */
 static const char *const layout_defines[] = {"SCORING", "NUM_EXPERTS", "TOPK", "NUM_GROUPS", "TEAM", "ROWS", "EPT",
-                                             "TEAM_SHUFFLE", "TOPK_COUNT", "HIDDEN_DIM", "KERNEL", "TM", "TN",
+                                             "TEAM_SHUFFLE", "HIDDEN_DIM", "KERNEL", "TM", "TN",
                                              "TK", "MT", "NT", "WG", "SCAN_WG", "ONE_WG", "WARP_MATCH",
                                              "MOECL_PTX", "CPU_DEVICE"};
 
@@ -179,23 +179,21 @@ static described describe(const char *kernel, const char *d)
 #define D(name) ((size_t)define_of(d, name, 0))
     const bool ptx = D("MOECL_PTX") != 0;
     const bool shuffle = ptx && D("TEAM_SHUFFLE") != 0;
-    const bool counting = define_of(d, "TOPK_COUNT", 1) != 0;
     described r = {0, 0, 0};
     if (strcmp(kernel, "topk_gating_team") == 0) {
         const size_t team = D("TEAM"), groups = D("NUM_GROUPS");
         const bool softmax = D("SCORING") == 0;
         r.local = LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, D("ROWS"), D("EPT"), D("TOPK"), D("NUM_EXPERTS"), groups,
-                                               softmax, shuffle, counting);
+                                               softmax, shuffle);
         r.private_bytes = LAYOUT_TOPK_TEAM_PRIVATE_BYTES(D("EPT"));
-        r.arrays = (shuffle || !softmax ? 0 : 1) + (counting ? 3 : shuffle ? 0 : 1) + 2 +
+        r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 +
                    (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
     } else if (strcmp(kernel, "topk_gating_rows") == 0) {
         r.private_bytes = LAYOUT_TOPK_ROWS_PRIVATE_BYTES(D("NUM_EXPERTS"), D("TOPK"), D("NUM_GROUPS"));
     } else if (strcmp(kernel, "grounded_router_team") == 0) {
-        r.local = LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(D("HIDDEN_DIM"), D("TEAM"), D("EPT"), D("ROWS"), D("TOPK"),
-                                                   shuffle, counting);
+        r.local = LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(D("HIDDEN_DIM"), D("TEAM"), D("EPT"), D("ROWS"), D("TOPK"));
         r.private_bytes = LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(D("EPT"));
-        r.arrays = 4 + (counting ? 3 : shuffle ? 0 : 1);
+        r.arrays = 4 + 3;
     } else if (strcmp(kernel, "grounded_router_tiled") == 0) {
         r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("TOPK"));
         r.arrays = 2;
@@ -239,8 +237,9 @@ START_TEST(test_layout_matches_compiler)
             moecl_status st = moecl_variant_get(ctx, v->kind, v->defines, name, &variant);
             ck_assert_msg(st == MOECL_SUCCESS, "building %s (%s): %s", name, v->description,
                           moecl_context_error(ctx));
-            cl_kernel kernel;
-            ck_assert_int_eq(moecl_variant_acquire(ctx, variant, &kernel), MOECL_SUCCESS);
+            moecl_pooled_kernel *pooled = NULL;
+            ck_assert_int_eq(moecl_variant_acquire(ctx, variant, &pooled), MOECL_SUCCESS);
+            const cl_kernel kernel = pooled->kernel;
             cl_ulong local = 0, priv = 0;
             ck_assert_int_eq(clGetKernelWorkGroupInfo(kernel, ctx->device, CL_KERNEL_LOCAL_MEM_SIZE, sizeof(local),
                                                       &local, NULL),
@@ -248,7 +247,7 @@ START_TEST(test_layout_matches_compiler)
             ck_assert_int_eq(clGetKernelWorkGroupInfo(kernel, ctx->device, CL_KERNEL_PRIVATE_MEM_SIZE, sizeof(priv),
                                                       &priv, NULL),
                              CL_SUCCESS);
-            moecl_variant_release(variant, kernel);
+            moecl_variant_release(variant, pooled);
             const described want = describe(name, v->defines);
             const size_t allowance = is_pocl(ctx) ? 0 : 8 * (size_t)want.arrays;
             const bool local_ok = local >= want.local && local <= want.local + allowance;
