@@ -12,15 +12,16 @@ export MOECL_CACHE_DIR=/tmp/moecl-cache
 steps=${STEPS:-"test bench torch"}
 
 tests_opt=-Dtests=disabled
-if [ -d .debs ] && [[ " $steps " == *" test "* ]]; then
-    mkdir -p /tmp/check
-    for d in .debs/*.deb; do dpkg -x "$d" /tmp/check; done
-    # meson finds check.pc through PKG_CONFIG_PATH; fix its prefix.
-    pc=$(find /tmp/check -name check.pc | head -1)
-    sed -i "s|^prefix=.*|prefix=/tmp/check/usr|" "$pc"
-    export PKG_CONFIG_PATH=$(dirname "$pc") LIBRARY_PATH=/tmp/check/usr/lib/x86_64-linux-gnu
-    export LD_LIBRARY_PATH=/tmp/check/usr/lib/x86_64-linux-gnu C_INCLUDE_PATH=/tmp/check/usr/include
-    tests_opt=-Dtests=enabled
+# The carried .debs/ (Check for the suites, cJSON for the tools) are
+# unpacked into /tmp/debs; meson finds them through PKG_CONFIG_PATH once
+# their .pc files' prefix points there.
+if [ -d .debs ]; then
+    mkdir -p /tmp/debs
+    for d in .debs/*.deb; do dpkg -x "$d" /tmp/debs; done
+    for pc in $(find /tmp/debs -name "*.pc"); do sed -i -e "s|^prefix=.*|prefix=/tmp/debs/usr|" -e "s|=/usr/|=/tmp/debs/usr/|" "$pc"; done
+    lib=/tmp/debs/usr/lib/x86_64-linux-gnu
+    export PKG_CONFIG_PATH=$lib/pkgconfig LIBRARY_PATH=$lib LD_LIBRARY_PATH=$lib C_INCLUDE_PATH=/tmp/debs/usr/include
+    [[ " $steps " == *" test "* ]] && tests_opt=-Dtests=enabled
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 meson setup /tmp/b $tests_opt -Dbuildtype=release > "$OUT/setup.log" 2>&1 || { cat "$OUT/setup.log"; exit 1; }

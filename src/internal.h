@@ -225,23 +225,13 @@ void moecl_registry_destroy(moecl_registry *reg);
  * Thread-safe. */
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
-/* A caller's buffer that a context has validated (src/plan.c): its size,
- * and a flag its destructor callback sets when OpenCL deletes it, before
- * its handle can come back for a new buffer. Shared by reference count. */
-typedef struct moecl_mem_watch moecl_mem_watch;
-void moecl_mem_watch_unref(moecl_mem_watch *watch);
-
 /* What a pooled kernel's argument was last set to (src/plan.c binds it):
- * a value of at most 8 bytes, local memory of a size, or a caller's
- * buffer and its watch (the same handle with the watch not fired is the
- * same buffer). */
+ * a value of at most 8 bytes, or local memory of a size. */
 #define MOECL_MAX_KERNEL_ARGS 24
 typedef struct moecl_arg_state {
     bool valid, local;
     size_t size;
     uint64_t bits;
-    cl_mem mem;
-    moecl_mem_watch *watch;
 } moecl_arg_state;
 
 typedef struct moecl_pooled_kernel {

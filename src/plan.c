@@ -12,13 +12,14 @@
  * moecl_launch_force bumps its op's generation, which is part of the key:
  * the next call builds (or finds) the plan of the new configuration.
  *
- * Binding sets only the arguments a pooled kernel does not hold already.
- * Scalars compare by value. A buffer compares by handle only while it is
- * known to be alive: a handle value comes back for a new buffer once the
- * old one is deleted. So a caller's buffer, validated once (CL_MEM_SIZE,
- * CL_MEM_CONTEXT), gets a watch that its destructor callback marks when
- * OpenCL deletes it; no reference is kept, so the caller's release frees
- * it as before. */
+ * Binding sets only the arguments a pooled kernel does not hold already,
+ * and only scalars and local sizes are remembered: a caller's buffer is
+ * validated (CL_MEM_SIZE, CL_MEM_CONTEXT) and set on every call. A handle
+ * value comes back for a new buffer once the old one is deleted, and no
+ * implementation tells in time: NVIDIA's destructor callbacks ran after
+ * the handle had come back (the runtime_threads and runtime_api suites
+ * caught a stale size and a stale context on the H200). Keeping a
+ * reference instead would pin the caller's memory. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -38,22 +39,12 @@ struct moecl_plans {
     pthread_mutex_t lock;
     plan_node *overflow;
     atomic_size_t count;
-    /* The watches of the caller's buffers the context validated, an
-     * open-addressed table by handle (src/plan.c, "validated buffers"). */
-    pthread_mutex_t watch_lock;
-    moecl_mem_watch **watches;
-    size_t watch_count, watch_cap;
 };
 
 moecl_status moecl_plans_create(moecl_plans **out)
 {
     moecl_plans *t = calloc(1, sizeof(*t));
     if (!t || pthread_mutex_init(&t->lock, NULL) != 0) {
-        free(t);
-        return MOECL_ERROR_OUT_OF_MEMORY;
-    }
-    if (pthread_mutex_init(&t->watch_lock, NULL) != 0) {
-        pthread_mutex_destroy(&t->lock);
         free(t);
         return MOECL_ERROR_OUT_OF_MEMORY;
     }
@@ -75,11 +66,6 @@ void moecl_plans_destroy(moecl_plans *t)
         free(n);
         n = next;
     }
-    for (size_t i = 0; i < t->watch_cap; i++)
-        if (t->watches[i])
-            moecl_mem_watch_unref(t->watches[i]);
-    free(t->watches);
-    pthread_mutex_destroy(&t->watch_lock);
     pthread_mutex_destroy(&t->lock);
     free(t);
 }
@@ -203,176 +189,26 @@ moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl
     return st;
 }
 
-/* ---- validated buffers ---- */
-
-struct moecl_mem_watch {
-    atomic_bool dead; /* the destructor callback ran: the handle may now name another buffer */
-    atomic_int refs;  /* the callback's, the table's and each pooled kernel's that binds it */
-    cl_mem mem;
-    size_t size;
-};
-
-void moecl_mem_watch_unref(moecl_mem_watch *w)
-{
-    if (atomic_fetch_sub_explicit(&w->refs, 1, memory_order_acq_rel) == 1)
-        free(w);
-}
-
-static void CL_CALLBACK watch_died(cl_mem mem, void *user)
-{
-    (void)mem;
-    moecl_mem_watch *w = user;
-    atomic_store_explicit(&w->dead, true, memory_order_release);
-    moecl_mem_watch_unref(w);
-}
-
-static bool watch_alive(const moecl_mem_watch *w)
-{
-    return w && !atomic_load_explicit(&w->dead, memory_order_acquire);
-}
-
-static size_t mem_hash(cl_mem mem, size_t cap)
-{
-    uint64_t h = (uint64_t)(uintptr_t)mem * 0x9e3779b97f4a7c15ull;
-    return (size_t)(h >> 32) & (cap - 1);
-}
-
-/* Under watch_lock: the live watch of mem in the table, or NULL. */
-static moecl_mem_watch *watch_find(const moecl_plans *t, cl_mem mem)
-{
-    if (!t->watch_cap)
-        return NULL;
-    for (size_t i = mem_hash(mem, t->watch_cap), n = 0; n < t->watch_cap; i = (i + 1) & (t->watch_cap - 1), n++) {
-        moecl_mem_watch *w = t->watches[i];
-        if (!w)
-            return NULL;
-        if (w->mem == mem && watch_alive(w))
-            return w;
-    }
-    return NULL;
-}
-
-static void watch_place(moecl_mem_watch **table, size_t cap, moecl_mem_watch *w)
-{
-    size_t i = mem_hash(w->mem, cap);
-    while (table[i])
-        i = (i + 1) & (cap - 1);
-    table[i] = w;
-}
-
-/* Under watch_lock: add w, first dropping the watches of deleted buffers
- * when the table is half full (and growing it if that frees too little). */
-static bool watch_insert(moecl_plans *t, moecl_mem_watch *w)
-{
-    if (2 * (t->watch_count + 1) > t->watch_cap) {
-        size_t live = 0;
-        for (size_t i = 0; i < t->watch_cap; i++)
-            live += t->watches[i] && watch_alive(t->watches[i]);
-        size_t cap = t->watch_cap ? t->watch_cap : 64;
-        while (4 * (live + 1) > cap)
-            cap *= 2;
-        moecl_mem_watch **grown = calloc(cap, sizeof(*grown));
-        if (!grown)
-            return false;
-        for (size_t i = 0; i < t->watch_cap; i++) {
-            moecl_mem_watch *old = t->watches[i];
-            if (old && watch_alive(old))
-                watch_place(grown, cap, old);
-            else if (old)
-                moecl_mem_watch_unref(old);
-        }
-        free(t->watches);
-        t->watches = grown;
-        t->watch_cap = cap;
-        t->watch_count = live;
-    }
-    watch_place(t->watches, t->watch_cap, w);
-    t->watch_count++;
-    return true;
-}
-
-/* The watch of a caller's buffer: found, or made after validating it
- * (CL_MEM_SIZE, CL_MEM_CONTEXT) with its destructor callback registered.
- * NULL with *st set when the buffer is not one of this context's; NULL
- * with *st success when it could not be watched (then *size is set and
- * nothing is remembered). */
-static moecl_mem_watch *watch_of(moecl_context *ctx, const char *name, cl_mem mem, size_t *size, moecl_status *st)
-{
-    moecl_plans *t = ctx->plans;
-    *st = MOECL_SUCCESS;
-    pthread_mutex_lock(&t->watch_lock);
-    moecl_mem_watch *w = watch_find(t, mem);
-    pthread_mutex_unlock(&t->watch_lock);
-    if (w) {
-        *size = w->size;
-        return w;
-    }
-    cl_context owner = NULL;
-    cl_int err = clGetMemObjectInfo(mem, CL_MEM_SIZE, sizeof(*size), size, NULL);
-    if (err == CL_SUCCESS)
-        err = clGetMemObjectInfo(mem, CL_MEM_CONTEXT, sizeof(owner), &owner, NULL);
-    if (err != CL_SUCCESS) {
-        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: not a valid cl_mem (%s)", name,
-                         moecl_status_string(err));
-        return NULL;
-    }
-    if (owner != ctx->context) {
-        *st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
-        return NULL;
-    }
-    w = malloc(sizeof(*w));
-    if (!w)
-        return NULL;
-    atomic_init(&w->dead, false);
-    atomic_init(&w->refs, 2); /* the callback's and the table's */
-    w->mem = mem;
-    w->size = *size;
-    if (clSetMemObjectDestructorCallback(mem, watch_died, w) != CL_SUCCESS) {
-        free(w);
-        return NULL;
-    }
-    pthread_mutex_lock(&t->watch_lock);
-    moecl_mem_watch *other = watch_find(t, mem); /* another thread's, meanwhile */
-    if (other || !watch_insert(t, w)) {
-        /* The callback keeps its reference and fires harmlessly. */
-        moecl_mem_watch_unref(w);
-        w = other;
-    }
-    pthread_mutex_unlock(&t->watch_lock);
-    return w;
-}
-
 /* ---- binding ---- */
 
-/* Validate a checked argument; *watch: the buffer's watch (NULL: absent,
- * or not watched). */
-static moecl_status check_arg_buffer(moecl_context *ctx, const moecl_kernel_arg *arg, const moecl_arg_state *last,
-                                     moecl_mem_watch **watch)
+/* The caller's buffers among args, as moecl_check_buffer checks them. */
+static moecl_status check_buffers(moecl_context *ctx, const moecl_kernel_arg *args, cl_uint count)
 {
-    const moecl_buffer_check *c = arg->check;
-    const cl_mem mem = arg->value ? *(const cl_mem *)arg->value : NULL;
-    *watch = NULL;
-    if (!mem) {
-        if (c->required)
-            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer is absent (mem is NULL)", c->name);
-        return MOECL_SUCCESS;
+    for (cl_uint i = 0; i < count; i++) {
+        const moecl_buffer_check *c = args[i].check;
+        if (!c)
+            continue;
+        const moecl_buffer buf = {args[i].value ? *(const cl_mem *)args[i].value : NULL, c->offset};
+        const moecl_status st = moecl_check_buffer(ctx, c->name, buf, c->bytes, c->elem_size, c->required);
+        if (st != MOECL_SUCCESS)
+            return st;
     }
-    size_t size;
-    moecl_status st = MOECL_SUCCESS;
-    if (last->valid && last->mem == mem && watch_alive(last->watch)) {
-        *watch = last->watch; /* what this kernel was last given, and still alive */
-        size = last->watch->size;
-    } else if (!(*watch = watch_of(ctx, c->name, mem, &size, &st)) && st != MOECL_SUCCESS) {
-        return st;
-    }
-    return moecl_check_buffer_fits(ctx, c->name, c->offset, c->bytes, c->elem_size, size);
+    return MOECL_SUCCESS;
 }
 
-/* What the argument would be remembered as: a value, local memory (or an
- * absent buffer: the size alone), or a caller's buffer with its watch. The
- * library's own buffers (host paths, moe_align's scratch) and buffers that
- * could not be watched are not remembered: set on every call. */
-static moecl_arg_state state_of(const moecl_kernel_arg *arg, moecl_mem_watch *watch)
+/* What the argument would be remembered as: a value, or local memory (or
+ * an absent buffer: the size alone). Buffers are not remembered. */
+static moecl_arg_state state_of(const moecl_kernel_arg *arg)
 {
     moecl_arg_state s;
     memset(&s, 0, sizeof(s));
@@ -381,7 +217,7 @@ static moecl_arg_state state_of(const moecl_kernel_arg *arg, moecl_mem_watch *wa
     if (!arg->value)
         s.local = true;
     else if (arg->mem)
-        s.mem = *(const cl_mem *)arg->value, s.watch = watch, s.valid = watch != NULL;
+        s.valid = false;
     else
         memcpy(&s.bits, arg->value, arg->size);
     return s;
@@ -389,39 +225,25 @@ static moecl_arg_state state_of(const moecl_kernel_arg *arg, moecl_mem_watch *wa
 
 static bool same(const moecl_arg_state *a, const moecl_arg_state *b)
 {
-    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->bits == b->bits &&
-           a->mem == b->mem && a->watch == b->watch;
+    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->bits == b->bits;
 }
 
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const char *name,
                              const moecl_kernel_arg *args, cl_uint count)
 {
-    moecl_mem_watch *watches[MOECL_MAX_KERNEL_ARGS];
     /* Every buffer first, so that a bad one leaves the kernel as it was. */
+    const moecl_status st = check_buffers(ctx, args, count);
+    if (st != MOECL_SUCCESS)
+        return st;
     for (cl_uint i = 0; i < count; i++) {
-        watches[i] = NULL;
-        if (args[i].check) {
-            const moecl_status st = check_arg_buffer(ctx, &args[i], &k->args[i], &watches[i]);
-            if (st != MOECL_SUCCESS)
-                return st;
-        }
-    }
-    for (cl_uint i = 0; i < count; i++) {
-        const moecl_arg_state next = state_of(&args[i], watches[i]);
+        const moecl_arg_state next = state_of(&args[i]);
         moecl_arg_state *last = &k->args[i];
         if (same(last, &next))
             continue; /* the kernel still has this value */
         const cl_int err = clSetKernelArg(k->kernel, i, args[i].size, args[i].value);
-        if (last->watch)
-            moecl_mem_watch_unref(last->watch);
-        memset(last, 0, sizeof(*last));
+        *last = err == CL_SUCCESS ? next : (moecl_arg_state){0};
         if (err != CL_SUCCESS)
             return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
-        if (!next.valid)
-            continue; /* not remembered: set again next time */
-        if (next.watch)
-            atomic_fetch_add_explicit(&next.watch->refs, 1, memory_order_relaxed);
-        *last = next;
     }
     return MOECL_SUCCESS;
 }
@@ -542,11 +364,7 @@ moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *c, c
     const moecl_plan *p = moecl_plan_find(ctx, &c->key);
     if (!p || c->tokens == 0) {
         /* Before a build: a bad buffer costs no compile. */
-        const moecl_arg_state none = {0};
-        moecl_mem_watch *watch;
-        for (cl_uint i = 0; i < c->num_args && st == MOECL_SUCCESS; i++)
-            if (c->args[i].check)
-                st = check_arg_buffer(ctx, &c->args[i], &none, &watch);
+        st = check_buffers(ctx, c->args, c->num_args);
         if (st == MOECL_SUCCESS && !p)
             st = moecl_plan_get(ctx, &c->key, c->build, c->request, &p);
         if (st != MOECL_SUCCESS)

@@ -350,9 +350,6 @@ size_t moecl_variant_work_group_limit(const moecl_variant *v)
 
 void moecl_pooled_forget(moecl_pooled_kernel *k)
 {
-    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
-        if (k->args[i].watch)
-            moecl_mem_watch_unref(k->args[i].watch);
     memset(k->args, 0, sizeof(k->args));
 }
 

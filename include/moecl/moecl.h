@@ -314,10 +314,8 @@ typedef enum moecl_group_fill {
  *  The offset must be a multiple of the element size of the tensor it
  *  holds, and the tensor must lie inside the buffer (checked through
  *  CL_MEM_SIZE). Tensors are row-major and contiguous. The buffer must
- *  belong to the context's cl_context. A context checks a buffer once
- *  while it lives: it registers a destructor callback on it
- *  (clSetMemObjectDestructorCallback) that tells it when OpenCL deletes
- *  the buffer; it keeps no reference. */
+ *  belong to the context's cl_context. Every call checks its buffers
+ *  (CL_MEM_SIZE, CL_MEM_CONTEXT) and keeps no reference to them. */
 typedef struct moecl_buffer {
     cl_mem mem;    /**< the buffer, or NULL for an absent tensor */
     size_t offset; /**< byte offset of the tensor in mem */
