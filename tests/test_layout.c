@@ -14,6 +14,7 @@
  * __local argument counts 0). The rule:
  *   pocl: reported == described
  *   others: described <= reported <= described + 8 * (the kernel's arrays)
+ *   NVIDIA also reports 1 for a kernel with no __local array at all.
  * pocl reports the plain sum of the arrays' sizes (a uchar[3] then a
  * ulong[5] report 43). Intel's CPU runtime aligns each array to its
  * element type (the same two report 48), which can add up to 7 bytes an
@@ -32,7 +33,10 @@
  * side the host relies on (it refuses work-groups whose private arrays
  * overflow pocl's stacks, src/launch.c). No upper bound: for 8 of the
  * rows kernels Intel reports 17-18 times the description, which reads as
- * the arrays of the 16 work-items it vectorises together. */
+ * the arrays of the 16 work-items it vectorises together. NVIDIA reports
+ * what its compiler keeps in local (stack) memory after promoting what it
+ * can to registers, which can be less than the arrays (1200 for arrays of
+ * 1260 on the H200): not checked there either. */
 #include "harness.h"
 #include "internal.h"
 
@@ -223,9 +227,9 @@ START_TEST(test_layout_matches_compiler)
 {
     moecl_context *ctx = harness_context();
     load_variants();
-    const bool private_meaningful = !is_pocl(ctx);
+    const bool private_meaningful = ctx->info.vendor == MOECL_VENDOR_INTEL;
     if (!private_meaningful)
-        printf("test_layout: %s reports a fixed CL_KERNEL_PRIVATE_MEM_SIZE; private arrays not checked\n",
+        printf("test_layout: %s does not report the private arrays as such; private arrays not checked\n",
                ctx->info.platform_name);
     unsigned checked = 0, failures = 0;
     for (size_t i = 0; i < num_variants; i++) {
@@ -250,7 +254,9 @@ START_TEST(test_layout_matches_compiler)
                              CL_SUCCESS);
             moecl_variant_release(variant, pooled);
             const described want = describe(name, v->defines);
-            const size_t allowance = is_pocl(ctx) ? 0 : 8 * (size_t)want.arrays;
+            const size_t allowance = is_pocl(ctx)                                         ? 0
+                                     : ctx->info.vendor == MOECL_VENDOR_NVIDIA && want.arrays == 0 ? 1
+                                                                                                : 8 * (size_t)want.arrays;
             const bool local_ok = local >= want.local && local <= want.local + allowance;
             const bool private_ok = !private_meaningful || want.private_bytes < LARGE_PRIVATE || priv >= want.private_bytes;
             if (getenv("MOECL_TEST_LAYOUT_VERBOSE") || !local_ok || !private_ok)
