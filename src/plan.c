@@ -1,6 +1,6 @@
 /* Launch plans: what a distinct request launches, resolved once per
- * context; the caller's buffers the context has validated; and running a
- * call: binding a plan's kernel arguments and enqueueing.
+ * context; and running a call: checking the caller's buffers, binding a
+ * plan's kernel arguments and enqueueing.
  *
  * A call of an op is: validate the request (the op's file), then here:
  * look its plan up, bind the arguments, enqueue. The plan is built on a
