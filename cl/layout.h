@@ -114,4 +114,25 @@
 #define LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg) ((wg) > 1 ? 4 * (wg) : 0)
 #define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
 
+/* ---- top-k gating's scalar arguments, one record ---------------------- */
+
+/* The offsets (in elements) and scalars of a topk_gating call, passed by
+ * value as one argument: each kernel argument costs an enqueue a copy
+ * (pocl) or a setting (Intel's CPU runtime). Fields in decreasing
+ * alignment, so C and OpenCL C lay it out alike, without padding; the
+ * array below fails to compile on either side if the size differs. */
+#ifdef __OPENCL_VERSION__
+#define LAYOUT_U64 ulong
+#define LAYOUT_U32 uint
+#else
+#define LAYOUT_U64 uint64_t
+#define LAYOUT_U32 uint32_t
+#endif
+typedef struct layout_topk_args {
+    LAYOUT_U64 gating_off, bias_off, weights_off, ids_off, counts_off;
+    LAYOUT_U32 num_tokens;
+    float scaling_factor;
+} layout_topk_args;
+typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 48 ? 1 : -1];
+
 #endif

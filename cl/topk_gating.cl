@@ -31,18 +31,31 @@
 #define HAS_COUNTS 0
 #endif
 #if HAS_COUNTS
-#define COUNTS_PARAMS , __global int *counts, ulong counts_off
-#define COUNTS_ARGS , counts, counts_off
+#define COUNTS_PARAM __global int *counts,
+#define COUNTS_AT(args) (counts + (args).counts_off)
+#define COUNTS_PARAMS , __global int *counts
+#define COUNTS_ARGS , counts
 #define COUNT_ID(id)                                                                               \
     do {                                                                                           \
         const uint id_ = (uint)(id);                                                               \
         if (id_ < NUM_EXPERTS)                                                                     \
-            atomic_inc(counts + counts_off + id_);                                                 \
+            atomic_inc(counts + id_);                                                 \
     } while (0)
 #else
+#define COUNTS_PARAM
+#define COUNTS_AT(args) ((__global int *)0)
 #define COUNTS_PARAMS
 #define COUNTS_ARGS
 #define COUNT_ID(id) ((void)0)
+#endif
+/* The bias is an argument only where there is one (as the counts are):
+ * every argument costs an enqueue (cl/layout.h, layout_topk_args). */
+#if HAS_BIAS
+#define BIAS_PARAM __global const float *bias,
+#define BIAS_AT(args) (bias + (args).bias_off)
+#else
+#define BIAS_PARAM
+#define BIAS_AT(args) ((__global const float *)0)
 #endif
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
@@ -636,28 +649,24 @@ static inline void topk_rows_generic(__global const in_t *x, __global const floa
 }
 #endif
 
-__kernel void topk_gating_rows(__global const in_t *gating, ulong gating_off, __global const float *bias,
-                               ulong bias_off, __global float *topk_weights, ulong weights_off,
-                               __global int *topk_ids, ulong ids_off, uint num_tokens,
-                               float scaling_factor COUNTS_PARAMS)
+__kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global float *topk_weights,
+                               __global int *topk_ids, COUNTS_PARAM layout_topk_args args)
 {
     const uint row = (uint)get_global_id(0);
-    if (row >= num_tokens)
+    if (row >= args.num_tokens)
         return;
-    __global const in_t *x = gating + gating_off + (size_t)row * NUM_EXPERTS;
-    __global float *w_out = topk_weights + weights_off + (size_t)row * TOPK;
+    __global const in_t *x = gating + args.gating_off + (size_t)row * NUM_EXPERTS;
+    __global float *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
     /* The fast path counts the ids from its registers: topk_ids may be
      * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
-    __global int *id_out = topk_ids + ids_off + (size_t)row * TOPK;
-#if ROWS_FAST
-    (void)bias;
-    (void)bias_off;
-    topk_rows_softmax(x, w_out, id_out, scaling_factor COUNTS_ARGS);
-#else
-#if HAS_BIAS
-    bias += bias_off;
+    __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+#if HAS_COUNTS
+    counts = COUNTS_AT(args);
 #endif
-    topk_rows_generic(x, bias, w_out, id_out, scaling_factor COUNTS_ARGS);
+#if ROWS_FAST
+    topk_rows_softmax(x, w_out, id_out, args.scaling_factor COUNTS_ARGS);
+#else
+    topk_rows_generic(x, BIAS_AT(args), w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #endif
 }
 
@@ -857,9 +866,8 @@ static inline void team_write_row(uint lane, __local const uint *ids, __local co
 }
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
-topk_gating_team(__global const in_t *gating, ulong gating_off, __global const float *bias, ulong bias_off,
-                 __global float *topk_weights, ulong weights_off, __global int *topk_ids, ulong ids_off,
-                 uint num_tokens, float scaling_factor COUNTS_PARAMS)
+topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,
+                 COUNTS_PARAM layout_topk_args args)
 {
     /* Local memory (cl/layout.h, LAYOUT_TOPK_TEAM_ROW_BYTES), ROWS rows;
      * each macro below is row r's share. The softmax's slots for the max
@@ -894,10 +902,10 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     const uint lane = get_local_id(0) % TEAM;
     const uint r = get_local_id(0) / TEAM;
     const uint row = get_group_id(0) * ROWS + r;
-    const bool active = row < num_tokens;
-    __global const in_t *x = gating + gating_off + (size_t)(active ? row : 0) * NUM_EXPERTS;
-#if HAS_BIAS
-    bias += bias_off;
+    const bool active = row < args.num_tokens;
+    __global const in_t *x = gating + args.gating_off + (size_t)(active ? row : 0) * NUM_EXPERTS;
+#if HAS_COUNTS
+    counts = COUNTS_AT(args);
 #endif
 
     float value[EPT];
@@ -905,7 +913,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     float row_max, sum_term;
     team_score_terms(value, lane, FLOAT_SLOTS, &row_max, &sum_term);
     uint rank[EPT];
-    team_selection_ranks(value, active, lane, bias, row_max, sum_term, rank, SELECTION);
+    team_selection_ranks(value, active, lane, BIAS_AT(args), row_max, sum_term, rank, SELECTION);
 #if NUM_GROUPS > 0
     team_group_limit(rank, lane, SELECTION, group_keys + r * NUM_GROUPS, KEPT, PARTS);
 #endif
@@ -916,7 +924,7 @@ topk_gating_team(__global const in_t *gating, ulong gating_off, __global const f
     barrier(CLK_LOCAL_MEM_FENCE);
     if (active)
         team_write_row(lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK,
-                       topk_weights + weights_off + (size_t)row * TOPK, topk_ids + ids_off + (size_t)row * TOPK,
-                       scaling_factor COUNTS_ARGS);
+                       topk_weights + args.weights_off + (size_t)row * TOPK,
+                       topk_ids + args.ids_off + (size_t)row * TOPK, args.scaling_factor COUNTS_ARGS);
 }
 #endif

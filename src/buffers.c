@@ -1,9 +1,10 @@
 /* Validation and helpers for buffers and wait lists, shared by the ops. */
 #include "internal.h"
 
-moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
-                                size_t elem_size, bool required)
+moecl_status moecl_check_buffer_size(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
+                                     size_t elem_size, bool required, size_t *size_out)
 {
+    *size_out = 0;
     if (!buf.mem) {
         if (required)
             return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer is absent (mem is NULL)", name);
@@ -19,7 +20,15 @@ moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buff
                           moecl_status_string(err));
     if (owner != ctx->context)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s: the buffer belongs to another cl_context", name);
+    *size_out = size;
     return moecl_check_buffer_fits(ctx, name, buf.offset, bytes, elem_size, size);
+}
+
+moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
+                                size_t elem_size, bool required)
+{
+    size_t size;
+    return moecl_check_buffer_size(ctx, name, buf, bytes, elem_size, required, &size);
 }
 
 moecl_status moecl_check_buffer_fits(moecl_context *ctx, const char *name, size_t offset, uint64_t bytes,

@@ -167,6 +167,12 @@ void moecl_context_destroy(moecl_context *ctx)
     free(ctx);
 }
 
+void moecl_context_forget_buffers(moecl_context *ctx)
+{
+    if (ctx)
+        moecl_registry_forget_buffers(ctx->registry);
+}
+
 cl_context moecl_context_cl_context(const moecl_context *ctx) { return ctx ? ctx->context : NULL; }
 cl_device_id moecl_context_device(const moecl_context *ctx) { return ctx ? ctx->device : NULL; }
 cl_command_queue moecl_context_queue(const moecl_context *ctx) { return ctx ? ctx->queue : NULL; }

@@ -226,12 +226,17 @@ void moecl_registry_destroy(moecl_registry *reg);
 moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, const char *defines,
                                const char *kernel_name, moecl_variant **variant);
 /* What a pooled kernel's argument was last set to (src/plan.c binds it):
- * a value of at most 8 bytes, or local memory of a size. */
+ * a value of at most MOECL_ARG_BYTES bytes (larger ones are set on every
+ * call), local memory of a size, or a caller's buffer the kernel holds a
+ * reference to (held), with its CL_MEM_SIZE. */
 #define MOECL_MAX_KERNEL_ARGS 24
+#define MOECL_ARG_BYTES 48
 typedef struct moecl_arg_state {
     bool valid, local;
     size_t size;
-    uint64_t bits;
+    unsigned char bits[MOECL_ARG_BYTES];
+    cl_mem held;
+    size_t held_size;
 } moecl_arg_state;
 
 typedef struct moecl_pooled_kernel {
@@ -246,9 +251,12 @@ typedef struct moecl_pooled_kernel {
  * it back after enqueueing (clSetKernelArg on a shared kernel races). */
 moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, moecl_pooled_kernel **kernel);
 void moecl_variant_release(moecl_variant *variant, moecl_pooled_kernel *kernel);
-/* Drop what a pooled kernel remembers of its arguments (and the buffer
- * references it holds). */
+/* Drop what a pooled kernel remembers of its arguments and release the
+ * buffer references it holds. */
 void moecl_pooled_forget(moecl_pooled_kernel *kernel);
+/* moecl_pooled_forget on every pooled kernel of the registry (no call may
+ * be in flight on its context). */
+void moecl_registry_forget_buffers(moecl_registry *reg);
 /* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
  * once, when the variant was created); 0 if the query failed. */
 size_t moecl_variant_work_group_limit(const moecl_variant *variant);
@@ -450,10 +458,12 @@ typedef struct moecl_kernel_arg {
  * kernel as it was), then set every argument whose value differs from
  * what this pooled kernel was last given, stopping at the first that
  * fails: its own error code is returned, and the message names the kernel
- * (name) and the argument's index. A checked buffer (the caller's) is
- * queried once per context while it lives and set again only when the
- * kernel had another; unchecked ones (the library's own) are set on every
- * call. */
+ * (name) and the argument's index. A checked buffer (the caller's) that
+ * differs from the kernel's last one is queried (CL_MEM_SIZE,
+ * CL_MEM_CONTEXT), set and retained, and the last one released; the same
+ * buffer again is checked against the size kept and not set again: the
+ * reference keeps its handle from naming another buffer. Unchecked
+ * buffers (the library's own) are set on every call and never held. */
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *kernel, const char *name,
                              const moecl_kernel_arg *args, cl_uint count);
 
@@ -516,6 +526,10 @@ moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t
  * buffer. */
 moecl_status moecl_check_buffer(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
                                 size_t elem_size, bool required);
+/* moecl_check_buffer, giving the buffer's CL_MEM_SIZE (0 when absent or
+ * on a failed query). */
+moecl_status moecl_check_buffer_size(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
+                                     size_t elem_size, bool required, size_t *size);
 /* The offset and size checks of moecl_check_buffer for a buffer of size
  * bytes. */
 moecl_status moecl_check_buffer_fits(moecl_context *ctx, const char *name, size_t offset, uint64_t bytes,

@@ -9,6 +9,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* The kernels' argument records (layout_topk_args), the same type on both
+ * sides. */
+#include "../cl/layout.h"
+
 /* One row's team top-k scratch (cl/common.cl team_topk), ept experts a lane. */
 size_t moecl_layout_team_topk_row(unsigned team, unsigned ept, unsigned k);
 

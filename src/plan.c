@@ -12,14 +12,15 @@
  * moecl_launch_force bumps its op's generation, which is part of the key:
  * the next call builds (or finds) the plan of the new configuration.
  *
- * Binding sets only the arguments a pooled kernel does not hold already,
- * and only scalars and local sizes are remembered: a caller's buffer is
- * validated (CL_MEM_SIZE, CL_MEM_CONTEXT) and set on every call. A handle
- * value comes back for a new buffer once the old one is deleted, and no
- * implementation tells in time: NVIDIA's destructor callbacks ran after
- * the handle had come back (the runtime_threads and runtime_api suites
- * caught a stale size and a stale context on the H200). Keeping a
- * reference instead would pin the caller's memory. */
+ * Binding sets only the arguments a pooled kernel does not hold already.
+ * A caller's buffer is validated (CL_MEM_SIZE, CL_MEM_CONTEXT), set and
+ * retained when it differs from the kernel's last one; the same handle
+ * again is the same buffer, because the reference keeps it alive (a
+ * released buffer's handle comes back for the next one, and NVIDIA's
+ * destructor callbacks run too late to tell), so it is checked against
+ * the size kept and not set again. The reference is dropped when the
+ * kernel gets another buffer, by moecl_context_forget_buffers and when
+ * the context is destroyed. */
 #include <stdlib.h>
 #include <string.h>
 
@@ -191,61 +192,104 @@ moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl
 
 /* ---- binding ---- */
 
-/* The caller's buffers among args, as moecl_check_buffer checks them. */
-static moecl_status check_buffers(moecl_context *ctx, const moecl_kernel_arg *args, cl_uint count)
+static cl_mem mem_of(const moecl_kernel_arg *arg)
+{
+    return arg->value ? *(const cl_mem *)arg->value : NULL;
+}
+
+/* The caller's buffers among args, as moecl_check_buffer checks them;
+ * sizes[i] gets each one's CL_MEM_SIZE. A buffer that kernel k (NULL: no
+ * kernel) holds already is checked against the size kept, with no query. */
+static moecl_status check_buffers(moecl_context *ctx, const moecl_pooled_kernel *k, const moecl_kernel_arg *args,
+                                  cl_uint count, size_t *sizes)
 {
     for (cl_uint i = 0; i < count; i++) {
         const moecl_buffer_check *c = args[i].check;
+        sizes[i] = 0;
         if (!c)
             continue;
-        const moecl_buffer buf = {args[i].value ? *(const cl_mem *)args[i].value : NULL, c->offset};
-        const moecl_status st = moecl_check_buffer(ctx, c->name, buf, c->bytes, c->elem_size, c->required);
+        const moecl_buffer buf = {mem_of(&args[i]), c->offset};
+        moecl_status st;
+        if (k && buf.mem && k->args[i].held == buf.mem) {
+            sizes[i] = k->args[i].held_size;
+            st = moecl_check_buffer_fits(ctx, c->name, c->offset, c->bytes, c->elem_size, sizes[i]);
+        } else {
+            st = moecl_check_buffer_size(ctx, c->name, buf, c->bytes, c->elem_size, c->required, &sizes[i]);
+        }
         if (st != MOECL_SUCCESS)
             return st;
     }
     return MOECL_SUCCESS;
 }
 
-/* What the argument would be remembered as: a value, or local memory (or
- * an absent buffer: the size alone). Buffers are not remembered. */
-static moecl_arg_state state_of(const moecl_kernel_arg *arg)
+/* What the argument would be remembered as: a value, local memory (or an
+ * absent buffer: the size alone), or a caller's buffer to hold (size: its
+ * CL_MEM_SIZE). The library's own buffers are not remembered. */
+static moecl_arg_state state_of(const moecl_kernel_arg *arg, size_t size)
 {
     moecl_arg_state s;
     memset(&s, 0, sizeof(s));
     s.valid = true;
     s.size = arg->size;
-    if (!arg->value)
+    if (!arg->value) {
         s.local = true;
-    else if (arg->mem)
+    } else if (arg->mem) {
+        s.valid = arg->check != NULL;
+        s.held = arg->check ? mem_of(arg) : NULL;
+        s.held_size = size;
+    } else if (arg->size <= MOECL_ARG_BYTES) {
+        memcpy(s.bits, arg->value, arg->size);
+    } else {
         s.valid = false;
-    else
-        memcpy(&s.bits, arg->value, arg->size);
+    }
     return s;
 }
 
 static bool same(const moecl_arg_state *a, const moecl_arg_state *b)
 {
-    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->bits == b->bits;
+    return a->valid && b->valid && a->local == b->local && a->size == b->size && a->held == b->held &&
+           memcmp(a->bits, b->bits, a->size <= MOECL_ARG_BYTES ? a->size : 0) == 0;
+}
+
+static void release_held(moecl_arg_state *s)
+{
+    if (s->held)
+        clReleaseMemObject(s->held);
+    *s = (moecl_arg_state){0};
 }
 
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const char *name,
                              const moecl_kernel_arg *args, cl_uint count)
 {
     /* Every buffer first, so that a bad one leaves the kernel as it was. */
-    const moecl_status st = check_buffers(ctx, args, count);
+    size_t sizes[MOECL_MAX_KERNEL_ARGS];
+    const moecl_status st = check_buffers(ctx, k, args, count, sizes);
     if (st != MOECL_SUCCESS)
         return st;
     for (cl_uint i = 0; i < count; i++) {
-        const moecl_arg_state next = state_of(&args[i]);
+        moecl_arg_state next = state_of(&args[i], sizes[i]);
         moecl_arg_state *last = &k->args[i];
         if (same(last, &next))
             continue; /* the kernel still has this value */
         const cl_int err = clSetKernelArg(k->kernel, i, args[i].size, args[i].value);
-        *last = err == CL_SUCCESS ? next : (moecl_arg_state){0};
-        if (err != CL_SUCCESS)
+        if (err != CL_SUCCESS) {
+            release_held(last);
             return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
+        }
+        /* Without the reference the handle may come back for another
+         * buffer: then the argument is set again next time. */
+        if (next.held && clRetainMemObject(next.held) != CL_SUCCESS)
+            next = (moecl_arg_state){0};
+        release_held(last);
+        *last = next;
     }
     return MOECL_SUCCESS;
+}
+
+void moecl_pooled_forget(moecl_pooled_kernel *k)
+{
+    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
+        release_held(&k->args[i]);
 }
 
 /* ---- running a call ---- */
@@ -364,7 +408,8 @@ moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *c, c
     const moecl_plan *p = moecl_plan_find(ctx, &c->key);
     if (!p || c->tokens == 0) {
         /* Before a build: a bad buffer costs no compile. */
-        st = check_buffers(ctx, c->args, c->num_args);
+        size_t sizes[MOECL_MAX_KERNEL_ARGS];
+        st = check_buffers(ctx, NULL, c->args, c->num_args, sizes);
         if (st == MOECL_SUCCESS && !p)
             st = moecl_plan_get(ctx, &c->key, c->build, c->request, &p);
         if (st != MOECL_SUCCESS)

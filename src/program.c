@@ -343,14 +343,21 @@ moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *v, moecl_p
     return MOECL_SUCCESS;
 }
 
+void moecl_registry_forget_buffers(moecl_registry *reg)
+{
+    pthread_mutex_lock(&reg->lock);
+    for (size_t i = 0; i < reg->count; i++) {
+        moecl_variant *v = reg->items[i];
+        const size_t n = atomic_load(&v->created);
+        for (size_t j = 0; j < n; j++)
+            moecl_pooled_forget(v->pool[j]);
+    }
+    pthread_mutex_unlock(&reg->lock);
+}
+
 size_t moecl_variant_work_group_limit(const moecl_variant *v)
 {
     return v->work_group_limit;
-}
-
-void moecl_pooled_forget(moecl_pooled_kernel *k)
-{
-    memset(k->args, 0, sizeof(k->args));
 }
 
 void moecl_variant_release(moecl_variant *v, moecl_pooled_kernel *k)

@@ -326,22 +326,26 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                           {"topk_ids", t * k * 4, b->ids.offset, 4, true},
                                           {"expert_counts", e * 4, b->counts.offset, 4, true}};
     const moecl_buffer_check *c = b->check ? checks : NULL;
-    /* Offsets travel in elements: the kernels index typed pointers. */
-    const cl_ulong offsets[5] = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
-                                 b->ids.offset / 4, b->counts.offset / 4};
-    const cl_uint num_tokens = d->num_tokens;
-    const cl_float factor = d->routed_scaling_factor;
-    const moecl_kernel_arg args[12] = {
-        MOECL_ARG_CHECKED(b->gating.mem, c ? &c[0] : NULL),  MOECL_ARG(offsets[0]),
-        MOECL_ARG_CHECKED(b->bias.mem, c ? &c[1] : NULL),    MOECL_ARG(offsets[1]),
-        MOECL_ARG_CHECKED(b->weights.mem, c ? &c[2] : NULL), MOECL_ARG(offsets[2]),
-        MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL),     MOECL_ARG(offsets[3]),
-        MOECL_ARG(num_tokens),                               MOECL_ARG(factor),
-        MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL),  MOECL_ARG(offsets[4])};
+    /* Offsets travel in elements: the kernels index typed pointers. The
+     * scalars are one argument, and the bias and counts arguments only
+     * where the request has them (cl/topk_gating.cl, cl/layout.h). */
+    const layout_topk_args scalars = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
+                                      b->ids.offset / 4, b->counts.offset / 4, d->num_tokens,
+                                      d->routed_scaling_factor};
+    moecl_kernel_arg args[6];
+    cl_uint n = 0;
+    args[n++] = MOECL_ARG_CHECKED(b->gating.mem, c ? &c[0] : NULL);
+    if (b->bias.mem)
+        args[n++] = MOECL_ARG_CHECKED(b->bias.mem, c ? &c[1] : NULL);
+    args[n++] = MOECL_ARG_CHECKED(b->weights.mem, c ? &c[2] : NULL);
+    args[n++] = MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL);
+    if (b->has_counts)
+        args[n++] = MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL);
+    args[n++] = MOECL_ARG(scalars);
     const bool has_counts = b->has_counts;
     const topk_request r = request_of(d, b->bias.mem != NULL, has_counts);
-    const moecl_launch_call call = {key_of(ctx, &r), build_plan,      &r,       args,           has_counts ? 12 : 10,
-                                    d->num_tokens,   b->counts.mem,   b->counts.offset, e * 4, "expert_counts"};
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
+                                    d->num_tokens,   b->counts.mem, b->counts.offset, e * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 

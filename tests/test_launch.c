@@ -817,37 +817,92 @@ START_TEST(test_plan_force_after_cached)
 }
 END_TEST
 
-/* A validated buffer is not checked again while it lives, but one that is
- * released and whose handle comes back for a smaller buffer is: the call
- * that needs the old size is refused. The context keeps no reference to a
- * caller's buffer. */
+/* Set by a buffer's destructor callback (which may run on another
+ * thread, after the release that frees it). */
+static void CL_CALLBACK note_freed(cl_mem mem, void *flag)
+{
+    (void)mem;
+    __atomic_store_n((int *)flag, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Whether the buffer watched by flag was freed within two seconds. */
+static bool freed_soon(const int *flag)
+{
+    for (int i = 0; i < 200 && !__atomic_load_n(flag, __ATOMIC_SEQ_CST); i++)
+        usleep(10000);
+    return __atomic_load_n(flag, __ATOMIC_SEQ_CST) != 0;
+}
+
+static cl_mem watched_buffer(cl_context cc, size_t bytes, int *freed)
+{
+    cl_int err;
+    cl_mem m = clCreateBuffer(cc, CL_MEM_READ_ONLY, bytes, NULL, &err);
+    ck_assert_ptr_nonnull(m);
+    *freed = 0;
+    ck_assert_int_eq(clSetMemObjectDestructorCallback(m, note_freed, freed), CL_SUCCESS);
+    return m;
+}
+
+static moecl_status gate_call(moecl_context *ctx, const moecl_topk_gating_desc *d, cl_mem gating, cl_mem w, cl_mem ids)
+{
+    const moecl_status st = moecl_topk_gating(ctx, d, (moecl_buffer){gating, 0}, (moecl_buffer){NULL, 0},
+                                              (moecl_buffer){w, 0}, (moecl_buffer){ids, 0}, 0, NULL, NULL);
+    ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+    return st;
+}
+
+/* The context holds a reference to the caller's buffers of a kernel's
+ * last call (moecl_buffer): a buffer the caller released is freed when
+ * the kernel gets another one, at moecl_context_forget_buffers and at
+ * moecl_context_destroy. A held buffer is checked against its size again
+ * (a request it is too small for is refused), and a handle that comes
+ * back for a smaller buffer once the old one is freed is checked anew. */
 START_TEST(test_plan_buffer_released)
 {
     moecl_context *ctx = harness_context();
     cl_context cc = moecl_context_cl_context(ctx);
     const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(64, 32, 4);
-    const size_t in_bytes = (size_t)64 * 32 * 4, out_bytes = (size_t)64 * 4 * 4;
+    const moecl_topk_gating_desc twice = moecl_topk_gating_desc_init(128, 32, 4);
+    const size_t in_bytes = (size_t)64 * 32 * 4, out_bytes = (size_t)128 * 4 * 4;
     cl_int err;
     cl_mem w = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
     cl_mem ids = clCreateBuffer(cc, CL_MEM_READ_WRITE, out_bytes, NULL, &err);
-    ck_assert(w && ids);
-    const moecl_buffer none = {NULL, 0}, bw = {w, 0}, bi = {ids, 0};
+    cl_mem other = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes, NULL, &err);
+    ck_assert(w && ids && other);
     bool reused = false;
     for (int round = 0; round < 8; round++) {
-        cl_mem big = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes, NULL, &err);
-        ck_assert_ptr_nonnull(big);
+        int freed = 0;
+        cl_mem big = watched_buffer(cc, in_bytes, &freed);
+        ck_assert_msg(gate_call(ctx, &d, big, w, ids) == MOECL_SUCCESS, "round %d: %s", round,
+                      moecl_context_error(ctx));
         cl_uint refs = 0;
-        moecl_status st = moecl_topk_gating(ctx, &d, (moecl_buffer){big, 0}, none, bw, bi, 0, NULL, NULL);
-        ck_assert_msg(st == MOECL_SUCCESS, "round %d: %s", round, moecl_context_error(ctx));
-        ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
         ck_assert_int_eq(clGetMemObjectInfo(big, CL_MEM_REFERENCE_COUNT, sizeof(refs), &refs, NULL), CL_SUCCESS);
-        ck_assert_msg(refs == 1, "round %d: the context holds a reference to the caller's buffer (%u)", round, refs);
+        ck_assert_msg(refs == 2, "round %d: %u references to the caller's buffer, not 2 (its own and the context's)",
+                      round, refs);
+        /* Held, and checked against the size kept: twice the tokens need
+         * twice the bytes. */
+        moecl_status st = gate_call(ctx, &twice, big, w, ids);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT && strstr(moecl_context_error(ctx), "gating: needs"),
+                      "round %d: a held buffer too small for the request was accepted: %s", round,
+                      moecl_context_error(ctx));
+        ck_assert_msg(gate_call(ctx, &d, big, w, ids) == MOECL_SUCCESS, "round %d again: %s", round,
+                      moecl_context_error(ctx));
         const cl_mem old = big;
         clReleaseMemObject(big);
+        ck_assert_msg(!__atomic_load_n(&freed, __ATOMIC_SEQ_CST), "round %d: a held buffer was freed", round);
+        /* Freed when the kernel gets another buffer (odd rounds) or when
+         * the context forgets its buffers (even rounds). */
+        if (round % 2)
+            ck_assert_msg(gate_call(ctx, &d, other, w, ids) == MOECL_SUCCESS, "round %d other: %s", round,
+                          moecl_context_error(ctx));
+        else
+            moecl_context_forget_buffers(ctx);
+        ck_assert_msg(freed_soon(&freed), "round %d: the released buffer was not freed (%s)", round,
+                      round % 2 ? "another buffer" : "moecl_context_forget_buffers");
         cl_mem small = clCreateBuffer(cc, CL_MEM_READ_ONLY, in_bytes / 2, NULL, &err);
         ck_assert_ptr_nonnull(small);
         reused |= small == old;
-        st = moecl_topk_gating(ctx, &d, (moecl_buffer){small, 0}, none, bw, bi, 0, NULL, NULL);
+        st = gate_call(ctx, &d, small, w, ids);
         ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT && strstr(moecl_context_error(ctx), "gating: needs"),
                       "round %d (handle %s): a buffer of half the size was accepted: %s", round,
                       small == old ? "reused" : "new", moecl_context_error(ctx));
@@ -855,9 +910,16 @@ START_TEST(test_plan_buffer_released)
     }
     if (!reused)
         fprintf(stderr, "launch: the driver never gave a released buffer's handle to the next buffer here\n");
+    /* Destroying the context frees what it held. */
+    int freed = 0;
+    cl_mem last = watched_buffer(cc, in_bytes, &freed);
+    ck_assert_msg(gate_call(ctx, &d, last, w, ids) == MOECL_SUCCESS, "last: %s", moecl_context_error(ctx));
+    clReleaseMemObject(last);
+    moecl_context_destroy(ctx);
+    ck_assert_msg(freed_soon(&freed), "moecl_context_destroy did not release the caller's buffer it held");
     clReleaseMemObject(w);
     clReleaseMemObject(ids);
-    moecl_context_destroy(ctx);
+    clReleaseMemObject(other);
 }
 END_TEST
 
@@ -1512,12 +1574,14 @@ static void gating_fault(moecl_context *ctx, bool with_counts, const fault *faul
 START_TEST(test_failed_argument)
 {
     moecl_context *ctx = harness_context();
-    const fault gating_args[] = {{FAULT_SET_ARG, "topk_gating", 6, CL_INVALID_MEM_OBJECT},
-                                 {FAULT_SET_ARG, "topk_gating", 9, CL_INVALID_ARG_SIZE}};
-    gating_fault(ctx, false, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating, arg 6");
-    gating_fault(ctx, true, gating_args, 2, "clSetKernelArg", 6, 0, true, false, "topk_gating_with_counts, arg 6");
-    const fault counts_arg[] = {{FAULT_SET_ARG, "topk_gating", 10, CL_INVALID_MEM_OBJECT}};
-    gating_fault(ctx, true, counts_arg, 1, "clSetKernelArg", 10, 0, true, false, "topk_gating_with_counts, arg 10");
+    /* Without a bias: gating, weights, ids (2), then the scalars (3), or
+     * the counts (3) and the scalars (4). */
+    const fault gating_args[] = {{FAULT_SET_ARG, "topk_gating", 2, CL_INVALID_MEM_OBJECT},
+                                 {FAULT_SET_ARG, "topk_gating", 3, CL_INVALID_ARG_SIZE}};
+    gating_fault(ctx, false, gating_args, 2, "clSetKernelArg", 2, 0, true, false, "topk_gating, arg 2");
+    gating_fault(ctx, true, gating_args, 2, "clSetKernelArg", 2, 0, true, false, "topk_gating_with_counts, arg 2");
+    const fault counts_arg[] = {{FAULT_SET_ARG, "topk_gating", 3, CL_INVALID_MEM_OBJECT}};
+    gating_fault(ctx, true, counts_arg, 1, "clSetKernelArg", 3, 0, true, false, "topk_gating_with_counts, arg 3");
     const moecl_topk_gating_desc t = moecl_topk_gating_desc_init(37, 32, 4);
     check_topk(ctx, &t, false, 7300, "topk_gating after the failures");
 

@@ -178,6 +178,13 @@ MOECL_API moecl_status moecl_context_create_from_cl(cl_context context, cl_devic
  *  use moecl's kernels may still be pending. NULL is a no-op. */
 MOECL_API void moecl_context_destroy(moecl_context *ctx);
 
+/** Release the references ctx keeps to the caller's buffers of earlier
+ *  calls (see moecl_buffer), so that buffers the caller has released are
+ *  freed now. Not while another thread calls into ctx. Commands already
+ *  enqueued keep their buffers alive as OpenCL does. The next call with
+ *  a buffer checks and sets it again. NULL is a no-op. */
+MOECL_API void moecl_context_forget_buffers(moecl_context *ctx);
+
 /** The detail of the calling thread's last failure on ctx, or "" if there
  *  is none. ctx may be NULL: then it is the detail of the thread's last
  *  failed moecl_context_create / _create_from_cl. The string stays valid
@@ -314,8 +321,16 @@ typedef enum moecl_group_fill {
  *  The offset must be a multiple of the element size of the tensor it
  *  holds, and the tensor must lie inside the buffer (checked through
  *  CL_MEM_SIZE). Tensors are row-major and contiguous. The buffer must
- *  belong to the context's cl_context. Every call checks its buffers
- *  (CL_MEM_SIZE, CL_MEM_CONTEXT) and keeps no reference to them. */
+ *  belong to the context's cl_context, and is checked (CL_MEM_SIZE,
+ *  CL_MEM_CONTEXT) the first time a call passes it.
+ *
+ *  The context keeps a reference to the buffers of each kernel's last
+ *  call (clRetainMemObject), so that a call with the same buffers as the
+ *  last one sets and queries nothing again: a buffer released after a
+ *  call is freed once that kernel is called with another buffer, at
+ *  moecl_context_forget_buffers() or at moecl_context_destroy(), not
+ *  before. The _host calls' buffers are the library's own and are not
+ *  kept. */
 typedef struct moecl_buffer {
     cl_mem mem;    /**< the buffer, or NULL for an absent tensor */
     size_t offset; /**< byte offset of the tensor in mem */
