@@ -171,7 +171,9 @@ def main():
         check = lambda: (True, "nothing to check")
         label = "empty (hand-written PTX)"
     else:
-        want = dict(m.split("=", 1) for m in o.match)
+        # The variants topk_case can feed, unless asked otherwise.
+        want = {"HAS_BIAS": "0", "SCORING": "0"}
+        want.update(dict(m.split("=", 1) for m in o.match))
         chosen = None
         for path in sorted(glob.glob(os.path.join(o.cache, "*.bin"))):
             ent = read_entry(path)
@@ -185,7 +187,8 @@ def main():
             if o.list:
                 print(os.path.basename(path), " ".join(shared), " ".join("%s=%s" % kv for kv in sorted(defines.items())))
                 continue
-            if o.kernel in shared and all(defines.get(n) == v for n, v in want.items()):
+            if (o.kernel in shared and all(defines.get(n) == v for n, v in want.items()) and
+                    defines.get("HAS_COUNTS", "0") == "0"):
                 chosen = (path, defines, patched, shared)
         if o.list:
             return 0

@@ -25,11 +25,16 @@ for c in "${cases[@]}"; do $h $c; done
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 for c in "${cases[@]}"; do
     echo "== ncu $c"
-    "$ncu" --metrics gpu__time_duration.sum,sm__warps_active.avg.pct_of_peak_sustained_active,dram__bytes.sum \
-        --csv $h $c --iters 5 2>&1 | grep -E "gpu__time_duration|sm__warps|dram__bytes|WRONG|ok \(" | tail -8
+    # Clocks as the application would run them (ncu locks them to base
+    # by default), the durations of the last 3 of 5 launches.
+    "$ncu" --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum \
+        --csv $h $c --iters 5 2>&1 | grep -E "gpu__time_duration|dram__bytes|WRONG" | tail -6 |
+        awk -F'","' '{print $5, $(NF-2), $NF}' 
 done
 echo "== ncu details, 1 token and 13526 tokens"
 "$ncu" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    $h --match NUM_EXPERTS=128 --match TEAM=16 --tokens 1 --iters 1 2>&1 | tail -80
-"$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-    $h --match NUM_EXPERTS=256 --tokens 13526 --iters 1 2>&1 | tail -70
+    --section SchedulerStats --metrics smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_wait \
+    $h --match NUM_EXPERTS=128 --match TEAM=16 --tokens 1 --iters 1 2>&1 | grep -vE "^ +(OPT|WRN|INF) |^          " | tail -75
+"$ncu" --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section ComputeWorkloadAnalysis $h --match NUM_EXPERTS=256 --tokens 13526 --iters 1 2>&1 |
+    grep -vE "^ +(OPT|WRN|INF) |^          " | tail -75
