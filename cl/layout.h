@@ -121,7 +121,7 @@
  * (pocl) or a setting (Intel's CPU runtime). Fields in decreasing
  * alignment, so C and OpenCL C lay it out alike, without padding; the
  * array below fails to compile on either side if the size differs. */
-#ifdef __OPENCL_VERSION__
+#if defined(__OPENCL_C_VERSION__) || defined(__OPENCL_VERSION__) /* clang sets only the first */
 #define LAYOUT_U64 ulong
 #define LAYOUT_U32 uint
 #else
