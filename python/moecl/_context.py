@@ -168,8 +168,6 @@ class Context:
         """Call moecl_<name>_host (HOST) or moecl_<name> (DEVICE); the event, or None."""
         ctx = self._ptr()
         if kind == T.HOST:
-            if wait_for:
-                raise ValueError("wait_for: NumPy calls block and wait for nothing; pass device tensors")
             fn = getattr(self._lib, "moecl_%s_host" % name)
             self._check(fn(ctx, ctypes.byref(desc), *[None if t is None else t.host.ctypes.data for t in tensors]),
                         ctx)
@@ -177,15 +175,25 @@ class Context:
         import pyopencl as cl
 
         events = list(wait_for or [])
-        for e in events:
-            if not isinstance(e, cl.Event):
-                raise TypeError("wait_for: expected pyopencl.Event, not %s" % type(e).__name__)
         wait = (_lib.cl_handle * len(events))(*[e.int_ptr for e in events]) if events else None
         bufs = [_lib.Buffer(None, 0) if t is None else _lib.Buffer(t.mem, t.offset) for t in tensors]
         done = _lib.cl_handle()
         fn = getattr(self._lib, "moecl_%s" % name)
         self._check(fn(ctx, ctypes.byref(desc), *bufs, len(events), wait, ctypes.byref(done)), ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
+
+    @staticmethod
+    def _check_wait(kind: str, wait_for: Optional[Sequence[Any]]) -> None:
+        """wait_for is for device calls only, and holds pyopencl.Events."""
+        if not wait_for:
+            return
+        if kind == T.HOST:
+            raise ValueError("wait_for: NumPy calls block and wait for nothing; pass device tensors")
+        import pyopencl as cl
+
+        for e in wait_for:
+            if not isinstance(e, cl.Event):
+                raise TypeError("wait_for: expected pyopencl.Event, not %s" % type(e).__name__)
 
     def _outputs(self, specs: Dict[str, Tuple[Tuple[int, ...], np.dtype]], given: Dict[str, Optional[T.Tensor]],
                  wanted: Sequence[str], kind: str, queue: Any) -> Dict[str, Optional[T.Tensor]]:
@@ -249,17 +257,20 @@ class Context:
         if given["counts"] is not None and not counts:
             raise ValueError('out["counts"] given without counts=True')
 
-        desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
-        desc.num_expert_groups = _uint("groups", 0 if groups is None else groups)
-        desc.topk_group = _uint("topk_group", 0 if topk_group is None else topk_group)
-        desc.gating_dtype = _lib.DTYPES[dtypes[g.dtype]]
-        desc.scoring = _enum("scoring", scoring, _lib.SCORINGS)
-        desc.group_score = _enum("group_score", group_score, _lib.GROUP_SCORES)
-        desc.group_fill = _enum("group_fill", group_fill, _lib.GROUP_FILLS)
-        desc.renormalize = bool(renormalize)
-        desc.routed_scaling_factor = float(scale)
-        desc.renormalize_floor = float(renormalize_floor)
+        self._check_wait(kind, wait_for)
+        fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
+                      topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
+                      gating_dtype=_lib.DTYPES[dtypes[g.dtype]],
+                      scoring=_enum("scoring", scoring, _lib.SCORINGS),
+                      group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
+                      group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
+                      renormalize=bool(renormalize), routed_scaling_factor=float(scale),
+                      renormalize_floor=float(renormalize_floor))
         ctx = self._ptr()
+        # desc_init first: fields a later moecl adds keep their defaults.
+        desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
+        for name, value in fields.items():
+            setattr(desc, name, value)
         self._check(self._lib.moecl_topk_gating_prepare(ctx, ctypes.byref(desc)), ctx)
 
         q = self._device_queue(queue) if kind == T.DEVICE else None
@@ -318,6 +329,7 @@ class Context:
         if extra:
             raise ValueError("out: %s given but not in outputs" % ", ".join(extra))
 
+        self._check_wait(kind, wait_for)
         desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[dtypes[h.dtype]]
@@ -353,10 +365,12 @@ class Context:
         kind = T.kind_of([topk_ids, *out.values()])
         ids = T.check("topk_ids", topk_ids, (None, None), [T.I32], kind)
         tokens, k = ids.shape
-        desc = self._lib.moecl_moe_align_desc_init(tokens, k, _uint("num_experts", num_experts),
-                                                   _uint("block_size", block_size))
-        max_padded = int(self._lib.moecl_moe_align_max_padded(ctypes.byref(desc)))
-        e, bs = desc.num_experts, max(desc.block_size, 1)
+        self._check_wait(kind, wait_for)
+        e, block = _uint("num_experts", num_experts), _uint("block_size", block_size)
+        # moecl_moe_align_max_padded()'s formula, here so that the outputs
+        # are checked before any C call; block_size 0 is the library's to refuse.
+        max_padded = tokens * k + e * max(block - 1, 0)
+        bs = max(block, 1)
         specs = {"expert_counts": ((e,), T.I32), "sorted_token_ids": ((max_padded,), T.I32),
                  "block_expert_ids": ((max_padded // bs,), T.I32), "num_tokens_post_padded": ((1,), T.I32),
                  "slot_positions": ((tokens, k), T.I32), "num_invalid": ((1,), T.I32)}
@@ -365,6 +379,7 @@ class Context:
             if given[name] is not None and not flag:
                 raise ValueError("out[%r] given with %s=False" % (name, name))
         ctx = self._ptr()
+        desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
         self._check(self._lib.moecl_moe_align_prepare(ctx, ctypes.byref(desc)), ctx)
 
         q = self._device_queue(queue) if kind == T.DEVICE else None
