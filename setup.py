@@ -1,8 +1,11 @@
 """setuptools' part of pyproject.toml: the version from meson.build, and
-setuptools' scratch kept out of meson's build directories."""
+setuptools' scratch kept out of the tree."""
 
+import atexit
 import os
 import re
+import shutil
+import tempfile
 
 from setuptools import setup
 
@@ -18,9 +21,11 @@ def meson_version() -> str:
     return m.group(1)
 
 
-# setuptools writes build/ and <package>.egg-info by default; build/ is
-# where the README has meson build, so both go to build-python/ instead.
-scratch = "build-python"
-os.makedirs(scratch, exist_ok=True)
+# setuptools writes build/ and <package>.egg-info into the tree by default:
+# build/ is where the README has meson build, and a build/lib left from an
+# earlier build would ship modules since removed. A fresh directory each
+# run, removed at exit (pip runs each build step in its own process).
+scratch = tempfile.mkdtemp(prefix="moecl-setuptools-")
+atexit.register(shutil.rmtree, scratch, True)
 setup(version=meson_version(),
       options={"build": {"build_base": scratch}, "egg_info": {"egg_base": scratch}})

@@ -24,7 +24,11 @@ COMPLETE = cl.command_execution_status.COMPLETE
 def clq(ctx):
     """A pyopencl context and in-order queue of its own, on moecl's device."""
     c = cl.Context([ctx.queue.device])
-    return cl.CommandQueue(c)
+    q = cl.CommandQueue(c)
+    # Intel's CPU runtime invalidates a context whose last reference is
+    # released even while a queue of it lives (pyopencl's queue holds none).
+    q.held_context = c
+    return q
 
 
 @pytest.fixture(scope="module")
