@@ -59,3 +59,14 @@ def test_search_order_is_reported(tmp_path):
         return
     assert "MOECL_LIBRARY: unset" in r.stderr
     assert "pkg-config" in r.stderr and 'find_library("moecl")' in r.stderr
+
+
+def test_device_selectors(ctx):
+    # The C API's selectors, as MOECL_DEVICE takes them: "P:D" and a name part.
+    platform = ctx.queue.device.platform
+    index = __import__("pyopencl").get_platforms().index(platform)
+    dev = platform.get_devices().index(ctx.queue.device)
+    with moecl.Context("%d:%d" % (index, dev)) as c:
+        assert c.queue.device == ctx.queue.device
+    with moecl.Context(ctx.queue.device.name[:6]) as c:
+        assert c.queue.device.name.startswith(ctx.queue.device.name[:6])

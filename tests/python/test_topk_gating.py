@@ -173,3 +173,17 @@ def test_out_arrays_are_written(ctx, rng):
     rw, rids = ctx.topk_gating(a, top_k=4, out={"weights": w, "ids": ids})
     assert rw is w and rids is ids
     check_topk(w, ids, x, 4)
+
+
+def test_nan_and_inf_bias(ctx, rng):
+    # Step 2: a NaN bias element makes that s NaN (ranked last), +inf makes
+    # it +inf (first) unless the score is NaN; the weights stay unbiased.
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    bias = np.zeros(16, np.float32)
+    bias[[2, 7]] = np.nan
+    bias[11] = np.inf
+    bias[4] = -np.inf
+    w, ids = ctx.topk_gating(x, top_k=16, bias=bias, scoring="sigmoid")
+    assert (ids[:, 0] == 11).all() and (ids[:, -3] == 4).all()
+    assert (ids[:, -2] == 2).all() and (ids[:, -1] == 7).all()  # NaNs last, by index
+    check_topk(w, ids, x.astype(np.float64), 16, "sigmoid", bias.astype(np.float64))
