@@ -164,9 +164,8 @@ def _check_device(name: str, obj: Any, shape: Sequence[Optional[int]], dtypes: I
         _check_shape(name, obj.shape, shape)
         base, offset = obj.buffer, obj.offset
     elif isinstance(obj, cl.Buffer) and output and None not in shape:
-        base, offset = obj, 0
-        obj_dtype = next(iter(dtypes))
-        return Tensor(tuple(shape), obj_dtype, obj, mem=base.int_ptr, offset=offset)  # type: ignore[arg-type]
+        # An output's shape and dtype are the call's; the library checks the size.
+        return Tensor(tuple(shape), next(iter(dtypes)), obj, mem=obj.int_ptr)  # type: ignore[arg-type]
     else:
         raise TypeError("%s: expected a pyopencl Array or a moecl.BufferView%s, not %s"
                         % (name, " or a pyopencl Buffer" if output else "", type(obj).__name__))
