@@ -4,7 +4,7 @@
 # command, its "Building" commands, `ldconfig`, then each link command of
 # "Install and link" on the README's smallest program, which must run and
 # print two "token" lines; then, in a venv, `pip install .` of the Python
-# package and the README's Python example (the first ```python block of
+# package (from Debian's packages alone) and the README's Python example (the first ```python block of
 # "## Python"), which must print the ids' shape and dtype and each row's
 # weight sum. The commands, app.c and the example are read from README.md,
 # so the README and this check cannot drift apart. Not the test command:
@@ -206,13 +206,18 @@ for f in "$readme"/link-*.cmd; do
     [ "$(grep -c '^token ' <<<"$out" || true)" -eq 2 ] || fail "./app did not print two \"token\" lines"
 done
 
-# The Python package as python/README.md installs it: python3-venv (not
-# in minbase, nor installed by the quick start), a venv, `pip install .`
-# from the checkout (its build requirements and numpy come from PyPI),
-# then the README's example, as written, run from another folder.
+# The Python package as python/README.md installs it from Debian alone:
+# python3-venv (not in minbase, nor installed by the quick start), numpy,
+# and the wheels of setuptools and wheel that pyproject.toml pins, then
+# `pip install .` from the checkout in a venv, pip told to take its build
+# requirements from those wheels and not to ask PyPI (CI's network
+# intercepts TLS with a certificate authority the fresh root does not
+# trust), then the README's example, as written, run from another folder.
 begin "Python: python3 -m venv, pip install ., the README's example"
-in_root /root 'apt-get install -y --no-install-recommends python3-venv >/dev/null' || fail "apt-get install python3-venv"
-in_root /root/moecl 'python3 -m venv /root/venv && /root/venv/bin/pip install -q .' ||
+in_root /root 'apt-get install -y --no-install-recommends python3-venv python3-numpy python3-wheel-whl >/dev/null' ||
+    fail "apt-get install python3-venv python3-numpy python3-wheel-whl"
+in_root /root/moecl 'python3 -m venv --system-site-packages /root/venv &&
+    PIP_NO_INDEX=1 PIP_FIND_LINKS=/usr/share/python-wheels /root/venv/bin/pip install -q .' ||
     fail "pip install . in a venv"
 cp "$readme/example.py" "$root/root/app/example.py"
 out=$(in_root /root/app '/root/venv/bin/python example.py') || { printf '%s\n' "$out" >&2; fail "the README's Python example"; }
