@@ -78,6 +78,7 @@ class Context:
         self._lib = library()
         self._handle: Optional[int] = None
         self._pyopencl_queue: Any = None
+        self._adopted: Dict[int, "Context"] = {}
         if device is not None and not isinstance(device, str):
             raise TypeError("device must be a str or None, not %s" % type(device).__name__)
         h = ctypes.c_void_p()
@@ -101,6 +102,7 @@ class Context:
         self._lib = library()
         self._handle = None
         self._pyopencl_queue = queue
+        self._adopted = {}
         h = ctypes.c_void_p()
         self._check(self._lib.moecl_context_create_from_cl(queue.context.int_ptr, queue.device.int_ptr,
                                                            queue.int_ptr, ctypes.byref(h)), None)
@@ -109,6 +111,9 @@ class Context:
 
     def close(self) -> None:
         """Release the context (moecl_context_destroy). Finish pending work first."""
+        for other in self._adopted.values():
+            other.close()
+        self._adopted = {}
         if self._handle is not None:
             self._lib.moecl_context_destroy(self._handle)
             self._handle = None
@@ -155,13 +160,28 @@ class Context:
     # The calls' common steps
     # ------------------------------------------------------------------
 
-    def _device_queue(self, queue: Any) -> Any:
-        """The pyopencl queue a device call enqueues on: the context's."""
-        own = self.queue
-        if queue is not None and queue.int_ptr != own.int_ptr:
-            raise ValueError("queue: a moecl.Context enqueues on its own queue; adopt this queue with "
-                             "moecl.Context.from_pyopencl(queue)")
-        return own
+    def _on(self, queue: Any) -> "Context":
+        """The context a call runs on: this one for queue None or its own
+        queue, else one adopting queue (made on first use and kept, with
+        its kernels, until this context is closed)."""
+        ctx = self._ptr()
+        if queue is None:
+            return self
+        import pyopencl as cl
+
+        if not isinstance(queue, cl.CommandQueue):
+            raise TypeError("queue: expected a pyopencl.CommandQueue, not %s" % type(queue).__name__)
+        if queue.int_ptr == self._lib.moecl_context_queue(ctx):
+            return self
+        # The adopted context retains the queue, so no other queue can take its address.
+        if queue.int_ptr not in self._adopted:
+            self._adopted[queue.int_ptr] = Context.from_pyopencl(queue)
+        return self._adopted[queue.int_ptr]
+
+    def _prepare(self, name: str, desc: ctypes.Structure) -> None:
+        """moecl_<name>_prepare: the library validates desc (its messages) and builds the kernel."""
+        ctx = self._ptr()
+        self._check(getattr(self._lib, "moecl_%s_prepare" % name)(ctx, ctypes.byref(desc)), ctx)
 
     def _run(self, name: str, desc: ctypes.Structure, tensors: Sequence[Optional[T.Tensor]], kind: str,
              wait_for: Optional[Sequence[Any]]) -> Any:
@@ -231,7 +251,10 @@ class Context:
             counts: also return expert_counts int32 [experts], the number
                 of slots routed to each expert.
             out: output arrays to write, by name ("weights", "ids", "counts").
-            queue: device tensors only: must be the context's queue.
+            queue: a pyopencl.CommandQueue to enqueue on instead of the
+                context's own (adopted with from_pyopencl on first use, and
+                kept until the context is closed); the tensors must belong
+                to its OpenCL context.
             wait_for: device tensors only: pyopencl.Events to wait on.
 
         Returns:
@@ -266,18 +289,18 @@ class Context:
                       group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
                       renormalize=bool(renormalize), routed_scaling_factor=float(scale),
                       renormalize_floor=float(renormalize_floor))
-        ctx = self._ptr()
+        on = self._on(queue)
         # desc_init first: fields a later moecl adds keep their defaults.
         desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
         for name, value in fields.items():
             setattr(desc, name, value)
-        self._check(self._lib.moecl_topk_gating_prepare(ctx, ctypes.byref(desc)), ctx)
+        on._prepare("topk_gating", desc)
 
-        q = self._device_queue(queue) if kind == T.DEVICE else None
+        q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
         o = self._outputs(specs, given, wanted, kind, q)
         tensors = [g, b, o["weights"], o["ids"]] + ([o["counts"]] if counts else [])
-        event = self._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
+        event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
         result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 
@@ -333,12 +356,12 @@ class Context:
         desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[dtypes[h.dtype]]
-        ctx = self._ptr()
-        self._check(self._lib.moecl_grounded_router_prepare(ctx, ctypes.byref(desc)), ctx)
+        on = self._on(queue)
+        on._prepare("grounded_router", desc)
 
-        q = self._device_queue(queue) if kind == T.DEVICE else None
+        q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, outputs, kind, q)
-        event = self._run("grounded_router", desc, [h, r, w, o["pairs"], o["weights"], o["ids"]], kind, wait_for)
+        event = on._run("grounded_router", desc, [h, r, w, o["pairs"], o["weights"], o["ids"]], kind, wait_for)
         result = tuple(o[n].obj for n in outputs)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 
@@ -378,14 +401,14 @@ class Context:
         for name, flag in (("slot_positions", slot_positions), ("num_invalid", num_invalid)):
             if given[name] is not None and not flag:
                 raise ValueError("out[%r] given with %s=False" % (name, name))
-        ctx = self._ptr()
+        on = self._on(queue)
         desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
-        self._check(self._lib.moecl_moe_align_prepare(ctx, ctypes.byref(desc)), ctx)
+        on._prepare("moe_align", desc)
 
-        q = self._device_queue(queue) if kind == T.DEVICE else None
+        q = on.queue if kind == T.DEVICE else None
         wanted = [n for n in specs if (n != "slot_positions" or slot_positions) and (n != "num_invalid" or num_invalid)]
         o = self._outputs(specs, given, wanted, kind, q)
-        event = self._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
+        event = on._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
         return MoeAlignResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
 
 

@@ -37,6 +37,12 @@ def adopted(clq):
         yield a
 
 
+def align_on_host(res):
+    """A device MoeAlignResult's arrays read back, as the NumPy path returns them."""
+    return res._replace(event=None, **{f: None if getattr(res, f) is None else getattr(res, f).get()
+                                       for f in res._fields[:-1]})
+
+
 def read(queue, buf, shape, dtype, offset=0):
     """A buffer's bytes through queue, whatever else is pending elsewhere."""
     host = np.empty(shape, dtype)
@@ -114,8 +120,7 @@ def test_chained_ops_on_events(adopted, clq, rng):
     host_ids = ids.get()
     check_topk(w.get(), host_ids, x.astype(np.float64), k)
     np.testing.assert_array_equal(counts.get(), np.bincount(host_ids.ravel(), minlength=experts))
-    check_align(res._replace(event=None, **{f: getattr(res, f).get() for f in res._fields[:-1]}), host_ids,
-                experts, 4)
+    check_align(align_on_host(res), host_ids, experts, 4)
     check_grounded(pairs.get(), gw.get(), gids.get(), h.astype(np.float64), x.astype(np.float64),
                    g.astype(np.float64), 0.5, 3)
 
@@ -149,9 +154,42 @@ def test_own_context_device_tensors(ctx, rng):
     check_topk(w.get(), ids.get(), x.astype(np.float64), 3)
 
 
-def test_another_queue_refused(ctx, clq):
-    with pytest.raises(ValueError, match="from_pyopencl"):
-        ctx.topk_gating(cla.zeros(ctx.queue, (2, 8), np.float32), top_k=2, queue=clq)
+def test_queue_argument_enqueues_there(ctx, clq, rng):
+    # ctx has its own queue and OpenCL context; queue= runs the call on clq,
+    # adopted once and kept.
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    for _ in range(2):
+        w, ids, ev = ctx.topk_gating(cla.to_device(clq, x), top_k=4, queue=clq)
+        assert ev.get_info(cl.event_info.COMMAND_QUEUE) == clq
+        ev.wait()
+        check_topk(w.get(), ids.get(), x.astype(np.float64), 4)
+    assert list(ctx._adopted) == [clq.int_ptr]
+    res = ctx.moe_align(ids, 16, 4, queue=clq, wait_for=[ev])
+    assert res.event.get_info(cl.event_info.COMMAND_QUEUE) == clq
+    with pytest.raises(TypeError, match="queue: expected a pyopencl.CommandQueue"):
+        ctx.topk_gating(x, top_k=4, queue=clq.context)
+
+
+def test_out_of_order_queue(ctx, rng):
+    """On an out-of-order queue calls order themselves only through
+    wait_for: moe_align waits on top-k gating's event."""
+    dev = ctx.queue.device
+    if not dev.queue_properties & cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE:
+        pytest.skip("the device has no out-of-order queues")
+    c = cl.Context([dev])
+    q = cl.CommandQueue(c, properties=cl.command_queue_properties.OUT_OF_ORDER_EXEC_MODE_ENABLE)
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    with moecl.Context.from_pyopencl(q) as ooo:
+        logits = cla.to_device(q, x)
+        q.finish()
+        gate = cl.UserEvent(c)
+        w, ids, ev = ooo.topk_gating(logits, top_k=8, wait_for=[gate])
+        res = ooo.moe_align(ids, 64, 16, wait_for=[ev])
+        gate.set_status(COMPLETE)
+        res.event.wait()
+        host_ids = ids.get()
+        check_topk(w.get(), host_ids, x.astype(np.float64), 8)
+        check_align(align_on_host(res), host_ids, 64, 16)
 
 
 def test_library_refuses_bad_device_tensors(adopted, ctx, clq):
