@@ -1,0 +1,424 @@
+"""moecl.Context: one OpenCL device and queue, and the three ops on it."""
+
+from __future__ import annotations
+
+import ctypes
+
+from typing import Any, Dict, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _lib
+from . import _tensors as T
+from ._errors import error_class
+
+_lib_handle: Optional[ctypes.CDLL] = None
+
+
+def library() -> ctypes.CDLL:
+    """The loaded libmoecl (loaded on first use; see moecl._lib.load)."""
+    global _lib_handle
+    if _lib_handle is None:
+        _lib_handle = _lib.load()
+    return _lib_handle
+
+
+def _uint(name: str, v: Any) -> int:
+    """An int for a uint32_t field; the C library checks its range."""
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError("%s must be an int, not %s" % (name, type(v).__name__))
+    if not 0 <= int(v) < 2**32:
+        raise ValueError("%s must be in [0, 2**32), not %d" % (name, v))
+    return int(v)
+
+
+def _enum(name: str, v: Any, names: Dict[str, int]) -> int:
+    if v not in names:
+        raise ValueError("%s must be one of %s, not %r" % (name, ", ".join(repr(n) for n in names), v))
+    return names[v]
+
+
+class MoeAlignResult(NamedTuple):
+    """moe_align's outputs (docs/routing.md, section 7); all int32.
+
+    slot_positions and num_invalid are None when not asked for; event is
+    the call's pyopencl.Event on the device path, None on the NumPy path.
+    """
+
+    expert_counts: Any           #: [num_experts]
+    sorted_token_ids: Any        #: [max_padded]
+    block_expert_ids: Any        #: [max_padded // block_size]
+    num_tokens_post_padded: Any  #: [1]
+    slot_positions: Any          #: [num_tokens, top_k], or None
+    num_invalid: Any             #: [1], or None
+    event: Any                   #: pyopencl.Event, or None
+
+
+class Context:
+    """An OpenCL device, its command queue and the kernels built for it.
+
+    Args:
+        device: the device selector of moecl_context_create(): None (the
+            environment variable MOECL_DEVICE, else the first GPU or
+            accelerator, else the first CPU), "gpu", "cpu", "P:D"
+            (platform P, device D, as moecl-info lists them) or text
+            contained in "platform name / device name" (ignoring case).
+
+    Raises:
+        moecl.NoDeviceError: no OpenCL device, or none matches.
+        moecl.Error: another failure of moecl_context_create().
+
+    The ops take NumPy arrays (and block until the results are copied
+    back) or device tensors (pyopencl Arrays and Buffers, moecl.BufferView),
+    which enqueue on the context's queue and return a pyopencl.Event. Use
+    ``with Context() as ctx:`` or close() to release it early.
+    """
+
+    def __init__(self, device: Optional[str] = None) -> None:
+        self._lib = library()
+        self._handle: Optional[int] = None
+        self._pyopencl_queue: Any = None
+        self._adopted: Dict[int, "Context"] = {}
+        if device is not None and not isinstance(device, str):
+            raise TypeError("device must be a str or None, not %s" % type(device).__name__)
+        h = ctypes.c_void_p()
+        self._check(self._lib.moecl_context_create(device.encode() if device is not None else None,
+                                                   ctypes.byref(h)), None)
+        self._handle = h.value
+
+    @classmethod
+    def from_pyopencl(cls, queue: Any) -> "Context":
+        """Adopt a pyopencl CommandQueue (its context, device and the queue).
+
+        The ops then enqueue on that queue, in-order or out-of-order (an
+        out-of-order queue orders calls only through wait_for). The OpenCL
+        objects are retained until the Context is closed.
+        """
+        import pyopencl as cl
+
+        if not isinstance(queue, cl.CommandQueue):
+            raise TypeError("from_pyopencl takes a pyopencl.CommandQueue, not %s" % type(queue).__name__)
+        self = cls.__new__(cls)
+        self._lib = library()
+        self._handle = None
+        self._pyopencl_queue = queue
+        self._adopted = {}
+        h = ctypes.c_void_p()
+        self._check(self._lib.moecl_context_create_from_cl(queue.context.int_ptr, queue.device.int_ptr,
+                                                           queue.int_ptr, ctypes.byref(h)), None)
+        self._handle = h.value
+        return self
+
+    def close(self) -> None:
+        """Release the context (moecl_context_destroy). Finish pending work first."""
+        for other in self._adopted.values():
+            other.close()
+        self._adopted = {}
+        if self._handle is not None:
+            self._lib.moecl_context_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "Context":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None) is not None:
+            self.close()
+
+    def _ptr(self) -> int:
+        if self._handle is None:
+            raise ValueError("the moecl.Context is closed")
+        return self._handle
+
+    def _check(self, status: int, ctx: Optional[int]) -> None:
+        if status != 0:
+            text = self._lib.moecl_status_string(status).decode()
+            message = self._lib.moecl_context_error(ctx).decode(errors="replace")
+            raise error_class(status)(status, text, message)
+
+    def describe(self) -> str:
+        """moecl_context_describe(): the device and what moecl chose for it."""
+        n = self._lib.moecl_context_describe(self._ptr(), None, 0)
+        buf = ctypes.create_string_buffer(n + 1)
+        self._lib.moecl_context_describe(self._ptr(), buf, n + 1)
+        return buf.value.decode(errors="replace")
+
+    @property
+    def queue(self) -> Any:
+        """The context's queue as a pyopencl.CommandQueue (the adopted one, or moecl's own)."""
+        if self._pyopencl_queue is None:
+            import pyopencl as cl
+
+            self._pyopencl_queue = cl.CommandQueue.from_int_ptr(self._lib.moecl_context_queue(self._ptr()),
+                                                                retain=True)
+        return self._pyopencl_queue
+
+    # ------------------------------------------------------------------
+    # The calls' common steps
+    # ------------------------------------------------------------------
+
+    def _on(self, queue: Any) -> "Context":
+        """The context a call runs on: this one for queue None or its own
+        queue, else one adopting queue (made on first use and kept, with
+        its kernels, until this context is closed)."""
+        ctx = self._ptr()
+        if queue is None:
+            return self
+        import pyopencl as cl
+
+        if not isinstance(queue, cl.CommandQueue):
+            raise TypeError("queue: expected a pyopencl.CommandQueue, not %s" % type(queue).__name__)
+        if queue.int_ptr == self._lib.moecl_context_queue(ctx):
+            return self
+        # The adopted context retains the queue, so no other queue can take its address.
+        if queue.int_ptr not in self._adopted:
+            self._adopted[queue.int_ptr] = Context.from_pyopencl(queue)
+        return self._adopted[queue.int_ptr]
+
+    def _prepare(self, name: str, desc: ctypes.Structure) -> None:
+        """moecl_<name>_prepare: the library validates desc (its messages) and builds the kernel."""
+        ctx = self._ptr()
+        self._check(getattr(self._lib, "moecl_%s_prepare" % name)(ctx, ctypes.byref(desc)), ctx)
+
+    def _run(self, name: str, desc: ctypes.Structure, tensors: Sequence[Optional[T.Tensor]], kind: str,
+             wait_for: Optional[Sequence[Any]]) -> Any:
+        """Call moecl_<name>_host (HOST) or moecl_<name> (DEVICE); the event, or None."""
+        ctx = self._ptr()
+        if kind == T.HOST:
+            fn = getattr(self._lib, "moecl_%s_host" % name)
+            self._check(fn(ctx, ctypes.byref(desc), *[None if t is None else t.host.ctypes.data for t in tensors]),
+                        ctx)
+            return None
+        import pyopencl as cl
+
+        events = list(wait_for or [])
+        wait = (_lib.cl_handle * len(events))(*[e.int_ptr for e in events]) if events else None
+        bufs = [_lib.Buffer(None, 0) if t is None else _lib.Buffer(t.mem, t.offset) for t in tensors]
+        done = _lib.cl_handle()
+        fn = getattr(self._lib, "moecl_%s" % name)
+        self._check(fn(ctx, ctypes.byref(desc), *bufs, len(events), wait, ctypes.byref(done)), ctx)
+        return cl.Event.from_int_ptr(done.value, retain=False)
+
+    @staticmethod
+    def _check_wait(kind: str, wait_for: Optional[Sequence[Any]]) -> None:
+        """wait_for is for device calls only, and holds pyopencl.Events."""
+        if not wait_for:
+            return
+        if kind == T.HOST:
+            raise ValueError("wait_for: NumPy calls block and wait for nothing; pass device tensors")
+        import pyopencl as cl
+
+        for e in wait_for:
+            if not isinstance(e, cl.Event):
+                raise TypeError("wait_for: expected pyopencl.Event, not %s" % type(e).__name__)
+
+    def _outputs(self, specs: Dict[str, Tuple[Tuple[int, ...], np.dtype]], given: Dict[str, Optional[T.Tensor]],
+                 wanted: Sequence[str], kind: str, queue: Any) -> Dict[str, Optional[T.Tensor]]:
+        """The given outputs, and new ones for the wanted names not given."""
+        return {name: given[name] if given[name] is not None
+                else (T.allocate(specs[name][0], specs[name][1], kind, queue) if name in wanted else None)
+                for name in specs}
+
+    # ------------------------------------------------------------------
+    # Top-k gating
+    # ------------------------------------------------------------------
+
+    def topk_gating(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
+                    groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
+                    renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
+                    group_fill: str = "neg_inf", dtype: Optional[str] = None, counts: bool = False,
+                    out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                    wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
+        """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
+
+        Args:
+            logits: float32, float16 or bfloat16 [tokens, experts] (see dtype).
+            top_k: experts chosen per token.
+            scoring: "softmax" or "sigmoid".
+            bias: float32 [experts] added to the scores for selection only, or None.
+            groups, topk_group: group-limited selection (num_expert_groups
+                and topk_group), or None for none.
+            group_score: "max" or "top2_sum".
+            renormalize: divide the k weights by their sum.
+            scale: routed_scaling_factor, applied to the weights last.
+            renormalize_floor: with renormalize, the smallest divisor (0: moecl's rule).
+            group_fill: what dropped groups' experts become, "neg_inf" or "zero".
+            dtype: None (from the array), "f32", "f16", or "bf16" (for
+                ml_dtypes.bfloat16 or raw uint16 arrays).
+            counts: also return expert_counts int32 [experts], the number
+                of slots routed to each expert.
+            out: output arrays to write, by name ("weights", "ids", "counts").
+            queue: a pyopencl.CommandQueue to enqueue on instead of the
+                context's own (adopted with from_pyopencl on first use, and
+                kept until the context is closed); the tensors must belong
+                to its OpenCL context.
+            wait_for: device tensors only: pyopencl.Events to wait on.
+
+        Returns:
+            (weights float32 [tokens, top_k], ids int32 [tokens, top_k]),
+            then counts if asked for, then, for device tensors, the
+            call's pyopencl.Event.
+
+        Raises:
+            TypeError, ValueError: a tensor of the wrong kind, dtype, shape
+                or layout (nothing was called).
+            moecl.InvalidArgumentError: a field the library refuses; its
+                message names the field. moecl.Error: another failure.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([logits, bias, *out.values()])
+        dtypes = T.input_dtypes(dtype)
+        g = T.check("logits", logits, (None, None), dtypes, kind)
+        tokens, experts = g.shape
+        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
+        k = _uint("top_k", top_k)
+        specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32), "counts": ((experts,), T.I32)}
+        given = T.outputs(specs, out, kind)
+        if given["counts"] is not None and not counts:
+            raise ValueError('out["counts"] given without counts=True')
+
+        self._check_wait(kind, wait_for)
+        fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
+                      topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
+                      gating_dtype=_lib.DTYPES[dtypes[g.dtype]],
+                      scoring=_enum("scoring", scoring, _lib.SCORINGS),
+                      group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
+                      group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
+                      renormalize=bool(renormalize), routed_scaling_factor=float(scale),
+                      renormalize_floor=float(renormalize_floor))
+        on = self._on(queue)
+        # desc_init first: fields a later moecl adds keep their defaults.
+        desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
+        for name, value in fields.items():
+            setattr(desc, name, value)
+        on._prepare("topk_gating", desc)
+
+        q = on.queue if kind == T.DEVICE else None
+        wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
+        o = self._outputs(specs, given, wanted, kind, q)
+        tensors = [g, b, o["weights"], o["ids"]] + ([o["counts"]] if counts else [])
+        event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
+        result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
+        return result + (event,) if kind == T.DEVICE else result
+
+    # ------------------------------------------------------------------
+    # Grounded router
+    # ------------------------------------------------------------------
+
+    def grounded_router(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2, alpha: float = 1.0,
+                        *, dtype: Optional[str] = None, outputs: Sequence[str] = ("weights", "ids"),
+                        out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                        wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
+        """The grounded router (docs/routing.md, section 3).
+
+        g = router_logits + alpha * hidden @ ground.T, its top_k largest per
+        token, and a softmax over the chosen values.
+
+        Args:
+            hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
+            router_logits: float32 [tokens, experts].
+            ground: [experts, hidden_dim], of hidden's dtype.
+            top_k: experts chosen per token.
+            alpha: weight of the hidden @ ground.T term.
+            dtype: as for topk_gating, for hidden and ground.
+            outputs: which outputs to compute and return, in this order:
+                any of "weights" (float32 [tokens, top_k]), "ids" (int32
+                [tokens, top_k]) and "pairs" (float32 [tokens, top_k, 2],
+                (id, weight) interleaved, the seed's layout).
+            out, queue, wait_for: as for topk_gating.
+
+        Returns:
+            The outputs named in outputs, then for device tensors the pyopencl.Event.
+        """
+        out = dict(out or {})
+        outputs = tuple(outputs)
+        for name in outputs:
+            if name not in ("pairs", "weights", "ids"):
+                raise ValueError('outputs: %r is none of "pairs", "weights", "ids"' % (name,))
+        kind = T.kind_of([hidden, router_logits, ground, *out.values()])
+        dtypes = T.input_dtypes(dtype)
+        h = T.check("hidden", hidden, (None, None), dtypes, kind)
+        tokens, hidden_dim = h.shape
+        r = T.check("router_logits", router_logits, (tokens, None), [T.F32], kind)
+        experts = r.shape[1]
+        w = T.check("ground", ground, (experts, hidden_dim), [h.dtype], kind)
+        k = _uint("top_k", top_k)
+        specs = {"pairs": ((tokens, k, 2), T.F32), "weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
+        given = T.outputs(specs, out, kind)
+        extra = [n for n in specs if given[n] is not None and n not in outputs]
+        if extra:
+            raise ValueError("out: %s given but not in outputs" % ", ".join(extra))
+
+        self._check_wait(kind, wait_for)
+        desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
+        desc.top_k = k
+        desc.hidden_dtype = _lib.DTYPES[dtypes[h.dtype]]
+        on = self._on(queue)
+        on._prepare("grounded_router", desc)
+
+        q = on.queue if kind == T.DEVICE else None
+        o = self._outputs(specs, given, outputs, kind, q)
+        event = on._run("grounded_router", desc, [h, r, w, o["pairs"], o["weights"], o["ids"]], kind, wait_for)
+        result = tuple(o[n].obj for n in outputs)  # type: ignore[union-attr]
+        return result + (event,) if kind == T.DEVICE else result
+
+    # ------------------------------------------------------------------
+    # moe_align
+    # ------------------------------------------------------------------
+
+    def moe_align(self, topk_ids: Any, num_experts: int, block_size: int, *, slot_positions: bool = True,
+                  num_invalid: bool = True, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                  wait_for: Optional[Sequence[Any]] = None) -> MoeAlignResult:
+        """Sort a routing's slots by expert for grouped GEMMs (docs/routing.md, section 7).
+
+        Args:
+            topk_ids: int32 [tokens, top_k]; ids outside [0, num_experts) are skipped.
+            num_experts: experts routed to.
+            block_size: each expert's run is padded to a multiple of this.
+            slot_positions, num_invalid: compute these optional outputs.
+            out, queue, wait_for: as for topk_gating (names as MoeAlignResult's fields).
+
+        Returns:
+            A MoeAlignResult.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([topk_ids, *out.values()])
+        ids = T.check("topk_ids", topk_ids, (None, None), [T.I32], kind)
+        tokens, k = ids.shape
+        self._check_wait(kind, wait_for)
+        e, block = _uint("num_experts", num_experts), _uint("block_size", block_size)
+        # moecl_moe_align_max_padded()'s formula, here so that the outputs
+        # are checked before any C call; block_size 0 is the library's to refuse.
+        max_padded = tokens * k + e * max(block - 1, 0)
+        bs = max(block, 1)
+        specs = {"expert_counts": ((e,), T.I32), "sorted_token_ids": ((max_padded,), T.I32),
+                 "block_expert_ids": ((max_padded // bs,), T.I32), "num_tokens_post_padded": ((1,), T.I32),
+                 "slot_positions": ((tokens, k), T.I32), "num_invalid": ((1,), T.I32)}
+        given = T.outputs(specs, out, kind)
+        for name, flag in (("slot_positions", slot_positions), ("num_invalid", num_invalid)):
+            if given[name] is not None and not flag:
+                raise ValueError("out[%r] given with %s=False" % (name, name))
+        on = self._on(queue)
+        desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
+        on._prepare("moe_align", desc)
+
+        q = on.queue if kind == T.DEVICE else None
+        wanted = [n for n in specs if (n != "slot_positions" or slot_positions) and (n != "num_invalid" or num_invalid)]
+        o = self._outputs(specs, given, wanted, kind, q)
+        event = on._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
+        return MoeAlignResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
+
+
+def version() -> str:
+    """moecl_version() of the loaded C library."""
+    return library().moecl_version().decode()
+
+
+def status_string(status: int) -> str:
+    """moecl_status_string(status)."""
+    return library().moecl_status_string(status).decode()
+
+

@@ -1,0 +1,195 @@
+"""Finding libmoecl.so and declaring its C API for ctypes.
+
+The declarations mirror include/moecl/moecl.h for the ABI named by
+``ABI_VERSION`` (meson.build's ``moecl_soversion``); a test checks that the
+two agree, and the loader prefers ``libmoecl.so.<ABI_VERSION>`` so that an
+installed library of another ABI is not loaded by accident.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import shutil
+import subprocess
+from typing import List, Optional, Tuple
+
+#: The soname number (libmoecl.so.N) these declarations are written for.
+ABI_VERSION = 1
+
+_SONAMES = ("libmoecl.so.%d" % ABI_VERSION, "libmoecl.so")
+
+c_uint32 = ctypes.c_uint32
+c_int = ctypes.c_int
+c_void_p = ctypes.c_void_p
+c_size_t = ctypes.c_size_t
+# OpenCL's handles are pointers; cl_uint is 32 bits.
+cl_handle = ctypes.c_void_p
+cl_uint = ctypes.c_uint32
+
+
+class Buffer(ctypes.Structure):
+    """moecl_buffer: a cl_mem and a byte offset (mem NULL: absent)."""
+
+    _fields_ = [("mem", cl_handle), ("offset", c_size_t)]
+
+
+class TopkGatingDesc(ctypes.Structure):
+    """moecl_topk_gating_desc."""
+
+    _fields_ = [
+        ("num_tokens", c_uint32),
+        ("num_experts", c_uint32),
+        ("top_k", c_uint32),
+        ("num_expert_groups", c_uint32),
+        ("topk_group", c_uint32),
+        ("gating_dtype", c_int),
+        ("scoring", c_int),
+        ("group_score", c_int),
+        ("renormalize", ctypes.c_bool),
+        ("routed_scaling_factor", ctypes.c_float),
+        ("renormalize_floor", ctypes.c_float),
+        ("group_fill", c_int),
+    ]
+
+
+class GroundedRouterDesc(ctypes.Structure):
+    """moecl_grounded_router_desc."""
+
+    _fields_ = [
+        ("num_tokens", c_uint32),
+        ("hidden_dim", c_uint32),
+        ("num_experts", c_uint32),
+        ("top_k", c_uint32),
+        ("alpha", ctypes.c_float),
+        ("hidden_dtype", c_int),
+    ]
+
+
+class MoeAlignDesc(ctypes.Structure):
+    """moecl_moe_align_desc."""
+
+    _fields_ = [
+        ("num_tokens", c_uint32),
+        ("top_k", c_uint32),
+        ("num_experts", c_uint32),
+        ("block_size", c_uint32),
+    ]
+
+
+# The enums of moecl.h, by the names the Python API uses.
+DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
+SCORINGS = {"softmax": 0, "sigmoid": 1}
+GROUP_SCORES = {"max": 0, "top2_sum": 1}
+GROUP_FILLS = {"neg_inf": 0, "zero": 1}
+
+_P = ctypes.POINTER
+_ctx = c_void_p
+_events = _P(cl_handle)
+_event_out = _P(cl_handle)
+
+# name: (restype, argtypes)
+_SIGNATURES = {
+    "moecl_status_string": (ctypes.c_char_p, [c_int]),
+    "moecl_version": (ctypes.c_char_p, []),
+    "moecl_context_create": (c_int, [ctypes.c_char_p, _P(_ctx)]),
+    "moecl_context_create_from_cl": (c_int, [cl_handle, cl_handle, cl_handle, _P(_ctx)]),
+    "moecl_context_destroy": (None, [_ctx]),
+    "moecl_context_error": (ctypes.c_char_p, [_ctx]),
+    "moecl_context_cl_context": (cl_handle, [_ctx]),
+    "moecl_context_device": (cl_handle, [_ctx]),
+    "moecl_context_queue": (cl_handle, [_ctx]),
+    "moecl_context_describe": (c_size_t, [_ctx, ctypes.c_char_p, c_size_t]),
+    "moecl_topk_gating_desc_init": (TopkGatingDesc, [c_uint32, c_uint32, c_uint32]),
+    "moecl_topk_gating": (c_int, [_ctx, _P(TopkGatingDesc), Buffer, Buffer, Buffer, Buffer,
+                                  cl_uint, _events, _event_out]),
+    "moecl_topk_gating_host": (c_int, [_ctx, _P(TopkGatingDesc), c_void_p, c_void_p, c_void_p, c_void_p]),
+    "moecl_topk_gating_prepare": (c_int, [_ctx, _P(TopkGatingDesc)]),
+    "moecl_topk_gating_with_counts": (c_int, [_ctx, _P(TopkGatingDesc), Buffer, Buffer, Buffer, Buffer,
+                                              Buffer, cl_uint, _events, _event_out]),
+    "moecl_topk_gating_with_counts_host": (c_int, [_ctx, _P(TopkGatingDesc), c_void_p, c_void_p, c_void_p,
+                                                   c_void_p, c_void_p]),
+    "moecl_grounded_router_desc_init": (GroundedRouterDesc, [c_uint32, c_uint32, c_uint32, ctypes.c_float]),
+    "moecl_grounded_router_prepare": (c_int, [_ctx, _P(GroundedRouterDesc)]),
+    "moecl_grounded_router": (c_int, [_ctx, _P(GroundedRouterDesc), Buffer, Buffer, Buffer, Buffer, Buffer,
+                                      Buffer, cl_uint, _events, _event_out]),
+    "moecl_grounded_router_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_void_p, c_void_p, c_void_p,
+                                           c_void_p, c_void_p, c_void_p]),
+    "moecl_moe_align_desc_init": (MoeAlignDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
+    "moecl_moe_align_max_padded": (ctypes.c_uint64, [_P(MoeAlignDesc)]),
+    "moecl_moe_align_prepare": (c_int, [_ctx, _P(MoeAlignDesc)]),
+    "moecl_moe_align": (c_int, [_ctx, _P(MoeAlignDesc), Buffer, Buffer, Buffer, Buffer, Buffer, Buffer,
+                                Buffer, cl_uint, _events, _event_out]),
+    "moecl_moe_align_host": (c_int, [_ctx, _P(MoeAlignDesc), c_void_p, c_void_p, c_void_p, c_void_p,
+                                     c_void_p, c_void_p, c_void_p]),
+}
+
+
+def _pkg_config_libdir() -> Tuple[Optional[str], str]:
+    """libdir of pkg-config's moecl, and what was tried (for the message)."""
+    exe = shutil.which("pkg-config")
+    if exe is None:
+        return None, "pkg-config: not installed"
+    try:
+        r = subprocess.run([exe, "--variable=libdir", "moecl"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, "pkg-config --variable=libdir moecl: %s" % e
+    libdir = r.stdout.strip()
+    if r.returncode != 0 or not libdir:
+        return None, "pkg-config --variable=libdir moecl: %s" % (r.stderr.strip() or "no libdir")
+    return libdir, "pkg-config --variable=libdir moecl: %s" % libdir
+
+
+def _candidates() -> Tuple[List[str], List[str]]:
+    """Library paths or names to try, in order, and notes on lookups that gave none."""
+    paths: List[str] = []
+    notes: List[str] = []
+    env = os.environ.get("MOECL_LIBRARY")
+    if env:
+        return [env], notes  # an explicit path is the only one tried
+    notes.append("MOECL_LIBRARY: unset")
+    libdir, note = _pkg_config_libdir()
+    if libdir is None:
+        notes.append(note)
+    else:
+        paths.extend(os.path.join(libdir, name) for name in _SONAMES)
+    found = ctypes.util.find_library("moecl")
+    if found:
+        paths.append(found)
+    else:
+        notes.append('ctypes.util.find_library("moecl"): not found')
+    return paths, notes
+
+
+def load() -> ctypes.CDLL:
+    """Load libmoecl and declare its functions.
+
+    Tries, in order: the path in $MOECL_LIBRARY, the library in
+    ``pkg-config --variable=libdir moecl``, then
+    ``ctypes.util.find_library("moecl")``.
+
+    Raises:
+        OSError: none of them loads; the message lists what was tried.
+    """
+    paths, notes = _candidates()
+    failures = list(notes)
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError as e:
+            failures.append("%s: %s" % (path, e))
+            continue
+        try:
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype = restype
+                fn.argtypes = argtypes
+        except AttributeError as e:
+            failures.append("%s: not moecl's ABI %d (%s)" % (path, ABI_VERSION, e))
+            continue
+        return lib
+    raise OSError(
+        "moecl: cannot load the C library libmoecl.so (build and install it with meson, "
+        "as the README says, or set MOECL_LIBRARY to its path). Tried:\n  " + "\n  ".join(failures)
+    )

@@ -1,0 +1,67 @@
+"""The grounded router on NumPy arrays against routing_ref's float64
+reference (docs/routing.md, section 3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import routing_ref as ref
+from routing_ref import to_bf16_bits
+
+
+def convert(x, dtype):
+    return {"f32": lambda: x, "f16": lambda: x.astype(np.float16), "bf16": lambda: to_bf16_bits(x)}[dtype]()
+
+
+def check_grounded(pairs, weights, ids, h, r, w, alpha, k):
+    for t in range(h.shape[0]):
+        g, ref_ids, _, tol = ref.grounded_row(h[t], r[t], w, alpha, k)
+        ref.check_ids(ids[t], g, np.ones(g.size, bool), ref_ids, tol, "token %d" % t)
+        # The weights depend only on the chosen g: recompute for the device's ids.
+        ref.check_weights(weights[t].astype(np.float64), ref.grounded_weights(g[ids[t]]), 1e-5, "token %d" % t)
+        if pairs is not None:
+            np.testing.assert_array_equal(pairs[t, :, 0], ids[t].astype(np.float32))
+            np.testing.assert_array_equal(pairs[t, :, 1], weights[t])
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("k,alpha", [(2, 1.0), (4, 0.25), (1, -3.0)])
+def test_random(ctx, rng, dtype, k, alpha):
+    tokens, hidden, experts = int(rng.integers(1, 24)), int(rng.integers(1, 200)), 16
+    h = convert(rng.standard_normal((tokens, hidden)).astype(np.float32), dtype)
+    gr = convert(rng.standard_normal((experts, hidden)).astype(np.float32), dtype)
+    r = rng.standard_normal((tokens, experts)).astype(np.float32)
+    pairs, weights, ids = ctx.grounded_router(h, r, gr, top_k=k, alpha=alpha,
+                                              dtype="bf16" if dtype == "bf16" else None,
+                                              outputs=("pairs", "weights", "ids"))
+    assert pairs.shape == (tokens, k, 2) and weights.shape == ids.shape == (tokens, k)
+    check_grounded(pairs, weights, ids, ref.widen(h, dtype), r.astype(np.float64), ref.widen(gr, dtype), alpha, k)
+
+
+def test_outputs_subsets(ctx, rng):
+    h = rng.standard_normal((5, 32)).astype(np.float32)
+    g = rng.standard_normal((8, 32)).astype(np.float32)
+    r = rng.standard_normal((5, 8)).astype(np.float32)
+    (pairs,) = ctx.grounded_router(h, r, g, outputs=("pairs",))
+    weights, ids = ctx.grounded_router(h, r, g)
+    np.testing.assert_array_equal(pairs[:, :, 0], ids)
+    np.testing.assert_array_equal(pairs[:, :, 1], weights)
+
+
+def test_ties_nan_and_inf(ctx):
+    """Equal g go to the lower index; NaN ranks last (all weights NaN when
+    chosen); a chosen +inf makes every weight NaN; a chosen -inf under a
+    finite maximum weighs 0."""
+    h = np.zeros((4, 4), np.float32)
+    g = np.ones((6, 4), np.float32)
+    r = np.array([[1, 3, 3, 0, 3, 2],
+                  [np.nan, np.nan, np.nan, np.nan, np.nan, 1],
+                  [0, np.inf, 1, 2, 3, 4],
+                  [-np.inf, -np.inf, 1, -np.inf, -np.inf, -np.inf]], np.float32)
+    weights, ids = ctx.grounded_router(h, r, g, top_k=3, alpha=1.0)
+    np.testing.assert_array_equal(ids, [[1, 2, 4], [5, 0, 1], [1, 5, 4], [2, 0, 1]])
+    np.testing.assert_allclose(weights[0], [1 / 3] * 3, rtol=1e-6)
+    assert np.isnan(weights[1]).all() and np.isnan(weights[2]).all()
+    np.testing.assert_array_equal(weights[3], [1, 0, 0])
+    check_grounded(None, weights, ids, h.astype(np.float64), r.astype(np.float64), g.astype(np.float64), 1.0, 3)

@@ -1,0 +1,74 @@
+"""The package itself: its version is meson.build's, its declarations are
+for meson.build's soname, and a library it cannot load is reported with
+what was tried."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import moecl
+from moecl import _lib
+
+ROOT = Path(__file__).resolve().parents[2]
+MESON = (ROOT / "meson.build").read_text()
+
+
+def test_version_is_meson_builds():
+    want = re.search(r"^project\(.*?\bversion\s*:\s*'([^']+)'", MESON, re.S | re.M).group(1)
+    assert moecl.__version__ == want, "the installed package's version (pip install . again?)"
+    assert moecl.version() == want, "the loaded libmoecl's version"
+
+
+def test_abi_is_meson_builds_soversion():
+    assert "moecl_soversion = '%d'" % _lib.ABI_VERSION in MESON
+
+
+def test_status_strings():
+    assert moecl.status_string(0) == "success"
+    assert moecl.status_string(-2000) == "invalid argument"
+    assert issubclass(moecl.InvalidArgumentError, moecl.Error)
+
+
+def test_describe(ctx):
+    text = ctx.describe()
+    assert "device:" in text and "launch class:" in text
+
+
+def run_import(env):
+    return subprocess.run([sys.executable, "-c", "import moecl"], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+
+
+def test_unloadable_library_is_reported():
+    r = run_import({"MOECL_LIBRARY": "/nonexistent/libmoecl.so.1"})
+    assert r.returncode != 0
+    assert "OSError: moecl: cannot load the C library libmoecl.so" in r.stderr
+    assert "/nonexistent/libmoecl.so.1" in r.stderr and "MOECL_LIBRARY" in r.stderr
+
+
+def test_search_order_is_reported(tmp_path):
+    # No MOECL_LIBRARY, a pkg-config that finds nothing, no loader cache hit:
+    # the message names each place tried.
+    r = run_import({"MOECL_LIBRARY": "", "PKG_CONFIG_PATH": str(tmp_path), "PKG_CONFIG_LIBDIR": str(tmp_path),
+                    "LD_LIBRARY_PATH": "", "PATH": os.environ.get("PATH", "")})
+    if r.returncode == 0:
+        import ctypes.util
+        assert ctypes.util.find_library("moecl"), "imported with no MOECL_LIBRARY, pkg-config or loader cache entry"
+        return  # installed system-wide: the loader cache has it
+    assert "MOECL_LIBRARY: unset" in r.stderr
+    assert "pkg-config" in r.stderr and 'find_library("moecl")' in r.stderr
+
+
+def test_device_selectors(ctx):
+    # The C API's selectors, as MOECL_DEVICE takes them: "P:D" and a name part.
+    platform = ctx.queue.device.platform
+    index = __import__("pyopencl").get_platforms().index(platform)
+    dev = platform.get_devices().index(ctx.queue.device)
+    with moecl.Context("%d:%d" % (index, dev)) as c:
+        assert c.queue.device == ctx.queue.device
+    with moecl.Context(ctx.queue.device.name[:6]) as c:
+        assert c.queue.device.name.startswith(ctx.queue.device.name[:6])

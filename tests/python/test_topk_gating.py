@@ -1,0 +1,189 @@
+"""Top-k gating on NumPy arrays against the float64 reference of
+routing_ref (docs/routing.md, section 2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import routing_ref as ref
+from routing_ref import to_bf16_bits
+
+try:
+    import ml_dtypes
+except ImportError:
+    ml_dtypes = None
+
+
+def make_logits(rng, tokens, experts, dtype):
+    """Random logits in dtype, and the same values as float64."""
+    x = (rng.standard_normal((tokens, experts)) * 2).astype(np.float32)
+    if dtype == "f16":
+        a = x.astype(np.float16)
+    elif dtype == "bf16":
+        a = to_bf16_bits(x)
+    else:
+        a = x
+    return a, ref.widen(a, dtype)
+
+
+def check_topk(weights, ids, x, k, scoring="softmax", bias=None, groups=0, topk_group=0, group_score="max",
+               group_fill="neg_inf", renormalize=False, floor=0.0, scale=1.0):
+    """Every row of (weights, ids) against the reference, as section 4 allows."""
+    assert weights.dtype == np.float32 and ids.dtype == np.int32
+    assert weights.shape == ids.shape == (x.shape[0], k)
+    for t, row in enumerate(x):
+        score, key, eligible, ref_ids = ref.topk_row(row, k, scoring, bias, groups, topk_group, group_score,
+                                                     group_fill)
+        tol = ref.softmax_tol(row, score) if scoring == "softmax" else 8 * ref.EPS * score + 2 * ref.TAU
+        if bias is not None:
+            tol = tol + ref.U * np.abs(np.nan_to_num(key, posinf=0, neginf=0)) + ref.TAU
+        ref.check_ids(ids[t], key, eligible, ref_ids, tol, "row %d" % t)
+        want = ref.topk_weights(score, ids[t], renormalize, floor, scale)
+        ref.check_weights(weights[t].astype(np.float64), want, 1e-5 * max(1.0, abs(scale)), "row %d" % t)
+
+
+CASES = [
+    dict(),
+    dict(scoring="sigmoid"),
+    dict(renormalize=True),
+    dict(renormalize=True, floor=6.103515625e-5, scoring="sigmoid"),
+    dict(scale=2.5, bias=True, scoring="sigmoid"),
+    dict(groups=8, topk_group=4, group_score="max"),
+    dict(groups=8, topk_group=3, group_score="top2_sum", bias=True, scoring="sigmoid", renormalize=True, scale=-1.5),
+    dict(groups=16, topk_group=2, group_score="max", group_fill="zero"),
+    dict(groups=8, topk_group=4, group_score="top2_sum", group_fill="zero", bias=True, scoring="sigmoid"),
+]
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join("%s=%s" % kv for kv in c.items()) or "defaults")
+def test_random(ctx, rng, dtype, case):
+    tokens, experts, k = int(rng.integers(1, 40)), 128, 8
+    a, x = make_logits(rng, tokens, experts, dtype)
+    bias = rng.standard_normal(experts).astype(np.float32) * 0.1 if case.get("bias") else None
+    opts = dict(scoring=case.get("scoring", "softmax"), groups=case.get("groups"), topk_group=case.get("topk_group"),
+                group_score=case.get("group_score", "max"), renormalize=case.get("renormalize", False),
+                scale=case.get("scale", 1.0), renormalize_floor=case.get("floor", 0.0),
+                group_fill=case.get("group_fill", "neg_inf"))
+    w, ids = ctx.topk_gating(a, top_k=k, bias=bias, dtype="bf16" if dtype == "bf16" else None, **opts)
+    check_topk(w, ids, x, k, opts["scoring"], None if bias is None else bias.astype(np.float64),
+               opts["groups"] or 0, opts["topk_group"] or 0, opts["group_score"], opts["group_fill"],
+               opts["renormalize"], opts["renormalize_floor"], opts["scale"])
+
+
+@pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
+def test_ml_dtypes_bfloat16(ctx, rng):
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    w, ids = ctx.topk_gating(x.astype(ml_dtypes.bfloat16), top_k=4)
+    w2, ids2 = ctx.topk_gating(to_bf16_bits(x), top_k=4, dtype="bf16")
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(w, w2)
+
+
+def test_counts(ctx, rng):
+    a, x = make_logits(rng, 33, 64, "f32")
+    w, ids, counts = ctx.topk_gating(a, top_k=6, counts=True)
+    check_topk(w, ids, x, 6)
+    assert counts.dtype == np.int32 and counts.shape == (64,)
+    np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=64))
+
+
+def test_exact_ties_go_to_the_lower_index(ctx, rng):
+    # Equal logits give bit-equal scores on every device: no tolerance.
+    experts = 32
+    x = np.zeros((4, experts), np.float32)
+    x[1, ::2] = 1.0
+    x[2] = rng.permutation(np.repeat(np.arange(8, dtype=np.float32), 4))
+    x[3, 5] = x[3, 9] = x[3, 30] = 3.0
+    for scoring in ("softmax", "sigmoid"):
+        w, ids = ctx.topk_gating(x, top_k=6, scoring=scoring)
+        for t in range(4):
+            _, key, _, want = ref.topk_row(x[t].astype(np.float64), 6, scoring)
+            np.testing.assert_array_equal(ids[t], want)
+    np.testing.assert_array_equal(ids[0], np.arange(6))
+
+
+def test_nan_and_inf_rows(ctx):
+    """Step 1's edge cases: NaN, +inf and all -inf rows score NaN everywhere
+    (ids 0..k-1, NaN weights); a -inf logit under a finite maximum scores 0;
+    under sigmoid, +inf scores 1, -inf 0 and NaN ranks last."""
+    e, k = 8, 3
+    x = np.zeros((5, e), np.float32)
+    x[0, 4] = np.nan
+    x[1, 6] = np.inf
+    x[2] = -np.inf
+    x[3] = [0, -np.inf, 1, 2, -np.inf, 0.5, -1, 3]
+    x[4] = [np.nan, -np.inf, np.inf, 0, np.nan, 5, -3, 1]
+    w, ids = ctx.topk_gating(x, top_k=k)
+    for t in range(3):
+        np.testing.assert_array_equal(ids[t], [0, 1, 2])
+        assert np.isnan(w[t]).all()
+    check_topk(w[3:4], ids[3:4], x[3:4].astype(np.float64), k)
+    w, ids = ctx.topk_gating(x, top_k=k, scoring="sigmoid")
+    np.testing.assert_array_equal(ids[4], [2, 5, 7])
+    assert w[4, 0] == 1.0
+    check_topk(w, ids, x.astype(np.float64), k, "sigmoid")
+    w, ids = ctx.topk_gating(x[4:5], top_k=8, scoring="sigmoid")
+    np.testing.assert_array_equal(ids[0], [2, 5, 7, 3, 6, 1, 0, 4])  # NaNs last, by index
+    assert w[0, 6] != w[0, 6] and w[0, 5] == 0.0
+
+
+def test_underflowed_scores_tie(ctx):
+    # docs/routing.md's example: logits [0, -300, -200, -250], top 3 -> [0, 1, 2].
+    w, ids = ctx.topk_gating(np.array([[0, -300, -200, -250]], np.float32), top_k=3)
+    np.testing.assert_array_equal(ids[0], [0, 1, 2])
+    np.testing.assert_array_equal(w[0], [1, 0, 0])
+
+
+def test_group_fill_examples(ctx):
+    # docs/routing.md, section 5: 4 groups keeping 2, top 4.
+    a = np.array([[0, -200, 0, -200, -1, -1, -1, -1]], np.float32)
+    b = np.array([[-1, -1, -1, -1, 0, -200, 0, -200]], np.float32)
+    for fill in ("neg_inf", "zero"):
+        _, ids = ctx.topk_gating(a, top_k=4, groups=4, topk_group=2, group_fill=fill)
+        np.testing.assert_array_equal(ids[0], [0, 2, 1, 3])
+    _, ids = ctx.topk_gating(b, top_k=4, groups=4, topk_group=2, group_fill="zero")
+    np.testing.assert_array_equal(ids[0], [4, 6, 0, 1])
+    _, ids = ctx.topk_gating(b, top_k=4, groups=4, topk_group=2, group_fill="neg_inf")
+    np.testing.assert_array_equal(ids[0], [4, 6, 5, 7])
+
+
+def test_renormalize_zero_sum(ctx):
+    # Sigmoid scores that all underflow: the sum is 0 and moecl's rule leaves
+    # the weights at 0; a floor divides by the floor.
+    x = np.full((1, 16), -200.0, np.float32)
+    w, _ = ctx.topk_gating(x, top_k=4, scoring="sigmoid", renormalize=True)
+    np.testing.assert_array_equal(w[0], 0)
+    x[0, 3] = -10
+    w, ids = ctx.topk_gating(x, top_k=2, scoring="sigmoid", renormalize=True, renormalize_floor=0.5)
+    assert ids[0, 0] == 3
+    np.testing.assert_allclose(w[0, 0], 1 / (1 + np.exp(10.0)) / 0.5, rtol=1e-5)
+
+
+def test_no_tokens(ctx):
+    w, ids = ctx.topk_gating(np.zeros((0, 64), np.float32), top_k=8)
+    assert w.shape == ids.shape == (0, 8)
+
+
+def test_out_arrays_are_written(ctx, rng):
+    a, x = make_logits(rng, 7, 32, "f32")
+    w = np.full((7, 4), np.nan, np.float32)
+    ids = np.full((7, 4), -7, np.int32)
+    rw, rids = ctx.topk_gating(a, top_k=4, out={"weights": w, "ids": ids})
+    assert rw is w and rids is ids
+    check_topk(w, ids, x, 4)
+
+
+def test_nan_and_inf_bias(ctx, rng):
+    # Step 2: a NaN bias element makes that s NaN (ranked last), +inf makes
+    # it +inf (first) unless the score is NaN; the weights stay unbiased.
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    bias = np.zeros(16, np.float32)
+    bias[[2, 7]] = np.nan
+    bias[11] = np.inf
+    bias[4] = -np.inf
+    w, ids = ctx.topk_gating(x, top_k=16, bias=bias, scoring="sigmoid")
+    assert (ids[:, 0] == 11).all() and (ids[:, -3] == 4).all()
+    assert (ids[:, -2] == 2).all() and (ids[:, -1] == 7).all()  # NaNs last, by index
+    check_topk(w, ids, x.astype(np.float64), 16, "sigmoid", bias.astype(np.float64))
