@@ -270,6 +270,59 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
 #define TOPK_CAP LAYOUT_TOPK_CAP(TEAM, EPT, TOPK)
 #define TOPK_COUNT_U32 LAYOUT_TOPK_U32(TEAM)
 
+#if TEAM_SHUFFLE
+/* Lane `from` of the calling lane's team (inline PTX: the segment width
+ * in the shuffle's c operand keeps the index inside the team). */
+static inline uint shuffle_team_lane(uint v, uint from)
+{
+    uint r;
+    asm volatile("shfl.sync.idx.b32 %0, %1, %2, %3, 0xffffffff;"
+                 : "=r"(r)
+                 : "r"(v), "r"(from), "r"(((32u - TEAM) << 8) | 0x1fu));
+    return r;
+}
+
+/* Step 1 with shuffles: the lanes' maxima sorted in descending order across
+ * the team by a bitonic network (lane i ends with the i-th largest), and
+ * the TOPK-th of them is the floor: the same value as the counting below
+ * finds, in log2(TEAM) * (log2(TEAM) + 1) / 2 exchanges instead of TEAM
+ * reads a lane, and no barrier. Every lane of the team calls; the first
+ * barrier of team_topk comes before, for its other scratch. */
+static inline uint team_topk_floor(uint best, uint lane, __local uint *lane_max, __local uint *floor_slot)
+{
+    (void)lane_max;
+    (void)floor_slot;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (TEAM < TOPK)
+        return 1u;
+    uint v = best;
+    for (uint size = 2; size <= TEAM; size <<= 1)
+        for (uint stride = size / 2; stride > 0; stride >>= 1) {
+            const uint other = shuffle_xor(v, stride);
+            const bool take_max = ((lane & size) == 0) == ((lane & stride) == 0);
+            v = take_max ? max(v, other) : min(v, other);
+        }
+    return max(shuffle_team_lane(v, TOPK - 1), 1u);
+}
+#else
+/* Step 1: the lane whose maximum is TOPK-th in (rank, lower lane) order
+ * publishes it. Every work-item of the work-group calls (barriers). */
+static inline uint team_topk_floor(uint best, uint lane, __local uint *lane_max, __local uint *floor_slot)
+{
+    lane_max[lane] = best;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint above = 0;
+    for (uint l = 0; l < TEAM; l++) {
+        const uint m = lane_max[l];
+        above += (m > best) || (m == best && l < lane);
+    }
+    if (above == TOPK - 1)
+        *floor_slot = max(best, 1u);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return *floor_slot;
+}
+#endif
+
 static inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
                              __local float *cand_values, uint lane, __local uint *chosen_ids,
                              __local float *chosen_values)
@@ -282,7 +335,6 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
     UNROLL
     for (uint i = 0; i < EPT; i++)
         best = max(best, rank[i]);
-    lane_max[lane] = best;
     if (lane == 0) {
         *floor_slot = 1u; /* fewer lanes than TOPK: every valid rank */
         *count_slot = 0u;
@@ -291,19 +343,8 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
         chosen_ids[j] = 0xffffffffu;
         chosen_values[j] = 0.0f;
     }
-    barrier(CLK_LOCAL_MEM_FENCE);
-
-    /* Step 1: the lane whose maximum is TOPK-th in (rank, lower lane)
-     * order publishes it. */
-    uint above = 0;
-    for (uint l = 0; l < TEAM; l++) {
-        const uint m = lane_max[l];
-        above += (m > best) || (m == best && l < lane);
-    }
-    if (above == TOPK - 1)
-        *floor_slot = max(best, 1u);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const uint floor_rank = *floor_slot;
+    /* Step 1. */
+    const uint floor_rank = team_topk_floor(best, lane, lane_max, floor_slot);
 
     /* Step 2: candidates. */
     uint mine = 0;
