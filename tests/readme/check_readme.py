@@ -7,7 +7,9 @@ command in turn in a scratch folder where `build` is the build tree and the
 files the examples name exist, except in the sections SKIPPED names (each
 says what runs those instead); a skipped section that is gone fails, so a
 renamed one is not skipped unseen. The ```python blocks are the Python
-package's tests' (python/). Exit 0 when all held, 1 otherwise."""
+package's tests' (python/). With --changelog and --version, the changelog's
+first entry must be that version (meson.build's), so a release cannot leave
+it behind. Exit 0 when all held, 1 otherwise."""
 import argparse
 import os
 import random
@@ -111,6 +113,8 @@ def main():
     ap.add_argument('--library', required=True, help='the built libmoecl.so (or .a)')
     ap.add_argument('--build-root', required=True, help='the build tree the shell examples call build/')
     ap.add_argument('--workdir', required=True)
+    ap.add_argument('--changelog', help='CHANGELOG.md, whose first "## " entry must be --version')
+    ap.add_argument('--version', help="the project's version (meson.build)")
     ap.add_argument('cc', nargs='+', help='the C compiler and its arguments')
     a = ap.parse_args()
 
@@ -137,6 +141,12 @@ def main():
                 run_sh(i, section, body, a, failures)
     if ran_c == 0:
         failures.append('README.md has no ```c block')
+    if a.changelog:
+        m = re.search(r'^## (\S+)', open(a.changelog, encoding='utf-8').read(), re.M)
+        if not m or m.group(1) != a.version:
+            failures.append('%s: the first entry is %s, not the version %s' % (a.changelog, m and m.group(1), a.version))
+        else:
+            print('ok: %s begins with %s' % (a.changelog, a.version))
     for f in failures:
         print('FAIL: ' + f)
     return 1 if failures else 0
