@@ -19,6 +19,7 @@ CPU: torch.set_num_threads(N), time.perf_counter per call, "cpu-eager".
 """
 import argparse
 import json
+import re
 import statistics
 import time
 
@@ -27,6 +28,13 @@ import torch
 SEED_SHAPES = [(1, 128), (129, 128), (256, 128), (520, 128), (1019, 128),
                (2044, 128), (4083, 128), (8192, 128), (8037, 256), (13526, 256)]
 DSV3_TOKENS = [1, 4083, 13526]
+
+
+def blas_info():
+    """The BLAS of this PyTorch build (BLAS_INFO of its build configuration),
+    which the CPU GEMM figures depend on."""
+    m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
+    return m.group(1) if m else "unknown"
 GROUNDED_SHAPES = [(4096, 128, 16, 2), (16384, 4096, 128, 8)]  # tokens, hidden, experts, top_k
 ALPHA = 0.5
 SEED = 1234
@@ -207,7 +215,8 @@ def main():
         cfg = dict(warmup=2, iters=5, budget_s=0.05) if args.quick else \
             dict(warmup=5, iters=20, budget_s=0.5)
         methods = [("cpu-eager", time_cpu)]
-    print(f"torch {torch.__version__}  device {name}  "
+    blas = blas_info()
+    print(f"torch {torch.__version__}  BLAS {blas}  device {name}  "
           f"allow_tf32={torch.backends.cuda.matmul.allow_tf32 if cuda else 'n/a'}  "
           f"{'quick' if args.quick else 'full'}", flush=True)
 
@@ -223,7 +232,7 @@ def main():
             med, p10, p90 = summarize(samples)
             rec = dict(op=op, **shape, device=dev, device_name=name, method=method,
                        median_us=round(med, 3), p10_us=round(p10, 3), p90_us=round(p90, 3),
-                       iterations=iters, torch=torch.__version__, **(extra or {}))
+                       iterations=iters, torch=torch.__version__, blas=blas, **(extra or {}))
             records.append(rec)
             print(f"{op:<18} {fmt_shape(shape):<34} {method:<11} {med:>12.2f} {p10:>12.2f} "
                   f"{p90:>12.2f} {iters:>7}", flush=True)

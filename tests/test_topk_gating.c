@@ -1025,29 +1025,37 @@ END_TEST
 int main(void)
 {
     Suite *s = suite_create("topk_gating");
+    /* Three test cases, so that a run can take one (CK_RUN_CASE): the quick
+     * suite runs each as a process of its own, in parallel. */
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, test_checker_rejects);
     tcase_add_test(tc, test_special_rows);
     tcase_add_test(tc, test_unaligned_rows);
-    tcase_add_test(tc, test_options);
-    tcase_add_test(tc, test_groups);
     tcase_add_test(tc, test_prepare_and_chain);
     tcase_add_test(tc, test_with_counts);
     tcase_add_test(tc, test_with_counts_invalid);
     tcase_add_test(tc, test_group_fill_examples);
     tcase_add_test(tc, test_seed_zero_fill);
     tcase_add_test(tc, test_renormalize_floor_examples);
-    tcase_add_test(tc, test_group_fill_random);
-    tcase_add_test(tc, test_renormalize_floor_random);
+    TCase *options = tcase_create("options");
+    tcase_set_timeout(options, 1200);
+    tcase_add_test(options, test_options);
+    tcase_add_test(options, test_groups);
+    TCase *random = tcase_create("random");
+    tcase_set_timeout(random, 1200);
+    tcase_add_test(random, test_group_fill_random);
+    tcase_add_test(random, test_renormalize_floor_random);
     /* MOECL_TEST_QUICK (the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants. */
     if (!harness_quick()) {
-        tcase_add_test(tc, test_deepseek_v3);
-        tcase_add_test(tc, test_seed_shapes);
-        tcase_add_test(tc, test_dtypes_and_tokens);
-        tcase_add_test(tc, test_grid);
+        tcase_add_test(random, test_deepseek_v3);
+        tcase_add_test(random, test_seed_shapes);
+        tcase_add_test(random, test_dtypes_and_tokens);
+        tcase_add_test(random, test_grid);
     }
     suite_add_tcase(s, tc);
+    suite_add_tcase(s, options);
+    suite_add_tcase(s, random);
     return harness_run(s);
 }

@@ -718,6 +718,24 @@ static void usage(FILE *f)
                "behind an uncompleted user event, so no kernel runs, best of 15 rounds, against a bare\n"
                "clSetKernelArg + clEnqueueNDRangeKernel of an empty kernel; then both as wall time per\n"
                "call back to back (--wall-calls).\n"
+               "Columns of the table (one row a case, times in microseconds):\n"
+               "  op, shape   the case: T tokens x E experts kK (top_k); grounded TxHxE (H the hidden\n"
+               "              size); moe_align T x E kK bB (block size B)\n"
+               "  dtype       the input's type (f32, f16, bf16; i32 for moe_align's ids)\n"
+               "  dev_us      device time per call, median of N profiled calls; p10_us, p90_us: the\n"
+               "              10th and 90th percentiles\n"
+               "  wall_us     wall time per call of --wall-calls calls back to back (host and device)\n"
+               "  GB/s        bytes the op must read and write over dev_us; %%copy: that against the\n"
+               "              copy kernel's GB/s on the same device (the header line)\n"
+               "  T_SOL       the seed's speed-of-light time for the shape (on hardware it calls XPU-A)\n"
+               "  T_Prod      the seed's time of the production implementation (vllm._custom_ops);\n"
+               "              both given only for the seed's ten top-k shapes, copied from the seed,\n"
+               "              not measured here (the seed: the two task documents moecl was built\n"
+               "              from, README \"Terms\")\n"
+               "  prep_ms     the prepare calls' time: kernel build, or load from the kernel cache\n"
+               "  calls       how many calls dev_us is the median of\n"
+               "  check       ok or FAIL against the float64 reference (FAIL: the reason follows)\n"
+               "The last line is the verdict, \"P/N checks passed\" (not with --host-cost).\n"
                "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
 }
 
@@ -988,7 +1006,7 @@ int main(int argc, char **argv)
 
     bench_result results[48];
     bool ran[48] = {false};
-    int failures = 0;
+    int failures = 0, checked = 0, passed = 0;
     printf("%-18s %-20s %-5s %9s %9s %9s %10s %9s %6s %7s %7s %8s %5s %s\n", "op", "shape", "dtype", "dev_us", "p10_us",
            "p90_us", "wall_us", "GB/s", "%copy", "T_SOL", "T_Prod", "prep_ms", "calls", "check");
     for (int i = 0; i < n; i++) {
@@ -1001,6 +1019,8 @@ int main(int argc, char **argv)
         run_case(prof, plain, c, &o, pr.copy_gbps, &results[i]);
         ran[i] = true;
         const bench_result *r = &results[i];
+        checked++;
+        passed += r->checked_ok;
         char sol[16] = "", prod[16] = "";
         if (c->t_prod_us > 0) {
             snprintf(sol, sizeof(sol), "%.2f", c->t_sol_us);
@@ -1064,5 +1084,8 @@ int main(int argc, char **argv)
     }
     moecl_context_destroy(prof);
     moecl_context_destroy(plain);
+    /* The verdict last, so that a reader (or a script) needs one line. */
+    printf("\n%d/%d checks passed%s\n", passed, checked,
+           failures > checked - passed ? " (but an output file could not be written)" : "");
     return failures ? 1 : 0;
 }

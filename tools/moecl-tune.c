@@ -828,7 +828,7 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: moecl-tune [--device SEL] [--quick] [--dry-run] [--all] [--only SUBSTRING]\n"
             "                  [--iterations N] [--help]\n"
-            "Sweeps the launch configurations the device can run for each seed shape (top-k gating at\n"
+            "Sweeps the launch configurations the device can run for each tuned shape (top-k gating at\n"
             "8192x128 and 13526x256 k8 and DeepSeek-V3 grouped 13526x256; the grounded router at\n"
             "4096x128x16 k2 and 16384x4096x128 k8), checks each once against the float64 reference,\n"
             "times it (median of N profiled calls, default 50), and stores per shape the fastest if it\n"

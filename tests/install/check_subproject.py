@@ -8,7 +8,7 @@ Creates WORKDIR/consumer, a throwaway meson project whose meson.build is
       default_options : ['tests=disabled', 'tools=false'])
     executable('consumer', 'consumer.c', dependencies : moecl_dep)
 
-(the README's snippet), with subprojects/moecl a copy of the source tree
+(docs/install.md's snippet), with subprojects/moecl a copy of the source tree
 (without .git and build directories), configures it with --force-fallback-for=moecl (so an installed
 moecl is not picked instead) and -Dmoecl:tests=disabled -Dmoecl:tools=false
 -Dmoecl:docs=disabled, builds it, and runs the consumer

@@ -14,7 +14,7 @@
  *                               what an oclgrind bug breaks
  *
  * A run is one op under one launch configuration: the MOECL_* variables of
- * the README set before its context is created, and where no variable
+ * docs/environment.md set before its context is created, and where no variable
  * reaches a configuration (team kernels with a few rows a work-group, the
  * grounded router's tiles) moecl_launch_force, as moecl-tune does. Each run
  * checks that the kernel it meant to reach is the one the library chose.

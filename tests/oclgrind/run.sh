@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every moecl kernel under oclgrind (README, "Tests"): oclgrind_routes'
+# Every moecl kernel under oclgrind (docs/testing.md): oclgrind_routes'
 # runs (every kernel, both launch classes, every forced path, at small
 # shapes, each result checked against the float64 reference) under
 #   opt        oclgrind --data-races --check-api, kernels built as drivers
