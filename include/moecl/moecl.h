@@ -144,7 +144,7 @@ typedef struct moecl_context moecl_context;
  * The context creates its own in-order command queue. Kernels are built
  * lazily, on first use of each variant or in the _prepare calls, and kept
  * for the context's life; compiled binaries are cached on disk (see
- * MOECL_CACHE_DIR in the README).
+ * MOECL_CACHE_DIR in docs/environment.md).
  *
  * On success *ctx receives the context, which the caller destroys with
  * moecl_context_destroy(). On failure *ctx is set to NULL and
