@@ -31,6 +31,7 @@ for c in "${cases[@]}"; do
         --csv $h $c --iters 5 2>&1 | grep -E "gpu__time_duration|dram__bytes|WRONG" | tail -6 |
         awk -F'","' '{print $5, $(NF-2), $NF}' 
 done
+[ "${NCU_DETAILS:-1}" = 1 ] || exit 0
 echo "== ncu details, 1 token and 13526 tokens"
 "$ncu" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section SchedulerStats --metrics smsp__pcsamp_warps_issue_stalled_barrier,smsp__pcsamp_warps_issue_stalled_long_scoreboard,smsp__pcsamp_warps_issue_stalled_short_scoreboard,smsp__pcsamp_warps_issue_stalled_membar,smsp__pcsamp_warps_issue_stalled_wait \
