@@ -228,9 +228,11 @@ static const run_def runs[] = {
     /* moe_align: every path in both launch classes. */
     {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-cpu-fused", OP_ALIGN, "cpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-cpu-chunked", OP_ALIGN, "cpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-gpu", OP_ALIGN, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-gpu-fused", OP_ALIGN, "gpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
 };
 
