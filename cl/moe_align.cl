@@ -428,13 +428,15 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * Intel's CPU runtime run them on a few threads), so a wait could hang.
  *
  * The ticket is OpenCL 1.2's pattern: each work-item's global writes, a
- * mem_fence, a barrier, then one atomic_inc per work-group; the last
- * work-group reads what the others wrote through volatile pointers, so
- * that no copy it cached before the ticket is used (NVIDIA's L1). It
- * assumes that a global atomic and the fence before it order a
- * work-group's earlier global writes for every work-group that sees the
- * atomic's result, within one kernel: OpenCL 1.2 promises atomicity, not
- * this ordering (the header says so). The last work-group puts the ticket
+ * mem_fence, a barrier, then one atomic_inc per work-group. Every word
+ * one work-group writes for another (the counts, the ranks) is written
+ * and read with atomics, the only global accesses OpenCL 1.2 makes
+ * coherent between the work-groups of a kernel (so no copy cached before
+ * the ticket is read, as NVIDIA's L1 could hold, and oclgrind's race check
+ * sees no race). It assumes that the fence and the ticket's atomic order
+ * a work-item's earlier atomics for every work-group that sees the
+ * ticket's result: OpenCL 1.2 promises each atomic's atomicity, not this
+ * order between atomics on different words (the header says so). The last work-group puts the ticket
  * back to 0 for the next call; the host zeroes it where the scratch is
  * new.
  *
@@ -446,16 +448,20 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
 #define FUSED_WG 1
 #endif
 
+/* A word written by one work-group and read by another (see above). */
+static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatile __global uint *)p, v); }
+static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
+
 /* Counts and ranks of slots [begin, end) by one work-group: run[e] ends as
  * the chunk's count of column e. */
 static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
-                              __local uint *run, __local uint *tile, volatile __global uint *ranks)
+                              __local uint *run, __local uint *tile, __global uint *ranks)
 {
 #if FUSED_WG == 1
     (void)lid;
     (void)tile;
     for (uint s = begin; s < end; s++)
-        ranks[s] = run[column_of(ids[s], num_experts)]++;
+        shared_store(&ranks[s], run[column_of(ids[s], num_experts)]++);
 #else
     for (uint at = begin; at < end; at += FUSED_WG) {
         const uint s = at + lid;
@@ -463,7 +469,7 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
         const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
         const uint rank = tile_rank(e, lid, tile);
         if (s < end)
-            ranks[s] = run[e] + rank;
+            shared_store(&ranks[s], run[e] + rank);
         tile_advance(e, run, num_experts + 1);
     }
 #endif
@@ -491,14 +497,14 @@ static inline bool last_to_finish(volatile __global uint *ticket, uint groups, u
 /* Per column, each chunk's exclusive prefix over the chunks before it
  * (prefix, beside the matrix) and the column's total (tot), by one
  * work-group: adjacent work-items walk adjacent columns. */
-static inline void scan_columns(volatile __global const uint *matrix, __global uint *prefix, uint groups, uint cols,
+static inline void scan_columns(__global const uint *matrix, __global uint *prefix, uint groups, uint cols,
                                 uint lid, __local uint *tot)
 {
     for (uint e = lid; e < cols; e += FUSED_WG) {
         uint acc = 0;
         for (uint c = 0; c < groups; c++) {
             prefix[(size_t)c * cols + e] = acc;
-            acc += matrix[(size_t)c * cols + e];
+            acc += shared_load(&matrix[(size_t)c * cols + e]);
         }
         tot[e] = acc;
     }
@@ -508,7 +514,7 @@ static inline void scan_columns(volatile __global const uint *matrix, __global u
 /* Every slot to its position, by the last work-group. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local const uint *start, __global const uint *prefix,
-                             volatile __global const uint *ranks, __global int *sorted, ulong sorted_off,
+                             __global const uint *ranks, __global int *sorted, ulong sorted_off,
                              __global int *slot_positions, ulong slot_off, uint has_slots)
 {
     const uint cols = num_experts + 1;
@@ -516,7 +522,7 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
         const uint e = column_of(ids[s], num_experts);
         int pos = -1;
         if (e < num_experts) {
-            pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + ranks[s]);
+            pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + shared_load(&ranks[s]));
             sorted[sorted_off + pos] = (int)s;
         }
         if (has_slots)
@@ -553,7 +559,7 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
     rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint e = lid; e < cols; e += FUSED_WG)
-        matrix[(size_t)c * cols + e] = run[e];
+        shared_store(&matrix[(size_t)c * cols + e], run[e]);
 
     /* Every work-group meets the same barriers: the others run the last
      * one's steps over nothing (pocl 3.1 computed wrong results with these

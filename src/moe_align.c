@@ -181,7 +181,7 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
  * places every slot alone, so beyond some size the chunked path's three
  * launches, which place in parallel, win (measured: bench/RESULTS.md,
  * "moe_align in one launch"). */
-#define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 16384u
+#define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 8192u
 #define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 16384u
 
 typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;

@@ -604,8 +604,9 @@ START_TEST(test_mutation_caught)
                                "        const uint e = column_of") &&
                       replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
                       replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      replace_once(&text, "ranks[s] = run[column_of(ids[s], num_experts)]++;",
-                                   "ranks[begin + end - 1 - s] = run[column_of(ids[begin + end - 1 - s], num_experts)]++;") &&
+                      replace_once(&text, "shared_store(&ranks[s], run[column_of(ids[s], num_experts)]++);",
+                                   "shared_store(&ranks[begin + end - 1 - s], "
+                                   "run[column_of(ids[begin + end - 1 - s], num_experts)]++);") &&
                       replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
                       replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
                                    "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
