@@ -436,14 +436,20 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * sees no race). It assumes that the fence and the ticket's atomic order
  * a work-item's earlier atomics for every work-group that sees the
  * ticket's result: OpenCL 1.2 promises each atomic's atomicity, not this
- * order between atomics on different words (the header says so). The last work-group puts the ticket
- * back to 0 for the next call; the host zeroes it where the scratch is
- * new.
+ * order between atomics on different words (the header says so). The
+ * last work-group puts the ticket back to 0 for the next call; the host
+ * zeroes it where the scratch is new.
+ *
+ * With FUSED_WG 1 (CPUs) no rank is stored: the last work-group, one
+ * work-item, walks every slot in order with a running position per
+ * expert (the host launches one work-group there, so nothing crosses
+ * work-groups: bench/RESULTS.md). With more work-items the ranks are
+ * stored, not recomputed, so that the last work-group's placement is one
+ * pass without a rank loop.
  *
  * scratch: [0] the ticket, then the count matrix m[groups][E + 1], the
- * last work-group's prefixes of it (same shape) and ranks[num_slots]. run and start hold E + 1 words each. The ranks are
- * stored, not recomputed, so that the last work-group's placement is one
- * pass without a rank loop. */
+ * last work-group's prefixes of it (same shape) and ranks[num_slots]. run
+ * and start hold E + 1 words each. */
 #ifndef FUSED_WG
 #define FUSED_WG 1
 #endif
@@ -452,16 +458,19 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
 static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatile __global uint *)p, v); }
 static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
 
-/* Counts and ranks of slots [begin, end) by one work-group: run[e] ends as
- * the chunk's count of column e. */
+/* Counts and (with more than one work-item) ranks of slots [begin, end)
+ * by one work-group: run[e] ends as the chunk's count of column e. */
 static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
                               __local uint *run, __local uint *tile, __global uint *ranks)
 {
 #if FUSED_WG == 1
+    /* One work-item: the counts only; the last work-group walks every
+     * slot in order itself (place_all), so no rank crosses work-groups. */
     (void)lid;
     (void)tile;
+    (void)ranks;
     for (uint s = begin; s < end; s++)
-        shared_store(&ranks[s], run[column_of(ids[s], num_experts)]++);
+        run[column_of(ids[s], num_experts)]++;
 #else
     for (uint at = begin; at < end; at += FUSED_WG) {
         const uint s = at + lid;
@@ -480,7 +489,7 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
  * by then). */
 static inline bool last_to_finish(volatile __global uint *ticket, uint groups, uint lid, __local uint *flag)
 {
-    mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's rows and ranks before the ticket */
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's counts and ranks before the ticket */
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0) {
         const uint t = atomic_inc(ticket);
@@ -513,16 +522,28 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 
 /* Every slot to its position, by the last work-group. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
-                             __local const uint *start, __global const uint *prefix,
+                             __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global int *sorted, ulong sorted_off,
                              __global int *slot_positions, ulong slot_off, uint has_slots)
 {
     const uint cols = num_experts + 1;
+#if FUSED_WG == 1
+    /* One work-item walks the slots in order; start becomes each expert's
+     * next position. */
+    (void)chunk;
+    (void)prefix;
+    (void)ranks;
+    (void)cols;
+#endif
     for (uint s = lid; s < num_slots; s += FUSED_WG) {
         const uint e = column_of(ids[s], num_experts);
         int pos = -1;
         if (e < num_experts) {
+#if FUSED_WG == 1
+            pos = (int)start[e]++;
+#else
             pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + shared_load(&ranks[s]));
+#endif
             sorted[sorted_off + pos] = (int)s;
         }
         if (has_slots)
@@ -550,7 +571,8 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
      * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
     const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
     ids += ids_off;
-    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols, *ranks = prefix + (size_t)groups * cols;
+    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
+    __global uint *ranks = prefix + (size_t)groups * cols;
 
     for (uint e = lid; e < cols; e += FUSED_WG)
         run[e] = 0;

@@ -179,10 +179,10 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
 
 /* The most slots the fused kernel takes by default: its last work-group
  * places every slot alone, so beyond some size the chunked path's three
- * launches, which place in parallel, win (measured: bench/RESULTS.md,
- * "moe_align in one launch"). */
+ * launches, which place in parallel, win (on pocl and Intel's CPU runtime
+ * from about 8192 slots: bench/RESULTS.md, "moe_align in one launch"). */
 #define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 8192u
-#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 16384u
+#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 16384u /* not yet measured on a GPU */
 
 typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
 
@@ -284,7 +284,11 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc
                                   const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
-    const cl_uint chunk = chunk_size(ctx, p->fused_wg, slots, experts);
+    /* CPUs: one work-group of one work-item, which walks the slots in
+     * order: counts and ranks passed between work-groups by atomics cost
+     * more there than the parallel count saves (bench/RESULTS.md). */
+    const cl_uint chunk = ctx->info.launch_class == MOECL_LAUNCH_CPU ? (slots ? slots : 1)
+                                                                     : chunk_size(ctx, p->fused_wg, slots, experts);
     const cl_uint groups = slots ? (cl_uint)(((uint64_t)slots + chunk - 1) / chunk) : 1;
     const size_t scratch_bytes = (1 + 2 * (size_t)groups * (experts + 1) + slots) * 4;
     cl_mem scratch;
