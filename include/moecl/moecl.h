@@ -613,12 +613,14 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *   - one kernel in one work-group (small routings on GPUs: up to 1024
  *     slots, 1536 on NVIDIA, where the device's local memory and the
  *     kernel's work-group limit allow);
- *   - the fused kernel, one launch (up to 16384 slots where its work-group
- *     and local memory fit): every work-group counts and ranks its chunk
- *     of slots, then takes a ticket with atomic_inc on a global counter;
- *     the work-group that takes the last ticket scans the counts, writes
- *     every output and puts the counter back to 0. No work-group ever
- *     waits for another, so it needs no concurrency between work-groups.
+ *   - the fused kernel, one launch (the rest up to 8192 slots on CPUs and
+ *     16384 on GPUs, where its work-group and local memory fit): every
+ *     work-group counts and ranks its chunk of slots (CPUs: one
+ *     work-group of one work-item for all of them), then takes a ticket
+ *     with atomic_inc on a global counter; the work-group that takes the
+ *     last ticket scans the counts, writes every output and puts the
+ *     counter back to 0. No work-group ever waits for another, so it
+ *     needs no concurrency between work-groups.
  *     Every word one work-group passes to another is written and read
  *     with OpenCL 1.2 global atomics. It assumes of the device what
  *     OpenCL 1.2 does not promise in words: that a work-item's atomics,
