@@ -613,8 +613,9 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *   - one kernel in one work-group (small routings on GPUs: up to 1024
  *     slots, 1536 on NVIDIA, where the device's local memory and the
  *     kernel's work-group limit allow);
- *   - the fused kernel, one launch (the rest up to 8192 slots on CPUs and
- *     16384 on GPUs, where its work-group and local memory fit): every
+ *   - the fused kernel, one launch (on CPUs up to 8192 slots; on GPUs only
+ *     where MOECL_ALIGN=fused asks, until it is measured on one; where its
+ *     work-group and local memory fit): every
  *     work-group counts and ranks its chunk of slots (CPUs: one
  *     work-group of one work-item for all of them), then takes a ticket
  *     with atomic_inc on a global counter; the work-group that takes the
