@@ -113,6 +113,10 @@
 #define LAYOUT_ALIGN_SCAN_STATIC_BYTES(scan_wg) (4 * (scan_wg) + 4)
 #define LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg) ((wg) > 1 ? 4 * (wg) : 0)
 #define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
+/* The fused kernel: two arrays of E + 1 words sized at launch (running
+ * counts, then totals; the starts); compiled in, the partial sums, the
+ * last-work-group flag and the tile of FUSED_WG columns (none with 1). */
+#define LAYOUT_ALIGN_FUSED_STATIC_BYTES(fused_wg) (4 * (fused_wg) + 4 + ((fused_wg) > 1 ? 4 * (fused_wg) : 0))
 
 /* ---- top-k gating's scalar arguments, one record ---------------------- */
 

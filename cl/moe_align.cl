@@ -166,21 +166,39 @@ static inline uint expert_at(__global const uint *start, uint num_experts, uint 
     return lo;
 }
 
-/* One tile of the stable placement, called by all n work-items of a
- * work-group: work-item lid's slot (e: its column; past the end, a column
- * no slot has) goes to run[e] plus the number of lower work-items in the
- * tile with the same column; then run advances past the tile's slots. tile
- * holds n columns, read one at a time (four at a time was slower on the
- * H200: bench/RESULTS.md, moe_align). */
-static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __local uint *tile, __local uint *run,
-                              uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
-                              ulong slot_off, uint has_slots)
+/* The stable rank of work-item lid's column e in a tile of n work-items:
+ * the number of lower work-items with the same column (tile holds the n
+ * columns, read one at a time: four at a time was slower on the H200,
+ * bench/RESULTS.md, moe_align). Called by all n work-items. */
+static inline uint tile_rank(uint e, uint lid, __local uint *tile)
 {
     tile[lid] = e;
     barrier(CLK_LOCAL_MEM_FENCE);
     uint rank = 0;
     for (uint j = 0; j < lid; j++)
         rank += tile[j] == e;
+    return rank;
+}
+
+/* After a tile: each column's running count (run) moves past the tile's
+ * slots of that column, for the columns below limit. */
+static inline void tile_advance(uint e, __local uint *run, uint limit)
+{
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (e < limit)
+        atomic_inc(&run[e]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* One tile of the stable placement, called by all n work-items of a
+ * work-group: work-item lid's slot (e: its column; past the end, a column
+ * no slot has) goes to run[e] plus its rank in the tile; then run advances
+ * past the tile's slots. */
+static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __local uint *tile, __local uint *run,
+                              uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
+                              ulong slot_off, uint has_slots)
+{
+    const uint rank = tile_rank(e, lid, tile);
     int pos = -1;
     if (e < num_experts) {
         pos = (int)(run[e] + rank);
@@ -188,10 +206,7 @@ static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __loca
     }
     if (in_range && has_slots)
         slot_positions[slot_off + slot] = pos;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (e < num_experts)
-        atomic_inc(&run[e]);
-    barrier(CLK_LOCAL_MEM_FENCE);
+    tile_advance(e, run, num_experts);
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -249,6 +264,71 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
 
 /* ---- one launch for small routings ---- */
 
+/* The padded starts from the column totals tot[E + 1] in one work-group
+ * of n work-items (part: n words): contiguous ranges of experts per
+ * work-item, an inclusive scan of the ranges' sums (Hillis-Steele), then
+ * each range's own prefix. Writes start[0..E] (start[E]: the padded
+ * total), expert_counts and, where publish is set,
+ * num_tokens_post_padded and num_invalid; returns the padded total. start is
+ * complete for every work-item on return. */
+static inline uint padded_starts(__local const uint *tot, __local uint *start, __local uint *part, uint n, uint lid,
+                                 uint num_experts, uint block_size, __global int *counts, ulong counts_off,
+                                 __global int *post_padded, ulong post_off, __global int *num_invalid,
+                                 ulong invalid_off, uint has_invalid, bool publish)
+{
+    const uint per = (num_experts + n - 1) / n;
+    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
+    uint sum = 0;
+    for (uint e = lo; e < hi; e++)
+        sum += (tot[e] + block_size - 1) / block_size * block_size;
+    part[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint d = 1; d < n; d <<= 1) {
+        const uint add = lid >= d ? part[lid - d] : 0;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        part[lid] += add;
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    uint at = part[lid] - sum;
+    for (uint e = lo; e < hi; e++) {
+        start[e] = at;
+        counts[counts_off + e] = (int)tot[e];
+        at += (tot[e] + block_size - 1) / block_size * block_size;
+    }
+    const uint post = part[n - 1];
+    if (lid == 0) {
+        start[num_experts] = post;
+        if (publish) {
+            post_padded[post_off] = (int)post;
+            if (has_invalid)
+                num_invalid[invalid_off] = (int)tot[num_experts];
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return post;
+}
+
+/* The sentinel at the padding positions and the expert of each block, by
+ * the n work-items of one work-group: per expert, its padding follows its
+ * slots and its blocks are its run; then the tail after post. The slots'
+ * own positions, written apart, are disjoint from these. */
+static inline void pad_and_blocks(__local const uint *tot, __local const uint *start, uint post, uint n, uint lid,
+                                  uint num_slots, uint num_experts, uint block_size, uint max_padded, uint num_blocks,
+                                  __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off)
+{
+    for (uint e = lid; e < num_experts; e += n) {
+        const uint first = start[e], next = start[e + 1];
+        for (uint p = first + tot[e]; p < next; p++)
+            sorted[sorted_off + p] = (int)num_slots;
+        for (uint b = first / block_size; b < next / block_size; b++)
+            blocks[blocks_off + b] = (int)e;
+    }
+    for (uint p = post + lid; p < max_padded; p += n)
+        sorted[sorted_off + p] = (int)num_slots;
+    for (uint b = post / block_size + lid; b < num_blocks; b += n)
+        blocks[blocks_off + b] = -1;
+}
+
 /* tot and start hold num_experts + 1 words each. The same steps as the
  * three kernels, in one work-group: count, scan, padding and blocks (per
  * expert: its padding follows its slots, its blocks are its run), then the
@@ -279,50 +359,10 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
-    /* Padded starts: contiguous ranges of experts per work-item, an
-     * inclusive scan of the ranges' sums (Hillis-Steele), then each
-     * range's own prefix. */
-    const uint per = (num_experts + ONE_WG - 1) / ONE_WG;
-    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
-    uint sum = 0;
-    for (uint e = lo; e < hi; e++)
-        sum += (tot[e] + block_size - 1) / block_size * block_size;
-    part[lid] = sum;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint d = 1; d < ONE_WG; d <<= 1) {
-        const uint add = lid >= d ? part[lid - d] : 0;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        part[lid] += add;
-        barrier(CLK_LOCAL_MEM_FENCE);
-    }
-    uint at = part[lid] - sum;
-    for (uint e = lo; e < hi; e++) {
-        start[e] = at;
-        counts[counts_off + e] = (int)tot[e];
-        at += (tot[e] + block_size - 1) / block_size * block_size;
-    }
-    const uint post = part[ONE_WG - 1];
-    if (lid == 0) {
-        start[num_experts] = post;
-        post_padded[post_off] = (int)post;
-        if (has_invalid)
-            num_invalid[invalid_off] = (int)tot[num_experts];
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-
-    /* Padding and blocks. The slots' own positions are written below; the
-     * two sets are disjoint. */
-    for (uint e = lid; e < num_experts; e += ONE_WG) {
-        const uint first = start[e], next = start[e + 1];
-        for (uint p = first + tot[e]; p < next; p++)
-            sorted[sorted_off + p] = (int)num_slots;
-        for (uint b = first / block_size; b < next / block_size; b++)
-            blocks[blocks_off + b] = (int)e;
-    }
-    for (uint p = post + lid; p < max_padded; p += ONE_WG)
-        sorted[sorted_off + p] = (int)num_slots;
-    for (uint b = post / block_size + lid; b < num_blocks; b += ONE_WG)
-        blocks[blocks_off + b] = -1;
+    const uint post = padded_starts(tot, start, part, ONE_WG, lid, num_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, true);
+    pad_and_blocks(tot, start, post, ONE_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks, sorted,
+                   sorted_off, blocks, blocks_off);
     barrier(CLK_LOCAL_MEM_FENCE);
     /* tot becomes each expert's next position (the warp path: its count
      * so far, which fits the 16-bit ranks). */
@@ -373,4 +413,188 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
                    slot_off, has_slots);
     }
 #endif
+}
+
+/* ---- one launch at every size: moe_align_fused ---- */
+
+/* Each work-group c counts and ranks its chunk of slots: the ranks (a
+ * slot's place among the chunk's slots of its column, stable) go to
+ * ranks[s], the chunk's counts to row c of the count matrix. Then it takes
+ * a ticket; the work-group that takes the last one does the rest alone:
+ * the scan of the matrix, the small outputs, the padding and blocks, and
+ * every slot's placement (position = its expert's start + the expert's
+ * slots in earlier chunks + its rank). No work-group waits for another:
+ * OpenCL does not promise that work-groups run concurrently (pocl and
+ * Intel's CPU runtime run them on a few threads), so a wait could hang.
+ *
+ * The ticket is OpenCL 1.2's pattern: each work-item's global writes, a
+ * mem_fence, a barrier, then one atomic_inc per work-group. Every word
+ * one work-group writes for another (the counts, the ranks) is written
+ * and read with atomics, the only global accesses OpenCL 1.2 makes
+ * coherent between the work-groups of a kernel (so no copy cached before
+ * the ticket is read, as NVIDIA's L1 could hold, and oclgrind's race check
+ * sees no race). It assumes that the fence and the ticket's atomic order
+ * a work-item's earlier atomics for every work-group that sees the
+ * ticket's result: OpenCL 1.2 promises each atomic's atomicity, not this
+ * order between atomics on different words (the header says so). The
+ * last work-group puts the ticket back to 0 for the next call; the host
+ * zeroes it where the scratch is new.
+ *
+ * With FUSED_WG 1 (CPUs) no rank is stored: the last work-group, one
+ * work-item, walks every slot in order with a running position per
+ * expert (the host launches one work-group there, so nothing crosses
+ * work-groups: bench/RESULTS.md). With more work-items the ranks are
+ * stored, not recomputed, so that the last work-group's placement is one
+ * pass without a rank loop.
+ *
+ * scratch: [0] the ticket, then the count matrix m[groups][E + 1], the
+ * last work-group's prefixes of it (same shape) and ranks[num_slots]. run
+ * and start hold E + 1 words each. */
+#ifndef FUSED_WG
+#define FUSED_WG 1
+#endif
+
+/* A word written by one work-group and read by another (see above). */
+static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatile __global uint *)p, v); }
+static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
+
+/* Counts and (with more than one work-item) ranks of slots [begin, end)
+ * by one work-group: run[e] ends as the chunk's count of column e. */
+static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
+                              __local uint *run, __local uint *tile, __global uint *ranks)
+{
+#if FUSED_WG == 1
+    /* One work-item: the counts only; the last work-group walks every
+     * slot in order itself (place_all), so no rank crosses work-groups. */
+    (void)lid;
+    (void)tile;
+    (void)ranks;
+    for (uint s = begin; s < end; s++)
+        run[column_of(ids[s], num_experts)]++;
+#else
+    for (uint at = begin; at < end; at += FUSED_WG) {
+        const uint s = at + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        const uint rank = tile_rank(e, lid, tile);
+        if (s < end)
+            shared_store(&ranks[s], run[e] + rank);
+        tile_advance(e, run, num_experts + 1);
+    }
+#endif
+}
+
+/* Whether this work-group is the last to finish its chunk; the last one
+ * puts the ticket back to 0 (every other work-group has taken its ticket
+ * by then). */
+static inline bool last_to_finish(volatile __global uint *ticket, uint groups, uint lid, __local uint *flag)
+{
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's counts and ranks before the ticket */
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (lid == 0) {
+        const uint t = atomic_inc(ticket);
+        *flag = t == groups - 1;
+        if (t == groups - 1)
+            atomic_xchg(ticket, 0u);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const bool last = *flag;
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* the ticket before the reads of the others' writes */
+    return last;
+}
+
+/* Per column, each chunk's exclusive prefix over the chunks before it
+ * (prefix, beside the matrix) and the column's total (tot), by one
+ * work-group: adjacent work-items walk adjacent columns. */
+static inline void scan_columns(__global const uint *matrix, __global uint *prefix, uint groups, uint cols,
+                                uint lid, __local uint *tot)
+{
+    for (uint e = lid; e < cols; e += FUSED_WG) {
+        uint acc = 0;
+        for (uint c = 0; c < groups; c++) {
+            prefix[(size_t)c * cols + e] = acc;
+            acc += shared_load(&matrix[(size_t)c * cols + e]);
+        }
+        tot[e] = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+}
+
+/* Every slot to its position, by the last work-group. */
+static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
+                             __local uint *start, __global const uint *prefix,
+                             __global const uint *ranks, __global int *sorted, ulong sorted_off,
+                             __global int *slot_positions, ulong slot_off, uint has_slots)
+{
+    const uint cols = num_experts + 1;
+#if FUSED_WG == 1
+    /* One work-item walks the slots in order; start becomes each expert's
+     * next position. */
+    (void)chunk;
+    (void)prefix;
+    (void)ranks;
+    (void)cols;
+#endif
+    for (uint s = lid; s < num_slots; s += FUSED_WG) {
+        const uint e = column_of(ids[s], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+#if FUSED_WG == 1
+            pos = (int)start[e]++;
+#else
+            pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + shared_load(&ranks[s]));
+#endif
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(FUSED_WG, 1, 1)))
+void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                     uint block_size, __global uint *scratch,
+                     __global int *counts, ulong counts_off, __global int *sorted, ulong sorted_off,
+                     __global int *blocks, ulong blocks_off, __global int *post_padded, ulong post_off,
+                     __global int *slot_positions, ulong slot_off, uint has_slots, __global int *num_invalid,
+                     ulong invalid_off, uint has_invalid, __local uint *run, __local uint *start)
+{
+    __local uint part[FUSED_WG];
+    __local uint flag;
+#if FUSED_WG > 1
+    __local uint tile[FUSED_WG];
+#else
+    __local uint *tile = part; /* unused */
+#endif
+    const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
+    /* As moecl_moe_align_max_padded (kernel arguments are at most
+     * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
+    const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
+    ids += ids_off;
+    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
+    __global uint *ranks = prefix + (size_t)groups * cols;
+
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        run[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
+    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        shared_store(&matrix[(size_t)c * cols + e], run[e]);
+
+    /* Every work-group meets the same barriers: the others run the last
+     * one's steps over nothing (pocl 3.1 computed wrong results with these
+     * barriers under a branch on the ticket, bench/RESULTS.md). */
+    const bool last = last_to_finish(scratch, groups, lid, &flag);
+    const uint live_experts = last ? num_experts : 0;
+    scan_columns(matrix, prefix, last ? groups : 0, last ? cols : 0, lid, run);
+    const uint post = padded_starts(run, start, part, FUSED_WG, lid, live_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, last);
+    if (last) {
+        pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
+                       sorted, sorted_off, blocks, blocks_off);
+        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, sorted, sorted_off, slot_positions,
+                  slot_off, has_slots);
+    }
 }

@@ -114,8 +114,8 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
  * top-k gating team kernel (tuning sweeps); anything else is ignored. It
  * and MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
  * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
- * chunked: moe_align's path whatever the size (one-group still only where
- * its local memory fits). */
+ * fused|chunked: moe_align's path whatever the size (one-group and fused
+ * still only where the device runs them, src/moe_align.c). */
 static void read_launch_env(moecl_launch_env *env)
 {
     const char *forced = getenv("MOECL_LAUNCH_CLASS");
@@ -128,6 +128,7 @@ static void read_launch_env(moecl_launch_env *env)
     const char *align = getenv("MOECL_ALIGN");
     env->align_path = !align                            ? MOECL_ALIGN_AUTO
                       : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
+                      : strcmp(align, "fused") == 0     ? MOECL_ALIGN_FUSED
                       : strcmp(align, "chunked") == 0   ? MOECL_ALIGN_CHUNKED
                                                         : MOECL_ALIGN_AUTO;
 }

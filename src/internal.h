@@ -42,7 +42,12 @@ typedef enum moecl_vendor {
 
 /* moe_align's paths (src/moe_align.c): chosen by size and device, or
  * forced by MOECL_ALIGN for tests and measurements. */
-typedef enum moecl_align_path { MOECL_ALIGN_AUTO = 0, MOECL_ALIGN_ONE_GROUP, MOECL_ALIGN_CHUNKED } moecl_align_path;
+typedef enum moecl_align_path {
+    MOECL_ALIGN_AUTO = 0,
+    MOECL_ALIGN_ONE_GROUP,
+    MOECL_ALIGN_FUSED,
+    MOECL_ALIGN_CHUNKED
+} moecl_align_path;
 
 typedef enum moecl_op {
     MOECL_OP_TOPK_GATING = 0,
@@ -340,6 +345,9 @@ struct moecl_context {
     bool scratch_lock_ready;
     cl_mem scratch;
     size_t scratch_bytes;
+    /* Word 0 of scratch (moe_align's fused-kernel ticket) is known to be
+     * 0: false for a new buffer and after moe_align's chunked path. */
+    bool scratch_ticket_zero;
 };
 
 /* ---- topk_gating.c, grounded_router.c: what a request is launched with ---- */
@@ -390,7 +398,7 @@ typedef struct moecl_plan_key {
     unsigned gen;
 } moecl_plan_key;
 
-#define MOECL_PLAN_MAX_KERNELS 4
+#define MOECL_PLAN_MAX_KERNELS 5
 
 /* What a distinct request launches, resolved once per context. */
 typedef struct moecl_plan {
@@ -406,11 +414,12 @@ typedef struct moecl_plan {
      * rows kernel's CL_KERNEL_WORK_GROUP_SIZE) and the tokens it routes;
      * the global size is ceil(tokens / rows_per_group) * local. */
     size_t local, rows_per_group;
-    /* moe_align: the work-group sizes of the chunk kernels, the scan and
-     * the one-group kernel, whether that one ranks with WARP_MATCH and
-     * whether the device runs it at one_wg. */
-    unsigned wg, scan_wg, one_wg;
-    bool warp_match, one_group_fits;
+    /* moe_align: the work-group sizes of the chunk kernels, the scan,
+     * the one-group and the fused kernel, whether the one-group kernel
+     * ranks with WARP_MATCH, and whether the device runs the one-group and
+     * the fused kernel at their work-groups. */
+    unsigned wg, scan_wg, one_wg, fused_wg;
+    bool warp_match, one_group_fits, fused_fits;
 } moecl_plan;
 
 /* Fill plan (key already set) for the op's request; called once per

@@ -34,12 +34,15 @@ size_t moecl_layout_grounded_rows_private(unsigned tm, unsigned experts, unsigne
 
 /* moe_align: the __local arguments (count, scan and scatter take one
  * array of cols bytes; the one-group kernel two of cols and the slot
- * columns) and the local memory compiled into each kernel. */
+ * columns; the fused kernel two of cols) and the local memory compiled into each kernel. */
 size_t moecl_layout_moe_align_cols(unsigned experts);
 size_t moecl_layout_moe_align_slot_cols(uint64_t slots, bool warp_match);
 size_t moecl_layout_moe_align_scan_static(unsigned scan_wg);
 size_t moecl_layout_moe_align_scatter_static(unsigned wg);
 size_t moecl_layout_moe_align_one_group_static(unsigned one_wg, bool warp_match);
+size_t moecl_layout_moe_align_fused_static(unsigned fused_wg);
+/* The fused kernel's whole local memory. */
+size_t moecl_layout_moe_align_fused_local(unsigned experts, unsigned fused_wg);
 /* The one-group kernel's whole local memory for a routing of slots slots. */
 size_t moecl_layout_moe_align_one_group_local(unsigned experts, uint64_t slots, unsigned one_wg, bool warp_match);
 

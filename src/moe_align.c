@@ -1,7 +1,7 @@
-/* moe_align, host side: validation, the launch shape, and either one
- * launch (small routings on GPUs) or a scratch buffer and three chained
- * launches (cl/moe_align.cl says what each does); and the blocking
- * host-memory path. */
+/* moe_align, host side: validation, the launch shape, the choice of path
+ * (one work-group for small routings on GPUs, the fused kernel, or three
+ * chained launches; cl/moe_align.cl says what each kernel does), the
+ * scratch buffer, and the blocking host-memory path. */
 #include <stdio.h>
 #include <string.h>
 
@@ -53,7 +53,7 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 /* ---- launch shape and variants ---- */
 
 typedef struct align_shape {
-    unsigned wg, scan_wg, one_wg;
+    unsigned wg, scan_wg, one_wg, fused_wg;
     bool warp_match; /* inline PTX: the one-group kernel ranks with match.any.sync (cl/moe_align.cl) */
 } align_shape;
 
@@ -68,35 +68,37 @@ static unsigned floor_pow2(size_t v, unsigned cap)
 /* CPUs: one work-item per chunk (a plain loop); GPUs: 128 work-items per
  * chunk. The scan and the one-group kernel run in one work-group of up to
  * 256 (NVIDIA's OpenCL reports a work-group limit of 256 for these kernels
- * on the H200, below the device's 1024). */
+ * on the H200, below the device's 1024); so do the fused kernel's
+ * work-groups on GPUs, since its last one places every slot alone. */
 static align_shape shape_of(const moecl_device_info *info)
 {
     align_shape s;
     s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
     s.scan_wg = floor_pow2(info->max_work_group_size, 256);
     s.one_wg = floor_pow2(info->max_work_group_size, 256);
+    s.fused_wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : s.one_wg;
     s.warp_match = info->ptx && s.one_wg >= 32;
     return s;
 }
 
-enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, NUM_KERNELS };
+enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, FUSED_KERNEL, NUM_KERNELS };
 static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_scatter",
-                                                      "moe_align_one_group"};
+                                                      "moe_align_one_group", "moe_align_fused"};
 
 static void defines_of(const align_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u -DWARP_MATCH=%d", s->wg, s->scan_wg, s->one_wg,
-             s->warp_match);
+    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u -DFUSED_WG=%u -DWARP_MATCH=%d", s->wg, s->scan_wg,
+             s->one_wg, s->fused_wg, s->warp_match);
 }
 
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
 {
     const align_shape s = shape_of(info);
     defines_of(&s, buf, size);
-    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group";
+    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group,moe_align_fused";
 }
 
-/* The plan (moecl_plan_build): one program of four kernels, which the
+/* The plan (moecl_plan_build): one program of five kernels, which the
  * registry shares between them. */
 static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
 {
@@ -116,10 +118,12 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     p->wg = s.wg;
     p->scan_wg = s.scan_wg;
     p->one_wg = s.one_wg;
+    p->fused_wg = s.fused_wg;
     p->warp_match = s.warp_match;
     /* Register use can lower a kernel's work-group limit below the
-     * device's; then the chunked path serves every size. */
+     * device's; then the other paths serve those sizes. */
     p->one_group_fits = p->limits[ONE_GROUP_KERNEL] >= s.one_wg;
+    p->fused_fits = p->limits[FUSED_KERNEL] >= s.fused_wg;
     return MOECL_SUCCESS;
 }
 
@@ -153,25 +157,63 @@ static uint64_t one_group_local_bytes(const moecl_plan *p, uint32_t experts, uin
     return 2 * ((uint64_t)experts + 1) * 4 + (uint64_t)p->one_wg * 8 + slot_cols_bytes(p, slots);
 }
 
-/* Whether the one-group kernel serves d: on GPUs up to the sizes above, on
- * CPUs never (their chunk loops are cheap to launch), unless MOECL_ALIGN
- * forces a path; and only where local memory holds two words per expert
- * (and, with WARP_MATCH, a ushort per slot). */
-static bool use_one_group(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
+/* Whether the one-group kernel can serve d: where the device runs it at
+ * its work-group and local memory holds two words per expert (and, with
+ * WARP_MATCH, a ushort per slot). */
+static bool one_group_serves(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
+{
+    const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
+    if (!p->one_group_fits || (p->warp_match && slots > 65536)) /* slot columns in local memory */
+        return false;
+    /* 1 KiB for what the compiler places in local memory besides. */
+    return one_group_local_bytes(p, d->num_experts, slots) + 1024 <= ctx->info.local_mem_size;
+}
+
+/* Whether the fused kernel can serve d: where the device runs it at its
+ * work-group and local memory holds two words per expert column. */
+static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
+{
+    return p->fused_fits &&
+           moecl_layout_moe_align_fused_local(d->num_experts, p->fused_wg) + 1024 <= ctx->info.local_mem_size;
+}
+
+/* The most slots the fused kernel takes by default: its last work-group
+ * places every slot alone, so beyond some size the chunked path's three
+ * launches, which place in parallel, win (on pocl and Intel's CPU runtime
+ * from about 8192 slots: bench/RESULTS.md, "moe_align in one launch"). */
+#define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 8192u
+/* GPUs: none by default until it is measured on one (its last work-group's
+ * atomic loads may cost more than two launches); MOECL_ALIGN=fused. */
+#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 0u
+
+typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
+
+/* The path of d: MOECL_ALIGN's where it forces one the device can run;
+ * else on GPUs the one-group kernel up to the sizes above, then the fused
+ * kernel up to its limit, then the chunked path; on CPUs, whose launches
+ * are cheap, the fused kernel up to its limit, then the chunked path. */
+static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
     const moecl_align_path path = info->env.align_path;
-    if (!p->one_group_fits || path == MOECL_ALIGN_CHUNKED ||
-        (path == MOECL_ALIGN_AUTO && info->launch_class == MOECL_LAUNCH_CPU))
-        return false;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    const uint32_t cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
-    if (path == MOECL_ALIGN_AUTO && slots > cap)
-        return false;
-    if (p->warp_match && slots > 65536) /* slot columns in local memory */
-        return false;
-    /* 1 KiB for what the compiler places in local memory besides. */
-    return one_group_local_bytes(p, d->num_experts, slots) + 1024 <= info->local_mem_size;
+    const bool cpu = info->launch_class == MOECL_LAUNCH_CPU;
+    switch (path) {
+    case MOECL_ALIGN_ONE_GROUP:
+        return one_group_serves(ctx, p, d) ? ROUTE_ONE_GROUP : ROUTE_CHUNKED;
+    case MOECL_ALIGN_FUSED:
+        return fused_serves(ctx, p, d) ? ROUTE_FUSED : ROUTE_CHUNKED;
+    case MOECL_ALIGN_CHUNKED:
+        return ROUTE_CHUNKED;
+    default:
+        break;
+    }
+    const uint32_t one_cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
+    if (!cpu && slots <= one_cap && one_group_serves(ctx, p, d))
+        return ROUTE_ONE_GROUP;
+    if (slots <= (cpu ? MOECL_ALIGN_FUSED_MAX_SLOTS_CPU : MOECL_ALIGN_FUSED_MAX_SLOTS_GPU) && fused_serves(ctx, p, d))
+        return ROUTE_FUSED;
+    return ROUTE_CHUNKED;
 }
 
 moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc)
@@ -195,22 +237,6 @@ typedef struct mem_at {
 typedef struct align_args {
     mem_at ids, counts, sorted, blocks, post, slots, invalid;
 } align_args;
-
-/* Chunks of slots: at least num_experts + 1 slots each, so that the count
- * matrix is no larger than the slots; about 256 chunks on GPUs (the scan
- * walks them serially) and 8 per compute unit on CPUs. */
-static uint32_t chunk_size(const moecl_context *ctx, const moecl_plan *s, uint32_t slots, uint32_t experts)
-{
-    const uint32_t target = ctx->info.launch_class == MOECL_LAUNCH_CPU
-                                ? 8 * (ctx->info.compute_units ? ctx->info.compute_units : 1)
-                                : 256;
-    uint64_t chunk = ((uint64_t)slots + target - 1) / target;
-    if (chunk < (uint64_t)experts + 1)
-        chunk = (uint64_t)experts + 1;
-    if (chunk < 256)
-        chunk = 256;
-    return (uint32_t)moecl_round_up(chunk, s->wg);
-}
 
 #define ARG(v) MOECL_ARG(v)
 #define MEM(m) MOECL_ARG_MEM(m)
@@ -236,15 +262,75 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
     return moecl_plan_run(ctx, p, &one, 1, num_wait, wait, done);
 }
 
+/* Chunks of slots: at least num_experts + 1 slots each, so that the count
+ * matrix is no larger than the slots; about 256 chunks on GPUs (the scan
+ * walks them serially) and 8 per compute unit on CPUs; a multiple of wg. */
+static uint32_t chunk_size(const moecl_context *ctx, unsigned wg, uint32_t slots, uint32_t experts)
+{
+    const uint32_t target = ctx->info.launch_class == MOECL_LAUNCH_CPU
+                                ? 8 * (ctx->info.compute_units ? ctx->info.compute_units : 1)
+                                : 256;
+    uint64_t chunk = ((uint64_t)slots + target - 1) / target;
+    if (chunk < (uint64_t)experts + 1)
+        chunk = (uint64_t)experts + 1;
+    if (chunk < 256)
+        chunk = 256;
+    return (uint32_t)moecl_round_up(chunk, wg);
+}
+
+/* One launch at every size: the fused kernel, whose scratch holds the
+ * ticket (word 0), the count matrix, its prefixes and a rank per slot. The ticket is 0
+ * between calls (the last work-group resets it); a new buffer, or one the
+ * chunked path wrote, is zeroed first, by a fill the kernel waits on. */
+static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
+                                  const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
+    /* CPUs: one work-group of one work-item, which walks the slots in
+     * order: counts and ranks passed between work-groups by atomics cost
+     * more there than the parallel count saves (bench/RESULTS.md). */
+    const cl_uint chunk = ctx->info.launch_class == MOECL_LAUNCH_CPU ? (slots ? slots : 1)
+                                                                     : chunk_size(ctx, p->fused_wg, slots, experts);
+    const cl_uint groups = slots ? (cl_uint)(((uint64_t)slots + chunk - 1) / chunk) : 1;
+    const size_t scratch_bytes = (1 + 2 * (size_t)groups * (experts + 1) + slots) * 4;
+    cl_mem scratch;
+    moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const bool reused = ctx->in_order && ctx->scratch_lock_ready;
+    const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
+    const size_t cols_bytes = moecl_layout_moe_align_cols(experts);
+    const moecl_kernel_arg args[] = {
+        MEM(a->ids.mem),    ARG(a->ids.off),     ARG(slots),          ARG(experts),        ARG(chunk),
+        ARG(block),         MEM(scratch),        MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->sorted.mem),
+        ARG(a->sorted.off), MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),    ARG(a->post.off),
+        MEM(a->slots.mem),  ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem), ARG(a->invalid.off),
+        ARG(has_invalid),   LOCAL(cols_bytes),   LOCAL(cols_bytes)};
+    moecl_step steps[2];
+    int n = 0;
+    if (!reused || !ctx->scratch_ticket_zero)
+        steps[n++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the moe_align ticket", NULL};
+    steps[n++] = (moecl_step){FUSED_KERNEL,           args, (cl_uint)(sizeof(args) / sizeof(args[0])),
+                              (size_t)groups * p->fused_wg, p->fused_wg, NULL, 0, 0, NULL, NULL};
+    st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
+    if (reused)
+        ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
+    moecl_scratch_release(ctx, scratch);
+    return st;
+}
+
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    if (use_one_group(ctx, p, d))
+    const align_route route = route_of(ctx, p, d);
+    if (route == ROUTE_ONE_GROUP)
         return enqueue_one_group(ctx, d, p, a, num_wait, wait, done);
+    if (route == ROUTE_FUSED)
+        return enqueue_fused(ctx, d, p, a, num_wait, wait, done);
     const moecl_plan *s = p;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
-    const cl_uint chunk = chunk_size(ctx, s, slots, experts);
+    const cl_uint chunk = chunk_size(ctx, s->wg, slots, experts);
     const cl_uint chunks = (cl_uint)(((uint64_t)slots + chunk - 1) / chunk);
     const size_t cols = (size_t)experts + 1;
     const size_t matrix_words = (size_t)chunks * cols;
@@ -279,6 +365,8 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
 #undef STEP
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
+    if (ctx->in_order && ctx->scratch_lock_ready)
+        ctx->scratch_ticket_zero = false; /* the count matrix starts at word 0 */
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;

@@ -1521,6 +1521,29 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     align_fault(ctx, &d, ids, one_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
     snprintf(label, sizeof(label), "%s, one group, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
+
+    /* The fused kernel: its arguments; the fill of its ticket, which comes
+     * first where the scratch's ticket is not known to be 0 (here: the
+     * chunked path used it last; every call on an out-of-order queue); its
+     * enqueue after that fill, and on an in-order queue without one once a
+     * fused call has left the ticket 0. Only the scratch changes. */
+    ctx->info.env.align_path = MOECL_ALIGN_FUSED;
+    const fault fused_arg[] = {{FAULT_SET_ARG, "moe_align_fused", 9, CL_INVALID_MEM_OBJECT}};
+    snprintf(label, sizeof(label), "%s, fused, arg 9", queue);
+    align_fault(ctx, &d, ids, fused_arg, 1, "clSetKernelArg", 9, 0, ALIGN_OUTPUTS, false, label);
+    const fault ticket_fill[] = {{FAULT_FILL, "the moe_align ticket", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, fused, ticket fill", queue);
+    align_fault(ctx, &d, ids, ticket_fill, 1, "clEnqueueFillBuffer", -1, 0, ALIGN_OUTPUTS, false, label);
+    const fault fused_enq[] = {{FAULT_ENQUEUE, "moe_align_fused", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, fused, enqueue after the fill", queue);
+    align_fault(ctx, &d, ids, fused_enq, 1, "clEnqueueNDRangeKernel", -1, 1, ALIGN_OUTPUTS, false, label);
+    snprintf(label, sizeof(label), "%s, fused, after the failures", queue);
+    assert_align_right(ctx, &d, ids, label);
+    snprintf(label, sizeof(label), "%s, fused, enqueue, ticket left 0", queue);
+    align_fault(ctx, &d, ids, fused_enq, 1, "clEnqueueNDRangeKernel", -1, ctx->in_order ? 0 : 1, ALIGN_OUTPUTS,
+                false, label);
+    snprintf(label, sizeof(label), "%s, fused, after the enqueue failure", queue);
+    assert_align_right(ctx, &d, ids, label);
     ctx->info.env.align_path = path;
 }
 

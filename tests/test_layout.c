@@ -214,6 +214,9 @@ static described describe(const char *kernel, const char *d)
         const bool warp = ptx && D("WARP_MATCH") != 0;
         r.local = LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(D("ONE_WG"), warp);
         r.arrays = warp ? 1 : 2;
+    } else if (strcmp(kernel, "moe_align_fused") == 0) {
+        r.local = LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
+        r.arrays = D("FUSED_WG") > 1 ? 3 : 2;
     } else {
         ck_assert_msg(strcmp(kernel, "moe_align_count") == 0, "no layout for kernel %s", kernel);
     }

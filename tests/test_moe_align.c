@@ -568,7 +568,9 @@ END_TEST
 /* A copy of cl/moe_align.cl whose scatter walks each chunk backwards (CPU
  * kernel) or takes each tile's slots in reverse (GPU kernel), whose
  * one-group kernel takes each tile's slots in reverse too (its NVIDIA warp
- * path ranks equal ids in reverse), loaded through MOECL_KERNEL_DIR:
+ * path ranks equal ids in reverse), and whose fused kernel walks the slots
+ * backwards (CPU kernel) or ranks each tile in reverse (GPU kernel),
+ * loaded through MOECL_KERNEL_DIR:
  * still a grouping by expert, but not stable. The suite's check must
  * catch it. */
 static bool replace_once(char **text, const char *old, const char *new_text)
@@ -603,6 +605,10 @@ START_TEST(test_mutation_caught)
                                "        const uint e = column_of") &&
                       replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
                       replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
+                      replace_once(&text, "    for (uint s = lid; s < num_slots; s += FUSED_WG) {\n",
+                                   "    for (uint i = lid; i < num_slots; i += FUSED_WG) {\n"
+                                   "        const uint s = num_slots - 1 - i;\n") &&
+                      replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
                       replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
                                    "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
                   "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");

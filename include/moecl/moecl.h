@@ -624,22 +624,49 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * every block -1, num_invalid 0.
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
- * queue and returns. Small routings on GPUs (up to 1024 slots, 1536 on
- * NVIDIA, where the
- * device's local memory and the kernel's work-group limit allow) take one
- * kernel that does everything in one work-group; the rest take three
- * (count, scan, scatter; the count is skipped when num_tokens == 0). The
- * first kernel waits on the `num_wait` events of `wait`; on an
+ * queue and returns. One of three paths, chosen by size and device:
+ *   - one kernel in one work-group (small routings on GPUs: up to 1024
+ *     slots, 1536 on NVIDIA, where the device's local memory and the
+ *     kernel's work-group limit allow);
+ *   - the fused kernel, one launch (on CPUs up to 8192 slots; on GPUs only
+ *     where MOECL_ALIGN=fused asks, until it is measured on one; where its
+ *     work-group and local memory fit): every
+ *     work-group counts and ranks its chunk of slots (CPUs: one
+ *     work-group of one work-item for all of them), then takes a ticket
+ *     with atomic_inc on a global counter; the work-group that takes the
+ *     last ticket scans the counts, writes every output and puts the
+ *     counter back to 0. No work-group ever waits for another, so it
+ *     needs no concurrency between work-groups.
+ *     Every word one work-group passes to another is written and read
+ *     with OpenCL 1.2 global atomics. It assumes of the device what
+ *     OpenCL 1.2 does not promise in words: that a work-item's atomics,
+ *     followed by mem_fence(CLK_GLOBAL_MEM_FENCE) and a work-group
+ *     barrier, are seen by another work-group of the same kernel once it
+ *     has seen the result of the atomic_inc made after them (the order of
+ *     atomics on different words). pocl, Intel's CPU runtime and oclgrind
+ *     give the exact results with it; cl/moe_align.cl says more;
+ *   - three kernels (count, scan, scatter; the count is skipped when
+ *     num_tokens == 0): the rest, and every size where MOECL_ALIGN=chunked.
+ * The fused kernel is not used where the device's work-group limit for it
+ * is below its work-group or its local memory does not fit; the
+ * environment variable MOECL_ALIGN=one-group|fused|chunked forces a path
+ * (where the device runs it) for tests and measurements.
+ * The first command waits on the `num_wait` events of `wait`; on an
  * out-of-order queue each later one waits on its predecessor's event. If
  * `done` is non-NULL it receives the event of the last kernel, which
  * completes after all of them; the caller releases it. The three-kernel
  * path needs a device scratch buffer of about 4 * (num_tokens * top_k +
- * 3 * num_experts) bytes: on an in-order queue the context keeps one,
+ * 3 * num_experts) bytes, the fused one of at most about 4 * (3 *
+ * num_tokens * top_k + 2 * num_experts) (its counter is the first word):
+ * on an in-order queue the context keeps one,
  * grown as needed and reused (calls from several threads take turns while
- * enqueueing, and the queue runs their kernels one call after another); on
- * an out-of-order queue each call creates its own and releases it once the
- * kernels are enqueued (OpenCL keeps it until they finish). The context's
- * buffer is freed by moecl_context_destroy.
+ * enqueueing, and the queue runs their kernels one call after another);
+ * on an out-of-order queue each call creates its own and releases it once
+ * the kernels are enqueued (OpenCL keeps it until they finish). The fused
+ * path zeroes the counter with clEnqueueFillBuffer before its kernel
+ * where the buffer is new or the three-kernel path used it last (every
+ * call on an out-of-order queue). The context's buffer is freed by
+ * moecl_context_destroy.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
@@ -648,8 +675,10 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * allocation, of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE (a kernel's
  * limit on this device is below its work-group), or of an enqueue. All of
  * these but an enqueue after the first are found before anything is
- * enqueued: nothing is enqueued and no output byte changes. On the
- * three-kernel path a later enqueue can fail: if the scan's does, only
+ * enqueued: nothing is enqueued and no output byte changes. On the fused
+ * path, if the kernel's enqueue fails after the counter's fill, only the
+ * scratch buffer changed. On the three-kernel path a later enqueue can
+ * fail: if the scan's does, only
  * the count kernel was enqueued, which writes nothing but the scratch
  * buffer, so no output changes; if the scatter's does, the count and the
  * scan were, and expert_counts, num_tokens_post_padded and num_invalid

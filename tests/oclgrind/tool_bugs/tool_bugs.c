@@ -28,6 +28,7 @@ typedef struct bug {
     size_t items;       /* work-items, one work-group */
     unsigned out_count; /* uints of output checked */
     unsigned expect[16];
+    bool unwritten; /* the output buffer is created without host data */
 } bug;
 
 /* in[i] = i % 3 for i < 16, in[16 + i] = 1: so in[i] > in[16 + i] exactly
@@ -48,7 +49,7 @@ static const bug bugs[] = {
      "    z -= a > b;\n"
      "    vstore4(as_uint4(z), 0, out);\n"
      "}\n",
-     false, 1, 4, {0, 0, 1, 0}},
+     false, 1, 4, {0, 0, 1, 0}, false},
     /* Lanes 8..15 of a 16-lane vector taken by a shuffle (.hi, or any
      * swizzle that reads them) are reported as uninitialised by
      * --uninitialized, though the vector came whole from a buffer the host
@@ -60,7 +61,7 @@ static const bug bugs[] = {
      "{\n"
      "    vstore8(vload16(0, in).hi, 0, out);\n"
      "}\n",
-     false, 1, 8, {2, 0, 1, 2, 0, 1, 2, 0}},
+     false, 1, 8, {2, 0, 1, 2, 0, 1, 2, 0}, false},
     /* A shuffle whose mask has undefined elements (clang makes
      * <undef x 4, 12, 13, 14, 15> of `v.hi.hi` on a uint16) crashes
      * --uninitialized (SIGSEGV in Uninitialized::instructionExecuted).
@@ -72,7 +73,7 @@ static const bug bugs[] = {
      "    const uint8 a = v.hi;\n"
      "    vstore4(a.hi, 0, out);\n"
      "}\n",
-     false, 1, 4, {0, 1, 2, 0}},
+     false, 1, 4, {0, 1, 2, 0}, false},
     /* An integer division and remainder of the same operands: clang's
      * DivRemPairs pass emits `freeze`, which --uninitialized does not
      * implement ("OCLGRIND FATAL ERROR ... Unsupported instruction:
@@ -87,7 +88,7 @@ static const bug bugs[] = {
      "        out[idx] = e * 10 + i + in[16];\n"
      "    }\n"
      "}\n",
-     false, 4, 16, {1, 2, 3, 11, 12, 13, 21, 22, 23, 31, 32, 33, 41, 42, 43, 51}},
+     false, 4, 16, {1, 2, 3, 11, 12, 13, 21, 22, 23, 31, 32, 33, 41, 42, 43, 51}, false},
     /* Bytes written by clEnqueueFillBuffer are taken for unwritten by
      * --uninitialized (also after the host wrote the buffer), so an
      * atomic_inc on a zero-filled histogram is reported as an
@@ -98,7 +99,19 @@ static const bug bugs[] = {
      "{\n"
      "    atomic_inc((__global volatile uint *)out + in[get_local_id(0)]);\n"
      "}\n",
-     true, 4, 4, {2, 1, 1, 0}},
+     true, 4, 4, {2, 1, 1, 0}, false},
+    /* With --uninitialized, an atomic_xchg of a written value into a word
+     * nothing wrote before (a buffer created without host data) is
+     * reported as an uninitialised value written to global memory; the
+     * old value it returns is thrown away, and the values are right.
+     * moecl: moe_align's fused kernel passes counts and ranks between
+     * work-groups that way through its scratch buffer. */
+    {"atomic_unwritten_uninitialized",
+     "__kernel void repro(__global const uint *in, __global uint *out)\n"
+     "{\n"
+     "    atomic_xchg((__global volatile uint *)out + get_local_id(0), in[get_local_id(0)]);\n"
+     "}\n",
+     false, 4, 4, {0, 1, 2, 0}, true},
 };
 
 #define NUM_BUGS (sizeof(bugs) / sizeof(bugs[0]))
@@ -137,7 +150,8 @@ static int run(const bug *b)
         in[i] = 1;
     memset(out, 0, sizeof(out));
     cl_mem in_buf = clCreateBuffer(ctx, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof(in), in, &err);
-    cl_mem out_buf = clCreateBuffer(ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof(out), out, &err);
+    cl_mem out_buf = b->unwritten ? clCreateBuffer(ctx, CL_MEM_READ_WRITE, sizeof(out), NULL, &err)
+                                  : clCreateBuffer(ctx, CL_MEM_READ_WRITE | CL_MEM_COPY_HOST_PTR, sizeof(out), out, &err);
     if (b->fill) {
         const cl_uint zero = 0;
         clEnqueueFillBuffer(q, out_buf, &zero, sizeof(zero), 0, sizeof(out), 0, NULL, NULL);
