@@ -203,6 +203,12 @@ static cl_mem mem_of(const moecl_kernel_arg *arg)
 static moecl_status check_buffers(moecl_context *ctx, const moecl_pooled_kernel *k, const moecl_kernel_arg *args,
                                   cl_uint count, size_t *sizes)
 {
+    /* A kernel remembers at most MOECL_MAX_KERNEL_ARGS arguments: a longer
+     * list is a bug in moecl, refused rather than written past the end. */
+    if (count > MOECL_MAX_KERNEL_ARGS)
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
+                          "internal error: a kernel of %u arguments, more than the %d moecl binds", count,
+                          MOECL_MAX_KERNEL_ARGS);
     for (cl_uint i = 0; i < count; i++) {
         const moecl_buffer_check *c = args[i].check;
         sizes[i] = 0;
