@@ -182,16 +182,18 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
  * launches, which place in parallel, win (on pocl and Intel's CPU runtime
  * from about 8192 slots: bench/RESULTS.md, "moe_align in one launch"). */
 #define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 8192u
-/* GPUs: none by default until it is measured on one (its last work-group's
- * atomic loads may cost more than two launches); MOECL_ALIGN=fused. */
-#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 0u
+/* GPUs: on the H200 the fused kernel beat both the one-group kernel and
+ * the chunked path up to 4160 slots and lost to the chunked path from
+ * 8152; the crossing is between (bench/RESULTS.md, "moe_align in one
+ * launch on the H200"). */
+#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 5120u
 
 typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
 
 /* The path of d: MOECL_ALIGN's where it forces one the device can run;
- * else on GPUs the one-group kernel up to the sizes above, then the fused
- * kernel up to its limit, then the chunked path; on CPUs, whose launches
- * are cheap, the fused kernel up to its limit, then the chunked path. */
+ * else the fused kernel up to its limit, then on GPUs the one-group kernel
+ * up to the sizes above (where the fused kernel does not fit), then the
+ * chunked path. */
 static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
@@ -209,10 +211,10 @@ static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const
         break;
     }
     const uint32_t one_cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
-    if (!cpu && slots <= one_cap && one_group_serves(ctx, p, d))
-        return ROUTE_ONE_GROUP;
     if (slots <= (cpu ? MOECL_ALIGN_FUSED_MAX_SLOTS_CPU : MOECL_ALIGN_FUSED_MAX_SLOTS_GPU) && fused_serves(ctx, p, d))
         return ROUTE_FUSED;
+    if (!cpu && slots <= one_cap && one_group_serves(ctx, p, d))
+        return ROUTE_ONE_GROUP;
     return ROUTE_CHUNKED;
 }
 

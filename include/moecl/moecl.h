@@ -625,12 +625,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
  * queue and returns. One of three paths, chosen by size and device:
- *   - one kernel in one work-group (small routings on GPUs: up to 1024
- *     slots, 1536 on NVIDIA, where the device's local memory and the
- *     kernel's work-group limit allow);
- *   - the fused kernel, one launch (on CPUs up to 8192 slots; on GPUs only
- *     where MOECL_ALIGN=fused asks, until it is measured on one; where its
- *     work-group and local memory fit): every
+ *   - the fused kernel, one launch (up to 8192 slots on CPUs and 5120 on
+ *     GPUs, where its work-group and local memory fit): every
  *     work-group counts and ranks its chunk of slots (CPUs: one
  *     work-group of one work-item for all of them), then takes a ticket
  *     with atomic_inc on a global counter; the work-group that takes the
@@ -644,7 +640,11 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *     barrier, are seen by another work-group of the same kernel once it
  *     has seen the result of the atomic_inc made after them (the order of
  *     atomics on different words). pocl, Intel's CPU runtime and oclgrind
- *     give the exact results with it; cl/moe_align.cl says more;
+ *     give the exact results with it, and so did NVIDIA's OpenCL on the
+ *     H200 (the moe_align suites); cl/moe_align.cl says more;
+ *   - one kernel in one work-group (on GPUs where the fused kernel does
+ *     not fit: up to 1024 slots, 1536 on NVIDIA, where the device's local
+ *     memory and the kernel's work-group limit allow);
  *   - three kernels (count, scan, scatter; the count is skipped when
  *     num_tokens == 0): the rest, and every size where MOECL_ALIGN=chunked.
  * The fused kernel is not used where the device's work-group limit for it
