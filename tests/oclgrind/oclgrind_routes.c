@@ -595,15 +595,15 @@ static const align_case align_cases[] = {
     {3, 64, 4096, 16, 2}, /* the most experts, most of them empty */
 };
 
-/* Whether the run may take moe_align's fused kernel: forced, or the CPU
- * class's default at these sizes. That kernel's ticket is zeroed by
+/* Whether the run may take moe_align's fused kernel: forced, or the
+ * default of either class at these sizes. That kernel's ticket is zeroed by
  * clEnqueueFillBuffer and its counts and ranks go between work-groups by
  * atomic_xchg into scratch words nothing wrote before, both of which
  * --uninitialized takes for unwritten values. */
 static bool may_take_fused(const run_def *run)
 {
     const char *forced = run->env[0] && strncmp(run->env[0], "MOECL_ALIGN=", 12) == 0 ? run->env[0] + 12 : NULL;
-    return forced ? strcmp(forced, "fused") == 0 : run->launch_class && strcmp(run->launch_class, "cpu") == 0;
+    return forced ? strcmp(forced, "fused") == 0 : true;
 }
 
 static void align_one(moecl_context *ctx, const run_def *run, const align_case *c)
