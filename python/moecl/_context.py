@@ -118,6 +118,18 @@ class Context:
             self._lib.moecl_context_destroy(self._handle)
             self._handle = None
 
+    def forget_buffers(self) -> None:
+        """Drop the references the context keeps to the device buffers of
+        earlier calls (moecl_context_forget_buffers): the C library holds
+        each kernel's last buffers so that repeating a call costs no
+        argument setting, which keeps a released pyopencl buffer's memory
+        until the kernel runs with another, this call or close(). Not while
+        another thread calls into the context. Adopted queues' contexts
+        forget theirs too."""
+        for other in self._adopted.values():
+            other.forget_buffers()
+        self._lib.moecl_context_forget_buffers(self._ptr())
+
     def __enter__(self) -> "Context":
         return self
 

@@ -96,6 +96,7 @@ _SIGNATURES = {
     "moecl_context_create": (c_int, [ctypes.c_char_p, _P(_ctx)]),
     "moecl_context_create_from_cl": (c_int, [cl_handle, cl_handle, cl_handle, _P(_ctx)]),
     "moecl_context_destroy": (None, [_ctx]),
+    "moecl_context_forget_buffers": (None, [_ctx]),
     "moecl_context_error": (ctypes.c_char_p, [_ctx]),
     "moecl_context_cl_context": (cl_handle, [_ctx]),
     "moecl_context_device": (cl_handle, [_ctx]),

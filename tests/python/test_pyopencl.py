@@ -214,3 +214,23 @@ def test_library_refuses_bad_device_tensors(adopted, ctx, clq):
 def test_mixed_kinds_refused(adopted, clq):
     with pytest.raises(TypeError, match="not a mix"):
         adopted.topk_gating(cla.zeros(clq, (2, 8), np.float32), top_k=2, bias=np.zeros(8, np.float32))
+
+
+def test_forget_buffers_releases_the_last_calls_buffers(rng, clq):
+    """The C library keeps each kernel's last buffers (docs/api.md);
+    forget_buffers drops those references, close() too."""
+    tokens, experts, k = 5, 32, 4
+    x = cla.to_device(clq, rng.standard_normal((tokens, experts)).astype(np.float32))
+    refs = lambda a: a.base_data.get_info(cl.mem_info.REFERENCE_COUNT)
+    before = refs(x)
+    with moecl.Context.from_pyopencl(clq) as own:
+        w, ids, ev = own.topk_gating(x, top_k=k)
+        ev.wait()
+        assert refs(x) == before + 1, "the context holds the gating buffer of its last call"
+        own.forget_buffers()
+        assert refs(x) == before
+        w, ids, ev = own.topk_gating(x, top_k=k)
+        ev.wait()
+        check_topk(w.get(), ids.get(), x.get().astype(np.float64), k, "softmax", None)
+        assert refs(x) == before + 1
+    assert refs(x) == before, "close() released it"
