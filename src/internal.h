@@ -368,6 +368,10 @@ moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_
                                     bool has_counts, const struct moecl_plan **plan);
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const struct moecl_plan **plan);
+/* The descriptor checks of moecl_topk_gating() and moecl_moe_align()
+ * (their messages), for moecl_route_dispatch(), which runs both. */
+moecl_status moecl_topk_gating_validate(moecl_context *ctx, const moecl_topk_gating_desc *desc);
+moecl_status moecl_moe_align_validate(moecl_context *ctx, const moecl_moe_align_desc *desc);
 moecl_status moecl_moe_align_plan(moecl_context *ctx, const struct moecl_plan **plan);
 
 /* The -D defines (into buf) and the kernel name of the variant that serves

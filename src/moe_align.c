@@ -50,6 +50,11 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_moe_align_desc
 #undef INVALID
 }
 
+moecl_status moecl_moe_align_validate(moecl_context *ctx, const moecl_moe_align_desc *desc)
+{
+    return validate_desc(ctx, desc);
+}
+
 /* ---- launch shape and variants ---- */
 
 typedef struct align_shape {

@@ -71,6 +71,11 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
 #undef INVALID
 }
 
+moecl_status moecl_topk_gating_validate(moecl_context *ctx, const moecl_topk_gating_desc *desc)
+{
+    return validate_desc(ctx, desc);
+}
+
 /* What a configuration launches on a device: work-items per row, rows a
  * work-group, warp shuffles (inline PTX) for the team reductions, and the
  * kernel. */

@@ -32,11 +32,12 @@
  *    enqueues anything: a failure up to there leaves nothing enqueued and
  *    no output byte changed. After its first enqueue only a later enqueue
  *    can fail (the driver's CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY,
- *    ...). Of the device-buffer calls, two have a later enqueue:
- *    moecl_moe_align() on its three-kernel path and
- *    moecl_topk_gating_with_counts() (a fill, then the kernel). Such a
+ *    ...). Of the device-buffer calls, three have a later enqueue:
+ *    moecl_moe_align() on its three-kernel path,
+ *    moecl_topk_gating_with_counts() (a fill, then the kernel) and
+ *    moecl_route_dispatch() (top-k, then moe_align). Such a
  *    failure leaves unspecified the outputs that the commands already
- *    enqueued write, and every other output unchanged; those two
+ *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
  *    commands it enqueued before it returns the error, so nothing of a
  *    failed call runs after it returns (it blocks, then, until the events
@@ -711,6 +712,77 @@ MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_
 /** Build (or load from the disk cache) the kernels moe_align needs, ahead
  *  of the first call. Validates desc as the call does. */
 MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc);
+
+/* ---------------------------------------------------------------------- */
+/* Routing through to dispatch (docs/routing.md, "Routing through to       */
+/* dispatch")                                                              */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * Top-k gating followed by moe_align on its topk_ids, in one call: from
+ * logits to the dispatch of a grouped expert GEMM. The outputs are
+ * exactly those of moecl_topk_gating(ctx, desc, gating, bias,
+ * topk_weights, topk_ids, ...) followed by moecl_moe_align() with
+ * moecl_moe_align_desc_init(desc->num_tokens, desc->top_k,
+ * desc->num_experts, block_size) on those topk_ids, bit for bit, on the
+ * same device (the same kernels run):
+ *
+ *   gating, bias, topk_weights, topk_ids   as moecl_topk_gating()
+ *   expert_counts, sorted_token_ids, block_expert_ids,
+ *   num_tokens_post_padded, slot_positions (or absent),
+ *   num_invalid (or absent)                as moecl_moe_align(); the ids of
+ *                                          a routing are always in range,
+ *                                          so num_invalid is 0
+ *
+ * Every convention of top-k gating is accepted (desc as for
+ * moecl_topk_gating()); block_size as moecl_moe_align_desc's, and
+ * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
+ * num_tokens == 0 writes moe_align's empty result and no top-k output.
+ *
+ * Asynchronous. Today two or more launches: top-k gating's kernel, then
+ * moe_align's path for that size (one launch up to the sizes
+ * moecl_moe_align() states, three beyond); a single kernel for decode
+ * sizes is issue 14's item 2, not done yet. The first command waits on the
+ * `num_wait` events of `wait`; on an out-of-order queue moe_align's first
+ * command waits on the top-k kernel's event. `done`, if non-NULL, receives
+ * the event of the last command, which completes after all of them. It
+ * uses moe_align's scratch buffer as moecl_moe_align() describes.
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (any field of either descriptor, a
+ * NULL ctx/desc, a missing required buffer, a buffer too small, an
+ * unaligned offset, a buffer of another context, num_wait > 0 with wait
+ * NULL), MOECL_ERROR_BUILD, or an OpenCL error. All the descriptor and
+ * buffer checks of both steps, and the builds of both steps' kernels,
+ * come before the first enqueue: such a failure leaves nothing enqueued
+ * and no output byte changed. After top-k's kernel is enqueued, moe_align's
+ * part can still fail (its scratch buffer's allocation, a clSetKernelArg,
+ * CL_INVALID_WORK_GROUP_SIZE, an enqueue): then topk_weights and topk_ids
+ * are unspecified (normally written), and moe_align's outputs are as
+ * moecl_moe_align() states for its own failures; the call waits for
+ * every command it enqueued before it returns the error.
+ */
+MOECL_API moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
+                                            moecl_buffer gating, moecl_buffer bias, moecl_buffer topk_weights,
+                                            moecl_buffer topk_ids, moecl_buffer expert_counts,
+                                            moecl_buffer sorted_token_ids, moecl_buffer block_expert_ids,
+                                            moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
+                                            moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait,
+                                            cl_event *done);
+
+/** Blocking convenience of moecl_route_dispatch() on host memory: copies
+ *  in, runs, copies out. bias, slot_positions and num_invalid may be NULL;
+ *  the others are required (gating, topk_weights and topk_ids may be NULL
+ *  only when num_tokens is 0; sorted_token_ids and block_expert_ids only
+ *  when they have no element). Same validation as moecl_route_dispatch().
+ *  The device buffers are the call's own, so a failed enqueue leaves every
+ *  host output unchanged; only a failed copy back may have written them
+ *  (see "What a failed call leaves" above). */
+MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                 uint32_t block_size, const void *gating, const float *bias,
+                                                 float *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
+                                                 int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                                 int32_t *num_tokens_post_padded, int32_t *slot_positions,
+                                                 int32_t *num_invalid);
 
 #ifdef __cplusplus
 }

@@ -173,7 +173,7 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 /* ---- runs ---- */
 
-typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN } op_kind;
+typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE } op_kind;
 
 typedef struct run_def {
     const char *name;
@@ -234,6 +234,9 @@ static const run_def runs[] = {
     {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-gpu-fused", OP_ALIGN, "gpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0}, true, false},
     {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
+    /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
+    {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -338,7 +341,7 @@ static moecl_buffer tight_buffer(moecl_context *ctx, size_t offset, size_t size,
 
 static void read_back(moecl_context *ctx, moecl_buffer b, size_t size, void *out)
 {
-    if (clEnqueueReadBuffer(moecl_context_queue(ctx), b.mem, CL_TRUE, b.offset, size, out, 0, NULL, NULL))
+    if (size && clEnqueueReadBuffer(moecl_context_queue(ctx), b.mem, CL_TRUE, b.offset, size, out, 0, NULL, NULL))
         fail("clEnqueueReadBuffer failed");
     clReleaseMemObject(b.mem);
 }
@@ -659,6 +662,113 @@ static void run_align(moecl_context *ctx, const run_def *run)
         align_one(ctx, run, &align_cases[i]);
 }
 
+/* ---- routing through to dispatch ---- */
+
+typedef struct route_case {
+    uint32_t tokens, experts, top_k, groups, topk_group, block;
+    moecl_scoring scoring;
+    bool bias;
+} route_case;
+
+static const route_case route_cases[] = {
+    {0, 16, 4, 0, 0, 4, MOECL_SCORING_SOFTMAX, false},  /* empty: moe_align's empty result */
+    {ROW_KINDS, 17, 3, 0, 0, 4, MOECL_SCORING_SOFTMAX, false},
+    {ROW_KINDS, 32, 6, 8, 3, 8, MOECL_SCORING_SIGMOID, true}, /* DeepSeek-V3's conventions, small */
+};
+
+/* moecl_route_dispatch on device buffers at offsets (tight at the end),
+ * judged by the top-k reference and, exactly, by the moe_align reference
+ * on the ids chosen. */
+static void route_one(moecl_context *ctx, const run_def *run, const route_case *c)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->tokens, c->experts, c->top_k);
+    d.num_expert_groups = c->groups;
+    d.topk_group = c->topk_group;
+    d.scoring = c->scoring;
+    d.renormalize = c->bias;
+    d.group_score = c->groups ? MOECL_GROUP_SCORE_TOP2_SUM : MOECL_GROUP_SCORE_MAX;
+    const moecl_moe_align_desc a = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, c->block);
+    snprintf(current, sizeof(current), "%s T=%u E=%u k=%u groups=%u/%u %s%s block=%u", run->name, d.num_tokens,
+             d.num_experts, d.top_k, c->groups, c->topk_group,
+             c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->block);
+    if (!selected())
+        return;
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_topk_gating_launch(ctx, &d, &key, &config);
+    if (skip_rows_fast && config.kernel == MOECL_KERNEL_ROWS && c->scoring == MOECL_SCORING_SOFTMAX && !c->bias &&
+        !c->groups) {
+        skipped("the rows kernel's fast path is wrong under oclgrind's optimised build (tool_bugs: "
+                "zext_bool_vector)");
+        return;
+    }
+    if (left_out_by_uninit("moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
+                           "atomic_unwritten_uninitialized)"))
+        return;
+    const size_t nk = (size_t)d.num_tokens * d.top_k, e = d.num_experts;
+    const size_t max_padded = (size_t)moecl_moe_align_max_padded(&a), blocks = max_padded / a.block_size;
+    void *gating = special_rows(MOECL_F32, d.num_tokens, d.num_experts, 0);
+    float *bias = NULL;
+    if (c->bias) {
+        bias = xmalloc(e * sizeof(float));
+        for (uint32_t x = 0; x < e; x++)
+            bias[x] = randn() * 0.05f;
+    }
+    /* At least a word each: OpenCL refuses empty buffers. */
+#define AT_LEAST_4(n) ((n) > 0 ? (n) : 4)
+    moecl_buffer in = tight_buffer(ctx, 64, AT_LEAST_4(nk / d.top_k * e * 4), gating);
+    moecl_buffer bb = bias ? tight_buffer(ctx, 8, e * 4, bias) : (moecl_buffer){NULL, 0};
+    moecl_buffer wb = tight_buffer(ctx, 4, AT_LEAST_4(nk * 4), NULL), ib = tight_buffer(ctx, 12, AT_LEAST_4(nk * 4), NULL);
+    moecl_buffer cb = tight_buffer(ctx, 16, e * 4, NULL), sb = tight_buffer(ctx, 4, AT_LEAST_4(max_padded * 4), NULL);
+    moecl_buffer blb = tight_buffer(ctx, 8, AT_LEAST_4(blocks * 4), NULL), pb = tight_buffer(ctx, 4, 4, NULL);
+    moecl_buffer lb = tight_buffer(ctx, 4, AT_LEAST_4(nk * 4), NULL), nb = tight_buffer(ctx, 4, 4, NULL);
+#undef AT_LEAST_4
+    cl_event done = NULL;
+    const moecl_status st = moecl_route_dispatch(ctx, &d, c->block, in, bb, wb, ib, cb, sb, blb, pb, lb, nb, 0, NULL,
+                                                 &done);
+    if (done) {
+        clWaitForEvents(1, &done);
+        clReleaseEvent(done);
+    }
+    float *w = xmalloc(nk * 4 + 4);
+    int32_t *ids = xmalloc(nk * 4 + 4), *counts = xmalloc(e * 4), *sorted = xmalloc(max_padded * 4 + 4);
+    int32_t *block_ids = xmalloc(blocks * 4 + 4), *positions = xmalloc(nk * 4 + 4), post = -7, invalid = -7;
+    read_back(ctx, wb, nk * 4, w);
+    read_back(ctx, ib, nk * 4, ids);
+    read_back(ctx, cb, e * 4, counts);
+    read_back(ctx, sb, max_padded * 4, sorted);
+    read_back(ctx, blb, blocks * 4, block_ids);
+    read_back(ctx, pb, 4, &post);
+    read_back(ctx, lb, nk * 4, positions);
+    read_back(ctx, nb, 4, &invalid);
+    clReleaseMemObject(in.mem);
+    if (bb.mem)
+        clReleaseMemObject(bb.mem);
+    char msg[512] = "";
+    if (st != MOECL_SUCCESS)
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if (nk && ref_check_topk_gating(&d, gating, bias, w, ids, msg, sizeof(msg)))
+        fail("top-k: %s", msg);
+    else if (ref_check_moe_align(&a, ids, counts, sorted, block_ids, &post, positions, &invalid, msg, sizeof(msg)))
+        fail("dispatch: %s", msg);
+    else if (invalid != 0)
+        fail("num_invalid is %d, not 0", invalid);
+    free(gating);
+    free(bias);
+    free(w);
+    free(ids);
+    free(counts);
+    free(sorted);
+    free(block_ids);
+    free(positions);
+}
+
+static void run_route(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(route_cases); i++)
+        route_one(ctx, run, &route_cases[i]);
+}
+
 /* ---- main ---- */
 
 static int run_one(const run_def *run)
@@ -693,8 +803,10 @@ static int run_one(const run_def *run)
         run_topk(ctx, run);
     else if (run->op == OP_GROUNDED)
         run_grounded(ctx, run);
-    else
+    else if (run->op == OP_ALIGN)
         run_align(ctx, run);
+    else
+        run_route(ctx, run);
     moecl_context_destroy(ctx);
     fprintf(stderr, "run %s: %s\n", run->name, failures == before ? "ok" : "FAILED");
     return failures != before;

@@ -1,0 +1,476 @@
+/* moecl_route_dispatch against moecl_topk_gating followed by
+ * moecl_moe_align (bit for bit: every output) and against the reference
+ * (tests/reference.c): top-k as the top-k suite bounds it, the dispatch
+ * outputs exactly for the ids chosen. Every top-k convention, f32/f16/bf16,
+ * exact ties, NaN and inf logits, 0 tokens, sizes on both sides of
+ * moe_align's one-launch limits, both paths (host; device buffers at
+ * offsets, poisoned, after a wait-list event), and every validation error
+ * leaving every output unchanged. meson runs it once per launch class. */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "harness.h"
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+/* The outputs of one call, with one poisoned element past each end. */
+typedef struct outs {
+    float *weights;
+    int32_t *ids, *counts, *sorted, *blocks, *slots;
+    int32_t post, invalid;
+    size_t n_slots, experts, max_padded, num_blocks;
+} outs;
+
+static moecl_moe_align_desc align_of(const moecl_topk_gating_desc *d, uint32_t block)
+{
+    return moecl_moe_align_desc_init(d->num_tokens, d->top_k, d->num_experts, block);
+}
+
+static void outs_alloc(const moecl_topk_gating_desc *d, uint32_t block, outs *o)
+{
+    const moecl_moe_align_desc a = align_of(d, block);
+    o->n_slots = (size_t)d->num_tokens * d->top_k;
+    o->experts = d->num_experts;
+    o->max_padded = (size_t)moecl_moe_align_max_padded(&a);
+    o->num_blocks = o->max_padded / block;
+    o->weights = harness_poisoned((o->n_slots + 1) * 4);
+    o->ids = harness_poisoned((o->n_slots + 1) * 4);
+    o->counts = harness_poisoned((o->experts + 1) * 4);
+    o->sorted = harness_poisoned((o->max_padded + 1) * 4);
+    o->blocks = harness_poisoned((o->num_blocks + 1) * 4);
+    o->slots = harness_poisoned((o->n_slots + 1) * 4);
+    memset(&o->post, HARNESS_POISON, 4);
+    memset(&o->invalid, HARNESS_POISON, 4);
+    ck_assert(o->weights && o->ids && o->counts && o->sorted && o->blocks && o->slots);
+}
+
+static void outs_free(outs *o)
+{
+    free(o->weights);
+    free(o->ids);
+    free(o->counts);
+    free(o->sorted);
+    free(o->blocks);
+    free(o->slots);
+}
+
+/* Device buffers of a call's outputs, poisoned, at odd offsets. */
+typedef struct bufs {
+    moecl_buffer gating, bias, weights, ids, counts, sorted, blocks, post, slots, invalid;
+} bufs;
+
+static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const outs *o, const void *gating,
+                      const float *bias)
+{
+    const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    bufs b;
+    b.gating = harness_buffer(ctx, gbytes, 8, gating);
+    b.bias = bias ? harness_buffer(ctx, o->experts * 4, 4, bias) : (moecl_buffer){NULL, 0};
+    b.weights = harness_buffer(ctx, o->n_slots * 4, 12, NULL);
+    b.ids = harness_buffer(ctx, o->n_slots * 4, 256 + 4, NULL);
+    b.counts = harness_buffer(ctx, o->experts * 4, 4, NULL);
+    b.sorted = harness_buffer(ctx, o->max_padded * 4, 60, NULL);
+    b.blocks = harness_buffer(ctx, o->num_blocks * 4, 8, NULL);
+    b.post = harness_buffer(ctx, 4, 4, NULL);
+    b.slots = harness_buffer(ctx, o->n_slots * 4, 4096 + 4, NULL);
+    b.invalid = harness_buffer(ctx, 4, 16, NULL);
+    return b;
+}
+
+/* Read every output back with the element past its end, which must stay
+ * poison. */
+static void bufs_read(moecl_context *ctx, const bufs *b, outs *o, const char *what)
+{
+    harness_read(ctx, b->weights, (o->n_slots + 1) * 4, o->weights);
+    harness_read(ctx, b->ids, (o->n_slots + 1) * 4, o->ids);
+    harness_read(ctx, b->counts, (o->experts + 1) * 4, o->counts);
+    harness_read(ctx, b->sorted, (o->max_padded + 1) * 4, o->sorted);
+    harness_read(ctx, b->blocks, (o->num_blocks + 1) * 4, o->blocks);
+    harness_read(ctx, b->post, 4, &o->post);
+    harness_read(ctx, b->slots, (o->n_slots + 1) * 4, o->slots);
+    harness_read(ctx, b->invalid, 4, &o->invalid);
+    const uint32_t poison = 0xFFFFFFFFu;
+    ck_assert_msg(!memcmp(&o->weights[o->n_slots], &poison, 4) && !memcmp(&o->ids[o->n_slots], &poison, 4) &&
+                      !memcmp(&o->counts[o->experts], &poison, 4) && !memcmp(&o->sorted[o->max_padded], &poison, 4) &&
+                      !memcmp(&o->blocks[o->num_blocks], &poison, 4) && !memcmp(&o->slots[o->n_slots], &poison, 4),
+                  "%s: wrote past the end of an output", what);
+}
+
+static void bufs_release(bufs *b)
+{
+    moecl_buffer *all[] = {&b->gating, &b->bias,   &b->weights, &b->ids,   &b->counts,
+                           &b->sorted, &b->blocks, &b->post,    &b->slots, &b->invalid};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(*all[i]);
+}
+
+static void wait_done(cl_event before, cl_event done)
+{
+    ck_assert_ptr_nonnull(done);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    if (before)
+        clReleaseEvent(before);
+}
+
+/* The call under test, on device buffers (after a marker it must wait on)
+ * or on host memory. */
+static void run_route(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const void *gating,
+                      const float *bias, bool device_path, outs *o, const char *what)
+{
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_route_dispatch_host(ctx, d, block, gating, bias, o->weights, o->ids, o->counts, o->sorted,
+                                       o->blocks, &o->post, o->slots, &o->invalid);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        return;
+    }
+    bufs b = bufs_make(ctx, d, o, gating, bias);
+    cl_event before = NULL, done = NULL;
+    ck_assert_int_eq(clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &before), CL_SUCCESS);
+    st = moecl_route_dispatch(ctx, d, block, b.gating, b.bias, b.weights, b.ids, b.counts, b.sorted, b.blocks, b.post,
+                              b.slots, b.invalid, 1, &before, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    wait_done(before, done);
+    bufs_read(ctx, &b, o, what);
+    bufs_release(&b);
+}
+
+/* The two calls it stands for, on device buffers. */
+static void run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const void *gating,
+                         const float *bias, outs *o, const char *what)
+{
+    bufs b = bufs_make(ctx, d, o, gating, bias);
+    const moecl_moe_align_desc a = align_of(d, block);
+    cl_event routed = NULL, done = NULL;
+    moecl_status st = moecl_topk_gating(ctx, d, b.gating, b.bias, b.weights, b.ids, 0, NULL, &routed);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: top-k: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    st = moecl_moe_align(ctx, &a, b.ids, b.counts, b.sorted, b.blocks, b.post, b.slots, b.invalid, 1, &routed, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: moe_align: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    wait_done(routed, done);
+    bufs_read(ctx, &b, o, what);
+    bufs_release(&b);
+}
+
+static void assert_same(const outs *x, const outs *y, const char *what)
+{
+    const size_t n = x->n_slots * 4;
+    ck_assert_msg(!memcmp(x->weights, y->weights, n), "%s: topk_weights differ from the two calls'", what);
+    ck_assert_msg(!memcmp(x->ids, y->ids, n), "%s: topk_ids differ from the two calls'", what);
+    ck_assert_msg(!memcmp(x->counts, y->counts, x->experts * 4), "%s: expert_counts differ", what);
+    ck_assert_msg(!memcmp(x->sorted, y->sorted, x->max_padded * 4), "%s: sorted_token_ids differ", what);
+    ck_assert_msg(!memcmp(x->blocks, y->blocks, x->num_blocks * 4), "%s: block_expert_ids differ", what);
+    ck_assert_msg(!memcmp(x->slots, y->slots, n), "%s: slot_positions differ", what);
+    ck_assert_msg(x->post == y->post && x->invalid == y->invalid, "%s: num_tokens_post_padded or num_invalid differ",
+                  what);
+}
+
+/* Against the reference: the top-k result as the top-k suite bounds it,
+ * the dispatch exactly for the ids the device chose, no invalid slot. */
+static void check_reference(const moecl_topk_gating_desc *d, uint32_t block, const void *gating, const float *bias,
+                            const outs *o, const char *what)
+{
+    char msg[600] = "";
+    if (d->num_tokens > 0) {
+        const int rows = ref_check_topk_gating(d, gating, bias, o->weights, o->ids, msg, sizeof(msg));
+        ck_assert_msg(rows == 0, "%s: %d bad top-k rows: %s", what, rows, msg);
+    }
+    const moecl_moe_align_desc a = align_of(d, block);
+    const int bad = ref_check_moe_align(&a, d->num_tokens ? o->ids : NULL, o->counts, o->sorted, o->blocks, &o->post,
+                                        o->slots, &o->invalid, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d dispatch elements differ from the reference; first: %s", what, bad, msg);
+    ck_assert_int_eq(o->invalid, 0);
+}
+
+enum logits { LOGITS_NORMAL, LOGITS_TIES, LOGITS_NONFINITE };
+
+/* Fresh logits of d's dtype: standard normal times 2; or rounded to
+ * multiples of 0.5 in [-1, 1] (exact ties everywhere); or normal with NaN,
+ * +inf and -inf sprinkled in (and a row of NaN). */
+static void *make_logits(harness_rng *rng, const moecl_topk_gating_desc *d, enum logits kind)
+{
+    const size_t n = (size_t)d->num_tokens * d->num_experts;
+    void *g = harness_random_tensor(rng, d->gating_dtype, n ? n : 1, 2.0f);
+    for (size_t i = 0; i < n && kind != LOGITS_NORMAL; i++) {
+        const uint32_t r = harness_rand_u32(rng);
+        if (kind == LOGITS_TIES)
+            harness_store(d->gating_dtype, g, i, (float)((int)(r % 5) - 2) * 0.5f);
+        else if (i / d->num_experts == 1 || r % 13 == 0)
+            harness_store(d->gating_dtype, g, i, i / d->num_experts == 1 || r % 3 == 0 ? NAN : r % 2 ? INFINITY
+                                                                                               : -INFINITY);
+    }
+    return g;
+}
+
+/* One case: the call on both paths against the two calls and the
+ * reference. */
+static void route_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, bool with_bias,
+                       enum logits kind, uint64_t stream)
+{
+    char what[256];
+    snprintf(what, sizeof(what),
+             "T=%u E=%u k=%u groups=%u/%u dtype=%d scoring=%d gscore=%d fill=%d renorm=%d floor=%g scale=%g "
+             "bias=%d block=%u logits=%d",
+             d->num_tokens, d->num_experts, d->top_k, d->num_expert_groups, d->topk_group, (int)d->gating_dtype,
+             (int)d->scoring, (int)d->group_score, (int)d->group_fill, (int)d->renormalize,
+             (double)d->renormalize_floor, (double)d->routed_scaling_factor, (int)with_bias, block, (int)kind);
+    harness_rng rng = harness_rng_for(stream);
+    void *gating = make_logits(&rng, d, kind);
+    float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts)
+                            : NULL;
+    outs want, got;
+    outs_alloc(d, block, &want);
+    outs_alloc(d, block, &got);
+    run_separate(ctx, d, block, gating, bias, &want, what);
+    for (int path = 0; path < 2; path++) {
+        outs_free(&got);
+        outs_alloc(d, block, &got);
+        run_route(ctx, d, block, gating, bias, path == 1, &got, what);
+        if (d->num_tokens == 0) {
+            /* No top-k output is written. */
+            ck_assert(harness_first_unpoisoned(got.weights, 4) == 4 && harness_first_unpoisoned(got.ids, 4) == 4);
+        }
+        assert_same(&got, &want, what);
+        check_reference(d, block, gating, bias, &got, what);
+    }
+    outs_free(&want);
+    outs_free(&got);
+    free(gating);
+    free(bias);
+}
+
+/* Every convention of top-k gating, at a decode size and one past
+ * moe_align's one-launch limit on the CPU class. */
+START_TEST(test_conventions)
+{
+    moecl_context *ctx = harness_context();
+    typedef struct conv {
+        uint32_t experts, k, groups, keep;
+        moecl_scoring scoring;
+        moecl_group_score gscore;
+        moecl_group_fill fill;
+        bool renorm, bias;
+        float floor, scale;
+    } conv;
+    static const conv convs[] = {
+        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, false, 0, 1},
+        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, true, true, 0, 2.5f},
+        {256, 8, 8, 4, MOECL_SCORING_SIGMOID, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, true, 0,
+         2.5f},
+        {160, 6, 8, 3, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, false, false, 0, 1},
+        {64, 4, 0, 0, MOECL_SCORING_SIGMOID, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, true, false,
+         6.103515625e-5f, 1},
+        {8, 2, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, true, 0, 0.5f},
+    };
+    static const moecl_dtype dtypes[] = {MOECL_F32, MOECL_F16, MOECL_BF16};
+    static const uint32_t blocks[] = {64, 16, 128, 1};
+    unsigned i = 0;
+    for (size_t c = 0; c < COUNT(convs); c++)
+        for (size_t t = 0; t < COUNT(dtypes); t++, i++) {
+            const conv *v = &convs[c];
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(i % 2 ? 129 : 7, v->experts, v->k);
+            d.num_expert_groups = v->groups;
+            d.topk_group = v->keep;
+            d.scoring = v->scoring;
+            d.group_score = v->gscore;
+            d.group_fill = v->fill;
+            d.renormalize = v->renorm;
+            d.renormalize_floor = v->floor;
+            d.routed_scaling_factor = v->scale;
+            d.gating_dtype = dtypes[t];
+            route_case(ctx, &d, blocks[i % COUNT(blocks)], v->bias, LOGITS_NORMAL, 100 + i);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Sizes from 0 tokens through decode batches (up to 1024 slots) to past
+ * moe_align's one-launch limits (8192 slots on CPUs, 5120 on GPUs). */
+START_TEST(test_sizes)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {0, 1, 128, 129, 256, 641, 1025, 4096};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        if (harness_quick() && tokens[t] > 1025)
+            continue;
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 128, 8);
+        route_case(ctx, &d, 64, t % 2 == 1, LOGITS_NORMAL, 200 + t);
+    }
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(0, 4096, 2);
+    route_case(ctx, &d, 128, false, LOGITS_NORMAL, 250);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Exact ties (to the lower index) and NaN / inf logits: the ids stay
+ * distinct and in range, so num_invalid is 0, and both paths agree with
+ * the two calls bit for bit. */
+START_TEST(test_ties_nonfinite)
+{
+    moecl_context *ctx = harness_context();
+    for (int kind = LOGITS_TIES; kind <= LOGITS_NONFINITE; kind++)
+        for (int s = 0; s < 2; s++) {
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(65, 32, 4);
+            d.scoring = s ? MOECL_SCORING_SIGMOID : MOECL_SCORING_SOFTMAX;
+            d.renormalize = s == 1;
+            d.gating_dtype = kind == LOGITS_TIES ? MOECL_BF16 : MOECL_F32;
+            route_case(ctx, &d, 16, s == 1, (enum logits)kind, 300 + kind * 2 + s);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Every validation error, on both paths: the call fails with
+ * MOECL_ERROR_INVALID_ARGUMENT and no output byte changes. */
+static const moecl_topk_gating_desc *bad_input_desc(void)
+{
+    static moecl_topk_gating_desc d;
+    d = moecl_topk_gating_desc_init(16, 64, 8);
+    return &d;
+}
+#define BAD_INPUT_BLOCK 64u
+
+static void expect_invalid(moecl_context *ctx, moecl_status st, const bufs *b, const outs *o, const char *what)
+{
+    ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: got %s", what, moecl_status_string(st));
+    ck_assert_msg(moecl_context_error(ctx)[0] != '\0', "%s: no message", what);
+    if (!b)
+        return;
+    outs after;
+    outs_alloc(bad_input_desc(), BAD_INPUT_BLOCK, &after);
+    bufs_read(ctx, b, &after, what);
+    const size_t sizes[] = {o->n_slots * 4, o->n_slots * 4, o->experts * 4, o->max_padded * 4, o->num_blocks * 4, 4,
+                            o->n_slots * 4, 4};
+    const void *data[] = {after.weights, after.ids, after.counts, after.sorted, after.blocks, &after.post, after.slots,
+                          &after.invalid};
+    for (size_t i = 0; i < COUNT(sizes); i++)
+        ck_assert_msg(harness_first_unpoisoned(data[i], sizes[i]) == sizes[i], "%s: output %zu changed", what, i);
+    outs_free(&after);
+}
+
+START_TEST(test_bad_input)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc good = *bad_input_desc();
+    const uint32_t block = BAD_INPUT_BLOCK;
+    harness_rng rng = harness_rng_for(400);
+    void *gating = harness_random_tensor(&rng, MOECL_F32, 16 * 64, 2.0f);
+    outs o;
+    outs_alloc(&good, block, &o);
+    bufs b = bufs_make(ctx, &good, &o, gating, NULL);
+    /* Each descriptor field out of range, then block_size. */
+    moecl_topk_gating_desc bad[12];
+    for (size_t i = 0; i < COUNT(bad); i++)
+        bad[i] = good;
+    bad[0].num_experts = 0;
+    bad[1].num_experts = 4097;
+    bad[2].top_k = 0;
+    bad[3].top_k = 65;
+    bad[4].num_expert_groups = 3;
+    bad[4].topk_group = 1;
+    bad[5].topk_group = 1;
+    bad[6].gating_dtype = (moecl_dtype)7;
+    bad[7].scoring = (moecl_scoring)2;
+    bad[8].group_score = (moecl_group_score)2;
+    bad[9].routed_scaling_factor = NAN;
+    bad[10].renormalize_floor = 1e-40f;
+    bad[11].group_fill = (moecl_group_fill)2;
+    char what[64];
+    for (size_t i = 0; i < COUNT(bad); i++) {
+        snprintf(what, sizeof(what), "descriptor case %zu", i);
+        expect_invalid(ctx,
+                       moecl_route_dispatch(ctx, &bad[i], block, b.gating, b.bias, b.weights, b.ids, b.counts,
+                                            b.sorted, b.blocks, b.post, b.slots, b.invalid, 0, NULL, NULL),
+                       &b, &o, what);
+        expect_invalid(ctx,
+                       moecl_route_dispatch_host(ctx, &bad[i], block, gating, NULL, o.weights, o.ids, o.counts,
+                                                 o.sorted, o.blocks, &o.post, o.slots, &o.invalid),
+                       NULL, &o, what);
+    }
+    static const uint32_t bad_blocks[] = {0, 1025};
+    for (size_t i = 0; i < COUNT(bad_blocks); i++)
+        expect_invalid(ctx,
+                       moecl_route_dispatch(ctx, &good, bad_blocks[i], b.gating, b.bias, b.weights, b.ids, b.counts,
+                                            b.sorted, b.blocks, b.post, b.slots, b.invalid, 0, NULL, NULL),
+                       &b, &o, "block_size");
+    moecl_topk_gating_desc huge = moecl_topk_gating_desc_init(300000000u, 64, 8);
+    expect_invalid(ctx,
+                   moecl_route_dispatch(ctx, &huge, block, b.gating, b.bias, b.weights, b.ids, b.counts, b.sorted,
+                                        b.blocks, b.post, b.slots, b.invalid, 0, NULL, NULL),
+                   &b, &o, "num_tokens * top_k past INT32_MAX");
+    expect_invalid(ctx,
+                   moecl_route_dispatch(ctx, NULL, block, b.gating, b.bias, b.weights, b.ids, b.counts, b.sorted,
+                                        b.blocks, b.post, b.slots, b.invalid, 0, NULL, NULL),
+                   &b, &o, "desc NULL");
+    /* Each buffer absent (where required), too small, misaligned. */
+    static const bool required[] = {true, false, true, true, true, true, true, true, false, false};
+    for (size_t i = 0; i < COUNT(required); i++)
+        for (int kind = 0; kind < 3; kind++) {
+            if (kind == 0 && !required[i])
+                continue;
+            bufs x = b;
+            moecl_buffer *xs[] = {&x.gating, &x.bias,   &x.weights, &x.ids,   &x.counts,
+                                  &x.sorted, &x.blocks, &x.post,    &x.slots, &x.invalid};
+            moecl_buffer *m = xs[i];
+            moecl_buffer small = {NULL, 0};
+            if (kind == 0)
+                m->mem = NULL;
+            else if (kind == 1)
+                m->offset += 2; /* misaligned */
+            else {
+                cl_int err;
+                small.mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 2, NULL, &err);
+                ck_assert_int_eq(err, CL_SUCCESS);
+                *m = small; /* too small for any tensor */
+            }
+            if (i == 1 && kind == 1)
+                continue; /* the absent bias has no offset to misalign */
+            snprintf(what, sizeof(what), "buffer %zu, kind %d", i, kind);
+            expect_invalid(ctx,
+                           moecl_route_dispatch(ctx, &good, block, x.gating, x.bias, x.weights, x.ids, x.counts,
+                                                x.sorted, x.blocks, x.post, x.slots, x.invalid, 0, NULL, NULL),
+                           &b, &o, what);
+            harness_release(small);
+        }
+    /* A wait count without a list; NULL host outputs. */
+    expect_invalid(ctx,
+                   moecl_route_dispatch(ctx, &good, block, b.gating, b.bias, b.weights, b.ids, b.counts, b.sorted,
+                                        b.blocks, b.post, b.slots, b.invalid, 1, NULL, NULL),
+                   &b, &o, "num_wait without wait");
+    expect_invalid(ctx,
+                   moecl_route_dispatch_host(ctx, &good, block, gating, NULL, o.weights, o.ids, NULL, o.sorted,
+                                             o.blocks, &o.post, NULL, NULL),
+                   NULL, &o, "host expert_counts NULL");
+    expect_invalid(ctx,
+                   moecl_route_dispatch_host(ctx, &good, block, NULL, NULL, o.weights, o.ids, o.counts, o.sorted,
+                                             o.blocks, &o.post, NULL, NULL),
+                   NULL, &o, "host gating NULL");
+    ck_assert_int_eq(moecl_route_dispatch_host(NULL, &good, block, gating, NULL, o.weights, o.ids, o.counts,
+                                               o.sorted, o.blocks, &o.post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    /* The host outputs were never written. */
+    ck_assert(harness_first_unpoisoned(o.weights, o.n_slots * 4) == o.n_slots * 4);
+    ck_assert(harness_first_unpoisoned(o.counts, o.experts * 4) == o.experts * 4);
+    bufs_release(&b);
+    outs_free(&o);
+    free(gating);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+int main(void)
+{
+    Suite *s = suite_create("route_dispatch");
+    TCase *tc = tcase_create("route_dispatch");
+    tcase_set_timeout(tc, 1200);
+    tcase_add_test(tc, test_conventions);
+    tcase_add_test(tc, test_sizes);
+    tcase_add_test(tc, test_ties_nonfinite);
+    tcase_add_test(tc, test_bad_input);
+    suite_add_tcase(s, tc);
+    return harness_run(s);
+}
