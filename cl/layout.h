@@ -139,4 +139,13 @@ typedef struct layout_topk_args {
 } layout_topk_args;
 typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 48 ? 1 : -1];
 
+/* moecl_route_dispatch's kernel (topk_gating_team built with
+ * ROUTE_DISPATCH): moe_align's offsets (in elements) and scalars, one
+ * argument as above. */
+typedef struct layout_dispatch_args {
+    LAYOUT_U64 counts_off, sorted_off, blocks_off, post_off, slots_off, invalid_off;
+    LAYOUT_U32 block_size, has_slots, has_invalid, unused;
+} layout_dispatch_args;
+typedef char layout_dispatch_args_size_check[sizeof(layout_dispatch_args) == 64 ? 1 : -1];
+
 #endif

@@ -448,8 +448,10 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * pass without a rank loop.
  *
  * scratch: [0] the ticket, then the count matrix m[groups][E + 1], the
- * last work-group's prefixes of it (same shape) and ranks[num_slots]. run
- * and start hold E + 1 words each. */
+ * last work-group's prefixes of it (same shape), ranks[num_slots] and,
+ * where the ids are this launch's own (moecl_route_dispatch's kernel,
+ * cl/topk_gating.cl), each slot's column[num_slots]. run and start hold
+ * E + 1 words each. */
 #ifndef FUSED_WG
 #define FUSED_WG 1
 #endif
@@ -459,9 +461,12 @@ static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatil
 static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
 
 /* Counts and (with more than one work-item) ranks of slots [begin, end)
- * by one work-group: run[e] ends as the chunk's count of column e. */
+ * by one work-group: run[e] ends as the chunk's count of column e. Where
+ * columns is not 0 (ids written by this kernel: moecl_route_dispatch), each
+ * slot's column goes there too, so that the last work-group reads it by
+ * an atomic rather than another work-group's plain store. */
 static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
-                              __local uint *run, __local uint *tile, __global uint *ranks)
+                              __local uint *run, __local uint *tile, __global uint *ranks, __global uint *columns)
 {
 #if FUSED_WG == 1
     /* One work-item: the counts only; the last work-group walks every
@@ -469,6 +474,7 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
     (void)lid;
     (void)tile;
     (void)ranks;
+    (void)columns;
     for (uint s = begin; s < end; s++)
         run[column_of(ids[s], num_experts)]++;
 #else
@@ -477,8 +483,11 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
         /* Past the end: a column no slot has. */
         const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
         const uint rank = tile_rank(e, lid, tile);
-        if (s < end)
+        if (s < end) {
             shared_store(&ranks[s], run[e] + rank);
+            if (columns)
+                shared_store(&columns[s], e);
+        }
         tile_advance(e, run, num_experts + 1);
     }
 #endif
@@ -520,11 +529,12 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
 }
 
-/* Every slot to its position, by the last work-group. */
+/* Every slot to its position, by the last work-group (a slot's column
+ * from columns where rank_chunk stored them there). */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
-                             __global const uint *ranks, __global int *sorted, ulong sorted_off,
-                             __global int *slot_positions, ulong slot_off, uint has_slots)
+                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
 {
     const uint cols = num_experts + 1;
 #if FUSED_WG == 1
@@ -533,10 +543,15 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
     (void)chunk;
     (void)prefix;
     (void)ranks;
+    (void)columns;
     (void)cols;
 #endif
     for (uint s = lid; s < num_slots; s += FUSED_WG) {
+#if FUSED_WG == 1
         const uint e = column_of(ids[s], num_experts);
+#else
+        const uint e = columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
+#endif
         int pos = -1;
         if (e < num_experts) {
 #if FUSED_WG == 1
@@ -548,6 +563,51 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
         }
         if (has_slots)
             slot_positions[slot_off + s] = pos;
+    }
+}
+
+/* The fused kernel's steps, by every work-group of a launch: work-group c
+ * counts and ranks slots [c * chunk, (c + 1) * chunk) of ids, takes a
+ * ticket, and the last one does the rest. part and tile hold FUSED_WG
+ * words, run and start E + 1; columns as for rank_chunk (0: read ids). */
+static inline void fused_align(__global const int *ids, uint num_slots, uint num_experts, uint chunk,
+                               uint block_size, __global uint *scratch, __global int *counts, ulong counts_off,
+                               __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
+                               __global int *post_padded, ulong post_off, __global int *slot_positions,
+                               ulong slot_off, uint has_slots, __global int *num_invalid, ulong invalid_off,
+                               uint has_invalid, __local uint *run, __local uint *start, __local uint *part,
+                               __local uint *flag, __local uint *tile, bool store_columns)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
+    /* As moecl_moe_align_max_padded (kernel arguments are at most
+     * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
+    const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
+    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
+    __global uint *ranks = prefix + (size_t)groups * cols;
+    __global uint *columns = store_columns ? ranks + num_slots : 0;
+
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        run[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
+    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, columns);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        shared_store(&matrix[(size_t)c * cols + e], run[e]);
+
+    /* Every work-group meets the same barriers: the others run the last
+     * one's steps over nothing (pocl 3.1 computed wrong results with these
+     * barriers under a branch on the ticket, bench/RESULTS.md). */
+    const bool last = last_to_finish(scratch, groups, lid, flag);
+    const uint live_experts = last ? num_experts : 0;
+    scan_columns(matrix, prefix, last ? groups : 0, last ? cols : 0, lid, run);
+    const uint post = padded_starts(run, start, part, FUSED_WG, lid, live_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, last);
+    if (last) {
+        pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
+                       sorted, sorted_off, blocks, blocks_off);
+        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, columns, sorted, sorted_off,
+                  slot_positions, slot_off, has_slots);
     }
 }
 
@@ -566,35 +626,7 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
 #else
     __local uint *tile = part; /* unused */
 #endif
-    const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
-    /* As moecl_moe_align_max_padded (kernel arguments are at most
-     * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
-    const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
-    ids += ids_off;
-    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
-    __global uint *ranks = prefix + (size_t)groups * cols;
-
-    for (uint e = lid; e < cols; e += FUSED_WG)
-        run[e] = 0;
-    barrier(CLK_LOCAL_MEM_FENCE);
-    const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
-    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint e = lid; e < cols; e += FUSED_WG)
-        shared_store(&matrix[(size_t)c * cols + e], run[e]);
-
-    /* Every work-group meets the same barriers: the others run the last
-     * one's steps over nothing (pocl 3.1 computed wrong results with these
-     * barriers under a branch on the ticket, bench/RESULTS.md). */
-    const bool last = last_to_finish(scratch, groups, lid, &flag);
-    const uint live_experts = last ? num_experts : 0;
-    scan_columns(matrix, prefix, last ? groups : 0, last ? cols : 0, lid, run);
-    const uint post = padded_starts(run, start, part, FUSED_WG, lid, live_experts, block_size, counts, counts_off,
-                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, last);
-    if (last) {
-        pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
-                       sorted, sorted_off, blocks, blocks_off);
-        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, sorted, sorted_off, slot_positions,
-                  slot_off, has_slots);
-    }
+    fused_align(ids + ids_off, num_slots, num_experts, chunk, block_size, scratch, counts, counts_off, sorted,
+                sorted_off, blocks, blocks_off, post_padded, post_off, slot_positions, slot_off, has_slots,
+                num_invalid, invalid_off, has_invalid, run, start, part, &flag, tile, false);
 }

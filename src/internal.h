@@ -217,6 +217,7 @@ typedef enum moecl_program_kind {
     MOECL_PROGRAM_TOPK_GATING = 0,
     MOECL_PROGRAM_GROUNDED_ROUTER = 1,
     MOECL_PROGRAM_MOE_ALIGN = 2,
+    MOECL_PROGRAM_ROUTE_DISPATCH = 3, /* top-k gating's and moe_align's sources */
 } moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);
@@ -366,6 +367,12 @@ moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const
 struct moecl_plan;
 moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
                                     bool has_counts, const struct moecl_plan **plan);
+/* The plan of moecl_route_dispatch's one kernel for desc: the team
+ * kernel of moecl_topk_gating_plan's configuration built with
+ * ROUTE_DISPATCH (cl/topk_gating.cl); MOECL_ERROR_UNSUPPORTED where that
+ * configuration is the rows kernel. */
+moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                          const struct moecl_plan **plan);
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const struct moecl_plan **plan);
 /* The descriptor checks of moecl_topk_gating() and moecl_moe_align()

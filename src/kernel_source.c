@@ -9,10 +9,11 @@
 
 #include "kernel_source.h"
 
-static const char *const program_files[][3] = {
+static const char *const program_files[][4] = {
     [MOECL_PROGRAM_TOPK_GATING] = {"common.cl", "topk_gating.cl", NULL},
     [MOECL_PROGRAM_GROUNDED_ROUTER] = {"common.cl", "grounded_router.cl", NULL},
-    [MOECL_PROGRAM_MOE_ALIGN] = {"moe_align.cl", NULL, NULL},
+    [MOECL_PROGRAM_MOE_ALIGN] = {"moe_align.cl", NULL},
+    [MOECL_PROGRAM_ROUTE_DISPATCH] = {"common.cl", "moe_align.cl", "topk_gating.cl", NULL},
 };
 
 static const moecl_embedded_source *embedded(const char *name)
@@ -47,9 +48,9 @@ static char *read_file(const char *dir, const char *name, size_t *size)
 
 moecl_status moecl_program_source(const moecl_context *ctx, moecl_program_kind kind, char **text, size_t *size)
 {
-    const char *parts[4] = {NULL, NULL, NULL, NULL};
-    size_t lengths[4] = {0, 0, 0, 0};
-    char *owned[4] = {NULL, NULL, NULL, NULL};
+    const char *parts[5] = {NULL};
+    size_t lengths[5] = {0};
+    char *owned[5] = {NULL};
     moecl_status st = MOECL_SUCCESS;
     size_t total = 0;
     int n = 0;
@@ -97,7 +98,7 @@ moecl_status moecl_program_source(const moecl_context *ctx, moecl_program_kind k
             *size = at;
         }
     }
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < 5; i++)
         free(owned[i]);
     return st;
 }

@@ -90,6 +90,7 @@ typedef struct topk_shape {
 typedef struct topk_request {
     const moecl_topk_gating_desc *desc;
     bool has_bias, has_counts;
+    bool has_dispatch; /* moecl_route_dispatch's kernel: moe_align after the rows (team kernel only) */
     unsigned groups, topk_group;
 } topk_request;
 
@@ -168,7 +169,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, d->num_expert_groups, d->topk_group};
+    topk_request r = {d, has_bias, has_counts, false, d->num_expert_groups, d->topk_group};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -187,7 +188,7 @@ static bool zero_fill(const topk_request *r)
 
 /* Everything the defines depend on, packed: dtype 2 bits, scoring, group
  * score, renormalize, bias, counts, zero fill, experts 13, top_k 7, groups
- * 13, topk_group 13; the floor's bits in the second word. */
+ * 13, topk_group 13, dispatch; the floor's bits in the second word. */
 static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
 {
     const moecl_topk_gating_desc *d = r->desc;
@@ -195,7 +196,7 @@ static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
                        (uint64_t)(r->groups ? d->group_score : 0) << 3 | (uint64_t)d->renormalize << 4 |
                        (uint64_t)r->has_bias << 5 | (uint64_t)r->has_counts << 6 | (uint64_t)zero_fill(r) << 7 |
                        (uint64_t)d->num_experts << 8 | (uint64_t)d->top_k << 21 | (uint64_t)r->groups << 28 |
-                       (uint64_t)r->topk_group << 41;
+                       (uint64_t)r->topk_group << 41 | (uint64_t)r->has_dispatch << 54;
     uint32_t floor_bits = 0;
     if (has_floor(d))
         memcpy(&floor_bits, &d->renormalize_floor, sizeof(floor_bits));
@@ -240,6 +241,11 @@ static void defines_of(const moecl_device_info *info, const topk_request *r, con
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DGROUP_FILL=1");
     }
+    if (r->has_dispatch) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u",
+                 s->team * s->rows);
+    }
 }
 
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
@@ -261,9 +267,13 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     topk_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
+    if (r->has_dispatch && shape.team == 1)
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "route dispatch in one kernel needs the team kernel");
     char defines[512];
     defines_of(&ctx->info, r, &shape, defines, sizeof(defines));
-    moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_TOPK_GATING, defines, shape.kernel_name, &plan->variants[0]);
+    moecl_status st =
+        moecl_variant_get(ctx, r->has_dispatch ? MOECL_PROGRAM_ROUTE_DISPATCH : MOECL_PROGRAM_TOPK_GATING, defines,
+                          shape.kernel_name, &plan->variants[0]);
     if (st != MOECL_SUCCESS)
         return st;
     plan->num_kernels = 1;
@@ -292,6 +302,14 @@ moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_
                                     bool has_counts, const moecl_plan **plan)
 {
     const topk_request r = request_of(desc, has_bias, has_counts);
+    return plan_of(ctx, &r, plan);
+}
+
+moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                          const moecl_plan **plan)
+{
+    topk_request r = request_of(desc, has_bias, false);
+    r.has_dispatch = true;
     return plan_of(ctx, &r, plan);
 }
 

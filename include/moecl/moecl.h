@@ -35,7 +35,8 @@
  *    ...). Of the device-buffer calls, three have a later enqueue:
  *    moecl_moe_align() on its three-kernel path,
  *    moecl_topk_gating_with_counts() (a fill, then the kernel) and
- *    moecl_route_dispatch() (top-k, then moe_align). Such a
+ *    moecl_route_dispatch() (top-k, then moe_align, where it takes
+ *    two calls). Such a
  *    failure leaves unspecified the outputs that the commands already
  *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
@@ -739,14 +740,29 @@ MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_m
  * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
  * num_tokens == 0 writes moe_align's empty result and no top-k output.
  *
- * Asynchronous. Today two or more launches: top-k gating's kernel, then
- * moe_align's path for that size (one launch up to the sizes
- * moecl_moe_align() states, three beyond); a single kernel for decode
- * sizes is issue 14's item 2, not done yet. The first command waits on the
- * `num_wait` events of `wait`; on an out-of-order queue moe_align's first
- * command waits on the top-k kernel's event. `done`, if non-NULL, receives
- * the event of the last command, which completes after all of them. It
- * uses moe_align's scratch buffer as moecl_moe_align() describes.
+ * Asynchronous. One of two paths:
+ *   - one kernel, where top-k runs its team kernel (the GPU launch class)
+ *     and 1 <= num_tokens * top_k <= 5120, unless MOECL_ALIGN forces
+ *     moe_align's one-group or chunked path, and where the device's
+ *     work-group limit and local memory allow it: each work-group routes
+ *     its rows, writes them, then counts and ranks their ids as
+ *     moecl_moe_align()'s fused kernel counts a chunk, takes a ticket, and
+ *     the last work-group writes every dispatch output. It assumes of the
+ *     device what that fused kernel does (see moecl_moe_align()), and
+ *     also passes each slot's expert to the last work-group through an
+ *     atomic. Preceded by a fill of its ticket where moe_align's fused
+ *     path would need one, under the same conditions;
+ *   - otherwise two calls' commands: top-k gating's kernel, then
+ *     moe_align's path for that size (one launch up to the sizes
+ *     moecl_moe_align() states, three beyond, and none of top-k's when
+ *     num_tokens is 0); on an out-of-order queue moe_align's first
+ *     command waits on the top-k kernel's event.
+ * The first command waits on the `num_wait` events of `wait`. `done`, if
+ * non-NULL, receives the event of the last command, which completes after
+ * all of them. Both paths use the context's scratch buffer as
+ * moecl_moe_align() describes; the one kernel needs about 4 * (1 + 2 *
+ * groups * (num_experts + 1) + 2 * num_tokens * top_k) bytes of it, where
+ * groups is the number of its work-groups.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (any field of either descriptor, a
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
@@ -754,7 +770,9 @@ MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_m
  * NULL), MOECL_ERROR_BUILD, or an OpenCL error. All the descriptor and
  * buffer checks of both steps, and the builds of both steps' kernels,
  * come before the first enqueue: such a failure leaves nothing enqueued
- * and no output byte changed. After top-k's kernel is enqueued, moe_align's
+ * and no output byte changed. On the one-kernel path, if the kernel's
+ * enqueue fails after the ticket's fill, only the scratch buffer changed.
+ * On the two calls' path, after top-k's kernel is enqueued, moe_align's
  * part can still fail (its scratch buffer's allocation, a clSetKernelArg,
  * CL_INVALID_WORK_GROUP_SIZE, an enqueue): then topk_weights and topk_ids
  * are unspecified (normally written), and moe_align's outputs are as

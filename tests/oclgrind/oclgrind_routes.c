@@ -674,6 +674,7 @@ static const route_case route_cases[] = {
     {0, 16, 4, 0, 0, 4, MOECL_SCORING_SOFTMAX, false},  /* empty: moe_align's empty result */
     {ROW_KINDS, 17, 3, 0, 0, 4, MOECL_SCORING_SOFTMAX, false},
     {ROW_KINDS, 32, 6, 8, 3, 8, MOECL_SCORING_SIGMOID, true}, /* DeepSeek-V3's conventions, small */
+    {70, 17, 3, 0, 0, 4, MOECL_SCORING_SIGMOID, true}, /* GPU class: three work-groups of 32 rows, one ticket each */
 };
 
 /* moecl_route_dispatch on device buffers at offsets (tight at the end),
