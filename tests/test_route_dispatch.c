@@ -326,6 +326,37 @@ START_TEST(test_ties_nonfinite)
 }
 END_TEST
 
+/* On an adopted out-of-order queue, where the device has one: the one
+ * kernel after its fill (a new scratch each call), and the two calls
+ * ordered by the top-k kernel's event. */
+START_TEST(test_out_of_order)
+{
+    moecl_context *own = harness_context();
+    cl_context cl = moecl_context_cl_context(own);
+    cl_device_id dev = moecl_context_device(own);
+    cl_command_queue_properties props = 0;
+    ck_assert_int_eq(clGetDeviceInfo(dev, CL_DEVICE_QUEUE_PROPERTIES, sizeof(props), &props, NULL), CL_SUCCESS);
+    if (props & CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE) {
+        cl_int err;
+        cl_command_queue ooo = clCreateCommandQueue(cl, dev, CL_QUEUE_OUT_OF_ORDER_EXEC_MODE_ENABLE, &err);
+        ck_assert_int_eq(err, CL_SUCCESS);
+        moecl_context *ctx = NULL;
+        ck_assert_int_eq(moecl_context_create_from_cl(cl, dev, ooo, &ctx), MOECL_SUCCESS);
+        static const uint32_t tokens[] = {1, 129, 641};
+        for (size_t t = 0; t < COUNT(tokens); t++) {
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 128, 8);
+            route_case(ctx, &d, 64, t == 1, LOGITS_NORMAL, 350 + t);
+        }
+        moecl_context_destroy(ctx);
+        ck_assert_int_eq(clFinish(ooo), CL_SUCCESS);
+        clReleaseCommandQueue(ooo);
+    } else {
+        fprintf(stderr, "test_out_of_order: the device has no out-of-order queue; not run\n");
+    }
+    moecl_context_destroy(own);
+}
+END_TEST
+
 /* Every validation error, on both paths: the call fails with
  * MOECL_ERROR_INVALID_ARGUMENT and no output byte changes. */
 static const moecl_topk_gating_desc *bad_input_desc(void)
@@ -472,6 +503,7 @@ int main(void)
     tcase_add_test(tc, test_conventions);
     tcase_add_test(tc, test_sizes);
     tcase_add_test(tc, test_ties_nonfinite);
+    tcase_add_test(tc, test_out_of_order);
     tcase_add_test(tc, test_bad_input);
     suite_add_tcase(s, tc);
     return harness_run(s);
