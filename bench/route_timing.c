@@ -6,9 +6,8 @@
  * wall time per call (1000 calls back to back on a queue without
  * profiling, one clFinish). Softmax, fp32, top_k 8, block 64.
  *
- * Build (against a meson build of the library in build/):
- *   cc -O2 -DCL_TARGET_OPENCL_VERSION=120 -Iinclude bench/route_timing.c -Lbuild/src -lmoecl -lOpenCL -lm -o build/route_timing
- * Run: LD_LIBRARY_PATH=build/src build/route_timing [TOKENSxEXPERTS...]
+ * Built by meson (bench/meson.build) as build/bench/route_timing.
+ * Run: build/bench/route_timing [TOKENSxEXPERTS...]
  * (default 1x128 129x128 256x128 1019x128 13526x256). Device: as
  * moecl_context_create(NULL) picks it ($MOECL_DEVICE). */
 #include <stdio.h>

@@ -396,6 +396,11 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name);
 
+/* As moecl_topk_gating_defines, for moecl_route_dispatch's one kernel
+ * (MOECL_PROGRAM_ROUTE_DISPATCH); *kernel_name is NULL where the rule's
+ * configuration is the rows kernel, which has no such variant. */
+void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                     char *buf, size_t size, const char **kernel_name);
 /* The -D defines of moe_align's program on a device described by info,
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);

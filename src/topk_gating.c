@@ -259,6 +259,18 @@ void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_g
     *kernel_name = shape.kernel_name;
 }
 
+void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                     char *buf, size_t size, const char **kernel_name)
+{
+    topk_request r = request_of(desc, has_bias, false);
+    r.has_dispatch = true;
+    moecl_launch_config config;
+    topk_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(info, &r, &shape, buf, size);
+    *kernel_name = shape.team > 1 ? shape.kernel_name : NULL;
+}
+
 /* The plan of a request (moecl_plan_build): the configuration, the
  * variant and the work sizes. */
 static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *plan)

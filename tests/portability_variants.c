@@ -12,8 +12,8 @@
  * MOECL_KERNEL_DIR applies as at run time.
  *
  * Usage: portability_variants OUTDIR
- * Writes OUTDIR/topk_gating.cl, OUTDIR/grounded_router.cl and
- * OUTDIR/moe_align.cl (the program texts) and OUTDIR/manifest.tsv, one
+ * Writes OUTDIR/topk_gating.cl, OUTDIR/grounded_router.cl,
+ * OUTDIR/moe_align.cl and OUTDIR/route_dispatch.cl (the program texts) and OUTDIR/manifest.tsv, one
  * compile per line, identical ones (same compiler, target, program and
  * options) once:
  *   compiler  target  device-config  program-file  kernel-name(s)  options  description
@@ -267,6 +267,7 @@ int main(int argc, char **argv)
     write_program(dir, MOECL_PROGRAM_TOPK_GATING, "topk_gating.cl");
     write_program(dir, MOECL_PROGRAM_GROUNDED_ROUTER, "grounded_router.cl");
     write_program(dir, MOECL_PROGRAM_MOE_ALIGN, "moe_align.cl");
+    write_program(dir, MOECL_PROGRAM_ROUTE_DISPATCH, "route_dispatch.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
     manifest = fopen(path, "w");
@@ -342,7 +343,7 @@ int main(int argc, char **argv)
             }
 
             /* moecl_topk_gating_with_counts: the counting variant of a few
-             * specs, so that each kernel (rows, with and without the
+             * specs (and moecl_route_dispatch's), so that each kernel (rows, with and without the
              * softmax fast path; team, plain and grouped) compiles with
              * the histogram argument. */
             for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
@@ -367,6 +368,17 @@ int main(int argc, char **argv)
                          s->bias ? " bias" : "", s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
                          c->name);
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
+                /* moecl_route_dispatch's one kernel for the same spec (the
+                 * team kernel with moe_align's steps after its rows), where
+                 * the rule gives it the team kernel. */
+                moecl_topk_gating_route_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
+                if (kernel) {
+                    snprintf(description, sizeof(description), "route_dispatch E=%u k=%u %s %s%s groups=%s [%s]",
+                             s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
+                             s->bias ? " bias" : "",
+                             s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none", c->name);
+                    emit(t, "route_dispatch.cl", options, defines, kernel, description);
+                }
             }
 
             for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++) {

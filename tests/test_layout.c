@@ -82,7 +82,7 @@ static size_t num_variants;
 static const char *const layout_defines[] = {"SCORING", "NUM_EXPERTS", "TOPK", "NUM_GROUPS", "TEAM", "ROWS", "EPT",
                                              "TEAM_SHUFFLE", "HIDDEN_DIM", "KERNEL", "TM", "TN",
                                              "TK", "MT", "NT", "WG", "SCAN_WG", "ONE_WG", "WARP_MATCH",
-                                             "MOECL_PTX", "CPU_DEVICE"};
+                                             "MOECL_PTX", "CPU_DEVICE", "ROUTE_DISPATCH", "FUSED_WG"};
 
 static char *layout_key(const char *kernels, const char *options)
 {
@@ -157,6 +157,7 @@ static void load_variants(void)
         variant_line *v = &variants[num_variants++];
         v->kind = strcmp(field[3], "topk_gating.cl") == 0       ? MOECL_PROGRAM_TOPK_GATING
                   : strcmp(field[3], "grounded_router.cl") == 0 ? MOECL_PROGRAM_GROUNDED_ROUTER
+                  : strcmp(field[3], "route_dispatch.cl") == 0  ? MOECL_PROGRAM_ROUTE_DISPATCH
                                                                 : MOECL_PROGRAM_MOE_ALIGN;
         v->kernels = strdup(field[4]);
         v->defines = strdup(defines + 1);
@@ -193,6 +194,12 @@ static described describe(const char *kernel, const char *d)
         r.private_bytes = LAYOUT_TOPK_TEAM_PRIVATE_BYTES(D("EPT"));
         r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 +
                    (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
+        /* moecl_route_dispatch's kernel: moe_align_fused's compiled-in
+         * arrays after the rows' (cl/topk_gating.cl, ROUTE_DISPATCH). */
+        if (D("ROUTE_DISPATCH")) {
+            r.local += LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
+            r.arrays += 3;
+        }
     } else if (strcmp(kernel, "topk_gating_rows") == 0) {
         r.private_bytes = LAYOUT_TOPK_ROWS_PRIVATE_BYTES(D("NUM_EXPERTS"), D("TOPK"), D("NUM_GROUPS"));
     } else if (strcmp(kernel, "grounded_router_team") == 0) {
