@@ -13,8 +13,13 @@
 
 /* The most slots the one kernel takes: its last work-group places every
  * slot alone, as moe_align_fused's does, whose GPU limit this is
- * (src/moe_align.c, MOECL_ALIGN_FUSED_MAX_SLOTS_GPU). */
+ * (src/moe_align.c, MOECL_ALIGN_FUSED_MAX_SLOTS_GPU). On NVIDIA's OpenCL
+ * (the H200) it beat the two calls in wall time up to 32 tokens at top_k 8
+ * and lost from 64 (bench/RESULTS.md, "moecl_route_dispatch on the H200"),
+ * so there the default stops at 256 slots; MOECL_ALIGN=fused asks for the
+ * one kernel up to the general limit on every device. */
 #define ROUTE_ONE_KERNEL_MAX_SLOTS 5120u
+#define ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA 256u
 
 /* The buffers of a call: top-k gating's, then moe_align's outputs. */
 typedef struct route_buffers {
@@ -91,8 +96,10 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const moecl_topk_gating_
     *plan = NULL;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
     const moecl_align_path forced = ctx->info.env.align_path;
-    if (slots == 0 || slots > ROUTE_ONE_KERNEL_MAX_SLOTS || forced == MOECL_ALIGN_ONE_GROUP ||
-        forced == MOECL_ALIGN_CHUNKED)
+    const uint64_t cap = ctx->info.vendor == MOECL_VENDOR_NVIDIA && forced != MOECL_ALIGN_FUSED
+                             ? ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA
+                             : ROUTE_ONE_KERNEL_MAX_SLOTS;
+    if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED)
         return MOECL_SUCCESS;
     const moecl_plan *p;
     moecl_status st = moecl_topk_gating_plan(ctx, d, has_bias, false, &p);

@@ -742,7 +742,9 @@ MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_m
  *
  * Asynchronous. One of two paths:
  *   - one kernel, where top-k runs its team kernel (the GPU launch class)
- *     and 1 <= num_tokens * top_k <= 5120, unless MOECL_ALIGN forces
+ *     and 1 <= num_tokens * top_k <= 5120 (256 on NVIDIA, where the two
+ *     calls are faster beyond; MOECL_ALIGN=fused lifts that), unless
+ *     MOECL_ALIGN forces
  *     moe_align's one-group or chunked path, and where the device's
  *     work-group limit and local memory allow it: each work-group routes
  *     its rows, writes them, then counts and ranks their ids as
