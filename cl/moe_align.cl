@@ -456,9 +456,24 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
 #define FUSED_WG 1
 #endif
 
-/* A word written by one work-group and read by another (see above). */
-static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatile __global uint *)p, v); }
-static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
+/* A word written by one work-group and read by another (see above). A
+ * launch of one work-group (a decode batch) needs no atomics, nor a
+ * ticket: its own barriers with global fences order its accesses, and
+ * each atomic costs a round trip to the device's cache on GPUs. */
+static inline bool alone(void) { return get_num_groups(0) == 1; }
+
+static inline void shared_store(__global uint *p, uint v)
+{
+    if (alone())
+        *p = v;
+    else
+        atomic_xchg((volatile __global uint *)p, v);
+}
+
+static inline uint shared_load(__global const uint *p)
+{
+    return alone() ? *p : atomic_or((volatile __global uint *)p, 0u);
+}
 
 /* Counts and (with more than one work-item) ranks of slots [begin, end)
  * by one work-group: run[e] ends as the chunk's count of column e. Where
@@ -501,9 +516,9 @@ static inline bool last_to_finish(volatile __global uint *ticket, uint groups, u
     mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's counts and ranks before the ticket */
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0) {
-        const uint t = atomic_inc(ticket);
+        const uint t = alone() ? 0u : atomic_inc(ticket);
         *flag = t == groups - 1;
-        if (t == groups - 1)
+        if (t == groups - 1 && !alone())
             atomic_xchg(ticket, 0u);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
