@@ -452,6 +452,13 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * where the ids are this launch's own (moecl_route_dispatch's kernel,
  * cl/topk_gating.cl), each slot's column[num_slots]. run and start hold
  * E + 1 words each. */
+#ifndef UNROLL /* cl/common.cl's, where the program holds it (route dispatch) */
+#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+#endif
 #ifndef FUSED_WG
 #define FUSED_WG 1
 #endif
@@ -527,6 +534,12 @@ static inline bool last_to_finish(volatile __global uint *ticket, uint groups, u
     return last;
 }
 
+/* The last work-group's atomic loads go out SHARED_BATCH at a time before
+ * any of their values is used: a GPU issues in order and stalls at a
+ * value's first use, so one load a step would cost a round trip to the
+ * device's cache a step. */
+#define SHARED_BATCH 8
+
 /* Per column, each chunk's exclusive prefix over the chunks before it
  * (prefix, beside the matrix) and the column's total (tot), by one
  * work-group: adjacent work-items walk adjacent columns. */
@@ -535,9 +548,17 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 {
     for (uint e = lid; e < cols; e += FUSED_WG) {
         uint acc = 0;
-        for (uint c = 0; c < groups; c++) {
-            prefix[(size_t)c * cols + e] = acc;
-            acc += shared_load(&matrix[(size_t)c * cols + e]);
+        for (uint c0 = 0; c0 < groups; c0 += SHARED_BATCH) {
+            uint count[SHARED_BATCH];
+            UNROLL
+            for (uint j = 0; j < SHARED_BATCH; j++)
+                count[j] = c0 + j < groups ? shared_load(&matrix[(size_t)(c0 + j) * cols + e]) : 0u;
+            UNROLL
+            for (uint j = 0; j < SHARED_BATCH; j++) {
+                if (c0 + j < groups)
+                    prefix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
         }
         tot[e] = acc;
     }
@@ -546,40 +567,62 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 
 /* Every slot to its position, by the last work-group (a slot's column
  * from columns where rank_chunk stored them there). */
+#if FUSED_WG == 1
+/* One work-item walks the slots in order; start becomes each expert's
+ * next position. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global const uint *columns, __global int *sorted,
                              ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
 {
-    const uint cols = num_experts + 1;
-#if FUSED_WG == 1
-    /* One work-item walks the slots in order; start becomes each expert's
-     * next position. */
     (void)chunk;
+    (void)lid;
     (void)prefix;
     (void)ranks;
     (void)columns;
-    (void)cols;
-#endif
-    for (uint s = lid; s < num_slots; s += FUSED_WG) {
-#if FUSED_WG == 1
+    for (uint s = 0; s < num_slots; s++) {
         const uint e = column_of(ids[s], num_experts);
-#else
-        const uint e = columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
-#endif
         int pos = -1;
         if (e < num_experts) {
-#if FUSED_WG == 1
             pos = (int)start[e]++;
-#else
-            pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + shared_load(&ranks[s]));
-#endif
             sorted[sorted_off + pos] = (int)s;
         }
         if (has_slots)
             slot_positions[slot_off + s] = pos;
     }
 }
+#else
+/* A slot's position is its expert's start + the expert's slots in earlier
+ * chunks + its rank; each work-item takes SHARED_BATCH slots a round. */
+static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
+                             __local uint *start, __global const uint *prefix,
+                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+{
+    const uint cols = num_experts + 1;
+    for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * SHARED_BATCH) {
+        uint e[SHARED_BATCH], rank[SHARED_BATCH];
+        UNROLL
+        for (uint j = 0; j < SHARED_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            const bool in = s < num_slots;
+            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
+            rank[j] = in ? shared_load(&ranks[s]) : 0u;
+        }
+        UNROLL
+        for (uint j = 0; j < SHARED_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            int pos = -1;
+            if (s < num_slots && e[j] < num_experts) {
+                pos = (int)(start[e[j]] + prefix[(size_t)(s / chunk) * cols + e[j]] + rank[j]);
+                sorted[sorted_off + pos] = (int)s;
+            }
+            if (s < num_slots && has_slots)
+                slot_positions[slot_off + s] = pos;
+        }
+    }
+}
+#endif
 
 /* The fused kernel's steps, by every work-group of a launch: work-group c
  * counts and ranks slots [c * chunk, (c + 1) * chunk) of ids, takes a
