@@ -65,6 +65,19 @@
 #define WARP_MATCH 0
 #endif
 
+#ifndef UNROLL /* cl/common.cl's, where the program holds it (route dispatch) */
+#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+#endif
+/* The loads of a serial walk (the scans, the fused kernel's placement) go
+ * out LOAD_BATCH at a time before any is used: a GPU issues in order and
+ * stalls at a value's first use, so one load a step would cost a round
+ * trip to memory a step. */
+#define LOAD_BATCH 8
+
 /* The column of a slot's id: its expert, or E for an id outside [0, E). */
 static inline uint column_of(int id, uint num_experts)
 {
@@ -109,10 +122,17 @@ void moe_align_scan(__global uint *matrix, uint num_chunks, uint num_experts, ui
     /* Columns over chunks: adjacent work-items read adjacent columns. */
     for (uint e = lid; e < cols; e += SCAN_WG) {
         uint acc = 0;
-        for (uint c = 0; c < num_chunks; c++) {
-            const uint v = matrix[(size_t)c * cols + e];
-            matrix[(size_t)c * cols + e] = acc;
-            acc += v;
+        for (uint c0 = 0; c0 < num_chunks; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++)
+                count[j] = c0 + j < num_chunks ? matrix[(size_t)(c0 + j) * cols + e] : 0u;
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++) {
+                if (c0 + j < num_chunks)
+                    matrix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
         }
         tot[e] = acc;
         totals[e] = acc;
@@ -452,13 +472,6 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * where the ids are this launch's own (moecl_route_dispatch's kernel,
  * cl/topk_gating.cl), each slot's column[num_slots]. run and start hold
  * E + 1 words each. */
-#ifndef UNROLL /* cl/common.cl's, where the program holds it (route dispatch) */
-#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
-#define UNROLL _Pragma("unroll")
-#else
-#define UNROLL
-#endif
-#endif
 #ifndef FUSED_WG
 #define FUSED_WG 1
 #endif
@@ -534,12 +547,6 @@ static inline bool last_to_finish(volatile __global uint *ticket, uint groups, u
     return last;
 }
 
-/* The last work-group's atomic loads go out SHARED_BATCH at a time before
- * any of their values is used: a GPU issues in order and stalls at a
- * value's first use, so one load a step would cost a round trip to the
- * device's cache a step. */
-#define SHARED_BATCH 8
-
 /* Per column, each chunk's exclusive prefix over the chunks before it
  * (prefix, beside the matrix) and the column's total (tot), by one
  * work-group: adjacent work-items walk adjacent columns. */
@@ -548,13 +555,13 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 {
     for (uint e = lid; e < cols; e += FUSED_WG) {
         uint acc = 0;
-        for (uint c0 = 0; c0 < groups; c0 += SHARED_BATCH) {
-            uint count[SHARED_BATCH];
+        for (uint c0 = 0; c0 < groups; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
             UNROLL
-            for (uint j = 0; j < SHARED_BATCH; j++)
+            for (uint j = 0; j < LOAD_BATCH; j++)
                 count[j] = c0 + j < groups ? shared_load(&matrix[(size_t)(c0 + j) * cols + e]) : 0u;
             UNROLL
-            for (uint j = 0; j < SHARED_BATCH; j++) {
+            for (uint j = 0; j < LOAD_BATCH; j++) {
                 if (c0 + j < groups)
                     prefix[(size_t)(c0 + j) * cols + e] = acc;
                 acc += count[j];
@@ -593,24 +600,24 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
 }
 #else
 /* A slot's position is its expert's start + the expert's slots in earlier
- * chunks + its rank; each work-item takes SHARED_BATCH slots a round. */
+ * chunks + its rank; each work-item takes LOAD_BATCH slots a round. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global const uint *columns, __global int *sorted,
                              ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
 {
     const uint cols = num_experts + 1;
-    for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * SHARED_BATCH) {
-        uint e[SHARED_BATCH], rank[SHARED_BATCH];
+    for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * LOAD_BATCH) {
+        uint e[LOAD_BATCH], rank[LOAD_BATCH];
         UNROLL
-        for (uint j = 0; j < SHARED_BATCH; j++) {
+        for (uint j = 0; j < LOAD_BATCH; j++) {
             const uint s = s0 + j * FUSED_WG;
             const bool in = s < num_slots;
             e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
             rank[j] = in ? shared_load(&ranks[s]) : 0u;
         }
         UNROLL
-        for (uint j = 0; j < SHARED_BATCH; j++) {
+        for (uint j = 0; j < LOAD_BATCH; j++) {
             const uint s = s0 + j * FUSED_WG;
             int pos = -1;
             if (s < num_slots && e[j] < num_experts) {
