@@ -539,11 +539,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "ep_dispatch: rank %d: %s\n", rank, moecl_context_error(ctx));
         ok = false;
     }
-    /* A failed call above leaves the counts 0, so the exchange below still
-     * runs in step on every rank; the verdict then fails everywhere. */
-    if (!ok)
+    /* Where a rank could not route or lay out its tokens, every rank
+     * exchanges nothing (the collectives below still run in step) and the
+     * verdict fails everywhere. */
+    int ready = ok, all_ready = 0;
+    MPI_Allreduce(&ready, &all_ready, 1, MPI_INT, MPI_LAND, MPI_COMM_WORLD);
+    if (!all_ready) {
+        ok = false;
         memset(rank_counts, 0, sizeof(int32_t) * (size_t)ranks);
-    const int sent = ok ? rank_offsets[ranks] : 0;
+        memset(expert_counts, 0, sizeof(int32_t) * (size_t)P);
+    }
+    const int sent = all_ready ? rank_offsets[ranks] : 0;
 
     /* 4. The dispatch: the counts first, so every rank knows what it
      * receives from each, then one row per slot, in the layout's order. */
@@ -578,8 +584,9 @@ int main(int argc, char **argv)
 
     /* 5. The local experts, on rows grouped by expert. */
     float *expert_rows = malloc(sizeof(float) * ((size_t)received * (size_t)H + 1));
-    ok &= run_local_experts(ctx, &o, &pl, locals, num_local, received, recv_rows, recv_local, recv_weights,
-                            expert_rows, rank);
+    if (all_ready)
+        ok &= run_local_experts(ctx, &o, &pl, locals, num_local, received, recv_rows, recv_local, recv_weights,
+                                expert_rows, rank);
 
     /* 6. The combine: the rows go back the way they came (each rank's
      * block in the order it arrived), then into their slots. */
@@ -600,7 +607,7 @@ int main(int argc, char **argv)
 
     /* 7. The check, here and across ranks: every token's output; what each
      * rank's experts received against what the senders' layouts counted. */
-    long bad = ok ? check_outputs(&o, rank, T, logits, hidden, weights, ids, out) : 0;
+    long bad = all_ready ? check_outputs(&o, rank, T, logits, hidden, weights, ids, out) : 0;
     int32_t *all_counts = malloc(sizeof(int32_t) * (size_t)P);
     MPI_Allreduce(expert_counts, all_counts, P, MPI_INT32_T, MPI_SUM, MPI_COMM_WORLD);
     int32_t *arrived = calloc((size_t)num_local + 1, sizeof(int32_t));
@@ -630,7 +637,8 @@ int main(int argc, char **argv)
                "sent (%ld to other ranks, %ld to replicas, %ld ranks received none; one row per (token, rank) "
                "would be %ld): %s (%ld tokens differ)\n",
                ranks, E, P, K, H, sums[1], sums[2], sums[3], replica_slots, sums[4], tr_sum,
-               all_ok ? "ok" : "FAILED", sums[0]);
+               all_ok ? "ok" : all_ready ? "FAILED" : "FAILED: a rank could not route or lay out its tokens",
+               sums[0]);
 
     free(all_counts);
     free(arrived);
