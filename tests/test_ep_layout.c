@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "harness.h"
 
@@ -554,12 +555,109 @@ START_TEST(test_bad_input)
 }
 END_TEST
 
+/* The checker itself: a reference result passes, and one changed element
+ * of any output fails it. */
+START_TEST(test_checker_rejects)
+{
+    harness_rng rng = harness_rng_for(9200);
+    inputs in;
+    make_inputs(&rng, &in, 64, 4, 16, 4, LOAD_DISTINCT, PLACE_MAP_TABLE, 2);
+    outputs r;
+    outputs_alloc(&in.d, &r, true);
+    ref_ep_layout(&in.d, in.ids, in.l2p, in.replicas, in.p2r, &r.o);
+    char msg[256];
+    ck_assert_int_eq(ref_check_ep_layout(&in.d, in.ids, in.l2p, in.replicas, in.p2r, &r.o, msg, sizeof(msg)), 0);
+    int32_t *words[] = {&r.o.physical_ids[5], &r.o.rank_counts[1], &r.o.rank_offsets[2], &r.o.send_slots[7],
+                        &r.o.tokens_per_rank[3], &r.o.expert_counts[4]};
+    for (size_t i = 0; i < COUNT(words); i++) {
+        *words[i] += 1;
+        ck_assert_msg(ref_check_ep_layout(&in.d, in.ids, in.l2p, in.replicas, in.p2r, &r.o, msg, sizeof(msg)) > 0,
+                      "a changed element %zu passed the check", i);
+        *words[i] -= 1;
+    }
+    r.o.token_in_rank[9] ^= 1;
+    ck_assert_int_gt(ref_check_ep_layout(&in.d, in.ids, in.l2p, in.replicas, in.p2r, &r.o, msg, sizeof(msg)), 0);
+    outputs_free(&r);
+    inputs_free(&in);
+}
+END_TEST
+
+static char *read_text(const char *dir, const char *name)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "rb");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    char *text = calloc(1, 1 << 20);
+    const size_t n = fread(text, 1, (1 << 20) - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    return text;
+}
+
+static void write_text(const char *dir, const char *name, const char *text)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/%s", dir, name);
+    FILE *f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, strlen(text), f);
+    fclose(f);
+}
+
+/* A kernel that places each chunk's slots in reverse (unstable within a
+ * rank) must fail the check: the suite can see a wrong order. */
+START_TEST(test_mutation_caught)
+{
+    const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
+    ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
+    char *align = read_text(cl_dir, "moe_align.cl"), *text = read_text(cl_dir, "ep_layout.cl");
+    const char *anchor = "        const uint s = base + lid;\n";
+    char *at = strstr(text, anchor);
+    ck_assert_msg(at && !strstr(at + 1, anchor), "the mutation's anchor is not in cl/ep_layout.cl once");
+    const char *mutant = "        const uint i = base - begin + lid, s = i < end - begin ? end - 1 - i : end;\n";
+    char *out = malloc(strlen(text) + strlen(mutant) + 1);
+    memcpy(out, text, (size_t)(at - text));
+    strcpy(out + (at - text), mutant);
+    strcat(out, at + strlen(anchor));
+    char dir[] = "/tmp/moecl-ep-mutant-XXXXXX";
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    write_text(dir, "moe_align.cl", align);
+    write_text(dir, "ep_layout.cl", out);
+    free(align);
+    free(text);
+    free(out);
+    moecl_context *ctx = harness_context_with_kernel_dir(dir);
+    harness_rng rng = harness_rng_for(9300);
+    inputs in;
+    make_inputs(&rng, &in, 512, 8, 64, 4, LOAD_DISTINCT, PLACE_IDENTITY_BLOCKS, 1);
+    outputs r;
+    outputs_alloc(&in.d, &r, false);
+    run_on(ctx, &in, false, &r);
+    char msg[256];
+    const int bad = ref_check_ep_layout(&in.d, in.ids, in.l2p, in.replicas, in.p2r, &r.o, msg, sizeof(msg));
+    ck_assert_msg(bad > 0, "the unstable mutant passed the check");
+    fprintf(stderr, "ep_layout: the unstable mutant was caught: %d elements differ; first: %s\n", bad, msg);
+    outputs_free(&r);
+    inputs_free(&in);
+    moecl_context_destroy(ctx);
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/moe_align.cl", dir);
+    remove(path);
+    snprintf(path, sizeof(path), "%s/ep_layout.cl", dir);
+    remove(path);
+    rmdir(dir);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("ep_layout");
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 900);
+    tcase_add_test(tc, test_checker_rejects);
     tcase_add_test(tc, test_hand_case);
+    tcase_add_test(tc, test_mutation_caught);
     tcase_add_test(tc, test_bad_input);
     tcase_add_test(tc, test_empty);
     tcase_add_test(tc, test_map_changes);
