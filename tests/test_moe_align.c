@@ -620,15 +620,7 @@ START_TEST(test_mutation_caught)
     fwrite(text, 1, strlen(text), f);
     fclose(f);
     free(text);
-    const char *old_dir = getenv("MOECL_KERNEL_DIR");
-    char *saved = old_dir ? strdup(old_dir) : NULL;
-    setenv("MOECL_KERNEL_DIR", dir, 1);
-    moecl_context *ctx = harness_context();
-    if (saved)
-        setenv("MOECL_KERNEL_DIR", saved, 1);
-    else
-        unsetenv("MOECL_KERNEL_DIR");
-    free(saved);
+    moecl_context *ctx = harness_context_with_kernel_dir(dir);
 
     moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
     harness_rng rng = harness_rng_for(6000);
