@@ -590,8 +590,8 @@ START_TEST(test_mutation_caught)
                                "        const uint e = column_of") &&
                       harness_replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
                       harness_replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      harness_replace_once(&text, "    for (uint s = lid; s < num_slots; s += FUSED_WG) {\n",
-                                   "    for (uint i = lid; i < num_slots; i += FUSED_WG) {\n"
+                      harness_replace_once(&text, "    for (uint s = 0; s < num_slots; s++) {\n",
+                                   "    for (uint i = 0; i < num_slots; i++) {\n"
                                    "        const uint s = num_slots - 1 - i;\n") &&
                       harness_replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
                       harness_replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
