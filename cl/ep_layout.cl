@@ -9,7 +9,8 @@
  * (a chunk never splits a token, so each token's flags are one
  * work-item's):
  *   ep_layout_count  one work-group per chunk, a work-item per token: each
- *                    slot's physical expert (physical_ids), the token's
+ *                    slot's physical expert (physical_ids) and rank (a
+ *                    key in the scratch buffer, R where not sent), the token's
  *                    token_in_rank row, and the chunk's row of the count
  *                    matrix m[chunk][2R + 1]: slots per rank in columns
  *                    0..R-1 (column R: slots not sent), tokens per rank in
@@ -18,7 +19,7 @@
  *                    the chunks, the rank starts (the slots not sent come
  *                    last, so their run is the tail of send_slots), the
  *                    small outputs, and zeroed expert_counts;
- *   ep_layout_place  one work-group per chunk: each slot goes to its
+ *   ep_layout_place  one work-group per chunk: each slot goes by its key to its
  *                    rank's start + its rank's slots in earlier chunks +
  *                    those earlier in this chunk (tiles of WG slots, the
  *                    stable rank of cl/moe_align.cl); a slot not sent
@@ -34,6 +35,7 @@
 #define EP_TIR 4u       /* token_in_rank */
 #define EP_TPR 8u       /* tokens_per_rank */
 #define EP_COUNTS 16u   /* expert_counts */
+#define EP_MAX_TOPK 64  /* the host's limit on top_k */
 
 /* The replica of a token's slot among c: a multiplicative hash of the
  * token index (Knuth's 2^32 / golden ratio), so that a token's choice does
@@ -72,15 +74,15 @@ static inline uint rank_of(int p, uint num_physical, uint num_ranks, uint flags,
     return r >= 0 && (uint)r < num_ranks ? (uint)r : num_ranks;
 }
 
-/* Whether slot j of a token (ranks of its slots from phys) is the first
- * of the token on rank r. */
-static inline bool first_on_rank(__global const int *phys, uint j, uint r, uint num_physical, uint num_ranks,
-                                 uint flags, __global const int *p2r)
+/* A local count: a plain increment where the work-group is one
+ * work-item (CPUs), an atomic otherwise. */
+static inline void count_in(__local uint *c)
 {
-    for (uint i = 0; i < j; i++)
-        if (rank_of(phys[i], num_physical, num_ranks, flags, p2r) == r)
-            return false;
-    return true;
+#if WG == 1
+    (*c)++;
+#else
+    atomic_inc(c);
+#endif
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -88,9 +90,10 @@ void ep_layout_count(__global const int *ids, ulong ids_off, uint num_tokens, ui
                      uint num_physical, uint num_ranks, uint max_replicas, uint flags, __global const int *l2p,
                      ulong l2p_off, __global const int *replicas, ulong replicas_off, __global const int *p2r,
                      ulong p2r_off, uint chunk_tokens, __global int *phys, ulong phys_off, __global uchar *tir,
-                     ulong tir_off, __global uint *matrix, __local uint *hist)
+                     ulong tir_off, __global uint *matrix, ulong keys_off, __local uint *hist)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), cols = 2 * num_ranks + 1;
+    __global uint *keys = matrix + keys_off;
     ids += ids_off;
     l2p += l2p_off;
     replicas += replicas_off;
@@ -108,13 +111,21 @@ void ep_layout_count(__global const int *ids, ulong ids_off, uint num_tokens, ui
         if (flags & EP_TIR)
             for (uint r = 0; r < num_ranks; r++)
                 row_tir[r] = 0;
+        /* The row's ranks, each computed once: the token counts on a
+         * rank at its first slot there. */
+        uint row_ranks[EP_MAX_TOPK];
         for (uint j = 0; j < top_k; j++) {
             const int p = physical_of(row_ids[j], t, num_experts, num_physical, max_replicas, flags, l2p, replicas);
             const uint r = rank_of(p, num_physical, num_ranks, flags, p2r);
             row_phys[j] = r < num_ranks ? p : -1;
-            atomic_inc(&hist[r]);
-            if (r < num_ranks && first_on_rank(row_phys, j, r, num_physical, num_ranks, flags, p2r)) {
-                atomic_inc(&hist[num_ranks + 1 + r]);
+            keys[(size_t)t * top_k + j] = r;
+            row_ranks[j] = r;
+            count_in(&hist[r]);
+            bool first = r < num_ranks;
+            for (uint i = 0; i < j && first; i++)
+                first = row_ranks[i] != r;
+            if (first) {
+                count_in(&hist[num_ranks + 1 + r]);
                 if (flags & EP_TIR)
                     row_tir[r] = 1;
             }
@@ -167,30 +178,38 @@ void ep_layout_scan(__global uint *matrix, uint num_chunks, uint num_ranks, uint
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
-void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, uint top_k, uint num_physical,
-                     uint num_ranks, uint flags, __global const int *p2r, ulong p2r_off, uint chunk_tokens,
-                     __global const uint *matrix, ulong starts_off, __global int *send, ulong send_off,
-                     __global int *expert_counts, ulong ec_off, __local uint *run)
+void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, uint top_k, uint num_ranks,
+                     uint flags, uint chunk_tokens, __global const uint *matrix, ulong starts_off, ulong keys_off,
+                     __global int *send, ulong send_off, __global int *expert_counts, ulong ec_off,
+                     __local uint *run)
 {
     __local uint tile[WG];
     const uint lid = get_local_id(0), c = get_group_id(0), cols = 2 * num_ranks + 1;
     phys += phys_off;
-    p2r += p2r_off;
-    __global const uint *row = matrix + (size_t)c * cols, *starts = matrix + starts_off;
+    __global const uint *row = matrix + (size_t)c * cols, *starts = matrix + starts_off, *keys = matrix + keys_off;
     for (uint r = lid; r <= num_ranks; r += WG)
         run[r] = starts[r] + row[r];
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = c * chunk_tokens * top_k, end = min(begin + chunk_tokens * top_k, num_tokens * top_k);
+#if WG == 1
+    /* One work-item walks its chunk in order: a plain running count. */
+    for (uint s = begin; s < end; s++) {
+        const uint key = keys[s];
+        send[send_off + run[key]++] = key < num_ranks ? (int)s : -1;
+        if (key < num_ranks && (flags & EP_COUNTS))
+            atomic_inc(&expert_counts[ec_off + phys[s]]);
+    }
+#else
     for (uint base = begin; base < end; base += WG) {
         const uint s = base + lid;
-        const int p = s < end ? phys[s] : -1;
         /* Past the end: a key no slot has. */
-        const uint key = s < end ? rank_of(p, num_physical, num_ranks, flags, p2r) : num_ranks + 1;
+        const uint key = s < end ? keys[s] : num_ranks + 1;
         const uint rank = tile_rank(key, lid, tile);
         if (key <= num_ranks)
             send[send_off + run[key] + rank] = key < num_ranks ? (int)s : -1;
         if (key < num_ranks && (flags & EP_COUNTS))
-            atomic_inc(&expert_counts[ec_off + p]);
+            atomic_inc(&expert_counts[ec_off + phys[s]]);
         tile_advance(key, run, num_ranks + 1);
     }
+#endif
 }

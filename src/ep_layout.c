@@ -169,28 +169,30 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, c
     const cl_uint chunks = (cl_uint)(((uint64_t)tokens + chunk - 1) / chunk);
     const size_t cols = 2 * (size_t)ranks + 1;
     const size_t matrix_words = (size_t)chunks * cols;
-    /* The count matrix [chunks][cols], then the rank starts [ranks + 1]. */
-    const size_t scratch_bytes = (matrix_words + ranks + 1) * 4;
+    /* The count matrix [chunks][cols], the rank starts [ranks + 1], then
+     * each slot's rank (its key). */
+    const size_t slots = (size_t)tokens * top_k;
+    const size_t scratch_bytes = (matrix_words + ranks + 1 + slots) * 4;
     cl_mem scratch;
     moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
     if (st != MOECL_SUCCESS)
         return st;
-    const cl_ulong starts_off = matrix_words;
+    const cl_ulong starts_off = matrix_words, keys_off = matrix_words + ranks + 1;
     const moecl_kernel_arg count_args[] = {
         MEM(a->ids.mem),  ARG(a->ids.off),      ARG(tokens),           ARG(top_k),          ARG(experts),
         ARG(physical),    ARG(ranks),           ARG(replicas),         ARG(flags),          MEM(a->l2p.mem),
         ARG(a->l2p.off),  MEM(a->replicas.mem), ARG(a->replicas.off),  MEM(a->p2r.mem),     ARG(a->p2r.off),
         ARG(chunk),       MEM(a->phys.mem),     ARG(a->phys.off),      MEM(a->tir.mem),     ARG(a->tir.off),
-        MEM(scratch),     LOCAL(cols * 4)};
+        MEM(scratch),     ARG(keys_off),        LOCAL(cols * 4)};
     const moecl_kernel_arg scan_args[] = {
         MEM(scratch),          ARG(chunks),          ARG(ranks),       ARG(physical),       ARG(flags),
         MEM(a->rank_counts.mem), ARG(a->rank_counts.off), MEM(a->rank_offsets.mem), ARG(a->rank_offsets.off),
         MEM(a->tpr.mem),       ARG(a->tpr.off),      MEM(a->counts.mem), ARG(a->counts.off), LOCAL(cols * 4)};
     const moecl_kernel_arg place_args[] = {
-        MEM(a->phys.mem), ARG(a->phys.off), ARG(tokens),     ARG(top_k),          ARG(physical),
-        ARG(ranks),       ARG(flags),       MEM(a->p2r.mem), ARG(a->p2r.off),     ARG(chunk),
-        MEM(scratch),     ARG(starts_off),  MEM(a->send.mem), ARG(a->send.off),   MEM(a->counts.mem),
-        ARG(a->counts.off), LOCAL(((size_t)ranks + 1) * 4)};
+        MEM(a->phys.mem),   ARG(a->phys.off),   ARG(tokens),       ARG(top_k),        ARG(ranks),
+        ARG(flags),         ARG(chunk),         MEM(scratch),      ARG(starts_off),   ARG(keys_off),
+        MEM(a->send.mem),   ARG(a->send.off),   MEM(a->counts.mem), ARG(a->counts.off),
+        LOCAL(((size_t)ranks + 1) * 4)};
 #define STEP(k, args, groups, wg)                                                                                 \
     ((moecl_step){k, args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, \
                   NULL})

@@ -116,6 +116,23 @@ moecl_context *harness_context_with_kernel_dir(const char *dir)
     return ctx;
 }
 
+bool harness_replace_once(char **text, const char *old, const char *new_text)
+{
+    char *at = strstr(*text, old);
+    if (!at || strstr(at + 1, old))
+        return false;
+    const size_t head = (size_t)(at - *text), len = strlen(*text), old_len = strlen(old), new_len = strlen(new_text);
+    char *out = malloc(len - old_len + new_len + 1);
+    if (!out)
+        return false;
+    memcpy(out, *text, head);
+    memcpy(out + head, new_text, new_len);
+    memcpy(out + head + new_len, at + old_len, len - head - old_len + 1);
+    free(*text);
+    *text = out;
+    return true;
+}
+
 void *harness_poisoned(size_t n)
 {
     void *p = malloc(n ? n : 1);

@@ -52,6 +52,9 @@ moecl_context *harness_context(void);
 /* The same, with the kernels read from dir (MOECL_KERNEL_DIR for the
  * creation only): the suites' mutants. */
 moecl_context *harness_context_with_kernel_dir(const char *dir);
+/* Replace the one occurrence of old in the malloc'ed *text (false, and
+ * *text unchanged, where it is not there exactly once): the mutants. */
+bool harness_replace_once(char **text, const char *old, const char *new_text);
 
 /* 0xFF bytes: NaN weights and id -1, so unwritten elements show. */
 #define HARNESS_POISON 0xFF

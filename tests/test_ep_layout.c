@@ -612,21 +612,21 @@ START_TEST(test_mutation_caught)
     const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
     ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
     char *align = read_text(cl_dir, "moe_align.cl"), *text = read_text(cl_dir, "ep_layout.cl");
-    const char *anchor = "        const uint s = base + lid;\n";
-    char *at = strstr(text, anchor);
-    ck_assert_msg(at && !strstr(at + 1, anchor), "the mutation's anchor is not in cl/ep_layout.cl once");
-    const char *mutant = "        const uint i = base - begin + lid, s = i < end - begin ? end - 1 - i : end;\n";
-    char *out = malloc(strlen(text) + strlen(mutant) + 1);
-    memcpy(out, text, (size_t)(at - text));
-    strcpy(out + (at - text), mutant);
-    strcat(out, at + strlen(anchor));
+    /* Both placements: tiles of work-items (GPUs) and one work-item's
+     * walk (CPUs). */
+    ck_assert_msg(harness_replace_once(&text, "        const uint s = base + lid;\n",
+                               "        const uint i = base - begin + lid, s = i < end - begin ? end - 1 - i : end;\n") &&
+                      harness_replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint key = keys[s];",
+                                   "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
+                                   "        const uint key = keys[s];"),
+                  "the mutation's anchors are not in cl/ep_layout.cl once: update test_mutation_caught");
+    const char *out = text;
     char dir[] = "/tmp/moecl-ep-mutant-XXXXXX";
     ck_assert_ptr_nonnull(mkdtemp(dir));
     write_text(dir, "moe_align.cl", align);
     write_text(dir, "ep_layout.cl", out);
     free(align);
     free(text);
-    free(out);
     moecl_context *ctx = harness_context_with_kernel_dir(dir);
     harness_rng rng = harness_rng_for(9300);
     inputs in;

@@ -573,21 +573,6 @@ END_TEST
  * loaded through MOECL_KERNEL_DIR:
  * still a grouping by expert, but not stable. The suite's check must
  * catch it. */
-static bool replace_once(char **text, const char *old, const char *new_text)
-{
-    char *at = strstr(*text, old);
-    if (!at || strstr(at + 1, old))
-        return false;
-    const size_t head = (size_t)(at - *text), len = strlen(*text), old_len = strlen(old), new_len = strlen(new_text);
-    char *out = malloc(len - old_len + new_len + 1);
-    memcpy(out, *text, head);
-    memcpy(out + head, new_text, new_len);
-    memcpy(out + head + new_len, at + old_len, len - head - old_len + 1);
-    free(*text);
-    *text = out;
-    return true;
-}
-
 START_TEST(test_mutation_caught)
 {
     const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
@@ -600,16 +585,16 @@ START_TEST(test_mutation_caught)
     size_t n = fread(text, 1, (1 << 20) - 1, f);
     fclose(f);
     text[n] = '\0';
-    ck_assert_msg(replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
+    ck_assert_msg(harness_replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
                                "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
                                "        const uint e = column_of") &&
-                      replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
-                      replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      replace_once(&text, "    for (uint s = 0; s < num_slots; s++) {\n",
+                      harness_replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
+                      harness_replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
+                      harness_replace_once(&text, "    for (uint s = 0; s < num_slots; s++) {\n",
                                    "    for (uint i = 0; i < num_slots; i++) {\n"
                                    "        const uint s = num_slots - 1 - i;\n") &&
-                      replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
-                      replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
+                      harness_replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
+                      harness_replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
                                    "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
                   "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
     char dir[] = "/tmp/moecl-mutant-XXXXXX";

@@ -805,10 +805,11 @@ MOECL_API moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, ui
  * `num_wait` events of `wait`; on an out-of-order queue each later one
  * waits on its predecessor's event. If `done` is non-NULL it receives the
  * event of the last kernel, which completes after all of them; the caller
- * releases it. It uses a device scratch buffer of about
- * 4 * (2 * chunks * (num_ranks + 1)) bytes, chunks <= 4096 (the context's,
- * on an in-order queue, as moecl_moe_align() describes; the call's own on
- * an out-of-order queue).
+ * releases it. It uses a device scratch buffer of 4 * (chunks *
+ * (2 * num_ranks + 1) + num_ranks + 1 + num_tokens * top_k) bytes, where
+ * chunks <= 4096 (the context's, on an in-order queue, as
+ * moecl_moe_align() describes; the call's own on an out-of-order
+ * queue).
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, logical_to_physical given

@@ -15,7 +15,7 @@ libdir of ``pkg-config moecl``, else ``ctypes.util.find_library("moecl")``;
 an OSError lists what was tried.
 """
 
-from ._context import Context, MoeAlignResult, library, status_string, version
+from ._context import Context, EpLayoutResult, MoeAlignResult, library, status_string, version
 from ._errors import (BuildError, Error, InvalidArgumentError, NoDeviceError, OpenCLError, OutOfMemoryError,
                       UnsupportedError)
 from ._tensors import BufferView
@@ -24,6 +24,7 @@ from ._version import __version__
 library()
 
 __all__ = [
-    "BufferView", "BuildError", "Context", "Error", "InvalidArgumentError", "MoeAlignResult", "NoDeviceError",
+    "BufferView", "BuildError", "Context", "EpLayoutResult", "Error", "InvalidArgumentError", "MoeAlignResult",
+    "NoDeviceError",
     "OpenCLError", "OutOfMemoryError", "UnsupportedError", "__version__", "library", "status_string", "version",
 ]

@@ -38,6 +38,23 @@ def _enum(name: str, v: Any, names: Dict[str, int]) -> int:
     return names[v]
 
 
+class EpLayoutResult(NamedTuple):
+    """The expert-parallel dispatch layout (docs/routing.md, section 9).
+
+    token_in_rank is uint8, the rest int32; token_in_rank, tokens_per_rank
+    and expert_counts are None when not asked for; event as MoeAlignResult's.
+    """
+
+    physical_ids: Any     #: [num_tokens, top_k], -1 for a slot not sent
+    rank_counts: Any      #: [num_ranks]
+    rank_offsets: Any     #: [num_ranks + 1]
+    send_slots: Any       #: [num_tokens * top_k], -1 past rank_offsets[-1]
+    token_in_rank: Any    #: [num_tokens, num_ranks], or None
+    tokens_per_rank: Any  #: [num_ranks], or None
+    expert_counts: Any    #: [num_physical], or None
+    event: Any
+
+
 class MoeAlignResult(NamedTuple):
     """moe_align's outputs (docs/routing.md, section 7); all int32.
 
@@ -233,6 +250,67 @@ class Context:
         return {name: given[name] if given[name] is not None
                 else (T.allocate(specs[name][0], specs[name][1], kind, queue) if name in wanted else None)
                 for name in specs}
+
+    # ------------------------------------------------------------------
+    # Expert-parallel dispatch layout
+    # ------------------------------------------------------------------
+
+    def ep_layout(self, topk_ids: Any, num_experts: int, num_ranks: int, *, logical_to_physical: Any = None,
+                  replica_counts: Any = None, physical_to_rank: Any = None, num_physical: Optional[int] = None,
+                  token_in_rank: bool = True, tokens_per_rank: bool = True, expert_counts: bool = True,
+                  out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                  wait_for: Optional[Sequence[Any]] = None) -> EpLayoutResult:
+        """The layout of an expert-parallel all-to-all (docs/routing.md, section 9).
+
+        Args:
+            topk_ids: int32 [tokens, top_k], logical ids; those outside [0, num_experts) are not sent.
+            num_experts: logical experts.
+            num_ranks: destination ranks.
+            logical_to_physical: int32 [num_experts, max_replicas] replicas, or None (the identity).
+            replica_counts: int32 [num_experts], 1..max_replicas; given iff logical_to_physical is.
+            physical_to_rank: int32 [num_physical], or None: contiguous blocks of num_physical / num_ranks.
+            num_physical: physical experts; by default physical_to_rank's length, else num_experts.
+            token_in_rank, tokens_per_rank, expert_counts: compute these optional outputs.
+            out, queue, wait_for: as for topk_gating (names as EpLayoutResult's fields).
+
+        Returns:
+            An EpLayoutResult.
+        """
+        out = dict(out or {})
+        tables = {"logical_to_physical": logical_to_physical, "replica_counts": replica_counts,
+                  "physical_to_rank": physical_to_rank}
+        kind = T.kind_of([topk_ids, *[t for t in tables.values() if t is not None], *out.values()])
+        ids = T.check("topk_ids", topk_ids, (None, None), [T.I32], kind)
+        tokens, k = ids.shape
+        self._check_wait(kind, wait_for)
+        e, r = _uint("num_experts", num_experts), _uint("num_ranks", num_ranks)
+        l2p = None if logical_to_physical is None else T.check("logical_to_physical", logical_to_physical,
+                                                                 (e, None), [T.I32], kind)
+        counts = None if replica_counts is None else T.check("replica_counts", replica_counts, (e,), [T.I32], kind)
+        if num_physical is None:
+            num_physical = physical_to_rank.shape[0] if physical_to_rank is not None else e
+        p = _uint("num_physical", num_physical)
+        p2r = None if physical_to_rank is None else T.check("physical_to_rank", physical_to_rank, (p,), [T.I32],
+                                                             kind)
+        specs = {"physical_ids": ((tokens, k), T.I32), "rank_counts": ((r,), T.I32),
+                 "rank_offsets": ((r + 1,), T.I32), "send_slots": ((tokens * k,), T.I32),
+                 "token_in_rank": ((tokens, r), np.dtype(np.uint8)), "tokens_per_rank": ((r,), T.I32),
+                 "expert_counts": ((p,), T.I32)}
+        flags = {"token_in_rank": token_in_rank, "tokens_per_rank": tokens_per_rank, "expert_counts": expert_counts}
+        given = T.outputs(specs, out, kind)
+        for name, flag in flags.items():
+            if given[name] is not None and not flag:
+                raise ValueError("out[%r] given with %s=False" % (name, name))
+        on = self._on(queue)
+        desc = self._lib.moecl_ep_layout_desc_init(tokens, k, e, r)
+        desc.num_physical = p
+        desc.max_replicas = l2p.shape[1] if l2p is not None else 1
+        on._prepare("ep_layout", desc)
+        q = on.queue if kind == T.DEVICE else None
+        wanted = [n for n in specs if flags.get(n, True)]
+        o = self._outputs(specs, given, wanted, kind, q)
+        event = on._run("ep_layout", desc, [ids, l2p, counts, p2r] + [o[n] for n in specs], kind, wait_for)
+        return EpLayoutResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------
     # Top-k gating

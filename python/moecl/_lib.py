@@ -67,6 +67,19 @@ class GroundedRouterDesc(ctypes.Structure):
     ]
 
 
+class EpLayoutDesc(ctypes.Structure):
+    """moecl_ep_layout_desc."""
+
+    _fields_ = [
+        ("num_tokens", c_uint32),
+        ("top_k", c_uint32),
+        ("num_experts", c_uint32),
+        ("num_physical", c_uint32),
+        ("num_ranks", c_uint32),
+        ("max_replicas", c_uint32),
+    ]
+
+
 class MoeAlignDesc(ctypes.Structure):
     """moecl_moe_align_desc."""
 
@@ -124,6 +137,10 @@ _SIGNATURES = {
                                 Buffer, cl_uint, _events, _event_out]),
     "moecl_moe_align_host": (c_int, [_ctx, _P(MoeAlignDesc), c_void_p, c_void_p, c_void_p, c_void_p,
                                      c_void_p, c_void_p, c_void_p]),
+    "moecl_ep_layout_desc_init": (EpLayoutDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
+    "moecl_ep_layout_prepare": (c_int, [_ctx, _P(EpLayoutDesc)]),
+    "moecl_ep_layout": (c_int, [_ctx, _P(EpLayoutDesc)] + [Buffer] * 11 + [cl_uint, _events, _event_out]),
+    "moecl_ep_layout_host": (c_int, [_ctx, _P(EpLayoutDesc)] + [c_void_p] * 11),
 }
 
 

@@ -179,3 +179,44 @@ def moe_align(ids: np.ndarray, num_experts: int, block_size: int) -> Tuple[np.nd
     for e in range(num_experts):
         blocks[start[e] // block_size:start[e + 1] // block_size] = e
     return counts, sorted_ids, blocks, np.array([total]), positions.reshape(ids.shape), np.array([n - valid.sum()])
+
+
+def ep_layout(ids: np.ndarray, num_experts: int, num_ranks: int, l2p=None, replica_counts=None, p2r=None,
+              num_physical=None) -> Tuple[np.ndarray, ...]:
+    """The expert-parallel layout (docs/routing.md, section 9), slot by slot."""
+    tokens, k = ids.shape
+    if num_physical is None:
+        num_physical = len(p2r) if p2r is not None else num_experts
+    phys = np.full((tokens, k), -1, np.int32)
+    rank_of = np.full((tokens, k), -1, np.int64)
+    for t in range(tokens):
+        for j in range(k):
+            e = int(ids[t, j])
+            if not 0 <= e < num_experts:
+                continue
+            p = e
+            if l2p is not None:
+                c = int(replica_counts[e])
+                if not 1 <= c <= l2p.shape[1]:
+                    continue
+                p = int(l2p[e, ((t * 2654435761) % 2**32) % c])
+                if not 0 <= p < num_physical:
+                    continue
+            r = int(p2r[p]) if p2r is not None else p // (num_physical // num_ranks)
+            if not 0 <= r < num_ranks:
+                continue
+            phys[t, j], rank_of[t, j] = p, r
+    flat = rank_of.ravel()
+    counts = np.array([(flat == r).sum() for r in range(num_ranks)], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    send = np.full(tokens * k, -1, np.int32)
+    sent = np.concatenate([np.flatnonzero(flat == r) for r in range(num_ranks)]) if num_ranks else []
+    send[:len(sent)] = sent
+    tir = np.zeros((tokens, num_ranks), np.uint8)
+    for t in range(tokens):
+        for r in rank_of[t]:
+            if r >= 0:
+                tir[t, r] = 1
+    tpr = tir.sum(axis=0).astype(np.int32)
+    ec = np.bincount(phys.ravel()[phys.ravel() >= 0], minlength=num_physical).astype(np.int32)
+    return phys, counts, offsets, send, tir, tpr, ec
