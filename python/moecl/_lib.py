@@ -124,6 +124,12 @@ _SIGNATURES = {
                                 Buffer, cl_uint, _events, _event_out]),
     "moecl_moe_align_host": (c_int, [_ctx, _P(MoeAlignDesc), c_void_p, c_void_p, c_void_p, c_void_p,
                                      c_void_p, c_void_p, c_void_p]),
+    "moecl_route_dispatch": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [Buffer] * 10 +
+                             [cl_uint, _events, _event_out]),
+    "moecl_route_dispatch_host": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [c_void_p] * 10),
+    "moecl_grounded_route_dispatch": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [Buffer] * 11 +
+                                      [cl_uint, _events, _event_out]),
+    "moecl_grounded_route_dispatch_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [c_void_p] * 11),
 }
 
 

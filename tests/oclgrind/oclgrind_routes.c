@@ -497,6 +497,22 @@ static const grounded_case grounded_cases[] = {
     {2, 8, 64, 64, 1.0f, true, false},  /* every expert chosen */
 };
 
+/* The grounded router's kernel for d must be the run's; whether the case
+ * is left out under --uninitialized (the rows kernel, or where it is
+ * another kernel, for why_not_rows unless NULL). */
+static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moecl_grounded_router_desc *d,
+                              const char *why_not_rows)
+{
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_grounded_router_launch(ctx, d, &key, &config);
+    check_launch(run, d->num_experts, config);
+    return left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
+                                  ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
+                                    "shuffle16_uninitialized, shuffle_undef_crash)"
+                                  : why_not_rows);
+}
+
 static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype)
 {
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
@@ -507,14 +523,7 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
     if (!selected())
         return;
 
-    moecl_launch_key key;
-    moecl_launch_config config;
-    moecl_grounded_router_launch(ctx, &d, &key, &config);
-    check_launch(run, d.num_experts, config);
-    if (left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
-                               ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
-                                 "shuffle16_uninitialized, shuffle_undef_crash)"
-                               : NULL))
+    if (grounded_left_out(ctx, run, &d, NULL))
         return;
 
     const size_t nk = (size_t)d.num_tokens * d.top_k, sz = ref_dtype_size(dtype);
@@ -833,15 +842,9 @@ static void grounded_route_one(moecl_context *ctx, const run_def *run, const gro
              d.num_experts, d.top_k, block);
     if (!selected())
         return;
-    moecl_launch_key key;
-    moecl_launch_config config;
-    moecl_grounded_router_launch(ctx, &d, &key, &config);
-    check_launch(run, d.num_experts, config);
-    if (left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
-                               ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
-                                 "shuffle16_uninitialized, shuffle_undef_crash)"
-                               : "moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
-                                 "atomic_unwritten_uninitialized)"))
+    if (grounded_left_out(ctx, run, &d,
+                          "moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
+                          "atomic_unwritten_uninitialized)"))
         return;
     const size_t th = (size_t)d.num_tokens * d.hidden_dim, eh = (size_t)d.num_experts * d.hidden_dim;
     const size_t te = (size_t)d.num_tokens * d.num_experts;
