@@ -32,11 +32,12 @@
  *    enqueues anything: a failure up to there leaves nothing enqueued and
  *    no output byte changed. After its first enqueue only a later enqueue
  *    can fail (the driver's CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY,
- *    ...). Of the device-buffer calls, three have a later enqueue:
+ *    ...). Of the device-buffer calls, four have a later enqueue:
  *    moecl_moe_align() on its three-kernel path,
- *    moecl_topk_gating_with_counts() (a fill, then the kernel) and
+ *    moecl_topk_gating_with_counts() (a fill, then the kernel),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
- *    two calls). Such a
+ *    two calls) and moecl_grounded_route_dispatch() (the grounded
+ *    router, then moe_align, likewise). Such a
  *    failure leaves unspecified the outputs that the commands already
  *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
