@@ -89,12 +89,12 @@ static inline float8 load_in8(__global const in_t *p, size_t i)
  * lowest (0), then -inf ... +inf, with -0 equal to +0. */
 static inline uint rank_of_float(float f)
 {
-    if (isnan(f))
-        return 0u;
-    if (f == 0.0f)
-        return 0x80000000u;
-    uint u = as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    /* Selects, not branches: the team kernels rank every element, and a
+     * branch per case costs each of them a divergence region on GPUs. */
+    const uint u = as_uint(f);
+    const uint r = u ^ ((uint)((int)u >> 31) | 0x80000000u); /* ~u if negative, else u | sign */
+    const uint r0 = f == 0.0f ? 0x80000000u : r;
+    return isnan(f) ? 0u : r0;
 }
 
 /* A 64-bit key whose order is "larger score first, then lower index": the
@@ -114,8 +114,7 @@ static inline uint key_index(ulong key) { return ~(uint)key; }
 #define RANK_NONE 0u
 static inline uint select_rank(float s)
 {
-    uint r = rank_of_float(s);
-    return r ? r : 1u;
+    return max(rank_of_float(s), 1u);
 }
 
 /* NATIVE_MATH (set by the host for NVIDIA, whose native exp and
@@ -261,8 +260,8 @@ static inline float team_sum_float(float v, __local float *slots, uint lane)
  *    row's candidate list in local memory.
  * 3. each candidate's place is the number of candidates with a larger key
  *    (keys are distinct: they end in the index), and the TOPK first go to
- *    chosen_*. The list's order (local atomics) does not matter, so the
- *    result is deterministic.
+ *    chosen_*. The list's order (where each lane's run lands) does not
+ *    matter, so the result is deterministic.
  * On random rows only a handful of elements pass the floor, so step 3 is
  * short; with many ties at the floor it is quadratic but still correct.
  * Scratch per row: cl/layout.h (LAYOUT_TEAM_TOPK_BYTES). */
@@ -323,6 +322,54 @@ static inline uint team_topk_floor(uint best, uint lane, __local uint *lane_max,
 }
 #endif
 
+/* Step 2's slots: a lane appends its `take` candidates as one run, at the
+ * offset this returns; the list's length is team_candidate_count() after
+ * the barrier that follows the appends. Where the runs go does not change
+ * the result (step 3 places candidates by key). */
+#if TEAM_SHUFFLE
+/* The value of lane - delta of the caller's team (its own below delta). */
+static inline uint shuffle_team_up(uint v, uint delta)
+{
+    uint r;
+    asm volatile("shfl.sync.up.b32 %0, %1, %2, %3, 0xffffffff;"
+                 : "=r"(r)
+                 : "r"(v), "r"(delta), "r"((32u - TEAM) << 8));
+    return r;
+}
+
+/* An exclusive prefix sum across the team: no atomics and no divergence. */
+static inline uint team_candidate_base(uint take, uint lane, __local uint *count_slot, uint *count)
+{
+    (void)count_slot;
+    uint inclusive = take;
+    for (uint d = 1; d < TEAM; d <<= 1) {
+        const uint below = shuffle_team_up(inclusive, d);
+        inclusive += lane >= d ? below : 0u;
+    }
+    *count = shuffle_team_lane(inclusive, TEAM - 1);
+    return inclusive - take;
+}
+
+static inline uint team_candidate_count(uint count, __local const uint *count_slot)
+{
+    (void)count_slot;
+    return count;
+}
+#else
+static inline uint team_candidate_base(uint take, uint lane, __local uint *count_slot, uint *count)
+{
+    (void)lane;
+    *count = 0u;
+    return take ? atomic_add(count_slot, take) : 0u;
+}
+
+static inline uint team_candidate_count(uint count, __local const uint *count_slot)
+{
+    (void)count;
+    return *count_slot;
+}
+#endif
+
 static inline void team_topk(uint *rank, const float *value, __local uint *u32_scratch, __local ulong *cand_keys,
                              __local float *cand_values, uint lane, __local uint *chosen_ids,
                              __local float *chosen_values)
@@ -351,13 +398,15 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
     UNROLL
     for (uint i = 0; i < EPT; i++)
         mine += rank[i] >= floor_rank;
+    uint total;
+    uint at = team_candidate_base(min(mine, (uint)TOPK_PER_LANE), lane, count_slot, &total);
     if (mine <= TOPK_PER_LANE) {
         UNROLL
         for (uint i = 0; i < EPT; i++) {
             if (rank[i] >= floor_rank) {
-                const uint at = atomic_inc(count_slot);
                 cand_keys[at] = ((ulong)rank[i] << 32) | (ulong)(~(i * TEAM + lane));
                 cand_values[at] = value[i];
+                at++;
             }
         }
     } else {
@@ -381,15 +430,14 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
             for (uint i = 0; i < EPT; i++)
                 if (i == slot)
                     v = value[i];
-            const uint at = atomic_inc(count_slot);
-            cand_keys[at] = ((ulong)b << 32) | (ulong)(~(slot * TEAM + lane));
-            cand_values[at] = v;
+            cand_keys[at + t] = ((ulong)b << 32) | (ulong)(~(slot * TEAM + lane));
+            cand_values[at + t] = v;
         }
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
     /* Step 3: places. */
-    const uint count = *count_slot;
+    const uint count = team_candidate_count(total, count_slot);
     for (uint c = lane; c < count; c += TEAM) {
         const ulong key = cand_keys[c];
         uint place = 0;

@@ -65,6 +65,19 @@
 #define WARP_MATCH 0
 #endif
 
+#ifndef UNROLL /* cl/common.cl's, where the program holds it (route dispatch) */
+#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+#endif
+/* The loads of a serial walk (the scans, the fused kernel's placement) go
+ * out LOAD_BATCH at a time before any is used: a GPU issues in order and
+ * stalls at a value's first use, so one load a step would cost a round
+ * trip to memory a step. */
+#define LOAD_BATCH 8
+
 /* The column of a slot's id: its expert, or E for an id outside [0, E). */
 static inline uint column_of(int id, uint num_experts)
 {
@@ -109,10 +122,17 @@ void moe_align_scan(__global uint *matrix, uint num_chunks, uint num_experts, ui
     /* Columns over chunks: adjacent work-items read adjacent columns. */
     for (uint e = lid; e < cols; e += SCAN_WG) {
         uint acc = 0;
-        for (uint c = 0; c < num_chunks; c++) {
-            const uint v = matrix[(size_t)c * cols + e];
-            matrix[(size_t)c * cols + e] = acc;
-            acc += v;
+        for (uint c0 = 0; c0 < num_chunks; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++)
+                count[j] = c0 + j < num_chunks ? matrix[(size_t)(c0 + j) * cols + e] : 0u;
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++) {
+                if (c0 + j < num_chunks)
+                    matrix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
         }
         tot[e] = acc;
         totals[e] = acc;
@@ -456,9 +476,24 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
 #define FUSED_WG 1
 #endif
 
-/* A word written by one work-group and read by another (see above). */
-static inline void shared_store(__global uint *p, uint v) { atomic_xchg((volatile __global uint *)p, v); }
-static inline uint shared_load(__global const uint *p) { return atomic_or((volatile __global uint *)p, 0u); }
+/* A word written by one work-group and read by another (see above). A
+ * launch of one work-group (a decode batch) needs no atomics, nor a
+ * ticket: its own barriers with global fences order its accesses, and
+ * each atomic costs a round trip to the device's cache on GPUs. */
+static inline bool alone(void) { return get_num_groups(0) == 1; }
+
+static inline void shared_store(__global uint *p, uint v)
+{
+    if (alone())
+        *p = v;
+    else
+        atomic_xchg((volatile __global uint *)p, v);
+}
+
+static inline uint shared_load(__global const uint *p)
+{
+    return alone() ? *p : atomic_or((volatile __global uint *)p, 0u);
+}
 
 /* Counts and (with more than one work-item) ranks of slots [begin, end)
  * by one work-group: run[e] ends as the chunk's count of column e. Where
@@ -501,9 +536,9 @@ static inline bool last_to_finish(volatile __global uint *ticket, uint groups, u
     mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's counts and ranks before the ticket */
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0) {
-        const uint t = atomic_inc(ticket);
+        const uint t = alone() ? 0u : atomic_inc(ticket);
         *flag = t == groups - 1;
-        if (t == groups - 1)
+        if (t == groups - 1 && !alone())
             atomic_xchg(ticket, 0u);
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -520,9 +555,17 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 {
     for (uint e = lid; e < cols; e += FUSED_WG) {
         uint acc = 0;
-        for (uint c = 0; c < groups; c++) {
-            prefix[(size_t)c * cols + e] = acc;
-            acc += shared_load(&matrix[(size_t)c * cols + e]);
+        for (uint c0 = 0; c0 < groups; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++)
+                count[j] = c0 + j < groups ? shared_load(&matrix[(size_t)(c0 + j) * cols + e]) : 0u;
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++) {
+                if (c0 + j < groups)
+                    prefix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
         }
         tot[e] = acc;
     }
@@ -531,40 +574,62 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 
 /* Every slot to its position, by the last work-group (a slot's column
  * from columns where rank_chunk stored them there). */
+#if FUSED_WG == 1
+/* One work-item walks the slots in order; start becomes each expert's
+ * next position. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global const uint *columns, __global int *sorted,
                              ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
 {
-    const uint cols = num_experts + 1;
-#if FUSED_WG == 1
-    /* One work-item walks the slots in order; start becomes each expert's
-     * next position. */
     (void)chunk;
+    (void)lid;
     (void)prefix;
     (void)ranks;
     (void)columns;
-    (void)cols;
-#endif
-    for (uint s = lid; s < num_slots; s += FUSED_WG) {
-#if FUSED_WG == 1
+    for (uint s = 0; s < num_slots; s++) {
         const uint e = column_of(ids[s], num_experts);
-#else
-        const uint e = columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
-#endif
         int pos = -1;
         if (e < num_experts) {
-#if FUSED_WG == 1
             pos = (int)start[e]++;
-#else
-            pos = (int)(start[e] + prefix[(size_t)(s / chunk) * cols + e] + shared_load(&ranks[s]));
-#endif
             sorted[sorted_off + pos] = (int)s;
         }
         if (has_slots)
             slot_positions[slot_off + s] = pos;
     }
 }
+#else
+/* A slot's position is its expert's start + the expert's slots in earlier
+ * chunks + its rank; each work-item takes LOAD_BATCH slots a round. */
+static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
+                             __local uint *start, __global const uint *prefix,
+                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+{
+    const uint cols = num_experts + 1;
+    for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * LOAD_BATCH) {
+        uint e[LOAD_BATCH], rank[LOAD_BATCH];
+        UNROLL
+        for (uint j = 0; j < LOAD_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            const bool in = s < num_slots;
+            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
+            rank[j] = in ? shared_load(&ranks[s]) : 0u;
+        }
+        UNROLL
+        for (uint j = 0; j < LOAD_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            int pos = -1;
+            if (s < num_slots && e[j] < num_experts) {
+                pos = (int)(start[e[j]] + prefix[(size_t)(s / chunk) * cols + e[j]] + rank[j]);
+                sorted[sorted_off + pos] = (int)s;
+            }
+            if (s < num_slots && has_slots)
+                slot_positions[slot_off + s] = pos;
+        }
+    }
+}
+#endif
 
 /* The fused kernel's steps, by every work-group of a launch: work-group c
  * counts and ranks slots [c * chunk, (c + 1) * chunk) of ids, takes a

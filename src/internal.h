@@ -54,6 +54,7 @@ typedef enum moecl_op {
     MOECL_OP_GROUNDED_ROUTER = 1,
     MOECL_NUM_OPS, /* the ops with launch configurations */
     MOECL_OP_MOE_ALIGN = MOECL_NUM_OPS,
+    MOECL_OP_EP_LAYOUT, /* the plan key keeps 2 bits for the op */
 } moecl_op;
 
 /* What the environment forces, read once when a context is created
@@ -218,7 +219,8 @@ typedef enum moecl_program_kind {
     MOECL_PROGRAM_GROUNDED_ROUTER = 1,
     MOECL_PROGRAM_MOE_ALIGN = 2,
     MOECL_PROGRAM_ROUTE_DISPATCH = 3, /* top-k gating's and moe_align's sources */
-    MOECL_PROGRAM_GROUNDED_DISPATCH = 4, /* the grounded router's and moe_align's sources */
+    MOECL_PROGRAM_EP_LAYOUT = 4,      /* moe_align's source and ep_layout.cl */
+    MOECL_PROGRAM_GROUNDED_DISPATCH = 5, /* the grounded router's and moe_align's sources */
 } moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);

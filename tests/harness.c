@@ -102,6 +102,20 @@ moecl_context *harness_context(void)
     return ctx;
 }
 
+moecl_context *harness_context_with_kernel_dir(const char *dir)
+{
+    const char *old_dir = getenv("MOECL_KERNEL_DIR");
+    char *saved = old_dir ? strdup(old_dir) : NULL;
+    setenv("MOECL_KERNEL_DIR", dir, 1);
+    moecl_context *ctx = harness_context();
+    if (saved)
+        setenv("MOECL_KERNEL_DIR", saved, 1);
+    else
+        unsetenv("MOECL_KERNEL_DIR");
+    free(saved);
+    return ctx;
+}
+
 void *harness_poisoned(size_t n)
 {
     void *p = malloc(n ? n : 1);

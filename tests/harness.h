@@ -49,6 +49,9 @@ void *harness_try_random_tensor(harness_rng *rng, moecl_dtype dtype, size_t n, f
 /* A context on $MOECL_DEVICE or the default device; fails the test if
  * none. */
 moecl_context *harness_context(void);
+/* The same, with the kernels read from dir (MOECL_KERNEL_DIR for the
+ * creation only): the suites' mutants. */
+moecl_context *harness_context_with_kernel_dir(const char *dir);
 
 /* 0xFF bytes: NaN weights and id -1, so unwritten elements show. */
 #define HARNESS_POISON 0xFF

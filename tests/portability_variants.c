@@ -268,6 +268,7 @@ int main(int argc, char **argv)
     write_program(dir, MOECL_PROGRAM_GROUNDED_ROUTER, "grounded_router.cl");
     write_program(dir, MOECL_PROGRAM_MOE_ALIGN, "moe_align.cl");
     write_program(dir, MOECL_PROGRAM_ROUTE_DISPATCH, "route_dispatch.cl");
+    write_program(dir, MOECL_PROGRAM_EP_LAYOUT, "ep_layout.cl");
     write_program(dir, MOECL_PROGRAM_GROUNDED_DISPATCH, "grounded_dispatch.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
@@ -413,6 +414,11 @@ int main(int argc, char **argv)
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 emit(t, "moe_align.cl", options, defines, kernel, description);
+                /* The layout's program: moe_align's source and defines. */
+                snprintf(description, sizeof(description), "ep_layout [%s]",
+                         c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
+                emit(t, "ep_layout.cl", options, defines, "ep_layout_count,ep_layout_scan,ep_layout_place",
+                     description);
             }
             free(options);
         }

@@ -1617,3 +1617,126 @@ int ref_check_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, 
     free(slot);
     return bad;
 }
+
+/* ---- the expert-parallel dispatch layout ---- */
+
+/* Where slot (t, e) goes: its physical expert, or -1 where it is not sent
+ * (docs/routing.md's rule, written from the spec, not from the kernel). */
+static int32_t ref_ep_physical(const moecl_ep_layout_desc *d, size_t t, int32_t e, const int32_t *l2p,
+                               const int32_t *replica_counts, const int32_t *p2r)
+{
+    if (e < 0 || (uint32_t)e >= d->num_experts)
+        return -1;
+    int64_t p = e;
+    if (l2p) {
+        const int64_t c = replica_counts[e];
+        if (c < 1 || c > (int64_t)d->max_replicas)
+            return -1;
+        const uint32_t hash = (uint32_t)(((uint64_t)t * 2654435761ull) & 0xffffffffull);
+        p = l2p[(size_t)e * d->max_replicas + hash % (uint32_t)c];
+        if (p < 0 || p >= (int64_t)d->num_physical)
+            return -1;
+    }
+    if (p2r && (p2r[p] < 0 || p2r[p] >= (int64_t)d->num_ranks))
+        return -1;
+    return (int32_t)p;
+}
+
+static size_t ref_ep_rank(const moecl_ep_layout_desc *d, int32_t p, const int32_t *p2r)
+{
+    return p2r ? (size_t)p2r[p] : (size_t)p / (d->num_physical / d->num_ranks);
+}
+
+void ref_ep_layout(const moecl_ep_layout_desc *d, const int32_t *topk_ids, const int32_t *l2p,
+                   const int32_t *replica_counts, const int32_t *p2r, const ref_ep_layout_out *out)
+{
+    const size_t tokens = d->num_tokens, k = d->top_k, ranks = d->num_ranks, slots = tokens * k;
+    size_t *cursor = calloc(ranks + 1, sizeof(size_t));
+    for (size_t r = 0; r < ranks; r++) {
+        out->rank_counts[r] = 0;
+        if (out->tokens_per_rank)
+            out->tokens_per_rank[r] = 0;
+    }
+    if (out->expert_counts)
+        for (size_t p = 0; p < d->num_physical; p++)
+            out->expert_counts[p] = 0;
+    if (out->token_in_rank)
+        memset(out->token_in_rank, 0, tokens * ranks);
+    uint8_t *seen = calloc(ranks + 1, 1);
+    for (size_t t = 0; t < tokens; t++) {
+        memset(seen, 0, ranks);
+        for (size_t j = 0; j < k; j++) {
+            const size_t s = t * k + j;
+            const int32_t p = ref_ep_physical(d, t, topk_ids[s], l2p, replica_counts, p2r);
+            out->physical_ids[s] = p;
+            if (p < 0)
+                continue;
+            const size_t r = ref_ep_rank(d, p, p2r);
+            out->rank_counts[r]++;
+            if (out->expert_counts)
+                out->expert_counts[p]++;
+            if (!seen[r]) {
+                seen[r] = 1;
+                if (out->tokens_per_rank)
+                    out->tokens_per_rank[r]++;
+                if (out->token_in_rank)
+                    out->token_in_rank[t * ranks + r] = 1;
+            }
+        }
+    }
+    size_t at = 0;
+    for (size_t r = 0; r < ranks; r++) {
+        out->rank_offsets[r] = (int32_t)at;
+        cursor[r] = at;
+        at += (size_t)out->rank_counts[r];
+    }
+    out->rank_offsets[ranks] = (int32_t)at;
+    for (size_t i = at; i < slots; i++)
+        out->send_slots[i] = -1;
+    /* Slots in increasing order: stable within a rank. */
+    for (size_t s = 0; s < slots; s++)
+        if (out->physical_ids[s] >= 0)
+            out->send_slots[cursor[ref_ep_rank(d, out->physical_ids[s], p2r)]++] = (int32_t)s;
+    free(seen);
+    free(cursor);
+}
+
+int ref_check_ep_layout(const moecl_ep_layout_desc *d, const int32_t *topk_ids, const int32_t *l2p,
+                        const int32_t *replica_counts, const int32_t *p2r, const ref_ep_layout_out *got, char *msg,
+                        size_t msg_size)
+{
+    const size_t tokens = d->num_tokens, ranks = d->num_ranks, slots = tokens * d->top_k;
+    ref_ep_layout_out want = {malloc(slots * 4 + 4),
+                              malloc(ranks * 4),
+                              malloc(ranks * 4 + 4),
+                              malloc(slots * 4 + 4),
+                              got->token_in_rank ? malloc(tokens * ranks + 1) : NULL,
+                              got->tokens_per_rank ? malloc(ranks * 4) : NULL,
+                              got->expert_counts ? malloc((size_t)d->num_physical * 4) : NULL};
+    ref_ep_layout(d, topk_ids, l2p, replica_counts, p2r, &want);
+    int bad = 0;
+    bad += diff_i32("physical_ids", got->physical_ids, want.physical_ids, slots, msg, msg_size, bad);
+    bad += diff_i32("rank_counts", got->rank_counts, want.rank_counts, ranks, msg, msg_size, bad);
+    bad += diff_i32("rank_offsets", got->rank_offsets, want.rank_offsets, ranks + 1, msg, msg_size, bad);
+    bad += diff_i32("send_slots", got->send_slots, want.send_slots, slots, msg, msg_size, bad);
+    if (got->token_in_rank)
+        for (size_t i = 0; i < tokens * ranks; i++)
+            if (got->token_in_rank[i] != want.token_in_rank[i]) {
+                if (bad == 0)
+                    snprintf(msg, msg_size, "token_in_rank[%zu] is %u, the reference has %u", i,
+                             got->token_in_rank[i], want.token_in_rank[i]);
+                bad++;
+            }
+    if (got->tokens_per_rank)
+        bad += diff_i32("tokens_per_rank", got->tokens_per_rank, want.tokens_per_rank, ranks, msg, msg_size, bad);
+    if (got->expert_counts)
+        bad += diff_i32("expert_counts", got->expert_counts, want.expert_counts, d->num_physical, msg, msg_size, bad);
+    free(want.physical_ids);
+    free(want.rank_counts);
+    free(want.rank_offsets);
+    free(want.send_slots);
+    free(want.token_in_rank);
+    free(want.tokens_per_rank);
+    free(want.expert_counts);
+    return bad;
+}

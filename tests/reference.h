@@ -62,4 +62,25 @@ int ref_check_moe_align(const moecl_moe_align_desc *desc, const int32_t *topk_id
                         const int32_t *num_tokens_post_padded, const int32_t *slot_positions,
                         const int32_t *num_invalid, char *msg, size_t msg_size);
 
+/* The outputs of moecl_ep_layout; NULL optional ones (token_in_rank,
+ * tokens_per_rank, expert_counts) are neither written nor checked. */
+typedef struct ref_ep_layout_out {
+    int32_t *physical_ids, *rank_counts, *rank_offsets, *send_slots;
+    uint8_t *token_in_rank;
+    int32_t *tokens_per_rank, *expert_counts;
+} ref_ep_layout_out;
+
+/* The expert-parallel dispatch layout (docs/routing.md, "Expert-parallel
+ * dispatch layout"), by a serial walk over the slots and a stable bucket
+ * placement. The tables may be NULL as the call's buffers may be absent. */
+void ref_ep_layout(const moecl_ep_layout_desc *desc, const int32_t *topk_ids, const int32_t *logical_to_physical,
+                   const int32_t *replica_counts, const int32_t *physical_to_rank, const ref_ep_layout_out *out);
+
+/* Compare a device result with ref_ep_layout's exactly (the result is
+ * unique). Returns 0 when equal, else the number of differing elements,
+ * with the first difference in msg. */
+int ref_check_ep_layout(const moecl_ep_layout_desc *desc, const int32_t *topk_ids, const int32_t *logical_to_physical,
+                        const int32_t *replica_counts, const int32_t *physical_to_rank, const ref_ep_layout_out *got,
+                        char *msg, size_t msg_size);
+
 #endif

@@ -605,8 +605,8 @@ START_TEST(test_mutation_caught)
                                "        const uint e = column_of") &&
                       replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
                       replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      replace_once(&text, "    for (uint s = lid; s < num_slots; s += FUSED_WG) {\n",
-                                   "    for (uint i = lid; i < num_slots; i += FUSED_WG) {\n"
+                      replace_once(&text, "    for (uint s = 0; s < num_slots; s++) {\n",
+                                   "    for (uint i = 0; i < num_slots; i++) {\n"
                                    "        const uint s = num_slots - 1 - i;\n") &&
                       replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
                       replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
@@ -620,15 +620,7 @@ START_TEST(test_mutation_caught)
     fwrite(text, 1, strlen(text), f);
     fclose(f);
     free(text);
-    const char *old_dir = getenv("MOECL_KERNEL_DIR");
-    char *saved = old_dir ? strdup(old_dir) : NULL;
-    setenv("MOECL_KERNEL_DIR", dir, 1);
-    moecl_context *ctx = harness_context();
-    if (saved)
-        setenv("MOECL_KERNEL_DIR", saved, 1);
-    else
-        unsetenv("MOECL_KERNEL_DIR");
-    free(saved);
+    moecl_context *ctx = harness_context_with_kernel_dir(dir);
 
     moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
     harness_rng rng = harness_rng_for(6000);

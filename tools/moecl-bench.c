@@ -13,7 +13,8 @@
  * marker enqueued just before the call (the call waits on it) to the end
  * of the call's last kernel: the kernels' own times plus the gaps between
  * them on the device, which a chain of launches really costs. The calls go
- * one at a time, so the queue is idle when the marker runs. */
+ * one at a time, so the queue is idle when the marker runs. The
+ * expert-parallel layout (three kernels) is timed the same way. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,7 +30,7 @@
 
 /* OP_GROUNDED_ROUTE: moecl_grounded_route_dispatch, the grounded desc with
  * the align desc's block_size. */
-typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_GROUNDED_ROUTE } op_kind;
+typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE } op_kind;
 
 typedef struct bench_case {
     const char *label;
@@ -38,6 +39,7 @@ typedef struct bench_case {
     bool bias;
     moecl_grounded_router_desc grounded;
     moecl_moe_align_desc align;
+    moecl_ep_layout_desc ep; /* with replicas where ep.max_replicas > 1 */
     double t_sol_us, t_prod_us; /* the seed's figures, 0 if none */
 } bench_case;
 
@@ -176,7 +178,9 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
 typedef struct case_buffers {
     int sets;
     cl_mem in[64], in2[64], in3[64]; /* gating | hidden, logits, ground */
-    cl_mem bias, out1, out2, out3, out4, out5, out6;
+    cl_mem bias, out1, out2, out3, out4, out5, out6, out7;
+    cl_mem tables[3];                    /* the layout's map, replica counts and placement, or NULL */
+    int32_t *host_tables[3];
     cl_mem dispatch[6]; /* OP_GROUNDED_ROUTE: moe_align's outputs, after weights (out1) and ids (out2) */
     void *host_in, *host_in2, *host_in3; /* set 0, for the check */
     float *host_bias;
@@ -186,6 +190,8 @@ static size_t input_bytes(const bench_case *c)
 {
     if (c->op == OP_ALIGN)
         return (size_t)c->align.num_tokens * c->align.top_k * 4;
+    if (c->op == OP_EP)
+        return (size_t)c->ep.num_tokens * c->ep.top_k * 4;
     if (c->op == OP_TOPK)
         return (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
     const moecl_grounded_router_desc *d = &c->grounded;
@@ -207,13 +213,53 @@ static size_t align_sizes(const moecl_moe_align_desc *d, size_t sizes[6])
     return sizes[0] + sizes[1] + sizes[2] + sizes[3] + sizes[4] + sizes[5];
 }
 
+/* The layout: physical_ids, rank_counts, rank_offsets, send_slots,
+ * token_in_rank, tokens_per_rank, expert_counts. */
+static size_t ep_sizes(const moecl_ep_layout_desc *d, size_t sizes[7])
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k, ranks = d->num_ranks;
+    const size_t s[7] = {slots * 4, ranks * 4, (ranks + 1) * 4, slots * 4, (size_t)d->num_tokens * ranks, ranks * 4,
+                         (size_t)d->num_physical * 4};
+    size_t total = 0;
+    for (int i = 0; i < 7; i++)
+        total += sizes[i] = s[i];
+    return total;
+}
+
+/* The replicas of a layout case: the first 32 experts doubled, each
+ * replica on the rank half the ranks away from its expert's block (a
+ * table); without replicas, contiguous blocks (no tables). */
+static void ep_tables(cl_context cl, const moecl_ep_layout_desc *d, case_buffers *b)
+{
+    if (d->max_replicas < 2)
+        return;
+    const uint32_t e = d->num_experts, hot = d->num_physical - e, per = e / d->num_ranks ? e / d->num_ranks : 1;
+    int32_t *l2p = malloc((size_t)e * 2 * 4), *replicas = malloc((size_t)e * 4), *p2r = malloc((size_t)d->num_physical * 4);
+    for (uint32_t x = 0; x < e; x++) {
+        replicas[x] = x < hot ? 2 : 1;
+        l2p[2 * x] = (int32_t)x;
+        l2p[2 * x + 1] = x < hot ? (int32_t)(e + x) : -1;
+        p2r[x] = (int32_t)((x / per) % d->num_ranks);
+    }
+    for (uint32_t x = 0; x < hot; x++)
+        p2r[e + x] = (int32_t)((x / per + d->num_ranks / 2) % d->num_ranks);
+    int32_t *host[3] = {l2p, replicas, p2r};
+    const size_t bytes[3] = {(size_t)e * 2 * 4, (size_t)e * 4, (size_t)d->num_physical * 4};
+    for (int i = 0; i < 3; i++) {
+        b->host_tables[i] = host[i];
+        b->tables[i] = tool_make_buffer("moecl-bench", cl, bytes[i], host[i]);
+    }
+}
+
 static size_t output_bytes(const bench_case *c)
 {
-    size_t sizes[6];
+    size_t sizes[7];
     if (c->op == OP_ALIGN)
         return align_sizes(&c->align, sizes);
     if (c->op == OP_GROUNDED_ROUTE)
         return (size_t)c->grounded.num_tokens * c->grounded.top_k * 8 + align_sizes(&c->align, sizes);
+    if (c->op == OP_EP)
+        return ep_sizes(&c->ep, sizes);
     return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k * 8 : (size_t)c->grounded.num_tokens * c->grounded.top_k * 8;
 }
 
@@ -236,9 +282,10 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         while (b->sets < 64 && (size_t)b->sets * per_set < ((size_t)256 << 20))
             b->sets++;
     for (int s = 0; s < b->sets; s++) {
-        if (c->op == OP_ALIGN) {
+        if (c->op == OP_ALIGN || c->op == OP_EP) {
             /* A routing result: distinct uniform ids per token. */
-            const moecl_moe_align_desc *d = &c->align;
+            const moecl_moe_align_desc a = moecl_moe_align_desc_init(c->ep.num_tokens, c->ep.top_k, c->ep.num_experts, 1);
+            const moecl_moe_align_desc *d = c->op == OP_ALIGN ? &c->align : &a;
             int32_t *ids = malloc(input_bytes(c) + 4);
             for (size_t t = 0; t < d->num_tokens; t++)
                 for (size_t j = 0; j < d->top_k; j++) {
@@ -299,6 +346,15 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
             *outs[i] = tool_make_buffer("moecl-bench", cl, sizes[i], NULL);
         return;
     }
+    if (c->op == OP_EP) {
+        size_t sizes[7];
+        ep_sizes(&c->ep, sizes);
+        cl_mem *outs[7] = {&b->out1, &b->out2, &b->out3, &b->out4, &b->out5, &b->out6, &b->out7};
+        for (int i = 0; i < 7; i++)
+            *outs[i] = tool_make_buffer("moecl-bench", cl, sizes[i] ? sizes[i] : 4, NULL);
+        ep_tables(cl, &c->ep, b);
+        return;
+    }
     if (c->op == OP_GROUNDED_ROUTE) {
         size_t sizes[6];
         align_sizes(&c->align, sizes);
@@ -318,12 +374,14 @@ static void free_buffers(case_buffers *b)
             if (all[i])
                 clReleaseMemObject(all[i]);
     }
-    cl_mem rest[13] = {b->bias,        b->out1,        b->out2,        b->out3,        b->out4,
-                       b->out5,        b->out6,        b->dispatch[0], b->dispatch[1], b->dispatch[2],
-                       b->dispatch[3], b->dispatch[4], b->dispatch[5]};
-    for (int i = 0; i < 13; i++)
+    cl_mem rest[17] = {b->bias,        b->out1,        b->out2,        b->out3,        b->out4,        b->out5,
+                       b->out6,        b->out7,        b->tables[0],   b->tables[1],   b->tables[2],   b->dispatch[0],
+                       b->dispatch[1], b->dispatch[2], b->dispatch[3], b->dispatch[4], b->dispatch[5]};
+    for (int i = 0; i < 17; i++)
         if (rest[i])
             clReleaseMemObject(rest[i]);
+    for (int i = 0; i < 3; i++)
+        free(b->host_tables[i]);
     free(b->host_in);
     free(b->host_in2);
     free(b->host_in3);
@@ -334,6 +392,15 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
                                cl_event after, cl_event *done)
 {
     moecl_buffer none = {NULL, 0};
+    if (c->op == OP_EP) {
+        moecl_buffer t[3];
+        for (int i = 0; i < 3; i++)
+            t[i] = (moecl_buffer){b->tables[i], 0};
+        return moecl_ep_layout(ctx, &c->ep, (moecl_buffer){b->in[set], 0}, t[0], t[1], t[2], (moecl_buffer){b->out1, 0},
+                               (moecl_buffer){b->out2, 0}, (moecl_buffer){b->out3, 0}, (moecl_buffer){b->out4, 0},
+                               (moecl_buffer){b->out5, 0}, (moecl_buffer){b->out6, 0}, (moecl_buffer){b->out7, 0},
+                               after ? 1 : 0, after ? &after : NULL, done);
+    }
     if (c->op == OP_ALIGN)
         return moecl_moe_align(ctx, &c->align, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->out1, 0},
                                (moecl_buffer){b->out2, 0}, (moecl_buffer){b->out3, 0}, (moecl_buffer){b->out4, 0},
@@ -370,7 +437,7 @@ static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const ca
                                double *host_us, double *kernel_us)
 {
     cl_event marker = NULL, ev = NULL;
-    if ((c->op == OP_ALIGN || c->op == OP_GROUNDED_ROUTE) &&
+    if ((c->op == OP_ALIGN || c->op == OP_EP || c->op == OP_GROUNDED_ROUTE) &&
         clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
         return MOECL_ERROR_UNSUPPORTED;
     const double h0 = tool_now_us();
@@ -418,6 +485,27 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
     clWaitForEvents(1, &ev);
     clReleaseEvent(ev);
     int bad;
+    if (c->op == OP_EP) {
+        size_t sizes[7];
+        ep_sizes(&c->ep, sizes);
+        void *outs[7];
+        cl_mem mems[7] = {b->out1, b->out2, b->out3, b->out4, b->out5, b->out6, b->out7};
+        for (int i = 0; i < 7; i++) {
+            outs[i] = malloc(sizes[i] + 4);
+            if (sizes[i])
+                clEnqueueReadBuffer(q, mems[i], CL_TRUE, 0, sizes[i], outs[i], 0, NULL, NULL);
+        }
+        const ref_ep_layout_out got = {outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], outs[6]};
+        bad = ref_check_ep_layout(&c->ep, b->host_in, b->host_tables[0], b->host_tables[1], b->host_tables[2], &got,
+                                  r->check_msg, sizeof(r->check_msg));
+        r->ids_hash = fnv1a_ids(outs[3], sizes[3] / 4);
+        r->checked_ok = bad == 0;
+        for (int i = 0; i < 7; i++)
+            free(outs[i]);
+        free(w);
+        free(ids);
+        return;
+    }
     if (c->op == OP_ALIGN) {
         size_t sizes[6];
         align_sizes(&c->align, sizes);
@@ -483,6 +571,9 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     double p0 = tool_now_us();
     if (c->op == OP_ALIGN) {
         if ((st = moecl_moe_align_prepare(prof, &c->align)) || (st = moecl_moe_align_prepare(plain, &c->align)))
+            die(c->label, prof, st);
+    } else if (c->op == OP_EP) {
+        if ((st = moecl_ep_layout_prepare(prof, &c->ep)) || (st = moecl_ep_layout_prepare(plain, &c->ep)))
             die(c->label, prof, st);
     } else if (c->op == OP_TOPK) {
         if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)))
@@ -720,6 +811,23 @@ static int default_cases(bench_case *out, bool quick)
         c->op = OP_ALIGN;
         c->align = moecl_moe_align_desc_init(seed[i].t, 8, seed[i].e, 64);
     }
+    /* The expert-parallel layout after a routing of 256 experts, top_k 8:
+     * 8 and 64 ranks, without replicas and with the first 32 experts
+     * doubled (288 physical). */
+    static const unsigned ep_tokens[] = {1, 129, 4083, 13526}, ep_ranks[] = {8, 64};
+    for (size_t i = 0; i < 4; i++)
+        for (size_t r = 0; r < 2; r++)
+            for (int hot = 0; hot < 2; hot++) {
+                bench_case *c = &out[n++];
+                memset(c, 0, sizeof(*c));
+                c->label = "ep_layout";
+                c->op = OP_EP;
+                c->ep = moecl_ep_layout_desc_init(ep_tokens[i], 8, 256, ep_ranks[r]);
+                if (hot) {
+                    c->ep.num_physical = 256 + 32;
+                    c->ep.max_replicas = 2;
+                }
+            }
     bench_case *g = &out[n++];
     memset(g, 0, sizeof(*g));
     g->label = "grounded seed";
@@ -752,6 +860,9 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
     if (c->op == OP_ALIGN)
         snprintf(buf, size, "%ux%u k%u b%u", c->align.num_tokens, c->align.num_experts, c->align.top_k,
                  c->align.block_size);
+    else if (c->op == OP_EP)
+        snprintf(buf, size, "%ux%u k%u r%u p%u", c->ep.num_tokens, c->ep.num_experts, c->ep.top_k, c->ep.num_ranks,
+                 c->ep.num_physical);
     else if (c->op == OP_TOPK)
         snprintf(buf, size, "%ux%u k%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k);
     else if (c->op == OP_GROUNDED_ROUTE)
@@ -920,7 +1031,7 @@ static bool case_selected(const bench_case *c, const char *only)
 static const char *dtype_name(const bench_case *c)
 {
     moecl_dtype dt = c->op == OP_TOPK ? c->topk.gating_dtype : c->grounded.hidden_dtype;
-    return c->op == OP_ALIGN ? "i32" : dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16";
+    return c->op == OP_ALIGN || c->op == OP_EP ? "i32" : dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16";
 }
 
 /* Figures rounded for the JSON, as the table prints them. */
@@ -931,7 +1042,7 @@ static cJSON *case_json(const bench_case *c, const bench_result *r)
     char shape[64], hash[17];
     shape_text(c, shape, sizeof(shape));
     snprintf(hash, sizeof(hash), "%016llx", (unsigned long long)r->ids_hash);
-    const int dt = c->op == OP_ALIGN ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+    const int dt = c->op == OP_ALIGN || c->op == OP_EP ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
     cJSON *j = cJSON_CreateObject();
     const struct {
         const char *name;
@@ -1012,7 +1123,7 @@ int main(int argc, char **argv)
     int status = parse_args(argc, argv, &o);
     if (status >= 0)
         return status;
-    bench_case cases[56];
+    bench_case cases[80];
     int n = o.host_cost ? 0 : default_cases(cases, o.quick);
     for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
         bench_case *c = &cases[n++];
@@ -1068,8 +1179,8 @@ int main(int argc, char **argv)
            "back; copy kernel: %.1f GB/s (read + write)\n\n",
            create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, pr.copy_gbps);
 
-    bench_result results[56];
-    bool ran[56] = {false};
+    bench_result results[80];
+    bool ran[80] = {false};
     int failures = 0, checked = 0, passed = 0;
     printf("%-18s %-20s %-5s %9s %9s %9s %10s %9s %6s %7s %7s %8s %5s %s\n", "op", "shape", "dtype", "dev_us", "p10_us",
            "p90_us", "wall_us", "GB/s", "%copy", "T_SOL", "T_Prod", "prep_ms", "calls", "check");
@@ -1113,6 +1224,13 @@ int main(int argc, char **argv)
                 }
             printf("\n");
         }
+        /* The layout next to the routing of the same tokens and experts. */
+        if (c->op == OP_EP)
+            for (int j = 0; j < i; j++)
+                if (ran[j] && cases[j].op == OP_TOPK && cases[j].topk.num_tokens == c->ep.num_tokens &&
+                    cases[j].topk.num_experts == c->ep.num_experts && cases[j].topk.top_k == c->ep.top_k)
+                    printf("  routing (%s) %.2f us, this layout %.2f us device time\n", cases[j].label,
+                           results[j].median_us, r->median_us);
     }
     if (cf)
         fprintf(cf, "op,shape,dtype,device_us,p10_us,p90_us,wall_us,gbps,copy_ratio,t_sol_us,t_prod_us,check\n");
@@ -1124,7 +1242,7 @@ int main(int argc, char **argv)
         const bench_result *r = &results[i];
         char shape[64];
         shape_text(c, shape, sizeof(shape));
-        int dt = c->op == OP_ALIGN ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+        int dt = c->op == OP_ALIGN || c->op == OP_EP ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
         if (list)
             cJSON_AddItemToArray(list, case_json(c, r));
         if (cf)

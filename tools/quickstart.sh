@@ -9,9 +9,10 @@ cd "$(dirname "$0")/.."
 # g++, binutils and doxygen: the install suite's (as in .ci/run). dpkg-dev:
 # meson asks its dpkg-architecture for the multiarch libdir; without it,
 # `meson install` puts the library in lib64, where neither pkg-config nor
-# ldconfig look on Debian.
+# ldconfig look on Debian. openmpi-bin and libopenmpi-dev: the MPI example
+# (examples/ep_dispatch) and its suite mpi, built only where MPI is found.
 packages=(gcc libc6-dev dpkg-dev meson ninja-build pkg-config opencl-c-headers ocl-icd-opencl-dev pocl-opencl-icd
-          check libcjson-dev intel-opencl-icd clang-15 g++ binutils doxygen)
+          check libcjson-dev intel-opencl-icd clang-15 g++ binutils doxygen openmpi-bin libopenmpi-dev)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -36,8 +36,9 @@
  *    moecl_moe_align() on its three-kernel path,
  *    moecl_topk_gating_with_counts() (a fill, then the kernel),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
- *    two calls) and moecl_grounded_route_dispatch() (the grounded
- *    router, then moe_align, likewise). Such a
+ *    two calls), moecl_grounded_route_dispatch() (the grounded
+ *    router, then moe_align, likewise) and moecl_ep_layout() (three
+ *    kernels). Such a
  *    failure leaves unspecified the outputs that the commands already
  *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
@@ -714,6 +715,148 @@ MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_
 /** Build (or load from the disk cache) the kernels moe_align needs, ahead
  *  of the first call. Validates desc as the call does. */
 MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc);
+
+/* ---------------------------------------------------------------------- */
+/* Expert-parallel dispatch layout (docs/routing.md, "Expert-parallel      */
+/* dispatch layout")                                                       */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * What to lay out for an all-to-all. Valid requests: 1 <= top_k <= 64,
+ * 1 <= num_experts <= 4096, num_experts <= num_physical <= 16384,
+ * 1 <= num_ranks <= 1024, 1 <= max_replicas <= 64 (1 when
+ * logical_to_physical is absent), num_tokens * top_k <= INT32_MAX.
+ * num_tokens == 0 is valid and writes the outputs of an empty routing.
+ */
+typedef struct moecl_ep_layout_desc {
+    uint32_t num_tokens;   /**< rows of topk_ids */
+    uint32_t top_k;        /**< columns of topk_ids */
+    uint32_t num_experts;  /**< logical experts: the range of topk_ids */
+    uint32_t num_physical; /**< physical experts (replicas included); num_experts without replicas */
+    uint32_t num_ranks;    /**< destination ranks */
+    uint32_t max_replicas; /**< columns of logical_to_physical; 1 without replicas */
+} moecl_ep_layout_desc;
+
+/** A descriptor without replicas: num_physical = num_experts,
+ *  max_replicas = 1. Set num_physical and max_replicas for a map. */
+MOECL_API moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t num_experts,
+                                                         uint32_t num_ranks);
+
+/**
+ * The layout of an expert-parallel dispatch (DeepEP's get_dispatch_layout,
+ * with vLLM's EPLB replicas): where each (token, slot) goes, in which order
+ * it is sent, and what each rank receives. Slot s = t * top_k + j is
+ * topk_ids[t][j], a logical expert.
+ *
+ *   topk_ids            int32_t[num_tokens][top_k], input: logical ids
+ *   logical_to_physical int32_t[num_experts][max_replicas], input, or
+ *                       absent: the identity (then num_physical must equal
+ *                       num_experts and max_replicas be 1)
+ *   replica_counts      int32_t[num_experts], input: the replicas of each
+ *                       logical expert, 1..max_replicas; absent iff
+ *                       logical_to_physical is
+ *   physical_to_rank    int32_t[num_physical], input, or absent: contiguous
+ *                       blocks, physical expert p on rank
+ *                       p / (num_physical / num_ranks) (then num_physical %
+ *                       num_ranks must be 0)
+ *   physical_ids        int32_t[num_tokens][top_k]: each slot's physical
+ *                       expert, -1 for a slot that is not sent
+ *   rank_counts         int32_t[num_ranks]: slots sent to each rank
+ *   rank_offsets        int32_t[num_ranks + 1]: exclusive prefix sums of
+ *                       rank_counts; rank_offsets[num_ranks] is the number
+ *                       of slots sent
+ *   send_slots          int32_t[num_tokens * top_k]: the flat indices s of
+ *                       the sent slots grouped by destination rank in
+ *                       increasing rank order, increasing s within a rank
+ *                       (stable); rank r's run is
+ *                       [rank_offsets[r], rank_offsets[r + 1]); every entry
+ *                       from rank_offsets[num_ranks] on is -1
+ *   token_in_rank       uint8_t[num_tokens][num_ranks], or absent: 1 where
+ *                       the token has at least one sent slot on the rank,
+ *                       else 0 (DeepEP's is_token_in_rank: a token is sent
+ *                       once per rank, whatever the number of its experts
+ *                       there)
+ *   tokens_per_rank     int32_t[num_ranks], or absent: the tokens with at
+ *                       least one sent slot on each rank (the column sums
+ *                       of token_in_rank)
+ *   expert_counts       int32_t[num_physical], or absent: sent slots per
+ *                       physical expert (on the receiving rank, the counts
+ *                       of its local experts)
+ *
+ * The replica of a slot (docs/routing.md states why this rule): with
+ * c = replica_counts[e] for its logical id e, replica
+ * i = ((uint32_t)t * 2654435761u) % c, computed in 32-bit unsigned
+ * arithmetic, a hash of the token index t (as vLLM's EPLB selects by
+ * token position rather than at random); the physical expert is
+ * logical_to_physical[e][i]. Without a map the physical expert is e.
+ * The tables are device data and are read only where they are in range:
+ * a slot is not sent (physical_ids -1, counted nowhere, its token not
+ * flagged for it) when its id is outside [0, num_experts) (a runtime's
+ * masked slots carry -1), when replica_counts[e] is outside
+ * [1, max_replicas], when the chosen logical_to_physical entry is outside
+ * [0, num_physical), or when physical_to_rank of its physical expert is
+ * outside [0, num_ranks). The tables are kernel arguments, not build
+ * options: a changed map needs no new build. The result is unique, so
+ * every device returns the same bits. num_tokens == 0 writes rank_counts,
+ * rank_offsets, tokens_per_rank and expert_counts 0 and nothing else (the
+ * other outputs have no element).
+ *
+ * Asynchronous: validates, then enqueues its kernels on the context's
+ * queue and returns. Three chained kernels (count, scan, place; the count
+ * and the place are skipped when num_tokens is 0): the first waits on the
+ * `num_wait` events of `wait`; on an out-of-order queue each later one
+ * waits on its predecessor's event. If `done` is non-NULL it receives the
+ * event of the last kernel, which completes after all of them; the caller
+ * releases it. It uses a device scratch buffer of about
+ * 4 * (2 * chunks * (num_ranks + 1)) bytes, chunks <= 4096 (the context's,
+ * on an in-order queue, as moecl_moe_align() describes; the call's own on
+ * an out-of-order queue).
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
+ * NULL ctx/desc, a missing required buffer, logical_to_physical given
+ * without replica_counts or the reverse, a map with num_physical !=
+ * num_experts or max_replicas != 1 absent, num_physical % num_ranks != 0
+ * without physical_to_rank, a buffer too small, an unaligned offset, a
+ * buffer of another context, num_wait > 0 with wait NULL),
+ * MOECL_ERROR_BUILD, or an OpenCL error: of the scratch buffer's
+ * allocation, of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE, or of an
+ * enqueue. All of these but an enqueue after the first are found before
+ * anything is enqueued: nothing is enqueued and no output byte changes.
+ * If the scan's enqueue fails, only the count was enqueued, which writes
+ * physical_ids and token_in_rank (then unspecified) and the scratch
+ * buffer; if the place's does, rank_counts, rank_offsets, tokens_per_rank
+ * and expert_counts are unspecified too, and send_slots is unchanged. The
+ * call then waits for what it enqueued before it returns the error (the
+ * last enqueued kernel's event on an out-of-order queue, clFinish() on an
+ * in-order one).
+ */
+MOECL_API moecl_status moecl_ep_layout(moecl_context *ctx, const moecl_ep_layout_desc *desc, moecl_buffer topk_ids,
+                                       moecl_buffer logical_to_physical, moecl_buffer replica_counts,
+                                       moecl_buffer physical_to_rank, moecl_buffer physical_ids,
+                                       moecl_buffer rank_counts, moecl_buffer rank_offsets, moecl_buffer send_slots,
+                                       moecl_buffer token_in_rank, moecl_buffer tokens_per_rank,
+                                       moecl_buffer expert_counts, cl_uint num_wait, const cl_event *wait,
+                                       cl_event *done);
+
+/** Blocking convenience on host memory: copies in, runs, copies out. The
+ *  outputs are as moecl_ep_layout() describes; logical_to_physical,
+ *  replica_counts, physical_to_rank, token_in_rank, tokens_per_rank and
+ *  expert_counts may be NULL as their buffers may be absent; the others
+ *  are required (topk_ids, physical_ids and send_slots may be NULL only
+ *  when num_tokens is 0). Same validation as moecl_ep_layout(). The device
+ *  buffers are the call's own, so a failed enqueue leaves every host
+ *  output unchanged; only a failed copy back may have written them (see
+ *  "What a failed call leaves" above). */
+MOECL_API moecl_status moecl_ep_layout_host(moecl_context *ctx, const moecl_ep_layout_desc *desc,
+                                            const int32_t *topk_ids, const int32_t *logical_to_physical,
+                                            const int32_t *replica_counts, const int32_t *physical_to_rank,
+                                            int32_t *physical_ids, int32_t *rank_counts, int32_t *rank_offsets,
+                                            int32_t *send_slots, uint8_t *token_in_rank, int32_t *tokens_per_rank,
+                                            int32_t *expert_counts);
+
+/** Build (or load from the disk cache) the kernels the layout needs, ahead
+ *  of the first call. Validates desc as the call does (without buffers). */
+MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_ep_layout_desc *desc);
 
 /* ---------------------------------------------------------------------- */
 /* Routing through to dispatch (docs/routing.md, "Routing through to       */

@@ -25,6 +25,8 @@ SKIPPED = {
     'Building': 'the fresh-Debian check runs these commands',
     'Install and link': 'the fresh-Debian check runs these commands on the smallest program',
     'Tests': 'the test commands themselves',
+    'Expert parallelism': 'the mpi suite (examples/meson.build) runs the example on one machine; '
+                          'the host-file command needs several machines',
 }
 
 FENCE = re.compile(r'^```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)^```[ \t]*$', re.M | re.S)
