@@ -459,3 +459,40 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
     __local float topk_values[ROWS * TOPK_CAP]
 #define TEAM_TOPK_SCRATCH(r) topk_u32 + (r)*TOPK_COUNT_U32, topk_keys + (r)*TOPK_CAP, topk_values + (r)*TOPK_CAP
 #endif
+
+/* ROUTE_DISPATCH: a routing kernel's dispatch epilogue (moecl_route_dispatch's
+ * topk_gating_team, moecl_grounded_route_dispatch's grounded_router_team).
+ * The program holds cl/moe_align.cl too, built with FUSED_WG = TEAM * ROWS:
+ * after its rows, each work-group takes them as its chunk of moe_align_fused,
+ * so that routing and dispatch are one launch. DISPATCH_PARAMS follow the
+ * kernel's own parameters, DISPATCH_LOCALS open its body, and
+ * DISPATCH_AFTER_ROWS(ids, num_tokens) ends it, every work-item reaching it
+ * (ids: the kernel's topk_ids at their offset). */
+#ifndef ROUTE_DISPATCH
+#define ROUTE_DISPATCH 0
+#endif
+#if ROUTE_DISPATCH
+#define DISPATCH_PARAMS                                                                            \
+    , __global uint *scratch, __global int *expert_counts, __global int *sorted_token_ids,          \
+        __global int *block_expert_ids, __global int *post_padded, __global int *slot_positions,    \
+        __global int *num_invalid, layout_dispatch_args dargs, __local uint *run, __local uint *start
+#define DISPATCH_LOCALS                                                                            \
+    __local uint align_part[FUSED_WG], align_tile[FUSED_WG];                                       \
+    __local uint align_flag
+/* The rows' ids are this work-group's own writes: a barrier makes them
+ * visible to all its work-items; other work-groups get their columns
+ * through the scratch buffer's atomics. */
+#define DISPATCH_AFTER_ROWS(ids, num_tokens)                                                       \
+    do {                                                                                           \
+        barrier(CLK_GLOBAL_MEM_FENCE);                                                             \
+        fused_align((ids), (num_tokens) * TOPK, NUM_EXPERTS, ROWS * TOPK, dargs.block_size, scratch, \
+                    expert_counts, dargs.counts_off, sorted_token_ids, dargs.sorted_off, block_expert_ids, \
+                    dargs.blocks_off, post_padded, dargs.post_off, slot_positions, dargs.slots_off,    \
+                    dargs.has_slots, num_invalid, dargs.invalid_off, dargs.has_invalid, run, start,   \
+                    align_part, &align_flag, align_tile, true);                                    \
+    } while (0)
+#else
+#define DISPATCH_PARAMS
+#define DISPATCH_LOCALS
+#define DISPATCH_AFTER_ROWS(ids, num_tokens)
+#endif

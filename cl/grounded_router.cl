@@ -10,6 +10,10 @@
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
  *                                       experts, hidden step)
  *   TEAM, ROWS, EPT                     shape of the team kernel (common.cl)
+ *   ROUTE_DISPATCH, FUSED_WG            the team kernel with moe_align's
+ *                                       fused steps after its rows
+ *                                       (moecl_grounded_route_dispatch;
+ *                                       common.cl, DISPATCH_AFTER_ROWS)
  * Three kernels:
  *  - grounded_router_rows (CPUs): one work-item per token, plain loops;
  *  - grounded_router_team (GPUs, small expert tables such as the seed's):
@@ -207,8 +211,9 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
-                     __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
+                     __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS DISPATCH_PARAMS)
 {
+    DISPATCH_LOCALS;
     /* ground_local[i][e]: k-major, so the lanes of a team read consecutive
      * experts of one hidden index; columns past NUM_EXPERTS hold zeros. */
     __local float ground_local[HIDDEN_DIM * GROUND_STRIDE];
@@ -287,6 +292,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         }
         write_outputs(id, chosen, row, pairs, weights, ids);
     }
+    DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
 #else

@@ -865,30 +865,11 @@ static inline void team_write_row(uint lane, __local const uint *ids, __local co
     }
 }
 
-/* ROUTE_DISPATCH (moecl_route_dispatch; the program holds cl/moe_align.cl
- * too, built with FUSED_WG = TEAM * ROWS): after its rows, each
- * work-group takes them as its chunk of moe_align_fused, so that routing
- * and dispatch are one launch. */
-#ifndef ROUTE_DISPATCH
-#define ROUTE_DISPATCH 0
-#endif
-#if ROUTE_DISPATCH
-#define DISPATCH_PARAMS                                                                            \
-    , __global uint *scratch, __global int *expert_counts, __global int *sorted_token_ids,          \
-        __global int *block_expert_ids, __global int *post_padded, __global int *slot_positions,    \
-        __global int *num_invalid, layout_dispatch_args dargs, __local uint *run, __local uint *start
-#else
-#define DISPATCH_PARAMS
-#endif
-
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,
                  COUNTS_PARAM layout_topk_args args DISPATCH_PARAMS)
 {
-#if ROUTE_DISPATCH
-    __local uint align_part[TEAM * ROWS], align_tile[TEAM * ROWS];
-    __local uint align_flag;
-#endif
+    DISPATCH_LOCALS;
     /* Local memory (cl/layout.h, LAYOUT_TOPK_TEAM_ROW_BYTES), ROWS rows;
      * each macro below is row r's share. The softmax's slots for the max
      * and sum: none with shuffles, none for sigmoid (nothing to reduce). */
@@ -946,16 +927,6 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_we
         team_write_row(lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK,
                        topk_weights + args.weights_off + (size_t)row * TOPK,
                        topk_ids + args.ids_off + (size_t)row * TOPK, args.scaling_factor COUNTS_ARGS);
-#if ROUTE_DISPATCH
-    /* The rows' ids are this work-group's own writes: a barrier makes them
-     * visible to all its work-items; other work-groups get their columns
-     * through the scratch buffer's atomics. */
-    barrier(CLK_GLOBAL_MEM_FENCE);
-    fused_align(topk_ids + args.ids_off, args.num_tokens * TOPK, NUM_EXPERTS, ROWS * TOPK, dargs.block_size, scratch,
-                expert_counts, dargs.counts_off, sorted_token_ids, dargs.sorted_off, block_expert_ids,
-                dargs.blocks_off, post_padded, dargs.post_off, slot_positions, dargs.slots_off, dargs.has_slots,
-                num_invalid, dargs.invalid_off, dargs.has_invalid, run, start, align_part, &align_flag, align_tile,
-                true);
-#endif
+    DISPATCH_AFTER_ROWS(topk_ids + args.ids_off, args.num_tokens);
 }
 #endif

@@ -21,7 +21,7 @@ moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, 
     return d;
 }
 
-static moecl_status validate_desc(moecl_context *ctx, const moecl_grounded_router_desc *d)
+moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grounded_router_desc *d)
 {
 #define INVALID(...) moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, __VA_ARGS__)
     if (!d)
@@ -51,10 +51,11 @@ typedef struct grounded_shape {
     const char *kernel_name;
 } grounded_shape;
 
-/* A request: the descriptor and the outputs the call writes. */
+/* A request: the descriptor, the outputs the call writes, and whether the
+ * team kernel ends with the dispatch (moecl_grounded_route_dispatch). */
 typedef struct grounded_request {
     const moecl_grounded_router_desc *desc;
-    bool pairs, weights, ids;
+    bool pairs, weights, ids, dispatch;
 } grounded_request;
 
 /* Local memory of grounded_router_tiled and grounded_router_team
@@ -192,7 +193,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *d,
                                                  moecl_launch_key *key, moecl_launch_config *config)
 {
-    const grounded_request r = {d, true, false, false};
+    const grounded_request r = {d, true, false, false, false};
     grounded_shape shape;
     *key = moecl_launch_key_grounded(d->hidden_dim, d->num_experts, d->top_k);
     return resolve(ctx, &ctx->info, &r, config, &shape);
@@ -207,18 +208,36 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
              "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, r->pairs, r->weights, r->ids,
              (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
+    /* Appended only when set, so that the router's own variants keep their
+     * defines (and disk-cache entries). */
+    if (r->dispatch) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u",
+                 s->team * s->rows);
+    }
 }
 
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name)
 {
-    const grounded_request r = {desc, pairs, weights, ids};
+    const grounded_request r = {desc, pairs, weights, ids, false};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
     defines_of(&r, &shape, buf, size);
     *kernel_name = shape.kernel_name;
+}
+
+void moecl_grounded_router_route_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                         char *buf, size_t size, const char **kernel_name)
+{
+    const grounded_request r = {desc, false, true, true, true};
+    moecl_launch_config config;
+    grounded_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(&r, &shape, buf, size);
+    *kernel_name = shape.kind == MOECL_KERNEL_TEAM ? shape.kernel_name : NULL;
 }
 
 /* The plan of a request (moecl_plan_build). */
@@ -228,10 +247,12 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     grounded_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
+    if (r->dispatch && shape.kind != MOECL_KERNEL_TEAM)
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "grounded route dispatch in one kernel needs the team kernel");
     char defines[512];
     defines_of(r, &shape, defines, sizeof(defines));
-    moecl_status st =
-        moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, shape.kernel_name, &plan->variants[0]);
+    moecl_status st = moecl_variant_get(ctx, r->dispatch ? MOECL_PROGRAM_GROUNDED_DISPATCH : MOECL_PROGRAM_GROUNDED_ROUTER,
+                                        defines, shape.kernel_name, &plan->variants[0]);
     if (st != MOECL_SUCCESS)
         return st;
     plan->num_kernels = 1;
@@ -243,20 +264,28 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 }
 
 /* Everything the defines depend on, packed: dtype 2 bits, the three
- * outputs, experts 13, top_k 7, hidden 17. */
+ * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue. */
 static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
 {
     const moecl_grounded_router_desc *d = r->desc;
     const uint64_t a = (uint64_t)d->hidden_dtype | (uint64_t)r->pairs << 2 | (uint64_t)r->weights << 3 |
                        (uint64_t)r->ids << 4 | (uint64_t)d->num_experts << 5 | (uint64_t)d->top_k << 18 |
-                       (uint64_t)d->hidden_dim << 25;
+                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42;
     return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, 0);
 }
 
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const moecl_plan **plan)
 {
-    const grounded_request r = {desc, pairs, weights, ids};
+    const grounded_request r = {desc, pairs, weights, ids, false};
+    const moecl_plan_key key = key_of(ctx, &r);
+    return moecl_plan_get(ctx, &key, build_plan, &r, plan);
+}
+
+moecl_status moecl_grounded_router_route_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                              const moecl_plan **plan)
+{
+    const grounded_request r = {desc, false, true, true, true};
     const moecl_plan_key key = key_of(ctx, &r);
     return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
@@ -265,7 +294,7 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = validate_desc(ctx, desc);
+    moecl_status st = moecl_grounded_router_validate(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
     /* The outputs are a build-time choice: prepare the seed's pairs, the
@@ -280,6 +309,7 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
 /* The buffers of a call, in the kernel's argument order, and whether
  * binding validates them (the caller's; the host path's own need none). */
 enum { HIDDEN, LOGITS, GROUND, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
+_Static_assert(NUM_BUFFERS == MOECL_GROUNDED_BUFFERS, "the binding's buffers");
 typedef struct bound_buffers {
     moecl_buffer b[NUM_BUFFERS];
     bool check;
@@ -288,38 +318,37 @@ typedef struct bound_buffers {
 static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground",
                                                       "out_pairs",    "topk_weights",  "topk_ids"};
 
-/* What each buffer must hold: bytes, element size, required. */
-static void buffer_checks(const moecl_grounded_router_desc *d, const bound_buffers *b,
-                          moecl_buffer_check checks[NUM_BUFFERS])
+void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[NUM_BUFFERS],
+                                bool check, bool outputs_required, moecl_grounded_binding *b)
 {
     const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->hidden_dtype);
     const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
-    for (int i = 0; i < NUM_BUFFERS; i++)
-        checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], b->b[i].offset, i == HIDDEN || i == GROUND ? in_size : 4,
-                                         i < PAIRS};
+    for (int i = 0; i < NUM_BUFFERS; i++) {
+        const size_t elem = i == HIDDEN || i == GROUND ? in_size : 4;
+        const bool required = i < PAIRS || (outputs_required && i != PAIRS);
+        b->mem[i] = buffers[i].mem;
+        b->checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], buffers[i].offset, elem, required};
+        /* Offsets travel in elements: the kernels index typed pointers. */
+        b->off[i] = buffers[i].offset / elem;
+        b->args[2 * i] = MOECL_ARG_CHECKED(b->mem[i], check ? &b->checks[i] : NULL);
+        b->args[2 * i + 1] = MOECL_ARG(b->off[i]);
+    }
+    b->num_tokens = d->num_tokens;
+    b->alpha = d->alpha;
+    b->args[2 * NUM_BUFFERS] = MOECL_ARG(b->num_tokens);
+    b->args[2 * NUM_BUFFERS + 1] = MOECL_ARG(b->alpha);
 }
 
 /* Bind and enqueue (src/plan.c). */
 static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc *d, const bound_buffers *b,
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    moecl_buffer_check checks[NUM_BUFFERS];
-    buffer_checks(d, b, checks);
-    cl_ulong off[NUM_BUFFERS];
-    const cl_uint num_tokens = d->num_tokens;
-    const cl_float alpha = d->alpha;
-    moecl_kernel_arg args[14];
-    for (cl_uint i = 0; i < NUM_BUFFERS; i++) {
-        /* Offsets travel in elements: the kernels index typed pointers. */
-        off[i] = b->b[i].offset / checks[i].elem_size;
-        args[2 * i] = MOECL_ARG_CHECKED(b->b[i].mem, b->check ? &checks[i] : NULL);
-        args[2 * i + 1] = MOECL_ARG(off[i]);
-    }
-    args[12] = MOECL_ARG(num_tokens);
-    args[13] = MOECL_ARG(alpha);
-    const grounded_request r = {d, b->b[PAIRS].mem != NULL, b->b[WEIGHTS].mem != NULL, b->b[IDS].mem != NULL};
-    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, args, 14, d->num_tokens, NULL, 0, 0, NULL};
+    moecl_grounded_binding bound;
+    moecl_grounded_router_bind(d, b->b, b->check, false, &bound);
+    const grounded_request r = {d, b->b[PAIRS].mem != NULL, b->b[WEIGHTS].mem != NULL, b->b[IDS].mem != NULL, false};
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, bound.args, MOECL_GROUNDED_ARGS, d->num_tokens,
+                                    NULL, 0, 0, NULL};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
@@ -330,7 +359,7 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = validate_desc(ctx, desc);
+    moecl_status st = moecl_grounded_router_validate(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
     if (!out_pairs.mem && !topk_weights.mem && !topk_ids.mem)
@@ -348,7 +377,7 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = validate_desc(ctx, desc);
+    moecl_status st = moecl_grounded_router_validate(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
     if (!out_pairs && !topk_weights && !topk_ids)

@@ -220,6 +220,7 @@ typedef enum moecl_program_kind {
     MOECL_PROGRAM_MOE_ALIGN = 2,
     MOECL_PROGRAM_ROUTE_DISPATCH = 3, /* top-k gating's and moe_align's sources */
     MOECL_PROGRAM_EP_LAYOUT = 4,      /* moe_align's source and ep_layout.cl */
+    MOECL_PROGRAM_GROUNDED_DISPATCH = 5, /* the grounded router's and moe_align's sources */
 } moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);
@@ -377,6 +378,14 @@ moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_g
                                           const struct moecl_plan **plan);
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const struct moecl_plan **plan);
+/* The plan of moecl_grounded_route_dispatch's one kernel for desc: the
+ * team kernel of moecl_grounded_router_plan's configuration (weights and
+ * ids) built with ROUTE_DISPATCH (cl/grounded_router.cl);
+ * MOECL_ERROR_UNSUPPORTED where that configuration is another kernel. */
+moecl_status moecl_grounded_router_route_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                              const struct moecl_plan **plan);
+/* The grounded router's descriptor checks (its messages). */
+moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grounded_router_desc *desc);
 /* The descriptor checks of moecl_topk_gating() and moecl_moe_align()
  * (their messages), for moecl_route_dispatch(), which runs both. */
 moecl_status moecl_topk_gating_validate(moecl_context *ctx, const moecl_topk_gating_desc *desc);
@@ -403,6 +412,11 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
  * configuration is the rows kernel, which has no such variant. */
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                      char *buf, size_t size, const char **kernel_name);
+/* The same for moecl_grounded_route_dispatch's one kernel
+ * (MOECL_PROGRAM_GROUNDED_DISPATCH); *kernel_name is NULL where the rule's
+ * configuration is not the team kernel. */
+void moecl_grounded_router_route_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
+                                         char *buf, size_t size, const char **kernel_name);
 /* The -D defines of moe_align's program on a device described by info,
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
@@ -532,6 +546,25 @@ typedef struct moecl_launch_call {
     size_t zero_offset, zero_bytes;
     const char *zero_name;
 } moecl_launch_call;
+
+/* The grounded router's kernel arguments for a call, bound in place (the
+ * args point into the record): its buffers in the kernel's order
+ * (token_hidden, router_logits, expert_ground, out_pairs, topk_weights,
+ * topk_ids), each with its offset in elements, then num_tokens and alpha.
+ * check: binding validates the caller's buffers, the inputs required and,
+ * where outputs_required, topk_weights and topk_ids too. */
+#define MOECL_GROUNDED_BUFFERS 6
+#define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 2)
+typedef struct moecl_grounded_binding {
+    cl_mem mem[MOECL_GROUNDED_BUFFERS];
+    moecl_buffer_check checks[MOECL_GROUNDED_BUFFERS];
+    cl_ulong off[MOECL_GROUNDED_BUFFERS];
+    cl_uint num_tokens;
+    cl_float alpha;
+    moecl_kernel_arg args[MOECL_GROUNDED_ARGS];
+} moecl_grounded_binding;
+void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS],
+                                bool check, bool outputs_required, moecl_grounded_binding *b);
 
 /* The whole call after the op's own validation: find the plan (on a miss,
  * validate the checked buffers and build it), then with no tokens only the

@@ -1,11 +1,13 @@
 /* Routing through to dispatch in one call (docs/routing.md, "Routing
- * through to dispatch"): for decode-sized routings on the team kernel, one
- * launch of topk_gating_team built with ROUTE_DISPATCH (each work-group
- * routes its rows, then takes them as its chunk of moe_align_fused:
- * cl/topk_gating.cl, cl/moe_align.cl); otherwise top-k gating, then
- * moe_align on its topk_ids, enqueued back to back. Everything either way
- * could refuse is checked before the first enqueue, so bad input changes
- * no output. */
+ * through to dispatch"), from logits (moecl_route_dispatch: top-k gating)
+ * or from the grounded router's inputs (moecl_grounded_route_dispatch):
+ * for decode-sized routings on the routing's team kernel, one launch of
+ * that kernel built with ROUTE_DISPATCH (each work-group routes its rows,
+ * then takes them as its chunk of moe_align_fused: cl/common.cl,
+ * cl/moe_align.cl); otherwise the routing call, then moe_align on its
+ * topk_ids, enqueued back to back. Everything either way could refuse is
+ * checked before the first enqueue, so bad input changes no output. The
+ * two functions share every step but the routing's (route_step). */
 #include <string.h>
 
 #include "internal.h"
@@ -21,32 +23,59 @@
 #define ROUTE_ONE_KERNEL_MAX_SLOTS 5120u
 #define ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA 256u
 
-/* The buffers of a call: top-k gating's, then moe_align's outputs. */
-typedef struct route_buffers {
-    moecl_buffer gating, bias, weights, ids, counts, sorted, blocks, post, slots, invalid;
-} route_buffers;
+/* The routing step of a call: top-k gating's (topk) or, where is_grounded,
+ * the grounded router's (grounded), either desc possibly NULL until
+ * validated; whether top-k has a bias; the inputs (gating and bias; or
+ * token_hidden, router_logits and expert_ground) and outputs. The two
+ * functions differ only here. */
+typedef struct route_step {
+    bool is_grounded, has_bias;
+    const moecl_topk_gating_desc *topk;
+    const moecl_grounded_router_desc *grounded;
+    moecl_buffer in[3];
+    moecl_buffer weights, ids;
+} route_step;
+
+/* moe_align's outputs. */
+typedef struct dispatch_buffers {
+    moecl_buffer counts, sorted, blocks, post, slots, invalid;
+} dispatch_buffers;
+
+static uint32_t step_tokens(const route_step *s)
+{
+    return s->is_grounded ? s->grounded->num_tokens : s->topk->num_tokens;
+}
+static uint32_t step_top_k(const route_step *s) { return s->is_grounded ? s->grounded->top_k : s->topk->top_k; }
+static uint32_t step_experts(const route_step *s)
+{
+    return s->is_grounded ? s->grounded->num_experts : s->topk->num_experts;
+}
 
 /* The context and both descriptors' checks; *align receives moe_align's
  * descriptor. */
-static moecl_status validate(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
-                             moecl_moe_align_desc *align)
+static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t block_size, moecl_moe_align_desc *align)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = moecl_topk_gating_validate(ctx, desc);
+    moecl_status st =
+        s->is_grounded ? moecl_grounded_router_validate(ctx, s->grounded) : moecl_topk_gating_validate(ctx, s->topk);
     if (st != MOECL_SUCCESS)
         return st;
-    *align = moecl_moe_align_desc_init(desc->num_tokens, desc->top_k, desc->num_experts, block_size);
+    *align = moecl_moe_align_desc_init(step_tokens(s), step_top_k(s), step_experts(s), block_size);
     return moecl_moe_align_validate(ctx, align);
 }
 
-/* moe_align's outputs, which the top-k call does not check (it checks its
- * own buffers before it enqueues anything). */
-static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_align_desc *d, const route_buffers *b)
+/* moe_align's outputs, which the routing call does not check (it checks
+ * its own buffers before it enqueues anything), and the routing outputs
+ * both functions require (the grounded router alone would take either). */
+static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_align_desc *d, const route_step *s,
+                                        const dispatch_buffers *b)
 {
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k * 4, max_padded = moecl_moe_align_max_padded(d);
     moecl_status st;
-    if ((st = moecl_check_buffer(ctx, "expert_counts", b->counts, (uint64_t)d->num_experts * 4, 4, true)) ||
+    if ((st = moecl_check_buffer(ctx, "topk_weights", s->weights, slots, 4, true)) ||
+        (st = moecl_check_buffer(ctx, "topk_ids", s->ids, slots, 4, true)) ||
+        (st = moecl_check_buffer(ctx, "expert_counts", b->counts, (uint64_t)d->num_experts * 4, 4, true)) ||
         (st = moecl_check_buffer(ctx, "sorted_token_ids", b->sorted, max_padded * 4, 4, true)) ||
         (st = moecl_check_buffer(ctx, "block_expert_ids", b->blocks, max_padded / d->block_size * 4, 4, true)) ||
         (st = moecl_check_buffer(ctx, "num_tokens_post_padded", b->post, 4, 4, true)) ||
@@ -56,23 +85,40 @@ static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_alig
     return MOECL_SUCCESS;
 }
 
+/* The routing call alone (the two calls' first). */
+static moecl_status enqueue_routing(moecl_context *ctx, const route_step *s, cl_uint num_wait, const cl_event *wait,
+                                    cl_event *done)
+{
+    if (!s->is_grounded)
+        return moecl_topk_gating(ctx, s->topk, s->in[0], s->in[1], s->weights, s->ids, num_wait, wait, done);
+    return moecl_grounded_router(ctx, s->grounded, s->in[0], s->in[1], s->in[2], (moecl_buffer){NULL, 0}, s->weights,
+                                 s->ids, num_wait, wait, done);
+}
+
+/* The routing call's own plan (built before anything is enqueued). */
+static moecl_status routing_plan(moecl_context *ctx, const route_step *s, const moecl_plan **plan)
+{
+    if (!s->is_grounded)
+        return moecl_topk_gating_plan(ctx, s->topk, s->has_bias, false, plan);
+    return moecl_grounded_router_plan(ctx, s->grounded, false, true, true, plan);
+}
+
 /* The two calls. moe_align's kernels are built first, so that a build
  * failure enqueues nothing; on an out-of-order queue moe_align waits on
- * the top-k kernel's event. If moe_align fails after top-k was enqueued,
- * the top-k kernel is waited for before the error returns. */
-static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *desc, const moecl_moe_align_desc *align,
-                            const route_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
+ * the routing kernel's event. If moe_align fails after the routing was
+ * enqueued, the routing kernel is waited for before the error returns. */
+static moecl_status enqueue(moecl_context *ctx, const route_step *s, const moecl_moe_align_desc *align,
+                            const dispatch_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const moecl_plan *p;
     moecl_status st = moecl_moe_align_plan(ctx, &p);
     if (st != MOECL_SUCCESS)
         return st;
     cl_event routed = NULL;
-    st = moecl_topk_gating(ctx, desc, b->gating, b->bias, b->weights, b->ids, num_wait, wait,
-                           ctx->in_order ? NULL : &routed);
+    st = enqueue_routing(ctx, s, num_wait, wait, ctx->in_order ? NULL : &routed);
     if (st != MOECL_SUCCESS)
         return st;
-    st = moecl_moe_align(ctx, align, b->ids, b->counts, b->sorted, b->blocks, b->post, b->slots, b->invalid,
+    st = moecl_moe_align(ctx, align, s->ids, b->counts, b->sorted, b->blocks, b->post, b->slots, b->invalid,
                          routed ? 1 : 0, routed ? &routed : NULL, done);
     if (st != MOECL_SUCCESS) {
         if (routed)
@@ -85,16 +131,26 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_topk_gating_desc *de
     return st;
 }
 
+/* The routing kernel's local memory at its configuration (team, rows),
+ * without the epilogue's. */
+static size_t routing_team_local(const route_step *s, unsigned team, unsigned rows)
+{
+    if (!s->is_grounded)
+        return moecl_layout_topk_team_local(team, rows, s->topk->num_experts, s->topk->top_k,
+                                            s->topk->num_expert_groups, true, false);
+    const moecl_grounded_router_desc *g = s->grounded;
+    return moecl_layout_grounded_team_local(g->hidden_dim, team, (g->num_experts + team - 1) / team, rows, g->top_k);
+}
+
 /* Whether the one kernel serves the call, and its plan: some tokens, at
- * most ROUTE_ONE_KERNEL_MAX_SLOTS slots, top-k on the team kernel, no
- * MOECL_ALIGN forcing another path, the device's work-group limit and
+ * most ROUTE_ONE_KERNEL_MAX_SLOTS slots, the routing on its team kernel,
+ * no MOECL_ALIGN forcing another path, the device's work-group limit and
  * local memory (the team's rows, then moe_align_fused's two arrays of
  * E + 1 words and its compiled-in ones). */
-static moecl_status one_kernel_plan(moecl_context *ctx, const moecl_topk_gating_desc *d, bool has_bias,
-                                    const moecl_plan **plan)
+static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, const moecl_plan **plan)
 {
     *plan = NULL;
-    const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
+    const uint64_t slots = (uint64_t)step_tokens(s) * step_top_k(s);
     const moecl_align_path forced = ctx->info.env.align_path;
     const uint64_t cap = ctx->info.vendor == MOECL_VENDOR_NVIDIA && forced != MOECL_ALIGN_FUSED
                              ? ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA
@@ -102,16 +158,16 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const moecl_topk_gating_
     if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED)
         return MOECL_SUCCESS;
     const moecl_plan *p;
-    moecl_status st = moecl_topk_gating_plan(ctx, d, has_bias, false, &p);
+    moecl_status st = routing_plan(ctx, s, &p);
     if (st != MOECL_SUCCESS || p->config.kernel != MOECL_KERNEL_TEAM)
         return st;
     const unsigned team = p->config.team, rows = p->config.rows, wg = team * rows;
-    const size_t local = moecl_layout_topk_team_local(team, rows, d->num_experts, d->top_k, d->num_expert_groups,
-                                                      true, false) +
-                         moecl_layout_moe_align_fused_local(d->num_experts, wg);
+    const size_t local = routing_team_local(s, team, rows) + moecl_layout_moe_align_fused_local(step_experts(s), wg);
     if (local + 1024 > ctx->info.local_mem_size)
         return MOECL_SUCCESS;
-    if ((st = moecl_topk_gating_route_plan(ctx, d, has_bias, &p)) != MOECL_SUCCESS)
+    st = s->is_grounded ? moecl_grounded_router_route_plan(ctx, s->grounded, &p)
+                        : moecl_topk_gating_route_plan(ctx, s->topk, s->has_bias, &p);
+    if (st != MOECL_SUCCESS)
         return st;
     if (p->limits[0] && p->limits[0] < p->local)
         return MOECL_SUCCESS; /* register use: the two calls serve it */
@@ -119,16 +175,56 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const moecl_topk_gating_
     return MOECL_SUCCESS;
 }
 
-/* The one launch. Its scratch (the context's, as moe_align's fused path
- * uses it): the ticket, the count matrix and its prefixes, a rank and a
- * column per slot; the ticket is zeroed first where it may not be 0. */
-static moecl_status enqueue_one_kernel(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block_size,
-                                       const moecl_plan *p, const route_buffers *b, cl_uint num_wait,
-                                       const cl_event *wait, cl_event *done)
+/* The routing kernel's own arguments in the one kernel, and what they
+ * point to. */
+typedef struct routing_args {
+    moecl_buffer_check checks[4];
+    layout_topk_args scalars;
+    moecl_grounded_binding grounded;
+} routing_args;
+
+static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_arg *args)
 {
+    cl_uint n = 0;
+    if (s->is_grounded) {
+        const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS] = {s->in[0], s->in[1], s->in[2], {NULL, 0}, s->weights,
+                                                              s->ids};
+        moecl_grounded_router_bind(s->grounded, buffers, true, true, &r->grounded);
+        for (; n < MOECL_GROUNDED_ARGS; n++)
+            args[n] = r->grounded.args[n];
+        return n;
+    }
+    const moecl_topk_gating_desc *d = s->topk;
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->gating_dtype);
-    const moecl_moe_align_desc align = moecl_moe_align_desc_init(d->num_tokens, d->top_k, d->num_experts, block_size);
+    const moecl_buffer *b = s->in;
+    r->checks[0] = (moecl_buffer_check){"gating", t * e * in_size, b[0].offset, in_size, true};
+    r->checks[1] = (moecl_buffer_check){"bias", e * 4, b[1].offset, 4, false};
+    r->checks[2] = (moecl_buffer_check){"topk_weights", t * k * 4, s->weights.offset, 4, true};
+    r->checks[3] = (moecl_buffer_check){"topk_ids", t * k * 4, s->ids.offset, 4, true};
+    r->scalars = (layout_topk_args){b[0].offset / in_size, b[1].offset / 4,   s->weights.offset / 4,
+                                    s->ids.offset / 4,     0,                  d->num_tokens,
+                                    d->routed_scaling_factor};
+    args[n++] = MOECL_ARG_CHECKED(b[0].mem, &r->checks[0]);
+    if (b[1].mem)
+        args[n++] = MOECL_ARG_CHECKED(b[1].mem, &r->checks[1]);
+    args[n++] = MOECL_ARG_CHECKED(s->weights.mem, &r->checks[2]);
+    args[n++] = MOECL_ARG_CHECKED(s->ids.mem, &r->checks[3]);
+    args[n++] = MOECL_ARG(r->scalars);
+    return n;
+}
+
+/* The one launch: the routing kernel's arguments, then the epilogue's
+ * (DISPATCH_PARAMS, cl/common.cl). Its scratch (the context's, as
+ * moe_align's fused path uses it): the ticket, the count matrix and its
+ * prefixes, a rank and a column per slot; the ticket is zeroed first
+ * where it may not be 0. */
+static moecl_status enqueue_one_kernel(moecl_context *ctx, const route_step *s, uint32_t block_size,
+                                       const moecl_plan *p, const dispatch_buffers *b, cl_uint num_wait,
+                                       const cl_event *wait, cl_event *done)
+{
+    const uint64_t t = step_tokens(s), e = step_experts(s), k = step_top_k(s);
+    const moecl_moe_align_desc align = moecl_moe_align_desc_init(t, k, e, block_size);
     const uint64_t max_padded = moecl_moe_align_max_padded(&align);
     const size_t groups = (t + p->rows_per_group - 1) / p->rows_per_group;
     const size_t scratch_bytes = (1 + 2 * groups * (e + 1) + 2 * t * k) * 4;
@@ -137,34 +233,23 @@ static moecl_status enqueue_one_kernel(moecl_context *ctx, const moecl_topk_gati
     if (st != MOECL_SUCCESS)
         return st;
     const bool reused = ctx->in_order && ctx->scratch_lock_ready;
-    const moecl_buffer_check checks[] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
-                                         {"bias", e * 4, b->bias.offset, 4, false},
-                                         {"topk_weights", t * k * 4, b->weights.offset, 4, true},
-                                         {"topk_ids", t * k * 4, b->ids.offset, 4, true},
-                                         {"expert_counts", e * 4, b->counts.offset, 4, true},
+    const moecl_buffer_check checks[] = {{"expert_counts", e * 4, b->counts.offset, 4, true},
                                          {"sorted_token_ids", max_padded * 4, b->sorted.offset, 4, true},
                                          {"block_expert_ids", max_padded / block_size * 4, b->blocks.offset, 4, true},
                                          {"num_tokens_post_padded", 4, b->post.offset, 4, true},
                                          {"slot_positions", t * k * 4, b->slots.offset, 4, false},
                                          {"num_invalid", 4, b->invalid.offset, 4, false}};
-    const layout_topk_args scalars = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
-                                      b->ids.offset / 4, 0, d->num_tokens, d->routed_scaling_factor};
     const layout_dispatch_args dargs = {b->counts.offset / 4, b->sorted.offset / 4, b->blocks.offset / 4,
                                         b->post.offset / 4,   b->slots.offset / 4,  b->invalid.offset / 4,
                                         block_size,           b->slots.mem != NULL, b->invalid.mem != NULL, 0};
-    const size_t cols_bytes = moecl_layout_moe_align_cols(d->num_experts);
-    moecl_kernel_arg args[16];
-    cl_uint n = 0;
-    args[n++] = MOECL_ARG_CHECKED(b->gating.mem, &checks[0]);
-    if (b->bias.mem)
-        args[n++] = MOECL_ARG_CHECKED(b->bias.mem, &checks[1]);
-    args[n++] = MOECL_ARG_CHECKED(b->weights.mem, &checks[2]);
-    args[n++] = MOECL_ARG_CHECKED(b->ids.mem, &checks[3]);
-    args[n++] = MOECL_ARG(scalars);
+    const size_t cols_bytes = moecl_layout_moe_align_cols((unsigned)e);
+    routing_args routing;
+    moecl_kernel_arg args[MOECL_MAX_KERNEL_ARGS];
+    cl_uint n = bind_routing(s, &routing, args);
     args[n++] = MOECL_ARG_MEM(scratch);
     const moecl_buffer *outs[] = {&b->counts, &b->sorted, &b->blocks, &b->post, &b->slots, &b->invalid};
     for (int i = 0; i < 6; i++)
-        args[n++] = MOECL_ARG_CHECKED(outs[i]->mem, &checks[4 + i]);
+        args[n++] = MOECL_ARG_CHECKED(outs[i]->mem, &checks[i]);
     args[n++] = MOECL_ARG(dargs);
     args[n++] = MOECL_ARG_LOCAL(cols_bytes);
     args[n++] = MOECL_ARG_LOCAL(cols_bytes);
@@ -180,110 +265,109 @@ static moecl_status enqueue_one_kernel(moecl_context *ctx, const moecl_topk_gati
     return st;
 }
 
-moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
-                                  moecl_buffer gating, moecl_buffer bias, moecl_buffer topk_weights,
-                                  moecl_buffer topk_ids, moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
-                                  moecl_buffer block_expert_ids, moecl_buffer num_tokens_post_padded,
-                                  moecl_buffer slot_positions, moecl_buffer num_invalid, cl_uint num_wait,
-                                  const cl_event *wait, cl_event *done)
+/* Either function on device buffers. */
+static moecl_status route_dispatch(moecl_context *ctx, const route_step *s, uint32_t block_size,
+                                   const dispatch_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     moecl_moe_align_desc align;
-    moecl_status st = validate(ctx, desc, block_size, &align);
+    moecl_status st = validate(ctx, s, block_size, &align);
     if (st != MOECL_SUCCESS)
         return st;
-    const route_buffers b = {gating,           bias,
-                             topk_weights,     topk_ids,
-                             expert_counts,    sorted_token_ids,
-                             block_expert_ids, num_tokens_post_padded,
-                             slot_positions,   num_invalid};
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
     const moecl_plan *one;
-    if ((st = one_kernel_plan(ctx, desc, bias.mem != NULL, &one)) != MOECL_SUCCESS)
+    if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
         return st;
     if (one)
-        return enqueue_one_kernel(ctx, desc, block_size, one, &b, num_wait, wait, done);
-    if ((st = check_align_buffers(ctx, &align, &b)) != MOECL_SUCCESS)
+        return enqueue_one_kernel(ctx, s, block_size, one, b, num_wait, wait, done);
+    if ((st = check_align_buffers(ctx, &align, s, b)) != MOECL_SUCCESS)
         return st;
-    return enqueue(ctx, desc, &align, &b, num_wait, wait, done);
+    return enqueue(ctx, s, &align, b, num_wait, wait, done);
 }
 
-moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
-                                       const void *gating, const float *bias, float *topk_weights, int32_t *topk_ids,
-                                       int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
-                                       int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
+/* Either function on host memory: the inputs' pointers (in the order of
+ * route_step's in), the outputs', in a blocking call. */
+typedef struct host_outputs {
+    float *weights;
+    int32_t *ids, *counts, *sorted, *blocks, *post, *slots, *invalid;
+} host_outputs;
+
+static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint32_t block_size,
+                                        const void *const in[3], const host_outputs *o)
 {
     moecl_moe_align_desc align;
-    moecl_status st = validate(ctx, desc, block_size, &align);
+    moecl_status st = validate(ctx, s, block_size, &align);
     if (st != MOECL_SUCCESS)
         return st;
-    const bool tokens = desc->num_tokens > 0;
+    enum { IN0, IN1, IN2, WEIGHTS, IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
+    const uint64_t t = step_tokens(s), e = step_experts(s), slots = t * step_top_k(s) * 4;
+    const bool tokens = t > 0;
     const uint64_t max_padded = moecl_moe_align_max_padded(&align);
-    const char *missing = tokens && !gating           ? "gating"
-                          : tokens && !topk_weights   ? "topk_weights"
-                          : tokens && !topk_ids       ? "topk_ids"
-                          : !expert_counts            ? "expert_counts"
-                          : !sorted_token_ids && max_padded ? "sorted_token_ids"
-                          : !block_expert_ids && max_padded >= block_size ? "block_expert_ids"
-                          : !num_tokens_post_padded   ? "num_tokens_post_padded"
-                                                      : NULL;
+    /* The inputs: top-k's gating and its optional bias; the grounded
+     * router's three, all required. */
+    static const char *const topk_names[3] = {"gating", "bias", NULL};
+    static const char *const grounded_names[3] = {"token_hidden", "router_logits", "expert_ground"};
+    const char *const *in_names = s->is_grounded ? grounded_names : topk_names;
+    uint64_t in_bytes[3] = {0, 0, 0};
+    if (!s->is_grounded) {
+        in_bytes[0] = t * e * moecl_dtype_size(s->topk->gating_dtype);
+        in_bytes[1] = in[1] ? e * 4 : 0;
+    } else {
+        const uint64_t h = s->grounded->hidden_dim, in_size = moecl_dtype_size(s->grounded->hidden_dtype);
+        in_bytes[0] = t * h * in_size;
+        in_bytes[1] = t * e * 4;
+        in_bytes[2] = e * h * in_size;
+    }
+    const char *missing = NULL;
+    for (int i = 0; i < 3 && !missing; i++)
+        if (tokens && in_names[i] && (s->is_grounded || i == IN0) && !in[i])
+            missing = in_names[i];
+    if (!missing)
+        missing = tokens && !o->weights                     ? "topk_weights"
+                  : tokens && !o->ids                       ? "topk_ids"
+                  : !o->counts                              ? "expert_counts"
+                  : !o->sorted && max_padded                ? "sorted_token_ids"
+                  : !o->blocks && max_padded >= block_size  ? "block_expert_ids"
+                  : !o->post                                ? "num_tokens_post_padded"
+                                                            : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
     const moecl_plan *p, *one;
-    if ((st = moecl_topk_gating_plan(ctx, desc, bias != NULL, false, &p)) != MOECL_SUCCESS ||
-        (st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS ||
-        (st = one_kernel_plan(ctx, desc, bias != NULL, &one)) != MOECL_SUCCESS)
+    if ((st = routing_plan(ctx, s, &p)) != MOECL_SUCCESS || (st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
         return st; /* built before the buffers are made: a build failure costs no copy */
-    enum { GATING, BIAS, WEIGHTS, IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
-    const uint64_t slots = (uint64_t)desc->num_tokens * desc->top_k * 4;
+    if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
+        return st;
     /* At least 4 bytes: OpenCL refuses empty buffers. */
-    const uint64_t bytes[NUM] = {(uint64_t)desc->num_tokens * desc->num_experts *
-                                     moecl_dtype_size(desc->gating_dtype),
-                                 (uint64_t)desc->num_experts * 4,
-                                 slots,
-                                 slots,
-                                 (uint64_t)desc->num_experts * 4,
-                                 max_padded * 4,
-                                 max_padded / block_size * 4,
-                                 4,
-                                 slots,
-                                 4};
-    const void *const inputs[NUM] = {tokens ? gating : NULL, bias};
-    void *outputs[NUM] = {NULL,
-                                NULL,
-                                tokens ? topk_weights : NULL,
-                                tokens ? topk_ids : NULL,
-                                expert_counts,
-                                sorted_token_ids,
-                                block_expert_ids,
-                                num_tokens_post_padded,
-                                tokens ? slot_positions : NULL,
-                                num_invalid};
+    const uint64_t bytes[NUM] = {in_bytes[0], in_bytes[1], in_bytes[2], slots, slots, e * 4, max_padded * 4,
+                                 max_padded / block_size * 4, 4, slots, 4};
+    void *outputs[NUM] = {NULL,      NULL,      NULL,   tokens ? o->weights : NULL, tokens ? o->ids : NULL, o->counts,
+                          o->sorted, o->blocks, o->post, tokens ? o->slots : NULL,  o->invalid};
     for (int i = 0; i < NUM; i++)
         if (!bytes[i])
             outputs[i] = NULL; /* nothing to read (and sorted_token_ids may be NULL then) */
-    static const char *const names[NUM] = {"gating",           "bias",     "topk_weights",
-                                           "topk_ids",         "expert_counts", "sorted_token_ids",
-                                           "block_expert_ids", "num_tokens_post_padded", "slot_positions",
-                                           "num_invalid"};
+    static const char *const out_names[NUM] = {NULL, NULL, NULL, "topk_weights", "topk_ids", "expert_counts",
+                                               "sorted_token_ids", "block_expert_ids", "num_tokens_post_padded",
+                                               "slot_positions", "num_invalid"};
     cl_mem m[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++) {
-        const bool wanted = i == GATING || i == WEIGHTS || i == IDS || (i == BIAS && bias) ||
-                            (i == SLOTS && slot_positions) || (i == INVALID && num_invalid) ||
-                            (i >= COUNTS && i <= POST);
+        const bool input = i <= IN2;
+        const bool wanted = input ? in_names[i] && (s->is_grounded || i == IN0 || in[i])
+                                  : (i != SLOTS || o->slots) && (i != INVALID || o->invalid);
         if (wanted)
-            st = moecl_host_buffer(ctx, names[i], i <= BIAS ? CL_MEM_READ_ONLY : CL_MEM_READ_WRITE,
-                                   (size_t)(bytes[i] ? bytes[i] : 4), inputs[i], &m[i]);
+            st = moecl_host_buffer(ctx, input ? in_names[i] : out_names[i],
+                                   input ? CL_MEM_READ_ONLY : CL_MEM_READ_WRITE, (size_t)(bytes[i] ? bytes[i] : 4),
+                                   input && tokens ? in[i] : NULL, &m[i]);
     }
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
-        route_buffers b;
-        moecl_buffer *const all[NUM] = {&b.gating, &b.bias,   &b.weights, &b.ids,   &b.counts,
-                                        &b.sorted, &b.blocks, &b.post,    &b.slots, &b.invalid};
-        for (int i = 0; i < NUM; i++)
-            *all[i] = (moecl_buffer){m[i], 0};
-        st = one ? enqueue_one_kernel(ctx, desc, block_size, one, &b, 0, NULL, &ran)
-                 : enqueue(ctx, desc, &align, &b, 0, NULL, &ran);
+        for (int i = 0; i < 3; i++)
+            s->in[i] = (moecl_buffer){m[i], 0};
+        s->weights = (moecl_buffer){m[WEIGHTS], 0};
+        s->ids = (moecl_buffer){m[IDS], 0};
+        const dispatch_buffers b = {{m[COUNTS], 0}, {m[SORTED], 0}, {m[BLOCKS], 0},
+                                    {m[POST], 0},   {m[SLOTS], 0},  {m[INVALID], 0}};
+        st = one ? enqueue_one_kernel(ctx, s, block_size, one, &b, 0, NULL, &ran)
+                 : enqueue(ctx, s, &align, &b, 0, NULL, &ran);
     }
     if (st == MOECL_SUCCESS) {
         size_t sizes[NUM - WEIGHTS];
@@ -297,4 +381,59 @@ moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gati
         if (m[i])
             clReleaseMemObject(m[i]);
     return st;
+}
+
+moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
+                                  moecl_buffer gating, moecl_buffer bias, moecl_buffer topk_weights,
+                                  moecl_buffer topk_ids, moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
+                                  moecl_buffer block_expert_ids, moecl_buffer num_tokens_post_padded,
+                                  moecl_buffer slot_positions, moecl_buffer num_invalid, cl_uint num_wait,
+                                  const cl_event *wait, cl_event *done)
+{
+    const route_step s = {false, bias.mem != NULL, desc, NULL, {gating, bias, {NULL, 0}}, topk_weights, topk_ids};
+    const dispatch_buffers b = {expert_counts,          sorted_token_ids, block_expert_ids,
+                                num_tokens_post_padded, slot_positions,   num_invalid};
+    return route_dispatch(ctx, &s, block_size, &b, num_wait, wait, done);
+}
+
+moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
+                                       const void *gating, const float *bias, float *topk_weights, int32_t *topk_ids,
+                                       int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                       int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
+{
+    route_step s = {false, bias != NULL, desc, NULL, {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0}};
+    const void *const in[3] = {gating, bias, NULL};
+    const host_outputs o = {topk_weights,     topk_ids,  expert_counts,  sorted_token_ids,
+                            block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid};
+    return route_dispatch_host(ctx, &s, block_size, in, &o);
+}
+
+moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                           uint32_t block_size, moecl_buffer token_hidden, moecl_buffer router_logits,
+                                           moecl_buffer expert_ground, moecl_buffer topk_weights,
+                                           moecl_buffer topk_ids, moecl_buffer expert_counts,
+                                           moecl_buffer sorted_token_ids, moecl_buffer block_expert_ids,
+                                           moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
+                                           moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait,
+                                           cl_event *done)
+{
+    const route_step s = {true, false, NULL, desc, {token_hidden, router_logits, expert_ground}, topk_weights, topk_ids};
+    const dispatch_buffers b = {expert_counts,          sorted_token_ids, block_expert_ids,
+                                num_tokens_post_padded, slot_positions,   num_invalid};
+    return route_dispatch(ctx, &s, block_size, &b, num_wait, wait, done);
+}
+
+moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                                uint32_t block_size, const void *token_hidden,
+                                                const float *router_logits, const void *expert_ground,
+                                                float *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
+                                                int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                                int32_t *num_tokens_post_padded, int32_t *slot_positions,
+                                                int32_t *num_invalid)
+{
+    route_step s = {true, false, NULL, desc, {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0}};
+    const void *const in[3] = {token_hidden, router_logits, expert_ground};
+    const host_outputs o = {topk_weights,     topk_ids,  expert_counts,  sorted_token_ids,
+                            block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid};
+    return route_dispatch_host(ctx, &s, block_size, in, &o);
 }

@@ -13,7 +13,7 @@
  *
  * Usage: portability_variants OUTDIR
  * Writes OUTDIR/topk_gating.cl, OUTDIR/grounded_router.cl,
- * OUTDIR/moe_align.cl and OUTDIR/route_dispatch.cl (the program texts) and OUTDIR/manifest.tsv, one
+ * OUTDIR/moe_align.cl, OUTDIR/route_dispatch.cl and OUTDIR/grounded_dispatch.cl (the program texts) and OUTDIR/manifest.tsv, one
  * compile per line, identical ones (same compiler, target, program and
  * options) once:
  *   compiler  target  device-config  program-file  kernel-name(s)  options  description
@@ -269,6 +269,7 @@ int main(int argc, char **argv)
     write_program(dir, MOECL_PROGRAM_MOE_ALIGN, "moe_align.cl");
     write_program(dir, MOECL_PROGRAM_ROUTE_DISPATCH, "route_dispatch.cl");
     write_program(dir, MOECL_PROGRAM_EP_LAYOUT, "ep_layout.cl");
+    write_program(dir, MOECL_PROGRAM_GROUNDED_DISPATCH, "grounded_dispatch.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
     manifest = fopen(path, "w");
@@ -393,6 +394,16 @@ int main(int argc, char **argv)
                          s->hidden, s->experts, s->k, dtype_names[s->dtype],
                          s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
                 emit(t, "grounded_router.cl", options, defines, kernel, description);
+                /* moecl_grounded_route_dispatch's one kernel (the team
+                 * kernel with moe_align's steps after its rows), where the
+                 * rule gives the team kernel (its defines do not depend on the
+                 * outputs: the router's weights and ids). */
+                moecl_grounded_router_route_defines(&info, &d, defines, sizeof(defines), &kernel);
+                if (kernel) {
+                    snprintf(description, sizeof(description), "grounded_dispatch H=%u E=%u k=%u %s [%s]", s->hidden,
+                             s->experts, s->k, dtype_names[s->dtype], c->name);
+                    emit(t, "grounded_dispatch.cl", options, defines, kernel, description);
+                }
             }
 
             /* moe_align: one program of four kernels, whose defines

@@ -158,6 +158,7 @@ static void load_variants(void)
         v->kind = strcmp(field[3], "topk_gating.cl") == 0       ? MOECL_PROGRAM_TOPK_GATING
                   : strcmp(field[3], "grounded_router.cl") == 0 ? MOECL_PROGRAM_GROUNDED_ROUTER
                   : strcmp(field[3], "route_dispatch.cl") == 0  ? MOECL_PROGRAM_ROUTE_DISPATCH
+                  : strcmp(field[3], "grounded_dispatch.cl") == 0 ? MOECL_PROGRAM_GROUNDED_DISPATCH
                                                                 : MOECL_PROGRAM_MOE_ALIGN;
         v->kernels = strdup(field[4]);
         v->defines = strdup(defines + 1);
@@ -194,12 +195,6 @@ static described describe(const char *kernel, const char *d)
         r.private_bytes = LAYOUT_TOPK_TEAM_PRIVATE_BYTES(D("EPT"));
         r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 +
                    (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
-        /* moecl_route_dispatch's kernel: moe_align_fused's compiled-in
-         * arrays after the rows' (cl/topk_gating.cl, ROUTE_DISPATCH). */
-        if (D("ROUTE_DISPATCH")) {
-            r.local += LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
-            r.arrays += 3;
-        }
     } else if (strcmp(kernel, "topk_gating_rows") == 0) {
         r.private_bytes = LAYOUT_TOPK_ROWS_PRIVATE_BYTES(D("NUM_EXPERTS"), D("TOPK"), D("NUM_GROUPS"));
     } else if (strcmp(kernel, "grounded_router_team") == 0) {
@@ -226,6 +221,13 @@ static described describe(const char *kernel, const char *d)
         r.arrays = D("FUSED_WG") > 1 ? 3 : 2;
     } else {
         ck_assert_msg(strcmp(kernel, "moe_align_count") == 0, "no layout for kernel %s", kernel);
+    }
+    /* The kernels of moecl_route_dispatch and moecl_grounded_route_dispatch
+     * (a team kernel built with ROUTE_DISPATCH): moe_align_fused's
+     * compiled-in arrays after the rows' (cl/common.cl, DISPATCH_LOCALS). */
+    if (D("ROUTE_DISPATCH")) {
+        r.local += LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
+        r.arrays += 3;
     }
 #undef D
     return r;

@@ -7,7 +7,10 @@
  * offsets, poisoned, after a wait-list event), and every validation error
  * leaving every output unchanged. meson runs it once per launch class: the
  * GPU class takes the one kernel up to 5120 slots (641 tokens at top_k 8
- * are past it), the CPU class the two calls. */
+ * are past it), the CPU class the two calls. The case "grounded" does the
+ * same for moecl_grounded_route_dispatch against moecl_grounded_router
+ * followed by moecl_moe_align (the router's reference bounds its weights
+ * and fixes its ids); meson runs it again with each MOECL_ALIGN path. */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,24 +21,35 @@
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
+/* What moe_align sees of a routing: tokens, top_k, experts. */
+typedef struct shape {
+    uint32_t tokens, top_k, experts;
+} shape;
+
 /* The outputs of one call, with one poisoned element past each end. */
 typedef struct outs {
     float *weights;
     int32_t *ids, *counts, *sorted, *blocks, *slots;
     int32_t post, invalid;
     size_t n_slots, experts, max_padded, num_blocks;
+    shape sh;
+    uint32_t block;
 } outs;
 
-static moecl_moe_align_desc align_of(const moecl_topk_gating_desc *d, uint32_t block)
+static shape topk_shape(const moecl_topk_gating_desc *d) { return (shape){d->num_tokens, d->top_k, d->num_experts}; }
+
+static moecl_moe_align_desc align_of(shape d, uint32_t block)
 {
-    return moecl_moe_align_desc_init(d->num_tokens, d->top_k, d->num_experts, block);
+    return moecl_moe_align_desc_init(d.tokens, d.top_k, d.experts, block);
 }
 
-static void outs_alloc(const moecl_topk_gating_desc *d, uint32_t block, outs *o)
+static void outs_alloc(shape d, uint32_t block, outs *o)
 {
     const moecl_moe_align_desc a = align_of(d, block);
-    o->n_slots = (size_t)d->num_tokens * d->top_k;
-    o->experts = d->num_experts;
+    o->sh = d;
+    o->block = block;
+    o->n_slots = (size_t)d.tokens * d.top_k;
+    o->experts = d.experts;
     o->max_padded = (size_t)moecl_moe_align_max_padded(&a);
     o->num_blocks = o->max_padded / block;
     o->weights = harness_poisoned((o->n_slots + 1) * 4);
@@ -59,18 +73,17 @@ static void outs_free(outs *o)
     free(o->slots);
 }
 
-/* Device buffers of a call's outputs, poisoned, at odd offsets. */
+/* Device buffers of a call: top-k's inputs (gating, bias) or the grounded
+ * router's (hidden, logits, ground), the others absent; the outputs,
+ * poisoned, at odd offsets. */
 typedef struct bufs {
-    moecl_buffer gating, bias, weights, ids, counts, sorted, blocks, post, slots, invalid;
+    moecl_buffer gating, bias, hidden, logits, ground, weights, ids, counts, sorted, blocks, post, slots, invalid;
 } bufs;
 
-static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const outs *o, const void *gating,
-                      const float *bias)
+static bufs bufs_outputs(moecl_context *ctx, const outs *o)
 {
-    const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
     bufs b;
-    b.gating = harness_buffer(ctx, gbytes, 8, gating);
-    b.bias = bias ? harness_buffer(ctx, o->experts * 4, 4, bias) : (moecl_buffer){NULL, 0};
+    memset(&b, 0, sizeof(b));
     b.weights = harness_buffer(ctx, o->n_slots * 4, 12, NULL);
     b.ids = harness_buffer(ctx, o->n_slots * 4, 256 + 4, NULL);
     b.counts = harness_buffer(ctx, o->experts * 4, 4, NULL);
@@ -79,6 +92,16 @@ static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const
     b.post = harness_buffer(ctx, 4, 4, NULL);
     b.slots = harness_buffer(ctx, o->n_slots * 4, 4096 + 4, NULL);
     b.invalid = harness_buffer(ctx, 4, 16, NULL);
+    return b;
+}
+
+static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const outs *o, const void *gating,
+                      const float *bias)
+{
+    const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    bufs b = bufs_outputs(ctx, o);
+    b.gating = harness_buffer(ctx, gbytes, 8, gating);
+    b.bias = bias ? harness_buffer(ctx, o->experts * 4, 4, bias) : (moecl_buffer){NULL, 0};
     return b;
 }
 
@@ -103,8 +126,8 @@ static void bufs_read(moecl_context *ctx, const bufs *b, outs *o, const char *wh
 
 static void bufs_release(bufs *b)
 {
-    moecl_buffer *all[] = {&b->gating, &b->bias,   &b->weights, &b->ids,   &b->counts,
-                           &b->sorted, &b->blocks, &b->post,    &b->slots, &b->invalid};
+    moecl_buffer *all[] = {&b->gating, &b->bias,   &b->hidden, &b->logits, &b->ground, &b->weights, &b->ids,
+                           &b->counts, &b->sorted, &b->blocks, &b->post,   &b->slots,  &b->invalid};
     for (size_t i = 0; i < COUNT(all); i++)
         harness_release(*all[i]);
 }
@@ -141,21 +164,30 @@ static void run_route(moecl_context *ctx, const moecl_topk_gating_desc *d, uint3
     bufs_release(&b);
 }
 
-/* The two calls it stands for, on device buffers. */
-static void run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const void *gating,
-                         const float *bias, outs *o, const char *what)
+/* moe_align on a routing's ids after its event, then every output read
+ * back and the buffers released. */
+static void run_align_after(moecl_context *ctx, bufs *b, outs *o, cl_event routed, const char *what)
 {
-    bufs b = bufs_make(ctx, d, o, gating, bias);
-    const moecl_moe_align_desc a = align_of(d, block);
-    cl_event routed = NULL, done = NULL;
-    moecl_status st = moecl_topk_gating(ctx, d, b.gating, b.bias, b.weights, b.ids, 0, NULL, &routed);
-    ck_assert_msg(st == MOECL_SUCCESS, "%s: top-k: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
-    st = moecl_moe_align(ctx, &a, b.ids, b.counts, b.sorted, b.blocks, b.post, b.slots, b.invalid, 1, &routed, &done);
+    const moecl_moe_align_desc a = align_of(o->sh, o->block);
+    cl_event done = NULL;
+    moecl_status st =
+        moecl_moe_align(ctx, &a, b->ids, b->counts, b->sorted, b->blocks, b->post, b->slots, b->invalid, 1, &routed, &done);
     ck_assert_msg(st == MOECL_SUCCESS, "%s: moe_align: %s: %s", what, moecl_status_string(st),
                   moecl_context_error(ctx));
     wait_done(routed, done);
-    bufs_read(ctx, &b, o, what);
-    bufs_release(&b);
+    bufs_read(ctx, b, o, what);
+    bufs_release(b);
+}
+
+/* The two calls it stands for, on device buffers. */
+static void run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating,
+                         const float *bias, outs *o, const char *what)
+{
+    bufs b = bufs_make(ctx, d, o, gating, bias);
+    cl_event routed = NULL;
+    moecl_status st = moecl_topk_gating(ctx, d, b.gating, b.bias, b.weights, b.ids, 0, NULL, &routed);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: top-k: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    run_align_after(ctx, &b, o, routed, what);
 }
 
 static void assert_same(const outs *x, const outs *y, const char *what)
@@ -171,21 +203,29 @@ static void assert_same(const outs *x, const outs *y, const char *what)
                   what);
 }
 
+/* The dispatch outputs exactly as the reference places the ids the device
+ * chose, no invalid slot. */
+static void check_dispatch_reference(const outs *o, const char *what)
+{
+    char msg[600] = "";
+    const moecl_moe_align_desc a = align_of(o->sh, o->block);
+    const int bad = ref_check_moe_align(&a, o->sh.tokens ? o->ids : NULL, o->counts, o->sorted, o->blocks, &o->post,
+                                        o->slots, &o->invalid, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d dispatch elements differ from the reference; first: %s", what, bad, msg);
+    ck_assert_int_eq(o->invalid, 0);
+}
+
 /* Against the reference: the top-k result as the top-k suite bounds it,
  * the dispatch exactly for the ids the device chose, no invalid slot. */
-static void check_reference(const moecl_topk_gating_desc *d, uint32_t block, const void *gating, const float *bias,
-                            const outs *o, const char *what)
+static void check_reference(const moecl_topk_gating_desc *d, const void *gating, const float *bias, const outs *o,
+                            const char *what)
 {
     char msg[600] = "";
     if (d->num_tokens > 0) {
         const int rows = ref_check_topk_gating(d, gating, bias, o->weights, o->ids, msg, sizeof(msg));
         ck_assert_msg(rows == 0, "%s: %d bad top-k rows: %s", what, rows, msg);
     }
-    const moecl_moe_align_desc a = align_of(d, block);
-    const int bad = ref_check_moe_align(&a, d->num_tokens ? o->ids : NULL, o->counts, o->sorted, o->blocks, &o->post,
-                                        o->slots, &o->invalid, msg, sizeof(msg));
-    ck_assert_msg(bad == 0, "%s: %d dispatch elements differ from the reference; first: %s", what, bad, msg);
-    ck_assert_int_eq(o->invalid, 0);
+    check_dispatch_reference(o, what);
 }
 
 enum logits { LOGITS_NORMAL, LOGITS_TIES, LOGITS_NONFINITE };
@@ -225,19 +265,19 @@ static void route_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint
     float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts)
                             : NULL;
     outs want, got;
-    outs_alloc(d, block, &want);
-    outs_alloc(d, block, &got);
-    run_separate(ctx, d, block, gating, bias, &want, what);
+    outs_alloc(topk_shape(d), block, &want);
+    outs_alloc(topk_shape(d), block, &got);
+    run_separate(ctx, d, gating, bias, &want, what);
     for (int path = 0; path < 2; path++) {
         outs_free(&got);
-        outs_alloc(d, block, &got);
+        outs_alloc(topk_shape(d), block, &got);
         run_route(ctx, d, block, gating, bias, path == 1, &got, what);
         if (d->num_tokens == 0) {
             /* No top-k output is written. */
             ck_assert(harness_first_unpoisoned(got.weights, 4) == 4 && harness_first_unpoisoned(got.ids, 4) == 4);
         }
         assert_same(&got, &want, what);
-        check_reference(d, block, gating, bias, &got, what);
+        check_reference(d, gating, bias, &got, what);
     }
     outs_free(&want);
     outs_free(&got);
@@ -326,10 +366,9 @@ START_TEST(test_ties_nonfinite)
 }
 END_TEST
 
-/* On an adopted out-of-order queue, where the device has one: the one
- * kernel after its fill (a new scratch each call), and the two calls
- * ordered by the top-k kernel's event. */
-START_TEST(test_out_of_order)
+/* body on a context that adopted an out-of-order queue, where the
+ * device has one. */
+static void on_out_of_order_queue(const char *name, void (*body)(moecl_context *ctx))
 {
     moecl_context *own = harness_context();
     cl_context cl = moecl_context_cl_context(own);
@@ -342,18 +381,30 @@ START_TEST(test_out_of_order)
         ck_assert_int_eq(err, CL_SUCCESS);
         moecl_context *ctx = NULL;
         ck_assert_int_eq(moecl_context_create_from_cl(cl, dev, ooo, &ctx), MOECL_SUCCESS);
-        static const uint32_t tokens[] = {1, 129, 641};
-        for (size_t t = 0; t < COUNT(tokens); t++) {
-            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 128, 8);
-            route_case(ctx, &d, 64, t == 1, LOGITS_NORMAL, 350 + t);
-        }
+        body(ctx);
         moecl_context_destroy(ctx);
         ck_assert_int_eq(clFinish(ooo), CL_SUCCESS);
         clReleaseCommandQueue(ooo);
     } else {
-        fprintf(stderr, "test_out_of_order: the device has no out-of-order queue; not run\n");
+        fprintf(stderr, "%s: the device has no out-of-order queue; not run\n", name);
     }
     moecl_context_destroy(own);
+}
+
+/* The one kernel after its fill (a new scratch each call), and the two
+ * calls ordered by the top-k kernel's event. */
+static void out_of_order_cases(moecl_context *ctx)
+{
+    static const uint32_t tokens[] = {1, 129, 641};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 128, 8);
+        route_case(ctx, &d, 64, t == 1, LOGITS_NORMAL, 350 + t);
+    }
+}
+
+START_TEST(test_out_of_order)
+{
+    on_out_of_order_queue("test_out_of_order", out_of_order_cases);
 }
 END_TEST
 
@@ -374,7 +425,7 @@ static void expect_invalid(moecl_context *ctx, moecl_status st, const bufs *b, c
     if (!b)
         return;
     outs after;
-    outs_alloc(bad_input_desc(), BAD_INPUT_BLOCK, &after);
+    outs_alloc(o->sh, o->block, &after);
     bufs_read(ctx, b, &after, what);
     const size_t sizes[] = {o->n_slots * 4, o->n_slots * 4, o->experts * 4, o->max_padded * 4, o->num_blocks * 4, 4,
                             o->n_slots * 4, 4};
@@ -385,6 +436,58 @@ static void expect_invalid(moecl_context *ctx, moecl_status st, const bufs *b, c
     outs_free(&after);
 }
 
+/* A call of either function on device buffers, for the checks below. */
+typedef moecl_status (*route_call)(moecl_context *ctx, const void *desc, uint32_t block, const bufs *b);
+
+static moecl_status call_topk(moecl_context *ctx, const void *desc, uint32_t block, const bufs *b)
+{
+    return moecl_route_dispatch(ctx, desc, block, b->gating, b->bias, b->weights, b->ids, b->counts, b->sorted,
+                                b->blocks, b->post, b->slots, b->invalid, 0, NULL, NULL);
+}
+
+static moecl_status call_grounded(moecl_context *ctx, const void *desc, uint32_t block, const bufs *b)
+{
+    return moecl_grounded_route_dispatch(ctx, desc, block, b->hidden, b->logits, b->ground, b->weights, b->ids,
+                                         b->counts, b->sorted, b->blocks, b->post, b->slots, b->invalid, 0, NULL,
+                                         NULL);
+}
+
+/* Each buffer of b the call takes (required[i] >= 0, in bufs' field
+ * order) absent where required (1), misaligned, and too small: the call
+ * fails and no output changes. */
+#define BUFS_FIELDS 13
+static void each_bad_buffer(moecl_context *ctx, route_call call, const void *desc, uint32_t block, const bufs *b,
+                            const outs *o, const int required[BUFS_FIELDS])
+{
+    char what[64];
+    for (size_t i = 0; i < BUFS_FIELDS; i++)
+        for (int kind = 0; kind < 3; kind++) {
+            if (required[i] < 0 || (kind == 0 && !required[i]))
+                continue;
+            bufs x = *b;
+            moecl_buffer *xs[BUFS_FIELDS] = {&x.gating, &x.bias,    &x.hidden, &x.logits, &x.ground,
+                                             &x.weights, &x.ids,    &x.counts, &x.sorted, &x.blocks,
+                                             &x.post,    &x.slots,  &x.invalid};
+            moecl_buffer *m = xs[i];
+            if (kind == 1 && !m->mem)
+                continue; /* an absent buffer has no offset to misalign */
+            moecl_buffer small = {NULL, 0};
+            if (kind == 0)
+                m->mem = NULL;
+            else if (kind == 1)
+                m->offset += 2; /* misaligned */
+            else {
+                cl_int err;
+                small.mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 2, NULL, &err);
+                ck_assert_int_eq(err, CL_SUCCESS);
+                *m = small; /* too small for any tensor */
+            }
+            snprintf(what, sizeof(what), "buffer %zu, kind %d", i, kind);
+            expect_invalid(ctx, call(ctx, desc, block, &x), b, o, what);
+            harness_release(small);
+        }
+}
+
 START_TEST(test_bad_input)
 {
     moecl_context *ctx = harness_context();
@@ -393,7 +496,7 @@ START_TEST(test_bad_input)
     harness_rng rng = harness_rng_for(400);
     void *gating = harness_random_tensor(&rng, MOECL_F32, 16 * 64, 2.0f);
     outs o;
-    outs_alloc(&good, block, &o);
+    outs_alloc(topk_shape(&good), block, &o);
     bufs b = bufs_make(ctx, &good, &o, gating, NULL);
     /* Each descriptor field out of range, then block_size. */
     moecl_topk_gating_desc bad[12];
@@ -440,35 +543,8 @@ START_TEST(test_bad_input)
                                         b.blocks, b.post, b.slots, b.invalid, 0, NULL, NULL),
                    &b, &o, "desc NULL");
     /* Each buffer absent (where required), too small, misaligned. */
-    static const bool required[] = {true, false, true, true, true, true, true, true, false, false};
-    for (size_t i = 0; i < COUNT(required); i++)
-        for (int kind = 0; kind < 3; kind++) {
-            if (kind == 0 && !required[i])
-                continue;
-            bufs x = b;
-            moecl_buffer *xs[] = {&x.gating, &x.bias,   &x.weights, &x.ids,   &x.counts,
-                                  &x.sorted, &x.blocks, &x.post,    &x.slots, &x.invalid};
-            moecl_buffer *m = xs[i];
-            moecl_buffer small = {NULL, 0};
-            if (kind == 0)
-                m->mem = NULL;
-            else if (kind == 1)
-                m->offset += 2; /* misaligned */
-            else {
-                cl_int err;
-                small.mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 2, NULL, &err);
-                ck_assert_int_eq(err, CL_SUCCESS);
-                *m = small; /* too small for any tensor */
-            }
-            if (i == 1 && kind == 1)
-                continue; /* the absent bias has no offset to misalign */
-            snprintf(what, sizeof(what), "buffer %zu, kind %d", i, kind);
-            expect_invalid(ctx,
-                           moecl_route_dispatch(ctx, &good, block, x.gating, x.bias, x.weights, x.ids, x.counts,
-                                                x.sorted, x.blocks, x.post, x.slots, x.invalid, 0, NULL, NULL),
-                           &b, &o, what);
-            harness_release(small);
-        }
+    static const int required[BUFS_FIELDS] = {1, 0, -1, -1, -1, 1, 1, 1, 1, 1, 1, 0, 0};
+    each_bad_buffer(ctx, call_topk, &good, block, &b, &o, required);
     /* A wait count without a list; NULL host outputs. */
     expect_invalid(ctx,
                    moecl_route_dispatch(ctx, &good, block, b.gating, b.bias, b.weights, b.ids, b.counts, b.sorted,
@@ -495,6 +571,261 @@ START_TEST(test_bad_input)
 }
 END_TEST
 
+/* ---- moecl_grounded_route_dispatch ----------------------------------- */
+
+static shape grounded_shape(const moecl_grounded_router_desc *d)
+{
+    return (shape){d->num_tokens, d->top_k, d->num_experts};
+}
+
+typedef struct grounded_in {
+    void *hidden, *ground;
+    float *logits;
+} grounded_in;
+
+/* Fresh inputs scaled like a model's (hidden states of RMS 1 / sqrt(H),
+ * so that the dot products are of order one); with ties, a zero ground
+ * table and logits that are multiples of 0.5 in [-1, 1], so that every g
+ * ties exactly with others. */
+static grounded_in grounded_inputs(harness_rng *rng, const moecl_grounded_router_desc *d, bool ties)
+{
+    const size_t th = (size_t)d->num_tokens * d->hidden_dim, eh = (size_t)d->num_experts * d->hidden_dim;
+    const size_t te = (size_t)d->num_tokens * d->num_experts;
+    grounded_in in;
+    in.hidden = harness_random_tensor(rng, d->hidden_dtype, th ? th : 1, 1.0f / sqrtf((float)d->hidden_dim));
+    in.ground = harness_random_tensor(rng, d->hidden_dtype, eh, 1.0f);
+    in.logits = harness_random_tensor(rng, MOECL_F32, te ? te : 1, 1.0f);
+    for (size_t i = 0; ties && i < eh; i++)
+        harness_store(d->hidden_dtype, in.ground, i, 0.0f);
+    for (size_t i = 0; ties && i < te; i++)
+        in.logits[i] = (float)((int)(harness_rand_u32(rng) % 5) - 2) * 0.5f;
+    return in;
+}
+
+static bufs grounded_bufs(moecl_context *ctx, const moecl_grounded_router_desc *d, const outs *o,
+                          const grounded_in *in)
+{
+    const size_t in_size = ref_dtype_size(d->hidden_dtype);
+    bufs b = bufs_outputs(ctx, o);
+    b.hidden = harness_buffer(ctx, (size_t)d->num_tokens * d->hidden_dim * in_size, 2 * in_size, in->hidden);
+    b.logits = harness_buffer(ctx, (size_t)d->num_tokens * d->num_experts * 4, 128, in->logits);
+    b.ground = harness_buffer(ctx, (size_t)d->num_experts * d->hidden_dim * in_size, 64, in->ground);
+    return b;
+}
+
+/* The call under test on host memory or on device buffers (after a marker
+ * it must wait on). */
+static void run_grounded_route(moecl_context *ctx, const moecl_grounded_router_desc *d, uint32_t block,
+                               const grounded_in *in, bool device_path, outs *o, const char *what)
+{
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_grounded_route_dispatch_host(ctx, d, block, in->hidden, in->logits, in->ground, o->weights, o->ids,
+                                                o->counts, o->sorted, o->blocks, &o->post, o->slots, &o->invalid);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        return;
+    }
+    bufs b = grounded_bufs(ctx, d, o, in);
+    cl_event before = NULL, done = NULL;
+    ck_assert_int_eq(clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &before), CL_SUCCESS);
+    st = moecl_grounded_route_dispatch(ctx, d, block, b.hidden, b.logits, b.ground, b.weights, b.ids, b.counts,
+                                       b.sorted, b.blocks, b.post, b.slots, b.invalid, 1, &before, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    wait_done(before, done);
+    bufs_read(ctx, &b, o, what);
+    bufs_release(&b);
+}
+
+/* moecl_grounded_router (weights and ids), then moecl_moe_align. */
+static void run_grounded_separate(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_in *in,
+                                  outs *o, const char *what)
+{
+    bufs b = grounded_bufs(ctx, d, o, in);
+    cl_event routed = NULL;
+    moecl_status st = moecl_grounded_router(ctx, d, b.hidden, b.logits, b.ground, (moecl_buffer){NULL, 0}, b.weights,
+                                            b.ids, 0, NULL, &routed);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: grounded router: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    run_align_after(ctx, &b, o, routed, what);
+}
+
+/* One case: both paths against the two calls (bit for bit) and against
+ * the reference (the router's weights within its bound, its ids and the
+ * dispatch exactly). */
+static void grounded_case(moecl_context *ctx, const moecl_grounded_router_desc *d, uint32_t block, bool ties,
+                          uint64_t stream)
+{
+    char what[200];
+    snprintf(what, sizeof(what), "grounded T=%u H=%u E=%u k=%u alpha=%g dtype=%d block=%u ties=%d", d->num_tokens,
+             d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, block, (int)ties);
+    harness_rng rng = harness_rng_for(stream);
+    grounded_in in = grounded_inputs(&rng, d, ties);
+    outs want, got;
+    outs_alloc(grounded_shape(d), block, &want);
+    run_grounded_separate(ctx, d, &in, &want, what);
+    for (int path = 0; path < 2; path++) {
+        outs_alloc(grounded_shape(d), block, &got);
+        run_grounded_route(ctx, d, block, &in, path == 1, &got, what);
+        if (d->num_tokens == 0)
+            ck_assert(harness_first_unpoisoned(got.weights, 4) == 4 && harness_first_unpoisoned(got.ids, 4) == 4);
+        assert_same(&got, &want, what);
+        char msg[600] = "";
+        const int rows = ref_check_grounded_router(d, in.hidden, in.logits, in.ground, NULL, got.weights, got.ids, msg,
+                                                   sizeof(msg));
+        ck_assert_msg(rows == 0, "%s: %d bad routing rows: %s", what, rows, msg);
+        check_dispatch_reference(&got, what);
+        outs_free(&got);
+    }
+    outs_free(&want);
+    free(in.hidden);
+    free(in.ground);
+    free(in.logits);
+}
+
+/* The seed shape (hidden 128, 16 experts, top 2) from 0 tokens through
+ * decode batches to past the one kernel's 5120 slots and moe_align's
+ * one-launch limits. */
+START_TEST(test_grounded_sizes)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {0, 1, 7, 129, 256, 641, 1025, 2561, 4096};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        if (harness_quick() && tokens[t] > 1025)
+            continue;
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(tokens[t], 128, 16, 1.0f);
+        grounded_case(ctx, &d, 64, false, 500 + t);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Other hidden sizes (odd ones too), expert counts, top_k, alpha, dtypes
+ * and block sizes. */
+START_TEST(test_grounded_shapes)
+{
+    moecl_context *ctx = harness_context();
+    typedef struct gshape {
+        uint32_t hidden, experts, k;
+        float alpha;
+        moecl_dtype dtype;
+        uint32_t block;
+    } gshape;
+    static const gshape shapes[] = {{37, 8, 1, 0.5f, MOECL_F32, 16},   {64, 64, 4, 1.0f, MOECL_F16, 128},
+                                    {128, 32, 8, -2.0f, MOECL_BF16, 1}, {256, 60, 3, 1.0f, MOECL_F32, 64},
+                                    {16, 128, 8, 1.0f, MOECL_F32, 64}};
+    for (size_t i = 0; i < COUNT(shapes); i++)
+        for (int t = 0; t < 2; t++) {
+            const gshape *g = &shapes[i];
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(t ? 129 : 7, g->hidden, g->experts, g->alpha);
+            d.top_k = g->k;
+            d.hidden_dtype = g->dtype;
+            grounded_case(ctx, &d, g->block, false, 600 + 2 * i + t);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Exact ties in g everywhere: to the lower index, as the router breaks
+ * them, on both paths. */
+START_TEST(test_grounded_ties)
+{
+    moecl_context *ctx = harness_context();
+    for (int i = 0; i < 2; i++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(65, 64, 32, 1.0f);
+        d.top_k = i ? 4 : 2;
+        d.hidden_dtype = i ? MOECL_BF16 : MOECL_F32;
+        grounded_case(ctx, &d, 16, true, 700 + i);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* As test_out_of_order, for the grounded router (2561 tokens: the two
+ * calls). */
+static void grounded_out_of_order_cases(moecl_context *ctx)
+{
+    static const uint32_t tokens[] = {1, 129, 2561};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(tokens[t], 128, 16, 1.0f);
+        grounded_case(ctx, &d, 64, false, 750 + t);
+    }
+}
+
+START_TEST(test_grounded_out_of_order)
+{
+    on_out_of_order_queue("test_grounded_out_of_order", grounded_out_of_order_cases);
+}
+END_TEST
+
+/* Every validation error, on both paths: MOECL_ERROR_INVALID_ARGUMENT and
+ * no output byte changed. */
+START_TEST(test_grounded_bad_input)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_grounded_router_desc good = moecl_grounded_router_desc_init(16, 32, 16, 1.0f);
+    const uint32_t block = 64;
+    harness_rng rng = harness_rng_for(800);
+    grounded_in in = grounded_inputs(&rng, &good, false);
+    outs o;
+    outs_alloc(grounded_shape(&good), block, &o);
+    bufs b = grounded_bufs(ctx, &good, &o, &in);
+    /* Each field of good (16 tokens, hidden 32, 16 experts, top 2) out of
+     * range: hidden, experts, top_k (17: more than the experts), alpha,
+     * dtype. */
+    const moecl_grounded_router_desc bad[] = {
+        {16, 0, 16, 2, 1.0f, MOECL_F32},  {16, 65537, 16, 2, 1.0f, MOECL_F32}, {16, 32, 0, 2, 1.0f, MOECL_F32},
+        {16, 32, 4097, 2, 1.0f, MOECL_F32}, {16, 32, 16, 0, 1.0f, MOECL_F32},  {16, 32, 16, 17, 1.0f, MOECL_F32},
+        {16, 32, 16, 2, NAN, MOECL_F32},  {16, 32, 16, 2, 1.0f, (moecl_dtype)7}};
+    char what[64];
+    for (size_t i = 0; i < COUNT(bad); i++) {
+        snprintf(what, sizeof(what), "grounded descriptor case %zu", i);
+        expect_invalid(ctx, call_grounded(ctx, &bad[i], block, &b), &b, &o, what);
+        expect_invalid(ctx,
+                       moecl_grounded_route_dispatch_host(ctx, &bad[i], block, in.hidden, in.logits, in.ground,
+                                                          o.weights, o.ids, o.counts, o.sorted, o.blocks, &o.post,
+                                                          o.slots, &o.invalid),
+                       NULL, &o, what);
+    }
+    static const uint32_t bad_blocks[] = {0, 1025};
+    for (size_t i = 0; i < COUNT(bad_blocks); i++)
+        expect_invalid(ctx, call_grounded(ctx, &good, bad_blocks[i], &b), &b, &o, "grounded block_size");
+    moecl_grounded_router_desc huge = moecl_grounded_router_desc_init(300000000u, 32, 16, 1.0f);
+    huge.top_k = 8;
+    expect_invalid(ctx, call_grounded(ctx, &huge, block, &b), &b, &o, "grounded num_tokens * top_k past INT32_MAX");
+    expect_invalid(ctx, call_grounded(ctx, NULL, block, &b), &b, &o, "grounded desc NULL");
+    static const int required[BUFS_FIELDS] = {-1, -1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0};
+    each_bad_buffer(ctx, call_grounded, &good, block, &b, &o, required);
+    expect_invalid(ctx,
+                   moecl_grounded_route_dispatch(ctx, &good, block, b.hidden, b.logits, b.ground, b.weights, b.ids,
+                                                 b.counts, b.sorted, b.blocks, b.post, b.slots, b.invalid, 1, NULL,
+                                                 NULL),
+                   &b, &o, "grounded num_wait without wait");
+    /* Host pointers: each required one NULL. */
+    const void *hidden = in.hidden, *logits = in.logits, *ground = in.ground;
+    for (int i = 0; i < 7; i++) {
+        snprintf(what, sizeof(what), "grounded host pointer %d NULL", i);
+        expect_invalid(ctx,
+                       moecl_grounded_route_dispatch_host(ctx, &good, block, i == 0 ? NULL : hidden,
+                                                          i == 1 ? NULL : (const float *)logits, i == 2 ? NULL : ground,
+                                                          i == 3 ? NULL : o.weights, i == 4 ? NULL : o.ids,
+                                                          i == 5 ? NULL : o.counts, o.sorted, o.blocks,
+                                                          i == 6 ? NULL : &o.post, NULL, NULL),
+                       NULL, &o, what);
+    }
+    ck_assert_int_eq(moecl_grounded_route_dispatch_host(NULL, &good, block, hidden, in.logits, ground, o.weights,
+                                                        o.ids, o.counts, o.sorted, o.blocks, &o.post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert(harness_first_unpoisoned(o.weights, o.n_slots * 4) == o.n_slots * 4);
+    ck_assert(harness_first_unpoisoned(o.counts, o.experts * 4) == o.experts * 4);
+    bufs_release(&b);
+    outs_free(&o);
+    free(in.hidden);
+    free(in.ground);
+    free(in.logits);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("route_dispatch");
@@ -506,5 +837,15 @@ int main(void)
     tcase_add_test(tc, test_out_of_order);
     tcase_add_test(tc, test_bad_input);
     suite_add_tcase(s, tc);
+    /* The grounded router's, a case of its own so that meson's runs that
+     * force each moe_align path can select it (CK_RUN_CASE). */
+    TCase *grounded = tcase_create("grounded");
+    tcase_set_timeout(grounded, 1200);
+    tcase_add_test(grounded, test_grounded_sizes);
+    tcase_add_test(grounded, test_grounded_shapes);
+    tcase_add_test(grounded, test_grounded_ties);
+    tcase_add_test(grounded, test_grounded_out_of_order);
+    tcase_add_test(grounded, test_grounded_bad_input);
+    suite_add_tcase(s, grounded);
     return harness_run(s);
 }

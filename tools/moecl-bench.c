@@ -28,7 +28,9 @@
 #include "tool_common.h"
 #include "tool_json.h"
 
-typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP } op_kind;
+/* OP_GROUNDED_ROUTE: moecl_grounded_route_dispatch, the grounded desc with
+ * the align desc's block_size. */
+typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE } op_kind;
 
 typedef struct bench_case {
     const char *label;
@@ -179,6 +181,7 @@ typedef struct case_buffers {
     cl_mem bias, out1, out2, out3, out4, out5, out6, out7;
     cl_mem tables[3];                    /* the layout's map, replica counts and placement, or NULL */
     int32_t *host_tables[3];
+    cl_mem dispatch[6]; /* OP_GROUNDED_ROUTE: moe_align's outputs, after weights (out1) and ids (out2) */
     void *host_in, *host_in2, *host_in3; /* set 0, for the check */
     float *host_bias;
 } case_buffers;
@@ -253,9 +256,18 @@ static size_t output_bytes(const bench_case *c)
     size_t sizes[7];
     if (c->op == OP_ALIGN)
         return align_sizes(&c->align, sizes);
+    if (c->op == OP_GROUNDED_ROUTE)
+        return (size_t)c->grounded.num_tokens * c->grounded.top_k * 8 + align_sizes(&c->align, sizes);
     if (c->op == OP_EP)
         return ep_sizes(&c->ep, sizes);
     return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k * 8 : (size_t)c->grounded.num_tokens * c->grounded.top_k * 8;
+}
+
+/* The routing's (token, slot) pairs. */
+static size_t routed_slots(const bench_case *c)
+{
+    return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k
+                            : (size_t)c->grounded.num_tokens * c->grounded.top_k;
 }
 
 static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_buffers *b)
@@ -343,7 +355,13 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
         ep_tables(cl, &c->ep, b);
         return;
     }
-    size_t nk = output_bytes(c) / 8;
+    if (c->op == OP_GROUNDED_ROUTE) {
+        size_t sizes[6];
+        align_sizes(&c->align, sizes);
+        for (int i = 0; i < 6; i++)
+            b->dispatch[i] = tool_make_buffer("moecl-bench", cl, sizes[i], NULL);
+    }
+    size_t nk = routed_slots(c);
     b->out1 = tool_make_buffer("moecl-bench", cl, nk * 8, NULL); /* weights, or pairs */
     b->out2 = tool_make_buffer("moecl-bench", cl, nk * 4, NULL); /* ids */
 }
@@ -356,9 +374,10 @@ static void free_buffers(case_buffers *b)
             if (all[i])
                 clReleaseMemObject(all[i]);
     }
-    cl_mem rest[11] = {b->bias, b->out1, b->out2, b->out3, b->out4, b->out5, b->out6, b->out7,
-                       b->tables[0], b->tables[1], b->tables[2]};
-    for (int i = 0; i < 11; i++)
+    cl_mem rest[17] = {b->bias,        b->out1,        b->out2,        b->out3,        b->out4,        b->out5,
+                       b->out6,        b->out7,        b->tables[0],   b->tables[1],   b->tables[2],   b->dispatch[0],
+                       b->dispatch[1], b->dispatch[2], b->dispatch[3], b->dispatch[4], b->dispatch[5]};
+    for (int i = 0; i < 17; i++)
         if (rest[i])
             clReleaseMemObject(rest[i]);
     for (int i = 0; i < 3; i++)
@@ -387,6 +406,14 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
                                (moecl_buffer){b->out2, 0}, (moecl_buffer){b->out3, 0}, (moecl_buffer){b->out4, 0},
                                (moecl_buffer){b->out5, 0}, (moecl_buffer){b->out6, 0}, after ? 1 : 0,
                                after ? &after : NULL, done);
+    if (c->op == OP_GROUNDED_ROUTE) {
+        const cl_mem *d = b->dispatch;
+        return moecl_grounded_route_dispatch(
+            ctx, &c->grounded, c->align.block_size, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->in2[set], 0},
+            (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0},
+            (moecl_buffer){d[0], 0}, (moecl_buffer){d[1], 0}, (moecl_buffer){d[2], 0}, (moecl_buffer){d[3], 0},
+            (moecl_buffer){d[4], 0}, (moecl_buffer){d[5], 0}, after ? 1 : 0, after ? &after : NULL, done);
+    }
     if (c->op == OP_TOPK) {
         moecl_buffer bias = {b->bias, 0};
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
@@ -402,14 +429,15 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
     return call_after(ctx, c, b, set, NULL, done);
 }
 
-/* One timed call: its kernel's time, or for moe_align the span from a
- * marker just before it to the end of its last kernel; also the time spent
- * inside the call and the returned event's own START..END. */
+/* One timed call: its kernel's time, or for moe_align and the grounded
+ * route dispatch the span from a marker just before it to the end of its
+ * last kernel; also the time spent inside the call and the returned
+ * event's own START..END. */
 static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, double *us,
                                double *host_us, double *kernel_us)
 {
     cl_event marker = NULL, ev = NULL;
-    if ((c->op == OP_ALIGN || c->op == OP_EP) &&
+    if ((c->op == OP_ALIGN || c->op == OP_EP || c->op == OP_GROUNDED_ROUTE) &&
         clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
         return MOECL_ERROR_UNSUPPORTED;
     const double h0 = tool_now_us();
@@ -447,7 +475,7 @@ static uint64_t fnv1a_ids(const int32_t *ids, size_t n)
 static void check_case(moecl_context *ctx, const bench_case *c, const case_buffers *b, bench_result *r)
 {
     cl_command_queue q = moecl_context_queue(ctx);
-    size_t nk = output_bytes(c) / 8;
+    size_t nk = routed_slots(c);
     float *w = malloc(nk * 8 + 4);
     int32_t *ids = malloc(nk * 4 + 4);
     cl_event ev;
@@ -501,6 +529,25 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
         bad = ref_check_topk_gating(&c->topk, b->host_in, b->host_bias, w, ids, r->check_msg, sizeof(r->check_msg));
+    } else if (c->op == OP_GROUNDED_ROUTE) {
+        /* The router's weights and ids against its reference, then the
+         * dispatch exactly against moe_align's for those ids. */
+        clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
+        clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
+        bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, NULL, w, ids,
+                                        r->check_msg, sizeof(r->check_msg));
+        size_t sizes[6];
+        align_sizes(&c->align, sizes);
+        int32_t *outs[6];
+        for (int i = 0; i < 6; i++) {
+            outs[i] = malloc(sizes[i] + 4);
+            clEnqueueReadBuffer(q, b->dispatch[i], CL_TRUE, 0, sizes[i], outs[i], 0, NULL, NULL);
+        }
+        if (!bad)
+            bad = ref_check_moe_align(&c->align, ids, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5],
+                                      r->check_msg, sizeof(r->check_msg));
+        for (int i = 0; i < 6; i++)
+            free(outs[i]);
     } else {
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 8, w, 0, NULL, NULL);
         bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, w, NULL, NULL,
@@ -532,7 +579,9 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
         if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)))
             die(c->label, prof, st);
     } else if ((st = moecl_grounded_router_prepare(prof, &c->grounded)) ||
-               (st = moecl_grounded_router_prepare(plain, &c->grounded))) {
+               (st = moecl_grounded_router_prepare(plain, &c->grounded)) ||
+               (c->op == OP_GROUNDED_ROUTE && ((st = moecl_moe_align_prepare(prof, &c->align)) ||
+                                               (st = moecl_moe_align_prepare(plain, &c->align))))) {
         die(c->label, prof, st);
     }
     r->prepare_ms = (tool_now_us() - p0) / 1e3;
@@ -792,6 +841,17 @@ static int default_cases(bench_case *out, bool quick)
         g->grounded = moecl_grounded_router_desc_init(16384, 4096, 128, 0.5f);
         g->grounded.top_k = 8;
     }
+    /* The grounded router through to dispatch (block 64): decode sizes and
+     * the seed shape. */
+    static const unsigned route_tokens[] = {1, 129, 256, 4096};
+    for (int i = 0; i < 4; i++) {
+        g = &out[n++];
+        memset(g, 0, sizeof(*g));
+        g->label = "grounded route";
+        g->op = OP_GROUNDED_ROUTE;
+        g->grounded = moecl_grounded_router_desc_init(route_tokens[i], 128, 16, 0.5f);
+        g->align = moecl_moe_align_desc_init(route_tokens[i], 2, 16, 64);
+    }
     return n;
 }
 
@@ -805,6 +865,9 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
                  c->ep.num_physical);
     else if (c->op == OP_TOPK)
         snprintf(buf, size, "%ux%u k%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k);
+    else if (c->op == OP_GROUNDED_ROUTE)
+        snprintf(buf, size, "%ux%ux%u k%u b%u", c->grounded.num_tokens, c->grounded.hidden_dim,
+                 c->grounded.num_experts, c->grounded.top_k, c->align.block_size);
     else
         snprintf(buf, size, "%ux%ux%u k%u", c->grounded.num_tokens, c->grounded.hidden_dim, c->grounded.num_experts,
                  c->grounded.top_k);

@@ -36,7 +36,9 @@
  *    moecl_moe_align() on its three-kernel path,
  *    moecl_topk_gating_with_counts() (a fill, then the kernel),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
- *    two calls) and moecl_ep_layout() (three kernels). Such a
+ *    two calls), moecl_grounded_route_dispatch() (the grounded
+ *    router, then moe_align, likewise) and moecl_ep_layout() (three
+ *    kernels). Such a
  *    failure leaves unspecified the outputs that the commands already
  *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
@@ -946,6 +948,73 @@ MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl
                                                  int32_t *sorted_token_ids, int32_t *block_expert_ids,
                                                  int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                                  int32_t *num_invalid);
+
+/**
+ * The grounded router (moecl_grounded_router()) through to dispatch
+ * (moecl_moe_align()) in one call: for desc's tokens, the top_k experts of
+ * g = router_logits + alpha * token_hidden @ expert_ground^T with their
+ * softmax weights, then moe_align's outputs for those ids, exactly what
+ * moecl_grounded_router() (weights and ids, no pairs) followed by
+ * moecl_moe_align() with moecl_moe_align_desc_init(desc->num_tokens,
+ * desc->top_k, desc->num_experts, block_size) would write, bit for bit.
+ *
+ *   token_hidden, router_logits,
+ *   expert_ground                          as moecl_grounded_router()
+ *   topk_weights, topk_ids                 as moecl_grounded_router(), both
+ *                                          required here
+ *   expert_counts, sorted_token_ids, block_expert_ids,
+ *   num_tokens_post_padded, slot_positions (or absent),
+ *   num_invalid (or absent)                as moecl_moe_align(); the ids of
+ *                                          a routing are always in range,
+ *                                          so num_invalid is 0
+ *
+ * desc as for moecl_grounded_router(); block_size as moecl_moe_align_desc's,
+ * and num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
+ * num_tokens == 0 writes moe_align's empty result and no routing output.
+ *
+ * Asynchronous. The paths, their conditions, the events, the scratch
+ * buffer and its size, the errors and what a failed call leaves are
+ * moecl_route_dispatch()'s, with the grounded router in top-k gating's
+ * place: one kernel where the grounded router runs its team kernel
+ * (grounded_router_team: the GPU launch class and at most 64 experts) and
+ * the slot count is within moecl_route_dispatch()'s one-kernel limits
+ * (5120, 256 on NVIDIA unless MOECL_ALIGN=fused; none under
+ * MOECL_ALIGN=one-group or chunked), its local memory (the team kernel's:
+ * the ground table, the tokens' hidden states, the top-k scratch; then
+ * moe_align's fused arrays) and work-group limit permitting; otherwise the
+ * grounded router's kernel, then moe_align's path for that size. On the
+ * two calls' path, a moe_align failure after the router's kernel was
+ * enqueued leaves topk_weights and topk_ids unspecified (normally
+ * written). The one kernel assumes of the device what moecl_moe_align()'s
+ * fused kernel does.
+ */
+MOECL_API moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                                     uint32_t block_size, moecl_buffer token_hidden,
+                                                     moecl_buffer router_logits, moecl_buffer expert_ground,
+                                                     moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                                     moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
+                                                     moecl_buffer block_expert_ids,
+                                                     moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
+                                                     moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait,
+                                                     cl_event *done);
+
+/** Blocking convenience of moecl_grounded_route_dispatch() on host memory:
+ *  copies in, runs, copies out. slot_positions and num_invalid may be
+ *  NULL; the others are required (token_hidden, router_logits,
+ *  expert_ground, topk_weights and topk_ids may be NULL only when
+ *  num_tokens is 0; sorted_token_ids and block_expert_ids only when they
+ *  have no element). Same validation as moecl_grounded_route_dispatch().
+ *  The device buffers are the call's own, so a failed enqueue leaves every
+ *  host output unchanged; only a failed copy back may have written them
+ *  (see "What a failed call leaves" above). */
+MOECL_API moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                                          uint32_t block_size, const void *token_hidden,
+                                                          const float *router_logits, const void *expert_ground,
+                                                          float *topk_weights, int32_t *topk_ids,
+                                                          int32_t *expert_counts, int32_t *sorted_token_ids,
+                                                          int32_t *block_expert_ids,
+                                                          int32_t *num_tokens_post_padded, int32_t *slot_positions,
+                                                          int32_t *num_invalid);
 
 #ifdef __cplusplus
 }

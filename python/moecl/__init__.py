@@ -15,7 +15,8 @@ libdir of ``pkg-config moecl``, else ``ctypes.util.find_library("moecl")``;
 an OSError lists what was tried.
 """
 
-from ._context import Context, EpLayoutResult, MoeAlignResult, library, status_string, version
+from ._context import (Context, EpLayoutResult, MoeAlignResult, RouteDispatchResult, library, status_string,
+                       version)
 from ._errors import (BuildError, Error, InvalidArgumentError, NoDeviceError, OpenCLError, OutOfMemoryError,
                       UnsupportedError)
 from ._tensors import BufferView
@@ -25,6 +26,6 @@ library()
 
 __all__ = [
     "BufferView", "BuildError", "Context", "EpLayoutResult", "Error", "InvalidArgumentError", "MoeAlignResult",
-    "NoDeviceError",
-    "OpenCLError", "OutOfMemoryError", "UnsupportedError", "__version__", "library", "status_string", "version",
+    "NoDeviceError", "OpenCLError", "OutOfMemoryError", "RouteDispatchResult", "UnsupportedError", "__version__",
+    "library", "status_string", "version",
 ]

@@ -71,6 +71,25 @@ class MoeAlignResult(NamedTuple):
     event: Any                   #: pyopencl.Event, or None
 
 
+class RouteDispatchResult(NamedTuple):
+    """route_dispatch's and grounded_route_dispatch's outputs: the routing's
+    (docs/routing.md, sections 2 and 3), then moe_align's (section 7).
+
+    slot_positions and num_invalid are None when not asked for; event is
+    the call's pyopencl.Event on the device path, None on the NumPy path.
+    """
+
+    topk_weights: Any            #: float32 [num_tokens, top_k]
+    topk_ids: Any                #: int32 [num_tokens, top_k]
+    expert_counts: Any           #: int32 [num_experts]
+    sorted_token_ids: Any        #: int32 [max_padded]
+    block_expert_ids: Any        #: int32 [max_padded // block_size]
+    num_tokens_post_padded: Any  #: int32 [1]
+    slot_positions: Any          #: int32 [num_tokens, top_k], or None
+    num_invalid: Any             #: int32 [1], or None
+    event: Any                   #: pyopencl.Event, or None
+
+
 class Context:
     """An OpenCL device, its command queue and the kernels built for it.
 
@@ -213,13 +232,14 @@ class Context:
         self._check(getattr(self._lib, "moecl_%s_prepare" % name)(ctx, ctypes.byref(desc)), ctx)
 
     def _run(self, name: str, desc: ctypes.Structure, tensors: Sequence[Optional[T.Tensor]], kind: str,
-             wait_for: Optional[Sequence[Any]]) -> Any:
-        """Call moecl_<name>_host (HOST) or moecl_<name> (DEVICE); the event, or None."""
+             wait_for: Optional[Sequence[Any]], scalars: Sequence[int] = ()) -> Any:
+        """Call moecl_<name>_host (HOST) or moecl_<name> (DEVICE), with the
+        scalars after desc; the event, or None."""
         ctx = self._ptr()
         if kind == T.HOST:
             fn = getattr(self._lib, "moecl_%s_host" % name)
-            self._check(fn(ctx, ctypes.byref(desc), *[None if t is None else t.host.ctypes.data for t in tensors]),
-                        ctx)
+            self._check(fn(ctx, ctypes.byref(desc), *scalars,
+                           *[None if t is None else t.host.ctypes.data for t in tensors]), ctx)
             return None
         import pyopencl as cl
 
@@ -228,7 +248,7 @@ class Context:
         bufs = [_lib.Buffer(None, 0) if t is None else _lib.Buffer(t.mem, t.offset) for t in tensors]
         done = _lib.cl_handle()
         fn = getattr(self._lib, "moecl_%s" % name)
-        self._check(fn(ctx, ctypes.byref(desc), *bufs, len(events), wait, ctypes.byref(done)), ctx)
+        self._check(fn(ctx, ctypes.byref(desc), *scalars, *bufs, len(events), wait, ctypes.byref(done)), ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
 
     @staticmethod
@@ -316,6 +336,34 @@ class Context:
     # Top-k gating
     # ------------------------------------------------------------------
 
+    @staticmethod
+    def _topk_inputs(logits: Any, bias: Any, top_k: int, dtype: Optional[str],
+                     kind: str) -> Tuple[T.Tensor, Optional[T.Tensor], int, int, int]:
+        """Top-k gating's inputs checked: logits, bias, tokens, experts, top_k."""
+        g = T.check("logits", logits, (None, None), T.input_dtypes(dtype), kind)
+        tokens, experts = g.shape
+        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
+        return g, b, tokens, experts, _uint("top_k", top_k)
+
+    def _topk_desc(self, g: T.Tensor, tokens: int, experts: int, k: int, dtype: Optional[str],
+                   groups: Optional[int], topk_group: Optional[int], scoring: str, group_score: str,
+                   group_fill: str, renormalize: bool, scale: float, renormalize_floor: float) -> ctypes.Structure:
+        """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
+        fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
+                      topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
+                      gating_dtype=_lib.DTYPES[T.input_dtypes(dtype)[g.dtype]],
+                      scoring=_enum("scoring", scoring, _lib.SCORINGS),
+                      group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
+                      group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
+                      renormalize=bool(renormalize), routed_scaling_factor=float(scale),
+                      renormalize_floor=float(renormalize_floor))
+        # desc_init first: fields a later moecl adds keep their defaults.
+        desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
+        for name, value in fields.items():
+            setattr(desc, name, value)
+        self._prepare("topk_gating", desc)
+        return desc
+
     def topk_gating(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
                     groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                     renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
@@ -360,31 +408,16 @@ class Context:
         """
         out = dict(out or {})
         kind = T.kind_of([logits, bias, *out.values()])
-        dtypes = T.input_dtypes(dtype)
-        g = T.check("logits", logits, (None, None), dtypes, kind)
-        tokens, experts = g.shape
-        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
-        k = _uint("top_k", top_k)
+        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind)
         specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32), "counts": ((experts,), T.I32)}
         given = T.outputs(specs, out, kind)
         if given["counts"] is not None and not counts:
             raise ValueError('out["counts"] given without counts=True')
 
         self._check_wait(kind, wait_for)
-        fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
-                      topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
-                      gating_dtype=_lib.DTYPES[dtypes[g.dtype]],
-                      scoring=_enum("scoring", scoring, _lib.SCORINGS),
-                      group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
-                      group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
-                      renormalize=bool(renormalize), routed_scaling_factor=float(scale),
-                      renormalize_floor=float(renormalize_floor))
         on = self._on(queue)
-        # desc_init first: fields a later moecl adds keep their defaults.
-        desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
-        for name, value in fields.items():
-            setattr(desc, name, value)
-        on._prepare("topk_gating", desc)
+        desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
+                             renormalize, scale, renormalize_floor)
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -397,6 +430,27 @@ class Context:
     # ------------------------------------------------------------------
     # Grounded router
     # ------------------------------------------------------------------
+
+    @staticmethod
+    def _grounded_inputs(hidden: Any, router_logits: Any, ground: Any, top_k: int, dtype: Optional[str],
+                         kind: str) -> Tuple[T.Tensor, T.Tensor, T.Tensor, int, int, int]:
+        """The grounded router's inputs checked: hidden, router_logits, ground, tokens, experts, top_k."""
+        h = T.check("hidden", hidden, (None, None), T.input_dtypes(dtype), kind)
+        tokens, hidden_dim = h.shape
+        r = T.check("router_logits", router_logits, (tokens, None), [T.F32], kind)
+        experts = r.shape[1]
+        w = T.check("ground", ground, (experts, hidden_dim), [h.dtype], kind)
+        return h, r, w, tokens, experts, _uint("top_k", top_k)
+
+    def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float,
+                       dtype: Optional[str]) -> ctypes.Structure:
+        """moecl_grounded_router_desc of a call, validated by the library (and its kernels built)."""
+        tokens, hidden_dim = h.shape
+        desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
+        desc.top_k = k
+        desc.hidden_dtype = _lib.DTYPES[T.input_dtypes(dtype)[h.dtype]]
+        self._prepare("grounded_router", desc)
+        return desc
 
     def grounded_router(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2, alpha: float = 1.0,
                         *, dtype: Optional[str] = None, outputs: Sequence[str] = ("weights", "ids"),
@@ -429,13 +483,7 @@ class Context:
             if name not in ("pairs", "weights", "ids"):
                 raise ValueError('outputs: %r is none of "pairs", "weights", "ids"' % (name,))
         kind = T.kind_of([hidden, router_logits, ground, *out.values()])
-        dtypes = T.input_dtypes(dtype)
-        h = T.check("hidden", hidden, (None, None), dtypes, kind)
-        tokens, hidden_dim = h.shape
-        r = T.check("router_logits", router_logits, (tokens, None), [T.F32], kind)
-        experts = r.shape[1]
-        w = T.check("ground", ground, (experts, hidden_dim), [h.dtype], kind)
-        k = _uint("top_k", top_k)
+        h, r, w, tokens, experts, k = self._grounded_inputs(hidden, router_logits, ground, top_k, dtype, kind)
         specs = {"pairs": ((tokens, k, 2), T.F32), "weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
         given = T.outputs(specs, out, kind)
         extra = [n for n in specs if given[n] is not None and n not in outputs]
@@ -443,11 +491,8 @@ class Context:
             raise ValueError("out: %s given but not in outputs" % ", ".join(extra))
 
         self._check_wait(kind, wait_for)
-        desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
-        desc.top_k = k
-        desc.hidden_dtype = _lib.DTYPES[dtypes[h.dtype]]
         on = self._on(queue)
-        on._prepare("grounded_router", desc)
+        desc = on._grounded_desc(h, experts, k, alpha, dtype)
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, outputs, kind, q)
@@ -458,6 +503,32 @@ class Context:
     # ------------------------------------------------------------------
     # moe_align
     # ------------------------------------------------------------------
+
+    @staticmethod
+    def _align_specs(tokens: int, k: int, e: int, block: int) -> Dict[str, Tuple[Tuple[int, ...], np.dtype]]:
+        """moe_align's outputs' shapes, by MoeAlignResult's names."""
+        # moecl_moe_align_max_padded()'s formula, here so that the outputs
+        # are checked before any C call; block_size 0 is the library's to refuse.
+        max_padded = tokens * k + e * max(block - 1, 0)
+        bs = max(block, 1)
+        return {"expert_counts": ((e,), T.I32), "sorted_token_ids": ((max_padded,), T.I32),
+                "block_expert_ids": ((max_padded // bs,), T.I32), "num_tokens_post_padded": ((1,), T.I32),
+                "slot_positions": ((tokens, k), T.I32), "num_invalid": ((1,), T.I32)}
+
+    @staticmethod
+    def _align_wanted(specs: Dict[str, Any], given: Dict[str, Optional[T.Tensor]], slot_positions: bool,
+                      num_invalid: bool) -> list:
+        """The moe_align outputs a call writes; an output given in out must be one."""
+        for name, flag in (("slot_positions", slot_positions), ("num_invalid", num_invalid)):
+            if given[name] is not None and not flag:
+                raise ValueError("out[%r] given with %s=False" % (name, name))
+        return [n for n in specs if (n != "slot_positions" or slot_positions) and (n != "num_invalid" or num_invalid)]
+
+    def _align_desc(self, tokens: int, k: int, e: int, block: int) -> ctypes.Structure:
+        """moecl_moe_align_desc of a call, validated by the library (and its kernels built)."""
+        desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
+        self._prepare("moe_align", desc)
+        return desc
 
     def moe_align(self, topk_ids: Any, num_experts: int, block_size: int, *, slot_positions: bool = True,
                   num_invalid: bool = True, out: Optional[Dict[str, Any]] = None, queue: Any = None,
@@ -480,26 +551,94 @@ class Context:
         tokens, k = ids.shape
         self._check_wait(kind, wait_for)
         e, block = _uint("num_experts", num_experts), _uint("block_size", block_size)
-        # moecl_moe_align_max_padded()'s formula, here so that the outputs
-        # are checked before any C call; block_size 0 is the library's to refuse.
-        max_padded = tokens * k + e * max(block - 1, 0)
-        bs = max(block, 1)
-        specs = {"expert_counts": ((e,), T.I32), "sorted_token_ids": ((max_padded,), T.I32),
-                 "block_expert_ids": ((max_padded // bs,), T.I32), "num_tokens_post_padded": ((1,), T.I32),
-                 "slot_positions": ((tokens, k), T.I32), "num_invalid": ((1,), T.I32)}
+        specs = self._align_specs(tokens, k, e, block)
         given = T.outputs(specs, out, kind)
-        for name, flag in (("slot_positions", slot_positions), ("num_invalid", num_invalid)):
-            if given[name] is not None and not flag:
-                raise ValueError("out[%r] given with %s=False" % (name, name))
+        wanted = self._align_wanted(specs, given, slot_positions, num_invalid)
         on = self._on(queue)
-        desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
-        on._prepare("moe_align", desc)
+        desc = on._align_desc(tokens, k, e, block)
 
         q = on.queue if kind == T.DEVICE else None
-        wanted = [n for n in specs if (n != "slot_positions" or slot_positions) and (n != "num_invalid" or num_invalid)]
         o = self._outputs(specs, given, wanted, kind, q)
         event = on._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
         return MoeAlignResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------
+    # Routing through to dispatch
+    # ------------------------------------------------------------------
+
+    def _dispatch(self, name: str, desc_of: Any, inputs: Sequence[Optional[T.Tensor]], tokens: int, k: int,
+                  experts: int, block_size: int, slot_positions: bool, num_invalid: bool,
+                  out: Dict[str, Any], kind: str, queue: Any, wait_for: Optional[Sequence[Any]]) -> RouteDispatchResult:
+        """The two route dispatch calls' common steps: the outputs checked,
+        desc_of(context) building the routing's descriptor, the call."""
+        block = _uint("block_size", block_size)
+        specs = {"topk_weights": ((tokens, k), T.F32), "topk_ids": ((tokens, k), T.I32),
+                 **self._align_specs(tokens, k, experts, block)}
+        given = T.outputs(specs, out, kind)
+        wanted = ["topk_weights", "topk_ids"] + self._align_wanted(specs, given, slot_positions, num_invalid)
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = desc_of(on)
+        on._align_desc(tokens, k, experts, block)
+
+        q = on.queue if kind == T.DEVICE else None
+        o = self._outputs(specs, given, wanted, kind, q)
+        event = on._run(name, desc, list(inputs) + [o[n] for n in specs], kind, wait_for, scalars=[block])
+        return RouteDispatchResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
+
+    def route_dispatch(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
+                       groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
+                       renormalize: bool = False, scale: float = 1.0, *, block_size: int = 64,
+                       renormalize_floor: float = 0.0, group_fill: str = "neg_inf", dtype: Optional[str] = None,
+                       slot_positions: bool = True, num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
+                       queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
+        """Top-k gating through to dispatch in one call (moecl_route_dispatch;
+        docs/routing.md, "Routing through to dispatch"): exactly what
+        topk_gating followed by moe_align(ids, experts, block_size) returns,
+        in one launch for decode-sized batches where the device allows.
+
+        Args:
+            logits, top_k, scoring, bias, groups, topk_group, group_score,
+            renormalize, scale, renormalize_floor, group_fill, dtype: as for topk_gating.
+            block_size: as for moe_align.
+            slot_positions, num_invalid: compute these optional outputs.
+            out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
+
+        Returns:
+            A RouteDispatchResult.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([logits, bias, *out.values()])
+        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind)
+        return self._dispatch(
+            "route_dispatch",
+            lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
+                                     group_fill, renormalize, scale, renormalize_floor),
+            [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for)
+
+    def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,
+                                alpha: float = 1.0, *, block_size: int = 64, dtype: Optional[str] = None,
+                                slot_positions: bool = True, num_invalid: bool = True,
+                                out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                                wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
+        """The grounded router through to dispatch in one call
+        (moecl_grounded_route_dispatch): exactly what grounded_router (weights
+        and ids) followed by moe_align(ids, experts, block_size) returns, in
+        one launch for decode-sized batches where the device allows.
+
+        Args:
+            hidden, router_logits, ground, top_k, alpha, dtype: as for grounded_router.
+            block_size, slot_positions, num_invalid, out, queue, wait_for: as for route_dispatch.
+
+        Returns:
+            A RouteDispatchResult.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([hidden, router_logits, ground, *out.values()])
+        h, r, w, tokens, experts, k = self._grounded_inputs(hidden, router_logits, ground, top_k, dtype, kind)
+        return self._dispatch("grounded_route_dispatch", lambda on: on._grounded_desc(h, experts, k, alpha, dtype),
+                              [h, r, w], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind,
+                              queue, wait_for)
 
 
 def version() -> str:

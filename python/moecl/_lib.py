@@ -141,6 +141,12 @@ _SIGNATURES = {
     "moecl_ep_layout_prepare": (c_int, [_ctx, _P(EpLayoutDesc)]),
     "moecl_ep_layout": (c_int, [_ctx, _P(EpLayoutDesc)] + [Buffer] * 11 + [cl_uint, _events, _event_out]),
     "moecl_ep_layout_host": (c_int, [_ctx, _P(EpLayoutDesc)] + [c_void_p] * 11),
+    "moecl_route_dispatch": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [Buffer] * 10 +
+                             [cl_uint, _events, _event_out]),
+    "moecl_route_dispatch_host": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [c_void_p] * 10),
+    "moecl_grounded_route_dispatch": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [Buffer] * 11 +
+                                      [cl_uint, _events, _event_out]),
+    "moecl_grounded_route_dispatch_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [c_void_p] * 11),
 }
 
 

@@ -173,7 +173,7 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 /* ---- runs ---- */
 
-typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP } op_kind;
+typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE } op_kind;
 
 typedef struct run_def {
     const char *name;
@@ -240,6 +240,10 @@ static const run_def runs[] = {
     /* The expert-parallel layout's three kernels, in both classes. */
     {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    /* moecl_grounded_route_dispatch: the router's rows kernel then
+     * moe_align (cpu), its team kernel with the dispatch epilogue (gpu). */
+    {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -496,6 +500,22 @@ static const grounded_case grounded_cases[] = {
     {2, 8, 64, 64, 1.0f, true, false},  /* every expert chosen */
 };
 
+/* The grounded router's kernel for d must be the run's; whether the case
+ * is left out under --uninitialized (the rows kernel, or where it is
+ * another kernel, for why_not_rows unless NULL). */
+static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moecl_grounded_router_desc *d,
+                              const char *why_not_rows)
+{
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_grounded_router_launch(ctx, d, &key, &config);
+    check_launch(run, d->num_experts, config);
+    return left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
+                                  ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
+                                    "shuffle16_uninitialized, shuffle_undef_crash)"
+                                  : why_not_rows);
+}
+
 static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype)
 {
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
@@ -506,14 +526,7 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
     if (!selected())
         return;
 
-    moecl_launch_key key;
-    moecl_launch_config config;
-    moecl_grounded_router_launch(ctx, &d, &key, &config);
-    check_launch(run, d.num_experts, config);
-    if (left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
-                               ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
-                                 "shuffle16_uninitialized, shuffle_undef_crash)"
-                               : NULL))
+    if (grounded_left_out(ctx, run, &d, NULL))
         return;
 
     const size_t nk = (size_t)d.num_tokens * d.top_k, sz = ref_dtype_size(dtype);
@@ -769,6 +782,73 @@ static const route_case route_cases[] = {
     {70, 17, 3, 0, 0, 4, MOECL_SCORING_SIGMOID, true}, /* GPU class: three work-groups of 32 rows, one ticket each */
 };
 
+/* The outputs of a route dispatch call on tight device buffers (weights,
+ * ids, counts, sorted, blocks, post, slot positions, num_invalid, in the
+ * calls' order), then on the host. */
+typedef struct route_outs {
+    moecl_buffer b[8];
+    size_t nk, e, max_padded, blocks;
+    float *w;
+    int32_t *ids, *counts, *sorted, *block_ids, *positions, post, invalid;
+} route_outs;
+
+/* At least a word each: OpenCL refuses empty buffers. */
+#define AT_LEAST_4(n) ((n) > 0 ? (n) : 4)
+
+static void route_outs_make(moecl_context *ctx, const moecl_moe_align_desc *a, route_outs *o)
+{
+    o->nk = (size_t)a->num_tokens * a->top_k;
+    o->e = a->num_experts;
+    o->max_padded = (size_t)moecl_moe_align_max_padded(a);
+    o->blocks = o->max_padded / a->block_size;
+    const size_t offsets[8] = {4, 12, 16, 4, 8, 4, 4, 4};
+    const size_t sizes[8] = {o->nk * 4, o->nk * 4, o->e * 4, o->max_padded * 4, o->blocks * 4, 4, o->nk * 4, 4};
+    for (int i = 0; i < 8; i++)
+        o->b[i] = tight_buffer(ctx, offsets[i], AT_LEAST_4(sizes[i]), NULL);
+}
+
+/* Wait for done, read every output back and release its buffer. */
+static void route_outs_read(moecl_context *ctx, route_outs *o, cl_event done)
+{
+    if (done) {
+        clWaitForEvents(1, &done);
+        clReleaseEvent(done);
+    }
+    o->w = xmalloc(o->nk * 4 + 4);
+    o->ids = xmalloc(o->nk * 4 + 4);
+    o->counts = xmalloc(o->e * 4);
+    o->sorted = xmalloc(o->max_padded * 4 + 4);
+    o->block_ids = xmalloc(o->blocks * 4 + 4);
+    o->positions = xmalloc(o->nk * 4 + 4);
+    o->post = o->invalid = -7;
+    void *const outs[8] = {o->w, o->ids, o->counts, o->sorted, o->block_ids, &o->post, o->positions, &o->invalid};
+    const size_t sizes[8] = {o->nk * 4, o->nk * 4, o->e * 4, o->max_padded * 4, o->blocks * 4, 4, o->nk * 4, 4};
+    for (int i = 0; i < 8; i++)
+        read_back(ctx, o->b[i], sizes[i], outs[i]);
+}
+
+/* The dispatch, exactly, against the moe_align reference on the ids
+ * chosen. */
+static void route_outs_check(const moecl_moe_align_desc *a, const route_outs *o)
+{
+    char msg[512] = "";
+    if (ref_check_moe_align(a, o->ids, o->counts, o->sorted, o->block_ids, &o->post, o->positions, &o->invalid, msg,
+                            sizeof(msg)))
+        fail("dispatch: %s", msg);
+    else if (o->invalid != 0)
+        fail("num_invalid is %d, not 0", o->invalid);
+}
+
+static void route_outs_free(route_outs *o)
+{
+    free(o->w);
+    free(o->ids);
+    free(o->counts);
+    free(o->sorted);
+    free(o->block_ids);
+    free(o->positions);
+}
+
 /* moecl_route_dispatch on device buffers at offsets (tight at the end),
  * judged by the top-k reference and, exactly, by the moe_align reference
  * on the ids chosen. */
@@ -799,7 +879,6 @@ static void route_one(moecl_context *ctx, const run_def *run, const route_case *
                            "atomic_unwritten_uninitialized)"))
         return;
     const size_t nk = (size_t)d.num_tokens * d.top_k, e = d.num_experts;
-    const size_t max_padded = (size_t)moecl_moe_align_max_padded(&a), blocks = max_padded / a.block_size;
     void *gating = special_rows(MOECL_F32, d.num_tokens, d.num_experts, 0);
     float *bias = NULL;
     if (c->bias) {
@@ -807,59 +886,98 @@ static void route_one(moecl_context *ctx, const run_def *run, const route_case *
         for (uint32_t x = 0; x < e; x++)
             bias[x] = randn() * 0.05f;
     }
-    /* At least a word each: OpenCL refuses empty buffers. */
-#define AT_LEAST_4(n) ((n) > 0 ? (n) : 4)
     moecl_buffer in = tight_buffer(ctx, 64, AT_LEAST_4(nk / d.top_k * e * 4), gating);
     moecl_buffer bb = bias ? tight_buffer(ctx, 8, e * 4, bias) : (moecl_buffer){NULL, 0};
-    moecl_buffer wb = tight_buffer(ctx, 4, AT_LEAST_4(nk * 4), NULL), ib = tight_buffer(ctx, 12, AT_LEAST_4(nk * 4), NULL);
-    moecl_buffer cb = tight_buffer(ctx, 16, e * 4, NULL), sb = tight_buffer(ctx, 4, AT_LEAST_4(max_padded * 4), NULL);
-    moecl_buffer blb = tight_buffer(ctx, 8, AT_LEAST_4(blocks * 4), NULL), pb = tight_buffer(ctx, 4, 4, NULL);
-    moecl_buffer lb = tight_buffer(ctx, 4, AT_LEAST_4(nk * 4), NULL), nb = tight_buffer(ctx, 4, 4, NULL);
-#undef AT_LEAST_4
+    route_outs o;
+    route_outs_make(ctx, &a, &o);
     cl_event done = NULL;
-    const moecl_status st = moecl_route_dispatch(ctx, &d, c->block, in, bb, wb, ib, cb, sb, blb, pb, lb, nb, 0, NULL,
-                                                 &done);
-    if (done) {
-        clWaitForEvents(1, &done);
-        clReleaseEvent(done);
-    }
-    float *w = xmalloc(nk * 4 + 4);
-    int32_t *ids = xmalloc(nk * 4 + 4), *counts = xmalloc(e * 4), *sorted = xmalloc(max_padded * 4 + 4);
-    int32_t *block_ids = xmalloc(blocks * 4 + 4), *positions = xmalloc(nk * 4 + 4), post = -7, invalid = -7;
-    read_back(ctx, wb, nk * 4, w);
-    read_back(ctx, ib, nk * 4, ids);
-    read_back(ctx, cb, e * 4, counts);
-    read_back(ctx, sb, max_padded * 4, sorted);
-    read_back(ctx, blb, blocks * 4, block_ids);
-    read_back(ctx, pb, 4, &post);
-    read_back(ctx, lb, nk * 4, positions);
-    read_back(ctx, nb, 4, &invalid);
+    const moecl_status st = moecl_route_dispatch(ctx, &d, c->block, in, bb, o.b[0], o.b[1], o.b[2], o.b[3], o.b[4],
+                                                 o.b[5], o.b[6], o.b[7], 0, NULL, &done);
+    route_outs_read(ctx, &o, done);
     clReleaseMemObject(in.mem);
     if (bb.mem)
         clReleaseMemObject(bb.mem);
     char msg[512] = "";
     if (st != MOECL_SUCCESS)
         fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
-    else if (nk && ref_check_topk_gating(&d, gating, bias, w, ids, msg, sizeof(msg)))
+    else if (nk && ref_check_topk_gating(&d, gating, bias, o.w, o.ids, msg, sizeof(msg)))
         fail("top-k: %s", msg);
-    else if (ref_check_moe_align(&a, ids, counts, sorted, block_ids, &post, positions, &invalid, msg, sizeof(msg)))
-        fail("dispatch: %s", msg);
-    else if (invalid != 0)
-        fail("num_invalid is %d, not 0", invalid);
+    else
+        route_outs_check(&a, &o);
     free(gating);
     free(bias);
-    free(w);
-    free(ids);
-    free(counts);
-    free(sorted);
-    free(block_ids);
-    free(positions);
+    route_outs_free(&o);
 }
 
 static void run_route(moecl_context *ctx, const run_def *run)
 {
     for (size_t i = 0; i < COUNT(route_cases); i++)
         route_one(ctx, run, &route_cases[i]);
+}
+
+/* moecl_grounded_route_dispatch as route_one runs moecl_route_dispatch,
+ * on the grounded cases the team kernel holds (ties and NaN rows as
+ * grounded_one makes them: tokens 0 and 1 ask the reference for exact
+ * ties and non-finite g), judged by the grounded router's reference. */
+static const grounded_case grounded_route_cases[] = {
+    {0, 32, 16, 2, 1.0f, true, true},
+    {5, 32, 16, 2, 1.0f, true, true},
+    {70, 8, 12, 3, 0.5f, true, true}, /* GPU class: more than one work-group, one ticket each */
+};
+
+static void grounded_route_one(moecl_context *ctx, const run_def *run, const grounded_case *c, uint32_t block)
+{
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
+    d.top_k = c->top_k;
+    const moecl_moe_align_desc a = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, block);
+    snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u block=%u", run->name, d.num_tokens, d.hidden_dim,
+             d.num_experts, d.top_k, block);
+    if (!selected())
+        return;
+    if (grounded_left_out(ctx, run, &d,
+                          "moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
+                          "atomic_unwritten_uninitialized)"))
+        return;
+    const size_t th = (size_t)d.num_tokens * d.hidden_dim, eh = (size_t)d.num_experts * d.hidden_dim;
+    const size_t te = (size_t)d.num_tokens * d.num_experts;
+    float *hidden = xmalloc(AT_LEAST_4(th * 4)), *ground = xmalloc(eh * 4), *logits = xmalloc(AT_LEAST_4(te * 4));
+    for (size_t i = 0; i < th; i++)
+        hidden[i] = i < d.hidden_dim ? 0.0f : randn() / sqrtf((float)d.hidden_dim); /* token 0: g is its logits */
+    for (size_t i = 0; i < eh; i++)
+        ground[i] = randn();
+    for (size_t i = 0; i < te; i++) {
+        const size_t t = i / d.num_experts, e = i % d.num_experts;
+        logits[i] = t == 0 ? 0.25f : t == 1 && e % 5 == 1 ? NAN : t == 1 && e % 5 == 2 ? INFINITY : randn();
+    }
+    moecl_buffer hb = tight_buffer(ctx, 8, AT_LEAST_4(th * 4), hidden);
+    moecl_buffer lb = tight_buffer(ctx, 64, AT_LEAST_4(te * 4), logits);
+    moecl_buffer gb = tight_buffer(ctx, 4, eh * 4, ground);
+    route_outs o;
+    route_outs_make(ctx, &a, &o);
+    cl_event done = NULL;
+    const moecl_status st = moecl_grounded_route_dispatch(ctx, &d, block, hb, lb, gb, o.b[0], o.b[1], o.b[2], o.b[3],
+                                                          o.b[4], o.b[5], o.b[6], o.b[7], 0, NULL, &done);
+    route_outs_read(ctx, &o, done);
+    clReleaseMemObject(hb.mem);
+    clReleaseMemObject(lb.mem);
+    clReleaseMemObject(gb.mem);
+    char msg[512] = "";
+    if (st != MOECL_SUCCESS)
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if (ref_check_grounded_router(&d, hidden, logits, ground, NULL, o.w, o.ids, msg, sizeof(msg)))
+        fail("grounded router: %s", msg);
+    else
+        route_outs_check(&a, &o);
+    free(hidden);
+    free(ground);
+    free(logits);
+    route_outs_free(&o);
+}
+
+static void run_grounded_route(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(grounded_route_cases); i++)
+        grounded_route_one(ctx, run, &grounded_route_cases[i], i % 2 ? 4 : 16);
 }
 
 /* ---- main ---- */
@@ -900,8 +1018,10 @@ static int run_one(const run_def *run)
         run_align(ctx, run);
     else if (run->op == OP_EP)
         run_ep(ctx, run);
-    else
+    else if (run->op == OP_ROUTE)
         run_route(ctx, run);
+    else
+        run_grounded_route(ctx, run);
     moecl_context_destroy(ctx);
     fprintf(stderr, "run %s: %s\n", run->name, failures == before ? "ok" : "FAILED");
     return failures != before;
