@@ -112,6 +112,10 @@
 #define LAYOUT_ALIGN_COUNT_STATIC_BYTES 0
 #define LAYOUT_ALIGN_SCAN_STATIC_BYTES(scan_wg) (4 * (scan_wg) + 4)
 #define LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg) ((wg) > 1 ? 4 * (wg) : 0)
+/* The expert-parallel layout (cl/ep_layout.cl): count and scan take only
+ * arrays sized at launch; place compiles in a tile of WG words, as
+ * moe_align's scatter (unused, and dropped, with WG 1). */
+#define LAYOUT_EP_PLACE_STATIC_BYTES(wg) LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg)
 #define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
 /* The fused kernel: two arrays of E + 1 words sized at launch (running
  * counts, then totals; the starts); compiled in, the partial sums, the

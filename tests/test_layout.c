@@ -159,6 +159,7 @@ static void load_variants(void)
                   : strcmp(field[3], "grounded_router.cl") == 0 ? MOECL_PROGRAM_GROUNDED_ROUTER
                   : strcmp(field[3], "route_dispatch.cl") == 0  ? MOECL_PROGRAM_ROUTE_DISPATCH
                   : strcmp(field[3], "grounded_dispatch.cl") == 0 ? MOECL_PROGRAM_GROUNDED_DISPATCH
+                  : strcmp(field[3], "ep_layout.cl") == 0         ? MOECL_PROGRAM_EP_LAYOUT
                                                                 : MOECL_PROGRAM_MOE_ALIGN;
         v->kernels = strdup(field[4]);
         v->defines = strdup(defines + 1);
@@ -219,8 +220,13 @@ static described describe(const char *kernel, const char *d)
     } else if (strcmp(kernel, "moe_align_fused") == 0) {
         r.local = LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
         r.arrays = D("FUSED_WG") > 1 ? 3 : 2;
+    } else if (strcmp(kernel, "ep_layout_place") == 0) {
+        r.local = LAYOUT_EP_PLACE_STATIC_BYTES(D("WG"));
+        r.arrays = D("WG") > 1 ? 1 : 0;
     } else {
-        ck_assert_msg(strcmp(kernel, "moe_align_count") == 0, "no layout for kernel %s", kernel);
+        ck_assert_msg(strcmp(kernel, "moe_align_count") == 0 || strcmp(kernel, "ep_layout_count") == 0 ||
+                          strcmp(kernel, "ep_layout_scan") == 0,
+                      "no layout for kernel %s", kernel);
     }
     /* The kernels of moecl_route_dispatch and moecl_grounded_route_dispatch
      * (a team kernel built with ROUTE_DISPATCH): moe_align_fused's
