@@ -2,6 +2,7 @@
 """PyTorch reference timings to set beside moecl's own (bench/RESULTS.md).
 
     python3 bench/torch_reference.py [--device cuda|cpu] [--threads N] [--json OUT] [--quick] [--only OP]
+                                   [--logits normal|uniform10]
 
 Measures, in plain PyTorch (standard library + torch only):
   seed_topk_gating   the seed's Model.forward (softmax, topk k=8, int32 ids), ten seed shapes
@@ -16,6 +17,8 @@ between two events, time divided by unroll*reps (launch overhead removed).  Inpu
 resident, so small shapes run from a warm L2.  fp32 matmuls run with
 torch.backends.cuda.matmul.allow_tf32 = False unless labelled gemm_tf32.
 CPU: torch.set_num_threads(N), time.perf_counter per call, "cpu-eager".
+--logits: the seed top-k's logits, standard normal (default) or uniform on [0, 10) (top
+values crowd together), as moecl-bench --logits draws them (same kinds, not the same numbers).
 """
 import argparse
 import json
@@ -130,6 +133,13 @@ def check_grounded(token_hidden, router_logits, expert_ground, alpha, top_k):
 
 
 # ---------------------------------------------------------------- timing
+def random_logits(kind, t, e, dev):
+    """The seed top-k's input: randn, or uniform on [0, 10) (moecl-bench --logits)."""
+    if kind == "uniform10":
+        return 10.0 * torch.rand(t, e, dtype=torch.float32, device=dev)
+    return torch.randn(t, e, dtype=torch.float32, device=dev)
+
+
 def summarize(samples_us):
     s = sorted(samples_us)
     q = statistics.quantiles(s, n=10, method="inclusive") if len(s) > 1 else [s[0]] * 9
@@ -199,6 +209,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     ap.add_argument("--only", metavar="SUBSTRING", default="",
                     help="run only the ops whose name contains SUBSTRING (e.g. moe_align)")
+    ap.add_argument("--logits", choices=["normal", "uniform10"], default="normal",
+                    help="seed top-k logits: standard normal, or uniform on [0, 10) (crowded top values)")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
 
@@ -218,7 +230,7 @@ def main():
     blas = blas_info()
     print(f"torch {torch.__version__}  BLAS {blas}  device {name}  "
           f"allow_tf32={torch.backends.cuda.matmul.allow_tf32 if cuda else 'n/a'}  "
-          f"{'quick' if args.quick else 'full'}", flush=True)
+          f"{'quick' if args.quick else 'full'}  logits {args.logits}", flush=True)
 
     records = []
 
@@ -244,8 +256,9 @@ def main():
     model = Model(top_k=8)
     for t, e in SEED_SHAPES:
         torch.manual_seed(SEED)
-        x = torch.randn(t, e, dtype=torch.float32, device=dev)
-        bench("seed_topk_gating", dict(tokens=t, experts=e, top_k=8), lambda: model(x))
+        x = random_logits(args.logits, t, e, dev)
+        bench("seed_topk_gating", dict(tokens=t, experts=e, top_k=8), lambda: model(x),
+              extra=dict(logits=args.logits))
 
     # 2. DeepSeek-V3 grouped routing (eager only: the brief asks graphs for 1 and 3)
     for t in DSV3_TOKENS:

@@ -300,6 +300,17 @@ static inline uint hor16(uint16 v)
     X(sabcdef0123456789, 0xffc0) X(sbcdef0123456789a, 0xffe0) X(scdef0123456789ab, 0xfff0)         \
     X(sdef0123456789abc, 0xfff8) X(sef0123456789abcd, 0xfffc) X(sf0123456789abcde, 0xfffe)
 
+/* The candidates' logits as they rank. Above a finite floor that is the
+ * logit itself (a candidate ranks at least the floor, so not as -inf): the
+ * scalar exp per candidate is paid only where the floor is -inf (fewer
+ * than k nonzero scores in the row). */
+static inline void rank_candidates(float *cand_x, uint n, float floor_x, float row_max)
+{
+    if (floor_x == -INFINITY)
+        for (uint i = 0; i < n; i++)
+            cand_x[i] = rank_logit(cand_x[i], row_max);
+}
+
 __constant uint lane_bit16[16] = {1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 4,  1u << 5,
                                   1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10, 1u << 11,
                                   1u << 12, 1u << 13, 1u << 14, 1u << 15};
@@ -365,18 +376,19 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
             const uint e = p * 2 * V16 + 63 - (uint)clz(bits & (0ul - bits));
             bits &= bits - 1;
             const uint slot = min(count, (uint)V16);
-            cand_x[slot] = rank_logit(LOAD_IN(x, e), row_max);
+            cand_x[slot] = LOAD_IN(x, e);
             cand_e[slot] = e;
             count++;
         }
     }
+    rank_candidates(cand_x, min(count, (uint)V16), floor_x, row_max);
     const float8 s8 = acc.lo + acc.hi;
     const float4 s4 = s8.lo + s8.hi;
     const float row_sum = (s4.s0 + s4.s1) + (s4.s2 + s4.s3);
 
     /* The chosen logits and experts, in output order. */
-    float chosen_x[TOPK16];
-    uint chosen_e[TOPK];
+    float chosen_x[TOPK16 + 1]; /* slot TOPK (or TOPK16) takes the places past k */
+    uint chosen_e[TOPK + 1];
     if (isnan(row_sum)) {
         for (uint j = 0; j < TOPK; j++) {
             chosen_x[j] = NAN;
@@ -389,7 +401,8 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
     } else if (TOPK <= V16 && count <= V16 && count >= TOPK) {
         /* Each candidate's place: the candidates above it (larger logit, or
          * equal and earlier; rotation s wraps lanes >= 16 - s onto earlier
-         * candidates). Empty slots hold NaN, which is above nothing. */
+         * candidates). Empty slots hold NaN, which is above nothing. Each
+         * candidate goes straight to its place; those past k to slot k. */
         const float16 c = as_int16(lane) < (int)count ? vload16(0, cand_x) : (float16)(NAN);
         int16 place = (int16)(0);
 #define COUNT_PLACE(sw, wrapped)                                                                   \
@@ -402,12 +415,10 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 #undef COUNT_PLACE
         int pl[V16];
         vstore16(place, 0, pl);
-        uint slot_of[V16];
-        for (int i = V16 - 1; i >= 0; i--) /* empty slots first, overwritten */
-            slot_of[pl[i]] = (uint)i;
-        for (uint j = 0; j < TOPK; j++) {
-            chosen_x[j] = cand_x[slot_of[j]];
-            chosen_e[j] = cand_e[slot_of[j]];
+        for (uint i = 0; i < count; i++) {
+            const uint j = min((uint)pl[i], (uint)TOPK);
+            chosen_x[j] = cand_x[i];
+            chosen_e[j] = cand_e[i];
         }
     } else {
         /* Many candidates (ties at the floor) or k > 16: insertion of every

@@ -704,6 +704,61 @@ START_TEST(test_special_rows)
 }
 END_TEST
 
+/* Crowded top values, where the CPU path's floor for the k-th largest
+ * lets through the most candidates: kind 0 uniform on [0, 10) (the bench's
+ * --logits uniform10), kind 1 the same on a grid of quarters (exact ties at
+ * every place, the k-th included; distinct values a quarter apart, so the
+ * ids must equal the reference's exactly), kind 2 a third of the experts
+ * within 2^-16 of 9 above a uniform [0, 8) rest (near-ties: the checker's
+ * rules). Softmax, so every shape here takes the CPU fast path on CPUs:
+ * 16-lane blocks whole and partial, k up to 16. */
+static float crowded_logit(harness_rng *rng, int kind)
+{
+    const double u = harness_rand_uniform(rng);
+    if (kind == 0)
+        return (float)(10.0 * u);
+    if (kind == 1)
+        return (float)(floor(40.0 * u) / 4.0);
+    return harness_rand_u32(rng) % 3 == 0 ? 9.0f + (float)ldexp(u, -16) : (float)(8.0 * u);
+}
+
+START_TEST(test_crowded_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{128, 8}, {256, 8}, {64, 6}, {20, 7}, {16, 8}, {384, 16}, {160, 1}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int kind = 0; kind < 3; kind++, i++) {
+            harness_rng rng = harness_rng_for(9000 + i);
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(301, shapes[s][0], shapes[s][1]);
+            d.gating_dtype = (moecl_dtype)(i % 3);
+            d.renormalize = i % 2 == 1;
+            const size_t n = (size_t)d.num_tokens * d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+            void *gating = malloc(n * 4);
+            float *w = malloc(nk * 4 + 4), *ref_w = malloc(nk * 4);
+            int32_t *ids = malloc(nk * 4 + 4), *ref_ids = malloc(nk * 4);
+            ck_assert(gating && w && ref_w && ids && ref_ids);
+            for (size_t x = 0; x < n; x++)
+                harness_store(d.gating_dtype, gating, x, crowded_logit(&rng, kind));
+            ref_topk_gating(&d, gating, NULL, ref_w, ref_ids);
+            for (int path = 0; path < 2; path++) {
+                run(ctx, &d, gating, NULL, path == 1, w, ids);
+                check(&d, gating, NULL, w, ids);
+                for (size_t j = 0; j < nk && kind == 1; j++)
+                    ck_assert_msg(ids[j] == ref_ids[j], "crowded grid row %zu (E=%u k=%u dtype %d): position %zu id %d, "
+                                  "reference %d", j / d.top_k, d.num_experts, d.top_k, (int)d.gating_dtype, j % d.top_k,
+                                  ids[j], ref_ids[j]);
+            }
+            free(gating);
+            free(w);
+            free(ref_w);
+            free(ids);
+            free(ref_ids);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* _prepare builds the variant ahead; the call then runs it. Also a chain of
  * two calls ordered by events on the device path. */
 START_TEST(test_prepare_and_chain)
@@ -1046,6 +1101,7 @@ int main(void)
     tcase_set_timeout(random, 1200);
     tcase_add_test(random, test_group_fill_random);
     tcase_add_test(random, test_renormalize_floor_random);
+    tcase_add_test(random, test_crowded_rows);
     /* MOECL_TEST_QUICK (the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants. */
     if (!harness_quick()) {

@@ -60,6 +60,7 @@ typedef struct options {
     int num_shapes;
     int iterations, wall_calls;
     bool cold, quick, host_cost;
+    tool_logits logits; /* --logits: how the top-k cases' logits are drawn */
 } options;
 
 static void die(const char *what, moecl_context *ctx, int st)
@@ -270,7 +271,7 @@ static size_t routed_slots(const bench_case *c)
                             : (size_t)c->grounded.num_tokens * c->grounded.top_k;
 }
 
-static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_buffers *b)
+static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_logits logits, case_buffers *b)
 {
     memset(b, 0, sizeof(*b));
     uint64_t seed = 12345;
@@ -307,7 +308,7 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, case_bu
                 free(ids);
         } else if (c->op == OP_TOPK) {
             const moecl_topk_gating_desc *d = &c->topk;
-            void *g = tool_random_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, 1.0f);
+            void *g = tool_logits_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, logits);
             b->in[s] = tool_make_buffer("moecl-bench", cl, input_bytes(c), g);
             if (s == 0)
                 b->host_in = g;
@@ -566,7 +567,7 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
 {
     memset(r, 0, sizeof(*r));
     case_buffers b;
-    setup_buffers(moecl_context_cl_context(prof), c, o->cold, &b);
+    setup_buffers(moecl_context_cl_context(prof), c, o->cold, o->logits, &b);
     moecl_status st;
     double p0 = tool_now_us();
     if (c->op == OP_ALIGN) {
@@ -740,7 +741,7 @@ static host_cost measure_host_cost(moecl_context *ctx, const moecl_topk_gating_d
     c.op = OP_TOPK;
     c.topk = *desc;
     case_buffers b;
-    setup_buffers(cl, &c, false, &b);
+    setup_buffers(cl, &c, false, TOOL_LOGITS_NORMAL, &b);
     bench_result check;
     memset(&check, 0, sizeof(check));
     check_case(ctx, &c, &b, &check);
@@ -877,13 +878,16 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick]\n"
                "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
-               "                   [--host-cost] [--help]\n"
+               "                   [--logits normal|uniform10] [--host-cost] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
                "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
-               "label or shape contains SUBSTRING (one that keeps none is a bad usage). --json FILE and\n"
+               "label or shape contains SUBSTRING (one that keeps none is a bad usage). --logits: the top-k\n"
+               "cases' logits, standard normal (the default) or uniform on [0, 10) (top values crowd\n"
+               "together), both from the same seeded generator; bench/torch_reference.py --logits draws\n"
+               "the same kinds. --json FILE and\n"
                "--csv FILE write the table for scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32\n"
                "(moe_align); ids_fnv1a hashes the ids of the check, for moe_align the sorted_token_ids;\n"
                "JSON strings are valid UTF-8: a byte that is not is written as U+FFFD). moe_align's\n"
@@ -925,6 +929,7 @@ enum {
     OPT_COLD,
     OPT_QUICK,
     OPT_HOST_COST,
+    OPT_LOGITS,
 };
 
 /* "T,E,K": three whole numbers, experts and top_k at least 1. */
@@ -953,7 +958,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"csv", required_argument, NULL, OPT_CSV},         {"only", required_argument, NULL, OPT_ONLY},
         {"shape", required_argument, NULL, OPT_SHAPE},     {"cold", no_argument, NULL, OPT_COLD},
         {"quick", no_argument, NULL, OPT_QUICK},           {"host-cost", no_argument, NULL, OPT_HOST_COST},
-        {"help", no_argument, NULL, 'h'},                  {NULL, 0, NULL, 0},
+        {"logits", required_argument, NULL, OPT_LOGITS},   {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     const char *prog = "moecl-bench";
     memset(o, 0, sizeof(*o));
@@ -1003,6 +1009,10 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case OPT_HOST_COST:
             o->host_cost = true;
+            break;
+        case OPT_LOGITS:
+            if (!tool_parse_logits(optarg, &o->logits))
+                return tool_bad_usage(prog, usage, "--logits %s: expected normal or uniform10", optarg);
             break;
         default:
             return 2; /* tool_getopt named it */
@@ -1153,8 +1163,8 @@ int main(int argc, char **argv)
         die("creating the context", NULL, st);
     char desc[4096];
     moecl_context_describe(plain, desc, sizeof(desc));
-    printf("moecl %s  %s\n%s", moecl_version(), o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)",
-           desc);
+    printf("moecl %s  %s  logits %s\n%s", moecl_version(),
+           o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)", tool_logits_name(o.logits), desc);
     if (o.host_cost) {
         status = run_host_cost(plain, &o, jf);
         moecl_context_destroy(plain);
@@ -1253,6 +1263,7 @@ int main(int argc, char **argv)
     if (jf) {
         tool_json_add_string(doc, "version", moecl_version());
         tool_json_add_bool(doc, "cold", o.cold);
+        tool_json_add_string(doc, "logits", tool_logits_name(o.logits));
         tool_json_add_number(doc, "context_create_ms", rounded(create_ms, 1e2));
         tool_json_add_number(doc, "empty_kernel_us", rounded(pr.empty_us, 1e3));
         tool_json_add_number(doc, "empty_kernel_wall_us", rounded(pr.empty_wall_us, 1e3));

@@ -1,6 +1,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "reference.h"
@@ -29,19 +30,53 @@ float tool_randn(uint64_t *s)
     return (float)(sqrt(-2.0 * log(u[0])) * cos(6.283185307179586 * u[1]));
 }
 
-void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale)
+/* Uniform on [0, 10): 24 random bits, so every value is a multiple of
+ * 10 / 2^24 (a float holds it to within an ulp). */
+static float tool_rand_uniform10(uint64_t *s)
+{
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 40) * (10.0 / 16777216.0));
+}
+
+static void *tool_fill_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale, float (*draw)(uint64_t *))
 {
     void *p = malloc(n * ref_dtype_size(t) + 4);
     if (!p)
         return NULL;
     for (size_t i = 0; i < n; i++) {
-        float v = tool_randn(s) * scale;
+        float v = draw(s) * scale;
         if (t == MOECL_F32)
             ((float *)p)[i] = v;
         else
             ((uint16_t *)p)[i] = t == MOECL_F16 ? ref_float_to_half(v) : ref_float_to_bf16(v);
     }
     return p;
+}
+
+void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale)
+{
+    return tool_fill_tensor(s, t, n, scale, tool_randn);
+}
+
+void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t n, tool_logits dist)
+{
+    return tool_fill_tensor(s, t, n, 1.0f, dist == TOOL_LOGITS_UNIFORM10 ? tool_rand_uniform10 : tool_randn);
+}
+
+bool tool_parse_logits(const char *text, tool_logits *out)
+{
+    if (strcmp(text, "normal") == 0)
+        *out = TOOL_LOGITS_NORMAL;
+    else if (strcmp(text, "uniform10") == 0)
+        *out = TOOL_LOGITS_UNIFORM10;
+    else
+        return false;
+    return true;
+}
+
+const char *tool_logits_name(tool_logits dist)
+{
+    return dist == TOOL_LOGITS_UNIFORM10 ? "uniform10" : "normal";
 }
 
 cl_mem tool_make_buffer(const char *prog, cl_context c, size_t size, const void *data)

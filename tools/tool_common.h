@@ -4,6 +4,7 @@
 #ifndef MOECL_TOOL_COMMON_H
 #define MOECL_TOOL_COMMON_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -18,6 +19,16 @@ float tool_randn(uint64_t *s);
 /* n values randn * scale in dtype t (f16/bf16 rounded to nearest even),
  * malloc'ed with 4 spare bytes; NULL when out of memory. */
 void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale);
+/* How top-k logits are drawn: standard normal, or uniform on [0, 10) (top
+ * values crowd together: the k-th largest of 128 is about 0.5 below
+ * the largest). bench/torch_reference.py --logits draws the same kinds. */
+typedef enum tool_logits { TOOL_LOGITS_NORMAL, TOOL_LOGITS_UNIFORM10 } tool_logits;
+/* n logits of the kind dist in dtype t, as tool_random_tensor. */
+void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t n, tool_logits dist);
+/* "normal" or "uniform10" into *out; false for anything else. */
+bool tool_parse_logits(const char *text, tool_logits *out);
+/* The name tool_parse_logits reads. */
+const char *tool_logits_name(tool_logits dist);
 /* A read-write buffer of size bytes (at least 4), copied from data if not
  * NULL; on failure prints "<prog>: ..." and exits 1. */
 cl_mem tool_make_buffer(const char *prog, cl_context c, size_t size, const void *data);
