@@ -123,20 +123,44 @@ class Cuda:
         self.check(self.lib.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared, None, params, None), "cuLaunchKernel")
 
 
+def grouped_reference(torch, x, bias, k, groups, keep, scale):
+    """DeepSeek-V3's routing in float64: sigmoid, biased selection, groups
+    scored by their two largest, the kept groups' top-k, the unbiased
+    scores renormalised and scaled."""
+    score = torch.sigmoid(x.double())
+    s = score + bias.double()
+    t, e = s.shape
+    group_score = s.view(t, groups, e // groups).topk(2, dim=-1).values.sum(-1)
+    kept = group_score.topk(keep, dim=-1).indices
+    mask = torch.zeros(t, groups, dtype=torch.bool, device=x.device).scatter_(1, kept, True)
+    s = s.masked_fill(~mask.repeat_interleave(e // groups, dim=1), float("-inf"))
+    ids = s.topk(k, dim=-1).indices
+    w = score.gather(1, ids)
+    return w / w.sum(-1, keepdim=True) * scale, ids
+
+
 def topk_case(cuda, defines, kernel, tokens, params):
-    """Arguments, grid and check of a softmax top-k kernel, no bias/counts."""
+    """Arguments, grid and check of a top-k kernel without counts: softmax
+    without bias, or DeepSeek-V3's grouped sigmoid with bias (the bench's
+    'topk dsv3 grouped': 8 groups keep 4, renormalised, scale 2.5)."""
     torch = cuda.torch
     e, k = int(defines["NUM_EXPERTS"]), int(defines["TOPK"])
-    if defines.get("HAS_BIAS", "0") != "0" or defines.get("HAS_COUNTS", "0") != "0" or defines.get("SCORING") != "0":
-        raise SystemExit("only softmax variants without bias or counts are fed here")
-    if len(params) != 4:
-        raise SystemExit("%s: %d parameters, expected 4: %s" % (kernel, len(params), params))
+    grouped = (defines.get("HAS_BIAS") == "1" and defines.get("SCORING") == "1" and defines.get("NUM_GROUPS") == "8"
+               and defines.get("TOPK_GROUP") == "4")
+    if defines.get("HAS_COUNTS", "0") != "0" or not (grouped or (defines.get("HAS_BIAS", "0") == "0" and
+                                                                 defines.get("SCORING") == "0")):
+        raise SystemExit("only softmax variants without bias, or the DeepSeek-V3 grouped one, are fed here")
+    if len(params) != 4 + grouped:
+        raise SystemExit("%s: %d parameters, expected %d: %s" % (kernel, len(params), 4 + grouped, params))
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(tokens, e, device="cuda", generator=g, dtype=torch.float32)
+    bias = torch.randn(e, device="cuda", generator=g, dtype=torch.float32) * 0.1
     w = torch.full((tokens, k), float("nan"), device="cuda")
     ids = torch.full((tokens, k), -7, device="cuda", dtype=torch.int32)
-    record = (ctypes.c_ubyte * 48).from_buffer_copy(struct.pack("<5QIf", 0, 0, 0, 0, 0, tokens, 1.0))
-    args = [ctypes.c_uint64(x.data_ptr()), ctypes.c_uint64(w.data_ptr()), ctypes.c_uint64(ids.data_ptr()), record]
+    scale = 2.5 if grouped else 1.0
+    record = (ctypes.c_ubyte * 48).from_buffer_copy(struct.pack("<5QIf", 0, 0, 0, 0, 0, tokens, scale))
+    args = ([ctypes.c_uint64(x.data_ptr())] + ([ctypes.c_uint64(bias.data_ptr())] if grouped else []) +
+            [ctypes.c_uint64(w.data_ptr()), ctypes.c_uint64(ids.data_ptr()), record])
     if kernel == "topk_gating_team":
         team, rows = int(defines["TEAM"]), int(defines["ROWS"])
         block, grid = team * rows, (tokens + rows - 1) // rows
@@ -146,7 +170,10 @@ def topk_case(cuda, defines, kernel, tokens, params):
 
     def check():
         torch.cuda.synchronize()
-        want_w, want_i = torch.topk(torch.softmax(x.double(), -1), k, dim=-1)
+        if grouped:
+            want_w, want_i = grouped_reference(torch, x, bias, k, 8, 4, scale)
+        else:
+            want_w, want_i = torch.topk(torch.softmax(x.double(), -1), k, dim=-1)
         ok = torch.equal(ids.long(), want_i) and torch.allclose(w.double(), want_w, rtol=1e-5, atol=1e-7)
         return ok, "ids %s, weights max error %.3g" % (
             "equal" if torch.equal(ids.long(), want_i) else "DIFFER", (w.double() - want_w).abs().max().item())
@@ -173,6 +200,8 @@ def main():
     else:
         # The variants topk_case can feed, unless asked otherwise.
         want = {"HAS_BIAS": "0", "SCORING": "0"}
+        if any(m.startswith("HAS_BIAS=1") for m in o.match):
+            want = {}
         want.update(dict(m.split("=", 1) for m in o.match))
         chosen = None
         for path in sorted(glob.glob(os.path.join(o.cache, "*.bin"))):
