@@ -126,13 +126,8 @@ moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_ep_layout_d
 
 /* ---- enqueue ---- */
 
-typedef struct mem_at {
-    cl_mem mem;
-    cl_ulong off; /* in elements */
-} mem_at;
-
 typedef struct ep_args {
-    mem_at ids, l2p, replicas, p2r, phys, rank_counts, rank_offsets, send, tir, tpr, counts;
+    moecl_mem_at ids, l2p, replicas, p2r, phys, rank_counts, rank_offsets, send, tir, tpr, counts;
 } ep_args;
 
 /* Tokens per chunk: about 256 chunks on GPUs (the scan walks them

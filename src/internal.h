@@ -483,6 +483,13 @@ typedef struct moecl_buffer_check {
 /* One argument as clSetKernelArg takes it: value NULL with size > 0 is
  * local memory of that size (and, for a buffer argument, an absent
  * buffer). mem: value points to a cl_mem; check: validate it first. */
+/* A caller's buffer and its offset in elements of the buffer's type, as
+ * the ops' argument records hold them. */
+typedef struct moecl_mem_at {
+    cl_mem mem;
+    cl_ulong off;
+} moecl_mem_at;
+
 typedef struct moecl_kernel_arg {
     size_t size;
     const void *value;

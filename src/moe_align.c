@@ -236,13 +236,8 @@ moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_d
 
 /* ---- enqueue ---- */
 
-typedef struct mem_at {
-    cl_mem mem;
-    cl_ulong off; /* in int32 elements */
-} mem_at;
-
 typedef struct align_args {
-    mem_at ids, counts, sorted, blocks, post, slots, invalid;
+    moecl_mem_at ids, counts, sorted, blocks, post, slots, invalid;
 } align_args;
 
 #define ARG(v) MOECL_ARG(v)
