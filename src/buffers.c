@@ -124,6 +124,19 @@ moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, co
     return MOECL_SUCCESS;
 }
 
+moecl_status moecl_host_call_end(moecl_context *ctx, moecl_status st, cl_event ran, cl_mem *mems, cl_uint count,
+                                 cl_uint first, const size_t *sizes, void *const *hosts)
+{
+    if (st == MOECL_SUCCESS)
+        st = moecl_read_back(ctx, ran, count - first, mems + first, sizes, hosts + first);
+    if (ran)
+        clReleaseEvent(ran);
+    for (cl_uint i = 0; i < count; i++)
+        if (mems[i])
+            clReleaseMemObject(mems[i]);
+    return st;
+}
+
 static moecl_status create_scratch(moecl_context *ctx, size_t bytes, cl_mem *mem)
 {
     cl_int err = CL_SUCCESS;

@@ -331,16 +331,8 @@ moecl_status moecl_ep_layout_host(moecl_context *ctx, const moecl_ep_layout_desc
                            {m[TIR], 0},   {m[TPR], 0},     {m[COUNTS], 0}};
         st = enqueue(ctx, desc, p, &a, 0, NULL, &ran);
     }
-    if (st == MOECL_SUCCESS) {
-        size_t read_sizes[NUM - PHYS];
-        for (int i = PHYS; i < NUM; i++)
-            read_sizes[i - PHYS] = (size_t)sizes[i];
-        st = moecl_read_back(ctx, ran, NUM - PHYS, m + PHYS, read_sizes, hosts + PHYS);
-    }
-    if (ran)
-        clReleaseEvent(ran);
-    for (int i = 0; i < NUM; i++)
-        if (m[i])
-            clReleaseMemObject(m[i]);
-    return st;
+    size_t read_sizes[NUM - PHYS];
+    for (int i = PHYS; i < NUM; i++)
+        read_sizes[i - PHYS] = (size_t)sizes[i];
+    return moecl_host_call_end(ctx, st, ran, m, NUM, PHYS, read_sizes, hosts);
 }

@@ -626,6 +626,14 @@ moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flag
 moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
                              const size_t *sizes, void *const *hosts);
 
+/* The end of a host-path call that holds its buffers in one array: where
+ * st is a success, mems[first..count) are read back into
+ * hosts[first..count) (sizes[i - first] bytes; NULL hosts skipped) after
+ * ran; then ran and every buffer are released. Returns st, or the read's
+ * error. */
+moecl_status moecl_host_call_end(moecl_context *ctx, moecl_status st, cl_event ran, cl_mem *mems, cl_uint count,
+                                 cl_uint first, const size_t *sizes, void *const *hosts);
+
 /* The range checks both ops share: 1 <= num_experts <= 4096 and
  * 1 <= top_k <= min(num_experts, 64), with messages naming the field. */
 moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, uint32_t top_k);

@@ -467,15 +467,7 @@ moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc
                               {m[POST], 0}, {m[SLOTS], 0},  {m[INVALID], 0}};
         st = enqueue(ctx, desc, p, &a, 0, NULL, &ran);
     }
-    if (st == MOECL_SUCCESS) {
-        /* Every output but the input, read back where the host gave one. */
-        const size_t read_sizes[NUM - 1] = {z.counts, z.sorted, z.blocks, 4, z.ids, 4};
-        st = moecl_read_back(ctx, ran, NUM - 1, m + 1, read_sizes, hosts + 1);
-    }
-    if (ran)
-        clReleaseEvent(ran);
-    for (int i = 0; i < NUM; i++)
-        if (m[i])
-            clReleaseMemObject(m[i]);
-    return st;
+    /* Every output but the input, read back where the host gave one. */
+    const size_t read_sizes[NUM - 1] = {z.counts, z.sorted, z.blocks, 4, z.ids, 4};
+    return moecl_host_call_end(ctx, st, ran, m, NUM, 1, read_sizes, hosts);
 }

@@ -369,18 +369,10 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
         st = one ? enqueue_one_kernel(ctx, s, block_size, one, &b, 0, NULL, &ran)
                  : enqueue(ctx, s, &align, &b, 0, NULL, &ran);
     }
-    if (st == MOECL_SUCCESS) {
-        size_t sizes[NUM - WEIGHTS];
-        for (int i = WEIGHTS; i < NUM; i++)
-            sizes[i - WEIGHTS] = (size_t)bytes[i];
-        st = moecl_read_back(ctx, ran, NUM - WEIGHTS, m + WEIGHTS, sizes, outputs + WEIGHTS);
-    }
-    if (ran)
-        clReleaseEvent(ran);
-    for (int i = 0; i < NUM; i++)
-        if (m[i])
-            clReleaseMemObject(m[i]);
-    return st;
+    size_t sizes[NUM - WEIGHTS];
+    for (int i = WEIGHTS; i < NUM; i++)
+        sizes[i - WEIGHTS] = (size_t)bytes[i];
+    return moecl_host_call_end(ctx, st, ran, m, NUM, WEIGHTS, sizes, outputs);
 }
 
 moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
