@@ -18,6 +18,9 @@ moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, 
     d.top_k = 2;
     d.alpha = alpha;
     d.hidden_dtype = MOECL_F32;
+    d.precision = MOECL_PRECISION_FP32;
+    d.gating = (moecl_gating){MOECL_SCORING_RAW, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0, MOECL_GROUP_SCORE_MAX,
+                              MOECL_GROUP_FILL_NEG_INF, false, 0.0f, 1.0f};
     return d;
 }
 

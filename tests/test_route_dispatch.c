@@ -772,10 +772,17 @@ START_TEST(test_grounded_bad_input)
     /* Each field of good (16 tokens, hidden 32, 16 experts, top 2) out of
      * range: hidden, experts, top_k (17: more than the experts), alpha,
      * dtype. */
-    const moecl_grounded_router_desc bad[] = {
-        {16, 0, 16, 2, 1.0f, MOECL_F32},  {16, 65537, 16, 2, 1.0f, MOECL_F32}, {16, 32, 0, 2, 1.0f, MOECL_F32},
-        {16, 32, 4097, 2, 1.0f, MOECL_F32}, {16, 32, 16, 0, 1.0f, MOECL_F32},  {16, 32, 16, 17, 1.0f, MOECL_F32},
-        {16, 32, 16, 2, NAN, MOECL_F32},  {16, 32, 16, 2, 1.0f, (moecl_dtype)7}};
+    moecl_grounded_router_desc bad[8];
+    for (size_t i = 0; i < COUNT(bad); i++)
+        bad[i] = good;
+    bad[0].hidden_dim = 0;
+    bad[1].hidden_dim = 65537;
+    bad[2].num_experts = 0;
+    bad[3].num_experts = 4097;
+    bad[4].top_k = 0;
+    bad[5].top_k = 17;
+    bad[6].alpha = NAN;
+    bad[7].hidden_dtype = (moecl_dtype)7;
     char what[64];
     for (size_t i = 0; i < COUNT(bad); i++) {
         snprintf(what, sizeof(what), "grounded descriptor case %zu", i);

@@ -290,11 +290,30 @@ typedef enum moecl_dtype {
     MOECL_BF16 = 2, /**< bfloat16: the upper 16 bits of a binary32 */
 } moecl_dtype;
 
-/** Scoring function of top-k gating. */
+/** Scoring function: what a token is routed by, before any correction
+ *  bias (docs/routing.md, section 2, step 1). */
 typedef enum moecl_scoring {
     MOECL_SCORING_SOFTMAX = 0, /**< softmax over the experts of a token */
     MOECL_SCORING_SIGMOID = 1, /**< sigmoid of each logit */
+    /** sqrt(softplus(x)), softplus(x) = x above 20 and log1p(exp(x))
+     *  otherwise (PyTorch's threshold): DeepSeek-V4's "sqrtsoftplus". */
+    MOECL_SCORING_SQRTSOFTPLUS = 2,
+    MOECL_SCORING_RAW = 3, /**< the logit itself (Llama 4; the grounded router's g) */
 } moecl_scoring;
+
+/** What the chosen experts are weighted by (docs/routing.md, section 2,
+ *  step 5), independently of what they were selected by. */
+typedef enum moecl_weighting {
+    /** The chosen experts' unbiased scores: top-k gating's convention
+     *  (vLLM, SGLang, DeepSeek-V3) and its default. */
+    MOECL_WEIGHTS_SCORE = 0,
+    /** A softmax over the chosen logits only, max-subtracted, summed in
+     *  slot order: Mixtral/Qwen's "top-k, then softmax" and the grounded
+     *  router's default. */
+    MOECL_WEIGHTS_SOFTMAX_CHOSEN = 1,
+    /** The sigmoid of each chosen logit: Llama 4. */
+    MOECL_WEIGHTS_SIGMOID_CHOSEN = 2,
+} moecl_weighting;
 
 /** Group score of group-limited selection: the largest selection score in
  *  the group (the seed reference), or the sum of the two largest
@@ -383,6 +402,9 @@ typedef struct moecl_topk_gating_desc {
      *  MOECL_GROUP_FILL_ZERO gives them the selection score 0.0 of the
      *  seed reference. Ignored without groups. */
     moecl_group_fill group_fill;
+    /** What the chosen experts weigh: MOECL_WEIGHTS_SCORE (the default)
+     *  keeps moecl's results from before this field existed. */
+    moecl_weighting weighting;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
@@ -513,6 +535,40 @@ MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl
  * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
  * alpha finite, hidden_dtype one of its enum values.
  */
+/** How the products of hidden @ ground^T are formed when the hidden states
+ *  are f32 (docs/routing.md, section 3). f16 and bf16 hidden states ignore
+ *  it: their products are exact in fp32 on every path (tensor cores where
+ *  the device has them), so they always have the fp32 bound. */
+typedef enum moecl_precision {
+    /** fp32 products and sums, the fp32 error bound. The default. */
+    MOECL_PRECISION_FP32 = 0,
+    /** Opt-in: each operand rounded to tf32 (10 explicit mantissa bits)
+     *  and multiplied on the tensor cores where the device has them; a
+     *  looser bound (docs/routing.md, section 4). Devices without them
+     *  compute in fp32, which is within that bound. */
+    MOECL_PRECISION_TF32 = 1,
+    /** Opt-in: each operand split into a tf32 high part and a tf32
+     *  residual, three tensor-core products (hi*hi + hi*lo + lo*hi):
+     *  about fp32 accuracy from the tensor cores. fp32 elsewhere. */
+    MOECL_PRECISION_3XTF32 = 2,
+} moecl_precision;
+
+/** The gating conventions after the router's GEMM: the fields of
+ *  moecl_topk_gating_desc that say how a row of logits becomes ids and
+ *  weights, with the same meaning and validity (docs/routing.md,
+ *  section 2). */
+typedef struct moecl_gating {
+    moecl_scoring scoring;         /**< what selects (before the bias) */
+    moecl_weighting weighting;     /**< what the chosen weigh */
+    uint32_t num_expert_groups;    /**< 0: no group-limited selection */
+    uint32_t topk_group;           /**< groups kept per token */
+    moecl_group_score group_score; /**< how a group is scored */
+    moecl_group_fill group_fill;   /**< what becomes of dropped groups */
+    bool renormalize;              /**< divide the weights by their sum */
+    float renormalize_floor;       /**< with renormalize, the smallest divisor (0: moecl's rule) */
+    float routed_scaling_factor;   /**< applied to the weights last */
+} moecl_gating;
+
 typedef struct moecl_grounded_router_desc {
     uint32_t num_tokens;  /**< rows of token_hidden and router_logits */
     uint32_t hidden_dim;  /**< columns of token_hidden and expert_ground */
@@ -520,9 +576,17 @@ typedef struct moecl_grounded_router_desc {
     uint32_t top_k;       /**< 2 in the seed reference */
     float alpha;          /**< weight of the hidden @ ground^T term */
     moecl_dtype hidden_dtype; /**< dtype of token_hidden and expert_ground */
+    /** f32 hidden states only: fp32 (the default), TF32 or 3xTF32. */
+    moecl_precision precision;
+    /** How g becomes ids and weights. The default, the seed's: select on
+     *  g itself (MOECL_SCORING_RAW), weights a softmax over the chosen g
+     *  (MOECL_WEIGHTS_SOFTMAX_CHOSEN), no groups, no renormalisation,
+     *  factor 1. */
+    moecl_gating gating;
 } moecl_grounded_router_desc;
 
-/** The seed reference op: top_k 2, f32 hidden states. */
+/** The seed reference op: top_k 2, f32 hidden states, fp32 products and
+ *  the seed's gating (select on g, softmax over the chosen). */
 MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, uint32_t hidden_dim,
                                                                      uint32_t num_experts, float alpha);
 
@@ -560,6 +624,36 @@ MOECL_API moecl_status moecl_grounded_router_host(moecl_context *ctx, const moec
 
 /** Build (or load from cache) the kernel variant desc needs. */
 MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc);
+
+/**
+ * A router in one launch, from hidden states to ids and weights: the
+ * grounded router's g with desc->gating's conventions and an optional
+ * correction bias, which is what a model's router (DeepSeek-V3: hidden
+ * 7168, 256 experts, sigmoid, bias, groups, renormalised, scaled) needs.
+ * router_logits may be absent: then g = alpha * hidden @ ground^T, a plain
+ * router GEMM with expert_ground as the gate's weight matrix.
+ *
+ *   token_hidden   [num_tokens][hidden_dim] of hidden_dtype
+ *   router_logits  float[num_tokens][num_experts], or absent
+ *   expert_ground  [num_experts][hidden_dim] of hidden_dtype
+ *   bias           float[num_experts], or absent: steers selection only
+ *   topk_weights   float[num_tokens][top_k], required
+ *   topk_ids       int32_t[num_tokens][top_k], required
+ *
+ * Asynchronous, with the errors of moecl_grounded_router(); on any
+ * failure nothing is enqueued and no output byte changes.
+ */
+MOECL_API moecl_status moecl_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                    moecl_buffer token_hidden, moecl_buffer router_logits,
+                                    moecl_buffer expert_ground, moecl_buffer bias, moecl_buffer topk_weights,
+                                    moecl_buffer topk_ids, cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience of moecl_router() on host memory; router_logits
+ *  and bias may be NULL. Same validation as moecl_router(). */
+MOECL_API moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                         const void *token_hidden, const float *router_logits,
+                                         const void *expert_ground, const float *bias, float *topk_weights,
+                                         int32_t *topk_ids);
 
 /* ---------------------------------------------------------------------- */
 /* Dispatch: moe_align (docs/routing.md, "Dispatch: moe_align")            */

@@ -51,6 +51,23 @@ class TopkGatingDesc(ctypes.Structure):
         ("routed_scaling_factor", ctypes.c_float),
         ("renormalize_floor", ctypes.c_float),
         ("group_fill", c_int),
+        ("weighting", c_int),
+    ]
+
+
+class Gating(ctypes.Structure):
+    """moecl_gating."""
+
+    _fields_ = [
+        ("scoring", c_int),
+        ("weighting", c_int),
+        ("num_expert_groups", c_uint32),
+        ("topk_group", c_uint32),
+        ("group_score", c_int),
+        ("group_fill", c_int),
+        ("renormalize", ctypes.c_bool),
+        ("renormalize_floor", ctypes.c_float),
+        ("routed_scaling_factor", ctypes.c_float),
     ]
 
 
@@ -64,6 +81,8 @@ class GroundedRouterDesc(ctypes.Structure):
         ("top_k", c_uint32),
         ("alpha", ctypes.c_float),
         ("hidden_dtype", c_int),
+        ("precision", c_int),
+        ("gating", Gating),
     ]
 
 
