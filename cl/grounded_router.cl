@@ -295,7 +295,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
-#else
+#elif KERNEL == 2
 /* ---------------------------------------------------------------------- */
 /* Tiled: TM tokens x TN experts per step, hidden streamed by TK (GPUs).    */
 /* ---------------------------------------------------------------------- */
