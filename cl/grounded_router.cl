@@ -1,10 +1,15 @@
-/* Grounded router (docs/routing.md, section 2):
+/* Grounded router (docs/routing.md, section 3):
  *   g[e] = router_logits[e] + alpha * dot(token_hidden, expert_ground[e])
- * with fp32 accumulation, the TOPK largest g (descending, ties to the lower
- * index, NaN lowest), and a softmax over the chosen g values.
+ * with fp32 accumulation, and g the row of logits of the gating pipeline
+ * (cl/gating.cl, its defines: SCORING, WEIGHTING, HAS_BIAS, groups,
+ * renormalisation); the seed's defaults select the TOPK largest g
+ * (descending, ties to the lower index, NaN lowest) and weigh them by a
+ * softmax over the chosen g.
  * Specialised at build time:
  *   HIDDEN_DIM, NUM_EXPERTS, TOPK       the shape
  *   IN_DTYPE                            dtype of token_hidden and expert_ground
+ *   HAS_LOGITS                          (absent: 1) router_logits is read;
+ *                                       0: g = alpha * dot (moecl_router)
  *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
@@ -28,9 +33,25 @@
 #ifndef KERNEL
 #define KERNEL 0
 #endif
+#ifndef HAS_LOGITS
+#define HAS_LOGITS 1
+#endif
+/* g from the dot product: the router logit plus alpha times it, or alpha
+ * times it alone. */
+#if HAS_LOGITS
+#define G_OF(logit, dot) ((logit) + alpha * (dot))
+#define LOGIT_AT(t, e) logits[(size_t)(t)*NUM_EXPERTS + (e)]
+#else
+#define G_OF(logit, dot) (alpha * (dot))
+#define LOGIT_AT(t, e) 0.0f
+#endif
+/* The tiled kernel's running top-k is right only where the selection is
+ * on g itself, with no bias and no groups (any weighting: the chosen g
+ * come back from their keys). */
+#define MERGEABLE (SCORING == 3 && !HAS_BIAS && NUM_GROUPS == 0)
 
 /* The float a rank_of_float value came from (-0 comes back as +0 and every
- * NaN as one NaN, neither of which changes a softmax). */
+ * NaN as one NaN, neither of which changes a weight). */
 static inline float float_of_rank(uint r)
 {
     if (r == 0u)
@@ -38,56 +59,35 @@ static inline float float_of_rank(uint r)
     return (r & 0x80000000u) ? as_float(r & 0x7fffffffu) : as_float(~r);
 }
 
-/* Softmax over the chosen values g (max-subtracted: g[0] is the largest
- * number unless every chosen value is NaN) and the outputs. The sum runs in
- * index order, so every device gives the same bits. Private arrays. */
-static inline void write_outputs(const uint *id, const float *g, uint row, __global float *pairs,
-                                 __global float *weights, __global int *ids)
+/* Output slot j of a row: its id and final weight (private values). */
+static inline void write_output(uint j, uint id, float w, uint row, __global float *pairs, __global float *weights,
+                                __global int *ids)
 {
-    float e[TOPK];
-    float sum = 0.0f;
-    for (uint j = 0; j < TOPK; j++) {
-        e[j] = exp(g[j] - g[0]);
-        sum += e[j];
-    }
-    for (uint j = 0; j < TOPK; j++) {
-        const float w = e[j] / sum;
-        const size_t at = (size_t)row * TOPK + j;
+    const size_t at = (size_t)row * TOPK + j;
 #if HAS_PAIRS
-        pairs[2 * at] = (float)id[j];
-        pairs[2 * at + 1] = w;
+    pairs[2 * at] = (float)id;
+    pairs[2 * at + 1] = w;
 #endif
 #if HAS_WEIGHTS
-        weights[at] = w;
+    weights[at] = w;
 #endif
 #if HAS_IDS
-        ids[at] = (int)id[j];
+    ids[at] = (int)id;
 #endif
-    }
-}
-
-/* write_outputs from a descending list of rank keys. */
-static inline void write_outputs_from_keys(const ulong *keys, uint row, __global float *pairs,
-                                           __global float *weights, __global int *ids)
-{
-    uint id[TOPK];
-    float g[TOPK];
-    for (uint j = 0; j < TOPK; j++) {
-        id[j] = key_index(keys[j]);
-        g[j] = float_of_rank((uint)(keys[j] >> 32));
-    }
-    write_outputs(id, g, row, pairs, weights, ids);
 }
 
 #define OUTPUT_PARAMS                                                                              \
-    __global float *pairs, ulong pairs_off, __global float *weights, ulong weights_off, __global int *ids, \
-        ulong ids_off, uint num_tokens, float alpha
+    __global const float *bias, ulong bias_off, __global float *pairs, ulong pairs_off, __global float *weights,   \
+        ulong weights_off, __global int *ids, ulong ids_off, uint num_tokens, float alpha, float scaling_factor
 
 #define OFFSET_OUTPUTS()                                                                           \
     do {                                                                                           \
         hidden += hidden_off;                                                                      \
-        logits += logits_off;                                                                      \
+        if (HAS_LOGITS)                                                                            \
+            logits += logits_off;                                                                  \
         ground += ground_off;                                                                      \
+        if (HAS_BIAS)                                                                              \
+            bias += bias_off;                                                                      \
         if (HAS_PAIRS)                                                                             \
             pairs += pairs_off;                                                                    \
         if (HAS_WEIGHTS)                                                                           \
@@ -142,11 +142,12 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
     for (uint m = 0; m < TM; m++)
         tok[m] = min(t0 + m, num_tokens - 1);
 
-    ulong keys[TM][TOPK];
-    float unused[TOPK];
+    /* Each token's row of g, for the gating pipeline after the GEMM
+     * (cl/gating.cl, rows_pipeline); padding lanes 0. */
+    float grow[TM][BLOCKS * BLOCK];
     for (uint m = 0; m < TM; m++)
-        for (uint j = 0; j < TOPK; j++)
-            keys[m][j] = KEY_NONE;
+        for (uint e = NUM_EXPERTS; e < BLOCKS * BLOCK; e++)
+            grow[m][e] = 0.0f;
     /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
      * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
      * rows stream by; the dot products of a block wait in dots[][]. */
@@ -191,15 +192,20 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
                 for (uint i = H16; i < HIDDEN_DIM; i++)
                     dot = fma(LOAD_IN(hidden, (size_t)tok[m] * HIDDEN_DIM + i),
                               LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i), dot);
-                const float g = logits[(size_t)tok[m] * NUM_EXPERTS + e] + alpha * dot;
-                const ulong key = rank_key(g, e);
-                TOPK_INSERT(keys[m], unused, TOPK, key, 0.0f);
+                grow[m][e] = G_OF(LOGIT_AT(tok[m], e), dot);
             }
         }
     }
-    for (uint m = 0; m < TM; m++)
-        if (t0 + m < num_tokens)
-            write_outputs_from_keys(keys[m], t0 + m, pairs, weights, ids);
+    for (uint m = 0; m < TM && t0 + m < num_tokens; m++) {
+        float8 logit[BLOCKS];
+        for (uint b = 0; b < BLOCKS; b++)
+            logit[b] = vload8(b, grow[m]);
+        float w[TOPK];
+        uint id[TOPK];
+        rows_pipeline(logit, bias, scaling_factor, w, id);
+        for (uint j = 0; j < TOPK; j++)
+            write_output(j, id[j], w[j], t0 + m, pairs, weights, ids);
+    }
 }
 
 #elif KERNEL == 1
@@ -218,9 +224,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
      * experts of one hidden index; columns past NUM_EXPERTS hold zeros. */
     __local float ground_local[HIDDEN_DIM * GROUND_STRIDE];
     __local float hidden_local[ROWS * HIDDEN_DIM];
-    __local float chosen_g[ROWS * TOPK];
-    __local uint chosen_ids[ROWS * TOPK];
-    TEAM_TOPK_LOCALS;
+    TEAM_GATING_LOCALS;
     const uint lid = get_local_id(0);
     const uint lane = lid % TEAM;
     const uint r = lid / TEAM;
@@ -242,7 +246,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     UNROLL
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
-        logit[j] = (active && e < NUM_EXPERTS) ? logits[(size_t)row * NUM_EXPERTS + e] : 0.0f;
+        logit[j] = (active && e < NUM_EXPERTS) ? LOGIT_AT(row, e) : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -269,29 +273,18 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         for (uint j = 0; j < EPT; j++)
             acc[j][0] = fma(h, ground_local[i * GROUND_STRIDE + j * TEAM + lane], acc[j][0]);
     }
-    uint rank[EPT];
+    /* g is the pipeline's row of logits (cl/gating.cl, TEAM_GATING). */
     float g[EPT];
     UNROLL
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
-        g[j] = 0.0f;
-        rank[j] = RANK_NONE;
-        if (active && e < NUM_EXPERTS) {
-            g[j] = logit[j] + alpha * ((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
-            rank[j] = select_rank(g[j]);
-        }
+        g[j] = (active && e < NUM_EXPERTS) ? G_OF(logit[j], (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3])) : 0.0f;
     }
-    team_topk(rank, g, TEAM_TOPK_SCRATCH(r), lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (active && lane == 0) {
-        uint id[TOPK];
-        float chosen[TOPK];
-        for (uint j = 0; j < TOPK; j++) {
-            id[j] = chosen_ids[r * TOPK + j];
-            chosen[j] = chosen_g[r * TOPK + j];
-        }
-        write_outputs(id, chosen, row, pairs, weights, ids);
-    }
+    float w[TOPK];
+    TEAM_GATING(g, active, lane, r, bias, scaling_factor, w);
+    if (active)
+        for (uint j = lane; j < TOPK; j += TEAM)
+            write_output(j, GATE_IDS(r)[j], w[j], row, pairs, weights, ids);
     DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
@@ -382,7 +375,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint j = 0; j < NT; j++) {
                 const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
                 if (t < num_tokens && e < NUM_EXPERTS)
-                    G_AT(m, n) = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
+                    G_AT(m, n) = G_OF(LOGIT_AT(t, e), acc[i][j]);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -407,10 +400,18 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
     }
 
     if (lid < TM && row0 + lid < num_tokens) {
+        /* Steps 4-5 of the pipeline from the merged keys (MERGEABLE: the
+         * selection was on g, which comes back from the keys). */
         ulong keys[TOPK];
-        for (uint j = 0; j < TOPK; j++)
+        float w[TOPK];
+        uint id[TOPK];
+        for (uint j = 0; j < TOPK; j++) {
             keys[j] = top_keys[lid * TOPK + j];
-        write_outputs_from_keys(keys, row0 + lid, pairs, weights, ids);
+            w[j] = float_of_rank((uint)(keys[j] >> 32));
+        }
+        rows_final(keys, w, scaling_factor, id);
+        for (uint j = 0; j < TOPK; j++)
+            write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids);
     }
 }
 #endif
