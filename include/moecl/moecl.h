@@ -372,7 +372,7 @@ typedef struct moecl_buffer {
  *   num_experts % num_expert_groups == 0, 1 <= topk_group <=
  *   num_expert_groups and top_k <= topk_group * (num_experts /
  *   num_expert_groups);
- *   gating_dtype, scoring, group_score and group_fill one of their enum
+ *   gating_dtype, scoring, weighting, group_score and group_fill one of their enum
  *   values (whether or not groups are used);
  *   routed_scaling_factor finite;
  *   renormalize_floor 0, or a normal float (>= FLT_MIN) and finite, whether
@@ -527,14 +527,9 @@ MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, co
 MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 
 /* ---------------------------------------------------------------------- */
-/* Grounded router (docs/routing.md, section 2)                            */
+/* Grounded router (docs/routing.md, section 3)                            */
 /* ---------------------------------------------------------------------- */
 
-/**
- * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
- * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
- * alpha finite, hidden_dtype one of its enum values.
- */
 /** How the products of hidden @ ground^T are formed when the hidden states
  *  are f32 (docs/routing.md, section 3). f16 and bf16 hidden states ignore
  *  it: their products are exact in fp32 on every path (tensor cores where
@@ -569,6 +564,13 @@ typedef struct moecl_gating {
     float routed_scaling_factor;   /**< applied to the weights last */
 } moecl_gating;
 
+/**
+ * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
+ * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
+ * alpha finite, hidden_dtype and precision one of their enum values, and
+ * gating's fields valid as moecl_topk_gating_desc's (the same rules and
+ * messages).
+ */
 typedef struct moecl_grounded_router_desc {
     uint32_t num_tokens;  /**< rows of token_hidden and router_logits */
     uint32_t hidden_dim;  /**< columns of token_hidden and expert_ground */
