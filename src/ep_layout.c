@@ -186,7 +186,8 @@ static uint32_t chunk_tokens_of(const moecl_context *ctx, const moecl_ep_layout_
 
 /* The fused kernel's launch for d: tokens per chunk (whole tiles of
  * fused_wg / top_k tokens, about one chunk per compute unit, at most
- * EP_FUSED_MAX_GROUPS chunks), work-groups and local bytes. */
+ * EP_FUSED_MAX_GROUPS chunks), work-groups and local bytes; false where
+ * it cannot serve d. */
 typedef struct fused_shape {
     uint32_t chunk, groups, cols;
     size_t local_bytes;
@@ -199,7 +200,9 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
     if (!p->fused_fits || wg < d->top_k || d->num_ranks > EP_FUSED_MAX_RANKS)
         return false;
     const uint32_t tile_tokens = wg / d->top_k;
-    uint32_t target = ctx->info.compute_units ? ctx->info.compute_units : 1;
+    /* At least 4, so that a device of one compute unit (oclgrind) still
+     * runs the tickets between work-groups. */
+    uint32_t target = ctx->info.compute_units > 4 ? ctx->info.compute_units : 4;
     if (target > EP_FUSED_MAX_GROUPS)
         target = EP_FUSED_MAX_GROUPS;
     uint64_t chunk = ((uint64_t)d->num_tokens + target - 1) / target;
