@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 #define EP_MAX_PHYSICAL 16384u
 #define EP_MAX_RANKS 1024u
@@ -212,10 +213,8 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
     f->chunk = (uint32_t)chunk;
     f->groups = d->num_tokens ? (uint32_t)(((uint64_t)d->num_tokens + chunk - 1) / chunk) : 1;
     f->cols = 2 * d->num_ranks + 1 + (has_counts ? d->num_physical : 0);
-    const size_t nsub = wg < 32 ? 1 : wg / 32, rows = d->num_ranks + 1;
-    /* lm (cnt, sub, start, base, kr), then the kernel's own tile and flags. */
-    f->local_bytes = 4 * ((size_t)f->cols + nsub * rows + 2 * rows + (size_t)chunk * d->top_k);
-    return f->local_bytes + 4 * ((size_t)wg + 2) <= moecl_local_budget(&ctx->info);
+    f->local_bytes = moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k);
+    return f->local_bytes + moecl_layout_ep_fused_static(wg) <= moecl_local_budget(&ctx->info);
 }
 
 /* One launch: the fused kernel, whose scratch holds the tickets (word 0,
