@@ -49,6 +49,11 @@ typedef enum moecl_align_path {
     MOECL_ALIGN_CHUNKED
 } moecl_align_path;
 
+/* The expert-parallel layout's paths (src/ep_layout.c): by launch class
+ * and size, or forced by MOECL_EP_LAYOUT for tests and measurements
+ * (FUSED_LAST: the one launch with its grid-wide wait off). */
+typedef enum moecl_ep_path { MOECL_EP_AUTO = 0, MOECL_EP_CHUNKED, MOECL_EP_FUSED, MOECL_EP_FUSED_LAST } moecl_ep_path;
+
 typedef enum moecl_op {
     MOECL_OP_TOPK_GATING = 0,
     MOECL_OP_GROUNDED_ROUTER = 1,
@@ -65,6 +70,7 @@ typedef struct moecl_launch_env {
     unsigned team;               /* MOECL_TEAM: work-items per row of the top-k team kernel, 0 = chosen */
     bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+    moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
 } moecl_launch_env;
 
 /* Whether the environment decides op's configuration: then the tune file
@@ -424,6 +430,9 @@ void moecl_grounded_router_route_defines(const moecl_device_info *info, const mo
 /* The -D defines of moe_align's program on a device described by info,
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
+/* The same for the expert-parallel layout's program (moe_align's defines
+ * and the fused kernel's work-group). */
+void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
 
 /* ---- plan.c: launch plans and binding a kernel's arguments ---- */
 

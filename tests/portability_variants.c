@@ -455,11 +455,12 @@ int main(int argc, char **argv)
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 emit(t, "moe_align.cl", options, defines, kernel, description);
-                /* The layout's program: moe_align's source and defines. */
+                /* The layout's program: moe_align's source and defines,
+                 * and the fused kernel's work-group. */
                 snprintf(description, sizeof(description), "ep_layout [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
-                emit(t, "ep_layout.cl", options, defines, "ep_layout_count,ep_layout_scan,ep_layout_place",
-                     description);
+                moecl_ep_layout_defines(&info, defines, sizeof(defines), &kernel);
+                emit(t, "ep_layout.cl", options, defines, kernel, description);
             }
             free(options);
         }

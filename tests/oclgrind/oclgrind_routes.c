@@ -237,9 +237,14 @@ static const run_def runs[] = {
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
     {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    /* The expert-parallel layout's three kernels, in both classes. */
+    /* The expert-parallel layout: its default paths (the CPU class's three
+     * kernels, the GPU class's fused kernel), the three kernels in the GPU
+     * class, and the fused kernel in the CPU class and with its wait off. */
     {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
     {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"ep-gpu-chunked", OP_EP, "gpu", {"MOECL_EP_LAYOUT=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"ep-cpu-fused", OP_EP, "cpu", {"MOECL_EP_LAYOUT=fused", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"ep-gpu-fused-last", OP_EP, "gpu", {"MOECL_EP_LAYOUT=fused-last", NULL}, false, {0, 0, 0, 0}, true, false},
     /* moecl_grounded_route_dispatch: the router's rows kernel then
      * moe_align (cpu), its team kernel with the dispatch epilogue (gpu). */
     {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
