@@ -834,13 +834,27 @@ static int default_cases(bench_case *out, bool quick)
     g->label = "grounded seed";
     g->op = OP_GROUNDED;
     g->grounded = moecl_grounded_router_desc_init(4096, 128, 16, 0.5f);
-    if (!quick) {
+    /* Issue 15's large shape, 16384 tokens x hidden 4096 x 128 experts, top
+     * 8: f32 in each precision mode, and f16 and bf16 hidden states (--only
+     * 16384x4096 selects the five). */
+    static const struct {
+        const char *label;
+        moecl_dtype dtype;
+        moecl_precision precision;
+    } large[] = {{"grounded large", MOECL_F32, MOECL_PRECISION_FP32},
+                 {"grounded tf32", MOECL_F32, MOECL_PRECISION_TF32},
+                 {"grounded 3xtf32", MOECL_F32, MOECL_PRECISION_3XTF32},
+                 {"grounded f16", MOECL_F16, MOECL_PRECISION_FP32},
+                 {"grounded bf16", MOECL_BF16, MOECL_PRECISION_FP32}};
+    for (size_t i = 0; !quick && i < sizeof(large) / sizeof(large[0]); i++) {
         g = &out[n++];
         memset(g, 0, sizeof(*g));
-        g->label = "grounded large";
+        g->label = large[i].label;
         g->op = OP_GROUNDED;
         g->grounded = moecl_grounded_router_desc_init(16384, 4096, 128, 0.5f);
         g->grounded.top_k = 8;
+        g->grounded.hidden_dtype = large[i].dtype;
+        g->grounded.precision = large[i].precision;
     }
     /* The grounded router through to dispatch (block 64): decode sizes and
      * the seed shape. */
@@ -882,7 +896,7 @@ static void usage(FILE *f)
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
-               "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
+               "kernel. --quick: fewer calls and no large grounded-router cases. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
                "label or shape contains SUBSTRING (one that keeps none is a bad usage). --logits: the top-k\n"
                "cases' logits, standard normal (the default) or uniform on [0, 10) (top values crowd\n"
