@@ -232,13 +232,21 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         for (uint j = 0; j < TOPK; j++)
             keys[m][j] = KEY_NONE;
     /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
-     * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
-     * rows stream by; the dot products of a block wait in dots[][]. */
+     * a register block's MB hidden chunks (32 KiB) stay in L1 while the
+     * block's ground rows stream by, and the chunk of ground rows (EB x HC,
+     * 512 KiB for 128 experts) stays in L2 for the TM tokens; the dot
+     * products of a block wait in dots[][]. Register blocks wholly past the
+     * last token are skipped (a small batch costs MB tokens, not TM); their
+     * dots hold zeros. */
     float dots[TM][EB];
+    const uint used = (min(num_tokens - t0, (uint)TM) + MB - 1) / MB * MB;
+    for (uint m = used; m < TM; m++)
+        for (uint e = 0; e < EB; e++)
+            dots[m][e] = 0.0f;
     for (uint eb = 0; eb < NUM_EXPERTS; eb += EB) {
         for (uint c0 = 0; c0 < H16; c0 += HC) {
             const uint c1 = min(c0 + HC, (uint)H16);
-            for (uint m0 = 0; m0 < TM; m0 += MB)
+            for (uint m0 = 0; m0 < used; m0 += MB)
                 for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN)
                     dot_block(hidden, ground, tok + m0, e0, eb, c0, c1, dots + m0);
         }

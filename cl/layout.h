@@ -96,6 +96,12 @@
 #define LAYOUT_GROUNDED_EB(experts) ((experts) < 256 ? ((experts) + 1) / 2 * 2 : 256)
 #define LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k)                                         \
     (4 * (tm) * LAYOUT_GROUNDED_EB(experts) + 8 * (tm) * (k))
+/* TM, the tokens of a work-item: 32, four register blocks of 8 sharing each
+ * chunk of ground rows from L2 (bench/RESULTS.md: faster than 8 on pocl),
+ * where that keeps the private arrays within 20 KiB (128 experts up to top
+ * 16); else 8, as Intel's CPU runtime allows a single work-item a group at
+ * 48 KiB (4096 experts, top 64, TM 32). */
+#define LAYOUT_GROUNDED_ROWS_TM(experts, k) (LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(32, experts, k) <= 20480 ? 32 : 8)
 
 /* ---- moe_align ------------------------------------------------------- */
 
