@@ -101,23 +101,36 @@ static inline void write_output(uint j, uint id, float w, uint row, __global flo
 /* TM tokens per work-item (CPU devices).                                  */
 /* ---------------------------------------------------------------------- */
 
-/* Register blocking: a work-item takes TM tokens and goes through the
- * experts RN at a time, keeping TM x RN dot products as float16 partial
- * sums (16 hidden indices per step, SIMD on CPUs). Each ground row read
- * serves TM tokens and each hidden vector RN experts, so the ground table
- * is streamed once per TM tokens, not once per token. Every token's dot
- * products are computed the same way whatever its place in the block, so
- * a row's result does not depend on the others: a block past the last
- * token repeats the last token and writes nothing for it, and the last
- * expert block repeats the last expert. */
+/* Register blocking: a work-item takes TM tokens, MB at a time, and goes
+ * through the experts RN at a time, keeping MB x RN dot products as float16
+ * partial sums (16 hidden indices per step, SIMD on CPUs). Each ground row
+ * read serves MB tokens and each hidden vector RN experts, so the ground
+ * table is streamed once per MB tokens, not once per token; a chunk of HC
+ * hidden indices of the block's ground rows serves all TM tokens before the
+ * next chunk. The partial sums of a block are reduced together
+ * (sum16_of_16), not one by one. Every token's dot products are computed
+ * the same way whatever its place in the block, so a row's result does not
+ * depend on the others: a block past the last token repeats the last token
+ * and writes nothing for it, and the last expert block repeats the last
+ * expert. */
 #if !defined(TM) || TM < 1
 #undef TM
 #define TM 1
 #endif
+#ifndef MB
+#define MB (TM < 8 ? TM : 8) /* tokens of a register block */
+#endif
+#if TM % MB != 0
+#error "TM must be a multiple of MB"
+#endif
+#ifndef RN
 #define RN LAYOUT_GROUNDED_RN
+#endif
 #define H16 (HIDDEN_DIM / 16 * 16)
+#define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block */
+#ifndef HC
 #define HC 1024 /* hidden chunk (a multiple of 16) */
-#define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block (a multiple of RN) */
+#endif
 
 static inline float16 load_hidden16(__global const in_t *p, uint i)
 {
@@ -129,6 +142,77 @@ static inline float sum16(float16 v)
     const float8 a = v.lo + v.hi;
     const float4 b = a.lo + a.hi;
     return (b.s0 + b.s1) + (b.s2 + b.s3);
+}
+
+#if MB * RN == 16
+/* sum16 of each of sixteen vectors at once, lane q holding sum16(v[q]) bit
+ * for bit: the same pairs of lanes added in the same order, but each add
+ * serves several vectors (15 adds and 30 shuffles instead of some 160
+ * instructions of sixteen separate sum16 calls). */
+static inline float16 sum16_of_16(const float16 *v)
+{
+    float16 t[8], u[4], w[2];
+#pragma unroll
+    for (uint j = 0; j < 8; j++) /* lanes i + (i + 8): two vectors a result */
+        t[j] = (float16)(v[2 * j].lo, v[2 * j + 1].lo) + (float16)(v[2 * j].hi, v[2 * j + 1].hi);
+#pragma unroll
+    for (uint j = 0; j < 4; j++) /* i + (i + 4): four vectors a result */
+        u[j] = (float16)(t[2 * j].s0123, t[2 * j].s89ab, t[2 * j + 1].s0123, t[2 * j + 1].s89ab) +
+               (float16)(t[2 * j].s4567, t[2 * j].scdef, t[2 * j + 1].s4567, t[2 * j + 1].scdef);
+#pragma unroll
+    for (uint j = 0; j < 2; j++) /* (0 + 1), (2 + 3): eight vectors a result */
+        w[j] = (float16)(u[2 * j].even, u[2 * j + 1].even) + (float16)(u[2 * j].odd, u[2 * j + 1].odd);
+    return (float16)(w[0].even, w[1].even) + (float16)(w[0].odd, w[1].odd);
+}
+#endif
+
+/* The dot products of MB tokens (rows tok[0..MB)) with RN experts from e0
+ * over the hidden indices [c0, c1), added to dots[m][e0 - eb + n] (set
+ * where c0 is 0); expert columns past the block are left alone. */
+static inline void dot_block(__global const in_t *hidden, __global const in_t *ground, const uint *tok, uint e0,
+                             uint eb, uint c0, uint c1, float (*dots)[EB])
+{
+    __global const in_t *h_row[MB];
+    __global const in_t *w_row[RN];
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+        h_row[m] = hidden + (size_t)tok[m] * HIDDEN_DIM;
+#pragma unroll
+    for (uint n = 0; n < RN; n++)
+        w_row[n] = ground + (size_t)min(e0 + n, (uint)(NUM_EXPERTS - 1)) * HIDDEN_DIM;
+    float16 acc[MB][RN];
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            acc[m][n] = (float16)(0.0f);
+    for (uint i = c0; i < c1; i += 16) {
+        float16 w[RN];
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            w[n] = load_hidden16(w_row[n], i);
+#pragma unroll
+        for (uint m = 0; m < MB; m++) {
+            const float16 h = load_hidden16(h_row[m], i);
+#pragma unroll
+            for (uint n = 0; n < RN; n++)
+                acc[m][n] = fma(h, w[n], acc[m][n]);
+        }
+    }
+#if MB * RN == 16
+    float sums[16];
+    vstore16(sum16_of_16(&acc[0][0]), 0, sums);
+#define SUM_OF(m, n) sums[(m) * RN + (n)]
+#else
+#define SUM_OF(m, n) sum16(acc[m][n])
+#endif
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            if (e0 + n < eb + EB)
+                dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + SUM_OF(m, n);
+#undef SUM_OF
 }
 
 __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off, __global const float *logits,
@@ -143,48 +227,36 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         tok[m] = min(t0 + m, num_tokens - 1);
 
     /* Each token's row of g, for the gating pipeline after the GEMM
-     * (cl/gating.cl, rows_pipeline); padding lanes 0. */
+     * (cl/gating.cl, rows_pipeline); padding lanes 0. Where one block of
+     * dots is the whole row, g replaces the dot products in place
+     * (cl/layout.h, LAYOUT_GROUNDED_G_IN_DOTS). */
+#if LAYOUT_GROUNDED_G_IN_DOTS(NUM_EXPERTS)
+#define GROW dots
+#else
+#define GROW grow
     float grow[TM][BLOCKS * BLOCK];
     for (uint m = 0; m < TM; m++)
         for (uint e = NUM_EXPERTS; e < BLOCKS * BLOCK; e++)
             grow[m][e] = 0.0f;
+#endif
     /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
-     * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
-     * rows stream by; the dot products of a block wait in dots[][]. */
+     * a register block's MB hidden chunks (32 KiB) stay in L1 while the
+     * block's ground rows stream by, and the chunk of ground rows (EB x HC,
+     * 512 KiB for 128 experts) stays in L2 for the TM tokens; the dot
+     * products of a block wait in dots[][]. Register blocks wholly past the
+     * last token are skipped (a small batch costs MB tokens, not TM); their
+     * dots hold zeros. */
     float dots[TM][EB];
+    const uint used = (min(num_tokens - t0, (uint)TM) + MB - 1) / MB * MB;
+    for (uint m = used; m < TM; m++)
+        for (uint e = 0; e < EB; e++)
+            dots[m][e] = 0.0f;
     for (uint eb = 0; eb < NUM_EXPERTS; eb += EB) {
         for (uint c0 = 0; c0 < H16; c0 += HC) {
             const uint c1 = min(c0 + HC, (uint)H16);
-            for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN) {
-                uint ex[RN];
-                for (uint n = 0; n < RN; n++)
-                    ex[n] = min(e0 + n, (uint)(NUM_EXPERTS - 1));
-                float16 acc[TM][RN];
-#pragma unroll
-                for (uint m = 0; m < TM; m++)
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        acc[m][n] = (float16)(0.0f);
-                for (uint i = c0; i < c1; i += 16) {
-                    float16 w[RN];
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        w[n] = load_hidden16(ground + (size_t)ex[n] * HIDDEN_DIM, i);
-#pragma unroll
-                    for (uint m = 0; m < TM; m++) {
-                        const float16 h = load_hidden16(hidden + (size_t)tok[m] * HIDDEN_DIM, i);
-#pragma unroll
-                        for (uint n = 0; n < RN; n++)
-                            acc[m][n] = fma(h, w[n], acc[m][n]);
-                    }
-                }
-#pragma unroll
-                for (uint m = 0; m < TM; m++)
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        if (e0 + n < eb + EB)
-                            dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + sum16(acc[m][n]);
-            }
+            for (uint m0 = 0; m0 < used; m0 += MB)
+                for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN)
+                    dot_block(hidden, ground, tok + m0, e0, eb, c0, c1, dots + m0);
         }
         for (uint m = 0; m < TM; m++) {
             for (uint e = eb; e < min(eb + EB, (uint)NUM_EXPERTS); e++) {
@@ -192,20 +264,21 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
                 for (uint i = H16; i < HIDDEN_DIM; i++)
                     dot = fma(LOAD_IN(hidden, (size_t)tok[m] * HIDDEN_DIM + i),
                               LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i), dot);
-                grow[m][e] = G_OF(LOGIT_AT(tok[m], e), dot);
+                GROW[m][e] = G_OF(LOGIT_AT(tok[m], e), dot);
             }
         }
     }
     for (uint m = 0; m < TM && t0 + m < num_tokens; m++) {
         float8 logit[BLOCKS];
         for (uint b = 0; b < BLOCKS; b++)
-            logit[b] = vload8(b, grow[m]);
+            logit[b] = vload8(b, GROW[m]);
         float w[TOPK];
         uint id[TOPK];
         rows_pipeline(logit, bias, scaling_factor, w, id);
         for (uint j = 0; j < TOPK; j++)
             write_output(j, id[j], w[j], t0 + m, pairs, weights, ids);
     }
+#undef GROW
 }
 
 #elif KERNEL == 1

@@ -163,14 +163,10 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
 }
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
- * tm tokens (grounded_router_rows' register block, TM): 8, fewer past 512
- * experts, so that the tokens' rows of g (private, 4 * tm * experts
- * bytes) stay at 16 KiB. */
-static grounded_shape rows_shape(unsigned rows, unsigned experts)
+ * LAYOUT_GROUNDED_ROWS_TM tokens (grounded_router_rows' TM). */
+static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
 {
-    unsigned tm = 8;
-    while (tm > 1 && (size_t)tm * experts > 4096)
-        tm >>= 1;
+    const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
     return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 1, 1, false, rows, (size_t)rows * tm,
                             "grounded_router_rows"};
 }
@@ -188,7 +184,7 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_ROWS:
         if (c->team != 1 || !moecl_is_pow2(c->rows) || c->rows > info->max_work_group_size)
             return false;
-        *shape = rows_shape(c->rows, experts);
+        *shape = rows_shape(c->rows, experts, k);
         return true;
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
@@ -211,7 +207,10 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const grounded_request *r = request;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
     const unsigned groups = r->desc->gating.num_expert_groups;
-    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0};
+    /* Two work-items of LAYOUT_GROUNDED_ROWS_TM (32, or 8) tokens: at most 64
+     * tokens a work-group, so that both cores of a small CPU get work from
+     * 65 tokens on. */
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0};
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.grounded_wide_tile || info->env.launch_class_forced))
         return rows_kernel;
