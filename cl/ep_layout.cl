@@ -270,6 +270,35 @@ typedef struct ep_in {
     uint num_tokens, top_k, num_experts, num_physical, num_ranks, max_replicas, flags, chunk_tokens;
 } ep_in;
 
+/* The lanes of work-item lid's sub-tile [base, base + SUB) before and
+ * after it with the same key: with WARP_MATCH (NVIDIA's PTX; a sub-tile
+ * is then a warp) from match.any.sync, else a loop over the sub-tile's
+ * keys in tile. Called by all work-items. */
+static inline void sub_tile_rank(uint key, uint lid, uint base, __local const uint *tile, uint *before,
+                                 uint *after)
+{
+#if WARP_MATCH && SUB == 32
+    (void)lid;
+    (void)base;
+    (void)tile;
+    uint lower, higher, same;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
+    asm("mov.u32 %0, %%lanemask_gt;" : "=r"(higher));
+    asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(same) : "r"(key));
+    *before = popcount(same & lower);
+    *after = popcount(same & higher);
+#else
+    uint b = 0, a = 0;
+    for (uint i = base; i < base + SUB; i++) {
+        const uint same = tile[i] == key;
+        b += i < lid ? same : 0u;
+        a += i > lid ? same : 0u;
+    }
+    *before = b;
+    *after = a;
+#endif
+}
+
 /* Chunk c by one work-group: each slot's key (its rank, R where not sent)
  * and its stable rank among the chunk's slots of that key, packed as
  * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
@@ -300,14 +329,15 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
             key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
             phys[s] = key < R ? p : -1;
         }
+        /* The token's flags: zeros first (its k lanes share the row), then,
+         * after the barrier, a 1 from the token's first slot on each rank. */
+        if (in_range && (in->flags & EP_TIR))
+            for (uint r = j; r < R; r += k)
+                tir[(size_t)tok * R + r] = 0;
         tile[lid] = key;
-        barrier(CLK_LOCAL_MEM_FENCE);
-        uint before = 0, after = 0;
-        for (uint i = base; i < base + SUB; i++) {
-            const uint same = tile[i] == key;
-            before += i < lid ? same : 0u;
-            after += i > lid ? same : 0u;
-        }
+        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+        uint before, after;
+        sub_tile_rank(key, lid, base, tile, &before, &after);
         const bool last_of_key = key <= R && after == 0;
         if (last_of_key)
             sub[g * (R + 1) + key] = before + 1;
@@ -316,18 +346,14 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
             bool first = true;
             for (uint i = lid - j; i < lid && first; i++)
                 first = tile[i] != key;
-            if (first)
+            if (first) {
                 atomic_inc(&cnt[R + 1 + key]);
+                if (in->flags & EP_TIR)
+                    tir[(size_t)tok * R + key] = 1;
+            }
             if (in->flags & EP_COUNTS)
                 atomic_inc(&cnt[2 * R + 1 + (uint)p]);
         }
-        if (in_range && (in->flags & EP_TIR))
-            for (uint r = j; r < R; r += k) {
-                uint on = 0;
-                for (uint i = lid - j; i < lid - j + k; i++)
-                    on |= tile[i] == r;
-                tir[(size_t)tok * R + r] = (uchar)on;
-            }
         barrier(CLK_LOCAL_MEM_FENCE);
         if (key <= R) {
             uint pre = 0;
@@ -367,18 +393,18 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
     }
 }
 
-/* WAIT mode: columns [col0, cols) in steps of stride, a sub-tile each: per
- * column, the chunks' exclusive prefixes (columns 0..R, into prefix) and
- * the total (columns 0..R into tot, the others into the output they
- * feed). Lane i of a sub-tile takes a run of q chunks; lane 0 scans the
- * sub-tile's runs. Without active (LAST mode) the same barriers run over
- * nothing. */
+/* WAIT mode: work-group c's share of the columns, a team of L work-items
+ * (a power of two, at most FWG) a column: per column, the chunks' exclusive
+ * prefixes (columns 0..R, into prefix) and the total (columns 0..R into
+ * tot, the others into the output they feed). Lane i of a team takes a run
+ * of q chunks and adds the runs of the lanes before it. Without active
+ * (LAST mode) the same barriers run over nothing. */
 static void scan_columns_fused(__global const uint *matrix, __global uint *prefix, __global uint *tot, uint groups,
-                               uint R, uint cols, uint col0, uint stride, bool active, uint flags,
-                               __global int *tokens_per_rank, __global int *expert_counts, __local uint *part)
+                               uint R, uint cols, uint L, bool active, uint flags, __global int *tokens_per_rank,
+                               __global int *expert_counts, __local uint *part)
 {
-    const uint lid = get_local_id(0), g = lid / SUB, i = lid % SUB, q = (groups + SUB - 1) / SUB;
-    for (uint at = col0; at < cols; at += stride) {
+    const uint lid = get_local_id(0), g = lid / L, i = lid % L, q = (groups + L - 1) / L, teams = FWG / L;
+    for (uint at = get_group_id(0) * teams; at < cols; at += groups * teams) {
         const uint col = at + g, c0 = min(i * q, groups), c1 = min(c0 + q, groups);
         const bool live = active && col < cols;
         uint sum = 0;
@@ -386,16 +412,9 @@ static void scan_columns_fused(__global const uint *matrix, __global uint *prefi
             sum += shared_load(&matrix[(size_t)c * cols + col]);
         part[lid] = sum;
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (i == 0) {
-            uint acc = 0;
-            for (uint l = lid; l < lid + SUB; l++) {
-                const uint v = part[l];
-                part[l] = acc;
-                acc += v;
-            }
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-        uint acc = part[lid];
+        uint acc = 0;
+        for (uint l = lid - i; l < lid; l++)
+            acc += part[l];
         if (live && col <= R)
             for (uint c = c0; c < c1; c++) {
                 shared_store(&prefix[(size_t)c * (R + 1) + col], acc);
@@ -403,7 +422,7 @@ static void scan_columns_fused(__global const uint *matrix, __global uint *prefi
             }
         else
             acc += sum;
-        if (live && i == SUB - 1) {
+        if (live && i == L - 1) {
             if (col <= R)
                 shared_store(&tot[col], acc);
             else
@@ -483,8 +502,11 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     const bool wait = flag[0] == MODE_WAIT, alone_last = !wait && flag[1];
 
     /* 2. WAIT: a share of the columns each, then the second wait. */
-    scan_columns_fused(matrix, prefix, tot, G, R, cols, c * NSUB, G * NSUB, wait, in.flags, tokens_per_rank,
-                       expert_counts, tile);
+    /* A column's team: about 4 chunks a lane, up to SUB lanes. */
+    uint L = 1;
+    while (L < SUB && L * 4 < G)
+        L *= 2;
+    scan_columns_fused(matrix, prefix, tot, G, R, cols, L, wait, in.flags, tokens_per_rank, expert_counts, tile);
     mem_fence(CLK_GLOBAL_MEM_FENCE);
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0 && wait && !alone())

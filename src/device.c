@@ -126,7 +126,9 @@ static int path_named(const char *value, const char *const *names, int n)
  * fused|chunked: moe_align's path whatever the size (one-group and fused
  * still only where the device runs them, src/moe_align.c).
  * MOECL_EP_LAYOUT=chunked|fused|fused-last: the expert-parallel layout's
- * path (src/ep_layout.c). */
+ * path (src/ep_layout.c); MOECL_EP_FUSED_WG (a power of two 32..1024) and
+ * MOECL_EP_FUSED_GROUPS (1..127) its fused kernel's work-group and
+ * work-group count, for measurements. */
 static void read_launch_env(moecl_launch_env *env)
 {
     const char *forced = getenv("MOECL_LAUNCH_CLASS");
@@ -141,6 +143,10 @@ static void read_launch_env(moecl_launch_env *env)
     static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
     env->align_path = (moecl_align_path)path_named(getenv("MOECL_ALIGN"), align_paths, 3);
     env->ep_path = (moecl_ep_path)path_named(getenv("MOECL_EP_LAYOUT"), ep_paths, 3);
+    const char *wg = getenv("MOECL_EP_FUSED_WG"), *groups = getenv("MOECL_EP_FUSED_GROUPS");
+    const unsigned long w = wg ? strtoul(wg, NULL, 10) : 0, g = groups ? strtoul(groups, NULL, 10) : 0;
+    env->ep_fused_wg = w >= 32 && w <= 1024 && (w & (w - 1)) == 0 ? (unsigned)w : 0;
+    env->ep_fused_groups = g >= 1 && g <= 127 ? (unsigned)g : 0;
 }
 
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)

@@ -88,13 +88,14 @@ enum { COUNT_KERNEL, SCAN_KERNEL, PLACE_KERNEL, FUSED_KERNEL, NUM_KERNELS };
 static const char *const kernel_names[NUM_KERNELS] = {"ep_layout_count", "ep_layout_scan", "ep_layout_place",
                                                       "ep_layout_fused"};
 
-/* The fused kernel's work-group: 256 where the device allows (NVIDIA's
- * OpenCL reports 256 for moe_align's kernels on the H200), else the
- * largest power of two below the device's limit. */
+/* The fused kernel's work-group: 256 (or MOECL_EP_FUSED_WG's) where the
+ * device allows (NVIDIA's OpenCL reports 256 for moe_align's kernels on
+ * the H200), else the largest power of two below the device's limit. */
 static unsigned fused_wg_of(const moecl_device_info *info)
 {
+    const unsigned cap = info->env.ep_fused_wg ? info->env.ep_fused_wg : 256;
     unsigned w = 1;
-    while (w * 2 <= 256 && w * 2 <= info->max_work_group_size)
+    while (w * 2 <= cap && w * 2 <= info->max_work_group_size)
         w *= 2;
     return w;
 }
@@ -204,6 +205,8 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
     /* At least 4, so that a device of one compute unit (oclgrind) still
      * runs the tickets between work-groups. */
     uint32_t target = ctx->info.compute_units > 4 ? ctx->info.compute_units : 4;
+    if (ctx->info.env.ep_fused_groups)
+        target = ctx->info.env.ep_fused_groups;
     if (target > EP_FUSED_MAX_GROUPS)
         target = EP_FUSED_MAX_GROUPS;
     uint64_t chunk = ((uint64_t)d->num_tokens + target - 1) / target;

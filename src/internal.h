@@ -71,6 +71,8 @@ typedef struct moecl_launch_env {
     bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
     moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
+    unsigned ep_fused_wg;        /* MOECL_EP_FUSED_WG: the fused layout kernel's work-group, 0 = chosen */
+    unsigned ep_fused_groups;    /* MOECL_EP_FUSED_GROUPS: its work-groups' target count, 0 = chosen */
 } moecl_launch_env;
 
 /* Whether the environment decides op's configuration: then the tune file
