@@ -112,7 +112,7 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
 /* The launch variables, read once here (every later decision reads the
  * record). MOECL_TEAM: a power of two 2..256 fixes the team size of the
  * top-k gating team kernel (tuning sweeps); anything else is ignored. It
- * and MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
+ * and MOECL_GROUNDED_TILE (128, or one tiled configuration) ask for the GPU rule of their op unless
  * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
  * fused|chunked: moe_align's path whatever the size (one-group and fused
  * still only where the device runs them, src/moe_align.c). */
@@ -125,6 +125,13 @@ static void read_launch_env(moecl_launch_env *env)
     env->team = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
     const char *tile = getenv("MOECL_GROUNDED_TILE");
     env->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
+    /* Anything else: one tiled configuration in the tune file's syntax,
+     * "tile=64 tn=128 ..." (ignored when malformed, as a bad tune line is). */
+    char text[256];
+    const int n = tile ? snprintf(text, sizeof(text), "kernel=tiled %s", tile) : 0;
+    if (!tile || env->grounded_wide_tile || n < 0 || (size_t)n >= sizeof(text) ||
+        !moecl_launch_config_parse(text, &env->grounded_tile))
+        env->grounded_tile = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
     const char *align = getenv("MOECL_ALIGN");
     env->align_path = !align                            ? MOECL_ALIGN_AUTO
                       : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
@@ -141,7 +148,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     case MOECL_OP_TOPK_GATING:
         return env->team != 0;
     case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile;
+        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED;
     default:
         return env->align_path != MOECL_ALIGN_AUTO;
     }
