@@ -9,6 +9,8 @@
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
  *                                       experts, hidden step)
+ *   MT, NT, VEC, DB                     its register block, vector width
+ *                                       and double buffering
  *   TEAM, ROWS, EPT                     shape of the team kernel (common.cl)
  *   ROUTE_DISPATCH, FUSED_WG            the team kernel with moe_align's
  *                                       fused steps after its rows
@@ -22,7 +24,7 @@
  *    gating's team kernel;
  *  - grounded_router_tiled (GPUs, large shapes): a work-group computes a
  *    TM x TN tile of g at a time, streaming the hidden dimension through
- *    local memory in steps of TK, each work-item a 4 x 4 block in
+ *    local memory in steps of TK, each work-item an MT x NT block in
  *    registers; the top-k of each token is merged tile by tile. */
 
 #ifndef KERNEL
