@@ -8,7 +8,10 @@ Measures, in plain PyTorch (standard library + torch only):
   seed_topk_gating   the seed's Model.forward (softmax, topk k=8, int32 ids), ten seed shapes
   deepseek_v3_route  vLLM-style grouped routing (sigmoid, bias, 8 groups, top-4 groups, top-8, x2.5)
   grounded_router    matmul, add with alpha, topk, softmax, stack -> (n, k, 2) of (index, weight)
-  gemm_fp32 / _tf32  token_hidden @ expert_ground.t() alone at the large grounded shape
+  gemm_fp32 / _tf32 / _bf16 / _f16
+                     token_hidden @ expert_ground.t() alone at the large grounded shape
+  dsv3_router_gemm   DeepSeek-V3's router GEMM alone: hidden @ W^T, bf16 (hidden 7168, 256 experts)
+  dsv3_router        that GEMM (fp32 logits) then deepseek_v3_route: the full router, 1/64/4083 tokens
   moe_align_sort     sort-based moe_align_block_size (block 64), ten seed shapes
 
 CUDA: "eager" = one cuda-event pair per call, calls issued back to back (launch gaps count);
@@ -31,6 +34,8 @@ import torch
 SEED_SHAPES = [(1, 128), (129, 128), (256, 128), (520, 128), (1019, 128),
                (2044, 128), (4083, 128), (8192, 128), (8037, 256), (13526, 256)]
 DSV3_TOKENS = [1, 4083, 13526]
+DSV3_ROUTER_TOKENS = [1, 64, 4083]
+DSV3_HIDDEN = 7168
 
 
 def blas_info():
@@ -91,6 +96,47 @@ def grounded_router(token_hidden, router_logits, expert_ground, alpha, top_k):
     top_vals, top_idx = torch.topk(grounded, top_k, dim=-1)
     top_w = torch.softmax(top_vals, dim=-1)
     return torch.stack([top_idx.float(), top_w], dim=-1)   # (n, k, 2): [..., 0] index, [..., 1] weight
+
+
+def router_gemm_fp32_out(hidden, weight):
+    """g = hidden @ W^T from bf16 operands with fp32 logits out, as moecl computes it (and
+    vLLM's dsv3_router_gemm); where torch.mm has no out_dtype (CPU), a bf16 result widened.
+    The choice is made once, on the first call, so no exception is raised in a graph capture."""
+    if FP32_OUT.get(hidden.device.type) is None:
+        try:
+            torch.mm(hidden[:1], weight.t(), out_dtype=torch.float32)
+            FP32_OUT[hidden.device.type] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            FP32_OUT[hidden.device.type] = False
+    if FP32_OUT[hidden.device.type]:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return (hidden @ weight.t()).float()
+
+
+FP32_OUT = {}
+
+
+def dsv3_router(hidden, weight, bias):
+    """DeepSeek-V3's router as vLLM runs it: the router GEMM (g = hidden @ W^T, no router
+    logits), then grouped_topk with the correction bias."""
+    return deepseek_v3_route(router_gemm_fp32_out(hidden, weight), bias)
+
+
+def check_dsv3_router(hidden, weight, bias):
+    """Untimed check of dsv3_router's two steps against float64: the logits within the
+    rounding of a bf16 result; the routing of those logits the same as float64's for
+    nearly every token (a near-tie may flip one), and there the same weights."""
+    logits = router_gemm_fp32_out(hidden, weight)
+    g64 = hidden.double() @ weight.double().t()
+    assert torch.allclose(logits.double(), g64, rtol=2.0 ** -7, atol=1e-3), "router GEMM disagrees"
+    w, ids = deepseek_v3_route(logits, bias)
+    ref_w, ref_ids = deepseek_v3_route(logits.double(), bias.double())
+    order, ref_order = ids.long().sort(dim=-1), ref_ids.long().sort(dim=-1)
+    same = (order.values == ref_order.values).all(dim=-1)
+    assert same.double().mean() >= 0.99, "router chose different experts"
+    w_sorted = w.double().gather(1, order.indices)[same]
+    ref_sorted = ref_w.gather(1, ref_order.indices)[same]
+    assert torch.allclose(w_sorted, ref_sorted, atol=1e-4), "router weights disagree"
 
 
 def moe_align_sort(topk_ids, num_experts, block_size=64):
@@ -285,7 +331,34 @@ def main():
                 torch.backends.cuda.matmul.allow_tf32 = True
                 bench("gemm_tf32", gshape, lambda: hid @ ground.t(), extra=dict(tf32=True))
                 torch.backends.cuda.matmul.allow_tf32 = False
+            for dtype, op in ((torch.bfloat16, "gemm_bf16"), (torch.float16, "gemm_f16")):
+                if args.only not in op:
+                    continue
+                hid16, ground16 = hid.to(dtype), ground.to(dtype)
+                bench(op, gshape, lambda: hid16 @ ground16.t(), extra=dict(dtype=str(dtype)[6:]))
+                del hid16, ground16
         del hid, logits, ground
+
+    # 4. DeepSeek-V3's router from hidden states: the bf16 GEMM alone, then GEMM + grouped_topk
+    for t in DSV3_ROUTER_TOKENS:
+        if args.only not in "dsv3_router_gemm":    # neither dsv3 op is asked for
+            continue
+        torch.manual_seed(SEED)
+        hid = torch.randn(t, DSV3_HIDDEN, dtype=torch.float32, device=dev).to(torch.bfloat16)
+        weight = (torch.randn(256, DSV3_HIDDEN, dtype=torch.float32, device=dev)
+                  / DSV3_HIDDEN ** 0.5).to(torch.bfloat16)
+        bias = 0.1 * torch.randn(256, dtype=torch.float32, device=dev)
+        check_dsv3_router(hid, weight, bias)
+        shape = dict(tokens=t, hidden=DSV3_HIDDEN, experts=256)
+        router_gemm_fp32_out(hid[:1], weight)             # decides FP32_OUT for this device
+        out = "float32" if FP32_OUT[hid.device.type] else "bfloat16, widened"
+        bench("dsv3_router_gemm", shape, lambda: hid @ weight.t(),
+              extra=dict(dtype="bfloat16", logits_dtype="bfloat16"))
+        bench("dsv3_router", dict(**shape, top_k=8, groups=8, topk_group=4),
+              lambda: dsv3_router(hid, weight, bias),
+              extra=dict(dtype="bfloat16", logits_dtype=out, scoring="sigmoid", group_score="top2_sum",
+                         renormalize=True, scale=2.5))
+        del hid, weight, bias
 
     # 5. sort-based moe_align_block_size (bincount syncs on CUDA: eager only)
     for t, e in SEED_SHAPES:

@@ -213,3 +213,342 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
     }
 #endif
 }
+
+/* ---- one launch: ep_layout_fused ----
+ *
+ * The same layout in one launch of G work-groups (G <= 127), work-group c
+ * taking the tokens of chunk c (GPUs, where three launches cost several
+ * times the work: bench/RESULTS.md). Three kernels pass the count matrix
+ * from one launch to the next; here the work-groups pass it through a
+ * grid-wide wait, which is safe only where every work-group waited on has
+ * started (a started work-group finishes its counting without waiting for
+ * anyone; OpenCL does not promise that work-groups run concurrently):
+ *   1. each work-group counts its chunk and ranks its slots stably (the
+ *      rank of a slot among the chunk's slots of its rank, kept in local
+ *      memory), publishes its counts as row c of the matrix, and takes a
+ *      ticket; the first to take one decides the mode: WAIT where every
+ *      work-group has started by then, else LAST;
+ *   2. WAIT: once all G have counted, every work-group scans a share of the
+ *      matrix's columns (each chunk's prefix per rank, the totals, the
+ *      small outputs), waits for all G again, and places its own chunk;
+ *      LAST: the last work-group to count sums the columns alone and its
+ *      first work-item places every slot in order (a device that does not
+ *      run the work-groups together: pocl and Intel's CPU runtime on a few
+ *      threads, oclgrind one at a time), and the others end after
+ *      counting.
+ * The tickets are four 7-bit fields of scratch word 0 (started, counted,
+ * passed the second wait, ended; bits 28-29 the mode), so that the word is
+ * 0 between calls as moe_align's fused kernel keeps it: the last
+ * work-group to end puts it back to 0. Every word one work-group writes for
+ * another goes by atomics, as in moe_align_fused (cl/moe_align.cl says what
+ * that assumes). The positions are those of the three kernels, so the bits
+ * are the same on every device and in both modes.
+ *
+ * Build-time define: FWG, the work-group (a power of two, at least top_k;
+ * sub-tiles of SUB work-items rank equal keys). A tile is FWG / top_k
+ * whole tokens, so that a token's slots are in one tile. */
+#ifndef FWG
+#define FWG 256
+#endif
+#define SUB (FWG < 32 ? FWG : 32)
+#define NSUB (FWG / SUB)
+#define EP_MAY_WAIT 32u /* flags: the grid-wide wait is allowed (off: LAST mode forced, for tests) */
+
+#define F_STARTED 0
+#define F_COUNTED 7
+#define F_PASSED 14
+#define F_ENDED 21
+#define F_MODE 28
+#define MODE_WAIT 1u
+#define MODE_LAST 2u
+
+static inline uint field(uint word, uint at) { return (word >> at) & 127u; }
+
+/* The call's inputs and shape, passed to the steps below as one. */
+typedef struct ep_in {
+    __global const int *ids, *l2p, *replicas, *p2r;
+    uint num_tokens, top_k, num_experts, num_physical, num_ranks, max_replicas, flags, chunk_tokens;
+} ep_in;
+
+/* Chunk c by one work-group: each slot's key (its rank, R where not sent)
+ * and its stable rank among the chunk's slots of that key, packed as
+ * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
+ * chunk's slots per key, cnt[R + 1 + r] its tokens on rank r and
+ * cnt[2R + 1 + p] its slots on physical expert p (with EP_COUNTS); and
+ * physical_ids and token_in_rank of the chunk's tokens. A tile
+ * ranks its slots in sub-tiles of SUB (a loop over the sub-tile), then
+ * adds the counts of earlier sub-tiles (sub, NSUB rows of R + 1, zero
+ * between tiles) and the running count of earlier tiles (cnt). */
+static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int *phys,
+                             __global uchar *tir, uint cols, __local uint *cnt, __local uint *sub,
+                             __local uint *kr, __local uint *tile)
+{
+    const uint lid = get_local_id(0), R = in->num_ranks, k = in->top_k;
+    const uint tile_tokens = FWG / k, tile_slots = tile_tokens * k, tok0 = c * in->chunk_tokens;
+    const uint g = lid / SUB, base = g * SUB, j = lid % k;
+    for (uint i = lid; i < cols; i += FWG)
+        cnt[i] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint tt = tok0; tt < tok_end; tt += tile_tokens) {
+        const uint tok = tt + lid / k, s = tok * k + j;
+        const bool in_range = lid < tile_slots && tok < tok_end;
+        int p = -1;
+        uint key = R + 1; /* past the end: a key no slot has */
+        if (in_range) {
+            p = physical_of(in->ids[s], tok, in->num_experts, in->num_physical, in->max_replicas, in->flags,
+                            in->l2p, in->replicas);
+            key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
+            phys[s] = key < R ? p : -1;
+        }
+        tile[lid] = key;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        uint before = 0, after = 0;
+        for (uint i = base; i < base + SUB; i++) {
+            const uint same = tile[i] == key;
+            before += i < lid ? same : 0u;
+            after += i > lid ? same : 0u;
+        }
+        const bool last_of_key = key <= R && after == 0;
+        if (last_of_key)
+            sub[g * (R + 1) + key] = before + 1;
+        if (in_range && key < R) {
+            /* The token's slots are lanes lid - j .. lid - j + k - 1. */
+            bool first = true;
+            for (uint i = lid - j; i < lid && first; i++)
+                first = tile[i] != key;
+            if (first)
+                atomic_inc(&cnt[R + 1 + key]);
+            if (in->flags & EP_COUNTS)
+                atomic_inc(&cnt[2 * R + 1 + (uint)p]);
+        }
+        if (in_range && (in->flags & EP_TIR))
+            for (uint r = j; r < R; r += k) {
+                uint on = 0;
+                for (uint i = lid - j; i < lid - j + k; i++)
+                    on |= tile[i] == r;
+                tir[(size_t)tok * R + r] = (uchar)on;
+            }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (key <= R) {
+            uint pre = 0;
+            for (uint h = 0; h < g; h++)
+                pre += sub[h * (R + 1) + key];
+            kr[s - tok0 * k] = key << 16 | (cnt[key] + pre + before);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (last_of_key) {
+            atomic_add(&cnt[key], before + 1);
+            sub[g * (R + 1) + key] = 0;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+}
+
+/* Lane 0's ticket on field at of word 0, returning the word after it;
+ * with wait, it then spins until all G have taken theirs. */
+static inline uint ticket(volatile __global uint *word, uint at, uint groups, bool wait)
+{
+    uint w = atomic_add(word, 1u << at) + (1u << at);
+    while (wait && field(w, at) < groups)
+        w = atomic_or(word, 0u);
+    return w;
+}
+
+/* The total of a column past the rank starts: a token count per rank or
+ * a slot count per physical expert. */
+static inline void column_output(uint col, uint R, uint total, uint flags, __global int *tokens_per_rank,
+                                 __global int *expert_counts)
+{
+    if (col <= 2 * R) {
+        if (flags & EP_TPR)
+            tokens_per_rank[col - R - 1] = (int)total;
+    } else {
+        expert_counts[col - 2 * R - 1] = (int)total;
+    }
+}
+
+/* WAIT mode: columns [col0, cols) in steps of stride, a sub-tile each: per
+ * column, the chunks' exclusive prefixes (columns 0..R, into prefix) and
+ * the total (columns 0..R into tot, the others into the output they
+ * feed). Lane i of a sub-tile takes a run of q chunks; lane 0 scans the
+ * sub-tile's runs. Without active (LAST mode) the same barriers run over
+ * nothing. */
+static void scan_columns_fused(__global const uint *matrix, __global uint *prefix, __global uint *tot, uint groups,
+                               uint R, uint cols, uint col0, uint stride, bool active, uint flags,
+                               __global int *tokens_per_rank, __global int *expert_counts, __local uint *part)
+{
+    const uint lid = get_local_id(0), g = lid / SUB, i = lid % SUB, q = (groups + SUB - 1) / SUB;
+    for (uint at = col0; at < cols; at += stride) {
+        const uint col = at + g, c0 = min(i * q, groups), c1 = min(c0 + q, groups);
+        const bool live = active && col < cols;
+        uint sum = 0;
+        for (uint c = c0; c < c1 && live; c++)
+            sum += shared_load(&matrix[(size_t)c * cols + col]);
+        part[lid] = sum;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        if (i == 0) {
+            uint acc = 0;
+            for (uint l = lid; l < lid + SUB; l++) {
+                const uint v = part[l];
+                part[l] = acc;
+                acc += v;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        uint acc = part[lid];
+        if (live && col <= R)
+            for (uint c = c0; c < c1; c++) {
+                shared_store(&prefix[(size_t)c * (R + 1) + col], acc);
+                acc += shared_load(&matrix[(size_t)c * cols + col]);
+            }
+        else
+            acc += sum;
+        if (live && i == SUB - 1) {
+            if (col <= R)
+                shared_store(&tot[col], acc);
+            else
+                column_output(col, R, acc, flags, tokens_per_rank, expert_counts);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+}
+
+/* dims: num_tokens, top_k, num_experts, num_physical, num_ranks,
+ * max_replicas, flags, chunk_tokens. Offsets (in elements): in0 ids, l2p,
+ * replicas, p2r; out0 physical_ids, token_in_rank, rank_counts,
+ * rank_offsets; out1 send_slots, tokens_per_rank, expert_counts. lm: cnt
+ * (2R + 1 + P' words, P' = num_physical with EP_COUNTS, else 0), sub
+ * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k).
+ * scratch: word 0 the tickets, the matrix [G][2R + 1 + P'], prefix
+ * [G][R + 1], tot [R + 1]. Every work-group meets the same barriers
+ * whatever its ticket (moe_align_fused says why): the steps of a mode a
+ * work-group does not take run over nothing, and the LAST mode's own
+ * steps have no barrier. */
+__kernel __attribute__((reqd_work_group_size(FWG, 1, 1)))
+void ep_layout_fused(__global const int *ids, __global const int *l2p, __global const int *replicas,
+                     __global const int *p2r, ulong4 in0, uint8 dims, __global int *phys, __global uchar *tir,
+                     __global int *rank_counts, __global int *rank_offsets, ulong4 out0, __global int *send,
+                     __global int *tokens_per_rank, __global int *expert_counts, ulong4 out1,
+                     __global uint *scratch, __local uint *lm)
+{
+    __local uint tile[FWG], flag[2];
+    const ep_in in = {ids + in0.s0, l2p + in0.s1, replicas + in0.s2, p2r + in0.s3,
+                      dims.s0, dims.s1, dims.s2, dims.s3, dims.s4, dims.s5, dims.s6, dims.s7};
+    phys += out0.s0;
+    tir += out0.s1;
+    rank_counts += out0.s2;
+    rank_offsets += out0.s3;
+    send += out1.s0;
+    tokens_per_rank += out1.s1;
+    expert_counts += out1.s2;
+    const uint lid = get_local_id(0), c = get_group_id(0), G = get_num_groups(0), R = in.num_ranks;
+    const uint cols = 2 * R + 1 + (in.flags & EP_COUNTS ? in.num_physical : 0u);
+    __local uint *cnt = lm, *sub = cnt + cols, *start = sub + NSUB * (R + 1), *base = start + R + 1;
+    __local uint *kr = base + R + 1;
+    volatile __global uint *word = scratch;
+    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)G * cols, *tot = prefix + (size_t)G * (R + 1);
+
+    if (lid == 0 && !alone())
+        ticket(word, F_STARTED, G, false);
+    for (uint i = lid; i < NSUB * (R + 1); i += FWG)
+        sub[i] = 0;
+    const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
+    rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile);
+    for (uint i = lid; i < cols; i += FWG)
+        shared_store(&matrix[(size_t)c * cols + i], cnt[i]);
+
+    /* 1. The counted ticket; the first decides the mode. */
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (lid == 0) {
+        uint mode = MODE_WAIT, last = 1;
+        if (!alone()) {
+            const uint w = ticket(word, F_COUNTED, G, false), counted = field(w, F_COUNTED) - 1;
+            last = counted == G - 1;
+            mode = w >> F_MODE;
+            if (counted == 0) {
+                mode = field(w, F_STARTED) == G && (in.flags & EP_MAY_WAIT) ? MODE_WAIT : MODE_LAST;
+                atomic_or(word, mode << F_MODE);
+            }
+            for (uint v = w; !mode; v = atomic_or(word, 0u))
+                mode = v >> F_MODE;
+            for (uint v = w; mode == MODE_WAIT && field(v, F_COUNTED) < G; v = atomic_or(word, 0u))
+                ;
+        }
+        flag[0] = mode;
+        flag[1] = last;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    const bool wait = flag[0] == MODE_WAIT, alone_last = !wait && flag[1];
+
+    /* 2. WAIT: a share of the columns each, then the second wait. */
+    scan_columns_fused(matrix, prefix, tot, G, R, cols, c * NSUB, G * NSUB, wait, in.flags, tokens_per_rank,
+                       expert_counts, tile);
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (lid == 0 && wait && !alone())
+        ticket(word, F_PASSED, G, true);
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    mem_fence(CLK_GLOBAL_MEM_FENCE);
+
+    /* 3. The totals of ranks 0..R into base: WAIT from tot, LAST summed
+     * over the chunks by the last work-group (which also writes the other
+     * columns' outputs). */
+    for (uint col = lid; col < cols && (wait || alone_last); col += FWG) {
+        uint total = 0;
+        if (wait) {
+            total = col <= R ? shared_load(&tot[col]) : 0u;
+        } else {
+            for (uint cc = 0; cc < G; cc++)
+                total += shared_load(&matrix[(size_t)cc * cols + col]);
+            if (col > R)
+                column_output(col, R, total, in.flags, tokens_per_rank, expert_counts);
+        }
+        if (col <= R)
+            base[col] = total;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* The rank starts: the exclusive scan of the totals (start[R]: the
+     * slots sent, where the run of those not sent begins). */
+    const bool small_outputs = wait ? c == 0 : alone_last;
+    for (uint r = lid; r <= R && (wait || alone_last); r += FWG) {
+        uint acc = 0;
+        for (uint i = 0; i < r; i++)
+            acc += base[i];
+        start[r] = acc;
+        if (small_outputs) {
+            rank_offsets[r] = (int)acc;
+            if (r < R)
+                rank_counts[r] = (int)base[r];
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    /* 4. The placement. WAIT: this chunk's slots from their ranks in kr,
+     * at their rank's start + its slots in earlier chunks (cnt now holds
+     * that sum); LAST: the last work-group's first work-item walks every
+     * slot in order with a running position per rank. */
+    for (uint r = lid; r <= R && wait; r += FWG)
+        cnt[r] = start[r] + shared_load(&prefix[(size_t)c * (R + 1) + r]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint i = lid; i < (tok1 - tok0) * in.top_k && wait; i += FWG) {
+        const uint v = kr[i], key = v >> 16;
+        send[cnt[key] + (v & 0xffffu)] = key < R ? (int)(tok0 * in.top_k + i) : -1;
+    }
+    if (alone_last && lid == 0)
+        for (uint t = 0; t < in.num_tokens; t++)
+            for (uint j = 0; j < in.top_k; j++) {
+                const uint s = t * in.top_k + j;
+                const int p = physical_of(in.ids[s], t, in.num_experts, in.num_physical, in.max_replicas, in.flags,
+                                          in.l2p, in.replicas);
+                const uint key = rank_of(p, in.num_physical, R, in.flags, in.p2r);
+                send[start[key]++] = key < R ? (int)s : -1;
+            }
+
+    if (lid == 0 && !alone()) {
+        const uint w = ticket(word, F_ENDED, G, false);
+        if (field(w, F_ENDED) == G)
+            atomic_xchg(word, 0u);
+    }
+}

@@ -1,10 +1,15 @@
-/* Grounded router (docs/routing.md, section 2):
+/* Grounded router (docs/routing.md, section 3):
  *   g[e] = router_logits[e] + alpha * dot(token_hidden, expert_ground[e])
- * with fp32 accumulation, the TOPK largest g (descending, ties to the lower
- * index, NaN lowest), and a softmax over the chosen g values.
+ * with fp32 accumulation, and g the row of logits of the gating pipeline
+ * (cl/gating.cl, its defines: SCORING, WEIGHTING, HAS_BIAS, groups,
+ * renormalisation); the seed's defaults select the TOPK largest g
+ * (descending, ties to the lower index, NaN lowest) and weigh them by a
+ * softmax over the chosen g.
  * Specialised at build time:
  *   HIDDEN_DIM, NUM_EXPERTS, TOPK       the shape
  *   IN_DTYPE                            dtype of token_hidden and expert_ground
+ *   HAS_LOGITS                          (absent: 1) router_logits is read;
+ *                                       0: g = alpha * dot (moecl_router)
  *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
@@ -30,9 +35,25 @@
 #ifndef KERNEL
 #define KERNEL 0
 #endif
+#ifndef HAS_LOGITS
+#define HAS_LOGITS 1
+#endif
+/* g from the dot product: the router logit plus alpha times it, or alpha
+ * times it alone. */
+#if HAS_LOGITS
+#define G_OF(logit, dot) ((logit) + alpha * (dot))
+#define LOGIT_AT(t, e) logits[(size_t)(t)*NUM_EXPERTS + (e)]
+#else
+#define G_OF(logit, dot) (alpha * (dot))
+#define LOGIT_AT(t, e) 0.0f
+#endif
+/* The tiled kernel's running top-k is right only where the selection is
+ * on g itself, with no bias and no groups (any weighting: the chosen g
+ * come back from their keys). */
+#define MERGEABLE (SCORING == 3 && !HAS_BIAS && NUM_GROUPS == 0)
 
 /* The float a rank_of_float value came from (-0 comes back as +0 and every
- * NaN as one NaN, neither of which changes a softmax). */
+ * NaN as one NaN, neither of which changes a weight). */
 static inline float float_of_rank(uint r)
 {
     if (r == 0u)
@@ -40,56 +61,35 @@ static inline float float_of_rank(uint r)
     return (r & 0x80000000u) ? as_float(r & 0x7fffffffu) : as_float(~r);
 }
 
-/* Softmax over the chosen values g (max-subtracted: g[0] is the largest
- * number unless every chosen value is NaN) and the outputs. The sum runs in
- * index order, so every device gives the same bits. Private arrays. */
-static inline void write_outputs(const uint *id, const float *g, uint row, __global float *pairs,
-                                 __global float *weights, __global int *ids)
+/* Output slot j of a row: its id and final weight (private values). */
+static inline void write_output(uint j, uint id, float w, uint row, __global float *pairs, __global float *weights,
+                                __global int *ids)
 {
-    float e[TOPK];
-    float sum = 0.0f;
-    for (uint j = 0; j < TOPK; j++) {
-        e[j] = exp(g[j] - g[0]);
-        sum += e[j];
-    }
-    for (uint j = 0; j < TOPK; j++) {
-        const float w = e[j] / sum;
-        const size_t at = (size_t)row * TOPK + j;
+    const size_t at = (size_t)row * TOPK + j;
 #if HAS_PAIRS
-        pairs[2 * at] = (float)id[j];
-        pairs[2 * at + 1] = w;
+    pairs[2 * at] = (float)id;
+    pairs[2 * at + 1] = w;
 #endif
 #if HAS_WEIGHTS
-        weights[at] = w;
+    weights[at] = w;
 #endif
 #if HAS_IDS
-        ids[at] = (int)id[j];
+    ids[at] = (int)id;
 #endif
-    }
-}
-
-/* write_outputs from a descending list of rank keys. */
-static inline void write_outputs_from_keys(const ulong *keys, uint row, __global float *pairs,
-                                           __global float *weights, __global int *ids)
-{
-    uint id[TOPK];
-    float g[TOPK];
-    for (uint j = 0; j < TOPK; j++) {
-        id[j] = key_index(keys[j]);
-        g[j] = float_of_rank((uint)(keys[j] >> 32));
-    }
-    write_outputs(id, g, row, pairs, weights, ids);
 }
 
 #define OUTPUT_PARAMS                                                                              \
-    __global float *pairs, ulong pairs_off, __global float *weights, ulong weights_off, __global int *ids, \
-        ulong ids_off, uint num_tokens, float alpha
+    __global const float *bias, ulong bias_off, __global float *pairs, ulong pairs_off, __global float *weights,   \
+        ulong weights_off, __global int *ids, ulong ids_off, uint num_tokens, float alpha, float scaling_factor
 
 #define OFFSET_OUTPUTS()                                                                           \
     do {                                                                                           \
         hidden += hidden_off;                                                                      \
-        logits += logits_off;                                                                      \
+        if (HAS_LOGITS)                                                                            \
+            logits += logits_off;                                                                  \
         ground += ground_off;                                                                      \
+        if (HAS_BIAS)                                                                              \
+            bias += bias_off;                                                                      \
         if (HAS_PAIRS)                                                                             \
             pairs += pairs_off;                                                                    \
         if (HAS_WEIGHTS)                                                                           \
@@ -103,23 +103,36 @@ static inline void write_outputs_from_keys(const ulong *keys, uint row, __global
 /* TM tokens per work-item (CPU devices).                                  */
 /* ---------------------------------------------------------------------- */
 
-/* Register blocking: a work-item takes TM tokens and goes through the
- * experts RN at a time, keeping TM x RN dot products as float16 partial
- * sums (16 hidden indices per step, SIMD on CPUs). Each ground row read
- * serves TM tokens and each hidden vector RN experts, so the ground table
- * is streamed once per TM tokens, not once per token. Every token's dot
- * products are computed the same way whatever its place in the block, so
- * a row's result does not depend on the others: a block past the last
- * token repeats the last token and writes nothing for it, and the last
- * expert block repeats the last expert. */
+/* Register blocking: a work-item takes TM tokens, MB at a time, and goes
+ * through the experts RN at a time, keeping MB x RN dot products as float16
+ * partial sums (16 hidden indices per step, SIMD on CPUs). Each ground row
+ * read serves MB tokens and each hidden vector RN experts, so the ground
+ * table is streamed once per MB tokens, not once per token; a chunk of HC
+ * hidden indices of the block's ground rows serves all TM tokens before the
+ * next chunk. The partial sums of a block are reduced together
+ * (sum16_of_16), not one by one. Every token's dot products are computed
+ * the same way whatever its place in the block, so a row's result does not
+ * depend on the others: a block past the last token repeats the last token
+ * and writes nothing for it, and the last expert block repeats the last
+ * expert. */
 #if !defined(TM) || TM < 1
 #undef TM
 #define TM 1
 #endif
+#ifndef MB
+#define MB (TM < 8 ? TM : 8) /* tokens of a register block */
+#endif
+#if TM % MB != 0
+#error "TM must be a multiple of MB"
+#endif
+#ifndef RN
 #define RN LAYOUT_GROUNDED_RN
+#endif
 #define H16 (HIDDEN_DIM / 16 * 16)
+#define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block */
+#ifndef HC
 #define HC 1024 /* hidden chunk (a multiple of 16) */
-#define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block (a multiple of RN) */
+#endif
 
 static inline float16 load_hidden16(__global const in_t *p, uint i)
 {
@@ -133,6 +146,77 @@ static inline float sum16(float16 v)
     return (b.s0 + b.s1) + (b.s2 + b.s3);
 }
 
+#if MB * RN == 16
+/* sum16 of each of sixteen vectors at once, lane q holding sum16(v[q]) bit
+ * for bit: the same pairs of lanes added in the same order, but each add
+ * serves several vectors (15 adds and 30 shuffles instead of some 160
+ * instructions of sixteen separate sum16 calls). */
+static inline float16 sum16_of_16(const float16 *v)
+{
+    float16 t[8], u[4], w[2];
+#pragma unroll
+    for (uint j = 0; j < 8; j++) /* lanes i + (i + 8): two vectors a result */
+        t[j] = (float16)(v[2 * j].lo, v[2 * j + 1].lo) + (float16)(v[2 * j].hi, v[2 * j + 1].hi);
+#pragma unroll
+    for (uint j = 0; j < 4; j++) /* i + (i + 4): four vectors a result */
+        u[j] = (float16)(t[2 * j].s0123, t[2 * j].s89ab, t[2 * j + 1].s0123, t[2 * j + 1].s89ab) +
+               (float16)(t[2 * j].s4567, t[2 * j].scdef, t[2 * j + 1].s4567, t[2 * j + 1].scdef);
+#pragma unroll
+    for (uint j = 0; j < 2; j++) /* (0 + 1), (2 + 3): eight vectors a result */
+        w[j] = (float16)(u[2 * j].even, u[2 * j + 1].even) + (float16)(u[2 * j].odd, u[2 * j + 1].odd);
+    return (float16)(w[0].even, w[1].even) + (float16)(w[0].odd, w[1].odd);
+}
+#endif
+
+/* The dot products of MB tokens (rows tok[0..MB)) with RN experts from e0
+ * over the hidden indices [c0, c1), added to dots[m][e0 - eb + n] (set
+ * where c0 is 0); expert columns past the block are left alone. */
+static inline void dot_block(__global const in_t *hidden, __global const in_t *ground, const uint *tok, uint e0,
+                             uint eb, uint c0, uint c1, float (*dots)[EB])
+{
+    __global const in_t *h_row[MB];
+    __global const in_t *w_row[RN];
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+        h_row[m] = hidden + (size_t)tok[m] * HIDDEN_DIM;
+#pragma unroll
+    for (uint n = 0; n < RN; n++)
+        w_row[n] = ground + (size_t)min(e0 + n, (uint)(NUM_EXPERTS - 1)) * HIDDEN_DIM;
+    float16 acc[MB][RN];
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            acc[m][n] = (float16)(0.0f);
+    for (uint i = c0; i < c1; i += 16) {
+        float16 w[RN];
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            w[n] = load_hidden16(w_row[n], i);
+#pragma unroll
+        for (uint m = 0; m < MB; m++) {
+            const float16 h = load_hidden16(h_row[m], i);
+#pragma unroll
+            for (uint n = 0; n < RN; n++)
+                acc[m][n] = fma(h, w[n], acc[m][n]);
+        }
+    }
+#if MB * RN == 16
+    float sums[16];
+    vstore16(sum16_of_16(&acc[0][0]), 0, sums);
+#define SUM_OF(m, n) sums[(m) * RN + (n)]
+#else
+#define SUM_OF(m, n) sum16(acc[m][n])
+#endif
+#pragma unroll
+    for (uint m = 0; m < MB; m++)
+#pragma unroll
+        for (uint n = 0; n < RN; n++)
+            if (e0 + n < eb + EB)
+                dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + SUM_OF(m, n);
+#undef SUM_OF
+}
+
 __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off, __global const float *logits,
                                    ulong logits_off, __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
 {
@@ -144,48 +228,37 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
     for (uint m = 0; m < TM; m++)
         tok[m] = min(t0 + m, num_tokens - 1);
 
-    ulong keys[TM][TOPK];
-    float unused[TOPK];
+    /* Each token's row of g, for the gating pipeline after the GEMM
+     * (cl/gating.cl, rows_pipeline); padding lanes 0. Where one block of
+     * dots is the whole row, g replaces the dot products in place
+     * (cl/layout.h, LAYOUT_GROUNDED_G_IN_DOTS). */
+#if LAYOUT_GROUNDED_G_IN_DOTS(NUM_EXPERTS)
+#define GROW dots
+#else
+#define GROW grow
+    float grow[TM][BLOCKS * BLOCK];
     for (uint m = 0; m < TM; m++)
-        for (uint j = 0; j < TOPK; j++)
-            keys[m][j] = KEY_NONE;
+        for (uint e = NUM_EXPERTS; e < BLOCKS * BLOCK; e++)
+            grow[m][e] = 0.0f;
+#endif
     /* Experts in blocks of EB, the hidden dimension in chunks of HC, so that
-     * the TM hidden chunks (32 KiB) stay in L1 while the block's ground
-     * rows stream by; the dot products of a block wait in dots[][]. */
+     * a register block's MB hidden chunks (32 KiB) stay in L1 while the
+     * block's ground rows stream by, and the chunk of ground rows (EB x HC,
+     * 512 KiB for 128 experts) stays in L2 for the TM tokens; the dot
+     * products of a block wait in dots[][]. Register blocks wholly past the
+     * last token are skipped (a small batch costs MB tokens, not TM); their
+     * dots hold zeros. */
     float dots[TM][EB];
+    const uint used = (min(num_tokens - t0, (uint)TM) + MB - 1) / MB * MB;
+    for (uint m = used; m < TM; m++)
+        for (uint e = 0; e < EB; e++)
+            dots[m][e] = 0.0f;
     for (uint eb = 0; eb < NUM_EXPERTS; eb += EB) {
         for (uint c0 = 0; c0 < H16; c0 += HC) {
             const uint c1 = min(c0 + HC, (uint)H16);
-            for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN) {
-                uint ex[RN];
-                for (uint n = 0; n < RN; n++)
-                    ex[n] = min(e0 + n, (uint)(NUM_EXPERTS - 1));
-                float16 acc[TM][RN];
-#pragma unroll
-                for (uint m = 0; m < TM; m++)
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        acc[m][n] = (float16)(0.0f);
-                for (uint i = c0; i < c1; i += 16) {
-                    float16 w[RN];
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        w[n] = load_hidden16(ground + (size_t)ex[n] * HIDDEN_DIM, i);
-#pragma unroll
-                    for (uint m = 0; m < TM; m++) {
-                        const float16 h = load_hidden16(hidden + (size_t)tok[m] * HIDDEN_DIM, i);
-#pragma unroll
-                        for (uint n = 0; n < RN; n++)
-                            acc[m][n] = fma(h, w[n], acc[m][n]);
-                    }
-                }
-#pragma unroll
-                for (uint m = 0; m < TM; m++)
-#pragma unroll
-                    for (uint n = 0; n < RN; n++)
-                        if (e0 + n < eb + EB)
-                            dots[m][e0 + n - eb] = (c0 == 0 ? 0.0f : dots[m][e0 + n - eb]) + sum16(acc[m][n]);
-            }
+            for (uint m0 = 0; m0 < used; m0 += MB)
+                for (uint e0 = eb; e0 < min(eb + EB, (uint)NUM_EXPERTS); e0 += RN)
+                    dot_block(hidden, ground, tok + m0, e0, eb, c0, c1, dots + m0);
         }
         for (uint m = 0; m < TM; m++) {
             for (uint e = eb; e < min(eb + EB, (uint)NUM_EXPERTS); e++) {
@@ -193,15 +266,21 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
                 for (uint i = H16; i < HIDDEN_DIM; i++)
                     dot = fma(LOAD_IN(hidden, (size_t)tok[m] * HIDDEN_DIM + i),
                               LOAD_IN(ground, (size_t)e * HIDDEN_DIM + i), dot);
-                const float g = logits[(size_t)tok[m] * NUM_EXPERTS + e] + alpha * dot;
-                const ulong key = rank_key(g, e);
-                TOPK_INSERT(keys[m], unused, TOPK, key, 0.0f);
+                GROW[m][e] = G_OF(LOGIT_AT(tok[m], e), dot);
             }
         }
     }
-    for (uint m = 0; m < TM; m++)
-        if (t0 + m < num_tokens)
-            write_outputs_from_keys(keys[m], t0 + m, pairs, weights, ids);
+    for (uint m = 0; m < TM && t0 + m < num_tokens; m++) {
+        float8 logit[BLOCKS];
+        for (uint b = 0; b < BLOCKS; b++)
+            logit[b] = vload8(b, GROW[m]);
+        float w[TOPK];
+        uint id[TOPK];
+        rows_pipeline(logit, bias, scaling_factor, w, id);
+        for (uint j = 0; j < TOPK; j++)
+            write_output(j, id[j], w[j], t0 + m, pairs, weights, ids);
+    }
+#undef GROW
 }
 
 #elif KERNEL == 1
@@ -220,9 +299,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
      * experts of one hidden index; columns past NUM_EXPERTS hold zeros. */
     __local float ground_local[HIDDEN_DIM * GROUND_STRIDE];
     __local float hidden_local[ROWS * HIDDEN_DIM];
-    __local float chosen_g[ROWS * TOPK];
-    __local uint chosen_ids[ROWS * TOPK];
-    TEAM_TOPK_LOCALS;
+    TEAM_GATING_LOCALS;
     const uint lid = get_local_id(0);
     const uint lane = lid % TEAM;
     const uint r = lid / TEAM;
@@ -244,7 +321,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     UNROLL
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
-        logit[j] = (active && e < NUM_EXPERTS) ? logits[(size_t)row * NUM_EXPERTS + e] : 0.0f;
+        logit[j] = (active && e < NUM_EXPERTS) ? LOGIT_AT(row, e) : 0.0f;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
 
@@ -271,29 +348,18 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
         for (uint j = 0; j < EPT; j++)
             acc[j][0] = fma(h, ground_local[i * GROUND_STRIDE + j * TEAM + lane], acc[j][0]);
     }
-    uint rank[EPT];
+    /* g is the pipeline's row of logits (cl/gating.cl, TEAM_GATING). */
     float g[EPT];
     UNROLL
     for (uint j = 0; j < EPT; j++) {
         const uint e = j * TEAM + lane;
-        g[j] = 0.0f;
-        rank[j] = RANK_NONE;
-        if (active && e < NUM_EXPERTS) {
-            g[j] = logit[j] + alpha * ((acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3]));
-            rank[j] = select_rank(g[j]);
-        }
+        g[j] = (active && e < NUM_EXPERTS) ? G_OF(logit[j], (acc[j][0] + acc[j][1]) + (acc[j][2] + acc[j][3])) : 0.0f;
     }
-    team_topk(rank, g, TEAM_TOPK_SCRATCH(r), lane, chosen_ids + r * TOPK, chosen_g + r * TOPK);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (active && lane == 0) {
-        uint id[TOPK];
-        float chosen[TOPK];
-        for (uint j = 0; j < TOPK; j++) {
-            id[j] = chosen_ids[r * TOPK + j];
-            chosen[j] = chosen_g[r * TOPK + j];
-        }
-        write_outputs(id, chosen, row, pairs, weights, ids);
-    }
+    float w[TOPK];
+    TEAM_GATING(g, active, lane, r, bias, scaling_factor, w);
+    if (active)
+        for (uint j = lane; j < TOPK; j += TEAM)
+            write_output(j, GATE_IDS(r)[j], w[j], row, pairs, weights, ids);
     DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
@@ -507,7 +573,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint j = 0; j < NT; j++) {
                 const uint n = col_group + j * COL_GROUPS, e = expert0 + n;
                 if (t < num_tokens && e < NUM_EXPERTS)
-                    G_AT(m, n) = logits[(size_t)t * NUM_EXPERTS + e] + alpha * acc[i][j];
+                    G_AT(m, n) = G_OF(LOGIT_AT(t, e), acc[i][j]);
             }
         }
         barrier(CLK_LOCAL_MEM_FENCE);
@@ -532,10 +598,18 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
     }
 
     if (lid < TM && row0 + lid < num_tokens) {
+        /* Steps 4-5 of the pipeline from the merged keys (MERGEABLE: the
+         * selection was on g, which comes back from the keys). */
         ulong keys[TOPK];
-        for (uint j = 0; j < TOPK; j++)
+        float w[TOPK];
+        uint id[TOPK];
+        for (uint j = 0; j < TOPK; j++) {
             keys[j] = top_keys[lid * TOPK + j];
-        write_outputs_from_keys(keys, row0 + lid, pairs, weights, ids);
+            w[j] = float_of_rank((uint)(keys[j] >> 32));
+        }
+        rows_final(keys, w, scaling_factor, id);
+        for (uint j = 0; j < TOPK; j++)
+            write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids);
     }
 }
 #endif

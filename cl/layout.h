@@ -101,8 +101,27 @@
  * whose dot products wait in dots[TM][EB]; each token keeps TOPK keys. */
 #define LAYOUT_GROUNDED_RN 2
 #define LAYOUT_GROUNDED_EB(experts) ((experts) < 256 ? ((experts) + 1) / 2 * 2 : 256)
+/* The tokens' rows of g for the gating pipeline: in dots[][] itself where
+ * one block of experts is the whole row and no padding is needed, else a
+ * row of BLOCKS * BLOCK floats a token besides. */
+#define LAYOUT_GROUNDED_G_IN_DOTS(experts)                                                         \
+    (LAYOUT_GROUNDED_EB(experts) == (experts) && (experts) % LAYOUT_ROWS_BLOCK == 0)
 #define LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k)                                         \
-    (4 * (tm) * LAYOUT_GROUNDED_EB(experts) + 8 * (tm) * (k))
+    (4 * (tm) * LAYOUT_GROUNDED_EB(experts) +                                                      \
+     (LAYOUT_GROUNDED_G_IN_DOTS(experts) ? 0 : 4 * (tm) * LAYOUT_ROWS_BLOCKS(experts) * LAYOUT_ROWS_BLOCK) + \
+     8 * (tm) * (k))
+/* TM, the tokens of a work-item: 32, four register blocks of 8 sharing each
+ * chunk of ground rows from L2 (bench/RESULTS.md: faster than 8 on pocl),
+ * where that keeps the private arrays within 20 KiB (128 experts up to top
+ * 16); else the largest of 8, 4, 2 and 1 that does, as Intel's CPU runtime
+ * allows a single work-item a group at 48 KiB. */
+#define LAYOUT_GROUNDED_ROWS_FITS(tm, experts, k) (LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k) <= 20480)
+#define LAYOUT_GROUNDED_ROWS_TM(experts, k)                                                        \
+    (LAYOUT_GROUNDED_ROWS_FITS(32, experts, k)  ? 32                                               \
+     : LAYOUT_GROUNDED_ROWS_FITS(8, experts, k) ? 8                                                \
+     : LAYOUT_GROUNDED_ROWS_FITS(4, experts, k) ? 4                                                \
+     : LAYOUT_GROUNDED_ROWS_FITS(2, experts, k) ? 2                                                \
+                                                : 1)
 
 /* ---- moe_align ------------------------------------------------------- */
 
@@ -123,6 +142,14 @@
  * arrays sized at launch; place compiles in a tile of WG words, as
  * moe_align's scatter (unused, and dropped, with WG 1). */
 #define LAYOUT_EP_PLACE_STATIC_BYTES(wg) LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg)
+/* The layout's fused kernel: one array sized at launch (counts 2R + 1 +
+ * P', sub-tile counts NSUB * (R + 1), starts and bases R + 1 each, a
+ * packed rank per slot of its chunk); compiled in, its tile of FWG words
+ * and two flags. */
+#define LAYOUT_EP_FUSED_NSUB(fwg) ((fwg) < 32 ? 1 : (fwg) / 32)
+#define LAYOUT_EP_FUSED_LM_BYTES(fwg, cols, ranks, chunk_slots)                                                    \
+    (4 * ((cols) + LAYOUT_EP_FUSED_NSUB(fwg) * ((ranks) + 1) + 2 * ((ranks) + 1) + (chunk_slots)))
+#define LAYOUT_EP_FUSED_STATIC_BYTES(fwg) (4 * (fwg) + 8)
 #define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
 /* The fused kernel: two arrays of E + 1 words sized at launch (running
  * counts, then totals; the starts); compiled in, the partial sums, the

@@ -1,26 +1,12 @@
-/* Top-k gating (docs/routing.md, section 1), one function per step of the
- * spec. Specialised at build time:
- *   NUM_EXPERTS, TOPK          the shape
- *   SCORING                    0 softmax, 1 sigmoid
- *   HAS_BIAS                   correction bias steers selection only
- *   NUM_GROUPS, TOPK_GROUP     group-limited selection (NUM_GROUPS 0: none)
- *   GROUP_SCORE                0 max, 1 sum of the top two
- *   RENORMALIZE                divide the weights by their sum when > 0
- *   RENORM_FLOOR               (absent: none) divide by max(sum, floor)
- *   GROUP_FILL                 0 (absent): dropped groups never selected;
- *                              1: their selection score is 0.0 (below)
+/* Top-k gating (docs/routing.md, section 1): the gating pipeline of
+ * cl/gating.cl over rows of logits read from global memory, with its
+ * defines (the shape, SCORING, WEIGHTING, HAS_BIAS, groups,
+ * renormalisation) and these:
  *   HAS_COUNTS                 also count the chosen ids per expert (below)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
  * the row lives in the registers of TEAM work-items, EPT elements each). */
-
-#ifndef NUM_GROUPS
-#define NUM_GROUPS 0
-#endif
-#ifndef GROUP_FILL
-#define GROUP_FILL 0
-#endif
 
 /* HAS_COUNTS (moecl_topk_gating_with_counts; absent, i.e. 0, for the plain
  * entry points, whose defines and kernels stay as they were): both kernels
@@ -57,107 +43,10 @@
 #define BIAS_PARAM
 #define BIAS_AT(args) ((__global const float *)0)
 #endif
-#define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
-
-/* Step 1, the score: softmax takes the row's max over the non-NaN logits
- * and the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic
- * makes them (any NaN or +inf logit makes the whole row NaN). Sigmoid is
- * 1 / (1 + exp(-x)). Each kernel computes it in its own layout below. */
-
-/* Step 2: selection score. */
-static inline float selection_score(float score, __global const float *bias, uint e)
-{
-#if HAS_BIAS
-    return score + bias[e];
-#else
-    return score;
-#endif
-}
-
-/* Step 3: group score, accumulated over a group's selection scores. NaN is
- * passed over; a group of only NaN scores NaN (which ranks lowest); with
- * TOP2_SUM a repeated maximum counts twice and a group with one number
- * scores that number. */
-typedef struct group_acc {
-    float first, second;
-    uint count;
-} group_acc;
-
-static inline void group_acc_init(group_acc *a)
-{
-    a->first = a->second = 0.0f;
-    a->count = 0;
-}
-
-static inline void group_acc_add(group_acc *a, float s)
-{
-    if (isnan(s))
-        return;
-    if (a->count == 0 || s > a->first) {
-        a->second = a->first;
-        a->first = s;
-    } else if (a->count == 1 || s > a->second) {
-        a->second = s;
-    }
-    a->count++;
-}
-
-static inline float group_acc_score(const group_acc *a)
-{
-    if (a->count == 0)
-        return NAN;
-#if GROUP_SCORE == 1
-    return a->count == 1 ? a->first : a->first + a->second;
-#else
-    return a->first;
-#endif
-}
-
-/* Step 3, the fill of dropped groups (GROUP_FILL): their experts' rank is
- * RANK_NONE (never selected), or with the zero fill that of 0.0, which
- * ranks above every negative score and NaN and ties the kept 0s. Inactive
- * and padding entries (RANK_NONE) stay out. */
-#define DROPPED_RANK(rank) (GROUP_FILL == 1 && (rank) != RANK_NONE ? select_rank(0.0f) : RANK_NONE)
-/* The plain fill skips a dropped group's experts; the zero fill without a
- * bias zeroes their weights (the fill replaced the score). One name each,
- * so that constant conditions read as one operand. */
-#define SKIPS_DROPPED (NUM_GROUPS > 0 && GROUP_FILL == 0)
-#define ZERO_FILLED_WEIGHTS (NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS)
-
-/* Step 5: the divisor of the weights. The sum is taken in index order so
- * every device and launch shape gives the same bits. A macro because the
- * weights sit in private memory in one kernel and local in the other.
- * moecl's rule divides by a sum > 0 only; with RENORM_FLOOR (llama.cpp's
- * clamp) a sum below the floor divides by the floor. A NaN sum divides
- * by 1 either way. */
-#ifdef RENORM_FLOOR
-#define RENORM_DIVISOR(s) ((s) >= RENORM_FLOOR ? (s) : isnan(s) ? 1.0f : RENORM_FLOOR)
-#else
-#define RENORM_DIVISOR(s) ((s) > 0.0f ? (s) : 1.0f)
-#endif
-#if RENORMALIZE
-#define WEIGHTS_DIVISOR(out, w, k)                                                                 \
-    do {                                                                                           \
-        float sum_ = 0.0f;                                                                         \
-        for (uint j_ = 0; j_ < (k); j_++)                                                          \
-            sum_ += (w)[j_];                                                                       \
-        (out) = RENORM_DIVISOR(sum_);                                                              \
-    } while (0)
-#else
-#define WEIGHTS_DIVISOR(out, w, k) ((out) = 1.0f)
-#endif
-
 #if TEAM == 1
 /* ---------------------------------------------------------------------- */
 /* One work-item per row (CPU devices).                                    */
 /* ---------------------------------------------------------------------- */
-
-/* The row is processed in blocks of eight experts as float8 vectors, so a
- * CPU driver runs exp and the comparisons in SIMD registers. The last,
- * partial block goes through the same vector code (padded), so equal inputs
- * give equal scores wherever they sit in the row. */
-#define BLOCK LAYOUT_ROWS_BLOCK
-#define BLOCKS LAYOUT_ROWS_BLOCKS(NUM_EXPERTS)
 
 /* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
 static inline float8 load_block(__global const in_t *x, uint e0, float pad)
@@ -168,31 +57,6 @@ static inline float8 load_block(__global const in_t *x, uint e0, float pad)
     for (uint l = 0; l < BLOCK; l++)
         t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
     return vload8(0, t);
-}
-
-static inline float8 load_bias_block(__global const float *bias, uint e0)
-{
-#if HAS_BIAS
-    if (e0 + BLOCK <= NUM_EXPERTS)
-        return vload8(0, bias + e0);
-    float t[BLOCK];
-    for (uint l = 0; l < BLOCK; l++)
-        t[l] = e0 + l < NUM_EXPERTS ? bias[e0 + l] : 0.0f;
-    return vload8(0, t);
-#else
-    (void)bias;
-    (void)e0;
-    return (float8)(0.0f);
-#endif
-}
-
-/* select_rank of eight selection scores. */
-static inline uint8 select_rank8(float8 s)
-{
-    const uint8 u = as_uint8(s);
-    uint8 r = select(u | 0x80000000u, ~u, as_int8(u) < 0);
-    r = select(r, (uint8)(0x80000000u), s == 0.0f);
-    return select(r, (uint8)(1u), isnan(s));
 }
 
 /* ---- Fast path: softmax, no bias, no groups (the seed's routing). ------ */
@@ -212,7 +76,7 @@ static inline uint8 select_rank8(float8 s)
 #ifndef CPU_DEVICE
 #define CPU_DEVICE 0
 #endif
-#if SCORING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
+#if SCORING == 0 && WEIGHTING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
 #define ROWS_FAST 1
 #define V16 16
 #define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
@@ -460,203 +324,22 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 #endif
 
 #if !ROWS_FAST
-/* ---- The generic loop: every scoring, bias and grouping. ------------- */
-
-/* The lanes of block b past the row's end. */
-static inline int8 past_end(uint b)
-{
-    return as_int8((uint8)(0, 1, 2, 3, 4, 5, 6, 7) + b * BLOCK >= (uint8)(NUM_EXPERTS));
-}
-
-/* The largest of a block's eight ranks. */
-static inline uint block_max_of(uint8 rank)
-{
-    const uint4 m4 = max(rank.lo, rank.hi);
-    const uint2 m2 = max(m4.lo, m4.hi);
-    return max(m2.x, m2.y);
-}
-
-/* Step 1: the row's scores. Softmax: the row's max (padding lanes -inf),
- * then exp(x - max) once per element, kept, and their sum (padding adds
- * nothing); the sum's order is fixed, so the bits are too. */
-static inline void rows_scores(__global const in_t *x, float8 *score)
-{
-#if SCORING == 0
-    float8 max8 = (float8)(-INFINITY);
-    for (uint b = 0; b < BLOCKS; b++)
-        max8 = fmax(max8, load_block(x, b * BLOCK, -INFINITY));
-    const float row_max = fmax(fmax(fmax(max8.s0, max8.s1), fmax(max8.s2, max8.s3)),
-                               fmax(fmax(max8.s4, max8.s5), fmax(max8.s6, max8.s7)));
-    float8 sum8 = (float8)(0.0f);
-    for (uint b = 0; b < BLOCKS; b++) {
-        score[b] = exp(load_block(x, b * BLOCK, 0.0f) - row_max);
-        sum8 += select(score[b], (float8)(0.0f), past_end(b));
-    }
-    const float row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
-    for (uint b = 0; b < BLOCKS; b++)
-        score[b] = score[b] / row_sum;
-#else
-    for (uint b = 0; b < BLOCKS; b++)
-        score[b] = 1.0f / (1.0f + exp(-load_block(x, b * BLOCK, 0.0f)));
-#endif
-}
-
-/* Step 2: selection ranks (padding: RANK_NONE), and each block's largest. */
-static inline void rows_selection_ranks(const float8 *score, __global const float *bias, uint8 *rank,
-                                        uint *block_max)
-{
-    for (uint b = 0; b < BLOCKS; b++) {
-        rank[b] = select(select_rank8(score[b] + load_bias_block(bias, b * BLOCK)), (uint8)(RANK_NONE), past_end(b));
-        block_max[b] = block_max_of(rank[b]);
-    }
-}
-
-#if NUM_GROUPS > 0
-/* Step 3: keep the TOPK_GROUP groups of largest group score. Each group's
- * key goes to group_key[g]; the result is the TOPK_GROUP-th largest key:
- * keys are unique, so a group is kept exactly when its key is at least
- * that. */
-static inline ulong rows_group_limit(const float8 *score, __global const float *bias, ulong *group_key)
-{
-    group_acc accs[NUM_GROUPS];
-    for (uint g = 0; g < NUM_GROUPS; g++)
-        group_acc_init(&accs[g]);
-    for (uint b = 0; b < BLOCKS; b++) {
-        float sel[BLOCK];
-        vstore8(score[b] + load_bias_block(bias, b * BLOCK), 0, sel);
-        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++)
-            group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], sel[l]);
-    }
-    for (uint g = 0; g < NUM_GROUPS; g++)
-        group_key[g] = rank_key(group_acc_score(&accs[g]), g);
-    ulong threshold = ~0ul;
-    for (uint r = 0; r < TOPK_GROUP; r++) {
-        ulong next = KEY_NONE;
-        for (uint g = 0; g < NUM_GROUPS; g++)
-            if (group_key[g] < threshold && group_key[g] > next)
-                next = group_key[g];
-        threshold = next;
-    }
-    return threshold;
-}
-
-#if GROUP_FILL == 1
-/* Step 3, zero fill: dropped experts take the rank of 0.0, and without a
- * bias the score 0.0 (the fill replaces the score, which is then the
- * selection score); each block's largest rank is taken again. */
-static inline void rows_zero_fill(const ulong *group_key, ulong threshold, float8 *score, uint8 *rank,
-                                  uint *block_max)
-{
-    for (uint b = 0; b < BLOCKS; b++) {
-        uint r[BLOCK];
-        float w[BLOCK];
-        vstore8(rank[b], 0, r);
-        vstore8(score[b], 0, w);
-        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++) {
-            if (group_key[(b * BLOCK + l) / GROUP_SIZE] >= threshold)
-                continue;
-            r[l] = DROPPED_RANK(r[l]);
-            w[l] = HAS_BIAS ? w[l] : 0.0f;
-        }
-        rank[b] = vload8(0, r);
-        score[b] = vload8(0, w);
-        block_max[b] = block_max_of(rank[b]);
-    }
-}
-#endif
-#else
-/* A floor for the k-th largest rank: the k-th largest block maximum (k
- * different blocks hold a rank at least that large). Ranks below it can
- * never be chosen, so most blocks are skipped whole. */
-static inline uint rows_floor(const uint *block_max)
-{
-    if (BLOCKS < TOPK)
-        return RANK_NONE;
-    uint best[TOPK];
-    for (uint j = 0; j < TOPK; j++)
-        best[j] = RANK_NONE;
-    for (uint b = 0; b < BLOCKS; b++) {
-        uint v = block_max[b];
-        for (uint j = 0; j < TOPK; j++) {
-            const uint hi = max(best[j], v);
-            v = min(best[j], v);
-            best[j] = hi;
-        }
-    }
-    return best[TOPK - 1];
-}
-#endif
-
-/* Step 4: top-k by insertion into a descending list of keys (rank above
- * the complemented index), with each chosen expert's score as its weight.
- * A block is looked at lane by lane only when one of its ranks could
- * still enter: experts come in index order, so an equal rank never beats
- * the list's last entry. dropped(e): expert e's group is dropped (the
- * plain fill: never selected). */
-static inline void rows_topk(const float8 *score, const uint8 *rank, const uint *block_max, uint floor_rank,
-                             const ulong *group_key, ulong threshold, ulong *keys, float *weights)
-{
-    for (uint j = 0; j < TOPK; j++) {
-        keys[j] = KEY_NONE;
-        weights[j] = 0.0f;
-    }
-    for (uint b = 0; b < BLOCKS; b++) {
-        const bool full = keys[TOPK - 1] != KEY_NONE;
-        if (block_max[b] < floor_rank || (full && block_max[b] <= (uint)(keys[TOPK - 1] >> 32)))
-            continue;
-        uint r[BLOCK];
-        float w[BLOCK];
-        vstore8(rank[b], 0, r);
-        vstore8(score[b], 0, w);
-        for (uint l = 0; l < BLOCK; l++) {
-            const uint e = b * BLOCK + l;
-            if (r[l] == RANK_NONE || r[l] < floor_rank)
-                continue;
-            if (SKIPS_DROPPED && group_key[e / GROUP_SIZE] < threshold)
-                continue;
-            const ulong key = ((ulong)r[l] << 32) | (ulong)(~e);
-            TOPK_INSERT(keys, weights, TOPK, key, w[l]);
-        }
-    }
-}
-
-/* Step 5: renormalise, scale and write the row. */
-static inline void rows_write(const ulong *keys, const float *weights, __global float *w_out, __global int *id_out,
-                              float scaling_factor COUNTS_PARAMS)
-{
-    float divisor;
-    WEIGHTS_DIVISOR(divisor, weights, TOPK);
-    for (uint j = 0; j < TOPK; j++) {
-        w_out[j] = weights[j] / divisor * scaling_factor;
-        id_out[j] = (int)key_index(keys[j]);
-        COUNT_ID(key_index(keys[j]));
-    }
-}
-
+/* The generic loop, cl/gating.cl's rows_pipeline: every scoring,
+ * weighting, bias and grouping. */
 static inline void topk_rows_generic(__global const in_t *x, __global const float *bias, __global float *w_out,
                                      __global int *id_out, float scaling_factor COUNTS_PARAMS)
 {
-    float8 score[BLOCKS];
-    rows_scores(x, score);
-    uint8 rank[BLOCKS];
-    uint block_max[BLOCKS];
-    rows_selection_ranks(score, bias, rank, block_max);
-#if NUM_GROUPS > 0
-    ulong group_key[NUM_GROUPS];
-    const ulong threshold = rows_group_limit(score, bias, group_key);
-    const uint floor_rank = RANK_NONE;
-#if GROUP_FILL == 1
-    rows_zero_fill(group_key, threshold, score, rank, block_max);
-#endif
-#else
-    const ulong *group_key = 0;
-    const ulong threshold = 0;
-    const uint floor_rank = rows_floor(block_max);
-#endif
-    ulong keys[TOPK];
+    float8 logit[BLOCKS];
+    for (uint b = 0; b < BLOCKS; b++)
+        logit[b] = load_block(x, b * BLOCK, 0.0f);
     float weights[TOPK];
-    rows_topk(score, rank, block_max, floor_rank, group_key, threshold, keys, weights);
-    rows_write(keys, weights, w_out, id_out, scaling_factor COUNTS_ARGS);
+    uint ids[TOPK];
+    rows_pipeline(logit, bias, scaling_factor, weights, ids);
+    for (uint j = 0; j < TOPK; j++) {
+        w_out[j] = weights[j];
+        id_out[j] = (int)ids[j];
+        COUNT_ID(ids[j]);
+    }
 }
 #endif
 
@@ -686,27 +369,6 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 /* A team of TEAM work-items per row, ROWS rows per work-group (GPUs).      */
 /* ---------------------------------------------------------------------- */
 
-/* GROUP_PARTS: lanes that score one group together (a power of two, so
- * that a group's parts are neighbouring lanes). */
-#define GROUP_PARTS LAYOUT_GROUP_PARTS(TEAM, NUM_GROUPS)
-
-/* A softmax score exp(x - max) / sum; under NATIVE_MATH sum_term is
- * 1 / sum and the score e * (1 / sum). */
-static inline float team_softmax_score(float x, float row_max, float sum_term)
-{
-#if NATIVE_MATH
-    return EXP(x - row_max) * sum_term;
-#else
-    return EXP(x - row_max) / sum_term;
-#endif
-}
-
-/* The score of a logit (step 1); for softmax from the row's terms. */
-static inline float team_score(float x, float row_max, float sum_term)
-{
-    return SCORING == 0 ? team_softmax_score(x, row_max, sum_term) : 1.0f / (1.0f + EXP(-x));
-}
-
 /* The row in registers: element e = i * TEAM + lane, so each load
  * instruction of the team reads consecutive addresses. EPT, the elements
  * per work-item (NUM_EXPERTS / TEAM rounded up), comes from the host, so
@@ -720,197 +382,12 @@ static inline void team_load_row(__global const in_t *x, bool active, uint lane,
     }
 }
 
-/* Step 1: what the scores need from the whole row, softmax's max and sum
- * (sum_term is 1 / sum under NATIVE_MATH); sigmoid needs nothing. The
- * scores themselves are computed where they are used, from the logits in
- * value[], which survive every barrier: Intel's CPU runtime (2026.2) loses
- * a work-item's exp() result held in private memory across a barrier and
- * hands every work-item the last one's (tests/test_drivers.c,
- * exp_across_barrier), so no score is kept across one. Every work-item
- * of the work-group calls (the reductions use barriers). */
-static inline void team_score_terms(const float *value, uint lane, __local float *slots, float *row_max,
-                                    float *sum_term)
-{
-    if (SCORING != 0) {
-        *row_max = 0.0f;
-        *sum_term = 1.0f;
-        return;
-    }
-    float local_max = -INFINITY;
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        if (i * TEAM + lane < NUM_EXPERTS)
-            local_max = fmax(local_max, value[i]);
-    const float m = team_max_float(local_max, slots, lane);
-    float local_sum = 0.0f;
-    UNROLL
-    for (uint i = 0; i < EPT; i++)
-        if (i * TEAM + lane < NUM_EXPERTS)
-            local_sum += EXP(value[i] - m);
-    const float row_sum = team_sum_float(local_sum, slots, lane);
-    *row_max = m;
-    *sum_term = NATIVE_MATH ? 1.0f / row_sum : row_sum;
-}
-
-/* Step 2: selection ranks; padding and inactive rows get RANK_NONE. With
- * groups the selection scores also go to the row's local copy for step 3;
- * inactive rows store NaN (no score) there, so that step 3, which every
- * row runs for its barriers, reads no unwritten local memory. */
-static inline void team_selection_ranks(const float *value, bool active, uint lane, __global const float *bias,
-                                        float row_max, float sum_term, uint *rank, __local float *selection)
-{
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        const uint e = i * TEAM + lane;
-        rank[i] = RANK_NONE;
-        float s = NAN;
-        if (active && e < NUM_EXPERTS) {
-            s = selection_score(team_score(value[i], row_max, sum_term), bias, e);
-            rank[i] = select_rank(s);
-        }
-        if (NUM_GROUPS > 0 && e < NUM_EXPERTS)
-            selection[e] = s;
-    }
-}
-
-#if NUM_GROUPS > 0
-/* Step 3, the group scores into keys[g] from the row's selection scores.
- * With GROUP_PARTS > 1, GROUP_PARTS lanes per group each take every
- * GROUP_PARTS-th element (neighbouring lanes read neighbouring words) and
- * the group's first lane merges the parts (first/second/count: TEAM
- * slots); the top two of a group do not depend on the order they are met
- * in, so this scores as the plain loop does. */
-static inline void team_group_scores(uint lane, __local const float *selection, __local ulong *keys,
-                                     __local float *first, __local float *second, __local uint *count)
-{
-#if GROUP_PARTS > 1
-    const uint g = lane / GROUP_PARTS, part = lane % GROUP_PARTS;
-    group_acc acc;
-    group_acc_init(&acc);
-    if (g < NUM_GROUPS)
-        for (uint e = g * GROUP_SIZE + part; e < (g + 1) * GROUP_SIZE; e += GROUP_PARTS)
-            group_acc_add(&acc, selection[e]);
-    first[lane] = acc.first;
-    second[lane] = acc.second;
-    count[lane] = min(acc.count, 2u);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (part == 0 && g < NUM_GROUPS) {
-        for (uint q = 1; q < GROUP_PARTS; q++) {
-            const uint n = count[lane + q];
-            if (n >= 1)
-                group_acc_add(&acc, first[lane + q]);
-            if (n >= 2)
-                group_acc_add(&acc, second[lane + q]);
-        }
-        keys[g] = rank_key(group_acc_score(&acc), g);
-    }
-#else
-    (void)first;
-    (void)second;
-    (void)count;
-    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
-        group_acc acc;
-        group_acc_init(&acc);
-        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
-            group_acc_add(&acc, selection[e]);
-        keys[g] = rank_key(group_acc_score(&acc), g);
-    }
-#endif
-}
-
-/* Step 3: keep the TOPK_GROUP groups of largest score (kept[g]) and give
- * the experts of the others DROPPED_RANK. Every work-item of the
- * work-group calls (barriers). */
-static inline void team_group_limit(uint *rank, uint lane, __local const float *selection, __local ulong *keys,
-                                    __local uchar *kept, __local float *first, __local float *second,
-                                    __local uint *count)
-{
-    barrier(CLK_LOCAL_MEM_FENCE);
-    team_group_scores(lane, selection, keys, first, second, count);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
-        const ulong mine = keys[g];
-        uint above = 0;
-        for (uint h = 0; h < NUM_GROUPS; h++)
-            above += keys[h] > mine;
-        kept[g] = above < TOPK_GROUP;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        const uint e = i * TEAM + lane;
-        if (e < NUM_EXPERTS && !kept[e / GROUP_SIZE])
-            rank[i] = DROPPED_RANK(rank[i]);
-    }
-}
-#endif
-
-/* Step 5: the chosen logits' scores, which are the weights (scored again
- * here rather than kept across the barriers, see step 1). A slot no
- * candidate filled (fewer valid experts than TOPK cannot happen; kept 0
- * all the same) stays 0. */
-static inline void team_chosen_weights(uint lane, float row_max, float sum_term, __local const uint *ids,
-                                       __local float *weights, __local const uchar *kept)
-{
-    for (uint j = lane; j < TOPK; j += TEAM) {
-        const uint id = ids[j];
-        if (id != 0xffffffffu)
-            weights[j] = team_score(weights[j], row_max, sum_term);
-        /* Zero fill without a bias: the fill replaced a dropped expert's
-         * score, which is its weight. */
-        if (ZERO_FILLED_WEIGHTS && id != 0xffffffffu && !kept[id / GROUP_SIZE])
-            weights[j] = 0.0f;
-    }
-}
-
-/* Step 5, the rest: renormalise, scale and write the row. */
-static inline void team_write_row(uint lane, __local const uint *ids, __local const float *weights,
-                                  __global float *w_out, __global int *id_out, float scaling_factor COUNTS_PARAMS)
-{
-    float divisor;
-    WEIGHTS_DIVISOR(divisor, weights, TOPK);
-    for (uint j = lane; j < TOPK; j += TEAM) {
-        w_out[j] = weights[j] / divisor * scaling_factor;
-        id_out[j] = (int)ids[j];
-        COUNT_ID(ids[j]);
-    }
-}
-
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,
                  COUNTS_PARAM layout_topk_args args DISPATCH_PARAMS)
 {
     DISPATCH_LOCALS;
-    /* Local memory (cl/layout.h, LAYOUT_TOPK_TEAM_ROW_BYTES), ROWS rows;
-     * each macro below is row r's share. The softmax's slots for the max
-     * and sum: none with shuffles, none for sigmoid (nothing to reduce). */
-#if TEAM_SHUFFLE || SCORING != 0
-#define FLOAT_SLOTS ((__local float *)0)
-#else
-    __local float float_slots[ROWS * TEAM];
-#define FLOAT_SLOTS (float_slots + r * TEAM)
-#endif
-    TEAM_TOPK_LOCALS;
-    __local float chosen_weights[ROWS * TOPK];
-    __local uint chosen_ids[ROWS * TOPK];
-#if NUM_GROUPS > 0
-    __local float row_selection[ROWS * NUM_EXPERTS];
-    __local ulong group_keys[ROWS * NUM_GROUPS];
-    __local uchar group_kept[ROWS * NUM_GROUPS];
-#define SELECTION (row_selection + r * NUM_EXPERTS)
-#define KEPT (group_kept + r * NUM_GROUPS)
-#if GROUP_PARTS > 1
-    __local float part_first[ROWS * TEAM];
-    __local float part_second[ROWS * TEAM];
-    __local uint part_count[ROWS * TEAM];
-#define PARTS part_first + r * TEAM, part_second + r * TEAM, part_count + r * TEAM
-#else
-#define PARTS (__local float *)0, (__local float *)0, (__local uint *)0
-#endif
-#else
-#define SELECTION ((__local float *)0)
-#define KEPT ((__local uchar *)0)
-#endif
+    TEAM_GATING_LOCALS;
     const uint lane = get_local_id(0) % TEAM;
     const uint r = get_local_id(0) / TEAM;
     const uint row = get_group_id(0) * ROWS + r;
@@ -922,22 +399,17 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_we
 
     float value[EPT];
     team_load_row(x, active, lane, value);
-    float row_max, sum_term;
-    team_score_terms(value, lane, FLOAT_SLOTS, &row_max, &sum_term);
-    uint rank[EPT];
-    team_selection_ranks(value, active, lane, BIAS_AT(args), row_max, sum_term, rank, SELECTION);
-#if NUM_GROUPS > 0
-    team_group_limit(rank, lane, SELECTION, group_keys + r * NUM_GROUPS, KEPT, PARTS);
-#endif
-    /* Step 4: the top-k of the ranks; chosen_weights gets the chosen logits. */
-    team_topk(rank, value, TEAM_TOPK_SCRATCH(r), lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    team_chosen_weights(lane, row_max, sum_term, chosen_ids + r * TOPK, chosen_weights + r * TOPK, KEPT);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    if (active)
-        team_write_row(lane, chosen_ids + r * TOPK, chosen_weights + r * TOPK,
-                       topk_weights + args.weights_off + (size_t)row * TOPK,
-                       topk_ids + args.ids_off + (size_t)row * TOPK, args.scaling_factor COUNTS_ARGS);
+    float weights[TOPK];
+    TEAM_GATING(value, active, lane, r, BIAS_AT(args), args.scaling_factor, weights);
+    if (active) {
+        __global float *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
+        __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+        for (uint j = lane; j < TOPK; j += TEAM) {
+            w_out[j] = weights[j];
+            id_out[j] = (int)GATE_IDS(r)[j];
+            COUNT_ID(GATE_IDS(r)[j]);
+        }
+    }
     DISPATCH_AFTER_ROWS(topk_ids + args.ids_off, args.num_tokens);
 }
 #endif

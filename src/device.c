@@ -109,13 +109,24 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
     free(extensions);
 }
 
+/* 1 + the index of value among names, or 0 (absent or another value). */
+static int path_named(const char *value, const char *const *names, int n)
+{
+    for (int i = 0; value && i < n; i++)
+        if (strcmp(value, names[i]) == 0)
+            return i + 1;
+    return 0;
+}
+
 /* The launch variables, read once here (every later decision reads the
  * record). MOECL_TEAM: a power of two 2..256 fixes the team size of the
  * top-k gating team kernel (tuning sweeps); anything else is ignored. It
  * and MOECL_GROUNDED_TILE (128, or one tiled configuration) ask for the GPU rule of their op unless
  * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
  * fused|chunked: moe_align's path whatever the size (one-group and fused
- * still only where the device runs them, src/moe_align.c). */
+ * still only where the device runs them, src/moe_align.c).
+ * MOECL_EP_LAYOUT=chunked|fused|fused-last: the expert-parallel layout's
+ * path (src/ep_layout.c). */
 static void read_launch_env(moecl_launch_env *env)
 {
     const char *forced = getenv("MOECL_LAUNCH_CLASS");
@@ -132,12 +143,11 @@ static void read_launch_env(moecl_launch_env *env)
     if (!tile || env->grounded_wide_tile || n < 0 || (size_t)n >= sizeof(text) ||
         !moecl_launch_config_parse(text, &env->grounded_tile))
         env->grounded_tile = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
-    const char *align = getenv("MOECL_ALIGN");
-    env->align_path = !align                            ? MOECL_ALIGN_AUTO
-                      : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
-                      : strcmp(align, "fused") == 0     ? MOECL_ALIGN_FUSED
-                      : strcmp(align, "chunked") == 0   ? MOECL_ALIGN_CHUNKED
-                                                        : MOECL_ALIGN_AUTO;
+    /* The paths by name, in their enums' order from 1 (0: chosen). */
+    static const char *const align_paths[] = {"one-group", "fused", "chunked"};
+    static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
+    env->align_path = (moecl_align_path)path_named(getenv("MOECL_ALIGN"), align_paths, 3);
+    env->ep_path = (moecl_ep_path)path_named(getenv("MOECL_EP_LAYOUT"), ep_paths, 3);
 }
 
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)

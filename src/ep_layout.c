@@ -1,10 +1,12 @@
-/* The expert-parallel dispatch layout, host side: validation, the chunks,
- * the scratch buffer, the three chained launches (cl/ep_layout.cl says
- * what each kernel does) and the blocking host-memory path. */
+/* The expert-parallel dispatch layout, host side: validation, the path
+ * (three chained launches, or the one-launch fused kernel on GPUs; cl/ep_layout.cl says
+ * what each kernel does), the chunks, the scratch buffer and the blocking
+ * host-memory path. */
 #include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
+#include "kernel_layout.h"
 
 #define EP_MAX_PHYSICAL 16384u
 #define EP_MAX_RANKS 1024u
@@ -12,7 +14,14 @@
 #define EP_MAX_CHUNKS 4096u
 
 /* cl/ep_layout.cl's flags. */
-enum { EP_MAP = 1, EP_TABLE = 2, EP_TIR = 4, EP_TPR = 8, EP_COUNTS = 16 };
+enum { EP_MAP = 1, EP_TABLE = 2, EP_TIR = 4, EP_TPR = 8, EP_COUNTS = 16, EP_MAY_WAIT = 32 };
+
+/* The fused kernel's limits: its tickets are 7-bit fields (at most 127
+ * work-groups), a slot's rank in its chunk is 16 bits, and its sub-tile
+ * counts take NSUB rows of num_ranks + 1 words of local memory. */
+#define EP_FUSED_MAX_GROUPS 127u
+#define EP_FUSED_MAX_CHUNK_SLOTS 65536u
+#define EP_FUSED_MAX_RANKS 256u
 
 moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t num_experts,
                                                uint32_t num_ranks)
@@ -75,17 +84,38 @@ static moecl_status validate_tables(moecl_context *ctx, const moecl_ep_layout_de
 
 /* ---- the plan ---- */
 
-enum { COUNT_KERNEL, SCAN_KERNEL, PLACE_KERNEL, NUM_KERNELS };
-static const char *const kernel_names[NUM_KERNELS] = {"ep_layout_count", "ep_layout_scan", "ep_layout_place"};
+enum { COUNT_KERNEL, SCAN_KERNEL, PLACE_KERNEL, FUSED_KERNEL, NUM_KERNELS };
+static const char *const kernel_names[NUM_KERNELS] = {"ep_layout_count", "ep_layout_scan", "ep_layout_place",
+                                                      "ep_layout_fused"};
 
-/* moe_align's defines (WG, SCAN_WG, ...): the program includes its source
- * and the layout's kernels take its work-groups. */
+/* The fused kernel's work-group: 256 where the device allows (NVIDIA's
+ * OpenCL reports 256 for moe_align's kernels on the H200), else the
+ * largest power of two below the device's limit. */
+static unsigned fused_wg_of(const moecl_device_info *info)
+{
+    unsigned w = 1;
+    while (w * 2 <= 256 && w * 2 <= info->max_work_group_size)
+        w *= 2;
+    return w;
+}
+
+void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
+{
+    char align[128];
+    const char *names;
+    moecl_moe_align_defines(info, align, sizeof(align), &names);
+    snprintf(buf, size, "%s -DFWG=%u", align, fused_wg_of(info));
+    *kernel_names_out = "ep_layout_count,ep_layout_scan,ep_layout_place,ep_layout_fused";
+}
+
+/* moe_align's defines (WG, SCAN_WG, ...), and FWG: the program includes
+ * moe_align's source and the three kernels take its work-groups. */
 static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
 {
     const moecl_plan *align = request;
-    char defines[128];
+    char defines[160];
     const char *names;
-    moecl_moe_align_defines(&ctx->info, defines, sizeof(defines), &names);
+    moecl_ep_layout_defines(&ctx->info, defines, sizeof(defines), &names);
     moecl_status st;
     for (int i = 0; i < NUM_KERNELS; i++) {
         st = moecl_variant_get(ctx, MOECL_PROGRAM_EP_LAYOUT, defines, kernel_names[i], &p->variants[i]);
@@ -98,6 +128,8 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     p->source = MOECL_SOURCE_DEFAULT;
     p->wg = align->wg;
     p->scan_wg = align->scan_wg;
+    p->fused_wg = fused_wg_of(&ctx->info);
+    p->fused_fits = p->limits[FUSED_KERNEL] >= p->fused_wg;
     return MOECL_SUCCESS;
 }
 
@@ -153,6 +185,77 @@ static uint32_t chunk_tokens_of(const moecl_context *ctx, const moecl_ep_layout_
 #define MEM(m) MOECL_ARG_MEM(m)
 #define LOCAL(bytes) MOECL_ARG_LOCAL(bytes)
 
+/* The fused kernel's launch for d: tokens per chunk (whole tiles of
+ * fused_wg / top_k tokens, about one chunk per compute unit, at most
+ * EP_FUSED_MAX_GROUPS chunks), work-groups and local bytes; false where
+ * it cannot serve d. */
+typedef struct fused_shape {
+    uint32_t chunk, groups, cols;
+    size_t local_bytes;
+} fused_shape;
+
+static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const moecl_ep_layout_desc *d,
+                           bool has_counts, fused_shape *f)
+{
+    const unsigned wg = p->fused_wg;
+    if (!p->fused_fits || wg < d->top_k || d->num_ranks > EP_FUSED_MAX_RANKS)
+        return false;
+    const uint32_t tile_tokens = wg / d->top_k;
+    /* At least 4, so that a device of one compute unit (oclgrind) still
+     * runs the tickets between work-groups. */
+    uint32_t target = ctx->info.compute_units > 4 ? ctx->info.compute_units : 4;
+    if (target > EP_FUSED_MAX_GROUPS)
+        target = EP_FUSED_MAX_GROUPS;
+    uint64_t chunk = ((uint64_t)d->num_tokens + target - 1) / target;
+    chunk = moecl_round_up(chunk ? chunk : 1, tile_tokens);
+    if (chunk * d->top_k > EP_FUSED_MAX_CHUNK_SLOTS)
+        return false;
+    f->chunk = (uint32_t)chunk;
+    f->groups = d->num_tokens ? (uint32_t)(((uint64_t)d->num_tokens + chunk - 1) / chunk) : 1;
+    f->cols = 2 * d->num_ranks + 1 + (has_counts ? d->num_physical : 0);
+    f->local_bytes = moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k);
+    return f->local_bytes + moecl_layout_ep_fused_static(wg) <= moecl_local_budget(&ctx->info);
+}
+
+/* One launch: the fused kernel, whose scratch holds the tickets (word 0,
+ * 0 between calls, as moe_align's fused kernel keeps it: a new buffer, or
+ * one a three-kernel path wrote, is zeroed first by a fill), the count
+ * matrix, the chunks' prefixes and the totals. */
+static moecl_status enqueue_fused(moecl_context *ctx, const moecl_ep_layout_desc *d, const moecl_plan *p,
+                                  const ep_args *a, const fused_shape *f, cl_uint flags, cl_uint num_wait,
+                                  const cl_event *wait, cl_event *done)
+{
+    const size_t rows = (size_t)d->num_ranks + 1;
+    const size_t scratch_bytes = (1 + (size_t)f->groups * (f->cols + rows) + rows) * 4;
+    cl_mem scratch;
+    moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const bool reused = ctx->in_order && ctx->scratch_lock_ready;
+    const cl_uint8 dims = {{d->num_tokens, d->top_k, d->num_experts, d->num_physical, d->num_ranks, d->max_replicas,
+                            flags, f->chunk}};
+    const cl_ulong4 in0 = {{a->ids.off, a->l2p.off, a->replicas.off, a->p2r.off}};
+    const cl_ulong4 out0 = {{a->phys.off, a->tir.off, a->rank_counts.off, a->rank_offsets.off}};
+    const cl_ulong4 out1 = {{a->send.off, a->tpr.off, a->counts.off, 0}};
+    const moecl_kernel_arg args[] = {
+        MEM(a->ids.mem),         MEM(a->l2p.mem),          MEM(a->replicas.mem), MEM(a->p2r.mem),
+        ARG(in0),                ARG(dims),                MEM(a->phys.mem),     MEM(a->tir.mem),
+        MEM(a->rank_counts.mem), MEM(a->rank_offsets.mem), ARG(out0),            MEM(a->send.mem),
+        MEM(a->tpr.mem),         MEM(a->counts.mem),       ARG(out1),            MEM(scratch),
+        LOCAL(f->local_bytes)};
+    moecl_step steps[2];
+    int n = 0;
+    if (!reused || !ctx->scratch_ticket_zero)
+        steps[n++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the layout's tickets", NULL};
+    steps[n++] = (moecl_step){FUSED_KERNEL, args, (cl_uint)(sizeof(args) / sizeof(args[0])),
+                              (size_t)f->groups * p->fused_wg, p->fused_wg, NULL, 0, 0, NULL, NULL};
+    st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
+    if (reused)
+        ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
+    moecl_scratch_release(ctx, scratch);
+    return st;
+}
+
 static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, const moecl_plan *p,
                             const ep_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
@@ -160,6 +263,15 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, c
     const cl_uint ranks = d->num_ranks, replicas = d->max_replicas;
     const cl_uint flags = (a->l2p.mem ? EP_MAP : 0) | (a->p2r.mem ? EP_TABLE : 0) | (a->tir.mem ? EP_TIR : 0) |
                           (a->tpr.mem ? EP_TPR : 0) | (a->counts.mem ? EP_COUNTS : 0);
+    /* The path: MOECL_EP_LAYOUT's where it forces one the device can run,
+     * else the fused kernel in the GPU class (one launch against three:
+     * bench/RESULTS.md) and the three kernels in the CPU class. */
+    const moecl_ep_path path = ctx->info.env.ep_path;
+    fused_shape f;
+    if (path != MOECL_EP_CHUNKED && (path != MOECL_EP_AUTO || ctx->info.launch_class == MOECL_LAUNCH_GPU) &&
+        fused_shape_of(ctx, p, d, a->counts.mem != NULL, &f))
+        return enqueue_fused(ctx, d, p, a, &f, flags | (path == MOECL_EP_FUSED_LAST ? 0 : EP_MAY_WAIT), num_wait,
+                             wait, done);
     const cl_uint chunk = chunk_tokens_of(ctx, d);
     const cl_uint chunks = (cl_uint)(((uint64_t)tokens + chunk - 1) / chunk);
     const size_t cols = 2 * (size_t)ranks + 1;

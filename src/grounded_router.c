@@ -38,8 +38,28 @@ moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grou
         return INVALID("alpha is %g; it must be finite", (double)d->alpha);
     if ((unsigned)d->hidden_dtype > MOECL_BF16)
         return INVALID("hidden_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->hidden_dtype);
-    return MOECL_SUCCESS;
+    if ((unsigned)d->precision > MOECL_PRECISION_3XTF32)
+        return INVALID("precision is %d; it must be MOECL_PRECISION_FP32, _TF32 or _3XTF32", (int)d->precision);
+    /* The gating fields: top-k gating's rules and messages. */
+    const moecl_topk_gating_desc gating = moecl_grounded_gating_desc(d);
+    return moecl_topk_gating_validate(ctx, &gating);
 #undef INVALID
+}
+
+moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d)
+{
+    moecl_topk_gating_desc t = moecl_topk_gating_desc_init(d->num_tokens, d->num_experts, d->top_k);
+    const moecl_gating *g = &d->gating;
+    t.scoring = g->scoring;
+    t.weighting = g->weighting;
+    t.num_expert_groups = g->num_expert_groups;
+    t.topk_group = g->topk_group;
+    t.group_score = g->group_score;
+    t.group_fill = g->group_fill;
+    t.renormalize = g->renormalize;
+    t.renormalize_floor = g->renormalize_floor;
+    t.routed_scaling_factor = g->routed_scaling_factor;
+    return t;
 }
 
 /* What a configuration launches on a device. */
@@ -60,7 +80,24 @@ typedef struct grounded_shape {
 typedef struct grounded_request {
     const moecl_grounded_router_desc *desc;
     bool pairs, weights, ids, dispatch;
+    bool has_bias, no_logits; /* moecl_router: a bias; router_logits absent */
 } grounded_request;
+
+/* Whether the tiled kernel's running top-k serves the request: selection
+ * on g itself, no bias, no groups (cl/grounded_router.cl, MERGEABLE). */
+static bool mergeable(const grounded_request *r)
+{
+    return r->desc->gating.scoring == MOECL_SCORING_RAW && !r->has_bias && r->desc->gating.num_expert_groups == 0;
+}
+
+/* The team kernel's local memory beyond the seed's gating: the pipeline's
+ * softmax slots and group arrays (cl/gating.cl, TEAM_GATING_LOCALS), as a
+ * bound for every variant (softmax, no shuffles). */
+static size_t gating_extra_local(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
+{
+    return moecl_layout_topk_team_local(team, rows, experts, k, groups, true, false) -
+           moecl_layout_topk_team_local(team, rows, experts, k, 0, false, false);
+}
 
 /* Local memory of grounded_router_tiled and grounded_router_team
  * (cl/layout.h). */
@@ -69,9 +106,11 @@ static size_t tiled_local_bytes(unsigned tm, const moecl_tile_params *p, unsigne
     return moecl_layout_grounded_tiled_local(tm, p->tn, p->tk, p->vec, p->db, k);
 }
 
-static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k)
+static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k,
+                               unsigned experts, unsigned groups)
 {
-    return moecl_layout_grounded_team_local(hidden, team, ept, rows, k);
+    return moecl_layout_grounded_team_local(hidden, team, ept, rows, k) +
+           gating_extra_local(team, rows, k, experts, groups);
 }
 
 /* The tiled kernel's configurations: the rule's, in the order it tries
@@ -156,11 +195,11 @@ static bool tiled_shape(const moecl_device_info *info, const moecl_launch_config
 /* The team kernel with team work-items per token and rows tokens a
  * work-group, if the device can run it. */
 static bool team_shape(const moecl_device_info *info, unsigned team, unsigned rows, unsigned hidden,
-                       unsigned experts, unsigned k, grounded_shape *shape)
+                       unsigned experts, unsigned k, unsigned groups, grounded_shape *shape)
 {
     const unsigned ept = (experts + team - 1) / team;
     if ((size_t)team * rows > info->max_work_group_size ||
-        team_local_bytes(hidden, team, ept, rows, k) > moecl_local_budget(info))
+        team_local_bytes(hidden, team, ept, rows, k, experts, groups) > moecl_local_budget(info))
         return false;
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
@@ -171,10 +210,11 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
 }
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
- * 8 tokens (grounded_router_rows' register block, TM). */
-static grounded_shape rows_shape(unsigned rows)
+ * LAYOUT_GROUNDED_ROWS_TM tokens (grounded_router_rows' TM). */
+static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
 {
-    return (grounded_shape){MOECL_KERNEL_ROWS, 8, 0, 0, 4, 4, 1, 0, 1, 1, 1, false, rows, (size_t)rows * 8,
+    const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
+    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
                             "grounded_router_rows"};
 }
 
@@ -186,16 +226,19 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     const grounded_request *r = request;
     grounded_shape *shape = shape_out;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
+    const unsigned groups = r->desc->gating.num_expert_groups;
     switch (c->kernel) {
     case MOECL_KERNEL_ROWS:
         if (c->team != 1 || !moecl_is_pow2(c->rows) || c->rows > info->max_work_group_size)
             return false;
-        *shape = rows_shape(c->rows);
+        *shape = rows_shape(c->rows, experts, k);
         return true;
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
-               team_shape(info, c->team, c->rows, hidden, experts, k, shape);
+               team_shape(info, c->team, c->rows, hidden, experts, k, groups, shape);
     case MOECL_KERNEL_TILED:
+        if (!mergeable(r))
+            return false; /* the other gatings need whole rows of g */
         return tiled_shape(info, c, experts, k, shape);
     }
     return false;
@@ -207,7 +250,11 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
 {
     const grounded_request *r = request;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
-    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0, {0}};
+    const unsigned groups = r->desc->gating.num_expert_groups;
+    /* Two work-items of LAYOUT_GROUNDED_ROWS_TM (32, or 8) tokens: at most 64
+     * tokens a work-group, so that both cores of a small CPU get work from
+     * 65 tokens on. */
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0, {0}};
     const moecl_launch_config *env_tile = &info->env.grounded_tile;
     const bool env_tiled = info->env.grounded_wide_tile || env_tile->kernel == MOECL_KERNEL_TILED;
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
@@ -216,7 +263,7 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     grounded_shape shape;
     /* One tiled configuration named by MOECL_GROUNDED_TILE, whatever the
      * shape, where the device runs it. */
-    if (env_tile->kernel == MOECL_KERNEL_TILED && tiled_shape(info, env_tile, experts, k, &shape))
+    if (env_tile->kernel == MOECL_KERNEL_TILED && mergeable(r) && tiled_shape(info, env_tile, experts, k, &shape))
         return *env_tile;
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
      * in local memory. */
@@ -225,9 +272,13 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
         while (team < experts && team < 32)
             team <<= 1;
         for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1)
-            if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, &shape))
+            if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, groups, &shape))
                 return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0, {0}};
     }
+    /* The tiled kernel merges a running top-k, right only for mergeable
+     * gatings; the others take the plain loops, which hold whole rows. */
+    if (!mergeable(r))
+        return rows_kernel;
     for (size_t c = info->env.grounded_wide_tile ? 0 : 1; c < RULE_TILE_CONFIGS; c++)
         if (tiled_shape(info, &tile_configs[c], experts, k, &shape)) {
             moecl_launch_config chosen = tile_configs[c];
@@ -249,39 +300,72 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *d,
                                                  moecl_launch_key *key, moecl_launch_config *config)
 {
-    const grounded_request r = {d, true, false, false, false};
+    const grounded_request r = {d, true, false, false, false, false, false};
     grounded_shape shape;
     *key = moecl_launch_key_grounded(d->hidden_dim, d->num_experts, d->top_k);
     return resolve(ctx, &ctx->info, &r, config, &shape);
+}
+
+/* Appends printf-formatted text to the defines. */
+static void append(char *defines, size_t size, const char *fmt, unsigned a, unsigned b, unsigned c)
+{
+    const size_t used = strlen(defines);
+    snprintf(defines + used, size > used ? size - used : 0, fmt, a, b, c);
 }
 
 /* The -D defines of the variant of request r in shape s. */
 static void defines_of(const grounded_request *r, const grounded_shape *s, char *defines, size_t size)
 {
     const moecl_grounded_router_desc *d = r->desc;
+    const moecl_gating *g = &d->gating;
     snprintf(defines, size,
              "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d",
+             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
+             "-DSCORING=%d -DWEIGHTING=%d",
              d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, r->pairs, r->weights, r->ids,
-             (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
-    /* Appended only where they apply, so that the other variants keep their
-     * defines (and disk-cache entries). */
-    if (s->kind == MOECL_KERNEL_TILED) {
+             (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0,
+             (int)g->scoring, (int)g->weighting);
+    /* The rest appended only when set (cl/gating.cl's defaults): the
+     * seed's gating needs none of them; the tiled kernel's vector width
+     * and double buffering only on its variants. */
+    if (s->kind == MOECL_KERNEL_TILED)
+        append(defines, size, " -DVEC=%u -DDB=%u", s->vec, s->db, 0);
+    if (g->num_expert_groups)
+        append(defines, size, " -DNUM_GROUPS=%u -DTOPK_GROUP=%u -DGROUP_SCORE=%u", g->num_expert_groups,
+               g->topk_group, (unsigned)g->group_score);
+    if (g->num_expert_groups && g->group_fill == MOECL_GROUP_FILL_ZERO)
+        append(defines, size, " -DGROUP_FILL=1", 0, 0, 0);
+    if (g->renormalize)
+        append(defines, size, " -DRENORMALIZE=1", 0, 0, 0);
+    if (r->has_bias)
+        append(defines, size, " -DHAS_BIAS=1", 0, 0, 0);
+    if (r->no_logits)
+        append(defines, size, " -DHAS_LOGITS=0", 0, 0, 0);
+    /* Hex literals: the kernel gets the exact bits. */
+    if (g->renormalize && g->renormalize_floor > 0.0f) {
         const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DVEC=%u -DDB=%u", s->vec, s->db);
+        snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af", (double)g->renormalize_floor);
     }
-    if (r->dispatch) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u",
-                 s->team * s->rows);
-    }
+    if (r->dispatch)
+        append(defines, size, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u", s->team * s->rows, 0, 0);
 }
 
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name)
 {
-    const grounded_request r = {desc, pairs, weights, ids, false};
+    const grounded_request r = {desc, pairs, weights, ids, false, false, false};
+    moecl_launch_config config;
+    grounded_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(&r, &shape, buf, size);
+    *kernel_name = shape.kernel_name;
+}
+
+void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc, bool has_bias,
+                          bool has_logits, char *buf, size_t size, const char **kernel_name)
+{
+    const grounded_request r = {desc, false, true, true, false, has_bias, !has_logits};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -292,7 +376,7 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
 void moecl_grounded_router_route_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                          char *buf, size_t size, const char **kernel_name)
 {
-    const grounded_request r = {desc, false, true, true, true};
+    const grounded_request r = {desc, false, true, true, true, false, false};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -324,20 +408,33 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 }
 
 /* Everything the defines depend on, packed: dtype 2 bits, the three
- * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue. */
+ * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue, then
+ * the gating: scoring 2, weighting 2, group score, zero fill,
+ * renormalize, bias, absent logits; in the second word groups 13 and
+ * topk_group 13 (bits 0-25) and the floor's bits (32-63). The scaling
+ * factor is a kernel argument. */
 static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
 {
     const moecl_grounded_router_desc *d = r->desc;
+    const moecl_gating *g = &d->gating;
+    const bool groups = g->num_expert_groups != 0;
     const uint64_t a = (uint64_t)d->hidden_dtype | (uint64_t)r->pairs << 2 | (uint64_t)r->weights << 3 |
                        (uint64_t)r->ids << 4 | (uint64_t)d->num_experts << 5 | (uint64_t)d->top_k << 18 |
-                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42;
-    return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, 0);
+                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42 | (uint64_t)g->scoring << 43 |
+                       (uint64_t)g->weighting << 45 | (uint64_t)(groups ? g->group_score : 0) << 47 |
+                       (uint64_t)(groups && g->group_fill == MOECL_GROUP_FILL_ZERO) << 48 |
+                       (uint64_t)g->renormalize << 49 | (uint64_t)r->has_bias << 50 | (uint64_t)r->no_logits << 51;
+    uint32_t floor_bits = 0;
+    if (g->renormalize && g->renormalize_floor > 0.0f)
+        memcpy(&floor_bits, &g->renormalize_floor, 4);
+    const uint64_t b = (uint64_t)g->num_expert_groups | (uint64_t)g->topk_group << 13 | (uint64_t)floor_bits << 32;
+    return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, b);
 }
 
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const moecl_plan **plan)
 {
-    const grounded_request r = {desc, pairs, weights, ids, false};
+    const grounded_request r = {desc, pairs, weights, ids, false, false, false};
     const moecl_plan_key key = key_of(ctx, &r);
     return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
@@ -345,7 +442,7 @@ moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded
 moecl_status moecl_grounded_router_route_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                               const moecl_plan **plan)
 {
-    const grounded_request r = {desc, false, true, true, true};
+    const grounded_request r = {desc, false, true, true, true, false, false};
     const moecl_plan_key key = key_of(ctx, &r);
     return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
@@ -368,25 +465,30 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
 
 /* The buffers of a call, in the kernel's argument order, and whether
  * binding validates them (the caller's; the host path's own need none). */
-enum { HIDDEN, LOGITS, GROUND, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
+enum { HIDDEN, LOGITS, GROUND, BIAS, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
 _Static_assert(NUM_BUFFERS == MOECL_GROUNDED_BUFFERS, "the binding's buffers");
+/* The buffers of a call, whether binding validates them (the caller's;
+ * the host path's own need none), and whether it is moecl_router's
+ * (router_logits may be absent; topk_weights and topk_ids required). */
 typedef struct bound_buffers {
     moecl_buffer b[NUM_BUFFERS];
-    bool check;
+    bool check, router;
 } bound_buffers;
 
-static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground",
+static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground", "bias",
                                                       "out_pairs",    "topk_weights",  "topk_ids"};
 
 void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[NUM_BUFFERS],
-                                bool check, bool outputs_required, moecl_grounded_binding *b)
+                                bool check, bool outputs_required, bool logits_required, moecl_grounded_binding *b)
 {
     const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->hidden_dtype);
-    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
+    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, e * 4,
+                                         t * k * 8,       t * k * 4, t * k * 4};
     for (int i = 0; i < NUM_BUFFERS; i++) {
         const size_t elem = i == HIDDEN || i == GROUND ? in_size : 4;
-        const bool required = i < PAIRS || (outputs_required && i != PAIRS);
+        const bool required = i == HIDDEN || i == GROUND || (i == LOGITS && logits_required) ||
+                              (outputs_required && (i == WEIGHTS || i == IDS));
         b->mem[i] = buffers[i].mem;
         b->checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], buffers[i].offset, elem, required};
         /* Offsets travel in elements: the kernels index typed pointers. */
@@ -396,8 +498,10 @@ void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl
     }
     b->num_tokens = d->num_tokens;
     b->alpha = d->alpha;
+    b->scaling_factor = d->gating.routed_scaling_factor;
     b->args[2 * NUM_BUFFERS] = MOECL_ARG(b->num_tokens);
     b->args[2 * NUM_BUFFERS + 1] = MOECL_ARG(b->alpha);
+    b->args[2 * NUM_BUFFERS + 2] = MOECL_ARG(b->scaling_factor);
 }
 
 /* Bind and enqueue (src/plan.c). */
@@ -405,11 +509,35 @@ static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc 
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     moecl_grounded_binding bound;
-    moecl_grounded_router_bind(d, b->b, b->check, false, &bound);
-    const grounded_request r = {d, b->b[PAIRS].mem != NULL, b->b[WEIGHTS].mem != NULL, b->b[IDS].mem != NULL, false};
+    moecl_grounded_router_bind(d, b->b, b->check, b->router, !b->router, &bound);
+    const grounded_request r = {d,
+                                b->b[PAIRS].mem != NULL,
+                                b->b[WEIGHTS].mem != NULL,
+                                b->b[IDS].mem != NULL,
+                                false,
+                                b->b[BIAS].mem != NULL,
+                                b->router && !b->b[LOGITS].mem};
     const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, bound.args, MOECL_GROUNDED_ARGS, d->num_tokens,
                                     NULL, 0, 0, NULL};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
+}
+
+/* The device-buffer call of both entry points (b: the buffers, router:
+ * moecl_router's). */
+static moecl_status route_device(moecl_context *ctx, const moecl_grounded_router_desc *desc, const bound_buffers *b,
+                                 cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = moecl_grounded_router_validate(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (!b->router && !b->b[PAIRS].mem && !b->b[WEIGHTS].mem && !b->b[IDS].mem)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
+        return st;
+    return launch(ctx, desc, b, num_wait, wait, done);
 }
 
 moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -417,57 +545,69 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
                                    moecl_buffer out_pairs, moecl_buffer topk_weights, moecl_buffer topk_ids,
                                    cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    if (!ctx)
-        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = moecl_grounded_router_validate(ctx, desc);
-    if (st != MOECL_SUCCESS)
-        return st;
-    if (!out_pairs.mem && !topk_weights.mem && !topk_ids.mem)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                          "out_pairs, topk_weights, topk_ids: all absent; at least one output is needed");
-    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
-        return st;
-    const bound_buffers b = {{token_hidden, router_logits, expert_ground, out_pairs, topk_weights, topk_ids}, true};
-    return launch(ctx, desc, &b, num_wait, wait, done);
+    const bound_buffers b = {
+        {token_hidden, router_logits, expert_ground, {NULL, 0}, out_pairs, topk_weights, topk_ids}, true, false};
+    return route_device(ctx, desc, &b, num_wait, wait, done);
 }
 
-moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
-                                        const void *token_hidden, const float *router_logits, const void *expert_ground,
-                                        float *out_pairs, float *topk_weights, int32_t *topk_ids)
+moecl_status moecl_router(moecl_context *ctx, const moecl_grounded_router_desc *desc, moecl_buffer token_hidden,
+                          moecl_buffer router_logits, moecl_buffer expert_ground, moecl_buffer bias,
+                          moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait, const cl_event *wait,
+                          cl_event *done)
+{
+    const bound_buffers b = {
+        {token_hidden, router_logits, expert_ground, bias, {NULL, 0}, topk_weights, topk_ids}, true, true};
+    return route_device(ctx, desc, &b, num_wait, wait, done);
+}
+
+/* The blocking host-memory call of both entry points; in[]: token_hidden,
+ * router_logits, expert_ground, bias; out[]: out_pairs, topk_weights,
+ * topk_ids. */
+static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_desc *desc, const void *const in[4],
+                               void *const out[3], bool router)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = moecl_grounded_router_validate(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    if (!out_pairs && !topk_weights && !topk_ids)
+    if (!router && !out[0] && !out[1] && !out[2])
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "out_pairs, topk_weights, topk_ids: all NULL; at least one output is needed");
-    if (desc->num_tokens > 0 && (!token_hidden || !router_logits || !expert_ground))
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
-                          !token_hidden ? "token_hidden" : !router_logits ? "router_logits" : "expert_ground");
+    if (desc->num_tokens > 0) {
+        const char *missing = !in[0]                ? "token_hidden"
+                              : !in[1] && !router   ? "router_logits"
+                              : !in[2]              ? "expert_ground"
+                              : router && !out[1]   ? "topk_weights"
+                              : router && !out[2]   ? "topk_ids"
+                                                    : NULL;
+        if (missing)
+            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
+    }
     const moecl_plan *p;
-    if ((st = moecl_grounded_router_plan(ctx, desc, out_pairs != NULL, topk_weights != NULL, topk_ids != NULL, &p)) !=
-            MOECL_SUCCESS ||
-        desc->num_tokens == 0)
+    grounded_request r = {desc, out[0] != NULL, out[1] != NULL, out[2] != NULL, false, in[3] != NULL,
+                          router && !in[1]};
+    const moecl_plan_key key = key_of(ctx, &r);
+    if ((st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS || desc->num_tokens == 0)
         return st;
     const size_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
     const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
     bound_buffers b;
     memset(&b, 0, sizeof(b));
-    const void *inputs[3] = {token_hidden, router_logits, expert_ground};
-    void *outputs[3] = {out_pairs, topk_weights, topk_ids};
-    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, t * k * 8, t * k * 4, t * k * 4};
+    b.router = router;
+    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, e * 4, t * k * 8, t * k * 4, t * k * 4};
     cl_event ran = NULL;
-    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++)
-        if (i < PAIRS || outputs[i - PAIRS])
-            st = moecl_host_buffer(ctx, buffer_names[i], i < PAIRS ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
-                                   i < PAIRS ? inputs[i] : NULL, &b.b[i].mem);
+    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++) {
+        const bool input = i < PAIRS;
+        if (input ? in[i] != NULL : out[i - PAIRS] != NULL)
+            st = moecl_host_buffer(ctx, buffer_names[i], input ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
+                                   input ? in[i] : NULL, &b.b[i].mem);
+    }
     if (st == MOECL_SUCCESS)
         st = launch(ctx, desc, &b, 0, NULL, &ran);
     if (st == MOECL_SUCCESS) {
         const cl_mem mems[3] = {b.b[PAIRS].mem, b.b[WEIGHTS].mem, b.b[IDS].mem};
-        st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, outputs);
+        st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, out);
     }
     if (ran)
         clReleaseEvent(ran);
@@ -475,4 +615,22 @@ moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded
         if (b.b[i].mem)
             clReleaseMemObject(b.b[i].mem);
     return st;
+}
+
+moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                        const void *token_hidden, const float *router_logits, const void *expert_ground,
+                                        float *out_pairs, float *topk_weights, int32_t *topk_ids)
+{
+    const void *const in[4] = {token_hidden, router_logits, expert_ground, NULL};
+    void *const out[3] = {out_pairs, topk_weights, topk_ids};
+    return route_host(ctx, desc, in, out, false);
+}
+
+moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc, const void *token_hidden,
+                               const float *router_logits, const void *expert_ground, const float *bias,
+                               float *topk_weights, int32_t *topk_ids)
+{
+    const void *const in[4] = {token_hidden, router_logits, expert_ground, bias};
+    void *const out[3] = {NULL, topk_weights, topk_ids};
+    return route_host(ctx, desc, in, out, true);
 }

@@ -49,6 +49,11 @@ typedef enum moecl_align_path {
     MOECL_ALIGN_CHUNKED
 } moecl_align_path;
 
+/* The expert-parallel layout's paths (src/ep_layout.c): by launch class
+ * and size, or forced by MOECL_EP_LAYOUT for tests and measurements
+ * (FUSED_LAST: the one launch with its grid-wide wait off). */
+typedef enum moecl_ep_path { MOECL_EP_AUTO = 0, MOECL_EP_CHUNKED, MOECL_EP_FUSED, MOECL_EP_FUSED_LAST } moecl_ep_path;
+
 typedef enum moecl_op {
     MOECL_OP_TOPK_GATING = 0,
     MOECL_OP_GROUNDED_ROUTER = 1,
@@ -99,6 +104,7 @@ typedef struct moecl_launch_env {
      * it; kernel ROWS when unset. */
     moecl_launch_config grounded_tile;
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
+    moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
 } moecl_launch_env;
 
 /* Whether the environment decides op's configuration: then the tune file
@@ -435,6 +441,10 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
  * configuration is the rows kernel, which has no such variant. */
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                      char *buf, size_t size, const char **kernel_name);
+/* The same for moecl_router (weights and ids; a bias or not, router
+ * logits or not). */
+void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc, bool has_bias,
+                          bool has_logits, char *buf, size_t size, const char **kernel_name);
 /* The same for moecl_grounded_route_dispatch's one kernel
  * (MOECL_PROGRAM_GROUNDED_DISPATCH); *kernel_name is NULL where the rule's
  * configuration is not the team kernel. */
@@ -443,6 +453,9 @@ void moecl_grounded_router_route_defines(const moecl_device_info *info, const mo
 /* The -D defines of moe_align's program on a device described by info,
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
+/* The same for the expert-parallel layout's program (moe_align's defines
+ * and the fused kernel's work-group). */
+void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
 
 /* ---- plan.c: launch plans and binding a kernel's arguments ---- */
 
@@ -579,22 +592,29 @@ typedef struct moecl_launch_call {
 
 /* The grounded router's kernel arguments for a call, bound in place (the
  * args point into the record): its buffers in the kernel's order
- * (token_hidden, router_logits, expert_ground, out_pairs, topk_weights,
- * topk_ids), each with its offset in elements, then num_tokens and alpha.
+ * (token_hidden, router_logits, expert_ground, bias, out_pairs,
+ * topk_weights, topk_ids), each with its offset in elements, then
+ * num_tokens, alpha and routed_scaling_factor.
  * check: binding validates the caller's buffers, the inputs required and,
  * where outputs_required, topk_weights and topk_ids too. */
-#define MOECL_GROUNDED_BUFFERS 6
-#define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 2)
+#define MOECL_GROUNDED_BUFFERS 7
+#define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 3)
 typedef struct moecl_grounded_binding {
     cl_mem mem[MOECL_GROUNDED_BUFFERS];
     moecl_buffer_check checks[MOECL_GROUNDED_BUFFERS];
     cl_ulong off[MOECL_GROUNDED_BUFFERS];
     cl_uint num_tokens;
-    cl_float alpha;
+    cl_float alpha, scaling_factor;
     moecl_kernel_arg args[MOECL_GROUNDED_ARGS];
 } moecl_grounded_binding;
+/* logits_required: router_logits must be present (every entry point but
+ * moecl_router; absent there, HAS_LOGITS=0 kernels do not read it). The
+ * bias (after expert_ground) is optional. */
 void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS],
-                                bool check, bool outputs_required, moecl_grounded_binding *b);
+                                bool check, bool outputs_required, bool logits_required, moecl_grounded_binding *b);
+/* The gating fields of a grounded router descriptor as a top-k gating
+ * descriptor (its validation and messages). */
+moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d);
 
 /* The whole call after the op's own validation: find the plan (on a miss,
  * validate the checked buffers and build it), then with no tokens only the

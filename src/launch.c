@@ -155,14 +155,15 @@ static const moecl_launch_config *table_find(const moecl_device_info *info, cons
  * past about 8 MiB of them segfault (top-k rows kernel: 256 experts x 4096
  * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
  * past 4 MiB. The grounded rows kernel's private arrays are per work-item
- * (8 tokens' dot products and keys), counted the same way. */
+ * (its tokens' dot products and keys), counted the same way. */
 /* The private arrays of a work-group of configuration c, roughly (the
  * formula the refusal below rests on). */
 static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moecl_launch_config *c)
 {
     if (key->op == MOECL_OP_GROUNDED_ROUTER && c->kernel == MOECL_KERNEL_ROWS) {
-        /* grounded_router_rows: 8 tokens a work-item (cl/layout.h). */
-        return (uint64_t)c->rows * moecl_layout_grounded_rows_private(8, key->num_experts, key->top_k);
+        /* grounded_router_rows: LAYOUT_GROUNDED_ROWS_TM tokens a work-item (cl/layout.h). */
+        const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(key->num_experts, key->top_k);
+        return (uint64_t)c->rows * moecl_layout_grounded_rows_private(tm, key->num_experts, key->top_k);
     }
     const uint64_t per_expert = key->op == MOECL_OP_TOPK_GATING ? 8 : c->kernel == MOECL_KERNEL_TEAM ? 12 : 0;
     return (uint64_t)c->rows * key->num_experts * per_expert;

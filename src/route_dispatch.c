@@ -187,9 +187,9 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
 {
     cl_uint n = 0;
     if (s->is_grounded) {
-        const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS] = {s->in[0], s->in[1], s->in[2], {NULL, 0}, s->weights,
-                                                              s->ids};
-        moecl_grounded_router_bind(s->grounded, buffers, true, true, &r->grounded);
+        const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS] = {s->in[0], s->in[1],   s->in[2], {NULL, 0},
+                                                              {NULL, 0}, s->weights, s->ids};
+        moecl_grounded_router_bind(s->grounded, buffers, true, true, true, &r->grounded);
         for (; n < MOECL_GROUNDED_ARGS; n++)
             args[n] = r->grounded.args[n];
         return n;

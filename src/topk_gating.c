@@ -24,6 +24,7 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.routed_scaling_factor = 1.0f;
     d.renormalize_floor = 0.0f;
     d.group_fill = MOECL_GROUP_FILL_NEG_INF;
+    d.weighting = MOECL_WEIGHTS_SCORE;
     return d;
 }
 
@@ -52,8 +53,12 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
     }
     if ((unsigned)d->gating_dtype > MOECL_BF16)
         return INVALID("gating_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->gating_dtype);
-    if ((unsigned)d->scoring > MOECL_SCORING_SIGMOID)
-        return INVALID("scoring is %d; it must be MOECL_SCORING_SOFTMAX or MOECL_SCORING_SIGMOID", (int)d->scoring);
+    if ((unsigned)d->scoring > MOECL_SCORING_RAW)
+        return INVALID("scoring is %d; it must be MOECL_SCORING_SOFTMAX, _SIGMOID, _SQRTSOFTPLUS or _RAW",
+                       (int)d->scoring);
+    if ((unsigned)d->weighting > MOECL_WEIGHTS_SIGMOID_CHOSEN)
+        return INVALID("weighting is %d; it must be MOECL_WEIGHTS_SCORE, _SOFTMAX_CHOSEN or _SIGMOID_CHOSEN",
+                       (int)d->weighting);
     if ((unsigned)d->group_score > MOECL_GROUP_SCORE_TOP2_SUM)
         return INVALID("group_score is %d; it must be MOECL_GROUP_SCORE_MAX or MOECL_GROUP_SCORE_TOP2_SUM",
                        (int)d->group_score);
@@ -186,13 +191,14 @@ static bool zero_fill(const topk_request *r)
     return r->groups && r->desc->group_fill == MOECL_GROUP_FILL_ZERO;
 }
 
-/* Everything the defines depend on, packed: dtype 2 bits, scoring, group
- * score, renormalize, bias, counts, zero fill, experts 13, top_k 7, groups
- * 13, topk_group 13, dispatch; the floor's bits in the second word. */
+/* Everything the defines depend on, packed: dtype 2 bits, scoring's low
+ * bit, group score, renormalize, bias, counts, zero fill, experts 13,
+ * top_k 7, groups 13, topk_group 13, dispatch; in the second word the
+ * floor's bits, scoring's high bit and the weighting (2 bits). */
 static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
 {
     const moecl_topk_gating_desc *d = r->desc;
-    const uint64_t a = (uint64_t)d->gating_dtype | (uint64_t)d->scoring << 2 |
+    const uint64_t a = (uint64_t)d->gating_dtype | (uint64_t)(d->scoring & 1) << 2 |
                        (uint64_t)(r->groups ? d->group_score : 0) << 3 | (uint64_t)d->renormalize << 4 |
                        (uint64_t)r->has_bias << 5 | (uint64_t)r->has_counts << 6 | (uint64_t)zero_fill(r) << 7 |
                        (uint64_t)d->num_experts << 8 | (uint64_t)d->top_k << 21 | (uint64_t)r->groups << 28 |
@@ -200,7 +206,8 @@ static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
     uint32_t floor_bits = 0;
     if (has_floor(d))
         memcpy(&floor_bits, &d->renormalize_floor, sizeof(floor_bits));
-    return moecl_plan_key_of(ctx, MOECL_OP_TOPK_GATING, a, floor_bits);
+    const uint64_t b = (uint64_t)floor_bits | (uint64_t)(d->scoring >> 1) << 32 | (uint64_t)d->weighting << 33;
+    return moecl_plan_key_of(ctx, MOECL_OP_TOPK_GATING, a, b);
 }
 
 moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *d,
@@ -240,6 +247,10 @@ static void defines_of(const moecl_device_info *info, const topk_request *r, con
     if (zero_fill(r)) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DGROUP_FILL=1");
+    }
+    if (d->weighting != MOECL_WEIGHTS_SCORE) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0, " -DWEIGHTING=%d", (int)d->weighting);
     }
     if (r->has_dispatch) {
         const size_t used = strlen(defines);

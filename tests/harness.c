@@ -196,6 +196,17 @@ void harness_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out)
     ASSERT_TRIED(harness_try_read(ctx, buf, size, out, &e), e);
 }
 
+void harness_read_topk(moecl_context *ctx, moecl_buffer weights, moecl_buffer ids, size_t nk, float *w, int32_t *id,
+                       const char *what)
+{
+    harness_read(ctx, weights, nk * sizeof(float) + 4, w);
+    harness_read(ctx, ids, nk * sizeof(int32_t) + 4, id);
+    uint32_t tail_w, tail_i;
+    memcpy(&tail_w, w + nk, 4);
+    memcpy(&tail_i, id + nk, 4);
+    ck_assert_msg(tail_w == 0xFFFFFFFFu && tail_i == 0xFFFFFFFFu, "%s: wrote past the end of an output", what);
+}
+
 void harness_release(moecl_buffer buf)
 {
     if (buf.mem)

@@ -74,6 +74,10 @@ moecl_buffer harness_try_buffer(moecl_context *ctx, size_t size, size_t offset, 
 /* Read size bytes at the buffer's offset (blocking). */
 void harness_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out);
 bool harness_try_read(moecl_context *ctx, moecl_buffer buf, size_t size, void *out, harness_error *e);
+/* Read nk weights and nk ids and one element past each, which must
+ * still be poison (what: the case, for the message). */
+void harness_read_topk(moecl_context *ctx, moecl_buffer weights, moecl_buffer ids, size_t nk, float *w, int32_t *id,
+                       const char *what);
 /* Release buf.mem if set. */
 void harness_release(moecl_buffer buf);
 

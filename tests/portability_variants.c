@@ -127,6 +127,19 @@ static const topk_spec topk_specs[] = {
     {4096, 1, NONE, MOECL_BF16, SIGMOID, false, false}, {4096, 64, NONE, MOECL_F16, SOFTMAX, false, true},
     {4096, 8, NONE, MOECL_F32, SOFTMAX, true, false},
 };
+/* The descriptor of spec s (one token). */
+static moecl_topk_gating_desc topk_desc_of(const topk_spec *s)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
+    d.num_expert_groups = s->groups;
+    d.topk_group = s->topk_group;
+    d.group_score = s->group_score;
+    d.gating_dtype = s->dtype;
+    d.scoring = s->scoring;
+    d.renormalize = s->renormalize;
+    return d;
+}
+
 /* Indices into topk_specs of the specs also compiled as counting variants
  * (moecl_topk_gating_with_counts), in every class: E=7 k=1 (the rows
  * kernel in every class), E=128 k=8 softmax with bias, E=256 k=8
@@ -295,13 +308,7 @@ int main(int argc, char **argv)
              * router's tiled kernel. */
             for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(topk_specs) / sizeof(topk_specs[0]); i++) {
                 const topk_spec *s = &topk_specs[i];
-                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
-                d.num_expert_groups = s->groups;
-                d.topk_group = s->topk_group;
-                d.group_score = s->group_score;
-                d.gating_dtype = s->dtype;
-                d.scoring = s->scoring;
-                d.renormalize = s->renormalize;
+                moecl_topk_gating_desc d = topk_desc_of(s);
                 moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
                 snprintf(description, sizeof(description), "topk_gating E=%u k=%u %s %s%s groups=%s%s [%s]",
                          s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
@@ -322,11 +329,7 @@ int main(int argc, char **argv)
             for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
                  i++) {
                 const topk_spec *s = &topk_specs[convention_specs[i]];
-                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
-                d.num_expert_groups = s->groups;
-                d.topk_group = s->topk_group;
-                d.group_score = s->group_score;
-                d.gating_dtype = s->dtype;
+                moecl_topk_gating_desc d = topk_desc_of(s);
                 d.scoring = s->scoring;
                 d.renormalize = true;
                 d.group_fill = MOECL_GROUP_FILL_ZERO;
@@ -344,19 +347,29 @@ int main(int argc, char **argv)
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
             }
 
+            /* The scorings and weightings of issue 15 (cl/gating.cl): on
+             * the convention specs, sqrt(softplus) and raw selection with
+             * each chosen weighting. */
+            for (size_t i = 0; i < sizeof(convention_specs) / sizeof(convention_specs[0]); i++) {
+                const topk_spec *s = &topk_specs[convention_specs[i]];
+                moecl_topk_gating_desc d = topk_desc_of(s);
+                d.scoring = i % 2 ? MOECL_SCORING_RAW : MOECL_SCORING_SQRTSOFTPLUS;
+                d.weighting = (moecl_weighting)(1 + i % 2);
+                d.renormalize = true;
+                moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "topk_gating E=%u k=%u %s %s weighting %d%s groups=%s [%s]",
+                         s->experts, s->k, dtype_names[s->dtype], i % 2 ? "raw" : "sqrtsoftplus", (int)d.weighting,
+                         s->bias ? " bias" : "", s->groups ? "8/4" : "none", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
+            }
+
             /* moecl_topk_gating_with_counts: the counting variant of a few
              * specs (and moecl_route_dispatch's), so that each kernel (rows, with and without the
              * softmax fast path; team, plain and grouped) compiles with
              * the histogram argument. */
             for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
                 const topk_spec *s = &topk_specs[counts_specs[i]];
-                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, s->experts, s->k);
-                d.num_expert_groups = s->groups;
-                d.topk_group = s->topk_group;
-                d.group_score = s->group_score;
-                d.gating_dtype = s->dtype;
-                d.scoring = s->scoring;
-                d.renormalize = s->renormalize;
+                moecl_topk_gating_desc d = topk_desc_of(s);
                 char plain[512];
                 moecl_topk_gating_defines(&info, &d, s->bias, false, plain, sizeof(plain), &kernel);
                 moecl_topk_gating_defines(&info, &d, s->bias, true, defines, sizeof(defines), &kernel);
@@ -406,6 +419,34 @@ int main(int argc, char **argv)
                 }
             }
 
+            /* moecl_router: the grounded router through the gating
+             * pipeline, DeepSeek-V3's conventions (sigmoid, bias, groups
+             * where the table divides by 8, renormalised, factor 2.5, no
+             * router logits) and Llama 4's (raw selection, sigmoid of the
+             * chosen, with logits), on each grounded spec. */
+            for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++) {
+                const grounded_spec *s = &grounded_specs[i];
+                for (int conv = 0; conv < 2; conv++) {
+                    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 1.0f);
+                    d.top_k = s->k;
+                    d.hidden_dtype = s->dtype;
+                    const bool grouped = conv == 0 && s->experts % 8 == 0 && s->k <= s->experts / 2;
+                    if (conv == 0)
+                        d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, grouped ? 8 : 0,
+                                                  grouped ? 4 : 0, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF,
+                                                  true, 0.0f, 2.5f};
+                    else
+                        d.gating.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
+                    moecl_router_defines(&info, &d, conv == 0, conv == 1, defines, sizeof(defines), &kernel);
+                    snprintf(description, sizeof(description), "router H=%u E=%u k=%u %s %s [%s]", s->hidden,
+                             s->experts, s->k, dtype_names[s->dtype],
+                             conv == 0 ? (grouped ? "deepseek-v3 8/4 bias no-logits" : "sigmoid bias no-logits")
+                                       : "llama4 raw sigmoid-chosen",
+                             c->name);
+                    emit(t, "grounded_router.cl", options, defines, kernel, description);
+                }
+            }
+
             /* moe_align: one program of four kernels, whose defines
              * depend on the launch class and the maximum work-group size
              * only (the other configurations repeat these). */
@@ -414,11 +455,12 @@ int main(int argc, char **argv)
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 emit(t, "moe_align.cl", options, defines, kernel, description);
-                /* The layout's program: moe_align's source and defines. */
+                /* The layout's program: moe_align's source and defines,
+                 * and the fused kernel's work-group. */
                 snprintf(description, sizeof(description), "ep_layout [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
-                emit(t, "ep_layout.cl", options, defines, "ep_layout_count,ep_layout_scan,ep_layout_place",
-                     description);
+                moecl_ep_layout_defines(&info, defines, sizeof(defines), &kernel);
+                emit(t, "ep_layout.cl", options, defines, kernel, description);
             }
             free(options);
         }

@@ -427,11 +427,14 @@ static void rank_message(char *msg, size_t size, uint32_t row, const rank_proble
 }
 
 /* One weight against its float64 expectation: NaN exactly where the
- * reference is NaN, else within tol. */
+ * reference is NaN, the same infinity where it is infinite, else within
+ * tol. */
 static bool weight_ok(double got, double want, double tol)
 {
     if (isnan(want))
         return isnan(got);
+    if (isinf(want))
+        return got == want;
     return !isnan(got) && fabs(got - want) <= tol;
 }
 
@@ -471,6 +474,12 @@ typedef struct gating_row {
     double *sorted;             /* checker scratch */
     unsigned char *gflags;
     int32_t ids[MAX_TOP_K]; /* step 4: reference ids */
+    /* The grounded router's x = g: the bound of |device fp32 g - g| per
+     * expert (NULL: x is exact, top-k gating's logits), and whether two
+     * experts' device g are bit-equal (NULL: equal x are). */
+    const double *xerr;
+    bool (*same_x)(const void *ctx, uint32_t a, uint32_t b);
+    const void *same_ctx;
 } gating_row;
 
 static bool gating_desc_valid(const moecl_topk_gating_desc *d)
@@ -488,7 +497,7 @@ static bool gating_desc_valid(const moecl_topk_gating_desc *d)
     }
     if (d->gating_dtype != MOECL_F32 && d->gating_dtype != MOECL_F16 && d->gating_dtype != MOECL_BF16)
         return false;
-    if (d->scoring != MOECL_SCORING_SOFTMAX && d->scoring != MOECL_SCORING_SIGMOID)
+    if ((unsigned)d->scoring > MOECL_SCORING_RAW || (unsigned)d->weighting > MOECL_WEIGHTS_SIGMOID_CHOSEN)
         return false;
     if (d->group_score != MOECL_GROUP_SCORE_MAX && d->group_score != MOECL_GROUP_SCORE_TOP2_SUM)
         return false;
@@ -621,14 +630,63 @@ static void sigmoid_scores(gating_row *r)
     r->sigma = 0.0;
 }
 
+/*
+ * Step 1, sqrt(softplus(x)), softplus(x) = x for x > 20, log1p(exp(x))
+ * otherwise; NaN -> NaN, -inf -> 0, +inf -> +inf.
+ *
+ * Error bound of the device's fp32 score. x > 20: sqrt(x), <= 3 ulp.
+ * Otherwise y = exp(x) carries a relative 4 eps; log1p(y (1 + d)) differs
+ * from log1p(y) by about d y / (1 + y), which relative to log1p(y) is at
+ * most d (log1p(y) >= y / (1 + y)): 4 eps, and log1p's own <= 2 ulp make
+ * softplus 6 eps; sqrt halves a relative error (3 eps) and adds its own
+ * <= 3 ulp: 6 eps, 7 eps with the second-order terms. exp(x) below 2^-126
+ * (x < -87.3) may be flushed to 0 or subnormal: softplus is then off by up
+ * to 2^-126 absolutely, and its sqrt by up to 2^-63: the absolute term.
+ * Certainly 0 only where exp(x) is below half the smallest subnormal
+ * (x < -103.98, score < 2^-75): there every device gives 0 (and an exact
+ * tie); ZERO32-style.
+ */
+static void sqrtsoftplus_scores(gating_row *r)
+{
+    for (uint32_t e = 0; e < r->E; e++) {
+        const double x = r->x[e];
+        double score = sqrt(x > 20.0 ? x : log1p(exp(x)));
+        if (x < -104.0)
+            score = 0.0; /* 0 on every device: an exact tie */
+        r->score[e] = score;
+        r->err[e] = 0x1p-62 + (score > 0.0 ? 7.0 * EPS32 * score : 0.0);
+    }
+    r->sigma = 0.0;
+}
+
+/* Step 1, the logit itself: exact. */
+static void raw_scores(gating_row *r)
+{
+    for (uint32_t e = 0; e < r->E; e++) {
+        r->score[e] = r->x[e];
+        r->err[e] = 0.0;
+    }
+    r->sigma = 0.0;
+}
+
 static void gating_scores(const void *gating, uint32_t row, gating_row *r)
 {
     for (uint32_t e = 0; e < r->E; e++)
         r->x[e] = ref_load(r->desc->gating_dtype, gating, (size_t)row * r->E + e);
-    if (r->desc->scoring == MOECL_SCORING_SOFTMAX)
+    switch (r->desc->scoring) {
+    case MOECL_SCORING_SOFTMAX:
         softmax_scores(r);
-    else
+        break;
+    case MOECL_SCORING_SIGMOID:
         sigmoid_scores(r);
+        break;
+    case MOECL_SCORING_SQRTSOFTPLUS:
+        sqrtsoftplus_scores(r);
+        break;
+    case MOECL_SCORING_RAW:
+        raw_scores(r);
+        break;
+    }
 }
 
 /*
@@ -807,14 +865,38 @@ static double weights_divisor(const moecl_topk_gating_desc *d, double sum)
     return sum > 0.0 ? sum : 1.0;
 }
 
-/* Step 5: w = unbiased score of each chosen expert (wscore: 0 for a
- * zero-filled expert without a bias); divided by weights_divisor();
- * times routed_scaling_factor. Returns the divisor. */
-static double gating_weights(const moecl_topk_gating_desc *d, const double *score, const int32_t *ids, double *w)
+/* Softmax over the chosen x, max-subtracted (m the largest non-NaN one).
+ * IEEE propagation: a NaN among them, a +inf maximum (inf - inf) or all
+ * -inf (-inf - -inf) make every weight NaN. */
+static void softmax_chosen(const double *x, const int32_t *ids, uint32_t k, double *w)
+{
+    double m = -INFINITY, sum = 0.0;
+    for (uint32_t j = 0; j < k; j++)
+        if (x[ids[j]] > m)
+            m = x[ids[j]];
+    for (uint32_t j = 0; j < k; j++) {
+        w[j] = exp(x[ids[j]] - m);
+        sum += w[j];
+    }
+    for (uint32_t j = 0; j < k; j++)
+        w[j] /= sum;
+}
+
+/* Step 5: w of each chosen expert by the weighting: its unbiased score
+ * (wscore: 0 for a zero-filled expert without a bias), a softmax over the
+ * chosen logits x, or the sigmoid of its logit; divided by
+ * weights_divisor(); times routed_scaling_factor. Returns the divisor. */
+static double chosen_weights(const moecl_topk_gating_desc *d, moecl_weighting weighting, const double *wscore,
+                             const double *x, const int32_t *ids, double *w)
 {
     double sum = 0.0;
+    if (weighting == MOECL_WEIGHTS_SOFTMAX_CHOSEN)
+        softmax_chosen(x, ids, d->top_k, w);
     for (uint32_t j = 0; j < d->top_k; j++) {
-        w[j] = score[ids[j]];
+        if (weighting == MOECL_WEIGHTS_SCORE)
+            w[j] = wscore[ids[j]];
+        else if (weighting == MOECL_WEIGHTS_SIGMOID_CHOSEN)
+            w[j] = 1.0 / (1.0 + exp(-x[ids[j]]));
         sum += w[j];
     }
     const double divisor = weights_divisor(d, sum);
@@ -843,7 +925,7 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
     for (uint32_t t = 0; t < desc->num_tokens; t++) {
         double w[MAX_TOP_K];
         gating_row_compute(gating, bias, t, &r);
-        gating_weights(desc, r.wscore, r.ids, w);
+        chosen_weights(desc, desc->weighting, r.wscore, r.x, r.ids, w);
         for (size_t j = 0; j < k; j++) {
             if (topk_weights)
                 topk_weights[t * k + j] = (float)w[j];
@@ -924,7 +1006,9 @@ static bool gating_same_input(const void *ctx, uint32_t a, uint32_t b)
     const gating_row *r = ctx;
     if (r->bias && r->bias[a] != r->bias[b])
         return false;
-    return r->x[a] == r->x[b] || (r->score[a] == 0.0 && r->score[b] == 0.0);
+    if (r->score[a] == 0.0 && r->score[b] == 0.0 && !r->xerr)
+        return true;
+    return r->same_x ? r->same_x(r->same_ctx, a, b) : r->x[a] == r->x[b];
 }
 
 /* Groups g and h hold experts with equal inputs, position by position. */
@@ -1022,6 +1106,41 @@ static bool check_group_fill(gating_row *r, uint32_t row, const int32_t *ids, ui
     return false;
 }
 
+/*
+ * The weights' share of the grounded router's g errors (xerr), at the ids
+ * the device chose. Before renormalising, weight v_j moves by dv_j: the
+ * score's bound err (which holds g's share, see grounded_scores) for
+ * WEIGHTS_SCORE; for a softmax over the chosen g, v_j = 1 / sum_l
+ * exp(g_l - g_j) moves by a factor of at most exp(xerr_j + max xerr);
+ * for the sigmoid of g_j by at most exp(xerr_j) (sigmoid' <= sigmoid).
+ * Renormalised by D, w_j = f v_j / D moves by |f| / D (dv_j + |v_j|
+ * sum dv / D); else by |f| dv_j.
+ */
+static void x_error_tolerance(const gating_row *r, const int32_t *ids, double divisor, double *xtol)
+{
+    const moecl_topk_gating_desc *d = r->desc;
+    moecl_topk_gating_desc plain = *d;
+    plain.renormalize = false;
+    plain.routed_scaling_factor = 1.0f;
+    double v[MAX_TOP_K], dv[MAX_TOP_K], max_err = 0.0, sum_dv = 0.0;
+    chosen_weights(&plain, d->weighting, r->wscore, r->x, ids, v);
+    for (uint32_t j = 0; j < r->k; j++)
+        max_err = fmax(max_err, r->xerr[ids[j]]);
+    for (uint32_t j = 0; j < r->k; j++) {
+        const double e = r->xerr[ids[j]];
+        dv[j] = d->weighting == MOECL_WEIGHTS_SCORE          ? r->err[ids[j]]
+                : d->weighting == MOECL_WEIGHTS_SOFTMAX_CHOSEN ? fabs(v[j]) * expm1(e + max_err)
+                                                              : fabs(v[j]) * expm1(e);
+        if (!isfinite(dv[j]))
+            dv[j] = 0.0; /* NaN or infinite weights are checked exactly */
+        sum_dv += dv[j];
+    }
+    const double f = fabs((double)d->routed_scaling_factor);
+    for (uint32_t j = 0; j < r->k; j++)
+        xtol[j] = d->renormalize && divisor != 1.0 ? f / divisor * (dv[j] + (isfinite(v[j]) ? fabs(v[j]) : 0.0) * sum_dv / divisor)
+                                                   : f * dv[j];
+}
+
 /* Weights of one row against the reference scores (wscore) of the ids the
  * device chose. */
 static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_t *ids, const float *got, char *msg,
@@ -1031,12 +1150,31 @@ static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_
     double want[MAX_TOP_K];
     double factor = (double)d->routed_scaling_factor;
     double tol = WEIGHT_TOL * fmax(1.0, fabs(factor));
-    double divisor = gating_weights(d, r->wscore, ids, want);
+    double divisor = chosen_weights(d, d->weighting, r->wscore, r->x, ids, want);
     bool tiny = d->renormalize && divisor < RENORM_TINY_SUM;
+    /* Unbounded weights (the scores of RAW and SQRTSOFTPLUS): the fp32
+     * error is relative, 16 eps covering the score's (section 4) and the
+     * divide and scale; renormalised, the fp32 sum of k terms adds
+     * gamma_k times sum |w| / |sum w|, which cancellation can make large
+     * (the RAW logits have either sign). */
+    double rel = 0.0;
+    if (d->weighting == MOECL_WEIGHTS_SCORE &&
+        (d->scoring == MOECL_SCORING_RAW || d->scoring == MOECL_SCORING_SQRTSOFTPLUS)) {
+        double mag = 0.0, sum = 0.0;
+        for (uint32_t j = 0; j < r->k; j++) {
+            mag += fabs(want[j]);
+            sum += want[j];
+        }
+        const bool cancels = d->renormalize && divisor != 1.0 && sum != 0.0 && isfinite(mag);
+        rel = 16.0 * EPS32 + (cancels ? gamma32(r->k) * mag / fabs(sum) : 0.0);
+    }
+    double xtol[MAX_TOP_K] = {0};
+    if (r->xerr)
+        x_error_tolerance(r, ids, divisor, xtol);
     for (uint32_t j = 0; j < r->k; j++) {
         double w = (double)got[j];
         bool ok = tiny ? (w >= fmin(0.0, factor) - tol && w <= fmax(0.0, factor) + tol)
-                       : weight_ok(w, want[j], tol);
+                       : weight_ok(w, want[j], tol + rel * fabs(want[j]) + xtol[j]);
         if (!ok) {
             put_msg(msg, size,
                     "row %u pos %u: weight %.9g for id %d but reference %.9g (score %.9g, weighing %.9g, %s "
@@ -1245,31 +1383,47 @@ int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating
 
 typedef struct grounded_row {
     const moecl_grounded_router_desc *desc;
-    const float *logits; /* inputs of the row being computed */
+    const float *logits; /* inputs of the row being computed (logits may be NULL) */
     const void *ground;
     uint32_t row;
     uint32_t E, H, k;
-    double *h;       /* [H] the token's hidden state, widened */
-    double *g;       /* [E] grounded logits */
-    double *err;     /* [E] bound of |device fp32 g - g| */
-    double *lo, *hi; /* [E] device_interval(g, err) */
-    unsigned char *flags;
-    keyed *scratch;
-    int32_t ids[MAX_TOP_K];
+    double *h;   /* [H] the token's hidden state, widened */
+    double *g;   /* [E] grounded logits */
+    double *err; /* [E] bound of |device fp32 g - g| */
+    moecl_topk_gating_desc gating; /* desc->gating as top-k gating's fields */
+    gating_row gr;                 /* the gating pipeline over g */
 } grounded_row;
+
+static moecl_topk_gating_desc grounded_gating(const moecl_grounded_router_desc *d)
+{
+    moecl_topk_gating_desc t = moecl_topk_gating_desc_init(d->num_tokens, d->num_experts, d->top_k);
+    t.scoring = d->gating.scoring;
+    t.weighting = d->gating.weighting;
+    t.num_expert_groups = d->gating.num_expert_groups;
+    t.topk_group = d->gating.topk_group;
+    t.group_score = d->gating.group_score;
+    t.group_fill = d->gating.group_fill;
+    t.renormalize = d->gating.renormalize;
+    t.renormalize_floor = d->gating.renormalize_floor;
+    t.routed_scaling_factor = d->gating.routed_scaling_factor;
+    return t;
+}
 
 static bool grounded_desc_valid(const moecl_grounded_router_desc *d)
 {
-    return d && d->hidden_dim >= 1 && d->hidden_dim <= 65536 && d->num_experts >= 1 && d->num_experts <= 4096 &&
-           d->top_k >= 1 && d->top_k <= d->num_experts && d->top_k <= MAX_TOP_K && isfinite(d->alpha) &&
-           (d->hidden_dtype == MOECL_F32 || d->hidden_dtype == MOECL_F16 || d->hidden_dtype == MOECL_BF16);
+    if (!(d && d->hidden_dim >= 1 && d->hidden_dim <= 65536 && d->num_experts >= 1 && d->num_experts <= 4096 &&
+          d->top_k >= 1 && d->top_k <= d->num_experts && d->top_k <= MAX_TOP_K && isfinite(d->alpha) &&
+          (d->hidden_dtype == MOECL_F32 || d->hidden_dtype == MOECL_F16 || d->hidden_dtype == MOECL_BF16) &&
+          (unsigned)d->precision <= MOECL_PRECISION_3XTF32))
+        return false;
+    const moecl_topk_gating_desc t = grounded_gating(d);
+    return gating_desc_valid(&t);
 }
 
 static void grounded_row_free(grounded_row *r)
 {
     free(r->h);
-    free(r->flags);
-    free(r->scratch);
+    gating_row_free(&r->gr);
 }
 
 static bool grounded_row_alloc(grounded_row *r, const moecl_grounded_router_desc *d)
@@ -1279,25 +1433,23 @@ static bool grounded_row_alloc(grounded_row *r, const moecl_grounded_router_desc
     r->E = d->num_experts;
     r->H = d->hidden_dim;
     r->k = d->top_k;
+    r->gating = grounded_gating(d);
     size_t E = r->E;
-    r->h = malloc(((size_t)r->H + 4 * E) * sizeof(double));
-    r->flags = calloc(E, 1);
-    r->scratch = malloc(E * sizeof(keyed));
-    if (!r->h || !r->flags || !r->scratch) {
-        grounded_row_free(r);
+    r->h = malloc(((size_t)r->H + 2 * E) * sizeof(double));
+    if (!r->h || !gating_row_alloc(&r->gr, &r->gating)) {
+        free(r->h);
+        r->h = NULL;
         return false;
     }
     r->g = r->h + r->H;
     r->err = r->g + E;
-    r->lo = r->err + E;
-    r->hi = r->lo + E;
     return true;
 }
 
 /*
- * g_e = logit_e + alpha * dot(h, ground_e), in float64 (the products of two
- * widened fp32 values are exact; the float64 sum's own error is ~2^-29 of
- * the fp32 bound below).
+ * g_e = logit_e + alpha * dot(h, ground_e) (logit_e 0 where router_logits
+ * is absent), in float64 (the products of two widened fp32 values are
+ * exact; the float64 sum's own error is ~2^-29 of the fp32 bound below).
  *
  * Error bound of the device's fp32 g_e, the dot product accumulated in fp32
  * in any order, alpha applied to the sum or to the terms, the logit added
@@ -1324,51 +1476,94 @@ static void grounded_logits(const void *hidden, const float *logits, const void 
             dot += p;
             mag += fabs(p);
         }
-        double g = (double)logits[(size_t)row * r->E + e] + alpha * dot;
+        double g = (logits ? (double)logits[(size_t)row * r->E + e] : 0.0) + alpha * dot;
         r->g[e] = g;
         r->err[e] = gam * fabs(alpha) * mag + U32 * fabs(g) + (2.0 * r->H * fabs(alpha) + 2.0) * TINY32;
-        device_interval(g, r->err[e], &r->lo[e], &r->hi[e]);
     }
 }
 
-/* The top_k largest g, in spec order. */
-static void grounded_select(grounded_row *r)
+/* Equal router logit (or none) and equal ground rows: the device's g are
+ * bit-equal (the same fp32 operations on the same values). */
+static bool grounded_same_input(const void *ctx, uint32_t a, uint32_t b)
 {
-    rank_entries(r->g, NULL, 0, r->E, r->scratch);
-    for (uint32_t j = 0; j < r->k; j++)
-        r->ids[j] = (int32_t)r->scratch[j].index;
+    const grounded_row *r = ctx;
+    const moecl_grounded_router_desc *d = r->desc;
+    if (r->g[a] != r->g[b]) /* only equal float64 values come from equal inputs: a cheap filter */
+        return false;
+    if (r->logits && r->logits[(size_t)r->row * r->E + a] != r->logits[(size_t)r->row * r->E + b])
+        return false;
+    for (uint32_t i = 0; i < r->H; i++)
+        if (ref_load(d->hidden_dtype, r->ground, (size_t)a * r->H + i) !=
+            ref_load(d->hidden_dtype, r->ground, (size_t)b * r->H + i))
+            return false;
+    return true;
 }
 
-static void grounded_row_compute(const void *hidden, const float *logits, const void *ground, uint32_t row,
-                                 grounded_row *r)
+/*
+ * Step 1 on g: the scores of section 2 with g's error carried through.
+ * RAW: the score is g, its bound g's. Sigmoid and sqrt(softplus) change by
+ * a factor of at most exp(|dg|) when g moves by dg (their logarithmic
+ * derivatives are at most 1: sigmoid' = sigmoid (1 - sigmoid), softplus' =
+ * sigmoid <= softplus); softmax by at most exp(2 max |dg|) (its numerator
+ * and its sum each by exp(max |dg|)). Those factors on top of the fp32
+ * bound of the scoring itself.
+ */
+static void grounded_scores(grounded_row *r)
+{
+    gating_row *q = &r->gr;
+    double max_err = 0.0;
+    for (uint32_t e = 0; e < r->E; e++) {
+        q->x[e] = r->g[e];
+        if (!isnan(r->g[e]))
+            max_err = fmax(max_err, r->err[e]);
+    }
+    switch (r->gating.scoring) {
+    case MOECL_SCORING_SOFTMAX:
+        softmax_scores(q);
+        break;
+    case MOECL_SCORING_SIGMOID:
+        sigmoid_scores(q);
+        break;
+    case MOECL_SCORING_SQRTSOFTPLUS:
+        sqrtsoftplus_scores(q);
+        break;
+    case MOECL_SCORING_RAW:
+        raw_scores(q);
+        break;
+    }
+    for (uint32_t e = 0; e < r->E; e++) {
+        const double score = fabs(q->score[e]);
+        if (r->gating.scoring == MOECL_SCORING_RAW)
+            q->err[e] = r->err[e];
+        else if (isfinite(score))
+            q->err[e] += score * expm1(r->gating.scoring == MOECL_SCORING_SOFTMAX ? 2.0 * max_err : r->err[e]) +
+                         (score == 0.0 ? 2.0 * TINY32 : 0.0);
+    }
+    if (r->gating.scoring == MOECL_SCORING_SOFTMAX)
+        q->sigma = expm1(2.0 * max_err) + q->sigma;
+}
+
+static void grounded_row_compute(const void *hidden, const float *logits, const void *ground, const float *bias,
+                                 uint32_t row, grounded_row *r)
 {
     r->logits = logits;
     r->ground = ground;
     r->row = row;
     grounded_logits(hidden, logits, ground, row, r);
-    grounded_select(r);
+    gating_row *q = &r->gr;
+    q->bias = bias;
+    q->xerr = r->err;
+    q->same_x = grounded_same_input;
+    q->same_ctx = r;
+    grounded_scores(r);
+    selection_scores(bias, q);
+    group_limit(q);
+    select_topk(q);
 }
 
-/* Softmax over the chosen g, max-subtracted. IEEE propagation: a NaN among
- * them, a +inf maximum (inf - inf) or all -inf (-inf - -inf) make every
- * weight NaN. */
-static void grounded_weights(const double *g, const int32_t *ids, uint32_t k, double *w)
-{
-    double m = -INFINITY, sum = 0.0;
-    for (uint32_t j = 0; j < k; j++)
-        if (g[ids[j]] > m)
-            m = g[ids[j]];
-    for (uint32_t j = 0; j < k; j++) {
-        w[j] = exp(g[ids[j]] - m);
-        sum += w[j];
-    }
-    for (uint32_t j = 0; j < k; j++)
-        w[j] /= sum;
-}
-
-void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
-                         const float *router_logits, const void *expert_ground, float *out_pairs,
-                         float *topk_weights, int32_t *topk_ids)
+void ref_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                const void *expert_ground, const float *bias, float *out_pairs, float *topk_weights,
+                int32_t *topk_ids)
 {
     if (!desc || desc->num_tokens == 0 || !grounded_desc_valid(desc))
         return;
@@ -1387,21 +1582,28 @@ void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *tok
     }
     for (uint32_t t = 0; t < desc->num_tokens; t++) {
         double w[MAX_TOP_K];
-        grounded_row_compute(token_hidden, router_logits, expert_ground, t, &r);
-        grounded_weights(r.g, r.ids, r.k, w);
+        grounded_row_compute(token_hidden, router_logits, expert_ground, bias, t, &r);
+        chosen_weights(&r.gating, r.gating.weighting, r.gr.wscore, r.gr.x, r.gr.ids, w);
         for (size_t j = 0; j < k; j++) {
             size_t i = t * k + j;
             if (out_pairs) {
-                out_pairs[2 * i] = (float)r.ids[j];
+                out_pairs[2 * i] = (float)r.gr.ids[j];
                 out_pairs[2 * i + 1] = (float)w[j];
             }
             if (topk_weights)
                 topk_weights[i] = (float)w[j];
             if (topk_ids)
-                topk_ids[i] = r.ids[j];
+                topk_ids[i] = r.gr.ids[j];
         }
     }
     grounded_row_free(&r);
+}
+
+void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                         const float *router_logits, const void *expert_ground, float *out_pairs,
+                         float *topk_weights, int32_t *topk_ids)
+{
+    ref_router(desc, token_hidden, router_logits, expert_ground, NULL, out_pairs, topk_weights, topk_ids);
 }
 
 /* The device's ids of one row: from topk_ids, else from the index field of
@@ -1431,92 +1633,65 @@ static bool grounded_device_ids(const grounded_row *r, uint32_t row, const float
     return true;
 }
 
-/* Equal router logit and equal ground rows: the device's g are bit-equal
- * (the same fp32 operations on the same values). */
-static bool grounded_same_input(const void *ctx, uint32_t a, uint32_t b)
-{
-    const grounded_row *r = ctx;
-    const moecl_grounded_router_desc *d = r->desc;
-    if (r->g[a] != r->g[b]) /* only equal float64 values come from equal inputs: a cheap filter */
-        return false;
-    if (r->logits[(size_t)r->row * r->E + a] != r->logits[(size_t)r->row * r->E + b])
-        return false;
-    for (uint32_t i = 0; i < r->H; i++)
-        if (ref_load(d->hidden_dtype, r->ground, (size_t)a * r->H + i) !=
-            ref_load(d->hidden_dtype, r->ground, (size_t)b * r->H + i))
-            return false;
-    return true;
-}
-
+/* One row through top-k gating's checker (check_gating_row) on g: the ids
+ * (from topk_ids or out_pairs) and each weights output; with weights only,
+ * the ids are the reference's. */
 static bool check_grounded_row(grounded_row *r, uint32_t row, const float *pairs, const float *weights,
                                const int32_t *ids, char *msg, size_t size)
 {
     int32_t dev[MAX_TOP_K];
-    const int32_t *chosen = r->ids; /* weights only: judged against the reference ids */
+    float w[MAX_TOP_K];
     if (pairs || ids) {
-        if (!grounded_device_ids(r, row, pairs, ids, dev, msg, size) ||
-            !check_ids_valid(row, dev, r->k, r->E, msg, size))
+        if (!grounded_device_ids(r, row, pairs, ids, dev, msg, size))
             return false;
-        rank_problem p;
-        uint32_t weakest;
-        memset(r->flags, F_POOL, r->E);
-        if (!check_ranking(r->g, r->lo, r->hi, r->flags, r->E, dev, r->k, grounded_same_input, r, &p, &weakest)) {
-            rank_message(msg, size, row, &p, dev, r->ids, r->g, r->err, "g");
-            return false;
-        }
-        chosen = dev;
+    } else {
+        memcpy(dev, r->gr.ids, r->k * sizeof(int32_t));
     }
-
-    double want[MAX_TOP_K];
-    grounded_weights(r->g, chosen, r->k, want);
-    /* The device's g carry up to err[] each (fp32 dot products), and a
-     * softmax weight w_j = 1 / sum exp(g_l - g_j) moves by a factor of at
-     * most exp(err_j + max err) with them: with |g| in the thousands that
-     * alone passes WEIGHT_TOL, so the tolerance adds it. */
-    double max_err = 0.0;
-    for (uint32_t j = 0; j < r->k; j++)
-        max_err = fmax(max_err, r->err[chosen[j]]);
-    for (uint32_t j = 0; j < r->k; j++) {
-        const char *where = NULL;
-        double got = 0.0;
-        const double tol = WEIGHT_TOL + (isfinite(want[j]) ? want[j] * expm1(r->err[chosen[j]] + max_err) : 0.0);
-        if (weights && !weight_ok((double)weights[j], want[j], tol)) {
-            where = "topk_weights";
-            got = (double)weights[j];
-        } else if (pairs && !weight_ok((double)pairs[2 * j + 1], want[j], tol)) {
-            where = "out_pairs weight";
-            got = (double)pairs[2 * j + 1];
-        }
-        if (where) {
-            put_msg(msg, size, "row %u pos %u: %s %.9g for id %d but reference %.9g (g=%.9g, softmax over the chosen g)",
-                    (unsigned)row, (unsigned)j, where, got, (int)chosen[j], want[j], r->g[chosen[j]]);
+    for (int out = 0; out < 2; out++) {
+        if (out == 0 && !weights)
+            continue;
+        if (out == 1 && !pairs)
+            continue;
+        for (uint32_t j = 0; j < r->k; j++)
+            w[j] = out == 0 ? weights[j] : pairs[2 * j + 1];
+        if (!check_gating_row(&r->gr, row, w, dev, msg, size)) {
+            const size_t used = msg ? strlen(msg) : 0;
+            if (msg && used < size)
+                snprintf(msg + used, size - used, " [%s]", out == 0 ? "topk_weights" : "out_pairs weight");
             return false;
         }
+    }
+    if (!weights && !pairs) { /* ids alone: their ranking, with the reference's weights of them */
+        double want[MAX_TOP_K];
+        chosen_weights(&r->gating, r->gating.weighting, r->gr.wscore, r->gr.x, dev, want);
+        for (uint32_t j = 0; j < r->k; j++)
+            w[j] = (float)want[j];
+        return check_gating_row(&r->gr, row, w, dev, msg, size);
     }
     return true;
 }
 
-int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
-                              const float *router_logits, const void *expert_ground, const float *out_pairs,
-                              const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
+int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                     const void *expert_ground, const float *bias, const float *out_pairs,
+                     const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
 {
     if (msg && msg_size)
         msg[0] = '\0';
     if (desc && desc->num_tokens == 0)
         return 0;
-    if (!grounded_desc_valid(desc) || !token_hidden || !router_logits || !expert_ground) {
-        put_msg(msg, msg_size, "ref_check_grounded_router: invalid descriptor or missing input");
+    if (!grounded_desc_valid(desc) || !token_hidden || !expert_ground) {
+        put_msg(msg, msg_size, "ref_check_router: invalid descriptor or missing input");
         return -1;
     }
     grounded_row r;
     if (!grounded_row_alloc(&r, desc)) {
-        put_msg(msg, msg_size, "ref_check_grounded_router: out of memory");
+        put_msg(msg, msg_size, "ref_check_router: out of memory");
         return -1;
     }
     int bad = 0;
     size_t k = desc->top_k;
     for (uint32_t t = 0; t < desc->num_tokens; t++) {
-        grounded_row_compute(token_hidden, router_logits, expert_ground, t, &r);
+        grounded_row_compute(token_hidden, router_logits, expert_ground, bias, t, &r);
         if (!check_grounded_row(&r, t, out_pairs ? out_pairs + 2 * t * k : NULL,
                                 topk_weights ? topk_weights + t * k : NULL, topk_ids ? topk_ids + t * k : NULL,
                                 bad ? NULL : msg, msg_size))
@@ -1524,6 +1699,18 @@ int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void
     }
     grounded_row_free(&r);
     return bad;
+}
+
+int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                              const float *router_logits, const void *expert_ground, const float *out_pairs,
+                              const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
+{
+    if (!router_logits && desc && desc->num_tokens > 0) {
+        put_msg(msg, msg_size, "ref_check_grounded_router: router_logits is missing");
+        return -1;
+    }
+    return ref_check_router(desc, token_hidden, router_logits, expert_ground, NULL, out_pairs, topk_weights,
+                            topk_ids, msg, msg_size);
 }
 
 /* ---- moe_align ---- */

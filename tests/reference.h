@@ -34,6 +34,20 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 
+/* moecl_router in float64: the grounded router's g (router_logits may be
+ * NULL: g = alpha * hidden @ ground^T) through desc->gating's pipeline
+ * with an optional bias (any output may be NULL). */
+void ref_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                const void *expert_ground, const float *bias, float *out_pairs, float *topk_weights,
+                int32_t *topk_ids);
+
+/* As ref_check_topk_gating, for ref_router (g's fp32 bound carried
+ * through the scores and weights, docs/routing.md section 4); NULL
+ * outputs are not checked. */
+int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                     const void *expert_ground, const float *bias, const float *out_pairs,
+                     const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
+
 /* Grounded router in float64 (any output may be NULL). */
 void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
                          const float *router_logits, const void *expert_ground, float *out_pairs,

@@ -176,6 +176,10 @@ static bool bad_desc(int i, moecl_topk_gating_desc *d, const char **field, const
         CASE(26, "group_fill 2 with groups", "group_fill", d->num_expert_groups = 4; d->topk_group = 2;
              d->group_fill = (moecl_group_fill)2)
         CASE(27, "group_fill -1", "group_fill", d->group_fill = (moecl_group_fill)-1)
+        CASE(28, "scoring 4", "scoring", d->scoring = (moecl_scoring)4)
+        CASE(29, "scoring -1", "scoring", d->scoring = (moecl_scoring)-1)
+        CASE(30, "weighting 3", "weighting", d->weighting = (moecl_weighting)3)
+        CASE(31, "weighting -1", "weighting", d->weighting = (moecl_weighting)-1)
     default:
         return false;
     }

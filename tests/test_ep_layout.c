@@ -612,13 +612,18 @@ START_TEST(test_mutation_caught)
     const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
     ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
     char *align = read_text(cl_dir, "moe_align.cl"), *text = read_text(cl_dir, "ep_layout.cl");
-    /* Both placements: tiles of work-items (GPUs) and one work-item's
-     * walk (CPUs). */
+    /* Every placement: the three kernels' tiles of work-items (GPUs) and
+     * one work-item's walk (CPUs); the fused kernel's ranks within a
+     * sub-tile (its WAIT mode) and its last work-group's walk (LAST). */
     ck_assert_msg(harness_replace_once(&text, "        const uint s = base + lid;\n",
                                "        const uint i = base - begin + lid, s = i < end - begin ? end - 1 - i : end;\n") &&
                       harness_replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint key = keys[s];",
                                    "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
-                                   "        const uint key = keys[s];"),
+                                   "        const uint key = keys[s];") &&
+                      harness_replace_once(&text, "            before += i < lid ? same : 0u;\n            after += i > lid ? same : 0u;",
+                                   "            before += i > lid ? same : 0u;\n            after += i < lid ? same : 0u;") &&
+                      harness_replace_once(&text, "                const uint s = t * in.top_k + j;\n",
+                                   "                const uint s = (in.num_tokens - 1 - t) * in.top_k + j;\n"),
                   "the mutation's anchors are not in cl/ep_layout.cl once: update test_mutation_caught");
     const char *out = text;
     char dir[] = "/tmp/moecl-ep-mutant-XXXXXX";

@@ -275,7 +275,7 @@ START_TEST(test_invalid)
     struct {
         const char *field;
         moecl_grounded_router_desc d;
-    } cases[10];
+    } cases[24];
     int n = 0;
 #define BAD(name, stmt)                                                                                                \
     do {                                                                                                               \
@@ -295,6 +295,19 @@ START_TEST(test_invalid)
     BAD("alpha", d->alpha = NAN);
     BAD("alpha", d->alpha = INFINITY);
     BAD("hidden_dtype", d->hidden_dtype = (moecl_dtype)7);
+    BAD("precision", d->precision = (moecl_precision)3);
+    BAD("precision", d->precision = (moecl_precision)-1);
+    BAD("scoring", d->gating.scoring = (moecl_scoring)4);
+    BAD("weighting", d->gating.weighting = (moecl_weighting)3);
+    BAD("num_expert_groups", (d->gating.num_expert_groups = 3, d->gating.topk_group = 1));
+    BAD("topk_group", (d->gating.num_expert_groups = 4, d->gating.topk_group = 0));
+    BAD("topk_group", d->gating.topk_group = 1);
+    BAD("top_k", (d->gating.num_expert_groups = 16, d->gating.topk_group = 1));
+    BAD("group_score", (d->gating.num_expert_groups = 4, d->gating.topk_group = 2,
+                        d->gating.group_score = (moecl_group_score)2));
+    BAD("group_fill", d->gating.group_fill = (moecl_group_fill)2);
+    BAD("routed_scaling_factor", d->gating.routed_scaling_factor = NAN);
+    BAD("renormalize_floor", (d->gating.renormalize = true, d->gating.renormalize_floor = 0x1p-140f));
 #undef BAD
     float hidden[4 * 8] = {0}, ground[16 * 8] = {0}, logits[4 * 16] = {0};
     float pairs[4 * 2 * 2 + 1];
@@ -304,7 +317,7 @@ START_TEST(test_invalid)
     for (int i = 0; i < n; i++) {
         memset(pairs, HARNESS_POISON, sizeof(pairs));
         moecl_status st = moecl_grounded_router_host(ctx, &cases[i].d, hidden, logits, ground, pairs, NULL, NULL);
-        ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "case %d (%s): status %d", i, cases[i].field, (int)st);
         ck_assert_msg(strstr(moecl_context_error(ctx), cases[i].field), "message \"%s\" does not name %s",
                       moecl_context_error(ctx), cases[i].field);
         for (size_t b = 0; b < sizeof(pairs); b++)
@@ -314,6 +327,27 @@ START_TEST(test_invalid)
         st = moecl_grounded_router(ctx, &cases[i].d, hb, lb, gb, pb, none, none, 0, NULL, &done);
         ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
         ck_assert_ptr_eq(done, (cl_event)&done);
+        /* moecl_router: the same checks, with logits absent, nothing written. */
+        float w[4 * 2 + 1];
+        int32_t ids[4 * 2 + 1];
+        memset(w, HARNESS_POISON, sizeof(w));
+        memset(ids, HARNESS_POISON, sizeof(ids));
+        st = moecl_router_host(ctx, &cases[i].d, hidden, NULL, ground, NULL, w, ids);
+        ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(moecl_context_error(ctx), cases[i].field), "router: message \"%s\" does not name %s",
+                      moecl_context_error(ctx), cases[i].field);
+        for (size_t b = 0; b < sizeof(w); b++)
+            ck_assert_uint_eq(((unsigned char *)w)[b] & ((unsigned char *)ids)[b], HARNESS_POISON);
+        st = moecl_router(ctx, &cases[i].d, hb, none, gb, none, pb, pb, 0, NULL, &done);
+        ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_ptr_eq(done, (cl_event)&done);
+    }
+    /* moecl_router needs both topk_weights and topk_ids. */
+    {
+        float w[4 * 2];
+        ck_assert_int_eq(moecl_router_host(ctx, &good, hidden, NULL, ground, NULL, w, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_int_eq(moecl_router(ctx, &good, hb, none, gb, none, pb, none, 0, NULL, NULL),
+                         MOECL_ERROR_INVALID_ARGUMENT);
     }
     /* No output at all, and a too-small output buffer. */
     ck_assert_int_eq(moecl_grounded_router_host(ctx, &good, hidden, logits, ground, NULL, NULL, NULL),
@@ -351,6 +385,192 @@ START_TEST(test_prepare)
 }
 END_TEST
 
+/* ---- moecl_router: the gating pipeline on g (docs/routing.md, section 3) ---- */
+
+static void describe_router(const moecl_grounded_router_desc *d, bool bias, bool logits, char *buf, size_t size)
+{
+    const moecl_gating *g = &d->gating;
+    snprintf(buf, size,
+             "T=%u H=%u E=%u k=%u alpha=%g dtype=%d scoring=%d weighting=%d groups=%u/%u gs=%d fill=%d renorm=%d "
+             "floor=%g factor=%g%s%s",
+             d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
+             (int)g->scoring, (int)g->weighting, g->num_expert_groups, g->topk_group, (int)g->group_score,
+             (int)g->group_fill, (int)g->renormalize, (double)g->renormalize_floor, (double)g->routed_scaling_factor,
+             bias ? " bias" : "", logits ? "" : " no-logits");
+}
+
+/* moecl_router on the host path or the device path (offsets, poison, one
+ * element past each output), then the reference's check. */
+static void run_router(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_inputs *in,
+                       const float *bias, bool device_path, float *w, int32_t *ids)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, in_size = ref_dtype_size(d->hidden_dtype);
+    memset(w, HARNESS_POISON, nk * 4 + 4);
+    memset(ids, HARNESS_POISON, nk * 4 + 4);
+    char what[320];
+    describe_router(d, bias != NULL, in->logits != NULL, what, sizeof(what));
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_router_host(ctx, d, in->hidden, in->logits, in->ground, bias, w, ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "host path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+    } else {
+        moecl_buffer hb = harness_buffer(ctx, (size_t)d->num_tokens * d->hidden_dim * in_size, 2 * in_size, in->hidden);
+        moecl_buffer lb = in->logits ? harness_buffer(ctx, (size_t)d->num_tokens * d->num_experts * 4, 128, in->logits)
+                                     : (moecl_buffer){NULL, 0};
+        moecl_buffer gb = harness_buffer(ctx, (size_t)d->num_experts * d->hidden_dim * in_size, 64, in->ground);
+        moecl_buffer bb = bias ? harness_buffer(ctx, (size_t)d->num_experts * 4, 36, bias) : (moecl_buffer){NULL, 0};
+        moecl_buffer wb = harness_buffer(ctx, nk * 4, 8, NULL), ib = harness_buffer(ctx, nk * 4, 12, NULL);
+        cl_event done = NULL;
+        st = moecl_router(ctx, d, hb, lb, gb, bb, wb, ib, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "device path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        harness_read_topk(ctx, wb, ib, nk, w, ids, what);
+        harness_release(hb);
+        harness_release(lb);
+        harness_release(gb);
+        harness_release(bb);
+        harness_release(wb);
+        harness_release(ib);
+    }
+    char msg[512] = "";
+    int bad = ref_check_router(d, in->hidden, in->logits, in->ground, bias, NULL, w, ids, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s (%s path): %d bad rows; first: %s", what, device_path ? "device" : "host", bad, msg);
+}
+
+/* Random inputs (logits dropped where !with_logits, a bias of order 0.1
+ * where with_bias, NaN and inf in a few rows where special) through both
+ * paths. */
+static void router_case(moecl_context *ctx, const moecl_grounded_router_desc *d, bool with_bias, bool with_logits,
+                        bool special, uint64_t stream)
+{
+    harness_rng rng = harness_rng_for(stream);
+    grounded_inputs in = random_inputs(&rng, d);
+    if (!with_logits) {
+        free(in.logits);
+        in.logits = NULL;
+    }
+    float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 0.1f) : NULL;
+    if (special && d->num_tokens >= 4) {
+        const uint32_t H = d->hidden_dim, E = d->num_experts;
+        harness_store(d->hidden_dtype, in.hidden, (size_t)1 * H + H / 2, NAN); /* a row of NaN g */
+        harness_store(d->hidden_dtype, in.hidden, (size_t)2 * H, INFINITY);    /* infinities */
+        if (in.logits) {
+            in.logits[(size_t)3 * E + E / 3] = NAN;
+            in.logits[(size_t)3 * E + E - 1] = INFINITY;
+            in.logits[(size_t)3 * E] = -INFINITY;
+        }
+    }
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    float *w = malloc(nk * 4 + 4);
+    int32_t *ids = malloc(nk * 4 + 4);
+    for (int path = 0; path < 2; path++)
+        run_router(ctx, d, &in, bias, path == 1, w, ids);
+    free(w);
+    free(ids);
+    free(bias);
+    free_inputs(&in);
+}
+
+/* Every scoring with every weighting, rotating bias, absent logits,
+ * groups, renormalisation, factor and dtype. */
+START_TEST(test_router_gatings)
+{
+    moecl_context *ctx = harness_context();
+    /* hidden, experts, top_k, groups, topk_group */
+    static const uint32_t shapes[][5] = {{64, 16, 4, 0, 0}, {40, 60, 6, 4, 2}, {96, 256, 8, 8, 4}};
+    unsigned i = 0;
+    for (int scoring = 0; scoring < 4; scoring++)
+        for (int weighting = 0; weighting < 3; weighting++, i++) {
+            const uint32_t *sh = shapes[i % 3];
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(19 + 11 * i, sh[0], sh[1], i % 2 ? 0.5f : 2.0f);
+            d.top_k = sh[2];
+            d.hidden_dtype = (moecl_dtype)(i % 3);
+            d.gating.scoring = (moecl_scoring)scoring;
+            d.gating.weighting = (moecl_weighting)weighting;
+            d.gating.num_expert_groups = (i / 3) % 2 ? sh[3] : 0;
+            d.gating.topk_group = (i / 3) % 2 ? sh[4] : 0;
+            d.gating.group_score = (moecl_group_score)(i % 2);
+            d.gating.group_fill = i % 4 == 3 ? MOECL_GROUP_FILL_ZERO : MOECL_GROUP_FILL_NEG_INF;
+            d.gating.renormalize = i % 2 == 0;
+            d.gating.routed_scaling_factor = i % 3 == 1 ? 2.5f : 1.0f;
+            router_case(ctx, &d, i % 2 == 1, i % 4 < 2, i % 5 == 0, 800 + i);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* DeepSeek-V3's router in one launch (a smaller hidden size): sigmoid,
+ * bias, 8 groups keeping 4 by the sum of their top two, top 8,
+ * renormalised, factor 2.5, no router logits; and DeepSeek-V4's
+ * sqrtsoftplus with its bias, top 6, factor 1.5. */
+START_TEST(test_router_deepseek)
+{
+    moecl_context *ctx = harness_context();
+    for (int dt = 0; dt < 3; dt++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(65, 128, 256, 1.0f);
+        d.hidden_dtype = (moecl_dtype)dt;
+        d.top_k = 8;
+        d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+        router_case(ctx, &d, true, false, dt == 0, 900 + dt);
+        d.top_k = 6;
+        d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, 0, 0, MOECL_GROUP_SCORE_MAX,
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 1.5f};
+        router_case(ctx, &d, true, false, dt == 0, 910 + dt);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* TensorRT-LLM's Llama 4 row as g (alpha 0: g is the router logit): RAW
+ * selection, the sigmoid of the chosen, top 2: ids [1, 6]. And exact
+ * ties: a row of equal g gives ids 0..k-1 whatever the scoring. */
+START_TEST(test_router_llama4_and_ties)
+{
+    moecl_context *ctx = harness_context();
+    static const float logits[8] = {20, 30, 17, 0, 1, 2, 25, -1};
+    float hidden[4] = {1, 2, 3, 4}, ground[8 * 4];
+    for (int i = 0; i < 32; i++)
+        ground[i] = (float)(i % 5) - 2.0f;
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, 4, 8, 0.0f);
+    d.gating.scoring = MOECL_SCORING_RAW;
+    d.gating.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
+    grounded_inputs in = {hidden, ground, (float *)logits};
+    float w[3];
+    int32_t ids[3];
+    for (int path = 0; path < 2; path++) {
+        run_router(ctx, &d, &in, NULL, path == 1, w, ids);
+        ck_assert_msg(ids[0] == 1 && ids[1] == 6, "Llama 4: ids [%d, %d], want [1, 6]", ids[0], ids[1]);
+        ck_assert_msg(fabs(w[0] - 1.0 / (1.0 + exp(-30.0))) < 1e-6 && fabs(w[1] - 1.0 / (1.0 + exp(-25.0))) < 1e-6,
+                      "Llama 4: weights %g %g", (double)w[0], (double)w[1]);
+    }
+    /* Ties: equal ground rows, no logits. */
+    float tie_hidden[3 * 16], tie_ground[24 * 16];
+    for (int i = 0; i < 3 * 16; i++)
+        tie_hidden[i] = (float)(i % 7) * 0.125f - 0.25f;
+    for (int i = 0; i < 24 * 16; i++)
+        tie_ground[i] = (float)(i % 16) * 0.0625f;
+    grounded_inputs tie = {tie_hidden, tie_ground, NULL};
+    for (int scoring = 0; scoring < 4; scoring++) {
+        moecl_grounded_router_desc t = moecl_grounded_router_desc_init(3, 16, 24, 1.0f);
+        t.top_k = 5;
+        t.gating.scoring = (moecl_scoring)scoring;
+        t.gating.weighting = (moecl_weighting)(scoring % 3);
+        float tw[16];
+        int32_t tids[16];
+        for (int path = 0; path < 2; path++) {
+            run_router(ctx, &t, &tie, NULL, path == 1, tw, tids);
+            for (int j = 0; j < 15; j++)
+                ck_assert_msg(tids[j] == j % 5, "tie row, scoring %d: slot %d id %d", scoring, j, tids[j]);
+        }
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(void)
 {
     Suite *s = suite_create("grounded_router");
@@ -360,6 +580,9 @@ int main(void)
     tcase_add_test(tc, test_seed_shape);
     tcase_add_test(tc, test_special_rows);
     tcase_add_test(tc, test_prepare);
+    tcase_add_test(tc, test_router_llama4_and_ties);
+    tcase_add_test(tc, test_router_gatings);
+    tcase_add_test(tc, test_router_deepseek);
     /* MOECL_TEST_QUICK: without the grid and the dtype sweep. */
     if (!harness_quick()) {
         tcase_add_test(tc, test_topk_alpha_dtypes);

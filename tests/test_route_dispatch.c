@@ -510,7 +510,7 @@ START_TEST(test_bad_input)
     bad[4].topk_group = 1;
     bad[5].topk_group = 1;
     bad[6].gating_dtype = (moecl_dtype)7;
-    bad[7].scoring = (moecl_scoring)2;
+    bad[7].scoring = (moecl_scoring)4;
     bad[8].group_score = (moecl_group_score)2;
     bad[9].routed_scaling_factor = NAN;
     bad[10].renormalize_floor = 1e-40f;

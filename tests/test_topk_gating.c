@@ -13,9 +13,11 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 static void describe(const moecl_topk_gating_desc *d, bool bias, char *buf, size_t size)
 {
-    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g floor=%g", d->num_tokens,
-             d->num_experts, d->top_k, dtype_name(d->gating_dtype),
-             d->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", bias ? " bias" : "", d->num_expert_groups,
+    static const char *const scorings[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw"};
+    static const char *const weightings[] = {"", " w=softmax-chosen", " w=sigmoid-chosen"};
+    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s%s groups=%u/%u %s%s%s factor=%g floor=%g", d->num_tokens,
+             d->num_experts, d->top_k, dtype_name(d->gating_dtype), scorings[(unsigned)d->scoring % 4],
+             weightings[(unsigned)d->weighting % 3], bias ? " bias" : "", d->num_expert_groups,
              d->topk_group, d->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum",
              d->group_fill == MOECL_GROUP_FILL_ZERO ? " fill-zero" : "", d->renormalize ? " renormalize" : "",
              (double)d->routed_scaling_factor, (double)d->renormalize_floor);
@@ -51,12 +53,7 @@ static void run(moecl_context *ctx, const moecl_topk_gating_desc *d, const void 
     ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
     clReleaseEvent(done);
     /* One element past each output too: it must still be poison. */
-    harness_read(ctx, wb, nk * sizeof(float) + 4, w);
-    harness_read(ctx, ib, nk * sizeof(int32_t) + 4, ids);
-    uint32_t tail_w, tail_i;
-    memcpy(&tail_w, w + nk, 4);
-    memcpy(&tail_i, ids + nk, 4);
-    ck_assert_msg(tail_w == 0xFFFFFFFFu && tail_i == 0xFFFFFFFFu, "%s: wrote past the end of an output", what);
+    harness_read_topk(ctx, wb, ib, nk, w, ids, what);
     harness_release(in);
     harness_release(b);
     harness_release(wb);
@@ -281,6 +278,32 @@ START_TEST(test_deepseek_v3)
 }
 END_TEST
 
+/* Every scoring with every weighting, with and without bias and groups,
+ * on fresh random rows. */
+START_TEST(test_scorings_weightings)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][4] = {{128, 8, 0, 0}, {60, 6, 0, 0}, {256, 8, 8, 4}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int scoring = 0; scoring < 4; scoring++)
+            for (int weighting = 0; weighting < 3; weighting++) {
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(17 + i * 7, shapes[s][0], shapes[s][1]);
+                d.scoring = (moecl_scoring)scoring;
+                d.weighting = (moecl_weighting)weighting;
+                d.num_expert_groups = shapes[s][2];
+                d.topk_group = shapes[s][3];
+                d.group_score = (moecl_group_score)(i % 2);
+                d.renormalize = i % 2;
+                d.routed_scaling_factor = (i % 3 == 0) ? 1.0f : (i % 3 == 1) ? 2.5f : -0.75f;
+                d.gating_dtype = (moecl_dtype)(i % 3);
+                random_case(ctx, &d, i % 4 < 2, 9000 + i, i % 5 == 0);
+                i++;
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* ---- The peers' conventions (docs/routing.md, section 5) ---- */
 
 /* One row through both paths; ids exactly, weights within tol of want
@@ -316,6 +339,35 @@ static void expect_row(moecl_context *ctx, const moecl_topk_gating_desc *d0, con
  * bias, kept experts selecting below 0 lose to the dropped ones (vLLM's
  * pull request 13474 moved from this 0 fill to -inf for it), which then
  * weigh their unbiased scores. */
+/* TensorRT-LLM's Llama 4 routing: top-k on the logits, then the sigmoid
+ * of the chosen. Logits [20, 30, 17, 0, 1, 2, 25, -1], top 2: ids [1, 6]
+ * (sigmoid-then-select would saturate 20, 30 and 25 to 1.0f, tie and
+ * give [0, 1]). */
+START_TEST(test_llama4)
+{
+    moecl_context *ctx = harness_context();
+    static const float logits[8] = {20, 30, 17, 0, 1, 2, 25, -1};
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 8, 2);
+    d.scoring = MOECL_SCORING_RAW;
+    d.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
+    static const int32_t want_ids[2] = {1, 6};
+    const double want_w[2] = {1.0 / (1.0 + exp(-30.0)), 1.0 / (1.0 + exp(-25.0))};
+    expect_row(ctx, &d, logits, NULL, want_ids, want_w, "Llama 4");
+    /* Mixtral/Qwen on the same row: top-k on the logits, softmax over the
+     * chosen: 1 / (1 + e^-5) and e^-5 / (1 + e^-5). */
+    d.weighting = MOECL_WEIGHTS_SOFTMAX_CHOSEN;
+    const double want_s[2] = {1.0 / (1.0 + exp(-5.0)), exp(-5.0) / (1.0 + exp(-5.0))};
+    expect_row(ctx, &d, logits, NULL, want_ids, want_s, "top-k then softmax");
+    /* sqrtsoftplus selects as the logits do (monotone): 30 and 25 are past
+     * the threshold, so the weights are sqrt(30) and sqrt(25). */
+    d.scoring = MOECL_SCORING_SQRTSOFTPLUS;
+    d.weighting = MOECL_WEIGHTS_SCORE;
+    const double want_q[2] = {sqrt(30.0), 5.0};
+    expect_row(ctx, &d, logits, NULL, want_ids, want_q, "sqrtsoftplus");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_group_fill_examples)
 {
     moecl_context *ctx = harness_context();
@@ -647,7 +699,7 @@ START_TEST(test_special_rows)
     static const uint32_t shapes[][2] = {{7, 6}, {64, 8}, {257, 16}};
     unsigned i = 0;
     for (size_t s = 0; s < COUNT(shapes); s++)
-        for (int scoring = 0; scoring < 2; scoring++)
+        for (int scoring = 0; scoring < 4; scoring++)
             for (int grouped = 0; grouped < 3; grouped++) {
                 const uint32_t e_count = shapes[s][0];
                 if (grouped && e_count % 8 != 0)
@@ -655,6 +707,7 @@ START_TEST(test_special_rows)
                 harness_rng rng = harness_rng_for(7000 + i);
                 moecl_topk_gating_desc d = moecl_topk_gating_desc_init(ROW_KINDS * 3, e_count, shapes[s][1]);
                 d.scoring = (moecl_scoring)scoring;
+                d.weighting = (moecl_weighting)(i % 3);
                 if (grouped) {
                     d.num_expert_groups = 8;
                     d.topk_group = 4;
@@ -1091,12 +1144,14 @@ int main(void)
     tcase_add_test(tc, test_with_counts);
     tcase_add_test(tc, test_with_counts_invalid);
     tcase_add_test(tc, test_group_fill_examples);
+    tcase_add_test(tc, test_llama4);
     tcase_add_test(tc, test_seed_zero_fill);
     tcase_add_test(tc, test_renormalize_floor_examples);
     TCase *options = tcase_create("options");
     tcase_set_timeout(options, 1200);
     tcase_add_test(options, test_options);
     tcase_add_test(options, test_groups);
+    tcase_add_test(options, test_scorings_weightings);
     TCase *random = tcase_create("random");
     tcase_set_timeout(random, 1200);
     tcase_add_test(random, test_group_fill_random);

@@ -29,8 +29,9 @@
 #include "tool_json.h"
 
 /* OP_GROUNDED_ROUTE: moecl_grounded_route_dispatch, the grounded desc with
- * the align desc's block_size. */
-typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE } op_kind;
+ * the align desc's block_size. OP_ROUTER: moecl_router on the grounded
+ * desc, without router logits, with a bias where `bias` is set. */
+typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER } op_kind;
 
 typedef struct bench_case {
     const char *label;
@@ -197,8 +198,8 @@ static size_t input_bytes(const bench_case *c)
         return (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
     const moecl_grounded_router_desc *d = &c->grounded;
     size_t s = ref_dtype_size(d->hidden_dtype);
-    return (size_t)d->num_tokens * d->hidden_dim * s + (size_t)d->num_tokens * d->num_experts * 4 +
-           (size_t)d->num_experts * d->hidden_dim * s;
+    const size_t logits = c->op == OP_ROUTER ? 0 : (size_t)d->num_tokens * d->num_experts * 4;
+    return (size_t)d->num_tokens * d->hidden_dim * s + logits + (size_t)d->num_experts * d->hidden_dim * s;
 }
 
 /* moe_align: counts, sorted ids, blocks, post, slot positions, invalid. */
@@ -319,10 +320,14 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
             size_t hs = ref_dtype_size(d->hidden_dtype);
             void *h = tool_random_tensor(&seed, d->hidden_dtype, (size_t)d->num_tokens * d->hidden_dim,
                                     1.0f / sqrtf((float)d->hidden_dim));
-            void *l = tool_random_tensor(&seed, MOECL_F32, (size_t)d->num_tokens * d->num_experts, 1.0f);
+            /* moecl_router's cases have no router logits. */
+            void *l = c->op == OP_ROUTER
+                          ? NULL
+                          : tool_random_tensor(&seed, MOECL_F32, (size_t)d->num_tokens * d->num_experts, 1.0f);
             void *g = tool_random_tensor(&seed, d->hidden_dtype, (size_t)d->num_experts * d->hidden_dim, 1.0f);
             b->in[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_tokens * d->hidden_dim * hs, h);
-            b->in2[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_tokens * d->num_experts * 4, l);
+            if (l)
+                b->in2[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_tokens * d->num_experts * 4, l);
             b->in3[s] = tool_make_buffer("moecl-bench", cl, (size_t)d->num_experts * d->hidden_dim * hs, g);
             if (s == 0) {
                 b->host_in = h;
@@ -335,9 +340,10 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
             }
         }
     }
-    if (c->op == OP_TOPK && c->bias) {
-        b->host_bias = tool_random_tensor(&seed, MOECL_F32, c->topk.num_experts, 0.05f);
-        b->bias = tool_make_buffer("moecl-bench", cl, c->topk.num_experts * 4, b->host_bias);
+    if (c->bias) {
+        const uint32_t experts = c->op == OP_TOPK ? c->topk.num_experts : c->grounded.num_experts;
+        b->host_bias = tool_random_tensor(&seed, MOECL_F32, experts, 0.05f);
+        b->bias = tool_make_buffer("moecl-bench", cl, experts * 4, b->host_bias);
     }
     if (c->op == OP_ALIGN) {
         size_t sizes[6];
@@ -415,11 +421,14 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
             (moecl_buffer){d[0], 0}, (moecl_buffer){d[1], 0}, (moecl_buffer){d[2], 0}, (moecl_buffer){d[3], 0},
             (moecl_buffer){d[4], 0}, (moecl_buffer){d[5], 0}, after ? 1 : 0, after ? &after : NULL, done);
     }
-    if (c->op == OP_TOPK) {
-        moecl_buffer bias = {b->bias, 0};
+    moecl_buffer bias = {b->bias, 0};
+    if (c->op == OP_TOPK)
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
                                  (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL, done);
-    }
+    if (c->op == OP_ROUTER)
+        return moecl_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, none, (moecl_buffer){b->in3[set], 0},
+                            b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL,
+                            done);
     /* The seed's layout: stacked (index, weight) pairs. */
     return moecl_grounded_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->in2[set], 0},
                                  (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, 0, NULL, done);
@@ -530,6 +539,11 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
         bad = ref_check_topk_gating(&c->topk, b->host_in, b->host_bias, w, ids, r->check_msg, sizeof(r->check_msg));
+    } else if (c->op == OP_ROUTER) {
+        clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
+        clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
+        bad = ref_check_router(&c->grounded, b->host_in, NULL, b->host_in3, b->host_bias, NULL, w, ids, r->check_msg,
+                               sizeof(r->check_msg));
     } else if (c->op == OP_GROUNDED_ROUTE) {
         /* The router's weights and ids against its reference, then the
          * dispatch exactly against moe_align's for those ids. */
@@ -643,7 +657,8 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     r->wall_us = (tool_now_us() - t0) / wall_calls;
 
     /* (c) bytes that must move: inputs read once, outputs written once. */
-    r->bytes = (double)input_bytes(c) + (double)output_bytes(c) + (b.bias ? c->topk.num_experts * 4.0 : 0.0);
+    r->bytes = (double)input_bytes(c) + (double)output_bytes(c) +
+               (b.bias ? (c->op == OP_TOPK ? c->topk.num_experts : c->grounded.num_experts) * 4.0 : 0.0);
     r->gbps = r->bytes / (r->median_us * 1e3);
     r->copy_ratio = copy_gbps > 0 ? r->gbps / copy_gbps : 0;
     free_buffers(&b);
@@ -834,13 +849,46 @@ static int default_cases(bench_case *out, bool quick)
     g->label = "grounded seed";
     g->op = OP_GROUNDED;
     g->grounded = moecl_grounded_router_desc_init(4096, 128, 16, 0.5f);
-    if (!quick) {
+    /* Issue 15's large shape, 16384 tokens x hidden 4096 x 128 experts, top
+     * 8: f32 in each precision mode, and f16 and bf16 hidden states (--only
+     * 16384x4096 selects the five). */
+    static const struct {
+        const char *label;
+        moecl_dtype dtype;
+        moecl_precision precision;
+    } large[] = {{"grounded large", MOECL_F32, MOECL_PRECISION_FP32},
+                 {"grounded tf32", MOECL_F32, MOECL_PRECISION_TF32},
+                 {"grounded 3xtf32", MOECL_F32, MOECL_PRECISION_3XTF32},
+                 {"grounded f16", MOECL_F16, MOECL_PRECISION_FP32},
+                 {"grounded bf16", MOECL_BF16, MOECL_PRECISION_FP32}};
+    for (size_t i = 0; !quick && i < sizeof(large) / sizeof(large[0]); i++) {
         g = &out[n++];
         memset(g, 0, sizeof(*g));
-        g->label = "grounded large";
+        g->label = large[i].label;
         g->op = OP_GROUNDED;
         g->grounded = moecl_grounded_router_desc_init(16384, 4096, 128, 0.5f);
         g->grounded.top_k = 8;
+        g->grounded.hidden_dtype = large[i].dtype;
+        g->grounded.precision = large[i].precision;
+    }
+    /* DeepSeek-V3's router from hidden states in one launch (moecl_router):
+     * g = hidden @ W^T (bf16, hidden 7168, 256 experts, no router logits),
+     * sigmoid scores plus the correction bias select within the top 4 of 8
+     * groups (top-2 sums), top 8, the unbiased scores renormalised and
+     * scaled by 2.5. 4083 tokens only without --quick. */
+    static const unsigned router_tokens[] = {1, 64, 4083};
+    for (int i = 0; i < (quick ? 2 : 3); i++) {
+        g = &out[n++];
+        memset(g, 0, sizeof(*g));
+        g->label = "router dsv3";
+        g->op = OP_ROUTER;
+        g->bias = true;
+        g->grounded = moecl_grounded_router_desc_init(router_tokens[i], 7168, 256, 1.0f);
+        g->grounded.top_k = 8;
+        g->grounded.hidden_dtype = MOECL_BF16;
+        g->grounded.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE,       8, 4,
+                                            MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f,
+                                            2.5f};
     }
     /* The grounded router through to dispatch (block 64): decode sizes and
      * the seed shape. */
@@ -882,7 +930,7 @@ static void usage(FILE *f)
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
-               "kernel. --quick: fewer calls and no large grounded-router shape. --shape adds a softmax\n"
+               "kernel. --quick: fewer calls and no large grounded-router cases. --shape adds a softmax\n"
                "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
                "label or shape contains SUBSTRING (one that keeps none is a bad usage). --logits: the top-k\n"
                "cases' logits, standard normal (the default) or uniform on [0, 10) (top values crowd\n"

@@ -37,8 +37,8 @@
  *    moecl_topk_gating_with_counts() (a fill, then the kernel),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
  *    two calls), moecl_grounded_route_dispatch() (the grounded
- *    router, then moe_align, likewise) and moecl_ep_layout() (three
- *    kernels). Such a
+ *    router, then moe_align, likewise) and moecl_ep_layout() on its
+ *    three-kernel path. Such a
  *    failure leaves unspecified the outputs that the commands already
  *    enqueued write, and every other output unchanged; those
  *    functions say which outputs are which. The call waits for the
@@ -372,7 +372,7 @@ typedef struct moecl_buffer {
  *   num_experts % num_expert_groups == 0, 1 <= topk_group <=
  *   num_expert_groups and top_k <= topk_group * (num_experts /
  *   num_expert_groups);
- *   gating_dtype, scoring, group_score and group_fill one of their enum
+ *   gating_dtype, scoring, weighting, group_score and group_fill one of their enum
  *   values (whether or not groups are used);
  *   routed_scaling_factor finite;
  *   renormalize_floor 0, or a normal float (>= FLT_MIN) and finite, whether
@@ -527,14 +527,9 @@ MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, co
 MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 
 /* ---------------------------------------------------------------------- */
-/* Grounded router (docs/routing.md, section 2)                            */
+/* Grounded router (docs/routing.md, section 3)                            */
 /* ---------------------------------------------------------------------- */
 
-/**
- * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
- * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
- * alpha finite, hidden_dtype one of its enum values.
- */
 /** How the products of hidden @ ground^T are formed when the hidden states
  *  are f32 (docs/routing.md, section 3). f16 and bf16 hidden states ignore
  *  it: their products are exact in fp32 on every path (tensor cores where
@@ -569,6 +564,13 @@ typedef struct moecl_gating {
     float routed_scaling_factor;   /**< applied to the weights last */
 } moecl_gating;
 
+/**
+ * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
+ * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
+ * alpha finite, hidden_dtype and precision one of their enum values, and
+ * gating's fields valid as moecl_topk_gating_desc's (the same rules and
+ * messages).
+ */
 typedef struct moecl_grounded_router_desc {
     uint32_t num_tokens;  /**< rows of token_hidden and router_logits */
     uint32_t hidden_dim;  /**< columns of token_hidden and expert_ground */
@@ -896,16 +898,24 @@ MOECL_API moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, ui
  * other outputs have no element).
  *
  * Asynchronous: validates, then enqueues its kernels on the context's
- * queue and returns. Three chained kernels (count, scan, place; the count
- * and the place are skipped when num_tokens is 0): the first waits on the
- * `num_wait` events of `wait`; on an out-of-order queue each later one
- * waits on its predecessor's event. If `done` is non-NULL it receives the
- * event of the last kernel, which completes after all of them; the caller
- * releases it. It uses a device scratch buffer of 4 * (chunks *
- * (2 * num_ranks + 1) + num_ranks + 1 + num_tokens * top_k) bytes, where
- * chunks <= 4096 (the context's, on an in-order queue, as
- * moecl_moe_align() describes; the call's own on an out-of-order
- * queue).
+ * queue and returns. Two paths (docs/routing.md §9), the same bits:
+ *   - the fused kernel, one launch (by default in the GPU launch class,
+ *     where num_ranks <= 256, top_k is at most its work-group and its
+ *     local memory fits): preceded, where the scratch buffer is new or
+ *     another path wrote its first word last, by a fill of that word. It
+ *     uses a scratch buffer of 4 * (1 + G * (3 * num_ranks + 2 + P') +
+ *     num_ranks + 1) bytes, G <= 127 work-groups, P' = num_physical with
+ *     expert_counts, else 0;
+ *   - three chained kernels (count, scan, place; the count and the place
+ *     are skipped when num_tokens is 0; by default in the CPU launch
+ *     class), with a scratch buffer of 4 * (chunks * (2 * num_ranks + 1) +
+ *     num_ranks + 1 + num_tokens * top_k) bytes, where chunks <= 4096.
+ * The first command waits on the `num_wait` events of `wait`; on an
+ * out-of-order queue each later one waits on its predecessor's event. If
+ * `done` is non-NULL it receives the event of the last kernel, which
+ * completes after all of them; the caller releases it. The scratch buffer
+ * is the context's on an in-order queue, as moecl_moe_align() describes,
+ * and the call's own on an out-of-order queue.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing required buffer, logical_to_physical given
@@ -917,7 +927,9 @@ MOECL_API moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, ui
  * allocation, of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE, or of an
  * enqueue. All of these but an enqueue after the first are found before
  * anything is enqueued: nothing is enqueued and no output byte changes.
- * If the scan's enqueue fails, only the count was enqueued, which writes
+ * On the fused path the fill writes only the scratch buffer, so a failed
+ * kernel enqueue after it leaves every output unchanged too. On the three
+ * kernels, if the scan's enqueue fails, only the count was enqueued, which writes
  * physical_ids and token_in_rank (then unspecified) and the scratch
  * buffer; if the place's does, rank_counts, rank_offsets, tokens_per_rank
  * and expert_counts are unspecified too, and send_slots is unchanged. The

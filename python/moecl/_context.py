@@ -347,7 +347,8 @@ class Context:
 
     def _topk_desc(self, g: T.Tensor, tokens: int, experts: int, k: int, dtype: Optional[str],
                    groups: Optional[int], topk_group: Optional[int], scoring: str, group_score: str,
-                   group_fill: str, renormalize: bool, scale: float, renormalize_floor: float) -> ctypes.Structure:
+                   group_fill: str, renormalize: bool, scale: float, renormalize_floor: float,
+                   weighting: str = "score") -> ctypes.Structure:
         """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
         fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
                       topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
@@ -356,7 +357,8 @@ class Context:
                       group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
                       group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
                       renormalize=bool(renormalize), routed_scaling_factor=float(scale),
-                      renormalize_floor=float(renormalize_floor))
+                      renormalize_floor=float(renormalize_floor),
+                      weighting=_enum("weighting", weighting, _lib.WEIGHTINGS))
         # desc_init first: fields a later moecl adds keep their defaults.
         desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
         for name, value in fields.items():
@@ -367,15 +369,15 @@ class Context:
     def topk_gating(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
                     groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                     renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
-                    group_fill: str = "neg_inf", dtype: Optional[str] = None, counts: bool = False,
-                    out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                    group_fill: str = "neg_inf", weighting: str = "score", dtype: Optional[str] = None,
+                    counts: bool = False, out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
 
         Args:
             logits: float32, float16 or bfloat16 [tokens, experts] (see dtype).
             top_k: experts chosen per token.
-            scoring: "softmax" or "sigmoid".
+            scoring: "softmax", "sigmoid", "sqrtsoftplus" or "raw" (the logit itself).
             bias: float32 [experts] added to the scores for selection only, or None.
             groups, topk_group: group-limited selection (num_expert_groups
                 and topk_group), or None for none.
@@ -384,6 +386,9 @@ class Context:
             scale: routed_scaling_factor, applied to the weights last.
             renormalize_floor: with renormalize, the smallest divisor (0: moecl's rule).
             group_fill: what dropped groups' experts become, "neg_inf" or "zero".
+            weighting: what the chosen weigh: "score" (their unbiased score),
+                "softmax_chosen" (a softmax over their logits) or
+                "sigmoid_chosen" (the sigmoid of their logits, Llama 4).
             dtype: None (from the array), "f32", "f16", or "bf16" (for
                 ml_dtypes.bfloat16 or raw uint16 arrays).
             counts: also return expert_counts int32 [experts], the number
@@ -417,7 +422,7 @@ class Context:
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
-                             renormalize, scale, renormalize_floor)
+                             renormalize, scale, renormalize_floor, weighting)
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -442,24 +447,52 @@ class Context:
         w = T.check("ground", ground, (experts, hidden_dim), [h.dtype], kind)
         return h, r, w, tokens, experts, _uint("top_k", top_k)
 
-    def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float,
-                       dtype: Optional[str]) -> ctypes.Structure:
-        """moecl_grounded_router_desc of a call, validated by the library (and its kernels built)."""
+    def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float, dtype: Optional[str],
+                       gating: Optional[Dict[str, Any]] = None) -> ctypes.Structure:
+        """moecl_grounded_router_desc of a call, validated by the library (and its kernels built).
+
+        gating: the gating options by their Python names (scoring,
+        weighting, groups, topk_group, group_score, group_fill,
+        renormalize, scale, renormalize_floor, precision); absent ones keep
+        desc_init's defaults (the seed's gating)."""
         tokens, hidden_dim = h.shape
         desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[T.input_dtypes(dtype)[h.dtype]]
+        g = dict(gating or {})
+        convert = {
+            "scoring": lambda v: ("scoring", _enum("scoring", v, _lib.SCORINGS)),
+            "weighting": lambda v: ("weighting", _enum("weighting", v, _lib.WEIGHTINGS)),
+            "groups": lambda v: ("num_expert_groups", _uint("groups", 0 if v is None else v)),
+            "topk_group": lambda v: ("topk_group", _uint("topk_group", 0 if v is None else v)),
+            "group_score": lambda v: ("group_score", _enum("group_score", v, _lib.GROUP_SCORES)),
+            "group_fill": lambda v: ("group_fill", _enum("group_fill", v, _lib.GROUP_FILLS)),
+            "renormalize": lambda v: ("renormalize", bool(v)),
+            "scale": lambda v: ("routed_scaling_factor", float(v)),
+            "renormalize_floor": lambda v: ("renormalize_floor", float(v)),
+        }
+        if "precision" in g:
+            desc.precision = _enum("precision", g.pop("precision"), _lib.PRECISIONS)
+        for name, value in g.items():
+            if name not in convert:
+                raise TypeError("unknown gating option %r" % (name,))
+            field, converted = convert[name](value)
+            setattr(desc.gating, field, converted)
         self._prepare("grounded_router", desc)
         return desc
 
     def grounded_router(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2, alpha: float = 1.0,
                         *, dtype: Optional[str] = None, outputs: Sequence[str] = ("weights", "ids"),
                         out: Optional[Dict[str, Any]] = None, queue: Any = None,
-                        wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
+                        wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
         """The grounded router (docs/routing.md, section 3).
 
-        g = router_logits + alpha * hidden @ ground.T, its top_k largest per
-        token, and a softmax over the chosen values.
+        g = router_logits + alpha * hidden @ ground.T; by default its top_k
+        largest per token and a softmax over the chosen values; gating
+        options (keywords: scoring, weighting, groups, topk_group,
+        group_score, group_fill, renormalize, scale, renormalize_floor, as
+        for topk_gating; precision "fp32", "tf32" or "3xtf32") route g as
+        top-k gating routes its logits.
 
         Args:
             hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
@@ -492,12 +525,59 @@ class Context:
 
         self._check_wait(kind, wait_for)
         on = self._on(queue)
-        desc = on._grounded_desc(h, experts, k, alpha, dtype)
+        desc = on._grounded_desc(h, experts, k, alpha, dtype, gating)
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, outputs, kind, q)
         event = on._run("grounded_router", desc, [h, r, w, o["pairs"], o["weights"], o["ids"]], kind, wait_for)
         result = tuple(o[n].obj for n in outputs)  # type: ignore[union-attr]
+        return result + (event,) if kind == T.DEVICE else result
+
+    def router(self, hidden: Any, ground: Any, top_k: int = 8, alpha: float = 1.0, *, router_logits: Any = None,
+               bias: Any = None, dtype: Optional[str] = None, out: Optional[Dict[str, Any]] = None,
+               queue: Any = None, wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
+        """A model's router in one launch, moecl_router (docs/routing.md, section 3).
+
+        g = alpha * hidden @ ground.T (+ router_logits when given) routed by
+        the gating options (keywords as for grounded_router) with an
+        optional correction bias: DeepSeek-V3 is scoring="sigmoid",
+        weighting="score", bias=e_score_correction_bias, groups=8,
+        topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5,
+        top_k=8. The defaults are the grounded router's (scoring="raw",
+        weighting="softmax_chosen").
+
+        Args:
+            hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
+            ground: [experts, hidden_dim] of hidden's dtype (the gate's weight).
+            router_logits: float32 [tokens, experts] added to g, or None.
+            bias: float32 [experts] for selection only, or None.
+            out, queue, wait_for, dtype: as for topk_gating.
+
+        Returns:
+            (weights float32 [tokens, top_k], ids int32 [tokens, top_k]),
+            then for device tensors the pyopencl.Event.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([hidden, ground, router_logits, bias, *out.values()])
+        h = T.check("hidden", hidden, (None, None), T.input_dtypes(dtype), kind)
+        tokens, hidden_dim = h.shape
+        w = T.check("ground", ground, (None, hidden_dim), [h.dtype], kind)
+        experts = w.shape[0]
+        r = None if router_logits is None else T.check("router_logits", router_logits, (tokens, experts), [T.F32],
+                                                       kind)
+        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
+        k = _uint("top_k", top_k)
+        specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
+        given = T.outputs(specs, out, kind)
+
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = on._grounded_desc(h, experts, k, alpha, dtype, gating)
+
+        q = on.queue if kind == T.DEVICE else None
+        o = self._outputs(specs, given, ("weights", "ids"), kind, q)
+        event = on._run("router", desc, [h, r, w, b, o["weights"], o["ids"]], kind, wait_for)
+        result = (o["weights"].obj, o["ids"].obj)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 
     # ------------------------------------------------------------------

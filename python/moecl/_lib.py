@@ -112,7 +112,9 @@ class MoeAlignDesc(ctypes.Structure):
 
 # The enums of moecl.h, by the names the Python API uses.
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
-SCORINGS = {"softmax": 0, "sigmoid": 1}
+SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "raw": 3}
+WEIGHTINGS = {"score": 0, "softmax_chosen": 1, "sigmoid_chosen": 2}
+PRECISIONS = {"fp32": 0, "tf32": 1, "3xtf32": 2}
 GROUP_SCORES = {"max": 0, "top2_sum": 1}
 GROUP_FILLS = {"neg_inf": 0, "zero": 1}
 
@@ -149,6 +151,10 @@ _SIGNATURES = {
                                       Buffer, cl_uint, _events, _event_out]),
     "moecl_grounded_router_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_void_p, c_void_p, c_void_p,
                                            c_void_p, c_void_p, c_void_p]),
+    "moecl_router": (c_int, [_ctx, _P(GroundedRouterDesc), Buffer, Buffer, Buffer, Buffer, Buffer, Buffer,
+                             cl_uint, _events, _event_out]),
+    "moecl_router_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_void_p, c_void_p, c_void_p, c_void_p,
+                                  c_void_p, c_void_p]),
     "moecl_moe_align_desc_init": (MoeAlignDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
     "moecl_moe_align_max_padded": (ctypes.c_uint64, [_P(MoeAlignDesc)]),
     "moecl_moe_align_prepare": (c_int, [_ctx, _P(MoeAlignDesc)]),

@@ -173,7 +173,7 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 /* ---- runs ---- */
 
-typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE } op_kind;
+typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER } op_kind;
 
 typedef struct run_def {
     const char *name;
@@ -254,13 +254,24 @@ static const run_def runs[] = {
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
     {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    /* The expert-parallel layout's three kernels, in both classes. */
+    /* The expert-parallel layout: its default paths (the CPU class's three
+     * kernels, the GPU class's fused kernel), the three kernels in the GPU
+     * class, and the fused kernel in the CPU class and with its wait off. */
     {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-chunked", OP_EP, "gpu", {"MOECL_EP_LAYOUT=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-cpu-fused", OP_EP, "cpu", {"MOECL_EP_LAYOUT=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-fused-last", OP_EP, "gpu", {"MOECL_EP_LAYOUT=fused-last", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_grounded_route_dispatch: the router's rows kernel then
      * moe_align (cpu), its team kernel with the dispatch epilogue (gpu). */
     {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    /* moecl_router: the grounded router's g through the gating pipeline
+     * (cl/gating.cl) with a bias and no router logits: the rows kernel
+     * (cpu), the team kernel or, for tables past 64 experts, the rows
+     * kernel (gpu). */
+    {"router-cpu", OP_ROUTER, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-gpu", OP_ROUTER, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -597,6 +608,62 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
     free(pairs);
     free(w);
     free(ids);
+}
+
+/* moecl_router on case c: sigmoid selection with a bias, groups of the
+ * table's quarters keeping 2 where they hold top_k, the sum of the top two,
+ * renormalised, factor 2.5, no router logits; token 0's hidden state
+ * zero (every g 0: exact ties but for the bias), token 1's holding NaN. */
+static void router_one(const run_def *run, moecl_context *ctx, const grounded_case *c, moecl_dtype dtype)
+{
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
+    d.top_k = c->top_k;
+    d.hidden_dtype = dtype;
+    const bool grouped = d.num_experts % 4 == 0 && d.top_k <= d.num_experts / 2;
+    d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, grouped ? 4 : 0, grouped ? 2 : 0,
+                              MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+    snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u %s", run->name, d.num_tokens, d.hidden_dim,
+             d.num_experts, d.top_k, dtype_name(dtype));
+    if (!selected() || left_out_by_uninit("the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
+                                          "shuffle16_uninitialized, shuffle_undef_crash)"))
+        return;
+    const size_t nk = (size_t)d.num_tokens * d.top_k, sz = ref_dtype_size(dtype);
+    void *hidden = xmalloc((size_t)d.num_tokens * d.hidden_dim * sz);
+    void *ground = xmalloc((size_t)d.num_experts * d.hidden_dim * sz);
+    float *bias = xmalloc(d.num_experts * sizeof(float));
+    const float h_scale = 1.0f / sqrtf((float)d.hidden_dim);
+    for (uint32_t t = 0; t < d.num_tokens; t++)
+        for (uint32_t h = 0; h < d.hidden_dim; h++)
+            store(dtype, hidden, (size_t)t * d.hidden_dim + h,
+                  t == 0 ? 0.0f : t == 1 && h == 0 ? NAN : randn() * h_scale);
+    for (size_t i = 0; i < (size_t)d.num_experts * d.hidden_dim; i++)
+        store(dtype, ground, i, randn());
+    for (uint32_t e = 0; e < d.num_experts; e++)
+        bias[e] = e % 3 == 0 ? 0.0f : 0.1f * randn();
+    float *w = xmalloc(nk * sizeof(float));
+    int32_t *ids = xmalloc(nk * sizeof(int32_t));
+    memset(w, 0xff, nk * sizeof(float));
+    memset(ids, 0xff, nk * sizeof(int32_t));
+    const moecl_status st = moecl_router_host(ctx, &d, hidden, NULL, ground, bias, w, ids);
+    if (st != MOECL_SUCCESS) {
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        char msg[512] = "";
+        const int bad = ref_check_router(&d, hidden, NULL, ground, bias, NULL, w, ids, msg, sizeof(msg));
+        if (bad)
+            fail("%d bad rows; first: %s", bad, msg);
+    }
+    free(hidden);
+    free(ground);
+    free(bias);
+    free(w);
+    free(ids);
+}
+
+static void run_router(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(grounded_cases); i++)
+        router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3));
 }
 
 static void run_grounded(moecl_context *ctx, const run_def *run)
@@ -1052,6 +1119,8 @@ static int run_one(const run_def *run)
         run_ep(ctx, run);
     else if (run->op == OP_ROUTE)
         run_route(ctx, run);
+    else if (run->op == OP_ROUTER)
+        run_router(ctx, run);
     else
         run_grounded_route(ctx, run);
     moecl_context_destroy(ctx);

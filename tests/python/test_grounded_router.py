@@ -65,3 +65,51 @@ def test_ties_nan_and_inf(ctx):
     assert np.isnan(weights[1]).all() and np.isnan(weights[2]).all()
     np.testing.assert_array_equal(weights[3], [1, 0, 0])
     check_grounded(None, weights, ids, h.astype(np.float64), r.astype(np.float64), g.astype(np.float64), 1.0, 3)
+
+
+def test_router_deepseek_v3(ctx, rng):
+    """moecl_router as DeepSeek-V3's router (hidden @ W_gate.T, no router
+    logits): sigmoid, a bias, 8 groups keeping 4 by the top-two sum, top 8,
+    renormalised, factor 2.5; against routing_ref on g in float64."""
+    tokens, hidden, experts, k = 9, 48, 64, 8
+    h = rng.standard_normal((tokens, hidden)).astype(np.float32) / np.sqrt(hidden)
+    gw = rng.standard_normal((experts, hidden)).astype(np.float32)
+    bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+    weights, ids = ctx.router(h, gw, top_k=k, bias=bias, scoring="sigmoid", weighting="score", groups=8,
+                              topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5)
+    assert weights.shape == ids.shape == (tokens, k)
+    for t in range(tokens):
+        g, _, _, g_tol = ref.grounded_row(h[t].astype(np.float64), np.zeros(experts), gw.astype(np.float64), 1.0, k)
+        score, key, eligible, ref_ids = ref.topk_row(g, k, "sigmoid", bias.astype(np.float64), 8, 4, "top2_sum")
+        # sigmoid' <= 1/4: g's bound moves the score by at most a quarter of it.
+        tol = 0.25 * g_tol + 8 * ref.EPS * np.abs(score) + 2 * ref.TAU + ref.U * np.abs(key)
+        ref.check_ids(ids[t], key, eligible, ref_ids, tol, "token %d" % t)
+        # Renormalised by D = sum v: w_j = 2.5 v_j / D moves by at most
+        # 2.5 / D (dv_j + v_j sum dv / D), dv the scores' bound (section 4).
+        v, dv = score[ids[t]], tol[ids[t]]
+        atol = 2.5e-5 + (2.5 / v.sum() * (dv + v * dv.sum() / v.sum())).max()
+        ref.check_weights(weights[t].astype(np.float64), ref.topk_weights(score, ids[t], True, 0.0, 2.5), atol,
+                          "token %d" % t)
+
+
+def test_llama4_row(ctx):
+    """TensorRT-LLM's Llama 4 routing: top-k on the logits, then their
+    sigmoid: ids [1, 6], through top-k gating and the router (alpha 0:
+    g is the router logit)."""
+    x = np.array([[20, 30, 17, 0, 1, 2, 25, -1]], np.float32)
+    want = 1.0 / (1.0 + np.exp(-np.array([30.0, 25.0])))
+    w, ids = ctx.topk_gating(x, top_k=2, scoring="raw", weighting="sigmoid_chosen")
+    np.testing.assert_array_equal(ids[0], [1, 6])
+    np.testing.assert_allclose(w[0], want, atol=1e-6)
+    w, ids = ctx.router(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32), top_k=2, alpha=0.0,
+                        router_logits=x, scoring="raw", weighting="sigmoid_chosen")
+    np.testing.assert_array_equal(ids[0], [1, 6])
+    np.testing.assert_allclose(w[0], want, atol=1e-6)
+    # The grounded router's gating options, and their validation.
+    _, ids = ctx.grounded_router(np.ones((1, 4), np.float32), x, np.ones((8, 4), np.float32), top_k=2,
+                                 alpha=0.0, scoring="sqrtsoftplus", weighting="softmax_chosen")
+    np.testing.assert_array_equal(ids[0], [1, 6])
+    with pytest.raises(ValueError):
+        ctx.router(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32), weighting="softmax")
+    with pytest.raises(TypeError):
+        ctx.router(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32), top_k=2, colour="red")

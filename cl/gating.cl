@@ -1,0 +1,683 @@
+/* The gating pipeline (docs/routing.md, section 2, steps 1-5), shared by
+ * top-k gating (cl/topk_gating.cl) and the grounded router
+ * (cl/grounded_router.cl): a row of logits x becomes ids and weights, one
+ * function per step of the spec. Specialised at build time:
+ *   NUM_EXPERTS, TOPK          the shape
+ *   SCORING                    0 softmax, 1 sigmoid, 2 sqrt(softplus), 3 the
+ *                              logit itself (moecl_scoring)
+ *   WEIGHTING                  (absent: 0) what the chosen weigh: 0 their
+ *                              score, 1 a softmax over their logits, 2
+ *                              the sigmoid of their logits (moecl_weighting)
+ *   HAS_BIAS                   correction bias steers selection only
+ *   NUM_GROUPS, TOPK_GROUP     group-limited selection (NUM_GROUPS 0: none)
+ *   GROUP_SCORE                0 max, 1 sum of the top two
+ *   RENORMALIZE                divide the weights by their sum when > 0
+ *   RENORM_FLOOR               (absent: none) divide by max(sum, floor)
+ *   GROUP_FILL                 0 (absent): dropped groups never selected;
+ *                              1: their selection score is 0.0 (below)
+ *   TEAM, ROWS, EPT            launch shape (common.cl)
+ * Two layouts: TEAM == 1, one work-item per row with the row in private
+ * float8 blocks (rows_pipeline); TEAM > 1, the row in the registers of
+ * TEAM work-items, EPT elements each (TEAM_GATING). */
+
+#ifndef SCORING
+#define SCORING 0
+#endif
+#ifndef HAS_BIAS
+#define HAS_BIAS 0
+#endif
+#ifndef RENORMALIZE
+#define RENORMALIZE 0
+#endif
+#ifndef GROUP_SCORE
+#define GROUP_SCORE 0
+#endif
+#ifndef TOPK_GROUP
+#define TOPK_GROUP 0
+#endif
+#ifndef NUM_GROUPS
+#define NUM_GROUPS 0
+#endif
+#ifndef GROUP_FILL
+#define GROUP_FILL 0
+#endif
+#ifndef WEIGHTING
+#define WEIGHTING 0
+#endif
+
+#define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
+
+/* Step 1, the score: softmax takes the row's max over the non-NaN logits
+ * and the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic
+ * makes them (any NaN or +inf logit makes the whole row NaN). Each kernel
+ * computes softmax in its own layout below; the scorings of one logit
+ * are elementwise_score. */
+
+/* sqrt(softplus(x)), softplus(x) = x above 20 and log1p(exp(x)) below
+ * (PyTorch's threshold): NaN stays NaN, -inf gives 0, +inf gives +inf.
+ * Plain exp, not EXP: the bound of section 4 assumes it. */
+static inline float sqrt_softplus(float x)
+{
+    return sqrt(x > 20.0f ? x : log1p(exp(x)));
+}
+
+/* The score of one logit for the elementwise scorings (not softmax):
+ * sigmoid 1 / (1 + exp(-x)), sqrt(softplus(x)), or x itself. */
+static inline float elementwise_score(float x)
+{
+#if SCORING == 2
+    return sqrt_softplus(x);
+#elif SCORING == 3
+    return x;
+#else
+    return 1.0f / (1.0f + EXP(-x));
+#endif
+}
+
+/* Step 2: selection score. */
+static inline float selection_score(float score, __global const float *bias, uint e)
+{
+#if HAS_BIAS
+    return score + bias[e];
+#else
+    return score;
+#endif
+}
+
+/* Step 3: group score, accumulated over a group's selection scores. NaN is
+ * passed over; a group of only NaN scores NaN (which ranks lowest); with
+ * TOP2_SUM a repeated maximum counts twice and a group with one number
+ * scores that number. */
+typedef struct group_acc {
+    float first, second;
+    uint count;
+} group_acc;
+
+static inline void group_acc_init(group_acc *a)
+{
+    a->first = a->second = 0.0f;
+    a->count = 0;
+}
+
+static inline void group_acc_add(group_acc *a, float s)
+{
+    if (isnan(s))
+        return;
+    if (a->count == 0 || s > a->first) {
+        a->second = a->first;
+        a->first = s;
+    } else if (a->count == 1 || s > a->second) {
+        a->second = s;
+    }
+    a->count++;
+}
+
+static inline float group_acc_score(const group_acc *a)
+{
+    if (a->count == 0)
+        return NAN;
+#if GROUP_SCORE == 1
+    return a->count == 1 ? a->first : a->first + a->second;
+#else
+    return a->first;
+#endif
+}
+
+/* Step 3, the fill of dropped groups (GROUP_FILL): their experts' rank is
+ * RANK_NONE (never selected), or with the zero fill that of 0.0, which
+ * ranks above every negative score and NaN and ties the kept 0s. Inactive
+ * and padding entries (RANK_NONE) stay out. */
+#define DROPPED_RANK(rank) (GROUP_FILL == 1 && (rank) != RANK_NONE ? select_rank(0.0f) : RANK_NONE)
+/* The plain fill skips a dropped group's experts; the zero fill without a
+ * bias zeroes their weights (the fill replaced the score). One name each,
+ * so that constant conditions read as one operand. */
+#define SKIPS_DROPPED (NUM_GROUPS > 0 && GROUP_FILL == 0)
+#define ZERO_FILLED_WEIGHTS (NUM_GROUPS > 0 && GROUP_FILL == 1 && !HAS_BIAS && WEIGHTING == 0)
+
+/* Step 5: the divisor of the weights. The sum is taken in index order so
+ * every device and launch shape gives the same bits. A macro because the
+ * weights sit in private memory in one kernel and local in the other.
+ * moecl's rule divides by a sum > 0 only; with RENORM_FLOOR (llama.cpp's
+ * clamp) a sum below the floor divides by the floor. A NaN sum divides
+ * by 1 either way. */
+#ifdef RENORM_FLOOR
+#define RENORM_DIVISOR(s) ((s) >= RENORM_FLOOR ? (s) : isnan(s) ? 1.0f : RENORM_FLOOR)
+#else
+#define RENORM_DIVISOR(s) ((s) > 0.0f ? (s) : 1.0f)
+#endif
+#if RENORMALIZE
+#define WEIGHTS_DIVISOR(out, w, k)                                                                 \
+    do {                                                                                           \
+        float sum_ = 0.0f;                                                                         \
+        for (uint j_ = 0; j_ < (k); j_++)                                                          \
+            sum_ += (w)[j_];                                                                       \
+        (out) = RENORM_DIVISOR(sum_);                                                              \
+    } while (0)
+#else
+#define WEIGHTS_DIVISOR(out, w, k) ((out) = 1.0f)
+#endif
+
+/* Step 5, what the chosen weigh before renormalising (WEIGHTING), on k
+ * values in slot order in private memory: their scores as they are
+ * (WEIGHTING 0); with 1 and 2 they hold the chosen logits and become a
+ * softmax over them (max-subtracted, M the largest non-NaN one, the sum
+ * in slot order: the grounded router's rule, so its bits) or each one's
+ * sigmoid. */
+static inline void chosen_weights_of(float *w, uint k)
+{
+#if WEIGHTING == 1
+    float m = -INFINITY;
+    for (uint j = 0; j < k; j++)
+        m = fmax(m, w[j]);
+    float sum = 0.0f;
+    for (uint j = 0; j < k; j++) {
+        w[j] = exp(w[j] - m);
+        sum += w[j];
+    }
+    for (uint j = 0; j < k; j++)
+        w[j] = w[j] / sum;
+#elif WEIGHTING == 2
+    for (uint j = 0; j < k; j++)
+        w[j] = 1.0f / (1.0f + EXP(-w[j]));
+#else
+    (void)w;
+    (void)k;
+#endif
+}
+
+#if TEAM == 1
+/* The row is processed in blocks of eight experts as float8 vectors, so a
+ * CPU driver runs exp and the comparisons in SIMD registers. The last,
+ * partial block goes through the same vector code (padded), so equal inputs
+ * give equal scores wherever they sit in the row. */
+#define BLOCK LAYOUT_ROWS_BLOCK
+#define BLOCKS LAYOUT_ROWS_BLOCKS(NUM_EXPERTS)
+
+static inline float8 load_bias_block(__global const float *bias, uint e0)
+{
+#if HAS_BIAS
+    if (e0 + BLOCK <= NUM_EXPERTS)
+        return vload8(0, bias + e0);
+    float t[BLOCK];
+    for (uint l = 0; l < BLOCK; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? bias[e0 + l] : 0.0f;
+    return vload8(0, t);
+#else
+    (void)bias;
+    (void)e0;
+    return (float8)(0.0f);
+#endif
+}
+
+/* select_rank of eight selection scores. */
+static inline uint8 select_rank8(float8 s)
+{
+    const uint8 u = as_uint8(s);
+    uint8 r = select(u | 0x80000000u, ~u, as_int8(u) < 0);
+    r = select(r, (uint8)(0x80000000u), s == 0.0f);
+    return select(r, (uint8)(1u), isnan(s));
+}
+
+/* ---- The generic loop: every scoring, bias and grouping. ------------- */
+
+/* The lanes of block b past the row's end. */
+static inline int8 past_end(uint b)
+{
+    return as_int8((uint8)(0, 1, 2, 3, 4, 5, 6, 7) + b * BLOCK >= (uint8)(NUM_EXPERTS));
+}
+
+/* The largest of a block's eight ranks. */
+static inline uint block_max_of(uint8 rank)
+{
+    const uint4 m4 = max(rank.lo, rank.hi);
+    const uint2 m2 = max(m4.lo, m4.hi);
+    return max(m2.x, m2.y);
+}
+
+/* Step 1: the row's scores from its logits (padding lanes 0). Softmax:
+ * the row's max (padding left out), then exp(x - max) once per element,
+ * kept, and their sum (padding adds nothing); the sum's order is fixed,
+ * so the bits are too. */
+static inline void rows_scores(const float8 *logit, float8 *score)
+{
+#if SCORING == 0
+    float8 max8 = (float8)(-INFINITY);
+    for (uint b = 0; b < BLOCKS; b++)
+        max8 = fmax(max8, select(logit[b], (float8)(-INFINITY), past_end(b)));
+    const float row_max = fmax(fmax(fmax(max8.s0, max8.s1), fmax(max8.s2, max8.s3)),
+                               fmax(fmax(max8.s4, max8.s5), fmax(max8.s6, max8.s7)));
+    float8 sum8 = (float8)(0.0f);
+    for (uint b = 0; b < BLOCKS; b++) {
+        score[b] = exp(logit[b] - row_max);
+        sum8 += select(score[b], (float8)(0.0f), past_end(b));
+    }
+    const float row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
+    for (uint b = 0; b < BLOCKS; b++)
+        score[b] = score[b] / row_sum;
+#elif SCORING == 1
+    for (uint b = 0; b < BLOCKS; b++)
+        score[b] = 1.0f / (1.0f + exp(-logit[b]));
+#else
+    for (uint b = 0; b < BLOCKS; b++) {
+        float t[BLOCK];
+        vstore8(logit[b], 0, t);
+        for (uint l = 0; l < BLOCK; l++)
+            t[l] = elementwise_score(t[l]);
+        score[b] = vload8(0, t);
+    }
+#endif
+}
+
+/* Step 2: selection ranks (padding: RANK_NONE), and each block's largest. */
+static inline void rows_selection_ranks(const float8 *score, __global const float *bias, uint8 *rank,
+                                        uint *block_max)
+{
+    for (uint b = 0; b < BLOCKS; b++) {
+        rank[b] = select(select_rank8(score[b] + load_bias_block(bias, b * BLOCK)), (uint8)(RANK_NONE), past_end(b));
+        block_max[b] = block_max_of(rank[b]);
+    }
+}
+
+#if NUM_GROUPS > 0
+/* Step 3: keep the TOPK_GROUP groups of largest group score. Each group's
+ * key goes to group_key[g]; the result is the TOPK_GROUP-th largest key:
+ * keys are unique, so a group is kept exactly when its key is at least
+ * that. */
+static inline ulong rows_group_limit(const float8 *score, __global const float *bias, ulong *group_key)
+{
+    group_acc accs[NUM_GROUPS];
+    for (uint g = 0; g < NUM_GROUPS; g++)
+        group_acc_init(&accs[g]);
+    for (uint b = 0; b < BLOCKS; b++) {
+        float sel[BLOCK];
+        vstore8(score[b] + load_bias_block(bias, b * BLOCK), 0, sel);
+        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++)
+            group_acc_add(&accs[(b * BLOCK + l) / GROUP_SIZE], sel[l]);
+    }
+    for (uint g = 0; g < NUM_GROUPS; g++)
+        group_key[g] = rank_key(group_acc_score(&accs[g]), g);
+    ulong threshold = ~0ul;
+    for (uint r = 0; r < TOPK_GROUP; r++) {
+        ulong next = KEY_NONE;
+        for (uint g = 0; g < NUM_GROUPS; g++)
+            if (group_key[g] < threshold && group_key[g] > next)
+                next = group_key[g];
+        threshold = next;
+    }
+    return threshold;
+}
+
+#if GROUP_FILL == 1
+/* Step 3, zero fill: dropped experts take the rank of 0.0, and without a
+ * bias the score 0.0 (the fill replaces the score, which is then the
+ * selection score); each block's largest rank is taken again. */
+static inline void rows_zero_fill(const ulong *group_key, ulong threshold, float8 *score, uint8 *rank,
+                                  uint *block_max)
+{
+    for (uint b = 0; b < BLOCKS; b++) {
+        uint r[BLOCK];
+        float w[BLOCK];
+        vstore8(rank[b], 0, r);
+        vstore8(score[b], 0, w);
+        for (uint l = 0; l < BLOCK && b * BLOCK + l < NUM_EXPERTS; l++) {
+            if (group_key[(b * BLOCK + l) / GROUP_SIZE] >= threshold)
+                continue;
+            r[l] = DROPPED_RANK(r[l]);
+            w[l] = HAS_BIAS ? w[l] : 0.0f;
+        }
+        rank[b] = vload8(0, r);
+        score[b] = vload8(0, w);
+        block_max[b] = block_max_of(rank[b]);
+    }
+}
+#endif
+#else
+/* A floor for the k-th largest rank: the k-th largest block maximum (k
+ * different blocks hold a rank at least that large). Ranks below it can
+ * never be chosen, so most blocks are skipped whole. */
+static inline uint rows_floor(const uint *block_max)
+{
+    if (BLOCKS < TOPK)
+        return RANK_NONE;
+    uint best[TOPK];
+    for (uint j = 0; j < TOPK; j++)
+        best[j] = RANK_NONE;
+    for (uint b = 0; b < BLOCKS; b++) {
+        uint v = block_max[b];
+        for (uint j = 0; j < TOPK; j++) {
+            const uint hi = max(best[j], v);
+            v = min(best[j], v);
+            best[j] = hi;
+        }
+    }
+    return best[TOPK - 1];
+}
+#endif
+
+/* Step 4: top-k by insertion into a descending list of keys (rank above
+ * the complemented index), with each chosen expert's value (its score,
+ * or its logit for WEIGHTING 1 and 2) as its weight.
+ * A block is looked at lane by lane only when one of its ranks could
+ * still enter: experts come in index order, so an equal rank never beats
+ * the list's last entry. dropped(e): expert e's group is dropped (the
+ * plain fill: never selected). */
+static inline void rows_topk(const float8 *value, const uint8 *rank, const uint *block_max, uint floor_rank,
+                             const ulong *group_key, ulong threshold, ulong *keys, float *weights)
+{
+    for (uint j = 0; j < TOPK; j++) {
+        keys[j] = KEY_NONE;
+        weights[j] = 0.0f;
+    }
+    for (uint b = 0; b < BLOCKS; b++) {
+        const bool full = keys[TOPK - 1] != KEY_NONE;
+        if (block_max[b] < floor_rank || (full && block_max[b] <= (uint)(keys[TOPK - 1] >> 32)))
+            continue;
+        uint r[BLOCK];
+        float w[BLOCK];
+        vstore8(rank[b], 0, r);
+        vstore8(value[b], 0, w);
+        for (uint l = 0; l < BLOCK; l++) {
+            const uint e = b * BLOCK + l;
+            if (r[l] == RANK_NONE || r[l] < floor_rank)
+                continue;
+            if (SKIPS_DROPPED && group_key[e / GROUP_SIZE] < threshold)
+                continue;
+            const ulong key = ((ulong)r[l] << 32) | (ulong)(~e);
+            TOPK_INSERT(keys, weights, TOPK, key, w[l]);
+        }
+    }
+}
+
+/* Step 5: the weighting, renormalise and scale; the row's ids. */
+static inline void rows_final(const ulong *keys, float *weights, float scaling_factor, uint *ids)
+{
+    chosen_weights_of(weights, TOPK);
+    float divisor;
+    WEIGHTS_DIVISOR(divisor, weights, TOPK);
+    for (uint j = 0; j < TOPK; j++) {
+        weights[j] = weights[j] / divisor * scaling_factor;
+        ids[j] = key_index(keys[j]);
+    }
+}
+
+/* Steps 1-5 on a row of logits in private blocks (padding lanes 0): the
+ * row's final weights and ids, in slot order, for the kernel to write. */
+static inline void rows_pipeline(const float8 *logit, __global const float *bias, float scaling_factor,
+                                 float *weights, uint *ids)
+{
+    float8 score[BLOCKS];
+    rows_scores(logit, score);
+    uint8 rank[BLOCKS];
+    uint block_max[BLOCKS];
+    rows_selection_ranks(score, bias, rank, block_max);
+#if NUM_GROUPS > 0
+    ulong group_key[NUM_GROUPS];
+    const ulong threshold = rows_group_limit(score, bias, group_key);
+    const uint floor_rank = RANK_NONE;
+#if GROUP_FILL == 1
+    rows_zero_fill(group_key, threshold, score, rank, block_max);
+#endif
+#else
+    const ulong *group_key = 0;
+    const ulong threshold = 0;
+    const uint floor_rank = rows_floor(block_max);
+#endif
+    ulong keys[TOPK];
+    rows_topk(WEIGHTING == 0 ? score : logit, rank, block_max, floor_rank, group_key, threshold, keys, weights);
+    rows_final(keys, weights, scaling_factor, ids);
+}
+
+#else
+/* GROUP_PARTS: lanes that score one group together (a power of two, so
+ * that a group's parts are neighbouring lanes). */
+#define GROUP_PARTS LAYOUT_GROUP_PARTS(TEAM, NUM_GROUPS)
+
+/* A softmax score exp(x - max) / sum; under NATIVE_MATH sum_term is
+ * 1 / sum and the score e * (1 / sum). */
+static inline float team_softmax_score(float x, float row_max, float sum_term)
+{
+#if NATIVE_MATH
+    return EXP(x - row_max) * sum_term;
+#else
+    return EXP(x - row_max) / sum_term;
+#endif
+}
+
+/* The score of a logit (step 1); for softmax from the row's terms. */
+static inline float team_score(float x, float row_max, float sum_term)
+{
+    return SCORING == 0 ? team_softmax_score(x, row_max, sum_term) : elementwise_score(x);
+}
+
+/* Step 1: what the scores need from the whole row, softmax's max and sum
+ * (sum_term is 1 / sum under NATIVE_MATH); sigmoid needs nothing. The
+ * scores themselves are computed where they are used, from the logits in
+ * value[], which survive every barrier: Intel's CPU runtime (2026.2) loses
+ * a work-item's exp() result held in private memory across a barrier and
+ * hands every work-item the last one's (tests/test_drivers.c,
+ * exp_across_barrier), so no score is kept across one. Every work-item
+ * of the work-group calls (the reductions use barriers). */
+static inline void team_score_terms(const float *value, uint lane, __local float *slots, float *row_max,
+                                    float *sum_term)
+{
+    if (SCORING != 0) {
+        *row_max = 0.0f;
+        *sum_term = 1.0f;
+        return;
+    }
+    float local_max = -INFINITY;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_max = fmax(local_max, value[i]);
+    const float m = team_max_float(local_max, slots, lane);
+    float local_sum = 0.0f;
+    UNROLL
+    for (uint i = 0; i < EPT; i++)
+        if (i * TEAM + lane < NUM_EXPERTS)
+            local_sum += EXP(value[i] - m);
+    const float row_sum = team_sum_float(local_sum, slots, lane);
+    *row_max = m;
+    *sum_term = NATIVE_MATH ? 1.0f / row_sum : row_sum;
+}
+
+/* Step 2: selection ranks; padding and inactive rows get RANK_NONE. With
+ * groups the selection scores also go to the row's local copy for step 3;
+ * inactive rows store NaN (no score) there, so that step 3, which every
+ * row runs for its barriers, reads no unwritten local memory. */
+static inline void team_selection_ranks(const float *value, bool active, uint lane, __global const float *bias,
+                                        float row_max, float sum_term, uint *rank, __local float *selection)
+{
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        rank[i] = RANK_NONE;
+        float s = NAN;
+        if (active && e < NUM_EXPERTS) {
+            s = selection_score(team_score(value[i], row_max, sum_term), bias, e);
+            rank[i] = select_rank(s);
+        }
+        if (NUM_GROUPS > 0 && e < NUM_EXPERTS)
+            selection[e] = s;
+    }
+}
+
+#if NUM_GROUPS > 0
+/* Step 3, the group scores into keys[g] from the row's selection scores.
+ * With GROUP_PARTS > 1, GROUP_PARTS lanes per group each take every
+ * GROUP_PARTS-th element (neighbouring lanes read neighbouring words) and
+ * the group's first lane merges the parts (first/second/count: TEAM
+ * slots); the top two of a group do not depend on the order they are met
+ * in, so this scores as the plain loop does. */
+static inline void team_group_scores(uint lane, __local const float *selection, __local ulong *keys,
+                                     __local float *first, __local float *second, __local uint *count)
+{
+#if GROUP_PARTS > 1
+    const uint g = lane / GROUP_PARTS, part = lane % GROUP_PARTS;
+    group_acc acc;
+    group_acc_init(&acc);
+    if (g < NUM_GROUPS)
+        for (uint e = g * GROUP_SIZE + part; e < (g + 1) * GROUP_SIZE; e += GROUP_PARTS)
+            group_acc_add(&acc, selection[e]);
+    first[lane] = acc.first;
+    second[lane] = acc.second;
+    count[lane] = min(acc.count, 2u);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (part == 0 && g < NUM_GROUPS) {
+        for (uint q = 1; q < GROUP_PARTS; q++) {
+            const uint n = count[lane + q];
+            if (n >= 1)
+                group_acc_add(&acc, first[lane + q]);
+            if (n >= 2)
+                group_acc_add(&acc, second[lane + q]);
+        }
+        keys[g] = rank_key(group_acc_score(&acc), g);
+    }
+#else
+    (void)first;
+    (void)second;
+    (void)count;
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        group_acc acc;
+        group_acc_init(&acc);
+        for (uint e = g * GROUP_SIZE; e < (g + 1) * GROUP_SIZE; e++)
+            group_acc_add(&acc, selection[e]);
+        keys[g] = rank_key(group_acc_score(&acc), g);
+    }
+#endif
+}
+
+/* Step 3: keep the TOPK_GROUP groups of largest score (kept[g]) and give
+ * the experts of the others DROPPED_RANK. Every work-item of the
+ * work-group calls (barriers). */
+static inline void team_group_limit(uint *rank, uint lane, __local const float *selection, __local ulong *keys,
+                                    __local uchar *kept, __local float *first, __local float *second,
+                                    __local uint *count)
+{
+    barrier(CLK_LOCAL_MEM_FENCE);
+    team_group_scores(lane, selection, keys, first, second, count);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint g = lane; g < NUM_GROUPS; g += TEAM) {
+        const ulong mine = keys[g];
+        uint above = 0;
+        for (uint h = 0; h < NUM_GROUPS; h++)
+            above += keys[h] > mine;
+        kept[g] = above < TOPK_GROUP;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        if (e < NUM_EXPERTS && !kept[e / GROUP_SIZE])
+            rank[i] = DROPPED_RANK(rank[i]);
+    }
+}
+#endif
+
+/* Step 5: the chosen logits' scores, which are the weights (scored again
+ * here rather than kept across the barriers, see step 1). A slot no
+ * candidate filled (fewer valid experts than TOPK cannot happen; kept 0
+ * all the same) stays 0. */
+static inline void team_chosen_weights(uint lane, float row_max, float sum_term, __local const uint *ids,
+                                       __local float *weights, __local const uchar *kept)
+{
+    for (uint j = lane; j < TOPK; j += TEAM) {
+        const uint id = ids[j];
+        /* WEIGHTING 1 and 2 weigh the chosen logits: team_write_row. */
+        if (WEIGHTING == 0 && id != 0xffffffffu)
+            weights[j] = team_score(weights[j], row_max, sum_term);
+        /* Zero fill without a bias: the fill replaced a dropped expert's
+         * score, which is its weight. */
+        if (ZERO_FILLED_WEIGHTS && id != 0xffffffffu && !kept[id / GROUP_SIZE])
+            weights[j] = 0.0f;
+    }
+}
+
+/* Step 5, the rest: the weighting, renormalise and scale, into weights[]
+ * (private, the whole row: every lane takes all of it, no barrier until
+ * it is written, see step 1). */
+static inline void team_final_weights(__local const float *chosen, float scaling_factor, float *weights)
+{
+    for (uint j = 0; j < TOPK; j++)
+        weights[j] = chosen[j];
+    chosen_weights_of(weights, TOPK);
+    float divisor;
+    WEIGHTS_DIVISOR(divisor, weights, TOPK);
+    for (uint j = 0; j < TOPK; j++)
+        weights[j] = weights[j] / divisor * scaling_factor;
+}
+
+/* The pipeline's local memory for the ROWS rows of a work-group
+ * (cl/layout.h, LAYOUT_TOPK_TEAM_ROW_BYTES), declared at kernel scope
+ * (OpenCL C allows __local variables only there); each GATE_* macro below
+ * is row r's share. The softmax's slots for the max and sum: none with
+ * shuffles, none for the elementwise scorings (nothing to reduce). */
+#if TEAM_SHUFFLE || SCORING != 0
+#define GATE_FLOAT_SLOTS_DECL
+#define GATE_FLOAT_SLOTS(r) ((__local float *)0)
+#else
+#define GATE_FLOAT_SLOTS_DECL __local float gate_float_slots[ROWS * TEAM];
+#define GATE_FLOAT_SLOTS(r) (gate_float_slots + (r) * TEAM)
+#endif
+#if NUM_GROUPS > 0
+#if GROUP_PARTS > 1
+#define GATE_PARTS_DECL                                                                            \
+    __local float gate_part_first[ROWS * TEAM];                                                    \
+    __local float gate_part_second[ROWS * TEAM];                                                   \
+    __local uint gate_part_count[ROWS * TEAM];
+#define GATE_PARTS(r) gate_part_first + (r) * TEAM, gate_part_second + (r) * TEAM, gate_part_count + (r) * TEAM
+#else
+#define GATE_PARTS_DECL
+#define GATE_PARTS(r) (__local float *)0, (__local float *)0, (__local uint *)0
+#endif
+#define GATE_GROUPS_DECL                                                                           \
+    __local float gate_selection[ROWS * NUM_EXPERTS];                                              \
+    __local ulong gate_group_keys[ROWS * NUM_GROUPS];                                              \
+    __local uchar gate_group_kept[ROWS * NUM_GROUPS];                                              \
+    GATE_PARTS_DECL
+#define GATE_SELECTION(r) (gate_selection + (r) * NUM_EXPERTS)
+#define GATE_KEPT(r) (gate_group_kept + (r) * NUM_GROUPS)
+#else
+#define GATE_GROUPS_DECL
+#define GATE_SELECTION(r) ((__local float *)0)
+#define GATE_KEPT(r) ((__local uchar *)0)
+#endif
+#define TEAM_GATING_LOCALS                                                                         \
+    GATE_FLOAT_SLOTS_DECL                                                                          \
+    GATE_GROUPS_DECL                                                                               \
+    TEAM_TOPK_LOCALS;                                                                              \
+    __local float gate_chosen[ROWS * TOPK];                                                        \
+    __local uint gate_ids[ROWS * TOPK]
+/* Row r's chosen ids after TEAM_GATING (0xffffffff: a slot no candidate
+ * filled, which cannot happen). */
+#define GATE_IDS(r) (gate_ids + (r) * TOPK)
+
+/* Steps 1-5 for row r of the work-group, whose logits are value[EPT] in
+ * the registers of its TEAM lanes (element i * TEAM + lane; the caller
+ * loads them, 0 for padding and inactive rows): GATE_IDS(r) gets the ids
+ * and weights (private float[TOPK]) every lane's copy of the row's final
+ * weights, in slot order; bias is NULL without HAS_BIAS. Every work-item
+ * of the work-group runs it (barriers), active or not; it ends with a
+ * barrier, so GATE_IDS(r) can be read at once. A macro for the kernel
+ * scope locals of TEAM_GATING_LOCALS. */
+#define TEAM_GATING(value, active, lane, r, bias, scaling_factor, weights)                         \
+    do {                                                                                           \
+        float row_max_, sum_term_;                                                                 \
+        team_score_terms(value, lane, GATE_FLOAT_SLOTS(r), &row_max_, &sum_term_);                 \
+        uint rank_[EPT];                                                                           \
+        team_selection_ranks(value, active, lane, bias, row_max_, sum_term_, rank_, GATE_SELECTION(r)); \
+        TEAM_GATING_GROUPS(rank_, lane, r);                                                        \
+        /* Step 4: the top-k of the ranks; gate_chosen gets the chosen logits. */                 \
+        team_topk(rank_, value, TEAM_TOPK_SCRATCH(r), lane, GATE_IDS(r), gate_chosen + (r) * TOPK); \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+        team_chosen_weights(lane, row_max_, sum_term_, GATE_IDS(r), gate_chosen + (r) * TOPK, GATE_KEPT(r)); \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+        team_final_weights(gate_chosen + (r) * TOPK, scaling_factor, weights);                     \
+    } while (0)
+#if NUM_GROUPS > 0
+#define TEAM_GATING_GROUPS(rank, lane, r)                                                          \
+    team_group_limit(rank, lane, GATE_SELECTION(r), gate_group_keys + (r) * NUM_GROUPS, GATE_KEPT(r), GATE_PARTS(r))
+#else
+#define TEAM_GATING_GROUPS(rank, lane, r) ((void)0)
+#endif
+#endif
