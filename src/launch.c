@@ -115,6 +115,11 @@ static const table_entry builtin_table[] = {
      * (bench/RESULTS.md, "Moved from code comments"); 32 is also what the
      * rule computes, so this restates it. */
     {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}}},
+    /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
+     * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
+     * top 8, f32 (bench/RESULTS.md, "The GEMM tile"). */
+    {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
+     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1}}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
      * which restates the rule: moecl-tune found every rows count within
      * noise of the others and the team kernels several times slower
