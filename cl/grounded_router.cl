@@ -14,6 +14,8 @@
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
  *                                       experts, hidden step)
+ *   MT, NT, VEC, DB                     its register block, vector width
+ *                                       and double buffering
  *   TEAM, ROWS, EPT                     shape of the team kernel (common.cl)
  *   ROUTE_DISPATCH, FUSED_WG            the team kernel with moe_align's
  *                                       fused steps after its rows
@@ -27,7 +29,7 @@
  *    gating's team kernel;
  *  - grounded_router_tiled (GPUs, large shapes): a work-group computes a
  *    TM x TN tile of g at a time, streaming the hidden dimension through
- *    local memory in steps of TK, each work-item a 4 x 4 block in
+ *    local memory in steps of TK, each work-item an MT x NT block in
  *    registers; the top-k of each token is merged tile by tile. */
 
 #ifndef KERNEL
@@ -366,35 +368,163 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 /* Tiled: TM tokens x TN experts per step, hidden streamed by TK (GPUs).    */
 /* ---------------------------------------------------------------------- */
 
+/* The GEMM tile, one parameterised source whose parameters moecl-tune
+ * sweeps per device (src/grounded_router.c keeps the table):
+ *   MT x NT   a work-item's register block: rows row_group + i * ROW_GROUPS,
+ *             columns col_group + j * COL_GROUPS, so that neighbouring
+ *             work-items read neighbouring experts of local memory;
+ *   VEC       1, 2 or 4: the width of the global loads and of the local
+ *             reads (the tiles are k-contiguous, one token's or one
+ *             expert's TK values a row, so a vector is VEC hidden indices);
+ *   DB        1: double buffered, the next k-step loaded from global memory
+ *             into registers while the current one is multiplied from
+ *             local memory, two local stages and one barrier a step;
+ *             0: one stage, load, barrier, multiply, barrier.
+ * Each dot product is still one fma chain in ascending hidden order, so
+ * every configuration gives the same bits. */
 #ifndef MT
 #define MT 4 /* rows of a work-item's register block */
 #endif
 #ifndef NT
 #define NT 4 /* columns of a work-item's register block */
 #endif
+#ifndef VEC
+#define VEC 1
+#endif
+#ifndef DB
+#define DB 0
+#endif
+#if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4)
+#error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK"
+#endif
 #define ROW_GROUPS (TM / MT)
 #define COL_GROUPS (TN / NT)
 #define WG_SIZE (ROW_GROUPS * COL_GROUPS)
 #define EXPERT_TILES ((NUM_EXPERTS + TN - 1) / TN)
+#define K_STEPS ((HIDDEN_DIM + TK - 1) / TK)
+#define ROW_VECS (LAYOUT_TILE_ROW(TK, VEC) / VEC) /* a tile row in vectors, padding included */
+#define STEP_VECS (LAYOUT_TILE_STAGE(TM, TN, TK, VEC) / VEC)
+#define HIDDEN_LOADS ((TM * (TK / VEC) + WG_SIZE - 1) / WG_SIZE) /* vectors a work-item loads a step */
+#define GROUND_LOADS ((TN * (TK / VEC) + WG_SIZE - 1) / WG_SIZE)
+
+#if VEC == 4
+typedef float4 vec_t;
+#define VLOAD vload4
+#define DOT_FMA(a, b, c) fma((a).s3, (b).s3, fma((a).s2, (b).s2, fma((a).s1, (b).s1, fma((a).s0, (b).s0, c))))
+#elif VEC == 2
+typedef float2 vec_t;
+#define VLOAD vload2
+#define DOT_FMA(a, b, c) fma((a).s1, (b).s1, fma((a).s0, (b).s0, c))
+#else
+typedef float vec_t;
+#define VLOAD(o, p) (*(p))
+#define DOT_FMA(a, b, c) fma(a, b, c)
+#endif
+
+/* VEC hidden values of row `row` from index k, zeros past HIDDEN_DIM. f32
+ * rows whose offset and length are multiples of VEC take one aligned
+ * vector load (vloadn promises only element alignment, and some compilers
+ * then split it); the rest go element by element. */
+static inline vec_t load_vec(__global const in_t *p, size_t row, uint k, bool aligned)
+{
+    __global const in_t *at = p + row * HIDDEN_DIM + k;
+#if IN_DTYPE == 0
+    if (HIDDEN_DIM % VEC == 0 && k + VEC <= HIDDEN_DIM)
+        return aligned ? *(__global const vec_t *)at : VLOAD(0, at);
+#endif
+    float v[VEC];
+    UNROLL
+    for (uint i = 0; i < VEC; i++)
+        v[i] = k + i < HIDDEN_DIM ? LOAD_IN(at, i) : 0.0f;
+#if VEC == 4
+    return (float4)(v[0], v[1], v[2], v[3]);
+#elif VEC == 2
+    return (float2)(v[0], v[1]);
+#else
+    return v[0];
+#endif
+}
+
+/* One k-step of both tiles from global memory into registers: vector idx
+ * of a tile is row idx / (TK / VEC), hidden index k0 + its rest times VEC;
+ * consecutive work-items take consecutive vectors of a row (contiguous in
+ * memory). Rows past the tokens or the experts repeat the last one (their
+ * sums are never written). */
+static inline void load_step(__global const in_t *hidden, __global const in_t *ground, uint row0, uint expert0,
+                             uint num_tokens, uint k0, uint lid, bool aligned, vec_t *h, vec_t *w)
+{
+    UNROLL
+    for (uint l = 0; l < HIDDEN_LOADS; l++) {
+        const uint idx = lid + l * WG_SIZE;
+        const uint m = idx / (TK / VEC), kv = idx % (TK / VEC);
+        if (idx < TM * (TK / VEC))
+            h[l] = load_vec(hidden, min(row0 + m, num_tokens - 1), k0 + kv * VEC, aligned);
+    }
+    UNROLL
+    for (uint l = 0; l < GROUND_LOADS; l++) {
+        const uint idx = lid + l * WG_SIZE;
+        const uint n = idx / (TK / VEC), kv = idx % (TK / VEC);
+        if (idx < TN * (TK / VEC))
+            w[l] = load_vec(ground, min(expert0 + n, (uint)NUM_EXPERTS - 1), k0 + kv * VEC, aligned);
+    }
+}
+
+/* The registers of load_step into one local stage: tokens' rows first,
+ * then the experts'. */
+static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, const vec_t *w)
+{
+    UNROLL
+    for (uint l = 0; l < HIDDEN_LOADS; l++) {
+        const uint idx = lid + l * WG_SIZE;
+        if (idx < TM * (TK / VEC))
+            stage[idx / (TK / VEC) * ROW_VECS + idx % (TK / VEC)] = h[l];
+    }
+    UNROLL
+    for (uint l = 0; l < GROUND_LOADS; l++) {
+        const uint idx = lid + l * WG_SIZE;
+        if (idx < TN * (TK / VEC))
+            stage[(TM + idx / (TK / VEC)) * ROW_VECS + idx % (TK / VEC)] = w[l];
+    }
+}
+
+/* The register block's products over one local stage. */
+static inline void multiply_step(__local const vec_t *stage, uint row_group, uint col_group, float acc[MT][NT])
+{
+    UNROLL
+    for (uint kv = 0; kv < TK / VEC; kv++) {
+        vec_t b[NT];
+        UNROLL
+        for (uint j = 0; j < NT; j++)
+            b[j] = stage[(TM + col_group + j * COL_GROUPS) * ROW_VECS + kv];
+        UNROLL
+        for (uint i = 0; i < MT; i++) {
+            const vec_t a = stage[(row_group + i * ROW_GROUPS) * ROW_VECS + kv];
+            UNROLL
+            for (uint j = 0; j < NT; j++)
+                acc[i][j] = DOT_FMA(a, b[j], acc[i][j]);
+        }
+    }
+}
 
 __kernel __attribute__((reqd_work_group_size(WG_SIZE, 1, 1))) void
 grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
                       __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
 {
-    /* k-major tiles (+1 column against bank conflicts): a work-item reads
-     * its MT rows and NT columns of one k step from one row of each. The
+    /* The input stages (layout.h: k-contiguous rows padded by VEC floats,
+     * which keeps neighbouring experts' vectors in different banks). The
      * tile of g is only live between the hidden loop and the merge, when
-     * the input tiles are not, so the two share one array. */
-    __local float tile_memory[LAYOUT_TILE_FLOATS(TM, TN, TK)];
+     * the stages are not, so they share one array. */
+    __local vec_t tile_memory[LAYOUT_TILE_FLOATS(TM, TN, TK, VEC, DB) / VEC];
     __local ulong top_keys[LAYOUT_TILE_KEYS(TM, TOPK)];
-#define HIDDEN_TILE(kk, m) tile_memory[(kk) * (TM + 1) + (m)]
-#define GROUND_TILE(kk, n) tile_memory[TK * (TM + 1) + (kk) * (TN + 1) + (n)]
-#define G_AT(m, n) tile_memory[(m) * (TN + 1) + (n)]
+#define G_AT(m, n) ((__local float *)tile_memory)[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
     const uint col_group = lid % COL_GROUPS;
     const uint row_group = lid / COL_GROUPS;
     const uint row0 = get_group_id(0) * TM;
+    /* Whole vectors at vector-aligned addresses (buffers are aligned far
+     * beyond 16 bytes): aligned loads are safe. */
+    const bool aligned = ((hidden_off | ground_off) % VEC) == 0;
     OFFSET_OUTPUTS();
 
     for (uint i = lid; i < TM * TOPK; i += WG_SIZE)
@@ -409,36 +539,31 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             for (uint j = 0; j < NT; j++)
                 acc[i][j] = 0.0f;
 
-        for (uint k0 = 0; k0 < HIDDEN_DIM; k0 += TK) {
-            /* Cooperative loads, consecutive work-items along the hidden
-             * dimension (contiguous in memory); zero past the edges. */
-            for (uint i = lid; i < TM * TK; i += WG_SIZE) {
-                const uint m = i / TK, kk = i % TK;
-                const uint t = row0 + m, k = k0 + kk;
-                HIDDEN_TILE(kk, m) = (t < num_tokens && k < HIDDEN_DIM) ? LOAD_IN(hidden, (size_t)t * HIDDEN_DIM + k) : 0.0f;
-            }
-            for (uint i = lid; i < TN * TK; i += WG_SIZE) {
-                const uint n = i / TK, kk = i % TK;
-                const uint e = expert0 + n, k = k0 + kk;
-                GROUND_TILE(kk, n) = (e < NUM_EXPERTS && k < HIDDEN_DIM) ? LOAD_IN(ground, (size_t)e * HIDDEN_DIM + k) : 0.0f;
-            }
-            barrier(CLK_LOCAL_MEM_FENCE);
-            for (uint kk = 0; kk < TK; kk++) {
-                float a[MT], b[NT];
-                UNROLL
-                for (uint i = 0; i < MT; i++)
-                    a[i] = HIDDEN_TILE(kk, row_group + i * ROW_GROUPS);
-                UNROLL
-                for (uint j = 0; j < NT; j++)
-                    b[j] = GROUND_TILE(kk, col_group + j * COL_GROUPS);
-                UNROLL
-                for (uint i = 0; i < MT; i++)
-                    UNROLL
-                    for (uint j = 0; j < NT; j++)
-                        acc[i][j] = fma(a[i], b[j], acc[i][j]);
-            }
+        vec_t h[HIDDEN_LOADS], w[GROUND_LOADS];
+#if DB
+        load_step(hidden, ground, row0, expert0, num_tokens, 0, lid, aligned, h, w);
+        store_step(tile_memory, lid, h, w);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint s = 0; s < K_STEPS; s++) {
+            __local vec_t *current = tile_memory + (s % 2) * STEP_VECS;
+            if (s + 1 < K_STEPS)
+                load_step(hidden, ground, row0, expert0, num_tokens, (s + 1) * TK, lid, aligned, h, w);
+            multiply_step(current, row_group, col_group, acc);
+            /* The other stage was last read in step s - 1, before the
+             * barrier that ended it. */
+            if (s + 1 < K_STEPS)
+                store_step(tile_memory + ((s + 1) % 2) * STEP_VECS, lid, h, w);
             barrier(CLK_LOCAL_MEM_FENCE);
         }
+#else
+        for (uint s = 0; s < K_STEPS; s++) {
+            load_step(hidden, ground, row0, expert0, num_tokens, s * TK, lid, aligned, h, w);
+            store_step(tile_memory, lid, h, w);
+            barrier(CLK_LOCAL_MEM_FENCE);
+            multiply_step(tile_memory, row_group, col_group, acc);
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+#endif
 
         /* g for this tile into local memory. */
         UNROLL

@@ -79,14 +79,21 @@
 
 /* ---- grounded_router_tiled: TM tokens x TN experts, hidden by TK ------ */
 
-/* k-major input tiles (+1 column each); the tile of g shares their array,
- * since the two are never live together. Then TOPK keys per token. */
-#define LAYOUT_TILE_INPUTS(tm, tn, tk) ((tk) * ((tm) + 1) + (tk) * ((tn) + 1))
+/* A stage holds both input tiles k-contiguous, TM tokens' rows then TN
+ * experts' rows, each padded by VEC floats (a vector), so that neighbouring
+ * rows start in different banks; DB keeps two stages. The tile of g (one
+ * column of padding) shares their array, since the two are never live
+ * together; the array is rounded up to whole vectors. Then TOPK keys per
+ * token. */
+#define LAYOUT_TILE_ROW(tk, vec) ((tk) + (vec))
+#define LAYOUT_TILE_STAGE(tm, tn, tk, vec) (((tm) + (tn)) * LAYOUT_TILE_ROW(tk, vec))
+#define LAYOUT_TILE_INPUTS(tm, tn, tk, vec, db) (((db) ? 2 : 1) * LAYOUT_TILE_STAGE(tm, tn, tk, vec))
 #define LAYOUT_TILE_G(tm, tn) ((tm) * ((tn) + 1))
-#define LAYOUT_TILE_FLOATS(tm, tn, tk) LAYOUT_MAX(LAYOUT_TILE_INPUTS(tm, tn, tk), LAYOUT_TILE_G(tm, tn))
+#define LAYOUT_TILE_FLOATS(tm, tn, tk, vec, db)                                                   \
+    ((LAYOUT_MAX(LAYOUT_TILE_INPUTS(tm, tn, tk, vec, db), LAYOUT_TILE_G(tm, tn)) + (vec) - 1) / (vec) * (vec))
 #define LAYOUT_TILE_KEYS(tm, k) ((tm) * (k))
-#define LAYOUT_GROUNDED_TILED_LOCAL_BYTES(tm, tn, tk, k)                                           \
-    (4 * LAYOUT_TILE_FLOATS(tm, tn, tk) + 8 * LAYOUT_TILE_KEYS(tm, k))
+#define LAYOUT_GROUNDED_TILED_LOCAL_BYTES(tm, tn, tk, vec, db, k)                                  \
+    (4 * LAYOUT_TILE_FLOATS(tm, tn, tk, vec, db) + 8 * LAYOUT_TILE_KEYS(tm, k))
 
 /* ---- grounded_router_rows: TM tokens per work-item ------------------- */
 

@@ -121,7 +121,7 @@ static int path_named(const char *value, const char *const *names, int n)
 /* The launch variables, read once here (every later decision reads the
  * record). MOECL_TEAM: a power of two 2..256 fixes the team size of the
  * top-k gating team kernel (tuning sweeps); anything else is ignored. It
- * and MOECL_GROUNDED_TILE ask for the GPU rule of their op unless
+ * and MOECL_GROUNDED_TILE (128, or one tiled configuration) ask for the GPU rule of their op unless
  * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
  * fused|chunked: moe_align's path whatever the size (one-group and fused
  * still only where the device runs them, src/moe_align.c).
@@ -138,6 +138,13 @@ static void read_launch_env(moecl_launch_env *env)
     env->team = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
     const char *tile = getenv("MOECL_GROUNDED_TILE");
     env->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
+    /* Anything else: one tiled configuration in the tune file's syntax,
+     * "tile=64 tn=128 ..." (ignored when malformed, as a bad tune line is). */
+    char text[256];
+    const int n = tile ? snprintf(text, sizeof(text), "kernel=tiled %s", tile) : 0;
+    if (!tile || env->grounded_wide_tile || n < 0 || (size_t)n >= sizeof(text) ||
+        !moecl_launch_config_parse(text, &env->grounded_tile))
+        env->grounded_tile = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
     /* The paths by name, in their enums' order from 1 (0: chosen). */
     static const char *const align_paths[] = {"one-group", "fused", "chunked"};
     static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
@@ -157,7 +164,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     case MOECL_OP_TOPK_GATING:
         return env->team != 0;
     case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile;
+        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED;
     default:
         return env->align_path != MOECL_ALIGN_AUTO;
     }

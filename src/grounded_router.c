@@ -67,6 +67,7 @@ typedef struct grounded_shape {
     moecl_kernel_kind kind;
     unsigned tm, tn, tk;       /* tiled: tile of tokens x experts x hidden step */
     unsigned mt, nt;           /* tiled: each work-item's register block */
+    unsigned vec, db;          /* tiled: vector width, double buffering */
     unsigned team, rows, ept;  /* team */
     bool shuffle;              /* team: warp shuffles (inline PTX) */
     size_t local;              /* work-group size */
@@ -100,9 +101,9 @@ static size_t gating_extra_local(unsigned team, unsigned rows, unsigned k, unsig
 
 /* Local memory of grounded_router_tiled and grounded_router_team
  * (cl/layout.h). */
-static size_t tiled_local_bytes(unsigned tm, unsigned tn, unsigned tk, unsigned k)
+static size_t tiled_local_bytes(unsigned tm, const moecl_tile_params *p, unsigned k)
 {
-    return moecl_layout_grounded_tiled_local(tm, tn, tk, k);
+    return moecl_layout_grounded_tiled_local(tm, p->tn, p->tk, p->vec, p->db, k);
 }
 
 static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k,
@@ -112,16 +113,48 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
            gating_extra_local(team, rows, k, experts, groups);
 }
 
-/* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
- * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
- * local-memory read) measured slower on the H200 (bench/RESULTS.md,
- * "Moved from code comments"), so
- * only MOECL_GROUNDED_TILE=128 (or a tuned configuration) asks for it.
- * Rows: tokens, register block rows and columns. */
-static const unsigned tile_configs[][3] = {{128, 8, 8}, {64, 4, 4}, {32, 4, 4}, {16, 4, 4}};
+/* The tiled kernel's configurations: the rule's, in the order it tries
+ * them, then the ones only moecl-tune's sweep, a tune file or
+ * MOECL_GROUNDED_TILE asks for. tn 0: the experts rounded up to a power of
+ * two, 16 to 64. The rule starts at 64 tokens with 4 x 4 blocks, the
+ * shape of the kernel before its vector loads and double buffering;
+ * 128 tokens with 8 x 8 blocks measured slower on the H200 in that kernel
+ * (bench/RESULTS.md, "Moved from code comments"), so only
+ * MOECL_GROUNDED_TILE=128 starts the rule there. */
+#define RULE_TILE_CONFIGS 4
+static const moecl_launch_config tile_configs[] = {
+    /* the rule's (MOECL_GROUNDED_TILE=128 starts at the first) */
+    {MOECL_KERNEL_TILED, 1, 0, 128, {0, 16, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {0, 16, 4, 4, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {0, 16, 4, 4, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 16, {0, 16, 4, 4, 4, 1}},
+    /* all 128 experts of a token in one tile: 8 x 8 and 8 x 4 blocks */
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 8, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 4, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 4, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 8, 4, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {128, 16, 8, 8, 4, 1}},
+    /* 64 experts a tile */
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 4, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {64, 16, 8, 8, 4, 0}},
+    /* scalar and pair loads */
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 2, 1}},
+};
 #define NUM_TILE_CONFIGS (sizeof(tile_configs) / sizeof(tile_configs[0]))
 
-/* Experts a tile of the tiled kernel covers. */
+const moecl_launch_config *moecl_grounded_tile_configs(size_t *count)
+{
+    *count = NUM_TILE_CONFIGS;
+    return tile_configs;
+}
+
+/* Experts a tile of the tiled kernel covers where its configuration leaves
+ * it open. */
 static unsigned tile_experts(unsigned experts)
 {
     unsigned tn = 16;
@@ -130,17 +163,31 @@ static unsigned tile_experts(unsigned experts)
     return tn;
 }
 
-/* The tiled kernel with tile_configs[c], if the device can run it. */
-static bool tiled_shape(const moecl_device_info *info, size_t c, unsigned experts, unsigned k, grounded_shape *shape)
+/* The tiled kernel in configuration c (the table's first entry of its
+ * tokens when c leaves the tile open), if the device can run it: a
+ * work-group of at least a work-item per token (the merge takes one each)
+ * within the device's limit, and local memory. */
+static bool tiled_shape(const moecl_device_info *info, const moecl_launch_config *c, unsigned experts, unsigned k,
+                        grounded_shape *shape)
 {
-    const unsigned tm = tile_configs[c][0], mt = tile_configs[c][1], nt = tile_configs[c][2];
-    const unsigned tn = tile_experts(experts), tk = 16;
-    if (mt == 8 && tn < 64)
+    moecl_tile_params p = c->tiled;
+    if (!p.tk) {
+        size_t t = 0;
+        while (t < NUM_TILE_CONFIGS && tile_configs[t].tile != c->tile)
+            t++;
+        if (t == NUM_TILE_CONFIGS)
+            return false;
+        p = tile_configs[t].tiled;
+    }
+    if (!p.tn)
+        p.tn = tile_experts(experts);
+    const unsigned tm = c->tile;
+    if (!p.mt || !p.nt || !p.vec || tm % p.mt || p.tn % p.nt || p.tk % p.vec)
         return false;
-    size_t local = (size_t)(tm / mt) * (tn / nt);
-    if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, tn, tk, k) > moecl_local_budget(info))
+    size_t local = (size_t)(tm / p.mt) * (p.tn / p.nt);
+    if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, &p, k) > moecl_local_budget(info))
         return false;
-    *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, tn, tk, mt, nt, 1, 1, 1, false, local, tm,
+    *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, p.tn, p.tk, p.mt, p.nt, p.vec, p.db, 1, 1, 1, false, local, tm,
                               "grounded_router_tiled"};
     return true;
 }
@@ -157,8 +204,8 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     /* mt, nt: defines every kernel's source expects. */
-    *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, team, rows, ept, shuffle, (size_t)team * rows, rows,
-                              "grounded_router_team"};
+    *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, 1, 0, team, rows, ept, shuffle, (size_t)team * rows,
+                              rows, "grounded_router_team"};
     return true;
 }
 
@@ -167,7 +214,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
 static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
 {
     const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
-    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 1, 1, false, rows, (size_t)rows * tm,
+    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
                             "grounded_router_rows"};
 }
 
@@ -192,10 +239,7 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_TILED:
         if (!mergeable(r))
             return false; /* the other gatings need whole rows of g */
-        for (size_t t = 0; t < NUM_TILE_CONFIGS; t++)
-            if (tile_configs[t][0] == c->tile && tiled_shape(info, t, experts, k, shape))
-                return true;
-        return false;
+        return tiled_shape(info, c, experts, k, shape);
     }
     return false;
 }
@@ -210,11 +254,17 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     /* Two work-items of LAYOUT_GROUNDED_ROWS_TM (32, or 8) tokens: at most 64
      * tokens a work-group, so that both cores of a small CPU get work from
      * 65 tokens on. */
-    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0};
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0, {0}};
+    const moecl_launch_config *env_tile = &info->env.grounded_tile;
+    const bool env_tiled = info->env.grounded_wide_tile || env_tile->kernel == MOECL_KERNEL_TILED;
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
-    if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.grounded_wide_tile || info->env.launch_class_forced))
+    if (info->launch_class == MOECL_LAUNCH_CPU && (!env_tiled || info->env.launch_class_forced))
         return rows_kernel;
     grounded_shape shape;
+    /* One tiled configuration named by MOECL_GROUNDED_TILE, whatever the
+     * shape, where the device runs it. */
+    if (env_tile->kernel == MOECL_KERNEL_TILED && mergeable(r) && tiled_shape(info, env_tile, experts, k, &shape))
+        return *env_tile;
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
      * in local memory. */
     if (experts <= 64) {
@@ -223,15 +273,18 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
             team <<= 1;
         for (unsigned rows = 128 / team; team > 1 && rows >= 1; rows >>= 1)
             if ((rows >= 4 || rows * team >= 64) && team_shape(info, team, rows, hidden, experts, k, groups, &shape))
-                return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
+                return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0, {0}};
     }
     /* The tiled kernel merges a running top-k, right only for mergeable
      * gatings; the others take the plain loops, which hold whole rows. */
     if (!mergeable(r))
         return rows_kernel;
-    for (size_t c = info->env.grounded_wide_tile ? 0 : 1; c < NUM_TILE_CONFIGS; c++)
-        if (tiled_shape(info, c, experts, k, &shape))
-            return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, tile_configs[c][0]};
+    for (size_t c = info->env.grounded_wide_tile ? 0 : 1; c < RULE_TILE_CONFIGS; c++)
+        if (tiled_shape(info, &tile_configs[c], experts, k, &shape)) {
+            moecl_launch_config chosen = tile_configs[c];
+            chosen.tiled.tn = shape.tn; /* written out, as a tune file holds it */
+            return chosen;
+        }
     return rows_kernel; /* a device too small for either still runs the plain loops */
 }
 
@@ -273,7 +326,10 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
              (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0,
              (int)g->scoring, (int)g->weighting);
     /* The rest appended only when set (cl/gating.cl's defaults): the
-     * seed's gating needs none of them. */
+     * seed's gating needs none of them; the tiled kernel's vector width
+     * and double buffering only on its variants. */
+    if (s->kind == MOECL_KERNEL_TILED)
+        append(defines, size, " -DVEC=%u -DDB=%u", s->vec, s->db, 0);
     if (g->num_expert_groups)
         append(defines, size, " -DNUM_GROUPS=%u -DTOPK_GROUP=%u -DGROUP_SCORE=%u", g->num_expert_groups,
                g->topk_group, (unsigned)g->group_score);

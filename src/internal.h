@@ -62,6 +62,36 @@ typedef enum moecl_op {
     MOECL_OP_EP_LAYOUT, /* the plan key keeps 2 bits for the op */
 } moecl_op;
 
+/* The kernel families; the values are the grounded router's KERNEL define. */
+typedef enum moecl_kernel_kind {
+    MOECL_KERNEL_ROWS = 0,
+    MOECL_KERNEL_TEAM = 1,
+    MOECL_KERNEL_TILED = 2,
+} moecl_kernel_kind;
+
+#define MOECL_LAUNCH_MAX_TEAM 256u
+#define MOECL_LAUNCH_MAX_ROWS 4096u
+
+/* The GEMM tile of the grounded router's tiled kernel beside its `tile`
+ * tokens (cl/grounded_router.cl, KERNEL 2): experts a tile, hidden step,
+ * a work-item's register block (rows x columns), the vector width of its
+ * loads (1, 2, 4) and double buffering (0, 1). All zero: the tile table's
+ * first entry for `tile` tokens (src/grounded_router.c). */
+typedef struct moecl_tile_params {
+    unsigned tn, tk, mt, nt, vec, db;
+} moecl_tile_params;
+
+/* A launch configuration. rows: one row (token) per work-item, `rows` of
+ * them a work-group (team 1, tile 0). team: `team` work-items per row (a
+ * power of two >= 2), `rows` rows a work-group. tiled (grounded router
+ * only): `tile` tokens a work-group and the GEMM tile in `tiled` (team 1,
+ * rows 0). */
+typedef struct moecl_launch_config {
+    moecl_kernel_kind kernel;
+    unsigned team, rows, tile;
+    moecl_tile_params tiled;
+} moecl_launch_config;
+
 /* What the environment forces, read once when a context is created
  * (moecl_launch_env_read): tests run both kernels of an op on one device
  * this way, measurements force one path. */
@@ -69,6 +99,10 @@ typedef struct moecl_launch_env {
     bool launch_class_forced;    /* MOECL_LAUNCH_CLASS=cpu|gpu set the class */
     unsigned team;               /* MOECL_TEAM: work-items per row of the top-k team kernel, 0 = chosen */
     bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
+    /* MOECL_GROUNDED_TILE="tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1" (the
+     * tune file's syntax): this tiled configuration where the device runs
+     * it; kernel ROWS when unset. */
+    moecl_launch_config grounded_tile;
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
     moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
     unsigned ep_fused_wg;        /* MOECL_EP_FUSED_WG: the fused layout kernel's work-group, 0 = chosen */
@@ -124,25 +158,6 @@ typedef struct moecl_launch_key {
     uint32_t num_experts, top_k, groups, hidden_bucket;
 } moecl_launch_key;
 
-/* The kernel families; the values are the grounded router's KERNEL define. */
-typedef enum moecl_kernel_kind {
-    MOECL_KERNEL_ROWS = 0,
-    MOECL_KERNEL_TEAM = 1,
-    MOECL_KERNEL_TILED = 2,
-} moecl_kernel_kind;
-
-#define MOECL_LAUNCH_MAX_TEAM 256u
-#define MOECL_LAUNCH_MAX_ROWS 4096u
-
-/* A launch configuration. rows: one row (token) per work-item, `rows` of
- * them a work-group (team 1, tile 0). team: `team` work-items per row (a
- * power of two >= 2), `rows` rows a work-group. tiled (grounded router
- * only): `tile` tokens a work-group, naming a row of the kernel's tile
- * table (team 1, rows 0). */
-typedef struct moecl_launch_config {
-    moecl_kernel_kind kernel;
-    unsigned team, rows, tile;
-} moecl_launch_config;
 
 /* Where a configuration came from, in rising precedence after DEFAULT. */
 typedef enum moecl_launch_source {
@@ -211,6 +226,11 @@ bool moecl_tune_path(const moecl_device_info *info, char *path, size_t size);
 void moecl_tune_load(const moecl_device_info *info, moecl_tune_table *table);
 bool moecl_tune_store(const moecl_device_info *info, const moecl_tune_table *table, const char *comment);
 const moecl_launch_config *moecl_tune_find(const moecl_tune_table *table, const moecl_launch_key *key);
+/* A configuration in the tune file's syntax, moecl_launch_config_text's
+ * ("kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1"; "kernel=tiled
+ * tile=64" alone: the table's entry); false for anything malformed or out
+ * of range. */
+bool moecl_launch_config_parse(const char *text, moecl_launch_config *config);
 /* Add or replace; false when out of memory or full. */
 bool moecl_tune_set(moecl_tune_table *table, const moecl_launch_key *key, const moecl_launch_config *config);
 void moecl_tune_free(moecl_tune_table *table);
@@ -368,6 +388,9 @@ struct moecl_context {
  * its calls launch). */
 moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *desc,
                                              moecl_launch_key *key, moecl_launch_config *config);
+/* The grounded router's tiled configurations, the rule's first (moecl-tune
+ * sweeps them all; tn 0 leaves the experts a tile to the shape). */
+const moecl_launch_config *moecl_grounded_tile_configs(size_t *count);
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                  moecl_launch_key *key, moecl_launch_config *config);
 

@@ -27,8 +27,9 @@ size_t moecl_layout_topk_rows_private(unsigned experts, unsigned k, unsigned gro
 /* grounded_router_team, ept experts a lane. */
 size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned ept, unsigned rows, unsigned k);
 size_t moecl_layout_grounded_team_private(unsigned ept);
-/* grounded_router_tiled: tm tokens x tn experts, hidden steps of tk. */
-size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned k);
+/* grounded_router_tiled: tm tokens x tn experts, hidden steps of tk,
+ * vectors of vec, db: two stages. */
+size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned vec, unsigned db, unsigned k);
 /* grounded_router_rows, tm tokens a work-item. */
 size_t moecl_layout_grounded_rows_private(unsigned tm, unsigned experts, unsigned k);
 

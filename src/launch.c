@@ -21,6 +21,7 @@
  *   topk e=256 k=8 groups=8 kernel=team team=32 rows=4
  *   grounded e=16 k=2 hidden=128 kernel=team team=16 rows=8
  *   grounded e=128 k=8 hidden=4096 kernel=tiled tile=64
+ *   grounded e=128 k=8 hidden=4096 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1
  *
  * A file whose first two lines differ (another device, another format) is
  * ignored whole; a bad entry line is ignored alone; a later line for the
@@ -59,7 +60,9 @@ static bool key_equal(const moecl_launch_key *a, const moecl_launch_key *b)
 
 bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_config *b)
 {
-    return a->kernel == b->kernel && a->team == b->team && a->rows == b->rows && a->tile == b->tile;
+    const moecl_tile_params *p = &a->tiled, *q = &b->tiled;
+    return a->kernel == b->kernel && a->team == b->team && a->rows == b->rows && a->tile == b->tile && p->tn == q->tn &&
+           p->tk == q->tk && p->mt == q->mt && p->nt == q->nt && p->vec == q->vec && p->db == q->db;
 }
 
 const char *moecl_launch_source_name(moecl_launch_source s)
@@ -80,8 +83,12 @@ int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
 int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t size)
 {
     const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_TILED ? kernel_names[c->kernel] : "?";
-    if (c->kernel == MOECL_KERNEL_TILED)
+    const moecl_tile_params *p = &c->tiled;
+    if (c->kernel == MOECL_KERNEL_TILED && !p->tk)
         return snprintf(buf, size, "kernel=tiled tile=%u", c->tile);
+    if (c->kernel == MOECL_KERNEL_TILED)
+        return snprintf(buf, size, "kernel=tiled tile=%u tn=%u tk=%u mt=%u nt=%u vec=%u db=%u", c->tile, p->tn, p->tk,
+                        p->mt, p->nt, p->vec, p->db);
     if (c->kernel == MOECL_KERNEL_TEAM)
         return snprintf(buf, size, "kernel=team team=%u rows=%u", c->team, c->rows);
     return snprintf(buf, size, "kernel=%s rows=%u", kernel, c->rows);
@@ -107,12 +114,17 @@ static const table_entry builtin_table[] = {
      * H200 teams of 8 to 32 came close and smaller ones were slower
      * (bench/RESULTS.md, "Moved from code comments"); 32 is also what the
      * rule computes, so this restates it. */
-    {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0}},
+    {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}}},
+    /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
+     * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
+     * top 8, f32 (bench/RESULTS.md, "The GEMM tile"). */
+    {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
+     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1}}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
      * which restates the rule: moecl-tune found every rows count within
      * noise of the others and the team kernels several times slower
      * (bench/RESULTS.md, "Moved from code comments"). */
-    {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0}},
+    {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0, {0}}},
 };
 
 static bool contains_nocase(const char *haystack, const char *needle)
@@ -217,7 +229,7 @@ moecl_launch_source moecl_launch_resolve(const moecl_context *ctx, const moecl_d
     *config = rule->rule(info, request);
     if (!rule->check(info, config, request, shape)) {
         /* A device whose work-groups hold fewer than the rule's rows. */
-        *config = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 1, 0};
+        *config = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 1, 0, {0}};
         rule->check(info, config, request, shape);
     }
     return moecl_launch_default_source(info, key->op);
@@ -312,13 +324,24 @@ static bool parse_uint(const char *s, uint32_t *out)
     return true;
 }
 
+/* The shape rules of a GEMM tile, before any device check: experts a tile
+ * 16..256, hidden steps 4..64, blocks 1..16, each a power of two; the block
+ * divides the tile, the vector (1, 2 or 4) the hidden step. */
+static bool tile_params_valid(unsigned tile, const moecl_tile_params *p)
+{
+    return moecl_is_pow2(p->tn) && p->tn >= 16 && p->tn <= 256 && moecl_is_pow2(p->tk) && p->tk >= 4 && p->tk <= 64 &&
+           moecl_is_pow2(p->mt) && p->mt <= 16 && tile % p->mt == 0 && moecl_is_pow2(p->nt) && p->nt <= 16 &&
+           p->tn % p->nt == 0 && (p->vec == 1 || p->vec == 2 || p->vec == 4) && p->tk % p->vec == 0 && p->db <= 1;
+}
+
 /* One entry line (NUL-terminated, no newline) into key and config; false
  * for anything malformed or out of range. Only the shape of the
  * configuration is checked here; the device checks come at use. */
 static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *config)
 {
-    enum { F_E, F_K, F_GROUPS, F_HIDDEN, F_TEAM, F_ROWS, F_TILE, F_KERNEL, F_COUNT };
-    static const char *const names[F_COUNT] = {"e", "k", "groups", "hidden", "team", "rows", "tile", "kernel"};
+    enum { F_E, F_K, F_GROUPS, F_HIDDEN, F_TEAM, F_ROWS, F_TILE, F_TN, F_TK, F_MT, F_NT, F_VEC, F_DB, F_KERNEL, F_COUNT };
+    static const char *const names[F_COUNT] = {"e",  "k",  "groups", "hidden", "team", "rows", "tile",
+                                               "tn", "tk", "mt",     "nt",     "vec",  "db",   "kernel"};
     uint32_t value[F_COUNT] = {0};
     bool seen[F_COUNT] = {false};
     char *save = NULL;
@@ -367,7 +390,14 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
             return false;
         *key = moecl_launch_key_grounded(h, e, k);
     }
-    moecl_launch_config c = {(moecl_kernel_kind)value[F_KERNEL], 1, 0, 0};
+    moecl_launch_config c = {(moecl_kernel_kind)value[F_KERNEL], 1, 0, 0, {0}};
+    /* The GEMM tile's fields come all together or not at all (the table's
+     * entry for the tile), and only with the tiled kernel. */
+    unsigned tile_fields = 0;
+    for (int f = F_TN; f <= F_DB; f++)
+        tile_fields += seen[f];
+    if (tile_fields != 0 && (tile_fields != F_DB - F_TN + 1 || c.kernel != MOECL_KERNEL_TILED))
+        return false;
     switch (c.kernel) {
     case MOECL_KERNEL_ROWS:
         if (seen[F_TILE] || (seen[F_TEAM] && value[F_TEAM] != 1))
@@ -382,7 +412,9 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         break;
     case MOECL_KERNEL_TILED:
         c.tile = value[F_TILE];
-        if (topk || seen[F_TEAM] || seen[F_ROWS] || !moecl_is_pow2(c.tile) || c.tile < 16 || c.tile > 128)
+        c.tiled = (moecl_tile_params){value[F_TN], value[F_TK], value[F_MT], value[F_NT], value[F_VEC], value[F_DB]};
+        if (topk || seen[F_TEAM] || seen[F_ROWS] || !moecl_is_pow2(c.tile) || c.tile < 16 || c.tile > 128 ||
+            (tile_fields && !tile_params_valid(c.tile, &c.tiled)))
             return false;
         break;
     }
@@ -390,6 +422,16 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         return false;
     *config = c;
     return true;
+}
+
+bool moecl_launch_config_parse(const char *text, moecl_launch_config *config)
+{
+    /* An entry line of a key under which every configuration is valid, so
+     * that the file, the variable and moecl-tune share one parser. */
+    char line[TUNE_MAX_LINE];
+    moecl_launch_key key;
+    const int n = snprintf(line, sizeof(line), "grounded e=1 k=1 hidden=1 %s", text);
+    return n > 0 && (size_t)n < sizeof(line) && parse_entry(line, &key, config);
 }
 
 /* Split text into lines; the first two must be the magic and this device's

@@ -36,9 +36,9 @@ size_t moecl_layout_grounded_team_local(unsigned hidden, unsigned team, unsigned
 
 size_t moecl_layout_grounded_team_private(unsigned ept) { return LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES((size_t)ept); }
 
-size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned k)
+size_t moecl_layout_grounded_tiled_local(unsigned tm, unsigned tn, unsigned tk, unsigned vec, unsigned db, unsigned k)
 {
-    return LAYOUT_GROUNDED_TILED_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)tk, (size_t)k);
+    return LAYOUT_GROUNDED_TILED_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)tk, (size_t)vec, (size_t)db, (size_t)k);
 }
 
 size_t moecl_layout_grounded_rows_private(unsigned tm, unsigned experts, unsigned k)

@@ -135,7 +135,7 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
 {
     const topk_request *r = request;
     const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
-    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0};
+    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0, {0}};
     /* MOECL_TEAM asks for the team kernel unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.team || info->env.launch_class_forced))
         return rows_kernel;
@@ -146,7 +146,7 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     while (team > 1 && team > info->max_work_group_size)
         team >>= 1;
     if (team == 1)
-        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 64, 0};
+        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 64, 0, {0}};
     unsigned rows = team >= 128 ? 1 : 128 / team;
     while (rows * team > info->max_work_group_size)
         rows >>= 1;
@@ -155,7 +155,7 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
         rows >>= 1;
     if (rows == 0 || team_local_bytes(team, rows, k, experts, r->groups) > budget)
         return rows_kernel; /* too big for local memory: the per-row loops serve every shape */
-    return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
+    return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0, {0}};
 }
 
 static const moecl_launch_rule launch_rule = {rule_config, check_config};

@@ -464,6 +464,41 @@ int main(int argc, char **argv)
             }
             free(options);
         }
+        /* Every tile of the grounded router's table (MOECL_GROUNDED_TILE
+         * names one) in the GPU class, on the first target of each
+         * compiler, one shape each, the dtypes in turn (the tiles differ in
+         * their defines only; the other targets compile the rule's); where
+         * the target's local memory or work-group limit refuses one, the
+         * rule's kernel compiles instead (a repeat, compiled once). */
+        size_t tiles;
+        const moecl_launch_config *tile = moecl_grounded_tile_configs(&tiles);
+        const bool first_of_compiler = ti == 0 || strcmp(targets[ti - 1].compiler, t->compiler) != 0;
+        for (size_t ti2 = 0; first_of_compiler && ti2 < tiles; ti2++) {
+            moecl_device_info info = fabricate(t, &configs[0]);
+            info.env.grounded_tile = tile[ti2];
+            char *options = moecl_build_options(&info);
+            if (!options) {
+                fprintf(stderr, "out of memory\n");
+                return 1;
+            }
+            static const grounded_spec tile_specs[] = {
+                {4096, 256, 8, MOECL_F32, 1}, {203, 130, 8, MOECL_F16, 2}, {4096, 128, 8, MOECL_BF16, 0}};
+            {
+                const grounded_spec *s = &tile_specs[ti2 % (sizeof(tile_specs) / sizeof(tile_specs[0]))];
+                moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 0.5f);
+                d.top_k = s->k;
+                d.hidden_dtype = s->dtype;
+                char defines[512], description[512], text[128];
+                const char *kernel;
+                moecl_grounded_router_defines(&info, &d, s->outputs != 1, s->outputs != 0, s->outputs != 0, defines,
+                                              sizeof(defines), &kernel);
+                moecl_launch_config_text(&tile[ti2], text, sizeof(text));
+                snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s [gpu class, %s]",
+                         s->hidden, s->experts, s->k, dtype_names[s->dtype], text);
+                emit(t, "grounded_router.cl", options, defines, kernel, description);
+            }
+            free(options);
+        }
     }
     if (fclose(manifest) != 0) {
         fprintf(stderr, "portability_variants: cannot write %s: %s\n", path, strerror(errno));

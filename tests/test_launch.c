@@ -78,12 +78,12 @@ static void write_tune_file(const moecl_context *ctx, bool header, const char *b
     free(all);
 }
 
-static moecl_launch_config cfg_rows(unsigned rows) { return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, rows, 0}; }
+static moecl_launch_config cfg_rows(unsigned rows) { return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, rows, 0, {0}}; }
 static moecl_launch_config cfg_team(unsigned team, unsigned rows)
 {
-    return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
+    return (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0, {0}};
 }
-static moecl_launch_config cfg_tiled(unsigned tile) { return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, tile}; }
+static moecl_launch_config cfg_tiled(unsigned tile) { return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, tile, {0}}; }
 
 static void config_text(const moecl_launch_config *c, char *buf, size_t size)
 {
@@ -252,13 +252,14 @@ START_TEST(test_round_trip)
     ck_assert(moecl_tune_set(&table, &kg, &cg));
     ck_assert(moecl_tune_set(&table, &kr, &cr));
     /* Keys no request here asks for, of every kernel kind, survive too. */
-    const moecl_launch_key other[3] = {moecl_launch_key_topk(4096, 64, 64), moecl_launch_key_grounded(3000, 128, 8),
-                                       moecl_launch_key_grounded(65536, 1, 1)};
+    const moecl_launch_key other[4] = {moecl_launch_key_topk(4096, 64, 64), moecl_launch_key_grounded(3000, 128, 8),
+                                       moecl_launch_key_grounded(65536, 1, 1), moecl_launch_key_grounded(7168, 256, 8)};
     ck_assert_uint_eq(other[1].hidden_bucket, 4096);
-    const moecl_launch_config oc[3] = {cfg_team(256, 16), cfg_tiled(128), cfg_rows(4096)};
-    for (int i = 0; i < 3; i++)
+    const moecl_launch_config gemm = {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 4, 2, 0}};
+    const moecl_launch_config oc[4] = {cfg_team(256, 16), cfg_tiled(128), cfg_rows(4096), gemm};
+    for (int i = 0; i < 4; i++)
         ck_assert(moecl_tune_set(&table, &other[i], &oc[i]));
-    ck_assert_uint_eq(table.count, 6);
+    ck_assert_uint_eq(table.count, 7);
     ck_assert(moecl_tune_store(&ctx->info, &table, "a comment\nof two lines"));
 
     /* Loaded back equal. */
@@ -329,6 +330,7 @@ static const struct {
     {true, "  topk   e=256\tk=8 groups=8 kernel=rows rows=16  "}, /* spaces and tabs */
     {true, "grounded e=16 k=2 hidden=128 kernel=team team=8 rows=4\r"}, /* CRLF */
     {true, "grounded e=128 k=8 hidden=4096 kernel=tiled tile=64"},
+    {true, "grounded e=129 k=8 hidden=4096 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1"},
     {true, "topk e=64 k=2 kernel=rows rows=8"}, /* groups defaults to 0 */
     {false, "# a comment"},
     {false, ""},
@@ -366,6 +368,16 @@ static const struct {
     {false, "grounded e=21 k=2 hidden=128 kernel=tiled tile=256"},
     {false, "grounded e=22 k=2 hidden=128 kernel=tiled tile=64 rows=4"},
     {false, "grounded e=23 k=2 hidden=128 kernel=tiled"},              /* tile missing */
+    /* The GEMM tile's fields: all or none, each in range. */
+    {false, "grounded e=24 k=2 hidden=128 kernel=tiled tile=64 tn=128"},
+    {false, "grounded e=25 k=2 hidden=128 kernel=tiled tile=64 tn=96 tk=16 mt=8 nt=8 vec=4 db=1"},
+    {false, "grounded e=26 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=3 db=1"},
+    {false, "grounded e=27 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=2"},
+    {false, "grounded e=28 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=3 nt=8 vec=4 db=1"},
+    {false, "grounded e=29 k=2 hidden=128 kernel=team team=4 rows=2 tn=64 tk=16 mt=4 nt=4 vec=4 db=1"},
+    {false, "grounded e=30 k=2 hidden=128 kernel=tiled tile=16 tn=128 tk=16 mt=32 nt=8 vec=4 db=1"},
+    {false, "grounded e=31 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=2 mt=8 nt=8 vec=1 db=1"},
+    {false, "grounded e=32 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1 db=1"},
     {false, "router e=24 k=2 hidden=128 kernel=rows rows=8"},          /* unknown op */
     {false, "TOPK e=123 k=8 groups=0 kernel=rows rows=8"},
     {false, "topk e=124 k=8 groups=0 kernel=rows rows=8 \x01"},        /* control character */
@@ -671,7 +683,7 @@ START_TEST(test_precedence)
             assert_source(s, MOECL_SOURCE_TUNED, label);
         }
         if (!strcmp(envs[i].name, "MOECL_TEAM")) {
-            const moecl_launch_config team8 = {MOECL_KERNEL_TEAM, 8, got.rows, 0};
+            const moecl_launch_config team8 = {MOECL_KERNEL_TEAM, 8, got.rows, 0, {0}};
             assert_config(&got, &team8, label);
         }
         if (!strcmp(envs[i].value, "cpu")) {
@@ -1054,6 +1066,35 @@ START_TEST(test_configs_correct)
         assert_source(grounded_launch(ctx, &r64, &got), MOECL_SOURCE_FORCED, label);
         check_grounded(ctx, &r64, 400 + i, label);
     }
+    /* Every tile of the table, its GEMM parameters written out, on edges in
+     * all three dimensions: 37 tokens, hidden 203 (odd: no whole vectors at
+     * its end, nor whole hidden steps) and 130 experts (a partial tile of
+     * 128 or 64). Where the device's local memory or work-group limit
+     * refuses a tile the library takes another, which says nothing about
+     * the tile, so it must run at least the rule's 64-token one. */
+    moecl_grounded_router_desc ragged = moecl_grounded_router_desc_init(37, 203, 130, 0.5f);
+    ragged.top_k = 8;
+    size_t tiles;
+    const moecl_launch_config *tile = moecl_grounded_tile_configs(&tiles);
+    unsigned ran = 0;
+    for (size_t i = 0; i < tiles; i++) {
+        moecl_launch_config c = tile[i];
+        if (!c.tiled.tn)
+            c.tiled.tn = 64;
+        char label[160], text[96];
+        config_text(&c, text, sizeof(text));
+        moecl_launch_force(ctx, MOECL_OP_GROUNDED_ROUTER, &c);
+        moecl_launch_config got;
+        snprintf(label, sizeof(label), "grounded 37x203x130 k8 %s", text);
+        if (grounded_launch(ctx, &ragged, &got) != MOECL_SOURCE_FORCED) {
+            ck_assert_msg(i != 1, "%s: the rule's tile does not run", label);
+            continue;
+        }
+        check_grounded(ctx, &ragged, 500 + i, label);
+        ran++;
+    }
+    ck_assert_uint_gt(ran, 0);
+    moecl_launch_force(ctx, MOECL_OP_GROUNDED_ROUTER, NULL);
     moecl_context_destroy(ctx);
 }
 END_TEST

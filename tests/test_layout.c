@@ -203,7 +203,7 @@ static described describe(const char *kernel, const char *d)
         r.private_bytes = LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(D("EPT"));
         r.arrays = 4 + 3;
     } else if (strcmp(kernel, "grounded_router_tiled") == 0) {
-        r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("TOPK"));
+        r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("VEC"), D("DB"), D("TOPK"));
         r.arrays = 2;
     } else if (strcmp(kernel, "grounded_router_rows") == 0) {
         r.private_bytes = LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(D("TM"), D("NUM_EXPERTS"), D("TOPK"));

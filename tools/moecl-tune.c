@@ -68,7 +68,7 @@ typedef struct options {
     const char *device, *only;
     int iterations;
     bool quick, dry_run, all, plan;
-    char *const *child; /* --child: case, kernel, team, rows, tile, best median (us) */
+    char *const *child; /* --child: case, configuration (the tune file's text), best median (us) */
 } options;
 
 typedef struct case_buffers {
@@ -344,24 +344,30 @@ static int candidates(const tune_case *c, bool quick, moecl_launch_config *out, 
     int n = 0;
     for (unsigned team = 1; team <= max_team; team *= step)
         for (unsigned rows = 1; team * rows <= MOECL_LAUNCH_MAX_ROWS && n < max; rows *= step)
-            out[n++] = team == 1 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, rows, 0}
-                                 : (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0};
-    if (c->op == MOECL_OP_GROUNDED_ROUTER)
-        for (unsigned tile = 16; tile <= 128 && n < max; tile *= 2)
-            out[n++] = (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, tile};
+            out[n++] = team == 1 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, rows, 0, {0}}
+                                 : (moecl_launch_config){MOECL_KERNEL_TEAM, team, rows, 0, {0}};
+    if (c->op == MOECL_OP_GROUNDED_ROUTER) {
+        size_t tiles;
+        const moecl_launch_config *tile = moecl_grounded_tile_configs(&tiles);
+        for (size_t i = 0; i < tiles && n < max; i++)
+            out[n++] = tile[i];
+    }
     return n;
 }
 
 static void config_columns(const moecl_launch_config *c, char *buf, size_t size)
 {
-    char team[16] = "-", rows[16] = "-", tile[16] = "-";
+    char team[16] = "-", rows[16] = "-", tile[48] = "-";
+    const moecl_tile_params *p = &c->tiled;
     if (c->kernel == MOECL_KERNEL_TEAM)
         snprintf(team, sizeof(team), "%u", c->team);
     if (c->kernel != MOECL_KERNEL_TILED)
         snprintf(rows, sizeof(rows), "%u", c->rows);
+    else if (p->tk) /* tokens x experts x hidden step, block, vector, double buffering */
+        snprintf(tile, sizeof(tile), "%ux%ux%u/%ux%u/v%u/db%u", c->tile, p->tn, p->tk, p->mt, p->nt, p->vec, p->db);
     else
         snprintf(tile, sizeof(tile), "%u", c->tile);
-    snprintf(buf, size, "%-6s %5s %5s %5s", kernel_names[c->kernel], team, rows, tile);
+    snprintf(buf, size, "%-6s %5s %5s %24s", kernel_names[c->kernel], team, rows, tile);
 }
 
 /* A context on a profiling queue, its tune file set aside: the sweep
@@ -398,15 +404,10 @@ static int run_child(const options *o, const tune_case *cases, int num_cases)
 {
     char *const *a = o->child;
     const int index = atoi(a[0]);
-    int kind = -1;
-    for (int i = 0; i <= MOECL_KERNEL_TILED; i++)
-        if (!strcmp(a[1], kernel_names[i]))
-            kind = i;
-    if (index < 0 || index >= num_cases || kind < 0)
+    moecl_launch_config config;
+    if (index < 0 || index >= num_cases || !moecl_launch_config_parse(a[1], &config))
         return 2;
-    const moecl_launch_config config = {(moecl_kernel_kind)kind, (unsigned)atoi(a[2]), (unsigned)atoi(a[3]),
-                                        (unsigned)atoi(a[4])};
-    const double best_us = atof(a[5]);
+    const double best_us = atof(a[2]);
     const tune_case *c = &cases[index];
     moecl_context *plain, *ctx = profiling_context(o->device, &plain);
     result r;
@@ -533,11 +534,9 @@ static int common_args(const options *o, char **argv, char *iters, size_t iters_
 static void run_in_child(const char *self, const options *o, int index, const moecl_launch_config *config,
                          double best_us, result *r)
 {
-    char idx[16], team[16], rows[16], tile[16], best[32], iters[16];
+    char idx[16], text[128], best[32], iters[16];
     snprintf(idx, sizeof(idx), "%d", index);
-    snprintf(team, sizeof(team), "%u", config->team);
-    snprintf(rows, sizeof(rows), "%u", config->rows);
-    snprintf(tile, sizeof(tile), "%u", config->tile);
+    moecl_launch_config_text(config, text, sizeof(text));
     snprintf(best, sizeof(best), "%.3f", best_us);
     char *argv[16];
     int n = 0;
@@ -545,10 +544,7 @@ static void run_in_child(const char *self, const options *o, int index, const mo
     n += common_args(o, argv + n, iters, sizeof(iters));
     argv[n++] = "--child";
     argv[n++] = idx;
-    argv[n++] = (char *)kernel_names[config->kernel];
-    argv[n++] = team;
-    argv[n++] = rows;
-    argv[n++] = tile;
+    argv[n++] = text;
     argv[n++] = best;
     argv[n] = NULL;
 
@@ -661,9 +657,11 @@ static int run_planner(const options *o, const tune_case *cases, int num_cases)
         plan_shape(ctx, &cases[i], o, &p);
         printf("shape %d %d %u %u %u %u %d %d\n", i, (int)p.key.op, p.key.num_experts, p.key.top_k, p.key.groups,
                p.key.hidden_bucket, (int)p.base_source, p.count);
-        for (int j = 0; j < p.count; j++)
-            printf("config %s %u %u %u\n", kernel_names[p.cand[j].kernel], p.cand[j].team, p.cand[j].rows,
-                   p.cand[j].tile);
+        for (int j = 0; j < p.count; j++) {
+            char text[128];
+            moecl_launch_config_text(&p.cand[j], text, sizeof(text));
+            printf("config %s\n", text);
+        }
     }
     printf("end\n");
     moecl_context_destroy(ctx);
@@ -702,8 +700,9 @@ static bool read_plans(const char *text, moecl_device_info *info, bool *cpu, boo
     plan *p = NULL;
     for (const char *line = text; line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
         int i, op, source, count;
-        unsigned ex, k, groups, hidden, team, rows, tile;
-        char kernel[16];
+        unsigned ex, k, groups, hidden;
+        moecl_launch_config config;
+        char text[128];
         if (sscanf(line, "skip %d", &i) == 1 && i >= 0 && i < num_cases) {
             plans[i].skipped = true;
         } else if (sscanf(line, "shape %d %d %u %u %u %u %d %d", &i, &op, &ex, &k, &groups, &hidden, &source,
@@ -714,12 +713,10 @@ static bool read_plans(const char *text, moecl_device_info *info, bool *cpu, boo
             p->key = (moecl_launch_key){(moecl_op)op, ex, k, groups, hidden};
             p->base_source = (moecl_launch_source)source;
             p->count = 0;
-        } else if (sscanf(line, "config %15s %u %u %u", kernel, &team, &rows, &tile) == 4 && p && p->count < 256) {
-            int kind = 0;
-            for (int j = 0; j <= MOECL_KERNEL_TILED; j++)
-                if (!strcmp(kernel, kernel_names[j]))
-                    kind = j;
-            p->cand[p->count++] = (moecl_launch_config){(moecl_kernel_kind)kind, team, rows, tile};
+        } else if (strncmp(line, "config ", 7) == 0 && p && p->count < 256) {
+            snprintf(text, sizeof(text), "%.*s", (int)strcspn(line + 7, "\n"), line + 7);
+            if (moecl_launch_config_parse(text, &config))
+                p->cand[p->count++] = config;
         }
     }
     return true;
@@ -747,7 +744,7 @@ static outcome tune_shape(const char *self, const plan *p, const tune_case *c, c
     if (!tty)
         fprintf(stderr, "moecl-tune: [%d/%d] %s: %d configurations\n", index, count, shape, n);
     printf("\n%s  (untuned: %s)\n", shape, moecl_launch_source_name(base_source));
-    printf("  %-6s %5s %5s %5s %11s %11s %11s %10s %5s  %s\n", "kernel", "team", "rows", "tile", "median_us", "p10_us",
+    printf("  %-6s %5s %5s %24s %11s %11s %11s %10s %5s  %s\n", "kernel", "team", "rows", "tile", "median_us", "p10_us",
            "p90_us", "vs_untuned", "calls", "check");
     for (int i = 0; i < n; i++) {
         result *r = &res[i];
@@ -886,11 +883,11 @@ static int parse_args(int argc, char **argv, options *o)
             o->plan = true; /* internal: see run_planner */
             break;
         case OPT_CHILD:
-            /* internal: one configuration, the six words after it (see run_child) */
-            if (optind + 6 > argc)
-                return tool_bad_usage(prog, usage, "--child needs six values");
+            /* internal: one configuration, the three words after it (see run_child) */
+            if (optind + 3 > argc)
+                return tool_bad_usage(prog, usage, "--child needs three values");
             o->child = argv + optind;
-            optind += 6;
+            optind += 3;
             break;
         default:
             return 2; /* tool_getopt named it */

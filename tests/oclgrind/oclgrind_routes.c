@@ -190,21 +190,26 @@ typedef struct run_def {
 } run_def;
 
 #define TEAM_RUN(n, rows, one_dtype)                                                               \
-    {"topk-team" #n "-rows" #rows, OP_TOPK, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TEAM, n, rows, 0},      \
+    {"topk-team" #n "-rows" #rows, OP_TOPK, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TEAM, n, rows, 0, {0}}, \
      false, one_dtype}
 #define TILE_RUN(t)                                                                                \
-    {"grounded-tile" #t, OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t},               \
+    {"grounded-tile" #t, OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t, {0}},          \
      true, false}
+/* A tile of the table (src/grounded_router.c) with its GEMM parameters:
+ * tokens, experts, hidden step, block, vector width, double buffering. */
+#define GEMM_RUN(t, tn, tk, mt, nt, vec, db)                                                       \
+    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db, OP_GROUNDED, "gpu", {NULL, NULL}, \
+     true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db}}, true, true}
 #define GTEAM_RUN(n, rows)                                                                         \
     {"grounded-team" #n "-rows" #rows, OP_GROUNDED, "gpu", {NULL, NULL}, true,                              \
-     {MOECL_KERNEL_TEAM, n, rows, 0}, true, false}
+     {MOECL_KERNEL_TEAM, n, rows, 0, {0}}, true, false}
 
 static const run_def runs[] = {
     /* Top-k gating: the rows kernel (fast path and generic loop), the team
      * kernel as the rule sizes it, and at every team
      * size with few rows a work-group (the last group's padding rows). */
-    {"topk-cpu", OP_TOPK, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"topk-gpu", OP_TOPK, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"topk-cpu", OP_TOPK, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"topk-gpu", OP_TOPK, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     TEAM_RUN(2, 4, false),
     TEAM_RUN(4, 4, false),
     TEAM_RUN(8, 2, false),
@@ -215,46 +220,58 @@ static const run_def runs[] = {
     TEAM_RUN(256, 2, true),
     /* The grounded router: rows kernel, the rule's team and tiled kernels,
      * every tile, team sizes. */
-    {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     TILE_RUN(16),
     TILE_RUN(32),
     TILE_RUN(64),
     TILE_RUN(128),
+    GEMM_RUN(64, 128, 16, 8, 8, 4, 1),
+    GEMM_RUN(64, 128, 8, 8, 8, 4, 1),
+    GEMM_RUN(64, 128, 32, 8, 8, 4, 1),
+    GEMM_RUN(64, 128, 16, 8, 4, 4, 1),
+    GEMM_RUN(64, 128, 16, 4, 8, 4, 1),
+    GEMM_RUN(32, 128, 16, 4, 8, 4, 1),
+    GEMM_RUN(32, 128, 16, 8, 4, 4, 1),
+    GEMM_RUN(64, 64, 16, 8, 8, 4, 1),
+    GEMM_RUN(64, 64, 16, 4, 4, 4, 0),
+    GEMM_RUN(128, 64, 16, 8, 8, 4, 0),
+    GEMM_RUN(64, 64, 16, 4, 4, 1, 0),
+    GEMM_RUN(64, 128, 16, 8, 8, 2, 1),
     GTEAM_RUN(2, 4),
     GTEAM_RUN(8, 2),
     GTEAM_RUN(32, 2),
     /* moe_align: every path in both launch classes. */
-    {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-cpu-fused", OP_ALIGN, "cpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-cpu-chunked", OP_ALIGN, "cpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-gpu", OP_ALIGN, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-gpu-fused", OP_ALIGN, "gpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-fused", OP_ALIGN, "cpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-chunked", OP_ALIGN, "cpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu", OP_ALIGN, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-fused", OP_ALIGN, "gpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
-    {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     /* The expert-parallel layout: its default paths (the CPU class's three
      * kernels, the GPU class's fused kernel), the three kernels in the GPU
      * class, and the fused kernel in the CPU class and with its wait off. */
-    {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"ep-gpu-chunked", OP_EP, "gpu", {"MOECL_EP_LAYOUT=chunked", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"ep-cpu-fused", OP_EP, "cpu", {"MOECL_EP_LAYOUT=fused", NULL}, false, {0, 0, 0, 0}, true, false},
-    {"ep-gpu-fused-last", OP_EP, "gpu", {"MOECL_EP_LAYOUT=fused-last", NULL}, false, {0, 0, 0, 0}, true, false},
+    {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-chunked", OP_EP, "gpu", {"MOECL_EP_LAYOUT=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-cpu-fused", OP_EP, "cpu", {"MOECL_EP_LAYOUT=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-fused-last", OP_EP, "gpu", {"MOECL_EP_LAYOUT=fused-last", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_grounded_route_dispatch: the router's rows kernel then
      * moe_align (cpu), its team kernel with the dispatch epilogue (gpu). */
-    {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_router: the grounded router's g through the gating pipeline
      * (cl/gating.cl) with a bias and no router logits: the rows kernel
      * (cpu), the team kernel or, for tables past 64 experts, the rows
      * kernel (gpu). */
-    {"router-cpu", OP_ROUTER, "cpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
-    {"router-gpu", OP_ROUTER, "gpu", {NULL, NULL}, false, {0, 0, 0, 0}, true, false},
+    {"router-cpu", OP_ROUTER, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-gpu", OP_ROUTER, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -272,13 +289,13 @@ static moecl_launch_config expected_launch(const run_def *run, uint32_t experts)
     if (run->forced)
         return run->force;
     if (strcmp(run->launch_class, "cpu") == 0)
-        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0};
+        return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
     if (run->op == OP_TOPK)
-        return experts <= 8 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0}
-                            : (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0};
+        return experts <= 8 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}}
+                            : (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0, {0}};
     if (experts <= 64)
-        return (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0};
-    return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, run->env[0] && strstr(run->env[0], "TILE=128") ? 128 : 0};
+        return (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0, {0}};
+    return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, run->env[0] && strstr(run->env[0], "TILE=128") ? 128 : 0, {0}};
 }
 
 /* The configuration the library chose must be the run's (0: any). */
@@ -651,17 +668,32 @@ static void run_router(moecl_context *ctx, const run_def *run)
 
 static void run_grounded(moecl_context *ctx, const run_def *run)
 {
+    unsigned ran = 0;
     for (size_t i = 0; i < COUNT(grounded_cases); i++) {
         const grounded_case *c = &grounded_cases[i];
         const moecl_launch_config want = expected_launch(run, c->experts);
         /* The 128-token tile needs 64-expert tiles (8 x 8 blocks). */
-        if (want.tile == 128 && (c->experts <= 32 || !c->tile128_fits))
+        if (want.tile == 128 && !want.tiled.tk && (c->experts <= 32 || !c->tile128_fits))
             continue;
         if (want.kernel == MOECL_KERNEL_TEAM && !c->team_fits)
             continue;
+        /* A tile with its GEMM parameters: the cases whose keys and tile
+         * of g fit in local memory (the library says). */
+        if (run->forced && want.tiled.tk) {
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
+            d.top_k = c->top_k;
+            moecl_launch_key key;
+            moecl_launch_config got;
+            if (moecl_grounded_router_launch(ctx, &d, &key, &got) != MOECL_SOURCE_FORCED)
+                continue;
+        }
+        ran++;
         for (int dt = 0; dt < 3; dt++)
-            grounded_one(ctx, run, c, (moecl_dtype)dt);
+            if (!run->one_dtype || (size_t)dt == i % 3)
+                grounded_one(ctx, run, c, (moecl_dtype)dt);
     }
+    if (!ran)
+        fail("%s: no case runs this configuration", run->name);
 }
 
 /* ---- moe_align ---- */
