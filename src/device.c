@@ -125,6 +125,8 @@ static void read_launch_env(moecl_launch_env *env)
     env->team = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
     const char *tile = getenv("MOECL_GROUNDED_TILE");
     env->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
+    const char *grounded = getenv("MOECL_GROUNDED_KERNEL");
+    env->grounded_mma = grounded && strcmp(grounded, "mma") == 0;
     const char *align = getenv("MOECL_ALIGN");
     env->align_path = !align                            ? MOECL_ALIGN_AUTO
                       : strcmp(align, "one-group") == 0 ? MOECL_ALIGN_ONE_GROUP
@@ -141,7 +143,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     case MOECL_OP_TOPK_GATING:
         return env->team != 0;
     case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile;
+        return env->grounded_wide_tile || env->grounded_mma;
     default:
         return env->align_path != MOECL_ALIGN_AUTO;
     }

@@ -38,6 +38,8 @@ moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grou
         return INVALID("alpha is %g; it must be finite", (double)d->alpha);
     if ((unsigned)d->hidden_dtype > MOECL_BF16)
         return INVALID("hidden_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->hidden_dtype);
+    if ((unsigned)d->precision > MOECL_PRECISION_3XTF32)
+        return INVALID("precision is %d; it must be MOECL_PRECISION_FP32, _TF32 or _3XTF32", (int)d->precision);
     return MOECL_SUCCESS;
 #undef INVALID
 }
@@ -52,6 +54,7 @@ typedef struct grounded_shape {
     size_t local;              /* work-group size */
     size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
+    unsigned mma_mi, mma_nt, mma_wm, mma_wn, mma_kw; /* mma: a warp's m16 and n8 tiles, warps, words a k step */
 } grounded_shape;
 
 /* A request: the descriptor, the outputs the call writes, and whether the
@@ -102,7 +105,7 @@ static bool tiled_shape(const moecl_device_info *info, size_t c, unsigned expert
     if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, tn, tk, k) > moecl_local_budget(info))
         return false;
     *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, tn, tk, mt, nt, 1, 1, 1, false, local, tm,
-                              "grounded_router_tiled"};
+                              "grounded_router_tiled", 0, 0, 0, 0, 0};
     return true;
 }
 
@@ -119,8 +122,56 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     /* mt, nt: defines every kernel's source expects. */
     *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, team, rows, ept, shuffle, (size_t)team * rows, rows,
-                              "grounded_router_team"};
+                              "grounded_router_team", 0, 0, 0, 0, 0};
     return true;
+}
+
+/* Whether a request may run on tensor cores: f16 and bf16 always, f32 only
+ * with the opt-in TF32 precisions (FP32 never does); never the dispatch,
+ * which needs the team kernel. */
+static bool mma_wanted(const grounded_request *r)
+{
+    return !r->dispatch && (r->desc->hidden_dtype != MOECL_F32 || r->desc->precision != MOECL_PRECISION_FP32);
+}
+
+/* Whether the device runs the mma instructions themselves: NVIDIA sm_80+
+ * (bf16 and tf32 mma.sync) with inline PTX. Elsewhere the kernel is only
+ * forced (MOECL_GROUNDED_KERNEL=mma) and runs emulated. */
+static bool mma_native(const moecl_device_info *info)
+{
+    return info->ptx && info->nv_compute_major >= 8;
+}
+
+/* grounded_router_mma for the request, if the device can run it: every
+ * expert in one pass, warps of 64 experts (8 n8 tiles), as many warps
+ * along the experts as needed and along the tokens up to 4 warps; each
+ * warp two m16 tiles, then one, with k steps of 16 words, then 8, as local
+ * memory allows. */
+static bool mma_shape(const moecl_device_info *info, const grounded_request *r, grounded_shape *shape)
+{
+    if (!mma_wanted(r))
+        return false;
+    const unsigned experts = r->desc->num_experts;
+    const unsigned nt = experts >= 64 ? 8 : (experts + 7) / 8;
+    const unsigned wn = (experts + 8 * nt - 1) / (8 * nt);
+    const unsigned wm = wn >= 4 ? 1 : 4 / wn;
+    /* Sized for the emulation's scratch too: a PTX build that fails is
+     * redone portable (src/program.c), which emulates. */
+    const bool emulated = true;
+    static const unsigned tries[][2] = {{2, 16}, {2, 8}, {1, 8}};
+    for (size_t i = 0; i < sizeof(tries) / sizeof(tries[0]); i++) {
+        const unsigned mi = tries[i][0], kw = tries[i][1];
+        const unsigned tm = 16 * mi * wm, tn = 8 * nt * wn;
+        const size_t local = (size_t)32 * wm * wn;
+        if (local > info->max_work_group_size ||
+            LAYOUT_GROUNDED_MMA_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)kw, (size_t)wm * wn, emulated) >
+                moecl_local_budget(info))
+            continue;
+        *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 1, 1, false, local, tm,
+                                  "grounded_router_mma", mi, nt, wm, wn, kw};
+        return true;
+    }
+    return false;
 }
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
@@ -128,7 +179,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
 static grounded_shape rows_shape(unsigned rows)
 {
     return (grounded_shape){MOECL_KERNEL_ROWS, 8, 0, 0, 4, 4, 1, 1, 1, false, rows, (size_t)rows * 8,
-                            "grounded_router_rows"};
+                            "grounded_router_rows", 0, 0, 0, 0, 0};
 }
 
 /* The check: whether the device can run configuration c for the request,
@@ -148,6 +199,8 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
                team_shape(info, c->team, c->rows, hidden, experts, k, shape);
+    case MOECL_KERNEL_MMA:
+        return mma_shape(info, r, shape);
     case MOECL_KERNEL_TILED:
         for (size_t t = 0; t < NUM_TILE_CONFIGS; t++)
             if (tile_configs[t][0] == c->tile && tiled_shape(info, t, experts, k, shape))
@@ -164,10 +217,14 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const grounded_request *r = request;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
     const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0};
+    grounded_shape shape;
+    /* Tensor cores where the device has them (or forced): the default for
+     * f16 and bf16 and for the TF32 precisions. */
+    if ((info->env.grounded_mma || mma_native(info)) && mma_shape(info, r, &shape))
+        return (moecl_launch_config){MOECL_KERNEL_MMA, 1, 0, 0};
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.grounded_wide_tile || info->env.launch_class_forced))
         return rows_kernel;
-    grounded_shape shape;
     /* Small expert tables (the seed's 16 x 128): a team per token, the table
      * in local memory. */
     if (experts <= 64) {
@@ -213,6 +270,12 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
              (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0);
     /* Appended only when set, so that the router's own variants keep their
      * defines (and disk-cache entries). */
+    if (s->kind == MOECL_KERNEL_MMA) {
+        const size_t used = strlen(defines);
+        snprintf(defines + used, size > used ? size - used : 0,
+                 " -DPRECISION=%d -DMMA_MI=%u -DMMA_NT=%u -DMMA_WM=%u -DMMA_WN=%u -DMMA_KW=%u", (int)d->precision,
+                 s->mma_mi, s->mma_nt, s->mma_wm, s->mma_wn, s->mma_kw);
+    }
     if (r->dispatch) {
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u",
@@ -267,13 +330,15 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 }
 
 /* Everything the defines depend on, packed: dtype 2 bits, the three
- * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue. */
+ * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue, the
+ * precision 2. */
 static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
 {
     const moecl_grounded_router_desc *d = r->desc;
     const uint64_t a = (uint64_t)d->hidden_dtype | (uint64_t)r->pairs << 2 | (uint64_t)r->weights << 3 |
                        (uint64_t)r->ids << 4 | (uint64_t)d->num_experts << 5 | (uint64_t)d->top_k << 18 |
-                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42;
+                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42 |
+                       (uint64_t)d->precision << 43;
     return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, 0);
 }
 

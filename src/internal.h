@@ -64,6 +64,7 @@ typedef struct moecl_launch_env {
     bool launch_class_forced;    /* MOECL_LAUNCH_CLASS=cpu|gpu set the class */
     unsigned team;               /* MOECL_TEAM: work-items per row of the top-k team kernel, 0 = chosen */
     bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
+    bool grounded_mma;           /* MOECL_GROUNDED_KERNEL=mma: the tensor-core kernel (emulated without PTX) */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
 } moecl_launch_env;
 
@@ -121,6 +122,7 @@ typedef enum moecl_kernel_kind {
     MOECL_KERNEL_ROWS = 0,
     MOECL_KERNEL_TEAM = 1,
     MOECL_KERNEL_TILED = 2,
+    MOECL_KERNEL_MMA = 3, /* the grounded router on tensor cores (cl/router_mma.cl) */
 } moecl_kernel_kind;
 
 #define MOECL_LAUNCH_MAX_TEAM 256u
