@@ -187,15 +187,19 @@ static inline void tf32_split(uint x, uint *hi, uint *lo)
 
 /* Four words of row `row` (of `rows`) at word w of the step at element
  * k0: hidden elements k0 + w EPW .. , zero past the row count and the
- * hidden size. TF32 rounds here, once per element. */
-static inline uint4 mma_load4(__global const in_t *src, uint row, uint rows, uint k0, uint w)
+ * hidden size. TF32 rounds here, once per element. aligned: the rows
+ * start on 16 bytes (then one 16-byte load; vload's alignment is only the
+ * element's, which NVIDIA's compiler splits into element loads). */
+static inline uint4 mma_load4(__global const in_t *src, uint row, uint rows, uint k0, uint w, bool aligned)
 {
     uint4 v = (uint4)(0u);
     const uint k = k0 + w * MMA_EPW;
     if (row >= rows || k >= HIDDEN_DIM)
         return v;
     __global const in_t *p = src + (size_t)row * HIDDEN_DIM;
-    if (k + 4 * MMA_EPW <= HIDDEN_DIM) {
+    if (aligned && k + 4 * MMA_EPW <= HIDDEN_DIM) {
+        v = *(__global const uint4 *)(p + k);
+    } else if (k + 4 * MMA_EPW <= HIDDEN_DIM) {
 #if IN_DTYPE == 0
         v = as_uint4(vload4(0, p + k));
 #else
@@ -220,7 +224,7 @@ static inline uint4 mma_load4(__global const in_t *src, uint row, uint rows, uin
 /* A step's hidden rows (TM) then ground rows (TN) from global memory into
  * registers: vector i of the step is row i / VEC_ROW, words 4 (i % VEC_ROW). */
 static inline void mma_fetch(uint4 staged[MMA_VPT], __global const in_t *hidden, __global const in_t *ground,
-                             uint row0, uint num_tokens, uint k0, uint lid)
+                             uint row0, uint num_tokens, uint k0, uint lid, bool aligned)
 {
     UNROLL
     for (uint v = 0; v < MMA_VPT; v++) {
@@ -229,9 +233,9 @@ static inline void mma_fetch(uint4 staged[MMA_VPT], __global const in_t *hidden,
         if (i >= MMA_VECS)
             staged[v] = (uint4)(0u);
         else if (r < MMA_TM)
-            staged[v] = mma_load4(hidden, row0 + r, num_tokens, k0, w);
+            staged[v] = mma_load4(hidden, row0 + r, num_tokens, k0, w, aligned);
         else
-            staged[v] = mma_load4(ground, r - MMA_TM, NUM_EXPERTS, k0, w);
+            staged[v] = mma_load4(ground, r - MMA_TM, NUM_EXPERTS, k0, w, aligned);
     }
 }
 
@@ -357,6 +361,10 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *emu = emu_all + warp * MMA_EMU_FLOATS;
 #endif
     OFFSET_OUTPUTS();
+    /* Rows of a multiple of 16 bytes from 16-byte aligned bases (the
+     * caller's offsets decide). */
+    const bool aligned = (HIDDEN_DIM * sizeof(in_t)) % 16 == 0 && ((size_t)hidden & 15) == 0 &&
+                         ((size_t)ground & 15) == 0;
 
     float acc[MMA_MI][MMA_NT][4];
     UNROLL
@@ -368,14 +376,14 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
                 acc[i][j][q] = 0.0f;
 
     uint4 staged[MMA_VPT];
-    mma_fetch(staged, hidden, ground, row0, num_tokens, 0, lid);
+    mma_fetch(staged, hidden, ground, row0, num_tokens, 0, lid, aligned);
     mma_stage(staged, stages, lid);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = 0; s < MMA_KSTEPS; s++) {
         __local uint *cur = stages + (s & 1) * (MMA_TM + MMA_TN) * MMA_KS;
         __local uint *next = stages + ((s + 1) & 1) * (MMA_TM + MMA_TN) * MMA_KS;
         if (s + 1 < MMA_KSTEPS)
-            mma_fetch(staged, hidden, ground, row0, num_tokens, (s + 1) * MMA_STEP, lid);
+            mma_fetch(staged, hidden, ground, row0, num_tokens, (s + 1) * MMA_STEP, lid, aligned);
         mma_multiply(acc, cur, wm, wn, g, t MMA_EMU_ARGS);
         if (s + 1 < MMA_KSTEPS)
             mma_stage(staged, next, lid);

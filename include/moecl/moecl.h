@@ -533,7 +533,7 @@ MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl
 /**
  * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
  * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
- * alpha finite, hidden_dtype one of its enum values.
+ * alpha finite, hidden_dtype and precision each one of its enum values.
  */
 /** How the products of hidden @ ground^T are formed when the hidden states
  *  are f32 (docs/routing.md, section 3). f16 and bf16 hidden states ignore
@@ -604,8 +604,8 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  *   topk_ids       int32_t[num_tokens][top_k], or absent
  * At least one output must be given.
  *
- * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), and all
- * three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), a
+ * precision outside its enum, and all three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
  * clSetKernelArg, or that of the enqueue. On any failure nothing is
  * enqueued and no output byte changes.
  */
