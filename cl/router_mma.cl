@@ -16,10 +16,11 @@
  * A work-group of MMA_WM x MMA_WN warps computes TM = 16 MMA_MI MMA_WM
  * tokens by TN = 8 MMA_NT MMA_WN >= NUM_EXPERTS experts in one pass, so a
  * token's row of g is whole in local memory at the end. The hidden
- * dimension is streamed through two local stages (loads of the next step
- * into registers while the current one is multiplied, one barrier a
- * step). Local memory holds 32-bit words: two f16/bf16 elements, or one
- * f32; then the fragment of every lane is the same word pattern for
+ * dimension is streamed through two local stages, with the global loads
+ * of the next two steps in registers while the current one is multiplied
+ * (one barrier a step). Local memory holds 32-bit words: two f16/bf16
+ * elements, or one f32; then the fragment of every lane is the same word
+ * pattern for
  * m16n8k16 (16-bit) and m16n8k8 (tf32). */
 
 #if KERNEL == 3
@@ -305,6 +306,21 @@ static inline void mma_multiply(float acc[MMA_MI][MMA_NT][4], __local const uint
     }
 }
 
+/* Step s of the hidden loop: multiply the stage cur; stage step s + 1
+ * (in r) into next; fetch step s + 3 into r. */
+static inline void mma_step(float acc[MMA_MI][MMA_NT][4], __local const uint *cur, __local uint *next,
+                            uint4 r[MMA_VPT], uint s, __global const in_t *hidden, __global const in_t *ground,
+                            uint row0, uint num_tokens, bool aligned, uint lid, uint wm, uint wn, uint g,
+                            uint t MMA_EMU_PARAMS)
+{
+    mma_multiply(acc, cur, wm, wn, g, t MMA_EMU_ARGS);
+    if (s + 1 < MMA_KSTEPS)
+        mma_stage(r, next, lid);
+    if (s + 3 < MMA_KSTEPS)
+        mma_fetch(r, hidden, ground, row0, num_tokens, (s + 3) * MMA_STEP, lid, aligned);
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
 /* g = logits + alpha * dot of the warp's accumulators into the g rows
  * (c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8). */
 static inline void mma_store_g(const float acc[MMA_MI][MMA_NT][4], __local float *g_rows, __global const float *logits,
@@ -375,19 +391,25 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
             for (uint q = 0; q < 4; q++)
                 acc[i][j][q] = 0.0f;
 
-    uint4 staged[MMA_VPT];
-    mma_fetch(staged, hidden, ground, row0, num_tokens, 0, lid, aligned);
-    mma_stage(staged, stages, lid);
+    /* Two steps in flight from global memory: registers r0 and r1 take
+     * the even and odd steps, and at step s the one holding step s + 1 is
+     * staged into the local stage free since step s - 1, then reloaded
+     * with step s + 3. The loop goes two steps at a time so that neither
+     * set of registers is indexed at run time. */
+    uint4 r0[MMA_VPT], r1[MMA_VPT];
+    __local uint *const l0 = stages, *const l1 = stages + (MMA_TM + MMA_TN) * MMA_KS;
+    mma_fetch(r0, hidden, ground, row0, num_tokens, 0, lid, aligned);
+    mma_stage(r0, l0, lid);
+    if (MMA_KSTEPS > 1)
+        mma_fetch(r1, hidden, ground, row0, num_tokens, MMA_STEP, lid, aligned);
+    if (MMA_KSTEPS > 2)
+        mma_fetch(r0, hidden, ground, row0, num_tokens, 2 * MMA_STEP, lid, aligned);
     barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint s = 0; s < MMA_KSTEPS; s++) {
-        __local uint *cur = stages + (s & 1) * (MMA_TM + MMA_TN) * MMA_KS;
-        __local uint *next = stages + ((s + 1) & 1) * (MMA_TM + MMA_TN) * MMA_KS;
+    for (uint s = 0; s < MMA_KSTEPS; s += 2) {
+        mma_step(acc, l0, l1, r1, s, hidden, ground, row0, num_tokens, aligned, lid, wm, wn, g, t MMA_EMU_ARGS);
         if (s + 1 < MMA_KSTEPS)
-            mma_fetch(staged, hidden, ground, row0, num_tokens, (s + 1) * MMA_STEP, lid, aligned);
-        mma_multiply(acc, cur, wm, wn, g, t MMA_EMU_ARGS);
-        if (s + 1 < MMA_KSTEPS)
-            mma_stage(staged, next, lid);
-        barrier(CLK_LOCAL_MEM_FENCE);
+            mma_step(acc, l1, l0, r0, s + 1, hidden, ground, row0, num_tokens, aligned, lid, wm, wn, g,
+                     t MMA_EMU_ARGS);
     }
 
     __local float *g_rows = (__local float *)stages;

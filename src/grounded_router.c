@@ -144,9 +144,11 @@ static bool mma_native(const moecl_device_info *info)
 
 /* grounded_router_mma for the request, if the device can run it: every
  * expert in one pass, warps of 64 experts (8 n8 tiles), as many warps
- * along the experts as needed and along the tokens up to 4 warps; each
- * warp two m16 tiles, then one, with k steps of 16 words, then 8, as local
- * memory allows. */
+ * along the experts as needed and along the tokens up to 8 warps in all;
+ * each warp two m16 tiles, then one, with k steps of 16 words, then 8, as
+ * local memory allows. Many tokens a work-group, because each work-group
+ * reads the whole ground table: at 16384 x 4096 x 128 bf16, 128 tokens a
+ * work-group read as many ground bytes as hidden ones. */
 static bool mma_shape(const moecl_device_info *info, const grounded_request *r, grounded_shape *shape)
 {
     if (!mma_wanted(r))
@@ -154,21 +156,20 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
     const unsigned experts = r->desc->num_experts;
     const unsigned nt = experts >= 64 ? 8 : (experts + 7) / 8;
     const unsigned wn = (experts + 8 * nt - 1) / (8 * nt);
-    const unsigned wm = wn >= 4 ? 1 : 4 / wn;
-    /* Sized for the emulation's scratch too: a PTX build that fails is
-     * redone portable (src/program.c), which emulates. */
-    const bool emulated = true;
-    static const unsigned tries[][2] = {{2, 16}, {2, 8}, {1, 8}};
+    const unsigned wm = wn >= 8 ? 1 : 8 / wn;
+    /* The emulation's scratch where the device has no mma.sync. */
+    const bool emulated = !mma_native(info);
+    static const unsigned tries[][3] = {{1, 2, 16}, {1, 2, 8}, {1, 1, 16}, {1, 1, 8}, {2, 1, 8}, {4, 1, 8}};
     for (size_t i = 0; i < sizeof(tries) / sizeof(tries[0]); i++) {
-        const unsigned mi = tries[i][0], kw = tries[i][1];
-        const unsigned tm = 16 * mi * wm, tn = 8 * nt * wn;
-        const size_t local = (size_t)32 * wm * wn;
+        const unsigned w = wm / tries[i][0] ? wm / tries[i][0] : 1, mi = tries[i][1], kw = tries[i][2];
+        const unsigned tm = 16 * mi * w, tn = 8 * nt * wn;
+        const size_t local = (size_t)32 * w * wn;
         if (local > info->max_work_group_size ||
-            LAYOUT_GROUNDED_MMA_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)kw, (size_t)wm * wn, emulated) >
+            LAYOUT_GROUNDED_MMA_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)kw, (size_t)w * wn, emulated) >
                 moecl_local_budget(info))
             continue;
         *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 1, 1, false, local, tm,
-                                  "grounded_router_mma", mi, nt, wm, wn, kw};
+                                  "grounded_router_mma", mi, nt, w, wn, kw};
         return true;
     }
     return false;
