@@ -307,19 +307,19 @@ static inline void mma_multiply(float acc[MMA_MI][MMA_NT][4], __local const uint
 }
 
 /* Step s of the hidden loop: multiply the stage cur; stage step s + 1
- * (in r) into next; fetch step s + 3 into r. */
-static inline void mma_step(float acc[MMA_MI][MMA_NT][4], __local const uint *cur, __local uint *next,
-                            uint4 r[MMA_VPT], uint s, __global const in_t *hidden, __global const in_t *ground,
-                            uint row0, uint num_tokens, bool aligned, uint lid, uint wm, uint wn, uint g,
-                            uint t MMA_EMU_PARAMS)
-{
-    mma_multiply(acc, cur, wm, wn, g, t MMA_EMU_ARGS);
-    if (s + 1 < MMA_KSTEPS)
-        mma_stage(r, next, lid);
-    if (s + 3 < MMA_KSTEPS)
-        mma_fetch(r, hidden, ground, row0, num_tokens, (s + 3) * MMA_STEP, lid, aligned);
-    barrier(CLK_LOCAL_MEM_FENCE);
-}
+ * (in the registers r) into next; fetch step s + 3 into r. A macro: as a
+ * function taking r, Intel's CPU runtime gave wrong 3xTF32 results
+ * (emulated, bench/RESULTS.md) where pocl and oclgrind agreed with the
+ * reference. */
+#define MMA_STEP_AT(cur, next, r, s)                                                               \
+    do {                                                                                           \
+        mma_multiply(acc, cur, wm, wn, g, t MMA_EMU_ARGS);                                         \
+        if ((s) + 1 < MMA_KSTEPS)                                                                  \
+            mma_stage(r, next, lid);                                                               \
+        if ((s) + 3 < MMA_KSTEPS)                                                                  \
+            mma_fetch(r, hidden, ground, row0, num_tokens, ((s) + 3) * MMA_STEP, lid, aligned);    \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                              \
+    } while (0)
 
 /* g = logits + alpha * dot of the warp's accumulators into the g rows
  * (c0, c1: row g, columns 2t, 2t+1; c2, c3: row g + 8). */
@@ -406,10 +406,9 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
         mma_fetch(r0, hidden, ground, row0, num_tokens, 2 * MMA_STEP, lid, aligned);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = 0; s < MMA_KSTEPS; s += 2) {
-        mma_step(acc, l0, l1, r1, s, hidden, ground, row0, num_tokens, aligned, lid, wm, wn, g, t MMA_EMU_ARGS);
+        MMA_STEP_AT(l0, l1, r1, s);
         if (s + 1 < MMA_KSTEPS)
-            mma_step(acc, l1, l0, r0, s + 1, hidden, ground, row0, num_tokens, aligned, lid, wm, wn, g,
-                     t MMA_EMU_ARGS);
+            MMA_STEP_AT(l1, l0, r0, s + 1);
     }
 
     __local float *g_rows = (__local float *)stages;
