@@ -123,6 +123,16 @@
      : LAYOUT_GROUNDED_ROWS_FITS(2, experts, k) ? 2                                                \
                                                 : 1)
 
+/* ---- grounded_router_mma: TM tokens x TN experts, kw words a k step --- */
+
+/* Two stages of TM hidden and TN ground rows of kw words (+4 against bank
+ * conflicts), which after the hidden loop hold the g rows (TN + 1 floats a
+ * row); the emulation (MMA_EMULATE) adds a warp's A and B as floats. */
+#define LAYOUT_MMA_WORDS(tm, tn, kw) LAYOUT_MAX(2 * ((tm) + (tn)) * ((kw) + 4), (tm) * ((tn) + 1))
+#define LAYOUT_MMA_EMU_FLOATS (16 * 16 + 16 * 8)
+#define LAYOUT_GROUNDED_MMA_LOCAL_BYTES(tm, tn, kw, warps, emulated)                               \
+    (4 * LAYOUT_MMA_WORDS(tm, tn, kw) + ((emulated) ? 4 * (warps) * LAYOUT_MMA_EMU_FLOATS : 0))
+
 /* ---- moe_align ------------------------------------------------------- */
 
 /* Arrays sized at launch (__local kernel arguments): count, scan and

@@ -154,6 +154,8 @@ static void read_launch_env(moecl_launch_env *env)
     const unsigned long w = wg ? strtoul(wg, NULL, 10) : 0, g = groups ? strtoul(groups, NULL, 10) : 0;
     env->ep_fused_wg = w >= 32 && w <= 1024 && (w & (w - 1)) == 0 ? (unsigned)w : 0;
     env->ep_fused_groups = g >= 1 && g <= 127 ? (unsigned)g : 0;
+    const char *grounded = getenv("MOECL_GROUNDED_KERNEL");
+    env->grounded_mma = grounded && strcmp(grounded, "mma") == 0;
 }
 
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
@@ -164,7 +166,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     case MOECL_OP_TOPK_GATING:
         return env->team != 0;
     case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED;
+        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED || env->grounded_mma;
     default:
         return env->align_path != MOECL_ALIGN_AUTO;
     }

@@ -73,6 +73,7 @@ typedef struct grounded_shape {
     size_t local;              /* work-group size */
     size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
+    unsigned mma_mi, mma_nt, mma_wm, mma_wn, mma_kw; /* mma: a warp's m16 and n8 tiles, warps, words a k step */
 } grounded_shape;
 
 /* A request: the descriptor, the outputs the call writes, and whether the
@@ -188,7 +189,7 @@ static bool tiled_shape(const moecl_device_info *info, const moecl_launch_config
     if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, &p, k) > moecl_local_budget(info))
         return false;
     *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, p.tn, p.tk, p.mt, p.nt, p.vec, p.db, 1, 1, 1, false, local, tm,
-                              "grounded_router_tiled"};
+                              "grounded_router_tiled", 0, 0, 0, 0, 0};
     return true;
 }
 
@@ -205,8 +206,58 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     /* mt, nt: defines every kernel's source expects. */
     *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, 1, 0, team, rows, ept, shuffle, (size_t)team * rows,
-                              rows, "grounded_router_team"};
+                              rows, "grounded_router_team", 0, 0, 0, 0, 0};
     return true;
+}
+
+/* Whether a request may run on tensor cores: f16 and bf16 always, f32 only
+ * with the opt-in TF32 precisions (FP32 never does); never the dispatch,
+ * which needs the team kernel. */
+static bool mma_wanted(const grounded_request *r)
+{
+    return !r->dispatch && mergeable(r) &&
+           (r->desc->hidden_dtype != MOECL_F32 || r->desc->precision != MOECL_PRECISION_FP32);
+}
+
+/* Whether the device runs the mma instructions themselves: NVIDIA sm_80+
+ * (bf16 and tf32 mma.sync) with inline PTX. Elsewhere the kernel is only
+ * forced (MOECL_GROUNDED_KERNEL=mma) and runs emulated. */
+static bool mma_native(const moecl_device_info *info)
+{
+    return info->ptx && info->nv_compute_major >= 8;
+}
+
+/* grounded_router_mma for the request, if the device can run it: every
+ * expert in one pass, warps of 64 experts (8 n8 tiles), as many warps
+ * along the experts as needed and along the tokens up to 8 warps in all;
+ * each warp two m16 tiles, then one, with k steps of 16 words, then 8, as
+ * local memory allows. Many tokens a work-group, because each work-group
+ * reads the whole ground table: at 16384 x 4096 x 128 bf16, 128 tokens a
+ * work-group read as many ground bytes as hidden ones. */
+static bool mma_shape(const moecl_device_info *info, const grounded_request *r, grounded_shape *shape)
+{
+    if (!mma_wanted(r))
+        return false;
+    const unsigned experts = r->desc->num_experts;
+    const unsigned nt = experts >= 64 ? 8 : (experts + 7) / 8;
+    const unsigned wn = (experts + 8 * nt - 1) / (8 * nt);
+    const unsigned wm = wn >= 8 ? 1 : 8 / wn;
+    /* The emulation's scratch where the device has no mma.sync. */
+    const bool emulated = !mma_native(info);
+    static const unsigned tries[][3] = {{1, 2, 16}, {1, 2, 8}, {1, 1, 16}, {1, 1, 8}, {2, 1, 8}, {4, 1, 8}};
+    for (size_t i = 0; i < sizeof(tries) / sizeof(tries[0]); i++) {
+        const unsigned w = wm / tries[i][0] ? wm / tries[i][0] : 1, mi = tries[i][1], kw = tries[i][2];
+        const unsigned tm = 16 * mi * w, tn = 8 * nt * wn;
+        const size_t local = (size_t)32 * w * wn;
+        if (local > info->max_work_group_size ||
+            LAYOUT_GROUNDED_MMA_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)kw, (size_t)w * wn, emulated) >
+                moecl_local_budget(info))
+            continue;
+        *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 0, 1, 1, 1, false, local, tm,
+                                  "grounded_router_mma", mi, nt, w, wn, kw};
+        return true;
+    }
+    return false;
 }
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
@@ -215,7 +266,7 @@ static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
 {
     const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
     return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
-                            "grounded_router_rows"};
+                            "grounded_router_rows", 0, 0, 0, 0, 0};
 }
 
 /* The check: whether the device can run configuration c for the request,
@@ -236,6 +287,8 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
                team_shape(info, c->team, c->rows, hidden, experts, k, groups, shape);
+    case MOECL_KERNEL_MMA:
+        return mma_shape(info, r, shape);
     case MOECL_KERNEL_TILED:
         if (!mergeable(r))
             return false; /* the other gatings need whole rows of g */
@@ -257,10 +310,14 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0, {0}};
     const moecl_launch_config *env_tile = &info->env.grounded_tile;
     const bool env_tiled = info->env.grounded_wide_tile || env_tile->kernel == MOECL_KERNEL_TILED;
+    grounded_shape shape;
+    /* Tensor cores where the device has them (or forced): the default for
+     * f16 and bf16 and for the TF32 precisions, with the seed's gating. */
+    if ((info->env.grounded_mma || mma_native(info)) && mma_shape(info, r, &shape))
+        return (moecl_launch_config){MOECL_KERNEL_MMA, 1, 0, 0, {0}};
     /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!env_tiled || info->env.launch_class_forced))
         return rows_kernel;
-    grounded_shape shape;
     /* One tiled configuration named by MOECL_GROUNDED_TILE, whatever the
      * shape, where the device runs it. */
     if (env_tile->kernel == MOECL_KERNEL_TILED && mergeable(r) && tiled_shape(info, env_tile, experts, k, &shape))
@@ -346,6 +403,10 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
         const size_t used = strlen(defines);
         snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af", (double)g->renormalize_floor);
     }
+    if (s->kind == MOECL_KERNEL_MMA) {
+        append(defines, size, " -DPRECISION=%u -DMMA_MI=%u -DMMA_NT=%u", (unsigned)d->precision, s->mma_mi, s->mma_nt);
+        append(defines, size, " -DMMA_WM=%u -DMMA_WN=%u -DMMA_KW=%u", s->mma_wm, s->mma_wn, s->mma_kw);
+    }
     if (r->dispatch)
         append(defines, size, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u", s->team * s->rows, 0, 0);
 }
@@ -410,9 +471,9 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 /* Everything the defines depend on, packed: dtype 2 bits, the three
  * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue, then
  * the gating: scoring 2, weighting 2, group score, zero fill,
- * renormalize, bias, absent logits; in the second word groups 13 and
- * topk_group 13 (bits 0-25) and the floor's bits (32-63). The scaling
- * factor is a kernel argument. */
+ * renormalize, bias, absent logits, then the precision 2 (bits 52-53);
+ * in the second word groups 13 and topk_group 13 (bits 0-25) and the
+ * floor's bits (32-63). The scaling factor is a kernel argument. */
 static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
 {
     const moecl_grounded_router_desc *d = r->desc;
@@ -423,7 +484,8 @@ static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r
                        (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42 | (uint64_t)g->scoring << 43 |
                        (uint64_t)g->weighting << 45 | (uint64_t)(groups ? g->group_score : 0) << 47 |
                        (uint64_t)(groups && g->group_fill == MOECL_GROUP_FILL_ZERO) << 48 |
-                       (uint64_t)g->renormalize << 49 | (uint64_t)r->has_bias << 50 | (uint64_t)r->no_logits << 51;
+                       (uint64_t)g->renormalize << 49 | (uint64_t)r->has_bias << 50 | (uint64_t)r->no_logits << 51 |
+                       (uint64_t)d->precision << 52;
     uint32_t floor_bits = 0;
     if (g->renormalize && g->renormalize_floor > 0.0f)
         memcpy(&floor_bits, &g->renormalize_floor, 4);

@@ -67,6 +67,7 @@ typedef enum moecl_kernel_kind {
     MOECL_KERNEL_ROWS = 0,
     MOECL_KERNEL_TEAM = 1,
     MOECL_KERNEL_TILED = 2,
+    MOECL_KERNEL_MMA = 3, /* the grounded router on tensor cores (cl/router_mma.cl) */
 } moecl_kernel_kind;
 
 #define MOECL_LAUNCH_MAX_TEAM 256u
@@ -103,6 +104,7 @@ typedef struct moecl_launch_env {
      * tune file's syntax): this tiled configuration where the device runs
      * it; kernel ROWS when unset. */
     moecl_launch_config grounded_tile;
+    bool grounded_mma;           /* MOECL_GROUNDED_KERNEL=mma: the tensor-core kernel (emulated without PTX) */
     moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
     moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
     unsigned ep_fused_wg;        /* MOECL_EP_FUSED_WG: the fused layout kernel's work-group, 0 = chosen */

@@ -11,7 +11,7 @@
 
 static const char *const program_files[][5] = {
     [MOECL_PROGRAM_TOPK_GATING] = {"common.cl", "gating.cl", "topk_gating.cl", NULL},
-    [MOECL_PROGRAM_GROUNDED_ROUTER] = {"common.cl", "gating.cl", "grounded_router.cl", NULL},
+    [MOECL_PROGRAM_GROUNDED_ROUTER] = {"common.cl", "gating.cl", "grounded_router.cl", "router_mma.cl", NULL},
     [MOECL_PROGRAM_MOE_ALIGN] = {"moe_align.cl", NULL},
     [MOECL_PROGRAM_ROUTE_DISPATCH] = {"common.cl", "moe_align.cl", "gating.cl", "topk_gating.cl", NULL},
     [MOECL_PROGRAM_EP_LAYOUT] = {"moe_align.cl", "ep_layout.cl", NULL},

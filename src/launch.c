@@ -71,7 +71,7 @@ const char *moecl_launch_source_name(moecl_launch_source s)
     return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
 }
 
-static const char *const kernel_names[] = {"rows", "team", "tiled"};
+static const char *const kernel_names[] = {"rows", "team", "tiled", "mma"};
 
 int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
 {
@@ -82,13 +82,15 @@ int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
 
 int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t size)
 {
-    const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_TILED ? kernel_names[c->kernel] : "?";
+    const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_MMA ? kernel_names[c->kernel] : "?";
     const moecl_tile_params *p = &c->tiled;
     if (c->kernel == MOECL_KERNEL_TILED && !p->tk)
         return snprintf(buf, size, "kernel=tiled tile=%u", c->tile);
     if (c->kernel == MOECL_KERNEL_TILED)
         return snprintf(buf, size, "kernel=tiled tile=%u tn=%u tk=%u mt=%u nt=%u vec=%u db=%u", c->tile, p->tn, p->tk,
                         p->mt, p->nt, p->vec, p->db);
+    if (c->kernel == MOECL_KERNEL_MMA)
+        return snprintf(buf, size, "kernel=mma");
     if (c->kernel == MOECL_KERNEL_TEAM)
         return snprintf(buf, size, "kernel=team team=%u rows=%u", c->team, c->rows);
     return snprintf(buf, size, "kernel=%s rows=%u", kernel, c->rows);
@@ -365,7 +367,7 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         seen[f] = true;
         if (f == F_KERNEL) {
             int kind = -1;
-            for (int i = 0; i <= MOECL_KERNEL_TILED; i++)
+            for (int i = 0; i <= MOECL_KERNEL_MMA; i++)
                 if (strcmp(eq + 1, kernel_names[i]) == 0)
                     kind = i;
             if (kind < 0)
@@ -417,8 +419,12 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
             (tile_fields && !tile_params_valid(c.tile, &c.tiled)))
             return false;
         break;
+    case MOECL_KERNEL_MMA:
+        if (topk || seen[F_TEAM] || seen[F_ROWS] || seen[F_TILE])
+            return false;
+        break;
     }
-    if (c.kernel != MOECL_KERNEL_TILED && (!moecl_is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
+    if (c.kernel != MOECL_KERNEL_TILED && c.kernel != MOECL_KERNEL_MMA && (!moecl_is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
         return false;
     *config = c;
     return true;

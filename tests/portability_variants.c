@@ -62,19 +62,25 @@ static const target targets[] = {
 
 /* The per-device configurations a device of a target can be in: the GPU
  * launch class (its default), the CPU launch class
- * (MOECL_LAUNCH_CLASS=cpu), and the 128-token grounded tile
- * (MOECL_GROUNDED_TILE=128). */
+ * (MOECL_LAUNCH_CLASS=cpu), the 128-token grounded tile
+ * (MOECL_GROUNDED_TILE=128) and the grounded router's tensor-core kernel
+ * (MOECL_GROUNDED_KERNEL=mma: emulated, as these devices build it; the
+ * PTX itself needs NVIDIA's compiler). The last two change only the
+ * grounded router. */
 typedef struct config {
     const char *name;
     moecl_launch_class launch_class;
-    bool grounded_wide_tile;
+    bool grounded_wide_tile, grounded_mma;
 } config;
 
 static const config configs[] = {
-    {"gpu class", MOECL_LAUNCH_GPU, false},
-    {"cpu class", MOECL_LAUNCH_CPU, false},
-    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, true},
+    {"gpu class", MOECL_LAUNCH_GPU, false, false},
+    {"cpu class", MOECL_LAUNCH_CPU, false, false},
+    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, true, false},
+    {"gpu class, grounded mma kernel", MOECL_LAUNCH_GPU, false, true},
 };
+
+static bool grounded_only(const config *c) { return c->grounded_wide_tile || c->grounded_mma; }
 
 static moecl_device_info fabricate(const target *t, const config *c)
 {
@@ -92,6 +98,7 @@ static moecl_device_info fabricate(const target *t, const config *c)
     info.launch_class = c->launch_class;
     info.launch_reason = c->name;
     info.env.grounded_wide_tile = c->grounded_wide_tile;
+    info.env.grounded_mma = c->grounded_mma;
     return info;
 }
 
@@ -177,6 +184,10 @@ static const grounded_spec grounded_specs[] = {
     {128, 256, 64, MOECL_BF16, 0}, {4096, 16, 2, MOECL_F16, 0},   {4096, 256, 8, MOECL_F32, 1},
     {4096, 4096, 64, MOECL_BF16, 2},
 };
+
+/* The f32 precisions that run on tensor cores (the mma configuration). */
+static const grounded_spec mma_f32_specs[] = {{4096, 256, 8, MOECL_F32, 1}, {100, 20, 4, MOECL_F32, 2}};
+static const moecl_precision mma_f32_precisions[] = {MOECL_PRECISION_TF32, MOECL_PRECISION_3XTF32};
 
 static const char *const dtype_names[] = {"f32", "f16", "bf16"};
 
@@ -266,6 +277,35 @@ static void write_program(const char *dir, moecl_program_kind kind, const char *
     free(text);
 }
 
+/* A grounded router specialisation at a precision, and
+ * moecl_grounded_route_dispatch's one kernel (the team kernel with
+ * moe_align's steps after its rows) where the rule gives the team kernel
+ * (its defines do not depend on the outputs: the router's weights and
+ * ids). */
+static void emit_grounded(const target *t, const char *options, const config *c, const moecl_device_info *info,
+                          const grounded_spec *s, moecl_precision precision)
+{
+    char defines[512], description[512];
+    const char *kernel;
+    const bool pairs = s->outputs != 1, weights = s->outputs != 0, ids = s->outputs != 0;
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 0.5f);
+    d.top_k = s->k;
+    d.hidden_dtype = s->dtype;
+    d.precision = precision;
+    moecl_grounded_router_defines(info, &d, pairs, weights, ids, defines, sizeof(defines), &kernel);
+    snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s%s outputs=%s [%s]", s->hidden,
+             s->experts, s->k, dtype_names[s->dtype],
+             precision == MOECL_PRECISION_TF32 ? " tf32" : precision == MOECL_PRECISION_3XTF32 ? " 3xtf32" : "",
+             s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
+    emit(t, "grounded_router.cl", options, defines, kernel, description);
+    moecl_grounded_router_route_defines(info, &d, defines, sizeof(defines), &kernel);
+    if (kernel) {
+        snprintf(description, sizeof(description), "grounded_dispatch H=%u E=%u k=%u %s [%s]", s->hidden, s->experts,
+                 s->k, dtype_names[s->dtype], c->name);
+        emit(t, "grounded_dispatch.cl", options, defines, kernel, description);
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -306,7 +346,7 @@ int main(int argc, char **argv)
 
             /* The wide-tile configuration changes only the grounded
              * router's tiled kernel. */
-            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(topk_specs) / sizeof(topk_specs[0]); i++) {
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(topk_specs) / sizeof(topk_specs[0]); i++) {
                 const topk_spec *s = &topk_specs[i];
                 moecl_topk_gating_desc d = topk_desc_of(s);
                 moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
@@ -326,7 +366,7 @@ int main(int argc, char **argv)
             /* The zero fill and the floor, appended to the plain defines
              * only when set (so that the other variants' defines and cache
              * entries are what they were). */
-            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
                  i++) {
                 const topk_spec *s = &topk_specs[convention_specs[i]];
                 moecl_topk_gating_desc d = topk_desc_of(s);
@@ -367,7 +407,7 @@ int main(int argc, char **argv)
              * specs (and moecl_route_dispatch's), so that each kernel (rows, with and without the
              * softmax fast path; team, plain and grouped) compiles with
              * the histogram argument. */
-            for (size_t i = 0; !c->grounded_wide_tile && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
                 const topk_spec *s = &topk_specs[counts_specs[i]];
                 moecl_topk_gating_desc d = topk_desc_of(s);
                 char plain[512];
@@ -396,28 +436,10 @@ int main(int argc, char **argv)
                 }
             }
 
-            for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++) {
-                const grounded_spec *s = &grounded_specs[i];
-                const bool pairs = s->outputs != 1, weights = s->outputs != 0, ids = s->outputs != 0;
-                moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 0.5f);
-                d.top_k = s->k;
-                d.hidden_dtype = s->dtype;
-                moecl_grounded_router_defines(&info, &d, pairs, weights, ids, defines, sizeof(defines), &kernel);
-                snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s outputs=%s [%s]",
-                         s->hidden, s->experts, s->k, dtype_names[s->dtype],
-                         s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
-                emit(t, "grounded_router.cl", options, defines, kernel, description);
-                /* moecl_grounded_route_dispatch's one kernel (the team
-                 * kernel with moe_align's steps after its rows), where the
-                 * rule gives the team kernel (its defines do not depend on the
-                 * outputs: the router's weights and ids). */
-                moecl_grounded_router_route_defines(&info, &d, defines, sizeof(defines), &kernel);
-                if (kernel) {
-                    snprintf(description, sizeof(description), "grounded_dispatch H=%u E=%u k=%u %s [%s]", s->hidden,
-                             s->experts, s->k, dtype_names[s->dtype], c->name);
-                    emit(t, "grounded_dispatch.cl", options, defines, kernel, description);
-                }
-            }
+            for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++)
+                emit_grounded(t, options, c, &info, &grounded_specs[i], MOECL_PRECISION_FP32);
+            for (size_t i = 0; c->grounded_mma && i < sizeof(mma_f32_specs) / sizeof(mma_f32_specs[0]); i++)
+                emit_grounded(t, options, c, &info, &mma_f32_specs[i], mma_f32_precisions[i]);
 
             /* moecl_router: the grounded router through the gating
              * pipeline, DeepSeek-V3's conventions (sigmoid, bias, groups
@@ -450,7 +472,7 @@ int main(int argc, char **argv)
             /* moe_align: one program of four kernels, whose defines
              * depend on the launch class and the maximum work-group size
              * only (the other configurations repeat these). */
-            if (!c->grounded_wide_tile) {
+            if (!grounded_only(c)) {
                 moecl_moe_align_defines(&info, defines, sizeof(defines), &kernel);
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");

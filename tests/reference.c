@@ -1447,6 +1447,33 @@ static bool grounded_row_alloc(grounded_row *r, const moecl_grounded_router_desc
 }
 
 /*
+ * The opt-in precisions of f32 hidden states (docs/routing.md, section 4)
+ * add the operands' rounding to each product, relative to |h_i w_ei|:
+ *   TF32: each operand rounded to tf32 (nearest, 10 mantissa bits: within
+ *   2^-11 relative), so a product within (1 + 2^-11)^2 - 1 = 2^-10 + 2^-22;
+ *   the products of two tf32 values are exact in fp32.
+ *   3xTF32: x = hi + lo + r with hi = tf32(x), lo = tf32(x - hi), |x - hi|
+ *   <= 2^-11 |x| and |r| <= 2^-11 |x - hi| <= 2^-22 |x|; the three products
+ *   hi*hi + hi*lo + lo*hi miss hi_x r_y + r_x hi_y + (x - hi_x)(y - hi_y),
+ *   within (2 (1 + 2^-11) + 1) 2^-22; and 3H products are summed, so the
+ *   accumulation term is gamma_{3H+2}.
+ * Both also hold on the portable kernels, which compute these in fp32.
+ */
+static void precision_terms(const moecl_grounded_router_desc *d, double *rel, double *adds)
+{
+    *rel = 0.0;
+    *adds = (double)d->hidden_dim;
+    if (d->hidden_dtype != MOECL_F32)
+        return;
+    if (d->precision == MOECL_PRECISION_TF32) {
+        *rel = 0x1p-10 + 0x1p-22;
+    } else if (d->precision == MOECL_PRECISION_3XTF32) {
+        *rel = (3.0 + 0x1p-10) * 0x1p-22;
+        *adds = 3.0 * d->hidden_dim;
+    }
+}
+
+/*
  * g_e = logit_e + alpha * dot(h, ground_e) (logit_e 0 where router_logits
  * is absent), in float64 (the products of two widened fp32 values are
  * exact; the float64 sum's own error is ~2^-29 of the fp32 bound below).
@@ -1466,7 +1493,9 @@ static void grounded_logits(const void *hidden, const float *logits, const void 
 {
     const moecl_grounded_router_desc *d = r->desc;
     double alpha = (double)d->alpha;
-    double gam = gamma32((double)r->H + 2.0);
+    double rel, adds;
+    precision_terms(d, &rel, &adds);
+    double gam = gamma32(adds + 2.0) + rel * (1.0 + gamma32(adds + 2.0));
     for (uint32_t i = 0; i < r->H; i++)
         r->h[i] = ref_load(d->hidden_dtype, hidden, (size_t)row * r->H + i);
     for (uint32_t e = 0; e < r->E; e++) {

@@ -24,8 +24,9 @@ typedef struct grounded_outputs {
 
 static void describe(const moecl_grounded_router_desc *d, int outputs, char *buf, size_t size)
 {
-    snprintf(buf, size, "T=%u H=%u E=%u k=%u alpha=%g dtype=%d outputs=%s%s%s", d->num_tokens, d->hidden_dim,
-             d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, outputs & OUT_PAIRS ? "pairs " : "",
+    snprintf(buf, size, "T=%u H=%u E=%u k=%u alpha=%g dtype=%d precision=%d outputs=%s%s%s", d->num_tokens,
+             d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, (int)d->precision,
+             outputs & OUT_PAIRS ? "pairs " : "",
              outputs & OUT_WEIGHTS ? "weights " : "", outputs & OUT_IDS ? "ids" : "");
 }
 
@@ -202,12 +203,30 @@ START_TEST(test_topk_alpha_dtypes)
 }
 END_TEST
 
+/* A context whose grounded router takes the tensor-core kernel
+ * (MOECL_GROUNDED_KERNEL=mma; emulated where the device has no mma.sync),
+ * for f16, bf16 and the f32 TF32 precisions; f32 at FP32 keeps the
+ * portable kernels. */
+static moecl_context *mma_context(void)
+{
+    setenv("MOECL_GROUNDED_KERNEL", "mma", 1);
+    moecl_context *ctx = harness_context();
+    unsetenv("MOECL_GROUNDED_KERNEL");
+    return ctx;
+}
+
+/* The precision of loop iteration i (0 the default kernels at FP32; 1 the
+ * mma kernel with TF32 for f32, 2 with 3xTF32) and its context. */
+static const moecl_precision loop_precision[] = {MOECL_PRECISION_FP32, MOECL_PRECISION_TF32,
+                                                 MOECL_PRECISION_3XTF32};
+static moecl_context *loop_context(int i) { return i == 0 ? harness_context() : mma_context(); }
+
 /* Exact ties: identical ground rows and a constant logit row make every g
  * of a token equal, so the ids must be 0..k-1 in order. Then NaN and inf in
- * logits and hidden states. */
+ * logits and hidden states. Once per loop_precision. */
 START_TEST(test_special_rows)
 {
-    moecl_context *ctx = harness_context();
+    moecl_context *ctx = loop_context(_i);
     static const uint32_t shapes[][3] = {{7, 16, 4}, {128, 60, 8}, {33, 257, 64}};
     for (size_t s = 0; s < COUNT(shapes); s++)
         for (int dt = 0; dt < 3; dt++) {
@@ -215,6 +234,7 @@ START_TEST(test_special_rows)
             moecl_grounded_router_desc d = moecl_grounded_router_desc_init(12, shapes[s][0], shapes[s][1], 0.5f);
             d.top_k = shapes[s][2];
             d.hidden_dtype = (moecl_dtype)dt;
+            d.precision = loop_precision[_i];
             grounded_inputs in = random_inputs(&rng, &d);
             const uint32_t H = d.hidden_dim, E = d.num_experts;
             /* Every expert's ground row equals expert 0's. */
@@ -502,6 +522,29 @@ START_TEST(test_router_gatings)
 }
 END_TEST
 
+/* The tensor-core kernel (forced; emulated here) on ragged shapes: token,
+ * expert and hidden counts off the tile (16 x 8 x 16 words), one and many
+ * warps along the experts, every dtype at each precision, both paths. */
+START_TEST(test_mma_shapes)
+{
+    static const uint32_t shapes[][4] = {{1, 16, 8, 2},   {37, 100, 20, 4}, {70, 257, 130, 8},
+                                         {5, 9, 3, 3},    {129, 64, 64, 1}, {40, 1000, 257, 64},
+                                         {3, 1, 1, 1}};
+    moecl_context *ctx = mma_context();
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int v = 0; v < 4; v++, i++) {
+            moecl_grounded_router_desc d =
+                moecl_grounded_router_desc_init(shapes[s][0], shapes[s][1], shapes[s][2], i % 2 ? -0.75f : 0.5f);
+            d.top_k = shapes[s][3];
+            d.hidden_dtype = v < 2 ? (moecl_dtype)(v + 1) : MOECL_F32;
+            d.precision = v == 3 ? MOECL_PRECISION_3XTF32 : MOECL_PRECISION_TF32;
+            random_case(ctx, &d, i % 3 == 0 ? OUT_PAIRS : OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 600 + i, true);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* DeepSeek-V3's router in one launch (a smaller hidden size): sigmoid,
  * bias, 8 groups keeping 4 by the sum of their top two, top 8,
  * renormalised, factor 2.5, no router logits; and DeepSeek-V4's
@@ -578,7 +621,7 @@ int main(void)
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, test_invalid);
     tcase_add_test(tc, test_seed_shape);
-    tcase_add_test(tc, test_special_rows);
+    tcase_add_loop_test(tc, test_special_rows, 0, 1);
     tcase_add_test(tc, test_prepare);
     tcase_add_test(tc, test_router_llama4_and_ties);
     tcase_add_test(tc, test_router_gatings);
@@ -589,5 +632,11 @@ int main(void)
         tcase_add_test(tc, test_grid);
     }
     suite_add_tcase(s, tc);
+    /* The tensor-core kernel, forced (CK_RUN_CASE=mma runs it alone). */
+    TCase *mma = tcase_create("mma");
+    tcase_set_timeout(mma, 1200);
+    tcase_add_loop_test(mma, test_special_rows, 1, 3);
+    tcase_add_test(mma, test_mma_shapes);
+    suite_add_tcase(s, mma);
     return harness_run(s);
 }

@@ -205,6 +205,11 @@ static described describe(const char *kernel, const char *d)
     } else if (strcmp(kernel, "grounded_router_tiled") == 0) {
         r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("VEC"), D("DB"), D("TOPK"));
         r.arrays = 2;
+    } else if (strcmp(kernel, "grounded_router_mma") == 0) {
+        /* Emulated without MOECL_PTX (cl/router_mma.cl, MMA_EMULATE). */
+        const bool emulated = D("MMA_EMULATE") != 0 || !ptx;
+        r.local = LAYOUT_GROUNDED_MMA_LOCAL_BYTES(D("TM"), D("TN"), D("MMA_KW"), D("MMA_WM") * D("MMA_WN"), emulated);
+        r.arrays = emulated ? 2 : 1;
     } else if (strcmp(kernel, "grounded_router_rows") == 0) {
         r.private_bytes = LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(D("TM"), D("NUM_EXPERTS"), D("TOPK"));
     } else if (strcmp(kernel, "moe_align_scan") == 0) {

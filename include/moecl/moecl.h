@@ -606,8 +606,8 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  *   topk_ids       int32_t[num_tokens][top_k], or absent
  * At least one output must be given.
  *
- * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), and all
- * three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), a
+ * precision outside its enum, and all three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
  * clSetKernelArg, or that of the enqueue. On any failure nothing is
  * enqueued and no output byte changes.
  */

@@ -242,6 +242,8 @@ static const run_def runs[] = {
     GTEAM_RUN(2, 4),
     GTEAM_RUN(8, 2),
     GTEAM_RUN(32, 2),
+    /* The tensor-core kernel, emulated (f32 at TF32 and 3xTF32 in turn). */
+    {"grounded-mma", OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_MMA, 1, 0, 0, {0}}, true, false},
     /* moe_align: every path in both launch classes. */
     {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
     {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
@@ -276,7 +278,7 @@ static const run_def runs[] = {
 
 static const char *kernel_name(moecl_kernel_kind k)
 {
-    return k == MOECL_KERNEL_ROWS ? "rows" : k == MOECL_KERNEL_TEAM ? "team" : "tiled";
+    return k == MOECL_KERNEL_ROWS ? "rows" : k == MOECL_KERNEL_TEAM ? "team" : k == MOECL_KERNEL_TILED ? "tiled" : "mma";
 }
 
 /* The kernel the run is for: the forced one, the rows kernel in the CPU
@@ -544,13 +546,16 @@ static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moec
                                   : why_not_rows);
 }
 
-static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype)
+static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_case *c, moecl_dtype dtype,
+                         moecl_precision precision)
 {
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
     d.top_k = c->top_k;
     d.hidden_dtype = dtype;
-    snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u alpha=%g %s", run->name, d.num_tokens, d.hidden_dim,
-             d.num_experts, d.top_k, (double)d.alpha, dtype_name(dtype));
+    d.precision = precision;
+    snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u alpha=%g %s%s", run->name, d.num_tokens, d.hidden_dim,
+             d.num_experts, d.top_k, (double)d.alpha, dtype_name(dtype),
+             precision == MOECL_PRECISION_TF32 ? " tf32" : precision == MOECL_PRECISION_3XTF32 ? " 3xtf32" : "");
     if (!selected())
         return;
 
@@ -688,9 +693,13 @@ static void run_grounded(moecl_context *ctx, const run_def *run)
                 continue;
         }
         ran++;
+        /* The mma kernel takes f32 only at the TF32 precisions. */
+        const moecl_precision f32_precision = want.kernel != MOECL_KERNEL_MMA ? MOECL_PRECISION_FP32
+                                              : i % 2                         ? MOECL_PRECISION_3XTF32
+                                                                              : MOECL_PRECISION_TF32;
         for (int dt = 0; dt < 3; dt++)
             if (!run->one_dtype || (size_t)dt == i % 3)
-                grounded_one(ctx, run, c, (moecl_dtype)dt);
+                grounded_one(ctx, run, c, (moecl_dtype)dt, dt == 0 ? f32_precision : MOECL_PRECISION_FP32);
     }
     if (!ran)
         fail("%s: no case runs this configuration", run->name);
