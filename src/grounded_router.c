@@ -112,6 +112,12 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
            gating_extra_local(team, rows, k, experts, groups);
 }
 
+size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, unsigned team, unsigned rows)
+{
+    return team_local_bytes(d->hidden_dim, team, (d->num_experts + team - 1) / team, rows, d->top_k, d->num_experts,
+                            d->gating.num_expert_groups);
+}
+
 /* Tiles of 64 tokens with 4 x 4 blocks per work-item, smaller where local
  * memory is short. 128 tokens with 8 x 8 blocks (more multiply-adds per
  * local-memory read) measured slower on the H200 (bench/RESULTS.md,
