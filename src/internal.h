@@ -238,7 +238,7 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
  * a value of at most MOECL_ARG_BYTES bytes (larger ones are set on every
  * call), local memory of a size, or a caller's buffer the kernel holds a
  * reference to (held), with its CL_MEM_SIZE. */
-#define MOECL_MAX_KERNEL_ARGS 24
+#define MOECL_MAX_KERNEL_ARGS 32
 #define MOECL_ARG_BYTES 48
 typedef struct moecl_arg_state {
     bool valid, local;
