@@ -57,14 +57,15 @@
 
 /* ---- topk_gating_rows: one work-item per row ------------------------- */
 
-/* The generic loop keeps the row as blocks of eight: scores (float8),
- * ranks (uint8) and each block's largest rank, then TOPK keys and weights;
- * with groups, each group's top-two accumulator (two floats and a count)
- * and key. */
+/* The generic loop keeps the row as blocks of eight: logits and scores
+ * (float8 each: cl/gating.cl's rows_pipeline takes the logits), ranks
+ * (uint8) and each block's largest rank, then TOPK keys and weights; with
+ * groups, each group's top-two accumulator (two floats and a count) and
+ * key. */
 #define LAYOUT_ROWS_BLOCK 8
 #define LAYOUT_ROWS_BLOCKS(experts) (((experts) + LAYOUT_ROWS_BLOCK - 1) / LAYOUT_ROWS_BLOCK)
 #define LAYOUT_TOPK_ROWS_PRIVATE_BYTES(experts, k, groups)                                         \
-    ((32 + 32 + 4) * LAYOUT_ROWS_BLOCKS(experts) + (8 + 4) * (k) + (12 + 8) * (groups))
+    ((32 + 32 + 32 + 4) * LAYOUT_ROWS_BLOCKS(experts) + (8 + 4) * (k) + (12 + 8) * (groups))
 
 /* ---- grounded_router_team -------------------------------------------- */
 
@@ -98,7 +99,10 @@
 /* ---- grounded_router_rows: TM tokens per work-item ------------------- */
 
 /* Experts go in blocks of EB (a multiple of the two experts a step takes)
- * whose dot products wait in dots[TM][EB]; each token keeps TOPK keys. */
+ * whose dot products wait in dots[TM][EB]; each token keeps its row of g
+ * (padded to blocks of eight) for the gating pipeline, which runs on one
+ * token's row at a time (its own arrays, as the top-k rows kernel's, are
+ * left out: a lower bound) and keeps TOPK keys. */
 #define LAYOUT_GROUNDED_RN 2
 #define LAYOUT_GROUNDED_EB(experts) ((experts) < 256 ? ((experts) + 1) / 2 * 2 : 256)
 /* The tokens' rows of g for the gating pipeline: in dots[][] itself where

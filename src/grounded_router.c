@@ -114,6 +114,12 @@ static size_t team_local_bytes(unsigned hidden, unsigned team, unsigned ept, uns
            gating_extra_local(team, rows, k, experts, groups);
 }
 
+size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, unsigned team, unsigned rows)
+{
+    return team_local_bytes(d->hidden_dim, team, (d->num_experts + team - 1) / team, rows, d->top_k, d->num_experts,
+                            d->gating.num_expert_groups);
+}
+
 /* The tiled kernel's configurations: the rule's, in the order it tries
  * them, then the ones only moecl-tune's sweep, a tune file or
  * MOECL_GROUNDED_TILE asks for. tn 0: the experts rounded up to a power of

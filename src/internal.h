@@ -268,7 +268,7 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
  * a value of at most MOECL_ARG_BYTES bytes (larger ones are set on every
  * call), local memory of a size, or a caller's buffer the kernel holds a
  * reference to (held), with its CL_MEM_SIZE. */
-#define MOECL_MAX_KERNEL_ARGS 24
+#define MOECL_MAX_KERNEL_ARGS 32
 #define MOECL_ARG_BYTES 48
 typedef struct moecl_arg_state {
     bool valid, local;
@@ -616,6 +616,9 @@ typedef struct moecl_grounded_binding {
  * bias (after expert_ground) is optional. */
 void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS],
                                 bool check, bool outputs_required, bool logits_required, moecl_grounded_binding *b);
+/* The grounded router's team kernel's local memory for desc at (team,
+ * rows), its gating's included (a bound for every variant). */
+size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, unsigned team, unsigned rows);
 /* The gating fields of a grounded router descriptor as a top-k gating
  * descriptor (its validation and messages). */
 moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d);

@@ -138,8 +138,7 @@ static size_t routing_team_local(const route_step *s, unsigned team, unsigned ro
     if (!s->is_grounded)
         return moecl_layout_topk_team_local(team, rows, s->topk->num_experts, s->topk->top_k,
                                             s->topk->num_expert_groups, true, false);
-    const moecl_grounded_router_desc *g = s->grounded;
-    return moecl_layout_grounded_team_local(g->hidden_dim, team, (g->num_experts + team - 1) / team, rows, g->top_k);
+    return moecl_grounded_router_team_local(s->grounded, team, rows);
 }
 
 /* Whether the one kernel serves the call, and its plan: some tokens, at

@@ -240,7 +240,7 @@ START_TEST(test_invalid_desc)
         ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d (%s)", lbl, (int)st, moecl_status_string(st));
         rt_assert_error_names(ctx, field, lbl);
     }
-    ck_assert_int_eq(cases, 28);
+    ck_assert_int_eq(cases, 32);
 
     /* The base descriptor itself is valid (so the cases above fail for the
      * field they change, not for something they share). */

@@ -199,9 +199,17 @@ static described describe(const char *kernel, const char *d)
     } else if (strcmp(kernel, "topk_gating_rows") == 0) {
         r.private_bytes = LAYOUT_TOPK_ROWS_PRIVATE_BYTES(D("NUM_EXPERTS"), D("TOPK"), D("NUM_GROUPS"));
     } else if (strcmp(kernel, "grounded_router_team") == 0) {
-        r.local = LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(D("HIDDEN_DIM"), D("TEAM"), D("EPT"), D("ROWS"), D("TOPK"));
+        /* The gating pipeline's arrays beyond the seed gating's (the
+         * softmax slots, the group arrays: cl/gating.cl) are top-k's. */
+        const size_t team = D("TEAM"), groups = D("NUM_GROUPS");
+        const bool softmax = D("SCORING") == 0;
+        r.local = LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(D("HIDDEN_DIM"), team, D("EPT"), D("ROWS"), D("TOPK")) +
+                  D("ROWS") * (LAYOUT_TOPK_TEAM_ROW_BYTES(team, D("EPT"), D("TOPK"), D("NUM_EXPERTS"), groups, softmax,
+                                                          shuffle) -
+                               LAYOUT_TOPK_TEAM_ROW_BYTES(team, D("EPT"), D("TOPK"), D("NUM_EXPERTS"), 0, false, true));
         r.private_bytes = LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(D("EPT"));
-        r.arrays = 4 + 3;
+        r.arrays = 4 + 3 + (shuffle || !softmax ? 0 : 1) +
+                   (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
     } else if (strcmp(kernel, "grounded_router_tiled") == 0) {
         r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("VEC"), D("DB"), D("TOPK"));
         r.arrays = 2;
