@@ -340,29 +340,29 @@ static inline void mma_store_g(const float acc[MMA_MI][MMA_NT][4], __local float
             }
 }
 
-/* The gating of the work-group's rows of g, one work-item per token:
- * the spec's top-k of g, then steps 4-5 of the pipeline as the tiled
- * kernel ends (cl/gating.cl, rows_final), which serves the gatings that
- * select on g without a bias or groups (the host's mergeable()). The one
- * call site of the epilogue. */
+/* The gating of the work-group's rows of g, one work-item per token: each
+ * row, whole in local memory (every expert of a token is in the tile), is
+ * copied into private float8 blocks and goes through the rows pipeline of
+ * cl/gating.cl (steps 1-5, every gating, the bias where there is one). The
+ * one call site of the epilogue. */
 static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint num_tokens, uint lid,
-                                 float scaling_factor, __global float *pairs, __global float *weights,
-                                 __global int *ids)
+                                 __global const float *bias, float scaling_factor, __global float *pairs,
+                                 __global float *weights, __global int *ids)
 {
     if (lid >= MMA_TM || row0 + lid >= num_tokens)
         return;
-    ulong keys[TOPK];
+    float8 logit[BLOCKS];
+    for (uint b = 0; b < BLOCKS; b++) {
+        float v[8];
+        for (uint q = 0; q < 8; q++) {
+            const uint e = b * 8 + q;
+            v[q] = e < NUM_EXPERTS ? g_rows[lid * MMA_GS + e] : 0.0f;
+        }
+        logit[b] = vload8(0, v);
+    }
     float w[TOPK];
     uint id[TOPK];
-    for (uint j = 0; j < TOPK; j++)
-        keys[j] = KEY_NONE;
-    for (uint e = 0; e < NUM_EXPERTS; e++) {
-        const ulong key = rank_key(g_rows[lid * MMA_GS + e], e);
-        TOPK_INSERT(keys, w, TOPK, key, 0.0f);
-    }
-    for (uint j = 0; j < TOPK; j++)
-        w[j] = float_of_rank((uint)(keys[j] >> 32));
-    rows_final(keys, w, scaling_factor, id);
+    rows_pipeline(logit, bias, scaling_factor, w, id);
     for (uint j = 0; j < TOPK; j++)
         write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids);
 }
@@ -422,6 +422,6 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *g_rows = (__local float *)stages;
     mma_store_g(acc, g_rows, logits, row0, num_tokens, alpha, wm, wn, g, t);
     barrier(CLK_LOCAL_MEM_FENCE);
-    mma_gate_rows(g_rows, row0, num_tokens, lid, scaling_factor, pairs, weights, ids);
+    mma_gate_rows(g_rows, row0, num_tokens, lid, bias, scaling_factor, pairs, weights, ids);
 }
 #endif

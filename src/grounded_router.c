@@ -221,8 +221,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
  * which needs the team kernel. */
 static bool mma_wanted(const grounded_request *r)
 {
-    return !r->dispatch && mergeable(r) &&
-           (r->desc->hidden_dtype != MOECL_F32 || r->desc->precision != MOECL_PRECISION_FP32);
+    return !r->dispatch && (r->desc->hidden_dtype != MOECL_F32 || r->desc->precision != MOECL_PRECISION_FP32);
 }
 
 /* Whether the device runs the mma instructions themselves: NVIDIA sm_80+
@@ -296,6 +295,10 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_MMA:
         return mma_shape(info, r, shape);
     case MOECL_KERNEL_TILED:
+        /* Where the tensor cores serve the request, no table, tune file or
+         * variable takes it off them (their launch key has no dtype). */
+        if (mma_native(info) && mma_shape(info, r, &(grounded_shape){0}))
+            return false;
         if (!mergeable(r))
             return false; /* the other gatings need whole rows of g */
         return tiled_shape(info, c, experts, k, shape);

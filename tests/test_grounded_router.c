@@ -522,6 +522,30 @@ START_TEST(test_router_gatings)
 }
 END_TEST
 
+/* The tensor-core kernel (forced; emulated here) with the gatings the
+ * tiled kernel cannot merge: DeepSeek-V3's router (sigmoid, bias, groups,
+ * renormalised, scaled) and DeepSeek-V4's sqrtsoftplus, bf16 and f16, and
+ * f32 at each tensor-core precision, with and without router logits. */
+START_TEST(test_mma_gatings)
+{
+    moecl_context *ctx = mma_context();
+    for (int v = 0; v < 4; v++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(37 + 8 * v, 72, 64, 1.0f);
+        d.hidden_dtype = v < 2 ? (moecl_dtype)(MOECL_BF16 - v) : MOECL_F32;
+        d.precision = v == 3 ? MOECL_PRECISION_3XTF32 : MOECL_PRECISION_TF32;
+        d.top_k = 8;
+        d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+        router_case(ctx, &d, true, v % 2 == 1, v == 0, 950 + v);
+        d.top_k = 6;
+        d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0,
+                                  MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, v % 2 == 0, 0.0f, 1.5f};
+        router_case(ctx, &d, v != 1, v % 2 == 0, v == 2, 960 + v);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* The tensor-core kernel (forced; emulated here) on ragged shapes: token,
  * expert and hidden counts off the tile (16 x 8 x 16 words), one and many
  * warps along the experts, every dtype at each precision, both paths. */
@@ -637,6 +661,7 @@ int main(void)
     tcase_set_timeout(mma, 1200);
     tcase_add_loop_test(mma, test_special_rows, 1, 3);
     tcase_add_test(mma, test_mma_shapes);
+    tcase_add_test(mma, test_mma_gatings);
     suite_add_tcase(s, mma);
     return harness_run(s);
 }
