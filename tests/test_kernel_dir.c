@@ -78,21 +78,28 @@ START_TEST(test_kernel_dir)
     ck_assert_int_eq(mkdir(empty, 0700), 0);
     expect_build_error(empty, "common.cl", "empty MOECL_KERNEL_DIR");
 
-    /* Only common.cl: the op's file is missing. */
+    /* Only the shared files (common.cl, gating.cl): the op's file is
+     * missing. */
+    static const char *const shared[] = {"common.cl", "gating.cl"};
     char partial[PATH_MAX];
     harness_env_path(partial, sizeof(partial), "partial");
     ck_assert_int_eq(mkdir(partial, 0700), 0);
-    snprintf(src, sizeof(src), "%s/common.cl", cl_dir);
-    snprintf(dst, sizeof(dst), "%s/common.cl", partial);
-    harness_copy_file(src, dst);
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(src, sizeof(src), "%s/%s", cl_dir, shared[i]);
+        snprintf(dst, sizeof(dst), "%s/%s", partial, shared[i]);
+        harness_copy_file(src, dst);
+    }
     expect_build_error(partial, "topk_gating.cl", "MOECL_KERNEL_DIR without topk_gating.cl");
 
     /* Sources that do not compile: the build log is in the message. */
     char broken[PATH_MAX];
     harness_env_path(broken, sizeof(broken), "broken");
     ck_assert_int_eq(mkdir(broken, 0700), 0);
-    snprintf(dst, sizeof(dst), "%s/common.cl", broken);
-    harness_copy_file(src, dst);
+    for (size_t i = 0; i < 2; i++) {
+        snprintf(src, sizeof(src), "%s/%s", cl_dir, shared[i]);
+        snprintf(dst, sizeof(dst), "%s/%s", broken, shared[i]);
+        harness_copy_file(src, dst);
+    }
     snprintf(dst, sizeof(dst), "%s/topk_gating.cl", broken);
     harness_write_file(dst, "#error moecl_rt_broken_source\n", strlen("#error moecl_rt_broken_source\n"));
     expect_build_error(broken, "moecl_rt_broken_source", "MOECL_KERNEL_DIR with a source that does not compile");

@@ -10,9 +10,9 @@ cl=$2
 dir=$(mktemp -d "${TMPDIR:-/tmp}/moecl-bench-verdict.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
 cp "$cl"/*.cl "$cl"/*.h "$dir"/
-sed 's/exp(g\[j\] - g\[0\])/exp(1.5f * (g[j] - g[0]))/' "$cl/grounded_router.cl" > "$dir/grounded_router.cl"
-if cmp -s "$cl/grounded_router.cl" "$dir/grounded_router.cl"; then
-    echo "FAIL: grounded_router.cl has no 'exp(g[j] - g[0])' to break: update this test" >&2
+sed 's/w\[j\] = exp(w\[j\] - m);/w[j] = exp(1.5f * (w[j] - m));/' "$cl/gating.cl" > "$dir/gating.cl"
+if cmp -s "$cl/gating.cl" "$dir/gating.cl"; then
+    echo "FAIL: gating.cl has no 'w[j] = exp(w[j] - m);' (the softmax over the chosen) to break: update this test" >&2
     exit 1
 fi
 export MOECL_KERNEL_DIR="$dir" MOECL_CACHE_DIR="$dir/cache"

@@ -32,7 +32,8 @@ fi
 
 mkdir -p "$out/corpus" "$out/artifacts" "$out/kernel-cache"
 version=$(sed -n "s/^ *version : '\([0-9.]*\)'.*/\1/p" meson.build | head -n 1)
-python3 cl/embed.py "$out/embedded_kernels.c" cl/layout.h cl/common.cl cl/grounded_router.cl cl/moe_align.cl cl/topk_gating.cl
+# Every kernel source, as cl/meson.build embeds them.
+python3 cl/embed.py "$out/embedded_kernels.c" cl/layout.h cl/*.cl
 
 flags=(-std=c11 -g -O1 -Wall -Wextra -Werror -fno-omit-frame-pointer
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all

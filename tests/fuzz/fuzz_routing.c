@@ -262,7 +262,7 @@ static bool topk_desc_valid(const moecl_topk_gating_desc *d)
         if ((uint64_t)d->top_k > (uint64_t)d->topk_group * (d->num_experts / d->num_expert_groups))
             return false;
     }
-    return (unsigned)d->gating_dtype <= MOECL_BF16 && (unsigned)d->scoring <= MOECL_SCORING_SIGMOID &&
+    return (unsigned)d->gating_dtype <= MOECL_BF16 && (unsigned)d->scoring <= MOECL_SCORING_RAW &&
            (unsigned)d->group_score <= MOECL_GROUP_SCORE_TOP2_SUM && isfinite(d->routed_scaling_factor);
 }
 
