@@ -182,10 +182,11 @@ typedef struct described {
     unsigned arrays;
 } described;
 
-static described describe(const char *kernel, const char *d)
+/* ptx: whether the device builds with MOECL_PTX=1 (its own options, not
+ * the variant's portable target's: moecl_build_options). */
+static described describe(const char *kernel, const char *d, bool ptx)
 {
 #define D(name) ((size_t)define_of(d, name, 0))
-    const bool ptx = D("MOECL_PTX") != 0;
     const bool shuffle = ptx && D("TEAM_SHUFFLE") != 0;
     described r = {0, 0, 0};
     if (strcmp(kernel, "topk_gating_team") == 0) {
@@ -214,7 +215,8 @@ static described describe(const char *kernel, const char *d)
         r.local = LAYOUT_GROUNDED_TILED_LOCAL_BYTES(D("TM"), D("TN"), D("TK"), D("VEC"), D("DB"), D("TOPK"));
         r.arrays = 2;
     } else if (strcmp(kernel, "grounded_router_mma") == 0) {
-        /* Emulated without MOECL_PTX (cl/router_mma.cl, MMA_EMULATE). */
+        /* Emulated without MOECL_PTX (cl/router_mma.cl, MMA_EMULATE): the
+         * native kernel has no scratch. */
         const bool emulated = D("MMA_EMULATE") != 0 || !ptx;
         r.local = LAYOUT_GROUNDED_MMA_LOCAL_BYTES(D("TM"), D("TN"), D("MMA_KW"), D("MMA_WM") * D("MMA_WN"), emulated);
         r.arrays = emulated ? 2 : 1;
@@ -287,7 +289,7 @@ START_TEST(test_layout_matches_compiler)
                                                       &priv, NULL),
                              CL_SUCCESS);
             moecl_variant_release(variant, pooled);
-            const described want = describe(name, v->defines);
+            const described want = describe(name, v->defines, ctx->info.ptx);
             const size_t allowance = is_pocl(ctx)                                         ? 0
                                      : ctx->info.vendor == MOECL_VENDOR_NVIDIA && want.arrays == 0 ? 1
                                                                                                 : 8 * (size_t)want.arrays;
