@@ -62,8 +62,9 @@ timeout $(left) $ncu --profile-from-start off --clock-control none $secs --metri
   $h --profile-range "${args[@]}" --iters 1 > $OUT/p/ncu-run.txt 2>&1; t "ncu rc $?"
 if [ ! -s /tmp/prof.ncu-rep ] && [ $(left) -gt 30 ]; then
   tail -5 $OUT/p/ncu-run.txt
-  timeout $(left) $ncu --profile-from-start off --clock-control none $secs -o /tmp/prof \
-    $h --profile-range "${args[@]}" --iters 1 > $OUT/p/ncu-run2.txt 2>&1; t "ncu (sections only) rc $?"
+  timeout $(left) $ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -o /tmp/prof \
+    $h --profile-range "${args[@]}" --iters 1 > $OUT/p/ncu-run2.txt 2>&1; t "ncu (five sections, no extra metrics) rc $?"
 fi
 grep -E "WRONG|FAILED|ERROR" $OUT/p/ncu-run*.txt | head -5
 $ncu -i /tmp/prof.ncu-rep --page raw --csv > $OUT/ncu-raw.csv 2>&1

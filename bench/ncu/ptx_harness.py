@@ -161,14 +161,17 @@ def grounded_gating(defines):
 
 
 def grounded_rel_bound(defines):
-    """The relative error bound of g's dot product against the sum of the
-    absolute products: (h + 2) fp32 roundings of the fp32 accumulation,
-    plus the rounding of the operands in TF32 (two of 2^-11 each) or the
-    3xTF32 split (its dropped low x low product and residual roundings, a
-    few 2^-22). f16/bf16 products are exact in fp32."""
+    """docs/routing.md section 4's bound on g's error relative to alpha
+    times the sum of the absolute products: gamma_{H+2} (gamma_{3H+2} at
+    3xTF32: three products a step), plus r (1 + gamma) for the operands'
+    TF32 rounding (r = 2^-10 + 2^-22) or the 3xTF32 split (r = (3 +
+    2^-10) 2^-22); f16/bf16 products are exact in fp32 (r = 0)."""
     h, u = int(defines["HIDDEN_DIM"]), 2.0 ** -24
-    operand = {"1": 2.0 ** -10 + 2.0 ** -21, "2": 2.0 ** -19}.get(defines.get("PRECISION", "0"), 0.0)
-    return operand + (h + 2) * u
+    precision = defines.get("PRECISION", "0") if defines.get("IN_DTYPE") == "0" else "0"
+    n = 3 * h + 2 if precision == "2" else h + 2
+    gamma = n * u / (1 - n * u)
+    r = {"1": 2.0 ** -10 + 2.0 ** -22, "2": (3 + 2.0 ** -10) * 2.0 ** -22}.get(precision, 0.0)
+    return gamma + r * (1 + gamma)
 
 
 def param_bits(params):
@@ -217,7 +220,7 @@ def grounded_case(torch, defines, kernel, tokens, params, device="cuda"):
         del x, w_
         if logits is not None:
             g64 += logits.double()
-            bound += 2.0 ** -24 * g64.abs()
+        bound += 2.0 ** -24 * g64.abs() + (2 * h * abs(alpha) + 2) * 2.0 ** -126
         row_bound = bound.max(-1, keepdim=True).values + 1e-30
         del bound
         got_i = ids.long() if ids is not None else pairs[..., 0].round().long()
