@@ -15,8 +15,7 @@
 # Writes under $OUT: ncu-raw.csv (ncu's raw page), ncu-details.txt, and in
 # $OUT/p the benches' output, the cache list, the PTX and ptxas -v. Limits:
 # BUDGET_S (default 225) seconds from T0 (the caller's start, default
-# now) for everything up to ncu's end. EXTRA_BENCH: one more moecl-bench
-# --only; EXTRA_CASES: a file of more harness cases, one a line.
+# now) for everything up to ncu's end. TREES (below): other builds' kernels.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
@@ -24,29 +23,43 @@ mkdir -p "$OUT"
 T0=${T0:-$(date +%s)}
 left() { local l=$(( ${BUDGET_S:-225} - ($(date +%s) - T0) )); echo $(( l > 5 ? l : 5 )); }
 t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
-bench=${BENCH:-/tmp/b/tools/moecl-bench}
-kc=/tmp/prof-cache; rm -rf $kc; mkdir -p $OUT/p
-# One moecl-bench per case, all at once (their host float64 checks are the
-# slow part; the cache writes are atomic): device times beside the ncu ones.
-for c in "grounded bf16" "grounded large" "grounded 3xtf32" "router dsv3" "grounded seed" ${EXTRA_BENCH:+"$EXTRA_BENCH"}; do
-  (MOECL_CACHE_DIR=$kc timeout 60 "$bench" --only "$c" --iterations 20 --wall-calls 20 \
-     > "$OUT/p/bench-${c// /_}.txt" 2>&1) &
+# The cases: moecl-bench's --only that builds the kernel, and the harness's
+# options that pick and feed it.
+declare -A only=([bf16]="grounded bf16" [f32tiled]="grounded large" [x3tf32]="grounded 3xtf32"
+                 [dsv3]="router dsv3" [seed]="grounded seed")
+declare -A opts=(
+  [bf16]="--kernel grounded_router_mma --match IN_DTYPE=2 --match HIDDEN_DIM=4096 --tokens 16384"
+  [f32tiled]="--kernel grounded_router_tiled --match IN_DTYPE=0 --match HIDDEN_DIM=4096 --tokens 16384"
+  [x3tf32]="--kernel grounded_router_mma --match IN_DTYPE=0 --match PRECISION=2 --tokens 16384"
+  [dsv3]="--kernel grounded_router_mma --match HIDDEN_DIM=7168 --tokens 4083"
+  [seed]="--kernel grounded_router_team --match HIDDEN_DIM=128 --match NUM_EXPERTS=16 --tokens 4096")
+# TREES: NAME:BUILD_DIR[:CASE,CASE...] a tree (default every case), each
+# with its own moecl-bench and kernel cache; the cases of all trees run in
+# one harness process, labelled NAME_CASE.
+trees=${TREES:-main:/tmp/b}
+mkdir -p $OUT/p
+cases=()
+for tr in $trees; do
+  IFS=: read -r n b list <<< "$tr"
+  kc=/tmp/prof-cache-$n; rm -rf $kc
+  list=${list:-bf16,f32tiled,x3tf32,dsv3,seed}
+  for c in ${list//,/ }; do
+    [ -n "${opts[$c]:-}" ] || { echo "no case $c"; continue; }
+    # One moecl-bench per case, all at once (their host float64 checks are
+    # the slow part; the cache writes are atomic): device times beside.
+    (MOECL_CACHE_DIR=$kc timeout 60 "$b/tools/moecl-bench" --only "${only[$c]}" --iterations 20 --wall-calls 20 \
+       > "$OUT/p/bench-${n}_$c.txt" 2>&1) &
+    cases+=("--cache $kc --label ${n}_$c ${opts[$c]} --dump $OUT/p/${n}_$c.ptx")
+  done
 done
-wait; t "cache filled"
-grep -hE "^(grounded|router)" $OUT/p/bench-*.txt | cut -c1-160
-h="python3 bench/ncu/ptx_harness.py --cache $kc"
-$h --list | awk '{$1=""; print}' | grep -o "grounded_router_[a-z]*.*" | cut -c1-300 | sort | uniq > $OUT/p/list.txt
+wait; t "caches filled"
+grep -HE "^(grounded|router)" $OUT/p/bench-*.txt | sed 's|^.*/bench-||' | cut -c1-170
+h="python3 bench/ncu/ptx_harness.py"
+for kc in /tmp/prof-cache-*; do
+  $h --cache $kc --list | awk '{$1=""; print}' | grep -o "grounded_router_[a-z]*.*" | cut -c1-300 | sort | uniq |
+    sed "s|^|$(basename $kc): |" >> $OUT/p/list.txt
+done
 wc -l < $OUT/p/list.txt
-cases=(
-  "--label bf16 --kernel grounded_router_mma --match IN_DTYPE=2 --match HIDDEN_DIM=4096 --tokens 16384 --dump $OUT/p/bf16.ptx"
-  "--label f32tiled --kernel grounded_router_tiled --match IN_DTYPE=0 --match HIDDEN_DIM=4096 --tokens 16384 --dump $OUT/p/f32tiled.ptx"
-  "--label x3tf32 --kernel grounded_router_mma --match IN_DTYPE=0 --match PRECISION=2 --tokens 16384 --dump $OUT/p/x3tf32.ptx"
-  "--label dsv3 --kernel grounded_router_mma --match HIDDEN_DIM=7168 --tokens 4083 --dump $OUT/p/dsv3.ptx"
-  "--label seed --kernel grounded_router_team --match HIDDEN_DIM=128 --match NUM_EXPERTS=16 --tokens 4096 --dump $OUT/p/seed.ptx"
-)
-# More cases, one harness option line each (a kernel of another tree's
-# cache, say), from the file EXTRA_CASES.
-[ -n "${EXTRA_CASES:-}" ] && while read -r c; do [ -n "$c" ] && cases+=("$c"); done < "$EXTRA_CASES"
 args=(); for c in "${cases[@]}"; do args+=(--case "$c"); done
 # Plain run first: the checks and CUDA-event times without ncu.
 timeout 45 $h "${args[@]}" --iters 20; t "harness rc $?"
