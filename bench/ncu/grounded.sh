@@ -38,29 +38,40 @@ declare -A opts=(
 # one harness process, labelled NAME_CASE.
 trees=${TREES:-main:/tmp/b}
 mkdir -p $OUT/p
-cases=()
+cases=() pids=()
 for tr in $trees; do
   IFS=: read -r n b list <<< "$tr"
   kc=/tmp/prof-cache-$n; rm -rf $kc
   list=${list:-bf16,f32tiled,x3tf32,dsv3,seed}
   for c in ${list//,/ }; do
     [ -n "${opts[$c]:-}" ] || { echo "no case $c"; continue; }
-    # One moecl-bench per case, all at once (their host float64 checks are
-    # the slow part; the cache writes are atomic): device times beside.
-    (MOECL_CACHE_DIR=$kc timeout 60 "$b/tools/moecl-bench" --only "${only[$c]}" --iterations 20 --wall-calls 20 \
-       > "$OUT/p/bench-${n}_$c.txt" 2>&1) &
+    # One moecl-bench per case, all at once (cache writes are atomic).
+    MOECL_CACHE_DIR=$kc timeout ${FILL_S:-90} "$b/tools/moecl-bench" --only "${only[$c]}" --iterations 20 \
+      --wall-calls 20 > "$OUT/p/bench-${n}_$c.txt" 2>&1 &
+    pids+=($!)
     cases+=("--cache $kc --label ${n}_$c ${opts[$c]} --dump $OUT/p/${n}_$c.ptx")
   done
 done
+h="python3 bench/ncu/ptx_harness.py"
+args=(); for c in "${cases[@]}"; do args+=(--case "$c"); done
+# A bench writes its kernel into the cache before its float64 check on the
+# host, which takes tens of seconds at these sizes: once every case's entry
+# is there (or the benches are done), the benches still running are stopped.
+for i in $(seq 1 ${FILL_S:-90}); do
+  $h --check-entries "${args[@]}" > /dev/null && break
+  running=0; for p in "${pids[@]}"; do kill -0 $p 2>/dev/null && running=1; done
+  [ $running = 1 ] || break
+  sleep 1
+done
+$h --check-entries "${args[@]}" | head -3
+for p in "${pids[@]}"; do kill $p 2>/dev/null; done
 wait; t "caches filled"
 grep -HE "^(grounded|router)" $OUT/p/bench-*.txt | sed 's|^.*/bench-||' | cut -c1-170
-h="python3 bench/ncu/ptx_harness.py"
 for kc in /tmp/prof-cache-*; do
   $h --cache $kc --list | awk '{$1=""; print}' | grep -o "grounded_router_[a-z]*.*" | cut -c1-300 | sort | uniq |
     sed "s|^|$(basename $kc): |" >> $OUT/p/list.txt
 done
 wc -l < $OUT/p/list.txt
-args=(); for c in "${cases[@]}"; do args+=(--case "$c"); done
 # Plain run first: the checks and CUDA-event times without ncu.
 timeout 45 $h "${args[@]}" --iters 20; t "harness rc $?"
 for p in $OUT/p/*.ptx; do

@@ -378,6 +378,8 @@ def parser():
     ap.add_argument("--case", action="append", default=[],
                     help="the options of one case (--kernel, --match, --tokens, --iters, --dump, --label) as one "
                          "string; repeatable: the cases run one after the other in this process")
+    ap.add_argument("--check-entries", action="store_true",
+                    help="only say (exit status 0) whether every case has its cache entry; no CUDA")
     ap.add_argument("--profile-range", action="store_true",
                     help="after each case's check, one launch between cuProfilerStart and cuProfilerStop "
                          "(for ncu --profile-from-start off)")
@@ -414,8 +416,9 @@ def select_entry(o):
         return None
     if not chosen:
         raise SystemExit("no cache entry with kernel %s and %s" % (o.kernel, want))
-    if len(chosen) > 1:
-        print("note: %d entries match %s %s; running %s" % (len(chosen), o.kernel, want, os.path.basename(chosen[-1][0])))
+    if len(chosen) > 1 and not o.check_entries:
+        print("note: %d entries match %s %s; running %s" % (len(chosen), o.kernel, want,
+                                                         os.path.basename(chosen[-1][0])))
     return chosen[-1]
 
 
@@ -485,6 +488,15 @@ def main(argv=None):
         cases.append(ap.parse_args(shlex.split(c), namespace=ns))
     if top.list:
         select_entry(top)
+        return 0
+    if top.check_entries:
+        for o in cases:
+            try:
+                if o.kernel != "empty":
+                    select_entry(o)
+            except SystemExit as err:
+                print(err)
+                return 1
         return 0
     cuda = Cuda()
     failed = 0

@@ -269,3 +269,11 @@ def test_main_runs_cases(tmp_path, capsys, monkeypatch):
     assert f.launches[0] == ("grounded_router_mma__bf16", 3, 256, 17)
     assert f.calls == ["launch", "start", "launch", "stop"] + ["launch"] * 4
     assert b".visible .entry grounded_router_mma__bf16(" in dump.read_bytes()
+
+
+def test_check_entries(tmp_path, capsys):
+    (tmp_path / "00.bin").write_bytes(entry_bytes("moecl\noptions %s\n" % DEFINES, PTX))
+    have = "--cache %s --kernel grounded_router_mma --match IN_DTYPE=2" % tmp_path
+    assert h.main(["--check-entries", "--case", have, "--case", "--kernel empty"]) == 0
+    assert h.main(["--check-entries", "--case", have, "--case", have.replace("IN_DTYPE=2", "IN_DTYPE=0")]) == 1
+    assert "no cache entry" in capsys.readouterr().out
