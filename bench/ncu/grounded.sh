@@ -15,7 +15,8 @@
 # Writes under $OUT: ncu-raw.csv (ncu's raw page), ncu-details.txt, and in
 # $OUT/p the benches' output, the cache list, the PTX and ptxas -v. Limits:
 # BUDGET_S (default 225) seconds from T0 (the caller's start, default
-# now) for everything up to ncu's end. TREES (below): other builds' kernels.
+# now) for everything up to ncu's end; FILL_S (90) for the benches, PLAIN_S
+# (45) for the plain run. TREES (below): other builds' kernels.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/out}
@@ -72,8 +73,9 @@ for kc in /tmp/prof-cache-*; do
     sed "s|^|$(basename $kc): |" >> $OUT/p/list.txt
 done
 wc -l < $OUT/p/list.txt
-# Plain run first: the checks and CUDA-event times without ncu.
-timeout 45 $h "${args[@]}" --iters 20; t "harness rc $?"
+# Plain run first: the checks and CUDA-event times without ncu (PLAIN_S
+# seconds at most; 0 skips it).
+if [ "${PLAIN_S:-45}" != 0 ]; then timeout ${PLAIN_S:-45} $h "${args[@]}" --iters 20; t "harness rc $?"; fi
 for p in $OUT/p/*.ptx; do
   ptxas -arch=sm_90 -v "$p" -o /tmp/x.cubin 2>&1 | grep -E "Used|spill" | sed "s|^|$(basename $p .ptx): |" | tee -a $OUT/p/ptxas.txt | grep -v "^$" | tail -2
 done
