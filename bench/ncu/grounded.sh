@@ -28,12 +28,15 @@ t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
 # options that pick and feed it.
 declare -A only=([bf16]="grounded bf16" [f32tiled]="grounded large" [x3tf32]="grounded 3xtf32"
                  [dsv3]="router dsv3" [seed]="grounded seed")
+# The output variant is the one moecl-bench times: stacked pairs for the
+# grounded router, weights and ids for moecl_router.
+pairs="--match HAS_PAIRS=1 --match HAS_WEIGHTS=0 --match HAS_IDS=0"
 declare -A opts=(
-  [bf16]="--kernel grounded_router_mma --match IN_DTYPE=2 --match HIDDEN_DIM=4096 --tokens 16384"
-  [f32tiled]="--kernel grounded_router_tiled --match IN_DTYPE=0 --match HIDDEN_DIM=4096 --tokens 16384"
-  [x3tf32]="--kernel grounded_router_mma --match IN_DTYPE=0 --match PRECISION=2 --tokens 16384"
-  [dsv3]="--kernel grounded_router_mma --match HIDDEN_DIM=7168 --tokens 4083"
-  [seed]="--kernel grounded_router_team --match HIDDEN_DIM=128 --match NUM_EXPERTS=16 --tokens 4096")
+  [bf16]="--kernel grounded_router_mma --match IN_DTYPE=2 --match HIDDEN_DIM=4096 --tokens 16384 $pairs"
+  [f32tiled]="--kernel grounded_router_tiled --match IN_DTYPE=0 --match HIDDEN_DIM=4096 --tokens 16384 $pairs"
+  [x3tf32]="--kernel grounded_router_mma --match IN_DTYPE=0 --match PRECISION=2 --tokens 16384 $pairs"
+  [dsv3]="--kernel grounded_router_mma --match HIDDEN_DIM=7168 --tokens 4083 --match HAS_PAIRS=0 --match HAS_WEIGHTS=1 --match HAS_IDS=1"
+  [seed]="--kernel grounded_router_team --match HIDDEN_DIM=128 --match NUM_EXPERTS=16 --tokens 4096 $pairs")
 # TREES: NAME:BUILD_DIR[:CASE,CASE...] a tree (default every case), each
 # with its own moecl-bench and kernel cache; the cases of all trees run in
 # one harness process, labelled NAME_CASE.
