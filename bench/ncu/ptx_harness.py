@@ -19,14 +19,44 @@ CUDA events. Under `ncu` every launch is one profiled kernel.
 
 Kernels it knows how to feed: topk_gating_team and topk_gating_rows
 (softmax, no bias, no counts: the arguments are gating, topk_weights,
-topk_ids and the layout_topk_args record of cl/layout.h), and an empty
-kernel written here in PTX, the floor of a CUDA launch.
+topk_ids and the layout_topk_args record of cl/layout.h), an empty
+kernel written here in PTX, the floor of a CUDA launch, and the grounded
+router's GPU kernels grounded_router_mma (cl/router_mma.cl),
+grounded_router_tiled and grounded_router_team (cl/grounded_router.cl,
+KERNEL 2 and 1, not the ROUTE_DISPATCH variant): their arguments are
+OUTPUT_PARAMS' (hidden, logits, ground, bias, pairs, weights, ids, each a
+pointer and an element offset, then num_tokens, alpha,
+scaling_factor), the grid and work-group size those of
+src/grounded_router.c's shapes (from the entry's defines: TM, TN, MT, NT;
+MMA_MI, MMA_WM, MMA_WN; TEAM, ROWS), the gating either the seed's (g =
+logits + alpha * hidden @ ground^T, top-k of g, softmax over the chosen;
+alpha 0.5) or DeepSeek-V3's router (no logits, alpha 1, sigmoid, bias, 8
+groups keep 4, renormalised, scale 2.5). Their check is against g in
+float64 with the error bound of the entry's precision: ids may differ
+from the reference's only where the values they select agree within it
+(near ties), weights within it too.
+
+    # the profiled cases in one process, each launch once under ncu
+    ncu --profile-from-start off --section SpeedOfLight python3 \
+        bench/ncu/ptx_harness.py --cache /tmp/kc --profile-range \
+        --case "--kernel grounded_router_mma --match IN_DTYPE=2 --tokens 16384" \
+        --case "--kernel grounded_router_tiled --tokens 16384"
+
+--case runs several cases in one process (one CUDA context, one ncu
+session); --profile-range puts one extra launch of each case, after its
+check, between cuProfilerStart and cuProfilerStop, so that ncu with
+--profile-from-start off profiles exactly that launch; each case's entry is
+renamed <kernel>__<label> (--label, or the case's index) so that ncu's
+report names it.
 """
 import argparse
+import copy
 import ctypes
 import glob
+import math
 import os
 import re
+import shlex
 import struct
 import sys
 
@@ -86,7 +116,148 @@ def entry_params(ptx_text, name):
     return [p.strip() for p in m.group(1).split(",") if p.strip()] if m else None
 
 
+def rename_entry(ptx, name, new):
+    """The patched PTX with entry `name` (and its parameters' names) called
+    `new`, so that ncu's report tells the cases apart."""
+    return re.sub(r"\b%s(?=\b|_param_)" % re.escape(name), new, ptx.decode()).encode()
+
+
+GROUNDED_KERNELS = ("grounded_router_mma", "grounded_router_tiled", "grounded_router_team")
+IN_DTYPES = {"0": "float32", "1": "float16", "2": "bfloat16"}
+# OUTPUT_PARAMS and the three inputs before them (cl/grounded_router.cl):
+# seven pointers each with an element offset, then num_tokens, alpha and
+# scaling_factor.
+GROUNDED_PARAM_BITS = [64] * 14 + [32] * 3
+
+
+def grounded_launch(defines, kernel, tokens):
+    """(grid, block) as src/grounded_router.c's shapes launch `kernel`: a
+    work-group of `block` work-items per rows_per_group tokens
+    (src/plan.c)."""
+    d = lambda n: int(defines[n])
+    if kernel == "grounded_router_mma":
+        block, rows = 32 * d("MMA_WM") * d("MMA_WN"), 16 * d("MMA_MI") * d("MMA_WM")
+    elif kernel == "grounded_router_tiled":
+        block, rows = (d("TM") // d("MT")) * (d("TN") // d("NT")), d("TM")
+    else:
+        block, rows = d("TEAM") * d("ROWS"), d("ROWS")
+    return (tokens + rows - 1) // rows, block
+
+
+def grounded_gating(defines):
+    """'seed' (top-k of g, softmax over the chosen, router logits read),
+    'dsv3' (moecl-bench's 'router dsv3': no logits, sigmoid, bias, 8
+    groups keep 4 by their top-2 sums, renormalised), or None."""
+    g = lambda n, default="0": defines.get(n, default)
+    common = g("RENORM_FLOOR", None) is None and g("ROUTE_DISPATCH") == "0"
+    if (common and g("SCORING") == "3" and g("WEIGHTING") == "1" and g("HAS_BIAS") == "0" and
+            g("NUM_GROUPS") == "0" and g("RENORMALIZE") == "0" and g("HAS_LOGITS", "1") == "1"):
+        return "seed"
+    if (common and g("SCORING") == "1" and g("WEIGHTING") == "0" and g("HAS_BIAS") == "1" and
+            g("NUM_GROUPS") == "8" and g("TOPK_GROUP") == "4" and g("GROUP_SCORE") == "1" and
+            g("GROUP_FILL") == "0" and g("RENORMALIZE") == "1" and g("HAS_LOGITS", "1") == "0"):
+        return "dsv3"
+    return None
+
+
+def grounded_rel_bound(defines):
+    """docs/routing.md section 4's bound on g's error relative to alpha
+    times the sum of the absolute products: gamma_{H+2} (gamma_{3H+2} at
+    3xTF32: three products a step), plus r (1 + gamma) for the operands'
+    TF32 rounding (r = 2^-10 + 2^-22) or the 3xTF32 split (r = (3 +
+    2^-10) 2^-22); f16/bf16 products are exact in fp32 (r = 0)."""
+    h, u = int(defines["HIDDEN_DIM"]), 2.0 ** -24
+    precision = defines.get("PRECISION", "0") if defines.get("IN_DTYPE") == "0" else "0"
+    n = 3 * h + 2 if precision == "2" else h + 2
+    gamma = n * u / (1 - n * u)
+    r = {"1": 2.0 ** -10 + 2.0 ** -22, "2": (3 + 2.0 ** -10) * 2.0 ** -22}.get(precision, 0.0)
+    return gamma + r * (1 + gamma)
+
+
+def param_bits(params):
+    """The width in bits of each PTX parameter declaration."""
+    return [int(re.search(r"\.param\s+\.[a-z]+?(\d+)", p).group(1)) for p in params]
+
+
+def grounded_case(torch, defines, kernel, tokens, params, device="cuda"):
+    """Arguments, grid, block and check of a grounded router kernel (the
+    seed's gating or DeepSeek-V3's router, grounded_gating). torch: the
+    module; device: where the buffers live (cuda for launches; cpu lets
+    the argument building and the check be tested without a GPU)."""
+    gating = grounded_gating(defines)
+    if gating is None:
+        raise SystemExit("%s: only the seed's gating and the DeepSeek-V3 router are fed here: %s" % (kernel, defines))
+    if params is not None and param_bits(params) != GROUNDED_PARAM_BITS:
+        raise SystemExit("%s: parameters %s, expected widths %s" % (kernel, params, GROUNDED_PARAM_BITS))
+    h, e, k = int(defines["HIDDEN_DIM"]), int(defines["NUM_EXPERTS"]), int(defines["TOPK"])
+    dtype = getattr(torch, IN_DTYPES[defines["IN_DTYPE"]])
+    has = lambda n, default="0": defines.get(n, default) != "0"
+    gen = torch.Generator(device=device).manual_seed(1)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device, dtype=torch.float32)
+    hidden = randn(tokens, h).to(dtype)
+    ground = (randn(e, h) / math.sqrt(h)).to(dtype)  # g of order one
+    logits = randn(tokens, e) if has("HAS_LOGITS", "1") else None
+    bias = randn(e) * 0.1 if has("HAS_BIAS") else None
+    nan = lambda *shape: torch.full(shape, float("nan"), device=device)
+    pairs = nan(tokens, k, 2) if has("HAS_PAIRS") else None
+    weights = nan(tokens, k) if has("HAS_WEIGHTS") else None
+    ids = torch.full((tokens, k), -7, device=device, dtype=torch.int32) if has("HAS_IDS") else None
+    alpha, scale = (0.5, 1.0) if gating == "seed" else (1.0, 2.5)
+    args = []
+    for t in (hidden, logits, ground, bias, pairs, weights, ids):
+        args += [ctypes.c_uint64(t.data_ptr() if t is not None else 0), ctypes.c_uint64(0)]
+    args += [ctypes.c_uint32(tokens), ctypes.c_float(alpha), ctypes.c_float(scale)]
+    grid, block = grounded_launch(defines, kernel, tokens)
+    buffers = {"hidden": hidden, "ground": ground, "logits": logits, "bias": bias, "pairs": pairs,
+               "weights": weights, "ids": ids}
+
+    def check():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        x, w_ = hidden.double(), ground.double()
+        g64 = alpha * (x @ w_.T)
+        bound = abs(alpha) * grounded_rel_bound(defines) * (x.abs() @ w_.abs().T)
+        del x, w_
+        if logits is not None:
+            g64 += logits.double()
+        bound += 2.0 ** -24 * g64.abs() + (2 * h * abs(alpha) + 2) * 2.0 ** -126
+        row_bound = bound.max(-1, keepdim=True).values + 1e-30
+        del bound
+        got_i = ids.long() if ids is not None else pairs[..., 0].round().long()
+        got_w = weights if weights is not None else pairs[..., 1]
+        if not ((got_i >= 0) & (got_i < e)).all():
+            return False, "ids out of range (%d rows)" % int((~((got_i >= 0) & (got_i < e))).any(-1).sum())
+        if (got_i.sort(-1).values.diff(dim=-1) == 0).any():
+            return False, "an expert chosen twice in a row"
+        if pairs is not None and ids is not None and not torch.equal(pairs[..., 0].round().long(), got_i):
+            return False, "pairs' ids differ from topk_ids"
+        if gating == "seed":
+            sel = g64
+            want_i = torch.topk(g64, k, dim=-1).indices
+            chosen = g64.gather(1, got_i)
+            want_w = torch.softmax(chosen, -1)
+        else:
+            sel = torch.sigmoid(g64) + bias.double()
+            want_i = grouped_reference(torch, g64, bias, k, 8, 4, scale)[1]
+            s = torch.sigmoid(g64.gather(1, got_i))
+            want_w = s / s.sum(-1, keepdim=True) * scale
+        # Near ties: a row may choose other experts than the reference's
+        # only where the values selected agree within the bound.
+        differ = (got_i.sort(-1).values != want_i.sort(-1).values).any(-1)
+        gap = (sel.gather(1, got_i).sort(-1).values - sel.gather(1, want_i).sort(-1).values).abs().max(-1).values
+        tie_ok = (gap <= row_bound[:, 0]) | ~differ
+        w_err = (got_w.double() - want_w).abs()
+        w_ok = (w_err <= 2 * scale * row_bound + 4e-6 * scale).all(-1)
+        ok = bool(tie_ok.all() and w_ok.all())
+        return ok, "%d rows choose other ids than the reference (%d beyond the bound %.3g), weights max error %.3g (%d rows beyond)" % (
+            int(differ.sum()), int((~tie_ok).sum()), float(row_bound.max()), float(w_err.max()), int((~w_ok).sum()))
+
+    return args, grid, block, check, buffers
+
+
 class Cuda:
+    device = "cuda"
+
     def __init__(self):
         import torch
 
@@ -100,6 +271,19 @@ class Cuda:
             msg = ctypes.c_char_p()
             self.lib.cuGetErrorString(err, ctypes.byref(msg))
             raise RuntimeError("%s failed: %d %s" % (what, err, msg.value.decode() if msg.value else ""))
+
+    def sync(self):
+        self.torch.cuda.synchronize()
+
+    def time_launches(self, run, n):
+        """Microseconds per launch of n back to back (CUDA events)."""
+        start, end = self.torch.cuda.Event(enable_timing=True), self.torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            run()
+        end.record()
+        self.sync()
+        return start.elapsed_time(end) * 1000.0 / max(1, n)
 
     def load(self, ptx):
         mod = ctypes.c_void_p()
@@ -181,7 +365,7 @@ def topk_case(cuda, defines, kernel, tokens, params):
     return args, grid, block, check
 
 
-def main():
+def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="a moecl kernel cache directory (MOECL_CACHE_DIR)")
     ap.add_argument("--list", action="store_true", help="list the entries and their kernels")
@@ -190,62 +374,140 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--dump", help="write the patched PTX here")
-    o = ap.parse_args()
-    cuda = None if o.list else Cuda()
-    if o.kernel == "empty" and not o.list:
-        fn = cuda.function(cuda.load(EMPTY_PTX), "moecl_empty")
-        run = lambda: cuda.launch(fn, 1, 1, 0, [])
-        check = lambda: (True, "nothing to check")
-        label = "empty (hand-written PTX)"
-    else:
-        # The variants topk_case can feed, unless asked otherwise.
-        want = {"HAS_BIAS": "0", "SCORING": "0"}
-        if any(m.startswith("HAS_BIAS=1") for m in o.match):
-            want = {}
-        want.update(dict(m.split("=", 1) for m in o.match))
-        chosen = None
-        for path in sorted(glob.glob(os.path.join(o.cache, "*.bin"))):
-            ent = read_entry(path)
-            if not ent:
-                continue
-            key, binary = ent
-            if not binary.lstrip().startswith(b"//"):
-                continue  # not PTX (another vendor's binary)
-            defines = defines_of(key)
-            patched, shared = patch_ptx(binary)
-            if o.list:
-                print(os.path.basename(path), " ".join(shared), " ".join("%s=%s" % kv for kv in sorted(defines.items())))
-                continue
-            if (o.kernel in shared and all(defines.get(n) == v for n, v in want.items()) and
-                    defines.get("HAS_COUNTS", "0") == "0"):
-                chosen = (path, defines, patched, shared)
+    ap.add_argument("--label", help="the case's name in the report (the entry becomes <kernel>__<label>)")
+    ap.add_argument("--case", action="append", default=[],
+                    help="the options of one case (--kernel, --match, --tokens, --iters, --dump, --label) as one "
+                         "string; repeatable: the cases run one after the other in this process")
+    ap.add_argument("--check-entries", action="store_true",
+                    help="only say (exit status 0) whether every case has its cache entry; no CUDA")
+    ap.add_argument("--profile-range", action="store_true",
+                    help="after each case's check, one launch between cuProfilerStart and cuProfilerStop "
+                         "(for ncu --profile-from-start off)")
+    return ap
+
+
+def select_entry(o):
+    """The cache entry case o runs: (path, defines, patched PTX), the last
+    in name order of those with its kernel and defines; with --list, prints
+    every entry and returns None."""
+    grounded = o.kernel in GROUNDED_KERNELS
+    # The variants the case builders can feed, unless asked otherwise.
+    want = {} if grounded else {"HAS_BIAS": "0", "SCORING": "0"}
+    if any(m.startswith("HAS_BIAS=1") for m in o.match):
+        want = {}
+    want.update(dict(m.split("=", 1) for m in o.match))
+    chosen = []
+    for path in sorted(glob.glob(os.path.join(o.cache, "*.bin"))):
+        ent = read_entry(path)
+        if not ent:
+            continue
+        key, binary = ent
+        if not binary.lstrip().startswith(b"//"):
+            continue  # not PTX (another vendor's binary)
+        defines = defines_of(key)
+        patched, shared = patch_ptx(binary)
         if o.list:
-            return 0
-        if not chosen:
-            raise SystemExit("no cache entry with kernel %s and %s" % (o.kernel, want))
-        path, defines, patched, shared = chosen
-        if o.dump:
-            open(o.dump, "wb").write(patched.rstrip(b"\0"))
-        params = entry_params(patched, o.kernel)
-        fn = cuda.function(cuda.load(patched), o.kernel)
+            print(os.path.basename(path), " ".join(shared), " ".join("%s=%s" % kv for kv in sorted(defines.items())))
+            continue
+        if (o.kernel in shared and all(defines.get(n) == v for n, v in want.items()) and
+                defines.get("HAS_COUNTS", "0") == "0" and (not grounded or grounded_gating(defines))):
+            chosen.append((path, defines, patched))
+    if o.list:
+        return None
+    if not chosen:
+        raise SystemExit("no cache entry with kernel %s and %s" % (o.kernel, want))
+    if len(chosen) > 1 and not o.check_entries:
+        print("note: %d entries match %s %s; running %s" % (len(chosen), o.kernel, want,
+                                                         os.path.basename(chosen[-1][0])))
+    return chosen[-1]
+
+
+def prepare(cuda, o, index):
+    """(run, check, label) of case o."""
+    if o.kernel == "empty":
+        fn = cuda.function(cuda.load(EMPTY_PTX), "moecl_empty")
+        return (lambda: cuda.launch(fn, 1, 1, 0, [])), (lambda: (True, "nothing to check")), "empty (hand-written PTX)", {}
+    path, defines, patched = select_entry(o)
+    name = "%s__%s" % (o.kernel, re.sub(r"\W", "_", o.label or "case%d" % index))
+    patched = rename_entry(patched, o.kernel, name)
+    if o.dump:
+        open(o.dump, "wb").write(patched.rstrip(b"\0"))
+    params = entry_params(patched, name)
+    fn = cuda.function(cuda.load(patched), name)
+    keep = {}
+    if o.kernel in GROUNDED_KERNELS:
+        args, grid, block, check, keep = grounded_case(cuda.torch, defines, o.kernel, o.tokens, params, cuda.device)
+        shown = ("HIDDEN_DIM", "NUM_EXPERTS", "TOPK", "IN_DTYPE", "PRECISION", "TM", "TN", "TK", "MT", "NT", "VEC",
+                 "DB", "MMA_MI", "MMA_NT", "MMA_WM", "MMA_WN", "MMA_KW", "TEAM", "ROWS")
+        if o.kernel != "grounded_router_tiled":
+            shown = tuple(n for n in shown if n not in ("TM", "TN", "TK", "MT", "NT", "VEC", "DB"))
+    else:
         args, grid, block, check = topk_case(cuda, defines, o.kernel, o.tokens, params)
-        run = lambda: cuda.launch(fn, grid, block, 0, args)
-        label = "%s %s (%s)" % (o.kernel, " ".join("%s=%s" % (n, defines[n]) for n in ("NUM_EXPERTS", "TOPK", "TEAM", "ROWS") if n in defines), os.path.basename(path))
-    torch = cuda.torch
+        shown = ("NUM_EXPERTS", "TOPK", "TEAM", "ROWS")
+    keep["args"] = args
+    run = lambda: cuda.launch(fn, grid, block, 0, args)
+    label = "%s %s grid %d block %d (%s)" % (name, " ".join("%s=%s" % (n, defines[n]) for n in shown if n in defines),
+                                             grid, block, os.path.basename(path))
+    return run, check, label, keep
+
+
+def run_case(cuda, o, index, profile_range):
+    """Runs case o: a checked launch, the profiled one, then --iters timed
+    with CUDA events. Returns whether the check passed."""
+    run, check, label, keep = prepare(cuda, o, index)
     run()
     ok, detail = check()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(10):
+    if profile_range:
+        # What the check left in PyTorch's cache need not be saved and
+        # restored by ncu's replays.
+        cuda.torch.cuda.empty_cache()
+        cuda.sync()
+        cuda.check(cuda.lib.cuProfilerStart(), "cuProfilerStart")
         run()
-    start.record()
-    for _ in range(o.iters):
+        cuda.sync()
+        cuda.check(cuda.lib.cuProfilerStop(), "cuProfilerStop")
+    for _ in range(min(10, o.iters)):
         run()
-    end.record()
-    torch.cuda.synchronize()
-    per = start.elapsed_time(end) * 1000.0 / o.iters
+    per = cuda.time_launches(run, o.iters)
     print("%s, %d tokens: %s (%s); %.2f us per launch, %d back to back (CUDA events)" % (
-        label, o.tokens, "ok" if ok else "WRONG", detail, per, o.iters))
-    return 0 if ok else 1
+        label, o.tokens, "ok" if ok else "WRONG", detail, per, o.iters), flush=True)
+    del keep
+    return ok
+
+
+def main(argv=None):
+    ap = parser()
+    top = ap.parse_args(argv)
+    cases = []
+    for c in top.case or [None]:
+        if c is None:
+            cases.append(top)
+            continue
+        ns = copy.deepcopy(top)
+        ns.case, ns.label, ns.dump = [], None, None
+        cases.append(ap.parse_args(shlex.split(c), namespace=ns))
+    if top.list:
+        select_entry(top)
+        return 0
+    if top.check_entries:
+        for o in cases:
+            try:
+                if o.kernel != "empty":
+                    select_entry(o)
+            except SystemExit as err:
+                print(err)
+                return 1
+        return 0
+    cuda = Cuda()
+    failed = 0
+    for i, o in enumerate(cases):
+        try:
+            failed += not run_case(cuda, o, i, top.profile_range)
+        except (RuntimeError, SystemExit, KeyError, ValueError) as err:
+            print("case %d (%s %s, %d tokens): FAILED: %s" % (i, o.kernel, " ".join(o.match), o.tokens, err), flush=True)
+            failed += 1
+        cuda.torch.cuda.empty_cache()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

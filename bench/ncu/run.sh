@@ -4,6 +4,9 @@
 # through the CUDA driver API (bench/ncu/ptx_harness.py) with CUDA events
 # and under ncu (gpu__time_duration: the kernel alone, without OpenCL's
 # launch floor), next to an empty kernel. Prints what it measured.
+# The grounded router's kernels (grounded_router_mma, _tiled, _team) have
+# their own script, bench/ncu/grounded.sh: the harness feeds them too
+# (its docstring), with the cases of issue 15.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 kc=${NCU_CACHE:-/tmp/ncu-cache}
