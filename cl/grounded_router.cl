@@ -380,6 +380,13 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
  *             into registers while the current one is multiplied from
  *             local memory, two local stages and one barrier a step;
  *             0: one stage, load, barrier, multiply, barrier.
+ *   WC        work-items side by side along the experts (a divisor of
+ *             TN / NT, which is the default): the work-group is cut into
+ *             panels WC block columns wide, consecutive work-items going
+ *             across a panel, then down it. A warp of 32 then reads
+ *             32 / WC tokens' vectors and WC experts' a local read, not one
+ *             token's and 32 experts': with WC 8 and float4 reads both fit
+ *             one 128-byte local-memory transaction instead of one and four.
  * Each dot product is still one fma chain in ascending hidden order, so
  * every configuration gives the same bits. */
 #ifndef MT
@@ -394,8 +401,11 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 #ifndef DB
 #define DB 0
 #endif
-#if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4)
-#error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK"
+#ifndef WC
+#define WC (TN / NT)
+#endif
+#if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4) || (TN / NT) % WC
+#error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK, WC divide TN / NT"
 #endif
 #define ROW_GROUPS (TM / MT)
 #define COL_GROUPS (TN / NT)
@@ -519,8 +529,8 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 #define G_AT(m, n) ((__local float *)tile_memory)[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
-    const uint col_group = lid % COL_GROUPS;
-    const uint row_group = lid / COL_GROUPS;
+    const uint col_group = lid / (WC * ROW_GROUPS) * WC + lid % WC;
+    const uint row_group = lid / WC % ROW_GROUPS;
     const uint row0 = get_group_id(0) * TM;
     /* Whole vectors at vector-aligned addresses (buffers are aligned far
      * beyond 16 bytes): aligned loads are safe. */
