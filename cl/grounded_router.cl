@@ -434,12 +434,13 @@ typedef float vec_t;
 /* VEC hidden values of row `row` from index k, zeros past HIDDEN_DIM. f32
  * rows whose offset and length are multiples of VEC take one aligned
  * vector load (vloadn promises only element alignment, and some compilers
- * then split it); the rest go element by element. */
+ * then split it); the rest go element by element. Where TK divides
+ * HIDDEN_DIM every step is whole, and the bound needs no test. */
 static inline vec_t load_vec(__global const in_t *p, size_t row, uint k, bool aligned)
 {
     __global const in_t *at = p + row * HIDDEN_DIM + k;
 #if IN_DTYPE == 0
-    if (HIDDEN_DIM % VEC == 0 && k + VEC <= HIDDEN_DIM)
+    if (HIDDEN_DIM % VEC == 0 && (HIDDEN_DIM % TK == 0 || k + VEC <= HIDDEN_DIM))
         return aligned ? *(__global const vec_t *)at : VLOAD(0, at);
 #endif
     float v[VEC];
@@ -497,18 +498,22 @@ static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, co
     }
 }
 
-/* The register block's products over one local stage. */
-static inline void multiply_step(__local const vec_t *stage, uint row_group, uint col_group, float acc[MT][NT])
+/* The register block's products over one local stage, from the block's
+ * first token row and first expert row there. Every read is one of these
+ * two pointers plus a constant, so that the compiler folds the offsets
+ * into the loads (an index computed in uint and then widened cannot be
+ * folded: it costs an add, a multiply and a 64-bit add a read). */
+static inline void multiply_step(__local const vec_t *a_row, __local const vec_t *b_row, float acc[MT][NT])
 {
     UNROLL
     for (uint kv = 0; kv < TK / VEC; kv++) {
         vec_t b[NT];
         UNROLL
         for (uint j = 0; j < NT; j++)
-            b[j] = stage[(TM + col_group + j * COL_GROUPS) * ROW_VECS + kv];
+            b[j] = b_row[j * COL_GROUPS * ROW_VECS + kv];
         UNROLL
         for (uint i = 0; i < MT; i++) {
-            const vec_t a = stage[(row_group + i * ROW_GROUPS) * ROW_VECS + kv];
+            const vec_t a = a_row[i * ROW_GROUPS * ROW_VECS + kv];
             UNROLL
             for (uint j = 0; j < NT; j++)
                 acc[i][j] = DOT_FMA(a, b[j], acc[i][j]);
@@ -529,8 +534,16 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 #define G_AT(m, n) ((__local float *)tile_memory)[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
+    /* One panel: the plain form, to which NVIDIA's compiler gave fewer
+     * registers than the general one (bench/RESULTS.md). */
+#if WC == COL_GROUPS
+    const uint col_group = lid % COL_GROUPS, row_group = lid / COL_GROUPS;
+#else
     const uint col_group = lid / (WC * ROW_GROUPS) * WC + lid % WC;
     const uint row_group = lid / WC % ROW_GROUPS;
+#endif
+    /* The block's first rows in a stage: its token, its expert. */
+    const uint a_off = row_group * ROW_VECS, b_off = (TM + col_group) * ROW_VECS;
     const uint row0 = get_group_id(0) * TM;
     /* Whole vectors at vector-aligned addresses (buffers are aligned far
      * beyond 16 bytes): aligned loads are safe. */
@@ -558,7 +571,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             __local vec_t *current = tile_memory + (s % 2) * STEP_VECS;
             if (s + 1 < K_STEPS)
                 load_step(hidden, ground, row0, expert0, num_tokens, (s + 1) * TK, lid, aligned, h, w);
-            multiply_step(current, row_group, col_group, acc);
+            multiply_step(current + a_off, current + b_off, acc);
             /* The other stage was last read in step s - 1, before the
              * barrier that ended it. */
             if (s + 1 < K_STEPS)
@@ -570,7 +583,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             load_step(hidden, ground, row0, expert0, num_tokens, s * TK, lid, aligned, h, w);
             store_step(tile_memory, lid, h, w);
             barrier(CLK_LOCAL_MEM_FENCE);
-            multiply_step(tile_memory, row_group, col_group, acc);
+            multiply_step(tile_memory + a_off, tile_memory + b_off, acc);
             barrier(CLK_LOCAL_MEM_FENCE);
         }
 #endif
