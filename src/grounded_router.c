@@ -157,6 +157,8 @@ static const moecl_launch_config tile_configs[] = {
     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 8}},
     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 4}},
     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1, 4}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1, 8}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 16, 4, 4, 1, 8}},
     {MOECL_KERNEL_TILED, 1, 0, 128, {64, 16, 8, 8, 4, 1, 4}},
 };
 #define NUM_TILE_CONFIGS (sizeof(tile_configs) / sizeof(tile_configs[0]))

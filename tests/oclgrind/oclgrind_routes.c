@@ -246,6 +246,8 @@ static const run_def runs[] = {
     GEMM_WC_RUN(64, 128, 16, 8, 4, 4, 1, 8),
     GEMM_WC_RUN(64, 128, 16, 8, 4, 4, 1, 4),
     GEMM_WC_RUN(64, 128, 16, 8, 8, 4, 1, 4),
+    GEMM_WC_RUN(64, 128, 16, 8, 8, 4, 1, 8),
+    GEMM_WC_RUN(64, 128, 16, 16, 4, 4, 1, 8),
     GEMM_WC_RUN(128, 64, 16, 8, 8, 4, 1, 4),
     GTEAM_RUN(2, 4),
     GTEAM_RUN(8, 2),
