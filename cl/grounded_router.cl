@@ -404,6 +404,9 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 #ifndef WC
 #define WC (TN / NT)
 #endif
+#ifndef TILE_PTR_READS
+#define TILE_PTR_READS 0 /* multiply_step */
+#endif
 #if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4) || (TN / NT) % WC
 #error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK, WC divide TN / NT"
 #endif
@@ -435,12 +438,13 @@ typedef float vec_t;
  * rows whose offset and length are multiples of VEC take one aligned
  * vector load (vloadn promises only element alignment, and some compilers
  * then split it); the rest go element by element. Where TK divides
- * HIDDEN_DIM every step is whole, and the bound needs no test. */
+ * HIDDEN_DIM every step is whole, and the bound needs no test (under the
+ * TILE_PTR_READS experiment, multiply_step). */
 static inline vec_t load_vec(__global const in_t *p, size_t row, uint k, bool aligned)
 {
     __global const in_t *at = p + row * HIDDEN_DIM + k;
 #if IN_DTYPE == 0
-    if (HIDDEN_DIM % VEC == 0 && (HIDDEN_DIM % TK == 0 || k + VEC <= HIDDEN_DIM))
+    if (HIDDEN_DIM % VEC == 0 && ((TILE_PTR_READS && HIDDEN_DIM % TK == 0) || k + VEC <= HIDDEN_DIM))
         return aligned ? *(__global const vec_t *)at : VLOAD(0, at);
 #endif
     float v[VEC];
@@ -498,28 +502,40 @@ static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, co
     }
 }
 
-/* The register block's products over one local stage, from the block's
- * first token row and first expert row there. Every read is one of these
- * two pointers plus a constant, so that the compiler folds the offsets
- * into the loads (an index computed in uint and then widened cannot be
- * folded: it costs an add, a multiply and a 64-bit add a read). */
-static inline void multiply_step(__local const vec_t *a_row, __local const vec_t *b_row, float acc[MT][NT])
+/* The register block's products over one local stage. TILE_PTR_READS 1
+ * (an experiment, not measured yet: MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=1)
+ * reads each vector as the block's first token or expert row plus a
+ * constant, which a compiler can fold into the load's offset; an index
+ * computed in uint and then widened cannot be folded (NVIDIA's PTX spends
+ * an add, a multiply and a 64-bit add on each read). Same addresses, same
+ * bits. */
+static inline void multiply_step(__local const vec_t *stage, uint row_group, uint col_group, float acc[MT][NT])
 {
+#if TILE_PTR_READS
+    __local const vec_t *a_row = stage + row_group * ROW_VECS, *b_row = stage + (TM + col_group) * ROW_VECS;
+#define TILE_A(i, kv) a_row[(i) * ROW_GROUPS * ROW_VECS + (kv)]
+#define TILE_B(j, kv) b_row[(j) * COL_GROUPS * ROW_VECS + (kv)]
+#else
+#define TILE_A(i, kv) stage[(row_group + (i) * ROW_GROUPS) * ROW_VECS + (kv)]
+#define TILE_B(j, kv) stage[(TM + col_group + (j) * COL_GROUPS) * ROW_VECS + (kv)]
+#endif
     UNROLL
     for (uint kv = 0; kv < TK / VEC; kv++) {
         vec_t b[NT];
         UNROLL
         for (uint j = 0; j < NT; j++)
-            b[j] = b_row[j * COL_GROUPS * ROW_VECS + kv];
+            b[j] = TILE_B(j, kv);
         UNROLL
         for (uint i = 0; i < MT; i++) {
-            const vec_t a = a_row[i * ROW_GROUPS * ROW_VECS + kv];
+            const vec_t a = TILE_A(i, kv);
             UNROLL
             for (uint j = 0; j < NT; j++)
                 acc[i][j] = DOT_FMA(a, b[j], acc[i][j]);
         }
     }
 }
+#undef TILE_A
+#undef TILE_B
 
 __kernel __attribute__((reqd_work_group_size(WG_SIZE, 1, 1))) void
 grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
@@ -542,8 +558,6 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
     const uint col_group = lid / (WC * ROW_GROUPS) * WC + lid % WC;
     const uint row_group = lid / WC % ROW_GROUPS;
 #endif
-    /* The block's first rows in a stage: its token, its expert. */
-    const uint a_off = row_group * ROW_VECS, b_off = (TM + col_group) * ROW_VECS;
     const uint row0 = get_group_id(0) * TM;
     /* Whole vectors at vector-aligned addresses (buffers are aligned far
      * beyond 16 bytes): aligned loads are safe. */
@@ -571,7 +585,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             __local vec_t *current = tile_memory + (s % 2) * STEP_VECS;
             if (s + 1 < K_STEPS)
                 load_step(hidden, ground, row0, expert0, num_tokens, (s + 1) * TK, lid, aligned, h, w);
-            multiply_step(current + a_off, current + b_off, acc);
+            multiply_step(current, row_group, col_group, acc);
             /* The other stage was last read in step s - 1, before the
              * barrier that ended it. */
             if (s + 1 < K_STEPS)
@@ -583,7 +597,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
             load_step(hidden, ground, row0, expert0, num_tokens, s * TK, lid, aligned, h, w);
             store_step(tile_memory, lid, h, w);
             barrier(CLK_LOCAL_MEM_FENCE);
-            multiply_step(tile_memory + a_off, tile_memory + b_off, acc);
+            multiply_step(tile_memory, row_group, col_group, acc);
             barrier(CLK_LOCAL_MEM_FENCE);
         }
 #endif
