@@ -503,7 +503,7 @@ static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, co
 }
 
 /* The register block's products over one local stage. TILE_PTR_READS 1
- * (an experiment, not measured yet: MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=1)
+ * (an experiment, MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=1; bench/RESULTS.md)
  * reads each vector as the block's first token or expert row plus a
  * constant, which a compiler can fold into the load's offset; an index
  * computed in uint and then widened cannot be folded (NVIDIA's PTX spends
