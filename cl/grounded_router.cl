@@ -380,6 +380,13 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
  *             into registers while the current one is multiplied from
  *             local memory, two local stages and one barrier a step;
  *             0: one stage, load, barrier, multiply, barrier.
+ *   WC        work-items side by side along the experts (a divisor of
+ *             TN / NT, which is the default): the work-group is cut into
+ *             panels WC block columns wide, consecutive work-items going
+ *             across a panel, then down it. A warp of 32 then reads
+ *             32 / WC tokens' vectors and WC experts' a local read, not one
+ *             token's and 32 experts': with WC 8 and float4 reads both fit
+ *             one 128-byte local-memory transaction instead of one and four.
  * Each dot product is still one fma chain in ascending hidden order, so
  * every configuration gives the same bits. */
 #ifndef MT
@@ -394,8 +401,14 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 #ifndef DB
 #define DB 0
 #endif
-#if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4)
-#error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK"
+#ifndef WC
+#define WC (TN / NT)
+#endif
+#ifndef TILE_PTR_READS
+#define TILE_PTR_READS 0 /* multiply_step */
+#endif
+#if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4) || (TN / NT) % WC
+#error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK, WC divide TN / NT"
 #endif
 #define ROW_GROUPS (TM / MT)
 #define COL_GROUPS (TN / NT)
@@ -424,12 +437,14 @@ typedef float vec_t;
 /* VEC hidden values of row `row` from index k, zeros past HIDDEN_DIM. f32
  * rows whose offset and length are multiples of VEC take one aligned
  * vector load (vloadn promises only element alignment, and some compilers
- * then split it); the rest go element by element. */
+ * then split it); the rest go element by element. Where TK divides
+ * HIDDEN_DIM every step is whole, and the bound needs no test (under the
+ * TILE_PTR_READS experiment, multiply_step). */
 static inline vec_t load_vec(__global const in_t *p, size_t row, uint k, bool aligned)
 {
     __global const in_t *at = p + row * HIDDEN_DIM + k;
 #if IN_DTYPE == 0
-    if (HIDDEN_DIM % VEC == 0 && k + VEC <= HIDDEN_DIM)
+    if (HIDDEN_DIM % VEC == 0 && ((TILE_PTR_READS && HIDDEN_DIM % TK == 0) || k + VEC <= HIDDEN_DIM))
         return aligned ? *(__global const vec_t *)at : VLOAD(0, at);
 #endif
     float v[VEC];
@@ -487,24 +502,40 @@ static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, co
     }
 }
 
-/* The register block's products over one local stage. */
+/* The register block's products over one local stage. TILE_PTR_READS 1
+ * (an experiment, MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=1; bench/RESULTS.md)
+ * reads each vector as the block's first token or expert row plus a
+ * constant, which a compiler can fold into the load's offset; an index
+ * computed in uint and then widened cannot be folded (NVIDIA's PTX spends
+ * an add, a multiply and a 64-bit add on each read). Same addresses, same
+ * bits. */
 static inline void multiply_step(__local const vec_t *stage, uint row_group, uint col_group, float acc[MT][NT])
 {
+#if TILE_PTR_READS
+    __local const vec_t *a_row = stage + row_group * ROW_VECS, *b_row = stage + (TM + col_group) * ROW_VECS;
+#define TILE_A(i, kv) a_row[(i) * ROW_GROUPS * ROW_VECS + (kv)]
+#define TILE_B(j, kv) b_row[(j) * COL_GROUPS * ROW_VECS + (kv)]
+#else
+#define TILE_A(i, kv) stage[(row_group + (i) * ROW_GROUPS) * ROW_VECS + (kv)]
+#define TILE_B(j, kv) stage[(TM + col_group + (j) * COL_GROUPS) * ROW_VECS + (kv)]
+#endif
     UNROLL
     for (uint kv = 0; kv < TK / VEC; kv++) {
         vec_t b[NT];
         UNROLL
         for (uint j = 0; j < NT; j++)
-            b[j] = stage[(TM + col_group + j * COL_GROUPS) * ROW_VECS + kv];
+            b[j] = TILE_B(j, kv);
         UNROLL
         for (uint i = 0; i < MT; i++) {
-            const vec_t a = stage[(row_group + i * ROW_GROUPS) * ROW_VECS + kv];
+            const vec_t a = TILE_A(i, kv);
             UNROLL
             for (uint j = 0; j < NT; j++)
                 acc[i][j] = DOT_FMA(a, b[j], acc[i][j]);
         }
     }
 }
+#undef TILE_A
+#undef TILE_B
 
 __kernel __attribute__((reqd_work_group_size(WG_SIZE, 1, 1))) void
 grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
@@ -519,8 +550,14 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 #define G_AT(m, n) ((__local float *)tile_memory)[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
-    const uint col_group = lid % COL_GROUPS;
-    const uint row_group = lid / COL_GROUPS;
+    /* One panel: the plain form, to which NVIDIA's compiler gave fewer
+     * registers than the general one (bench/RESULTS.md). */
+#if WC == COL_GROUPS
+    const uint col_group = lid % COL_GROUPS, row_group = lid / COL_GROUPS;
+#else
+    const uint col_group = lid / (WC * ROW_GROUPS) * WC + lid % WC;
+    const uint row_group = lid / WC % ROW_GROUPS;
+#endif
     const uint row0 = get_group_id(0) * TM;
     /* Whole vectors at vector-aligned addresses (buffers are aligned far
      * beyond 16 bytes): aligned loads are safe. */

@@ -68,6 +68,7 @@ typedef struct grounded_shape {
     unsigned tm, tn, tk;       /* tiled: tile of tokens x experts x hidden step */
     unsigned mt, nt;           /* tiled: each work-item's register block */
     unsigned vec, db;          /* tiled: vector width, double buffering */
+    unsigned wc;               /* tiled: work-items side by side along the experts */
     unsigned team, rows, ept;  /* team */
     bool shuffle;              /* team: warp shuffles (inline PTX) */
     size_t local;              /* work-group size */
@@ -131,26 +132,34 @@ size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, uns
 #define RULE_TILE_CONFIGS 4
 static const moecl_launch_config tile_configs[] = {
     /* the rule's (MOECL_GROUNDED_TILE=128 starts at the first) */
-    {MOECL_KERNEL_TILED, 1, 0, 128, {0, 16, 8, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {0, 16, 4, 4, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 32, {0, 16, 4, 4, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 16, {0, 16, 4, 4, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {0, 16, 8, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {0, 16, 4, 4, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {0, 16, 4, 4, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 16, {0, 16, 4, 4, 4, 1, 0}},
     /* all 128 experts of a token in one tile: 8 x 8 and 8 x 4 blocks */
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 8, 8, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 4, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 4, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 8, 4, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 128, {128, 16, 8, 8, 4, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 8, 8, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 4, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 4, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 32, {128, 16, 8, 4, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {128, 16, 8, 8, 4, 1, 0}},
     /* 64 experts a tile */
-    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 8, 8, 4, 1}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 4, 0}},
-    {MOECL_KERNEL_TILED, 1, 0, 128, {64, 16, 8, 8, 4, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 8, 8, 4, 1, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 4, 0, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {64, 16, 8, 8, 4, 0, 0}},
     /* scalar and pair loads */
-    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 1, 0}},
-    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 2, 1}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {64, 16, 4, 4, 1, 0, 0}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 2, 1, 0}},
+    /* warps of several tokens and experts (wc: work-items along the
+     * experts), so that one local read serves more of a warp */
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 8}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 4}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1, 4}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 8, 4, 1, 8}},
+    {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 16, 4, 4, 1, 8}},
+    {MOECL_KERNEL_TILED, 1, 0, 128, {64, 16, 8, 8, 4, 1, 4}},
 };
 #define NUM_TILE_CONFIGS (sizeof(tile_configs) / sizeof(tile_configs[0]))
 
@@ -194,7 +203,10 @@ static bool tiled_shape(const moecl_device_info *info, const moecl_launch_config
     size_t local = (size_t)(tm / p.mt) * (p.tn / p.nt);
     if (local < tm || local > info->max_work_group_size || tiled_local_bytes(tm, &p, k) > moecl_local_budget(info))
         return false;
-    *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, p.tn, p.tk, p.mt, p.nt, p.vec, p.db, 1, 1, 1, false, local, tm,
+    const unsigned wc = p.wc ? p.wc : p.tn / p.nt;
+    if ((p.tn / p.nt) % wc)
+        return false;
+    *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, p.tn, p.tk, p.mt, p.nt, p.vec, p.db, wc, 1, 1, 1, false, local, tm,
                               "grounded_router_tiled", 0, 0, 0, 0, 0};
     return true;
 }
@@ -211,7 +223,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     /* Shuffles need teams inside a warp and work-groups of whole warps. */
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     /* mt, nt: defines every kernel's source expects. */
-    *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, 1, 0, team, rows, ept, shuffle, (size_t)team * rows,
+    *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, 1, 0, 0, team, rows, ept, shuffle, (size_t)team * rows,
                               rows, "grounded_router_team", 0, 0, 0, 0, 0};
     return true;
 }
@@ -258,7 +270,7 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
             LAYOUT_GROUNDED_MMA_LOCAL_BYTES((size_t)tm, (size_t)tn, (size_t)kw, (size_t)w * wn, emulated) >
                 moecl_local_budget(info))
             continue;
-        *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 0, 1, 1, 1, false, local, tm,
+        *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 0, 0, 1, 1, 1, false, local, tm,
                                   "grounded_router_mma", mi, nt, w, wn, kw};
         return true;
     }
@@ -270,7 +282,7 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
 static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
 {
     const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
-    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
+    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
                             "grounded_router_rows", 0, 0, 0, 0, 0};
 }
 
@@ -395,7 +407,7 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
      * seed's gating needs none of them; the tiled kernel's vector width
      * and double buffering only on its variants. */
     if (s->kind == MOECL_KERNEL_TILED)
-        append(defines, size, " -DVEC=%u -DDB=%u", s->vec, s->db, 0);
+        append(defines, size, " -DVEC=%u -DDB=%u -DWC=%u", s->vec, s->db, s->wc);
     if (g->num_expert_groups)
         append(defines, size, " -DNUM_GROUPS=%u -DTOPK_GROUP=%u -DGROUP_SCORE=%u", g->num_expert_groups,
                g->topk_group, (unsigned)g->group_score);

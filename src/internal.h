@@ -80,6 +80,7 @@ typedef enum moecl_kernel_kind {
  * first entry for `tile` tokens (src/grounded_router.c). */
 typedef struct moecl_tile_params {
     unsigned tn, tk, mt, nt, vec, db;
+    unsigned wc; /* work-items side by side along the experts; 0: tn / nt */
 } moecl_tile_params;
 
 /* A launch configuration. rows: one row (token) per work-item, `rows` of

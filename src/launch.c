@@ -62,7 +62,7 @@ bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_
 {
     const moecl_tile_params *p = &a->tiled, *q = &b->tiled;
     return a->kernel == b->kernel && a->team == b->team && a->rows == b->rows && a->tile == b->tile && p->tn == q->tn &&
-           p->tk == q->tk && p->mt == q->mt && p->nt == q->nt && p->vec == q->vec && p->db == q->db;
+           p->tk == q->tk && p->mt == q->mt && p->nt == q->nt && p->vec == q->vec && p->db == q->db && p->wc == q->wc;
 }
 
 const char *moecl_launch_source_name(moecl_launch_source s)
@@ -86,6 +86,9 @@ int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t siz
     const moecl_tile_params *p = &c->tiled;
     if (c->kernel == MOECL_KERNEL_TILED && !p->tk)
         return snprintf(buf, size, "kernel=tiled tile=%u", c->tile);
+    if (c->kernel == MOECL_KERNEL_TILED && p->wc)
+        return snprintf(buf, size, "kernel=tiled tile=%u tn=%u tk=%u mt=%u nt=%u vec=%u db=%u wc=%u", c->tile, p->tn,
+                        p->tk, p->mt, p->nt, p->vec, p->db, p->wc);
     if (c->kernel == MOECL_KERNEL_TILED)
         return snprintf(buf, size, "kernel=tiled tile=%u tn=%u tk=%u mt=%u nt=%u vec=%u db=%u", c->tile, p->tn, p->tk,
                         p->mt, p->nt, p->vec, p->db);
@@ -119,9 +122,11 @@ static const table_entry builtin_table[] = {
     {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}}},
     /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
      * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
-     * top 8, f32 (bench/RESULTS.md, "The GEMM tile"). */
+     * top 8, f32: 16 x 4 blocks, warps of 4 tokens x 8 experts (bench/
+     * RESULTS.md, "The f32 GEMM tile's local reads and work-item
+     * arrangement"). */
     {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
-     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1}}},
+     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 16, 4, 4, 1, 8}}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
      * which restates the rule: moecl-tune found every rows count within
      * noise of the others and the team kernels several times slower
@@ -328,12 +333,14 @@ static bool parse_uint(const char *s, uint32_t *out)
 
 /* The shape rules of a GEMM tile, before any device check: experts a tile
  * 16..256, hidden steps 4..64, blocks 1..16, each a power of two; the block
- * divides the tile, the vector (1, 2 or 4) the hidden step. */
+ * divides the tile, the vector (1, 2 or 4) the hidden step; wc, if given, a
+ * power of two dividing the block columns tn / nt. */
 static bool tile_params_valid(unsigned tile, const moecl_tile_params *p)
 {
     return moecl_is_pow2(p->tn) && p->tn >= 16 && p->tn <= 256 && moecl_is_pow2(p->tk) && p->tk >= 4 && p->tk <= 64 &&
            moecl_is_pow2(p->mt) && p->mt <= 16 && tile % p->mt == 0 && moecl_is_pow2(p->nt) && p->nt <= 16 &&
-           p->tn % p->nt == 0 && (p->vec == 1 || p->vec == 2 || p->vec == 4) && p->tk % p->vec == 0 && p->db <= 1;
+           p->tn % p->nt == 0 && (p->vec == 1 || p->vec == 2 || p->vec == 4) && p->tk % p->vec == 0 && p->db <= 1 &&
+           (p->wc == 0 || (moecl_is_pow2(p->wc) && (p->tn / p->nt) % p->wc == 0));
 }
 
 /* One entry line (NUL-terminated, no newline) into key and config; false
@@ -341,9 +348,10 @@ static bool tile_params_valid(unsigned tile, const moecl_tile_params *p)
  * configuration is checked here; the device checks come at use. */
 static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *config)
 {
-    enum { F_E, F_K, F_GROUPS, F_HIDDEN, F_TEAM, F_ROWS, F_TILE, F_TN, F_TK, F_MT, F_NT, F_VEC, F_DB, F_KERNEL, F_COUNT };
-    static const char *const names[F_COUNT] = {"e",  "k",  "groups", "hidden", "team", "rows", "tile",
-                                               "tn", "tk", "mt",     "nt",     "vec",  "db",   "kernel"};
+    enum { F_E, F_K, F_GROUPS, F_HIDDEN, F_TEAM, F_ROWS, F_TILE, F_TN, F_TK, F_MT, F_NT, F_VEC, F_DB, F_WC, F_KERNEL,
+           F_COUNT };
+    static const char *const names[F_COUNT] = {"e",  "k",  "groups", "hidden", "team", "rows", "tile", "tn",
+                                               "tk", "mt", "nt",     "vec",    "db",   "wc",   "kernel"};
     uint32_t value[F_COUNT] = {0};
     bool seen[F_COUNT] = {false};
     char *save = NULL;
@@ -394,11 +402,12 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
     }
     moecl_launch_config c = {(moecl_kernel_kind)value[F_KERNEL], 1, 0, 0, {0}};
     /* The GEMM tile's fields come all together or not at all (the table's
-     * entry for the tile), and only with the tiled kernel. */
+     * entry for the tile), and only with the tiled kernel; wc is optional
+     * among them. */
     unsigned tile_fields = 0;
     for (int f = F_TN; f <= F_DB; f++)
         tile_fields += seen[f];
-    if (tile_fields != 0 && (tile_fields != F_DB - F_TN + 1 || c.kernel != MOECL_KERNEL_TILED))
+    if ((tile_fields != 0 || seen[F_WC]) && (tile_fields != F_DB - F_TN + 1 || c.kernel != MOECL_KERNEL_TILED))
         return false;
     switch (c.kernel) {
     case MOECL_KERNEL_ROWS:
@@ -414,7 +423,8 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         break;
     case MOECL_KERNEL_TILED:
         c.tile = value[F_TILE];
-        c.tiled = (moecl_tile_params){value[F_TN], value[F_TK], value[F_MT], value[F_NT], value[F_VEC], value[F_DB]};
+        c.tiled = (moecl_tile_params){value[F_TN], value[F_TK], value[F_MT], value[F_NT],
+                                      value[F_VEC], value[F_DB], value[F_WC]};
         if (topk || seen[F_TEAM] || seen[F_ROWS] || !moecl_is_pow2(c.tile) || c.tile < 16 || c.tile > 128 ||
             (tile_fields && !tile_params_valid(c.tile, &c.tiled)))
             return false;

@@ -255,7 +255,7 @@ START_TEST(test_round_trip)
     const moecl_launch_key other[4] = {moecl_launch_key_topk(4096, 64, 64), moecl_launch_key_grounded(3000, 128, 8),
                                        moecl_launch_key_grounded(65536, 1, 1), moecl_launch_key_grounded(7168, 256, 8)};
     ck_assert_uint_eq(other[1].hidden_bucket, 4096);
-    const moecl_launch_config gemm = {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 4, 2, 0}};
+    const moecl_launch_config gemm = {MOECL_KERNEL_TILED, 1, 0, 64, {128, 32, 8, 4, 2, 0, 0}};
     const moecl_launch_config oc[4] = {cfg_team(256, 16), cfg_tiled(128), cfg_rows(4096), gemm};
     for (int i = 0; i < 4; i++)
         ck_assert(moecl_tune_set(&table, &other[i], &oc[i]));
@@ -331,6 +331,7 @@ static const struct {
     {true, "grounded e=16 k=2 hidden=128 kernel=team team=8 rows=4\r"}, /* CRLF */
     {true, "grounded e=128 k=8 hidden=4096 kernel=tiled tile=64"},
     {true, "grounded e=129 k=8 hidden=4096 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1"},
+    {true, "grounded e=130 k=8 hidden=4096 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=4 vec=4 db=1 wc=8"},
     {true, "topk e=64 k=2 kernel=rows rows=8"}, /* groups defaults to 0 */
     {false, "# a comment"},
     {false, ""},
@@ -378,6 +379,12 @@ static const struct {
     {false, "grounded e=30 k=2 hidden=128 kernel=tiled tile=16 tn=128 tk=16 mt=32 nt=8 vec=4 db=1"},
     {false, "grounded e=31 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=2 mt=8 nt=8 vec=1 db=1"},
     {false, "grounded e=32 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1 db=1"},
+    /* wc: optional, only with the other fields, a power of two dividing tn / nt */
+    {false, "grounded e=33 k=2 hidden=128 kernel=tiled tile=64 wc=8"},
+    {false, "grounded e=34 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=4 vec=4 db=1 wc=3"},
+    {false, "grounded e=35 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=4 vec=4 db=1 wc=64"},
+    {false, "grounded e=36 k=2 hidden=128 kernel=tiled tile=64 tn=128 tk=16 mt=8 nt=4 vec=4 db=1 wc=0x8"},
+    {false, "grounded e=37 k=2 hidden=128 kernel=team team=4 rows=2 wc=4"},
     {false, "router e=24 k=2 hidden=128 kernel=rows rows=8"},          /* unknown op */
     {false, "TOPK e=123 k=8 groups=0 kernel=rows rows=8"},
     {false, "topk e=124 k=8 groups=0 kernel=rows rows=8 \x01"},        /* control character */

@@ -363,6 +363,9 @@ static void config_columns(const moecl_launch_config *c, char *buf, size_t size)
         snprintf(team, sizeof(team), "%u", c->team);
     if (c->kernel != MOECL_KERNEL_TILED)
         snprintf(rows, sizeof(rows), "%u", c->rows);
+    else if (p->tk && p->wc) /* ... and the work-items side by side along the experts */
+        snprintf(tile, sizeof(tile), "%ux%ux%u/%ux%u/v%u/db%u/wc%u", c->tile, p->tn, p->tk, p->mt, p->nt, p->vec, p->db,
+                 p->wc);
     else if (p->tk) /* tokens x experts x hidden step, block, vector, double buffering */
         snprintf(tile, sizeof(tile), "%ux%ux%u/%ux%u/v%u/db%u", c->tile, p->tn, p->tk, p->mt, p->nt, p->vec, p->db);
     else

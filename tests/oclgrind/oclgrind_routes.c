@@ -199,7 +199,11 @@ typedef struct run_def {
  * tokens, experts, hidden step, block, vector width, double buffering. */
 #define GEMM_RUN(t, tn, tk, mt, nt, vec, db)                                                       \
     {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db, OP_GROUNDED, "gpu", {NULL, NULL}, \
-     true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db}}, true, true}
+     true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db, 0}}, true, true}
+/* The same with wc work-items side by side along the experts. */
+#define GEMM_WC_RUN(t, tn, tk, mt, nt, vec, db, wc)                                                \
+    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db "-wc" #wc, OP_GROUNDED, "gpu",  \
+     {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db, wc}}, true, true}
 #define GTEAM_RUN(n, rows)                                                                         \
     {"grounded-team" #n "-rows" #rows, OP_GROUNDED, "gpu", {NULL, NULL}, true,                              \
      {MOECL_KERNEL_TEAM, n, rows, 0, {0}}, true, false}
@@ -239,6 +243,12 @@ static const run_def runs[] = {
     GEMM_RUN(128, 64, 16, 8, 8, 4, 0),
     GEMM_RUN(64, 64, 16, 4, 4, 1, 0),
     GEMM_RUN(64, 128, 16, 8, 8, 2, 1),
+    GEMM_WC_RUN(64, 128, 16, 8, 4, 4, 1, 8),
+    GEMM_WC_RUN(64, 128, 16, 8, 4, 4, 1, 4),
+    GEMM_WC_RUN(64, 128, 16, 8, 8, 4, 1, 4),
+    GEMM_WC_RUN(64, 128, 16, 8, 8, 4, 1, 8),
+    GEMM_WC_RUN(64, 128, 16, 16, 4, 4, 1, 8),
+    GEMM_WC_RUN(128, 64, 16, 8, 8, 4, 1, 4),
     GTEAM_RUN(2, 4),
     GTEAM_RUN(8, 2),
     GTEAM_RUN(32, 2),
