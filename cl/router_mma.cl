@@ -278,10 +278,27 @@ static inline void mma_multiply(float acc[MMA_MI][MMA_NT][4], __local const uint
         UNROLL
         for (uint i = 0; i < MMA_MI; i++)
             mma_frag_a(arows + i * 16 * MMA_KS, w, g, t, a[i]);
+#if IN_DTYPE == 0 && PRECISION == 2
+        /* 3xTF32: each fragment split once, not once per tile it meets
+         * (inside the tile loops the splits kept the ALU busier than the
+         * tensor cores: bench/RESULTS.md, the ncu profiles). */
+        uint ah[MMA_MI][4], al[MMA_MI][4];
+        UNROLL
+        for (uint i = 0; i < MMA_MI; i++)
+            UNROLL
+            for (uint q = 0; q < 4; q++)
+                tf32_split(a[i][q], &ah[i][q], &al[i][q]);
+#endif
         UNROLL
         for (uint j = 0; j < MMA_NT; j++) {
             uint b[2];
             mma_frag_b(brows + j * 8 * MMA_KS, w, g, t, b);
+#if IN_DTYPE == 0 && PRECISION == 2
+            uint bh[2], bl[2];
+            UNROLL
+            for (uint q = 0; q < 2; q++)
+                tf32_split(b[q], &bh[q], &bl[q]);
+#endif
             UNROLL
             for (uint i = 0; i < MMA_MI; i++) {
 #if IN_DTYPE != 0
@@ -289,17 +306,10 @@ static inline void mma_multiply(float acc[MMA_MI][MMA_NT][4], __local const uint
 #elif PRECISION == 1
                 MMA_K8(acc[i][j], a[i], b);
 #else
-                /* 3xTF32: the small products first, then hi * hi. */
-                uint ah[4], al[4], bh[2], bl[2];
-                UNROLL
-                for (uint q = 0; q < 4; q++)
-                    tf32_split(a[i][q], &ah[q], &al[q]);
-                UNROLL
-                for (uint q = 0; q < 2; q++)
-                    tf32_split(b[q], &bh[q], &bl[q]);
-                MMA_K8(acc[i][j], al, bh);
-                MMA_K8(acc[i][j], ah, bl);
-                MMA_K8(acc[i][j], ah, bh);
+                /* The small products first, then hi * hi. */
+                MMA_K8(acc[i][j], al[i], bh);
+                MMA_K8(acc[i][j], ah[i], bl);
+                MMA_K8(acc[i][j], ah[i], bh);
 #endif
             }
         }
