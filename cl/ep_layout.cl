@@ -228,21 +228,27 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
  *      memory), publishes its counts as row c of the matrix, and takes a
  *      ticket; the first to take one decides the mode: WAIT where every
  *      work-group has started by then, else LAST;
- *   2. WAIT: once all G have counted, every work-group scans a share of the
- *      matrix's columns (each chunk's prefix per rank, the totals, the
- *      small outputs), waits for all G again, and places its own chunk;
+ *   2. WAIT: once all G have counted, every work-group reads columns
+ *      0..R of the whole matrix itself (its chunk's prefix per rank and
+ *      the totals: a few words per work-item, so no second grid-wide wait
+ *      for a shared scan), sums a share of the other columns into their
+ *      outputs, and places its own chunk;
  *      LAST: the last work-group to count sums the columns alone and its
  *      first work-item places every slot in order (a device that does not
  *      run the work-groups together: pocl and Intel's CPU runtime on a few
  *      threads, oclgrind one at a time), and the others end after
  *      counting.
- * The tickets are four 7-bit fields of scratch word 0 (started, counted,
- * passed the second wait, ended; bits 28-29 the mode), so that the word is
- * 0 between calls as moe_align's fused kernel keeps it: the last
- * work-group to end puts it back to 0. Every word one work-group writes for
- * another goes by atomics, as in moe_align_fused (cl/moe_align.cl says what
- * that assumes). The positions are those of the three kernels, so the bits
- * are the same on every device and in both modes.
+ * The tickets are three 7-bit fields of scratch word 0 (started, counted,
+ * ended; bits 28-29 the mode), so that the word is 0 between calls as
+ * moe_align's fused kernel keeps it: the last work-group to end puts it
+ * back to 0 (its ended ticket is every other work-group's last access to
+ * the scratch, and a launch runs to completion, so no call leaves it
+ * otherwise once it was 0 at the start). Every word one work-group writes
+ * for another goes by atomics, as in moe_align_fused (cl/moe_align.cl says
+ * what that assumes), and is read by atomics or, with MOECL_PTX, by
+ * NVIDIA's volatile loads (peer_load). The positions are those of the
+ * three kernels, so the bits are the same on every device and in both
+ * modes.
  *
  * Build-time define: FWG, the work-group (a power of two, at least top_k;
  * sub-tiles of SUB work-items rank equal keys). A tile is FWG / top_k
@@ -256,8 +262,7 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
 
 #define F_STARTED 0
 #define F_COUNTED 7
-#define F_PASSED 14
-#define F_ENDED 21
+#define F_ENDED 14
 #define F_MODE 28
 #define MODE_WAIT 1u
 #define MODE_LAST 2u
@@ -370,14 +375,24 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
     }
 }
 
-/* Lane 0's ticket on field at of word 0, returning the word after it;
- * with wait, it then spins until all G have taken theirs. */
-static inline uint ticket(volatile __global uint *word, uint at, uint groups, bool wait)
+/* A word another work-group wrote (the matrix, the tickets), read after
+ * its ticket: an atomic (cl/moe_align.cl says why), except with MOECL_PTX,
+ * where NVIDIA's volatile load reads the device's L2 without the atomic's
+ * round trip (every work-group reads the same words, so the atomics would
+ * queue on them); the ticket's fences order it. */
+static inline uint peer_load(__global const uint *p)
 {
-    uint w = atomic_add(word, 1u << at) + (1u << at);
-    while (wait && field(w, at) < groups)
-        w = atomic_or(word, 0u);
-    return w;
+#if MOECL_PTX
+    return alone() ? *p : *(volatile __global const uint *)p;
+#else
+    return shared_load(p);
+#endif
+}
+
+/* Lane 0's ticket on field at of word 0, returning the word after it. */
+static inline uint ticket(volatile __global uint *word, uint at)
+{
+    return atomic_add(word, 1u << at) + (1u << at);
 }
 
 /* The total of a column past the rank starts: a token count per rank or
@@ -393,40 +408,81 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
     }
 }
 
-/* WAIT mode: work-group c's share of the columns, a team of L work-items
- * (a power of two, at most FWG) a column: per column, the chunks' exclusive
- * prefixes (columns 0..R, into prefix) and the total (columns 0..R into
- * tot, the others into the output they feed). Lane i of a team takes a run
- * of q chunks and adds the runs of the lanes before it. Without active
- * (LAST mode) the same barriers run over nothing. */
-static void scan_columns_fused(__global const uint *matrix, __global uint *prefix, __global uint *tot, uint groups,
-                               uint R, uint cols, uint L, bool active, uint flags, __global int *tokens_per_rank,
-                               __global int *expert_counts, __local uint *part)
+/* The matrix's column col summed over chunks i, i + step, ... below
+ * groups, with the part from chunks below c into *before; the loads go
+ * out four at a time before any is used (a GPU stalls at a value's first
+ * use). */
+static inline uint column_sum(__global const uint *matrix, uint cols, uint col, uint i, uint step, uint groups,
+                              uint c, uint *before)
 {
-    const uint lid = get_local_id(0), g = lid / L, i = lid % L, q = (groups + L - 1) / L, teams = FWG / L;
-    for (uint at = get_group_id(0) * teams; at < cols; at += groups * teams) {
-        const uint col = at + g, c0 = min(i * q, groups), c1 = min(c0 + q, groups);
+    uint sum = 0, pre = 0;
+    for (uint cc = i; cc < groups; cc += 4 * step) {
+        uint v[4];
+        for (uint m = 0; m < 4; m++) {
+            const uint at = cc + m * step;
+            v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;
+        }
+        for (uint m = 0; m < 4; m++) {
+            sum += v[m];
+            pre += cc + m * step < c ? v[m] : 0u;
+        }
+    }
+    *before = pre;
+    return sum;
+}
+
+/* WAIT mode, after the counted wait: work-group c's own view of columns
+ * 0..R (the slots per key), teams of FWG / (R + 1) work-items a column
+ * (at least one): pre[r] its chunk's slots of key r in earlier chunks,
+ * total[r] all chunks' (each work-group reads the whole of these columns
+ * itself, so no second grid-wide wait is needed). Without active (LAST
+ * mode) the same barriers run over nothing. */
+static void own_columns_fused(__global const uint *matrix, uint groups, uint c, uint R, uint cols, bool active,
+                              __local uint *pre, __local uint *total)
+{
+    const uint lid = get_local_id(0), L = FWG > R + 1 ? FWG / (R + 1) : 1u, g = lid / L, i = lid % L;
+    for (uint r = lid; r <= R && active; r += FWG) {
+        pre[r] = 0;
+        total[r] = 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint col = g; col <= R && active; col += FWG / L) {
+        uint before;
+        const uint sum = column_sum(matrix, cols, col, i, L, groups, c, &before);
+#if FWG == 1
+        pre[col] += before;
+        total[col] += sum;
+#else
+        atomic_add(&pre[col], before);
+        atomic_add(&total[col], sum);
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* WAIT mode: the totals of the other columns (tokens per rank, slots per
+ * physical expert) into their outputs, shared out over the work-groups, a
+ * team of L work-items (a power of two up to SUB, about 4 chunks a lane)
+ * a column. Without active the same barriers run over nothing. */
+static void output_columns_fused(__global const uint *matrix, uint groups, uint R, uint cols, bool active,
+                                 uint flags, __global int *tokens_per_rank, __global int *expert_counts,
+                                 __local uint *part)
+{
+    uint L = 1;
+    while (L < SUB && L * 4 < groups)
+        L *= 2;
+    const uint lid = get_local_id(0), g = lid / L, i = lid % L, teams = FWG / L;
+    for (uint at = R + 1 + get_group_id(0) * teams; at < cols; at += groups * teams) {
+        const uint col = at + g;
         const bool live = active && col < cols;
-        uint sum = 0;
-        for (uint c = c0; c < c1 && live; c++)
-            sum += shared_load(&matrix[(size_t)c * cols + col]);
-        part[lid] = sum;
+        uint before;
+        part[lid] = live ? column_sum(matrix, cols, col, i, L, groups, 0, &before) : 0u;
         barrier(CLK_LOCAL_MEM_FENCE);
-        uint acc = 0;
-        for (uint l = lid - i; l < lid; l++)
-            acc += part[l];
-        if (live && col <= R)
-            for (uint c = c0; c < c1; c++) {
-                shared_store(&prefix[(size_t)c * (R + 1) + col], acc);
-                acc += shared_load(&matrix[(size_t)c * cols + col]);
-            }
-        else
-            acc += sum;
-        if (live && i == L - 1) {
-            if (col <= R)
-                shared_store(&tot[col], acc);
-            else
-                column_output(col, R, acc, flags, tokens_per_rank, expert_counts);
+        if (live && i == 0) {
+            uint total = 0;
+            for (uint l = lid; l < lid + L; l++)
+                total += part[l];
+            column_output(col, R, total, flags, tokens_per_rank, expert_counts);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
@@ -438,8 +494,7 @@ static void scan_columns_fused(__global const uint *matrix, __global uint *prefi
  * rank_offsets; out1 send_slots, tokens_per_rank, expert_counts. lm: cnt
  * (2R + 1 + P' words, P' = num_physical with EP_COUNTS, else 0), sub
  * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k).
- * scratch: word 0 the tickets, the matrix [G][2R + 1 + P'], prefix
- * [G][R + 1], tot [R + 1]. Every work-group meets the same barriers
+ * scratch: word 0 the tickets, the matrix [G][2R + 1 + P']. Every work-group meets the same barriers
  * whatever its ticket (moe_align_fused says why): the steps of a mode a
  * work-group does not take run over nothing, and the LAST mode's own
  * steps have no barrier. */
@@ -465,10 +520,10 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     __local uint *cnt = lm, *sub = cnt + cols, *start = sub + NSUB * (R + 1), *base = start + R + 1;
     __local uint *kr = base + R + 1;
     volatile __global uint *word = scratch;
-    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)G * cols, *tot = prefix + (size_t)G * (R + 1);
+    __global uint *matrix = scratch + 1;
 
     if (lid == 0 && !alone())
-        ticket(word, F_STARTED, G, false);
+        ticket(word, F_STARTED);
     for (uint i = lid; i < NSUB * (R + 1); i += FWG)
         sub[i] = 0;
     const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
@@ -476,22 +531,24 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     for (uint i = lid; i < cols; i += FWG)
         shared_store(&matrix[(size_t)c * cols + i], cnt[i]);
 
-    /* 1. The counted ticket; the first decides the mode. */
+    /* 1. The counted ticket; the first decides the mode; in WAIT mode
+     * lane 0 then spins until all G have counted. */
     mem_fence(CLK_GLOBAL_MEM_FENCE);
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0) {
         uint mode = MODE_WAIT, last = 1;
         if (!alone()) {
-            const uint w = ticket(word, F_COUNTED, G, false), counted = field(w, F_COUNTED) - 1;
+            __global const uint *w0 = (__global const uint *)word;
+            const uint w = ticket(word, F_COUNTED), counted = field(w, F_COUNTED) - 1;
             last = counted == G - 1;
             mode = w >> F_MODE;
             if (counted == 0) {
                 mode = field(w, F_STARTED) == G && (in.flags & EP_MAY_WAIT) ? MODE_WAIT : MODE_LAST;
                 atomic_or(word, mode << F_MODE);
             }
-            for (uint v = w; !mode; v = atomic_or(word, 0u))
+            for (uint v = w; !mode; v = peer_load(w0))
                 mode = v >> F_MODE;
-            for (uint v = w; mode == MODE_WAIT && field(v, F_COUNTED) < G; v = atomic_or(word, 0u))
+            for (uint v = w; mode == MODE_WAIT && field(v, F_COUNTED) < G; v = peer_load(w0))
                 ;
         }
         flag[0] = mode;
@@ -501,33 +558,21 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     mem_fence(CLK_GLOBAL_MEM_FENCE);
     const bool wait = flag[0] == MODE_WAIT, alone_last = !wait && flag[1];
 
-    /* 2. WAIT: a share of the columns each, then the second wait. */
-    /* A column's team: about 4 chunks a lane, up to SUB lanes. */
-    uint L = 1;
-    while (L < SUB && L * 4 < G)
-        L *= 2;
-    scan_columns_fused(matrix, prefix, tot, G, R, cols, L, wait, in.flags, tokens_per_rank, expert_counts, tile);
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    if (lid == 0 && wait && !alone())
-        ticket(word, F_PASSED, G, true);
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    /* 2. WAIT: this chunk's prefix and the totals of columns 0..R (cnt
+     * and base), and a share of the other columns' outputs. */
+    own_columns_fused(matrix, G, c, R, cols, wait, cnt, base);
+    output_columns_fused(matrix, G, R, cols, wait, in.flags, tokens_per_rank, expert_counts, tile);
 
-    /* 3. The totals of ranks 0..R into base: WAIT from tot, LAST summed
-     * over the chunks by the last work-group (which also writes the other
-     * columns' outputs). */
-    for (uint col = lid; col < cols && (wait || alone_last); col += FWG) {
+    /* 3. LAST: the last work-group sums every column over the chunks
+     * (the totals of ranks 0..R into base, the others into their
+     * outputs). */
+    for (uint col = lid; col < cols && alone_last; col += FWG) {
         uint total = 0;
-        if (wait) {
-            total = col <= R ? shared_load(&tot[col]) : 0u;
-        } else {
-            for (uint cc = 0; cc < G; cc++)
-                total += shared_load(&matrix[(size_t)cc * cols + col]);
-            if (col > R)
-                column_output(col, R, total, in.flags, tokens_per_rank, expert_counts);
-        }
-        if (col <= R)
+        for (uint cc = 0; cc < G; cc++)
+            total += shared_load(&matrix[(size_t)cc * cols + col]);
+        if (col > R)
+            column_output(col, R, total, in.flags, tokens_per_rank, expert_counts);
+        else
             base[col] = total;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -552,7 +597,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
      * that sum); LAST: the last work-group's first work-item walks every
      * slot in order with a running position per rank. */
     for (uint r = lid; r <= R && wait; r += FWG)
-        cnt[r] = start[r] + shared_load(&prefix[(size_t)c * (R + 1) + r]);
+        cnt[r] += start[r];
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint i = lid; i < (tok1 - tok0) * in.top_k && wait; i += FWG) {
         const uint v = kr[i], key = v >> 16;
@@ -569,7 +614,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
             }
 
     if (lid == 0 && !alone()) {
-        const uint w = ticket(word, F_ENDED, G, false);
+        const uint w = ticket(word, F_ENDED);
         if (field(w, F_ENDED) == G)
             atomic_xchg(word, 0u);
     }
