@@ -245,8 +245,8 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
  * the scratch, and a launch runs to completion, so no call leaves it
  * otherwise once it was 0 at the start). Every word one work-group writes
  * for another goes by atomics, as in moe_align_fused (cl/moe_align.cl says
- * what that assumes), and is read by atomics or, with MOECL_PTX, by
- * NVIDIA's volatile loads (peer_load). The positions are those of the
+ * what that assumes), or with MOECL_PTX by NVIDIA's volatile accesses
+ * (peer_store, peer_load). The positions are those of the
  * three kernels, so the bits are the same on every device and in both
  * modes.
  *
@@ -304,8 +304,36 @@ static inline void sub_tile_rank(uint key, uint lid, uint base, __local const ui
 #endif
 }
 
-/* Chunk c by one work-group: each slot's key (its rank, R where not sent)
- * and its stable rank among the chunk's slots of that key, packed as
+/* Every slot of the chunk [tok0, tok_end) by one work-group, before the
+ * tiles: its key (its rank, R where not sent) and physical expert into kr
+ * (chunk-relative index) as key << 16 | p + 1 (0 where not sent; p is
+ * below EP_MAX_PHYSICAL, 2^14), and its physical_ids entry. The ids of four
+ * slots a work-item are loaded before any is used, so that the chunk's
+ * tiles wait for memory once rather than once each. */
+static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global int *phys, __local uint *kr)
+{
+    const uint lid = get_local_id(0), k = in->top_k, R = in->num_ranks, n = (tok_end - tok0) * k;
+    const uint s0 = tok0 * k;
+    for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
+        int e[4];
+        for (uint m = 0; m < 4; m++) {
+            const uint i = i0 + m * FWG;
+            e[m] = i < n ? in->ids[s0 + i] : -1;
+        }
+        for (uint m = 0; m < 4; m++) {
+            const uint i = i0 + m * FWG;
+            if (i >= n)
+                break;
+            const int p = physical_of(e[m], tok0 + i / k, in->num_experts, in->num_physical, in->max_replicas,
+                                      in->flags, in->l2p, in->replicas);
+            const uint key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
+            phys[s0 + i] = key < R ? p : -1;
+            kr[i] = key << 16 | (key < R ? (uint)p + 1u : 0u);
+        }
+    }
+}
+
+/* Chunk c by one work-group, from its keys in kr: each slot's stable rank among the chunk's slots of that key, packed as
  * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
  * chunk's slots per key, cnt[R + 1 + r] its tokens on rank r and
  * cnt[2R + 1 + p] its slots on physical expert p (with EP_COUNTS); and
@@ -322,6 +350,7 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
     const uint g = lid / SUB, base = g * SUB, j = lid % k;
     for (uint i = lid; i < cols; i += FWG)
         cnt[i] = 0;
+    chunk_keys_fused(in, tok0, tok_end, phys, kr);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint tt = tok0; tt < tok_end; tt += tile_tokens) {
         const uint tok = tt + lid / k, s = tok * k + j;
@@ -329,10 +358,9 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
         int p = -1;
         uint key = R + 1; /* past the end: a key no slot has */
         if (in_range) {
-            p = physical_of(in->ids[s], tok, in->num_experts, in->num_physical, in->max_replicas, in->flags,
-                            in->l2p, in->replicas);
-            key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
-            phys[s] = key < R ? p : -1;
+            const uint v = kr[s - tok0 * k];
+            key = v >> 16;
+            p = (int)(v & 0xffffu) - 1;
         }
         /* The token's flags: zeros first (its k lanes share the row), then,
          * after the barrier, a 1 from the token's first slot on each rank. */
@@ -375,11 +403,21 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
     }
 }
 
-/* A word another work-group wrote (the matrix, the tickets), read after
- * its ticket: an atomic (cl/moe_align.cl says why), except with MOECL_PTX,
- * where NVIDIA's volatile load reads the device's L2 without the atomic's
- * round trip (every work-group reads the same words, so the atomics would
- * queue on them); the ticket's fences order it. */
+/* A word one work-group writes for others (its matrix row) and one it
+ * reads from another (the matrix, the tickets), across the tickets: atomics
+ * (cl/moe_align.cl says why), except with MOECL_PTX, where NVIDIA's
+ * volatile accesses go to the device's L2 without an atomic's round trip
+ * (every work-group reads the same words, so atomics would queue on
+ * them); the tickets' fences order them. */
+static inline void peer_store(__global uint *p, uint v)
+{
+#if MOECL_PTX
+    *(volatile __global uint *)p = v;
+#else
+    shared_store(p, v);
+#endif
+}
+
 static inline uint peer_load(__global const uint *p)
 {
 #if MOECL_PTX
@@ -529,7 +567,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
     rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile);
     for (uint i = lid; i < cols; i += FWG)
-        shared_store(&matrix[(size_t)c * cols + i], cnt[i]);
+        peer_store(&matrix[(size_t)c * cols + i], cnt[i]);
 
     /* 1. The counted ticket; the first decides the mode; in WAIT mode
      * lane 0 then spins until all G have counted. */
