@@ -316,10 +316,12 @@ static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global 
     const uint s0 = tok0 * k;
     for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
         int e[4];
+        UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
             e[m] = i < n ? in->ids[s0 + i] : -1;
         }
+        UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
             if (i >= n)
@@ -448,19 +450,21 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
 
 /* The matrix's column col summed over chunks i, i + step, ... below
  * groups, with the part from chunks below c into *before; the loads go
- * out four at a time before any is used (a GPU stalls at a value's first
- * use). */
+ * out LOAD_BATCH at a time before any is used (cl/moe_align.cl says why:
+ * at 64 ranks a work-item reads about 27 words). */
 static inline uint column_sum(__global const uint *matrix, uint cols, uint col, uint i, uint step, uint groups,
                               uint c, uint *before)
 {
     uint sum = 0, pre = 0;
-    for (uint cc = i; cc < groups; cc += 4 * step) {
-        uint v[4];
-        for (uint m = 0; m < 4; m++) {
+    for (uint cc = i; cc < groups; cc += LOAD_BATCH * step) {
+        uint v[LOAD_BATCH];
+        UNROLL
+        for (uint m = 0; m < LOAD_BATCH; m++) {
             const uint at = cc + m * step;
             v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;
         }
-        for (uint m = 0; m < 4; m++) {
+        UNROLL
+        for (uint m = 0; m < LOAD_BATCH; m++) {
             sum += v[m];
             pre += cc + m * step < c ? v[m] : 0u;
         }
