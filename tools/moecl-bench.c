@@ -400,6 +400,8 @@ static void free_buffers(case_buffers *b)
     free(b->host_bias);
 }
 
+/* The case's call; with after, it waits on that event (a marker), whatever
+ * the op, so that every op's span from a marker holds the same wait. */
 static moecl_status call_after(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set,
                                cl_event after, cl_event *done)
 {
@@ -429,14 +431,16 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
     moecl_buffer bias = {b->bias, 0};
     if (c->op == OP_TOPK)
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
-                                 (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL, done);
+                                 (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, after ? 1 : 0,
+                                 after ? &after : NULL, done);
     if (c->op == OP_ROUTER)
         return moecl_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, none, (moecl_buffer){b->in3[set], 0},
-                            b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL,
-                            done);
+                            b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0},
+                            after ? 1 : 0, after ? &after : NULL, done);
     /* The seed's layout: stacked (index, weight) pairs. */
     return moecl_grounded_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->in2[set], 0},
-                                 (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, 0, NULL, done);
+                                 (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, after ? 1 : 0,
+                                 after ? &after : NULL, done);
 }
 
 static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, cl_event *done)
@@ -947,10 +951,11 @@ static void usage(FILE *f)
                "device time spans its kernels: from a marker just before the call to the end of its last, as\n"
                "the layout's (ep_layout) and the grounded route dispatch's. --marker times every case so\n"
                "(a one-kernel call's dev_us then includes the gap between the marker and its kernel, as\n"
-               "theirs does). A layout case's line under the table compares it with the routing of the\n"
-               "same shape alike: each one's last kernel START..END (the whole call where both are one\n"
-               "launch, as the fused layout is once its scratch is set up), with --marker each one's\n"
-               "span from its marker, and each one's wall time.\n"
+               "theirs does; every call waits on its marker through its wait list). A layout case's line\n"
+               "under the table compares it with the routing of the same shape alike: each one's last\n"
+               "kernel START..END (the whole call where both are one launch, as the fused layout is once\n"
+               "its scratch is set up), with --marker each one's span from its marker, and each one's\n"
+               "wall time.\n"
                "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32;\n"
                "1,128,8 or the --shape) costs the host: batches of 200 calls on the context's own queue\n"
                "behind an uncompleted user event, so no kernel runs, best of 15 rounds, against a bare\n"
