@@ -502,7 +502,8 @@ static inline uint column_sum(__global const uint *matrix, uint cols, uint col, 
  * key r in earlier chunks, and total[r], all chunks'. The other columns
  * (tokens per rank, slots per physical expert), shared out over the
  * work-groups, share each: their totals into their outputs. All of a
- * round's columns load together (a team of work-items a column), so that
+ * round's columns load together (a team of work-items a column, reading
+ * along the matrix's rows), so that
  * the work-group waits for the matrix once, not once for its own columns
  * and again for its share; rounds of at most FWG shared columns (tile
  * holds their sums). Without active (LAST mode) the same barriers run
@@ -514,7 +515,10 @@ static void columns_fused(__global const uint *matrix, uint groups, uint c, uint
     const uint lid = get_local_id(0), own = R + 1, share = (cols - own + groups - 1) / groups;
     for (uint o0 = 0; o0 == 0 || o0 < share; o0 += FWG) {
         const uint shared = min(share - min(o0, share), (uint)FWG), first = o0 == 0 ? own : 0u;
-        const uint jobs = first + shared, L = FWG > jobs ? FWG / jobs : 1u, g = lid / L, i = lid % L;
+        /* Neighbouring work-items take neighbouring columns of a chunk's
+         * row (coalesced reads), a team's L work-items every L-th chunk. */
+        const uint jobs = first + shared, teams = min(jobs, (uint)FWG), L = FWG / teams;
+        const uint g = lid % teams, i = lid / teams;
         for (uint r = lid; r < first && active; r += FWG) {
             pre[r] = 0;
             total[r] = 0;
@@ -522,7 +526,7 @@ static void columns_fused(__global const uint *matrix, uint groups, uint c, uint
         for (uint j = lid; j < shared && active; j += FWG)
             tile[j] = 0;
         barrier(CLK_LOCAL_MEM_FENCE);
-        for (uint job = g; job < jobs && active; job += FWG / L) {
+        for (uint job = g; job < jobs && i < L && active; job += teams) {
             const uint col = job < first ? job : own + c * share + o0 + job - first;
             if (col >= cols)
                 continue;
