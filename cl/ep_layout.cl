@@ -228,21 +228,27 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
  *      memory), publishes its counts as row c of the matrix, and takes a
  *      ticket; the first to take one decides the mode: WAIT where every
  *      work-group has started by then, else LAST;
- *   2. WAIT: once all G have counted, every work-group scans a share of the
- *      matrix's columns (each chunk's prefix per rank, the totals, the
- *      small outputs), waits for all G again, and places its own chunk;
+ *   2. WAIT: once all G have counted, every work-group reads columns
+ *      0..R of the whole matrix itself (its chunk's prefix per rank and
+ *      the totals: a few words per work-item, so no second grid-wide wait
+ *      for a shared scan), sums a share of the other columns into their
+ *      outputs, and places its own chunk;
  *      LAST: the last work-group to count sums the columns alone and its
  *      first work-item places every slot in order (a device that does not
  *      run the work-groups together: pocl and Intel's CPU runtime on a few
  *      threads, oclgrind one at a time), and the others end after
  *      counting.
- * The tickets are four 7-bit fields of scratch word 0 (started, counted,
- * passed the second wait, ended; bits 28-29 the mode), so that the word is
- * 0 between calls as moe_align's fused kernel keeps it: the last
- * work-group to end puts it back to 0. Every word one work-group writes for
- * another goes by atomics, as in moe_align_fused (cl/moe_align.cl says what
- * that assumes). The positions are those of the three kernels, so the bits
- * are the same on every device and in both modes.
+ * The tickets are three 7-bit fields of scratch word 0 (started, counted,
+ * ended; bits 28-29 the mode), so that the word is 0 between calls as
+ * moe_align's fused kernel keeps it: the last work-group to end puts it
+ * back to 0 (its ended ticket is every other work-group's last access to
+ * the scratch, and a launch runs to completion, so no call leaves it
+ * otherwise once it was 0 at the start). Every word one work-group writes
+ * for another goes by atomics, as in moe_align_fused (cl/moe_align.cl says
+ * what that assumes), or with MOECL_PTX by NVIDIA's volatile accesses
+ * (peer_store, peer_load). The positions are those of the
+ * three kernels, so the bits are the same on every device and in both
+ * modes.
  *
  * Build-time define: FWG, the work-group (a power of two, at least top_k;
  * sub-tiles of SUB work-items rank equal keys). A tile is FWG / top_k
@@ -256,8 +262,7 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
 
 #define F_STARTED 0
 #define F_COUNTED 7
-#define F_PASSED 14
-#define F_ENDED 21
+#define F_ENDED 14
 #define F_MODE 28
 #define MODE_WAIT 1u
 #define MODE_LAST 2u
@@ -299,8 +304,36 @@ static inline void sub_tile_rank(uint key, uint lid, uint base, __local const ui
 #endif
 }
 
-/* Chunk c by one work-group: each slot's key (its rank, R where not sent)
- * and its stable rank among the chunk's slots of that key, packed as
+/* Every slot of the chunk [tok0, tok_end) by one work-group, before the
+ * tiles: its key (its rank, R where not sent) and physical expert into kr
+ * (chunk-relative index) as key << 16 | p + 1 (0 where not sent; p is
+ * below EP_MAX_PHYSICAL, 2^14), and its physical_ids entry. The ids of four
+ * slots a work-item are loaded before any is used, so that the chunk's
+ * tiles wait for memory once rather than once each. */
+static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global int *phys, __local uint *kr)
+{
+    const uint lid = get_local_id(0), k = in->top_k, R = in->num_ranks, n = (tok_end - tok0) * k;
+    const uint s0 = tok0 * k;
+    for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
+        int e[4];
+        for (uint m = 0; m < 4; m++) {
+            const uint i = i0 + m * FWG;
+            e[m] = i < n ? in->ids[s0 + i] : -1;
+        }
+        for (uint m = 0; m < 4; m++) {
+            const uint i = i0 + m * FWG;
+            if (i >= n)
+                break;
+            const int p = physical_of(e[m], tok0 + i / k, in->num_experts, in->num_physical, in->max_replicas,
+                                      in->flags, in->l2p, in->replicas);
+            const uint key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
+            phys[s0 + i] = key < R ? p : -1;
+            kr[i] = key << 16 | (key < R ? (uint)p + 1u : 0u);
+        }
+    }
+}
+
+/* Chunk c by one work-group, from its keys in kr: each slot's stable rank among the chunk's slots of that key, packed as
  * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
  * chunk's slots per key, cnt[R + 1 + r] its tokens on rank r and
  * cnt[2R + 1 + p] its slots on physical expert p (with EP_COUNTS); and
@@ -317,6 +350,7 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
     const uint g = lid / SUB, base = g * SUB, j = lid % k;
     for (uint i = lid; i < cols; i += FWG)
         cnt[i] = 0;
+    chunk_keys_fused(in, tok0, tok_end, phys, kr);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint tt = tok0; tt < tok_end; tt += tile_tokens) {
         const uint tok = tt + lid / k, s = tok * k + j;
@@ -324,10 +358,9 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
         int p = -1;
         uint key = R + 1; /* past the end: a key no slot has */
         if (in_range) {
-            p = physical_of(in->ids[s], tok, in->num_experts, in->num_physical, in->max_replicas, in->flags,
-                            in->l2p, in->replicas);
-            key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
-            phys[s] = key < R ? p : -1;
+            const uint v = kr[s - tok0 * k];
+            key = v >> 16;
+            p = (int)(v & 0xffffu) - 1;
         }
         /* The token's flags: zeros first (its k lanes share the row), then,
          * after the barrier, a 1 from the token's first slot on each rank. */
@@ -370,14 +403,34 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
     }
 }
 
-/* Lane 0's ticket on field at of word 0, returning the word after it;
- * with wait, it then spins until all G have taken theirs. */
-static inline uint ticket(volatile __global uint *word, uint at, uint groups, bool wait)
+/* A word one work-group writes for others (its matrix row) and one it
+ * reads from another (the matrix, the tickets), across the tickets: atomics
+ * (cl/moe_align.cl says why), except with MOECL_PTX, where NVIDIA's
+ * volatile accesses go to the device's L2 without an atomic's round trip
+ * (every work-group reads the same words, so atomics would queue on
+ * them); the tickets' fences order them. */
+static inline void peer_store(__global uint *p, uint v)
 {
-    uint w = atomic_add(word, 1u << at) + (1u << at);
-    while (wait && field(w, at) < groups)
-        w = atomic_or(word, 0u);
-    return w;
+#if MOECL_PTX
+    *(volatile __global uint *)p = v;
+#else
+    shared_store(p, v);
+#endif
+}
+
+static inline uint peer_load(__global const uint *p)
+{
+#if MOECL_PTX
+    return alone() ? *p : *(volatile __global const uint *)p;
+#else
+    return shared_load(p);
+#endif
+}
+
+/* Lane 0's ticket on field at of word 0, returning the word after it. */
+static inline uint ticket(volatile __global uint *word, uint at)
+{
+    return atomic_add(word, 1u << at) + (1u << at);
 }
 
 /* The total of a column past the rank starts: a token count per rank or
@@ -393,40 +446,81 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
     }
 }
 
-/* WAIT mode: work-group c's share of the columns, a team of L work-items
- * (a power of two, at most FWG) a column: per column, the chunks' exclusive
- * prefixes (columns 0..R, into prefix) and the total (columns 0..R into
- * tot, the others into the output they feed). Lane i of a team takes a run
- * of q chunks and adds the runs of the lanes before it. Without active
- * (LAST mode) the same barriers run over nothing. */
-static void scan_columns_fused(__global const uint *matrix, __global uint *prefix, __global uint *tot, uint groups,
-                               uint R, uint cols, uint L, bool active, uint flags, __global int *tokens_per_rank,
-                               __global int *expert_counts, __local uint *part)
+/* The matrix's column col summed over chunks i, i + step, ... below
+ * groups, with the part from chunks below c into *before; the loads go
+ * out four at a time before any is used (a GPU stalls at a value's first
+ * use). */
+static inline uint column_sum(__global const uint *matrix, uint cols, uint col, uint i, uint step, uint groups,
+                              uint c, uint *before)
 {
-    const uint lid = get_local_id(0), g = lid / L, i = lid % L, q = (groups + L - 1) / L, teams = FWG / L;
-    for (uint at = get_group_id(0) * teams; at < cols; at += groups * teams) {
-        const uint col = at + g, c0 = min(i * q, groups), c1 = min(c0 + q, groups);
+    uint sum = 0, pre = 0;
+    for (uint cc = i; cc < groups; cc += 4 * step) {
+        uint v[4];
+        for (uint m = 0; m < 4; m++) {
+            const uint at = cc + m * step;
+            v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;
+        }
+        for (uint m = 0; m < 4; m++) {
+            sum += v[m];
+            pre += cc + m * step < c ? v[m] : 0u;
+        }
+    }
+    *before = pre;
+    return sum;
+}
+
+/* WAIT mode, after the counted wait: work-group c's own view of columns
+ * 0..R (the slots per key), teams of FWG / (R + 1) work-items a column
+ * (at least one): pre[r] its chunk's slots of key r in earlier chunks,
+ * total[r] all chunks' (each work-group reads the whole of these columns
+ * itself, so no second grid-wide wait is needed). Without active (LAST
+ * mode) the same barriers run over nothing. */
+static void own_columns_fused(__global const uint *matrix, uint groups, uint c, uint R, uint cols, bool active,
+                              __local uint *pre, __local uint *total)
+{
+    const uint lid = get_local_id(0), L = FWG > R + 1 ? FWG / (R + 1) : 1u, g = lid / L, i = lid % L;
+    for (uint r = lid; r <= R && active; r += FWG) {
+        pre[r] = 0;
+        total[r] = 0;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint col = g; col <= R && active; col += FWG / L) {
+        uint before;
+        const uint sum = column_sum(matrix, cols, col, i, L, groups, c, &before);
+#if FWG == 1
+        pre[col] += before;
+        total[col] += sum;
+#else
+        atomic_add(&pre[col], before);
+        atomic_add(&total[col], sum);
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* WAIT mode: the totals of the other columns (tokens per rank, slots per
+ * physical expert) into their outputs, shared out over the work-groups, a
+ * team of L work-items (a power of two up to SUB, about 4 chunks a lane)
+ * a column. Without active the same barriers run over nothing. */
+static void output_columns_fused(__global const uint *matrix, uint groups, uint R, uint cols, bool active,
+                                 uint flags, __global int *tokens_per_rank, __global int *expert_counts,
+                                 __local uint *part)
+{
+    uint L = 1;
+    while (L < SUB && L * 4 < groups)
+        L *= 2;
+    const uint lid = get_local_id(0), g = lid / L, i = lid % L, teams = FWG / L;
+    for (uint at = R + 1 + get_group_id(0) * teams; at < cols; at += groups * teams) {
+        const uint col = at + g;
         const bool live = active && col < cols;
-        uint sum = 0;
-        for (uint c = c0; c < c1 && live; c++)
-            sum += shared_load(&matrix[(size_t)c * cols + col]);
-        part[lid] = sum;
+        uint before;
+        part[lid] = live ? column_sum(matrix, cols, col, i, L, groups, 0, &before) : 0u;
         barrier(CLK_LOCAL_MEM_FENCE);
-        uint acc = 0;
-        for (uint l = lid - i; l < lid; l++)
-            acc += part[l];
-        if (live && col <= R)
-            for (uint c = c0; c < c1; c++) {
-                shared_store(&prefix[(size_t)c * (R + 1) + col], acc);
-                acc += shared_load(&matrix[(size_t)c * cols + col]);
-            }
-        else
-            acc += sum;
-        if (live && i == L - 1) {
-            if (col <= R)
-                shared_store(&tot[col], acc);
-            else
-                column_output(col, R, acc, flags, tokens_per_rank, expert_counts);
+        if (live && i == 0) {
+            uint total = 0;
+            for (uint l = lid; l < lid + L; l++)
+                total += part[l];
+            column_output(col, R, total, flags, tokens_per_rank, expert_counts);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
@@ -438,8 +532,7 @@ static void scan_columns_fused(__global const uint *matrix, __global uint *prefi
  * rank_offsets; out1 send_slots, tokens_per_rank, expert_counts. lm: cnt
  * (2R + 1 + P' words, P' = num_physical with EP_COUNTS, else 0), sub
  * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k).
- * scratch: word 0 the tickets, the matrix [G][2R + 1 + P'], prefix
- * [G][R + 1], tot [R + 1]. Every work-group meets the same barriers
+ * scratch: word 0 the tickets, the matrix [G][2R + 1 + P']. Every work-group meets the same barriers
  * whatever its ticket (moe_align_fused says why): the steps of a mode a
  * work-group does not take run over nothing, and the LAST mode's own
  * steps have no barrier. */
@@ -465,33 +558,35 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     __local uint *cnt = lm, *sub = cnt + cols, *start = sub + NSUB * (R + 1), *base = start + R + 1;
     __local uint *kr = base + R + 1;
     volatile __global uint *word = scratch;
-    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)G * cols, *tot = prefix + (size_t)G * (R + 1);
+    __global uint *matrix = scratch + 1;
 
     if (lid == 0 && !alone())
-        ticket(word, F_STARTED, G, false);
+        ticket(word, F_STARTED);
     for (uint i = lid; i < NSUB * (R + 1); i += FWG)
         sub[i] = 0;
     const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
     rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile);
     for (uint i = lid; i < cols; i += FWG)
-        shared_store(&matrix[(size_t)c * cols + i], cnt[i]);
+        peer_store(&matrix[(size_t)c * cols + i], cnt[i]);
 
-    /* 1. The counted ticket; the first decides the mode. */
+    /* 1. The counted ticket; the first decides the mode; in WAIT mode
+     * lane 0 then spins until all G have counted. */
     mem_fence(CLK_GLOBAL_MEM_FENCE);
     barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
     if (lid == 0) {
         uint mode = MODE_WAIT, last = 1;
         if (!alone()) {
-            const uint w = ticket(word, F_COUNTED, G, false), counted = field(w, F_COUNTED) - 1;
+            __global const uint *w0 = (__global const uint *)word;
+            const uint w = ticket(word, F_COUNTED), counted = field(w, F_COUNTED) - 1;
             last = counted == G - 1;
             mode = w >> F_MODE;
             if (counted == 0) {
                 mode = field(w, F_STARTED) == G && (in.flags & EP_MAY_WAIT) ? MODE_WAIT : MODE_LAST;
                 atomic_or(word, mode << F_MODE);
             }
-            for (uint v = w; !mode; v = atomic_or(word, 0u))
+            for (uint v = w; !mode; v = peer_load(w0))
                 mode = v >> F_MODE;
-            for (uint v = w; mode == MODE_WAIT && field(v, F_COUNTED) < G; v = atomic_or(word, 0u))
+            for (uint v = w; mode == MODE_WAIT && field(v, F_COUNTED) < G; v = peer_load(w0))
                 ;
         }
         flag[0] = mode;
@@ -501,33 +596,21 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     mem_fence(CLK_GLOBAL_MEM_FENCE);
     const bool wait = flag[0] == MODE_WAIT, alone_last = !wait && flag[1];
 
-    /* 2. WAIT: a share of the columns each, then the second wait. */
-    /* A column's team: about 4 chunks a lane, up to SUB lanes. */
-    uint L = 1;
-    while (L < SUB && L * 4 < G)
-        L *= 2;
-    scan_columns_fused(matrix, prefix, tot, G, R, cols, L, wait, in.flags, tokens_per_rank, expert_counts, tile);
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    if (lid == 0 && wait && !alone())
-        ticket(word, F_PASSED, G, true);
-    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
-    mem_fence(CLK_GLOBAL_MEM_FENCE);
+    /* 2. WAIT: this chunk's prefix and the totals of columns 0..R (cnt
+     * and base), and a share of the other columns' outputs. */
+    own_columns_fused(matrix, G, c, R, cols, wait, cnt, base);
+    output_columns_fused(matrix, G, R, cols, wait, in.flags, tokens_per_rank, expert_counts, tile);
 
-    /* 3. The totals of ranks 0..R into base: WAIT from tot, LAST summed
-     * over the chunks by the last work-group (which also writes the other
-     * columns' outputs). */
-    for (uint col = lid; col < cols && (wait || alone_last); col += FWG) {
+    /* 3. LAST: the last work-group sums every column over the chunks
+     * (the totals of ranks 0..R into base, the others into their
+     * outputs). */
+    for (uint col = lid; col < cols && alone_last; col += FWG) {
         uint total = 0;
-        if (wait) {
-            total = col <= R ? shared_load(&tot[col]) : 0u;
-        } else {
-            for (uint cc = 0; cc < G; cc++)
-                total += shared_load(&matrix[(size_t)cc * cols + col]);
-            if (col > R)
-                column_output(col, R, total, in.flags, tokens_per_rank, expert_counts);
-        }
-        if (col <= R)
+        for (uint cc = 0; cc < G; cc++)
+            total += shared_load(&matrix[(size_t)cc * cols + col]);
+        if (col > R)
+            column_output(col, R, total, in.flags, tokens_per_rank, expert_counts);
+        else
             base[col] = total;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -552,7 +635,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
      * that sum); LAST: the last work-group's first work-item walks every
      * slot in order with a running position per rank. */
     for (uint r = lid; r <= R && wait; r += FWG)
-        cnt[r] = start[r] + shared_load(&prefix[(size_t)c * (R + 1) + r]);
+        cnt[r] += start[r];
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint i = lid; i < (tok1 - tok0) * in.top_k && wait; i += FWG) {
         const uint v = kr[i], key = v >> 16;
@@ -569,7 +652,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
             }
 
     if (lid == 0 && !alone()) {
-        const uint w = ticket(word, F_ENDED, G, false);
+        const uint w = ticket(word, F_ENDED);
         if (field(w, F_ENDED) == G)
             atomic_xchg(word, 0u);
     }

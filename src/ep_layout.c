@@ -222,14 +222,13 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
 
 /* One launch: the fused kernel, whose scratch holds the tickets (word 0,
  * 0 between calls, as moe_align's fused kernel keeps it: a new buffer, or
- * one a three-kernel path wrote, is zeroed first by a fill), the count
- * matrix, the chunks' prefixes and the totals. */
+ * one a three-kernel path wrote, is zeroed first by a fill; otherwise the
+ * kernel is the call's only command) and the count matrix. */
 static moecl_status enqueue_fused(moecl_context *ctx, const moecl_ep_layout_desc *d, const moecl_plan *p,
                                   const ep_args *a, const fused_shape *f, cl_uint flags, cl_uint num_wait,
                                   const cl_event *wait, cl_event *done)
 {
-    const size_t rows = (size_t)d->num_ranks + 1;
-    const size_t scratch_bytes = (1 + (size_t)f->groups * (f->cols + rows) + rows) * 4;
+    const size_t scratch_bytes = (1 + (size_t)f->groups * f->cols) * 4;
     cl_mem scratch;
     moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
     if (st != MOECL_SUCCESS)

@@ -14,7 +14,12 @@
  * of the call's last kernel: the kernels' own times plus the gaps between
  * them on the device, which a chain of launches really costs. The calls go
  * one at a time, so the queue is idle when the marker runs. The
- * expert-parallel layout (three kernels) is timed the same way. */
+ * expert-parallel layout (one to three kernels) is timed the same way.
+ * With --marker every case is, so that a one-kernel routing call and the
+ * layout it is compared with both span from a marker; without it the
+ * comparison line of a layout case puts its last kernel's own time next
+ * to the routing kernel's (both START..END of one kernel where the layout
+ * is one launch). */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -60,7 +65,7 @@ typedef struct options {
     unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases */
     int num_shapes;
     int iterations, wall_calls;
-    bool cold, quick, host_cost;
+    bool cold, quick, host_cost, marker;
     tool_logits logits; /* --logits: how the top-k cases' logits are drawn */
 } options;
 
@@ -395,6 +400,8 @@ static void free_buffers(case_buffers *b)
     free(b->host_bias);
 }
 
+/* The case's call; with after, it waits on that event (a marker), whatever
+ * the op, so that every op's span from a marker holds the same wait. */
 static moecl_status call_after(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set,
                                cl_event after, cl_event *done)
 {
@@ -424,14 +431,16 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
     moecl_buffer bias = {b->bias, 0};
     if (c->op == OP_TOPK)
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
-                                 (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL, done);
+                                 (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, after ? 1 : 0,
+                                 after ? &after : NULL, done);
     if (c->op == OP_ROUTER)
         return moecl_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, none, (moecl_buffer){b->in3[set], 0},
-                            b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, 0, NULL,
-                            done);
+                            b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0},
+                            after ? 1 : 0, after ? &after : NULL, done);
     /* The seed's layout: stacked (index, weight) pairs. */
     return moecl_grounded_router(ctx, &c->grounded, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->in2[set], 0},
-                                 (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, 0, NULL, done);
+                                 (moecl_buffer){b->in3[set], 0}, (moecl_buffer){b->out1, 0}, none, none, after ? 1 : 0,
+                                 after ? &after : NULL, done);
 }
 
 static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, cl_event *done)
@@ -439,15 +448,15 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
     return call_after(ctx, c, b, set, NULL, done);
 }
 
-/* One timed call: its kernel's time, or for moe_align and the grounded
- * route dispatch the span from a marker just before it to the end of its
- * last kernel; also the time spent inside the call and the returned
+/* One timed call: its kernel's time, or for moe_align, the layout, the
+ * grounded route dispatch and (all_from_marker) every op the span from a
+ * marker just before it to the end of its last kernel; also the time spent inside the call and the returned
  * event's own START..END. */
-static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set, double *us,
-                               double *host_us, double *kernel_us)
+static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set,
+                               bool all_from_marker, double *us, double *host_us, double *kernel_us)
 {
     cl_event marker = NULL, ev = NULL;
-    if ((c->op == OP_ALIGN || c->op == OP_EP || c->op == OP_GROUNDED_ROUTE) &&
+    if ((all_from_marker || c->op == OP_ALIGN || c->op == OP_EP || c->op == OP_GROUNDED_ROUTE) &&
         clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
         return MOECL_ERROR_UNSUPPORTED;
     const double h0 = tool_now_us();
@@ -626,7 +635,7 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     for (int i = -warmup; i < iterations; i++) {
         int set = b.sets > 1 ? (i + warmup) % b.sets : 0;
         double us = 0, host_us = 0, kernel_us = 0;
-        if ((st = timed_call(prof, c, &b, set, &us, &host_us, &kernel_us)) != MOECL_SUCCESS)
+        if ((st = timed_call(prof, c, &b, set, o->marker, &us, &host_us, &kernel_us)) != MOECL_SUCCESS)
             die(c->label, prof, st);
         if (i >= 0) {
             t[i] = us;
@@ -924,7 +933,7 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick]\n"
+    fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick] [--marker]\n"
                "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
                "                   [--logits normal|uniform10] [--host-cost] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
@@ -939,7 +948,14 @@ static void usage(FILE *f)
                "--csv FILE write the table for scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32\n"
                "(moe_align); ids_fnv1a hashes the ids of the check, for moe_align the sorted_token_ids;\n"
                "JSON strings are valid UTF-8: a byte that is not is written as U+FFFD). moe_align's\n"
-               "device time spans its kernels: from a marker just before the call to the end of its last.\n"
+               "device time spans its kernels: from a marker just before the call to the end of its last, as\n"
+               "the layout's (ep_layout) and the grounded route dispatch's. --marker times every case so\n"
+               "(a one-kernel call's dev_us then includes the gap between the marker and its kernel, as\n"
+               "theirs does; every call waits on its marker through its wait list). A layout case's line\n"
+               "under the table compares it with the routing of the same shape alike: each one's last\n"
+               "kernel START..END (the whole call where both are one launch, as the fused layout is once\n"
+               "its scratch is set up), with --marker each one's span from its marker, and each one's\n"
+               "wall time.\n"
                "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32;\n"
                "1,128,8 or the --shape) costs the host: batches of 200 calls on the context's own queue\n"
                "behind an uncompleted user event, so no kernel runs, best of 15 rounds, against a bare\n"
@@ -978,6 +994,7 @@ enum {
     OPT_QUICK,
     OPT_HOST_COST,
     OPT_LOGITS,
+    OPT_MARKER,
 };
 
 /* "T,E,K": three whole numbers, experts and top_k at least 1. */
@@ -1006,7 +1023,8 @@ static int parse_args(int argc, char **argv, options *o)
         {"csv", required_argument, NULL, OPT_CSV},         {"only", required_argument, NULL, OPT_ONLY},
         {"shape", required_argument, NULL, OPT_SHAPE},     {"cold", no_argument, NULL, OPT_COLD},
         {"quick", no_argument, NULL, OPT_QUICK},           {"host-cost", no_argument, NULL, OPT_HOST_COST},
-        {"logits", required_argument, NULL, OPT_LOGITS},   {"help", no_argument, NULL, 'h'},
+        {"logits", required_argument, NULL, OPT_LOGITS},   {"marker", no_argument, NULL, OPT_MARKER},
+        {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
     const char *prog = "moecl-bench";
@@ -1057,6 +1075,9 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case OPT_HOST_COST:
             o->host_cost = true;
+            break;
+        case OPT_MARKER:
+            o->marker = true;
             break;
         case OPT_LOGITS:
             if (!tool_parse_logits(optarg, &o->logits))
@@ -1282,13 +1303,20 @@ int main(int argc, char **argv)
                 }
             printf("\n");
         }
-        /* The layout next to the routing of the same tokens and experts. */
+        /* The layout next to the routing of the same tokens and experts,
+         * measured alike: the last kernel's own START..END of each (the
+         * whole call where both are one launch), the span from a marker
+         * of each with --marker, wall time of each. */
         if (c->op == OP_EP)
             for (int j = 0; j < i; j++)
                 if (ran[j] && cases[j].op == OP_TOPK && cases[j].topk.num_tokens == c->ep.num_tokens &&
-                    cases[j].topk.num_experts == c->ep.num_experts && cases[j].topk.top_k == c->ep.top_k)
-                    printf("  routing (%s) %.2f us, this layout %.2f us device time\n", cases[j].label,
-                           results[j].median_us, r->median_us);
+                    cases[j].topk.num_experts == c->ep.num_experts && cases[j].topk.top_k == c->ep.top_k) {
+                    printf("  routing (%s) / this layout, us: kernel %.2f / %.2f", cases[j].label,
+                           results[j].kernel_us, r->kernel_us);
+                    if (o.marker)
+                        printf(", from a marker %.2f / %.2f", results[j].median_us, r->median_us);
+                    printf(", wall %.2f / %.2f\n", results[j].wall_us, r->wall_us);
+                }
     }
     if (cf)
         fprintf(cf, "op,shape,dtype,device_us,p10_us,p90_us,wall_us,gbps,copy_ratio,t_sol_us,t_prod_us,check\n");
