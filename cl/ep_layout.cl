@@ -48,18 +48,28 @@ static inline uint replica_of(uint t, uint c)
 /* The physical expert of token t's slot with logical id e, or -1 where it
  * is not sent (id out of range, a replica count or map entry out of
  * range). */
-static inline int physical_of(int e, uint t, uint num_experts, uint num_physical, uint max_replicas, uint flags,
-                              __global const int *l2p, __global const int *replicas)
+static inline bool id_sent(int e, uint num_experts) { return e >= 0 && (uint)e < num_experts; }
+
+/* The same from the replica count c of logical expert e (replicas[e],
+ * read by the caller where the id is in range and there is a map). */
+static inline int physical_with(int e, int c, uint t, uint num_experts, uint num_physical, uint max_replicas,
+                                uint flags, __global const int *l2p)
 {
-    if (e < 0 || (uint)e >= num_experts)
+    if (!id_sent(e, num_experts))
         return -1;
     if (!(flags & EP_MAP))
         return e;
-    const int c = replicas[e];
     if (c < 1 || (uint)c > max_replicas)
         return -1;
     const int p = l2p[(size_t)e * max_replicas + replica_of(t, (uint)c)];
     return p >= 0 && (uint)p < num_physical ? p : -1;
+}
+
+static inline int physical_of(int e, uint t, uint num_experts, uint num_physical, uint max_replicas, uint flags,
+                              __global const int *l2p, __global const int *replicas)
+{
+    const int c = (flags & EP_MAP) && id_sent(e, num_experts) ? replicas[e] : 1;
+    return physical_with(e, c, t, num_experts, num_physical, max_replicas, flags, l2p);
 }
 
 /* The rank of physical expert p (or -1), num_ranks for one not sent:
@@ -307,28 +317,36 @@ static inline void sub_tile_rank(uint key, uint lid, uint base, __local const ui
 /* Every slot of the chunk [tok0, tok_end) by one work-group, before the
  * tiles: its key (its rank, R where not sent) and physical expert into kr
  * (chunk-relative index) as key << 16 | p + 1 (0 where not sent; p is
- * below EP_MAX_PHYSICAL, 2^14), and its physical_ids entry. The ids of four
- * slots a work-item are loaded before any is used, so that the chunk's
- * tiles wait for memory once rather than once each. */
+ * below EP_MAX_PHYSICAL, 2^14), and its physical_ids entry. Four slots a
+ * work-item go through each level of loads together (ids, replica counts,
+ * the map, the placement table), so that the chunk waits for memory once
+ * a level rather than once a slot and level. */
 static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global int *phys, __local uint *kr)
 {
     const uint lid = get_local_id(0), k = in->top_k, R = in->num_ranks, n = (tok_end - tok0) * k;
     const uint s0 = tok0 * k;
     for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
-        int e[4];
+        int e[4], c[4], p[4];
+        UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
             e[m] = i < n ? in->ids[s0 + i] : -1;
         }
+        UNROLL
+        for (uint m = 0; m < 4; m++)
+            c[m] = (in->flags & EP_MAP) && id_sent(e[m], in->num_experts) ? in->replicas[e[m]] : 1;
+        UNROLL
+        for (uint m = 0; m < 4; m++)
+            p[m] = physical_with(e[m], c[m], tok0 + (i0 + m * FWG) / k, in->num_experts, in->num_physical,
+                                 in->max_replicas, in->flags, in->l2p);
+        UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
-            if (i >= n)
-                break;
-            const int p = physical_of(e[m], tok0 + i / k, in->num_experts, in->num_physical, in->max_replicas,
-                                      in->flags, in->l2p, in->replicas);
-            const uint key = rank_of(p, in->num_physical, R, in->flags, in->p2r);
-            phys[s0 + i] = key < R ? p : -1;
-            kr[i] = key << 16 | (key < R ? (uint)p + 1u : 0u);
+            const uint key = rank_of(p[m], in->num_physical, R, in->flags, in->p2r);
+            if (i < n) {
+                phys[s0 + i] = key < R ? p[m] : -1;
+                kr[i] = key << 16 | (key < R ? (uint)p[m] + 1u : 0u);
+            }
         }
     }
 }
@@ -364,9 +382,16 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
         }
         /* The token's flags: zeros first (its k lanes share the row), then,
          * after the barrier, a 1 from the token's first slot on each rank. */
-        if (in_range && (in->flags & EP_TIR))
-            for (uint r = j; r < R; r += k)
-                tir[(size_t)tok * R + r] = 0;
+        if (in_range && (in->flags & EP_TIR)) {
+            __global uchar *row = tir + (size_t)tok * R;
+            /* Four flags a store where the row is whole words. */
+            if (R % 4 == 0 && ((size_t)row & 3) == 0)
+                for (uint w = j; w < R / 4; w += k)
+                    ((__global uint *)row)[w] = 0;
+            else
+                for (uint r = j; r < R; r += k)
+                    row[r] = 0;
+        }
         tile[lid] = key;
         barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
         uint before, after;
@@ -448,19 +473,21 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
 
 /* The matrix's column col summed over chunks i, i + step, ... below
  * groups, with the part from chunks below c into *before; the loads go
- * out four at a time before any is used (a GPU stalls at a value's first
- * use). */
+ * out LOAD_BATCH at a time before any is used (cl/moe_align.cl says why:
+ * at 64 ranks a work-item reads about 27 words). */
 static inline uint column_sum(__global const uint *matrix, uint cols, uint col, uint i, uint step, uint groups,
                               uint c, uint *before)
 {
     uint sum = 0, pre = 0;
-    for (uint cc = i; cc < groups; cc += 4 * step) {
-        uint v[4];
-        for (uint m = 0; m < 4; m++) {
+    for (uint cc = i; cc < groups; cc += LOAD_BATCH * step) {
+        uint v[LOAD_BATCH];
+        UNROLL
+        for (uint m = 0; m < LOAD_BATCH; m++) {
             const uint at = cc + m * step;
             v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;
         }
-        for (uint m = 0; m < 4; m++) {
+        UNROLL
+        for (uint m = 0; m < LOAD_BATCH; m++) {
             sum += v[m];
             pre += cc + m * step < c ? v[m] : 0u;
         }
@@ -469,58 +496,63 @@ static inline uint column_sum(__global const uint *matrix, uint cols, uint col, 
     return sum;
 }
 
-/* WAIT mode, after the counted wait: work-group c's own view of columns
- * 0..R (the slots per key), teams of FWG / (R + 1) work-items a column
- * (at least one): pre[r] its chunk's slots of key r in earlier chunks,
- * total[r] all chunks' (each work-group reads the whole of these columns
- * itself, so no second grid-wide wait is needed). Without active (LAST
- * mode) the same barriers run over nothing. */
-static void own_columns_fused(__global const uint *matrix, uint groups, uint c, uint R, uint cols, bool active,
-                              __local uint *pre, __local uint *total)
+/* WAIT mode, after the counted wait: work-group c's view of the matrix.
+ * Columns 0..R (the slots per key), which every work-group reads itself,
+ * so that no second grid-wide wait is needed: pre[r], its chunk's slots of
+ * key r in earlier chunks, and total[r], all chunks'. The other columns
+ * (tokens per rank, slots per physical expert), shared out over the
+ * work-groups, share each: their totals into their outputs. All of a
+ * round's columns load together (a team of work-items a column, reading
+ * along the matrix's rows), so that
+ * the work-group waits for the matrix once, not once for its own columns
+ * and again for its share; rounds of at most FWG shared columns (tile
+ * holds their sums). Without active (LAST mode) the same barriers run
+ * over nothing. */
+static void columns_fused(__global const uint *matrix, uint groups, uint c, uint R, uint cols, bool active,
+                          uint flags, __global int *tokens_per_rank, __global int *expert_counts,
+                          __local uint *pre, __local uint *total, __local uint *tile)
 {
-    const uint lid = get_local_id(0), L = FWG > R + 1 ? FWG / (R + 1) : 1u, g = lid / L, i = lid % L;
-    for (uint r = lid; r <= R && active; r += FWG) {
-        pre[r] = 0;
-        total[r] = 0;
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint col = g; col <= R && active; col += FWG / L) {
-        uint before;
-        const uint sum = column_sum(matrix, cols, col, i, L, groups, c, &before);
-#if FWG == 1
-        pre[col] += before;
-        total[col] += sum;
-#else
-        atomic_add(&pre[col], before);
-        atomic_add(&total[col], sum);
-#endif
-    }
-    barrier(CLK_LOCAL_MEM_FENCE);
-}
-
-/* WAIT mode: the totals of the other columns (tokens per rank, slots per
- * physical expert) into their outputs, shared out over the work-groups, a
- * team of L work-items (a power of two up to SUB, about 4 chunks a lane)
- * a column. Without active the same barriers run over nothing. */
-static void output_columns_fused(__global const uint *matrix, uint groups, uint R, uint cols, bool active,
-                                 uint flags, __global int *tokens_per_rank, __global int *expert_counts,
-                                 __local uint *part)
-{
-    uint L = 1;
-    while (L < SUB && L * 4 < groups)
-        L *= 2;
-    const uint lid = get_local_id(0), g = lid / L, i = lid % L, teams = FWG / L;
-    for (uint at = R + 1 + get_group_id(0) * teams; at < cols; at += groups * teams) {
-        const uint col = at + g;
-        const bool live = active && col < cols;
-        uint before;
-        part[lid] = live ? column_sum(matrix, cols, col, i, L, groups, 0, &before) : 0u;
+    const uint lid = get_local_id(0), own = R + 1, share = (cols - own + groups - 1) / groups;
+    for (uint o0 = 0; o0 == 0 || o0 < share; o0 += FWG) {
+        const uint shared = min(share - min(o0, share), (uint)FWG), first = o0 == 0 ? own : 0u;
+        /* Neighbouring work-items take neighbouring columns of a chunk's
+         * row (coalesced reads), a team's L work-items every L-th chunk. */
+        const uint jobs = first + shared, teams = min(jobs, (uint)FWG), L = FWG / teams;
+        const uint g = lid % teams, i = lid / teams;
+        for (uint r = lid; r < first && active; r += FWG) {
+            pre[r] = 0;
+            total[r] = 0;
+        }
+        for (uint j = lid; j < shared && active; j += FWG)
+            tile[j] = 0;
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (live && i == 0) {
-            uint total = 0;
-            for (uint l = lid; l < lid + L; l++)
-                total += part[l];
-            column_output(col, R, total, flags, tokens_per_rank, expert_counts);
+        for (uint job = g; job < jobs && i < L && active; job += teams) {
+            const uint col = job < first ? job : own + c * share + o0 + job - first;
+            if (col >= cols)
+                continue;
+            uint before;
+            const uint sum = column_sum(matrix, cols, col, i, L, groups, job < first ? c : 0u, &before);
+#if FWG == 1
+            if (job < first) {
+                pre[job] += before;
+                total[job] += sum;
+            } else {
+                tile[job - first] += sum;
+            }
+#else
+            if (job < first) {
+                atomic_add(&pre[job], before);
+                atomic_add(&total[job], sum);
+            } else {
+                atomic_add(&tile[job - first], sum);
+            }
+#endif
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint j = lid; j < shared && active; j += FWG) {
+            const uint col = own + c * share + o0 + j;
+            if (col < cols)
+                column_output(col, R, tile[j], flags, tokens_per_rank, expert_counts);
         }
         barrier(CLK_LOCAL_MEM_FENCE);
     }
@@ -598,8 +630,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
 
     /* 2. WAIT: this chunk's prefix and the totals of columns 0..R (cnt
      * and base), and a share of the other columns' outputs. */
-    own_columns_fused(matrix, G, c, R, cols, wait, cnt, base);
-    output_columns_fused(matrix, G, R, cols, wait, in.flags, tokens_per_rank, expert_counts, tile);
+    columns_fused(matrix, G, c, R, cols, wait, in.flags, tokens_per_rank, expert_counts, cnt, base, tile);
 
     /* 3. LAST: the last work-group sums every column over the chunks
      * (the totals of ranks 0..R into base, the others into their
