@@ -405,7 +405,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
 #define WC (TN / NT)
 #endif
 #ifndef TILE_PTR_READS
-#define TILE_PTR_READS 0 /* multiply_step */
+#define TILE_PTR_READS 1 /* multiply_step */
 #endif
 #if TM % MT || TN % NT || TK % VEC || (VEC != 1 && VEC != 2 && VEC != 4) || (TN / NT) % WC
 #error "tiled kernel: MT must divide TM, NT divide TN, VEC (1, 2 or 4) divide TK, WC divide TN / NT"
@@ -439,7 +439,7 @@ typedef float vec_t;
  * vector load (vloadn promises only element alignment, and some compilers
  * then split it); the rest go element by element. Where TK divides
  * HIDDEN_DIM every step is whole, and the bound needs no test (under the
- * TILE_PTR_READS experiment, multiply_step). */
+ * pointer reads of multiply_step, TILE_PTR_READS). */
 static inline vec_t load_vec(__global const in_t *p, size_t row, uint k, bool aligned)
 {
     __global const in_t *at = p + row * HIDDEN_DIM + k;
@@ -503,7 +503,7 @@ static inline void store_step(__local vec_t *stage, uint lid, const vec_t *h, co
 }
 
 /* The register block's products over one local stage. TILE_PTR_READS 1
- * (an experiment, MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=1; bench/RESULTS.md)
+ * (the default; 0 keeps the index form, MOECL_BUILD_OPTIONS=-DTILE_PTR_READS=0)
  * reads each vector as the block's first token or expert row plus a
  * constant, which a compiler can fold into the load's offset; an index
  * computed in uint and then widened cannot be folded (NVIDIA's PTX spends

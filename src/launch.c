@@ -122,11 +122,11 @@ static const table_entry builtin_table[] = {
     {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}}},
     /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
      * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
-     * top 8, f32: 16 x 4 blocks, warps of 4 tokens x 8 experts (bench/
-     * RESULTS.md, "The f32 GEMM tile's local reads and work-item
-     * arrangement"). */
+     * top 8, f32, with the pointer reads of multiply_step: 8 x 4 blocks
+     * in the plain arrangement (bench/RESULTS.md, "Issue 15 at merged
+     * main", sixth session). */
     {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
-     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 16, 4, 4, 1, 8}}},
+     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
      * which restates the rule: moecl-tune found every rows count within
      * noise of the others and the team kernels several times slower
