@@ -123,8 +123,8 @@ static const table_entry builtin_table[] = {
     /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
      * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
      * top 8, f32, with the pointer reads of multiply_step: 8 x 4 blocks
-     * in the plain arrangement (bench/RESULTS.md, "Issue 15 at merged
-     * main", sixth session). */
+     * in the plain arrangement (bench/RESULTS.md, "Issues 15 and 17 at
+     * merged main", sixth session). */
     {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
      {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}}},
     /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
