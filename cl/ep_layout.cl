@@ -50,6 +50,16 @@ static inline uint replica_of(uint t, uint c)
  * range). */
 static inline bool id_sent(int e, uint num_experts) { return e >= 0 && (uint)e < num_experts; }
 
+/* Where the map's entry for token t's slot of logical expert e with c
+ * replicas is, or -1 where c is out of range. */
+static inline long map_at(int e, int c, uint t, uint max_replicas)
+{
+    return c < 1 || (uint)c > max_replicas ? -1 : (long)e * max_replicas + replica_of(t, (uint)c);
+}
+
+/* A map entry as a physical expert: -1 where out of range. */
+static inline int physical_checked(int p, uint num_physical) { return p >= 0 && (uint)p < num_physical ? p : -1; }
+
 /* The same from the replica count c of logical expert e (replicas[e],
  * read by the caller where the id is in range and there is a map). */
 static inline int physical_with(int e, int c, uint t, uint num_experts, uint num_physical, uint max_replicas,
@@ -59,10 +69,8 @@ static inline int physical_with(int e, int c, uint t, uint num_experts, uint num
         return -1;
     if (!(flags & EP_MAP))
         return e;
-    if (c < 1 || (uint)c > max_replicas)
-        return -1;
-    const int p = l2p[(size_t)e * max_replicas + replica_of(t, (uint)c)];
-    return p >= 0 && (uint)p < num_physical ? p : -1;
+    const long at = map_at(e, c, t, max_replicas);
+    return at < 0 ? -1 : physical_checked(l2p[at], num_physical);
 }
 
 static inline int physical_of(int e, uint t, uint num_experts, uint num_physical, uint max_replicas, uint flags,
@@ -286,23 +294,33 @@ typedef struct ep_in {
 } ep_in;
 
 /* The lanes of work-item lid's sub-tile [base, base + SUB) before and
- * after it with the same key: with WARP_MATCH (NVIDIA's PTX; a sub-tile
- * is then a warp) from match.any.sync, else a loop over the sub-tile's
- * keys in tile. Called by all work-items. */
-static inline void sub_tile_rank(uint key, uint lid, uint base, __local const uint *tile, uint *before,
+ * after it with the same key (keys up to R + 1): with WARP_MATCH
+ * (NVIDIA's PTX; a sub-tile is then a warp) the lanes whose keys agree in
+ * every bit, from one warp vote a bit of the key (a few votes, whatever
+ * the number of distinct keys: match.any.sync takes longer the more
+ * distinct keys a warp holds, as at 64 ranks: bench/RESULTS.md), else a
+ * loop over the sub-tile's keys in tile. Called by all work-items. */
+static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local const uint *tile, uint *before,
                                  uint *after)
 {
 #if WARP_MATCH && SUB == 32
     (void)lid;
     (void)base;
     (void)tile;
-    uint lower, higher, same;
+    uint lower, higher, same = 0xffffffffu;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
     asm("mov.u32 %0, %%lanemask_gt;" : "=r"(higher));
-    asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(same) : "r"(key));
+    for (uint b = 0, bits = 32 - clz(R + 1); b < bits; b++) {
+        uint ones;
+        asm volatile("{ .reg .pred p; setp.ne.u32 p, %1, 0; vote.sync.ballot.b32 %0, p, 0xffffffff; }"
+                     : "=r"(ones)
+                     : "r"(key >> b & 1u));
+        same &= key >> b & 1u ? ones : ~ones;
+    }
     *before = popcount(same & lower);
     *after = popcount(same & higher);
 #else
+    (void)R;
     uint b = 0, a = 0;
     for (uint i = base; i < base + SUB; i++) {
         const uint same = tile[i] == key;
@@ -351,6 +369,29 @@ static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global 
     }
 }
 
+/* Words of a token's rank set (a bit a rank) in mask. */
+#define MASK_WORDS(R) (((R) + 31) / 32)
+
+/* The token_in_rank rows of a tile's n tokens (tokens tt..) from their
+ * rank sets: each entry written once, whole (no zeros first, so no
+ * ordering between work-items' stores), four flags a store where the rows
+ * are whole aligned uchar4s. */
+static void tile_flags(__local const uint *mask, uint mw, __global uchar *tir, uint tt, uint n, uint R)
+{
+    const uint lid = get_local_id(0);
+    __global uchar *rows = tir + (size_t)tt * R;
+    if (R % 4 == 0 && ((size_t)rows & 3) == 0) {
+        const uint quads = R / 4;
+        for (uint w = lid; w < n * quads; w += FWG) {
+            const uint q = w % quads, bits = mask[w / quads * mw + q / 8] >> q % 8 * 4;
+            ((__global uchar4 *)rows)[w] = (uchar4)(bits & 1u, bits >> 1 & 1u, bits >> 2 & 1u, bits >> 3 & 1u);
+        }
+    } else {
+        for (uint b = lid; b < n * R; b += FWG)
+            rows[b] = mask[b / R * mw + b % R / 32] >> b % R % 32 & 1u;
+    }
+}
+
 /* Chunk c by one work-group, from its keys in kr: each slot's stable rank among the chunk's slots of that key, packed as
  * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
  * chunk's slots per key, cnt[R + 1 + r] its tokens on rank r and
@@ -361,13 +402,15 @@ static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global 
  * between tiles) and the running count of earlier tiles (cnt). */
 static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int *phys,
                              __global uchar *tir, uint cols, __local uint *cnt, __local uint *sub,
-                             __local uint *kr, __local uint *tile)
+                             __local uint *kr, __local uint *tile, __local uint *mask)
 {
     const uint lid = get_local_id(0), R = in->num_ranks, k = in->top_k;
     const uint tile_tokens = FWG / k, tile_slots = tile_tokens * k, tok0 = c * in->chunk_tokens;
-    const uint g = lid / SUB, base = g * SUB, j = lid % k;
+    const uint g = lid / SUB, base = g * SUB, j = lid % k, mw = MASK_WORDS(R);
     for (uint i = lid; i < cols; i += FWG)
         cnt[i] = 0;
+    for (uint i = lid; i < tile_tokens * mw; i += FWG)
+        mask[i] = 0;
     chunk_keys_fused(in, tok0, tok_end, phys, kr);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint tt = tok0; tt < tok_end; tt += tile_tokens) {
@@ -380,35 +423,19 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
             key = v >> 16;
             p = (int)(v & 0xffffu) - 1;
         }
-        /* The token's flags: zeros first (its k lanes share the row), then,
-         * after the barrier, a 1 from the token's first slot on each rank. */
-        if (in_range && (in->flags & EP_TIR)) {
-            __global uchar *row = tir + (size_t)tok * R;
-            /* Four flags a store where the row is whole words. */
-            if (R % 4 == 0 && ((size_t)row & 3) == 0)
-                for (uint w = j; w < R / 4; w += k)
-                    ((__global uint *)row)[w] = 0;
-            else
-                for (uint r = j; r < R; r += k)
-                    row[r] = 0;
-        }
         tile[lid] = key;
-        barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+        barrier(CLK_LOCAL_MEM_FENCE);
         uint before, after;
-        sub_tile_rank(key, lid, base, tile, &before, &after);
+        sub_tile_rank(key, R, lid, base, tile, &before, &after);
         const bool last_of_key = key <= R && after == 0;
         if (last_of_key)
             sub[g * (R + 1) + key] = before + 1;
         if (in_range && key < R) {
-            /* The token's slots are lanes lid - j .. lid - j + k - 1. */
-            bool first = true;
-            for (uint i = lid - j; i < lid && first; i++)
-                first = tile[i] != key;
-            if (first) {
+            /* The token's rank set: the slot that adds rank key to it
+             * counts the token there, once whatever its slots there. */
+            const uint bit = 1u << key % 32;
+            if (!(atomic_or(&mask[lid / k * mw + key / 32], bit) & bit))
                 atomic_inc(&cnt[R + 1 + key]);
-                if (in->flags & EP_TIR)
-                    tir[(size_t)tok * R + key] = 1;
-            }
             if (in->flags & EP_COUNTS)
                 atomic_inc(&cnt[2 * R + 1 + (uint)p]);
         }
@@ -419,13 +446,17 @@ static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int
                 pre += sub[h * (R + 1) + key];
             kr[s - tok0 * k] = key << 16 | (cnt[key] + pre + before);
         }
+        if (in->flags & EP_TIR)
+            tile_flags(mask, mw, tir, tt, min(tile_tokens, tok_end - tt), R);
         barrier(CLK_LOCAL_MEM_FENCE);
         if (last_of_key) {
             atomic_add(&cnt[key], before + 1);
             sub[g * (R + 1) + key] = 0;
         }
-        barrier(CLK_LOCAL_MEM_FENCE);
+        for (uint i = lid; i < tile_tokens * mw; i += FWG)
+            mask[i] = 0;
     }
+    barrier(CLK_LOCAL_MEM_FENCE);
 }
 
 /* A word one work-group writes for others (its matrix row) and one it
@@ -471,29 +502,35 @@ static inline void column_output(uint col, uint R, uint total, uint flags, __glo
     }
 }
 
-/* The matrix's column col summed over chunks i, i + step, ... below
- * groups, with the part from chunks below c into *before; the loads go
- * out LOAD_BATCH at a time before any is used (cl/moe_align.cl says why:
- * at 64 ranks a work-item reads about 27 words). */
+#define COLUMN_SUM(N)                                                                                             \
+    static inline uint column_sum##N(__global const uint *matrix, uint cols, uint col, uint i, uint step,         \
+                                     uint groups, uint c, uint *before)                                           \
+    {                                                                                                             \
+        uint sum = 0, pre = 0;                                                                                    \
+        for (uint cc = i; cc < groups; cc += N * step) {                                                          \
+            uint v[N];                                                                                            \
+            UNROLL                                                                                                \
+            for (uint m = 0; m < N; m++) {                                                                        \
+                const uint at = cc + m * step;                                                                    \
+                v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;                           \
+            }                                                                                                     \
+            UNROLL                                                                                                \
+            for (uint m = 0; m < N; m++) {                                                                        \
+                sum += v[m];                                                                                      \
+                pre += cc + m * step < c ? v[m] : 0u;                                                             \
+            }                                                                                                     \
+        }                                                                                                         \
+        *before = pre;                                                                                            \
+        return sum;                                                                                               \
+    }
+COLUMN_SUM(8)
+COLUMN_SUM(40)
+
 static inline uint column_sum(__global const uint *matrix, uint cols, uint col, uint i, uint step, uint groups,
                               uint c, uint *before)
 {
-    uint sum = 0, pre = 0;
-    for (uint cc = i; cc < groups; cc += LOAD_BATCH * step) {
-        uint v[LOAD_BATCH];
-        UNROLL
-        for (uint m = 0; m < LOAD_BATCH; m++) {
-            const uint at = cc + m * step;
-            v[m] = at < groups ? peer_load(&matrix[(size_t)at * cols + col]) : 0u;
-        }
-        UNROLL
-        for (uint m = 0; m < LOAD_BATCH; m++) {
-            sum += v[m];
-            pre += cc + m * step < c ? v[m] : 0u;
-        }
-    }
-    *before = pre;
-    return sum;
+    return (groups - i + step - 1) / step <= 8 ? column_sum8(matrix, cols, col, i, step, groups, c, before)
+                                                : column_sum40(matrix, cols, col, i, step, groups, c, before);
 }
 
 /* WAIT mode, after the counted wait: work-group c's view of the matrix.
@@ -563,7 +600,8 @@ static void columns_fused(__global const uint *matrix, uint groups, uint c, uint
  * replicas, p2r; out0 physical_ids, token_in_rank, rank_counts,
  * rank_offsets; out1 send_slots, tokens_per_rank, expert_counts. lm: cnt
  * (2R + 1 + P' words, P' = num_physical with EP_COUNTS, else 0), sub
- * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k).
+ * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k),
+ * mask (FWG / top_k tokens' rank sets, MASK_WORDS(R) words each).
  * scratch: word 0 the tickets, the matrix [G][2R + 1 + P']. Every work-group meets the same barriers
  * whatever its ticket (moe_align_fused says why): the steps of a mode a
  * work-group does not take run over nothing, and the LAST mode's own
@@ -588,7 +626,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     const uint lid = get_local_id(0), c = get_group_id(0), G = get_num_groups(0), R = in.num_ranks;
     const uint cols = 2 * R + 1 + (in.flags & EP_COUNTS ? in.num_physical : 0u);
     __local uint *cnt = lm, *sub = cnt + cols, *start = sub + NSUB * (R + 1), *base = start + R + 1;
-    __local uint *kr = base + R + 1;
+    __local uint *kr = base + R + 1, *mask = kr + in.chunk_tokens * in.top_k;
     volatile __global uint *word = scratch;
     __global uint *matrix = scratch + 1;
 
@@ -597,7 +635,7 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     for (uint i = lid; i < NSUB * (R + 1); i += FWG)
         sub[i] = 0;
     const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
-    rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile);
+    rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile, mask);
     for (uint i = lid; i < cols; i += FWG)
         peer_store(&matrix[(size_t)c * cols + i], cnt[i]);
 

@@ -73,6 +73,7 @@ bool moecl_extension_listed(const char *extensions, const char *ext)
  * "Target ISA Notes"):
  *   shfl.sync.bfly.b32   TEAM_SHUFFLE reductions   PTX 6.0, sm_30
  *   match.any.sync.b32   WARP_MATCH ranking        PTX 6.0, sm_70
+ *   vote.sync.ballot.b32 WARP_MATCH ranking (ep)   PTX 6.0, sm_30
  *   bar.warp.sync        WARP_MATCH ranking        PTX 6.0, sm_30
  *   mov.u32 %lanemask_lt WARP_MATCH ranking        PTX 2.0, sm_20
  * One threshold serves all: 7.0. match.any.sync needs it, and below it

@@ -216,7 +216,7 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
     f->chunk = (uint32_t)chunk;
     f->groups = d->num_tokens ? (uint32_t)(((uint64_t)d->num_tokens + chunk - 1) / chunk) : 1;
     f->cols = 2 * d->num_ranks + 1 + (has_counts ? d->num_physical : 0);
-    f->local_bytes = moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k);
+    f->local_bytes = moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k, d->top_k);
     return f->local_bytes + moecl_layout_ep_fused_static(wg) <= moecl_local_budget(&ctx->info);
 }
 
