@@ -277,6 +277,8 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
 #define SUB (FWG < 32 ? FWG : 32)
 #define NSUB (FWG / SUB)
 #define EP_MAY_WAIT 32u /* flags: the grid-wide wait is allowed (off: LAST mode forced, for tests) */
+#define EP_ROWS_SHIFT 8 /* flags >> this: the rows a pass of rank_chunk_fused takes, 1..EP_MAX_ROWS */
+#define EP_MAX_ROWS 4
 
 #define F_STARTED 0
 #define F_COUNTED 7
@@ -293,20 +295,32 @@ typedef struct ep_in {
     uint num_tokens, top_k, num_experts, num_physical, num_ranks, max_replicas, flags, chunk_tokens;
 } ep_in;
 
-/* The lanes of work-item lid's sub-tile [base, base + SUB) before and
- * after it with the same key (keys up to R + 1): with WARP_MATCH
- * (NVIDIA's PTX; a sub-tile is then a warp) the lanes whose keys agree in
- * every bit, from one warp vote a bit of the key (a few votes, whatever
- * the number of distinct keys: match.any.sync takes longer the more
- * distinct keys a warp holds, as at 64 ranks: bench/RESULTS.md), else a
- * loop over the sub-tile's keys in tile. Called by all work-items. */
-static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local const uint *tile, uint *before,
-                                 uint *after)
+/* The key of lane i of a row (a tile of FWG / top_k tokens) whose slots
+ * start at kr[row] (chunk-relative), R + 1 (no slot has it) where the lane
+ * holds no slot: past the row's slots or the chunk's n slots. */
+static inline uint row_key(__local const uint *kr, uint row, uint i, uint row_slots, uint n, uint R)
+{
+    return i < row_slots && row + i < n ? kr[row + i] >> 16 : R + 1;
+}
+
+/* The lanes of work-item lid's sub-tile [base, base + SUB) of a row
+ * before and after it with the same key (keys up to R + 1): with
+ * WARP_MATCH (NVIDIA's PTX; a sub-tile is then a warp) the lanes whose
+ * keys agree in every bit, from one warp vote a bit of the key (a few
+ * votes, whatever the number of distinct keys: match.any.sync takes
+ * longer the more distinct keys a warp holds, as at 64 ranks:
+ * bench/RESULTS.md), else a loop over the sub-tile's keys in kr. Called
+ * by all work-items. */
+static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local const uint *kr, uint row,
+                                 uint row_slots, uint n, uint *before, uint *after)
 {
 #if WARP_MATCH && SUB == 32
     (void)lid;
     (void)base;
-    (void)tile;
+    (void)kr;
+    (void)row;
+    (void)row_slots;
+    (void)n;
     uint lower, higher, same = 0xffffffffu;
     asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
     asm("mov.u32 %0, %%lanemask_gt;" : "=r"(higher));
@@ -320,10 +334,9 @@ static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local 
     *before = popcount(same & lower);
     *after = popcount(same & higher);
 #else
-    (void)R;
     uint b = 0, a = 0;
     for (uint i = base; i < base + SUB; i++) {
-        const uint same = tile[i] == key;
+        const uint same = row_key(kr, row, i, row_slots, n, R) == key;
         b += i < lid ? same : 0u;
         a += i > lid ? same : 0u;
     }
@@ -392,68 +405,123 @@ static void tile_flags(__local const uint *mask, uint mw, __global uchar *tir, u
     }
 }
 
-/* Chunk c by one work-group, from its keys in kr: each slot's stable rank among the chunk's slots of that key, packed as
- * key << 16 | rank in kr (chunk-relative index); cnt[0..R] ends as the
- * chunk's slots per key, cnt[R + 1 + r] its tokens on rank r and
- * cnt[2R + 1 + p] its slots on physical expert p (with EP_COUNTS); and
- * physical_ids and token_in_rank of the chunk's tokens. A tile
- * ranks its slots in sub-tiles of SUB (a loop over the sub-tile), then
- * adds the counts of earlier sub-tiles (sub, NSUB rows of R + 1, zero
- * between tiles) and the running count of earlier tiles (cnt). */
+/* Step 2 of rank_chunk_fused for key r: each line's count of the key
+ * becomes the chunk's slots of that key before the line, from the count
+ * of earlier passes (cnt[r], which then takes this pass's too). The loads
+ * go out a batch at a time: a loop of load-add-store pairs would wait
+ * once a line. */
+static inline void scan_lines(__local uint *sub, __local uint *cnt, uint r, uint lines, uint R)
+{
+    uint acc = cnt[r];
+    for (uint l0 = 0; l0 < lines; l0 += 8) {
+        uint v[8];
+        UNROLL
+        for (uint q = 0; q < 8; q++)
+            v[q] = l0 + q < lines ? sub[(l0 + q) * (R + 1) + r] : 0u;
+        UNROLL
+        for (uint q = 0; q < 8; q++)
+            if (l0 + q < lines) {
+                sub[(l0 + q) * (R + 1) + r] = acc;
+                acc += v[q];
+            }
+    }
+    cnt[r] = acc;
+}
+
+/* Step 1 of rank_chunk_fused for row m (m < rows, else nothing), whose
+ * slots start at kr[row]: the work-item's key and place among its
+ * sub-tile's slots of that key, as key << 16 | place (R + 1 << 16 where
+ * it holds no slot); the sub-tile's count of the key into sub (from its
+ * last slot of the key), the token's rank set into mask (row_tokens
+ * tokens a row), its tokens and slots counted in cnt. */
+static inline uint row_rank(const ep_in *in, __local const uint *kr, __local uint *sub, __local uint *mask,
+                            __local uint *cnt, uint pass, uint m, uint rows, uint row_slots, uint n)
+{
+    const uint lid = get_local_id(0), R = in->num_ranks, k = in->top_k, g = lid / SUB, mw = MASK_WORDS(R);
+    if (m >= rows) /* the same for the whole work-group */
+        return (R + 1) << 16;
+    const uint row = pass + m * row_slots, key = row_key(kr, row, lid, row_slots, n, R);
+    uint before, after;
+    sub_tile_rank(key, R, lid, g * SUB, kr, row, row_slots, n, &before, &after);
+    if (key <= R && after == 0)
+        sub[(m * NSUB + g) * (R + 1) + key] = before + 1;
+    if (key < R) {
+        /* The slot that adds rank key to the token's rank set counts the
+         * token there, once whatever its slots there. */
+        const uint bit = 1u << key % 32;
+        if (!(atomic_or(&mask[(m * (row_slots / k) + lid / k) * mw + key / 32], bit) & bit))
+            atomic_inc(&cnt[R + 1 + key]);
+        if (in->flags & EP_COUNTS)
+            atomic_inc(&cnt[2 * R + 1 + (kr[row + lid] & 0xffffu) - 1]);
+    }
+    return key << 16 | before;
+}
+
+/* Step 3 for row m from its step 1 (kb): the slot's rank in the chunk
+ * into kr, from its line's count of its key before it (sub, scanned). */
+static inline void row_place(__local uint *kr, __local const uint *sub, uint kb, uint pass, uint m, uint row_slots,
+                             uint R)
+{
+    const uint lid = get_local_id(0), key = kb >> 16;
+    if (key <= R)
+        kr[pass + m * row_slots + lid] = key << 16 | (sub[(m * NSUB + lid / SUB) * (R + 1) + key] + (kb & 0xffffu));
+}
+
+/* Chunk c by one work-group, from its keys in kr: each slot's stable
+ * rank among the chunk's slots of that key, packed as key << 16 | rank in
+ * kr (chunk-relative index); cnt[0..R] ends as the chunk's slots per key,
+ * cnt[R + 1 + r] its tokens on rank r and cnt[2R + 1 + p] its slots on
+ * physical expert p (with EP_COUNTS); and physical_ids and token_in_rank
+ * of the chunk's tokens. A pass takes `rows` rows of FWG / top_k tokens
+ * at once, a work-item a slot of each, so that its steps wait on memory
+ * and barriers once a pass rather than once a row: (1) each slot's place
+ * among its sub-tile's slots of its key, each (row, sub-tile)'s count of
+ * each key into sub (rows x NSUB lines of R + 1, zero between passes),
+ * the tokens' rank sets into mask; (2) each key's counts scanned over the
+ * pass's lines in slot order, from the running count of earlier passes
+ * (cnt); (3) the ranks and the pass's token_in_rank rows; (4) sub and
+ * mask back to zero. */
 static void rank_chunk_fused(const ep_in *in, uint c, uint tok_end, __global int *phys,
-                             __global uchar *tir, uint cols, __local uint *cnt, __local uint *sub,
-                             __local uint *kr, __local uint *tile, __local uint *mask)
+                             __global uchar *tir, uint cols, uint rows, __local uint *cnt, __local uint *sub,
+                             __local uint *kr, __local uint *mask)
 {
     const uint lid = get_local_id(0), R = in->num_ranks, k = in->top_k;
-    const uint tile_tokens = FWG / k, tile_slots = tile_tokens * k, tok0 = c * in->chunk_tokens;
-    const uint g = lid / SUB, base = g * SUB, j = lid % k, mw = MASK_WORDS(R);
+    const uint row_tokens = FWG / k, row_slots = row_tokens * k, tok0 = c * in->chunk_tokens;
+    const uint mw = MASK_WORDS(R), lines = rows * NSUB, n = (tok_end - tok0) * k;
     for (uint i = lid; i < cols; i += FWG)
         cnt[i] = 0;
-    for (uint i = lid; i < tile_tokens * mw; i += FWG)
+    for (uint i = lid; i < lines * (R + 1); i += FWG)
+        sub[i] = 0;
+    for (uint i = lid; i < rows * row_tokens * mw; i += FWG)
         mask[i] = 0;
     chunk_keys_fused(in, tok0, tok_end, phys, kr);
-    barrier(CLK_LOCAL_MEM_FENCE);
-    for (uint tt = tok0; tt < tok_end; tt += tile_tokens) {
-        const uint tok = tt + lid / k, s = tok * k + j;
-        const bool in_range = lid < tile_slots && tok < tok_end;
-        int p = -1;
-        uint key = R + 1; /* past the end: a key no slot has */
-        if (in_range) {
-            const uint v = kr[s - tok0 * k];
-            key = v >> 16;
-            p = (int)(v & 0xffffu) - 1;
-        }
-        tile[lid] = key;
+    for (uint pass = 0; pass < n; pass += rows * row_slots) {
         barrier(CLK_LOCAL_MEM_FENCE);
-        uint before, after;
-        sub_tile_rank(key, R, lid, base, tile, &before, &after);
-        const bool last_of_key = key <= R && after == 0;
-        if (last_of_key)
-            sub[g * (R + 1) + key] = before + 1;
-        if (in_range && key < R) {
-            /* The token's rank set: the slot that adds rank key to it
-             * counts the token there, once whatever its slots there. */
-            const uint bit = 1u << key % 32;
-            if (!(atomic_or(&mask[lid / k * mw + key / 32], bit) & bit))
-                atomic_inc(&cnt[R + 1 + key]);
-            if (in->flags & EP_COUNTS)
-                atomic_inc(&cnt[2 * R + 1 + (uint)p]);
-        }
+        /* 1. Four rows by name (EP_MAX_ROWS), not an array indexed in an
+         * unrolled loop: pocl 3.1 ranked wrongly with that array, as if
+         * step 2 ran before step 1's stores. */
+        const uint4 kb = (uint4)(row_rank(in, kr, sub, mask, cnt, pass, 0, rows, row_slots, n),
+                                 row_rank(in, kr, sub, mask, cnt, pass, 1, rows, row_slots, n),
+                                 row_rank(in, kr, sub, mask, cnt, pass, 2, rows, row_slots, n),
+                                 row_rank(in, kr, sub, mask, cnt, pass, 3, rows, row_slots, n));
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (key <= R) {
-            uint pre = 0;
-            for (uint h = 0; h < g; h++)
-                pre += sub[h * (R + 1) + key];
-            kr[s - tok0 * k] = key << 16 | (cnt[key] + pre + before);
-        }
+        /* 2. */
+        for (uint r = lid; r <= R; r += FWG)
+            scan_lines(sub, cnt, r, lines, R);
+        barrier(CLK_LOCAL_MEM_FENCE);
+        /* 3. */
+        row_place(kr, sub, kb.s0, pass, 0, row_slots, R);
+        row_place(kr, sub, kb.s1, pass, 1, row_slots, R);
+        row_place(kr, sub, kb.s2, pass, 2, row_slots, R);
+        row_place(kr, sub, kb.s3, pass, 3, row_slots, R);
+        const uint tt = tok0 + pass / k;
         if (in->flags & EP_TIR)
-            tile_flags(mask, mw, tir, tt, min(tile_tokens, tok_end - tt), R);
+            tile_flags(mask, mw, tir, tt, min(rows * row_tokens, tok_end - tt), R);
         barrier(CLK_LOCAL_MEM_FENCE);
-        if (last_of_key) {
-            atomic_add(&cnt[key], before + 1);
-            sub[g * (R + 1) + key] = 0;
-        }
-        for (uint i = lid; i < tile_tokens * mw; i += FWG)
+        /* 4. */
+        for (uint i = lid; i < lines * (R + 1); i += FWG)
+            sub[i] = 0;
+        for (uint i = lid; i < rows * row_tokens * mw; i += FWG)
             mask[i] = 0;
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -600,8 +668,9 @@ static void columns_fused(__global const uint *matrix, uint groups, uint c, uint
  * replicas, p2r; out0 physical_ids, token_in_rank, rank_counts,
  * rank_offsets; out1 send_slots, tokens_per_rank, expert_counts. lm: cnt
  * (2R + 1 + P' words, P' = num_physical with EP_COUNTS, else 0), sub
- * (NSUB * (R + 1)), start and base (R + 1 each), kr (chunk_tokens * top_k),
- * mask (FWG / top_k tokens' rank sets, MASK_WORDS(R) words each).
+ * (rows * NSUB * (R + 1), rows = flags >> EP_ROWS_SHIFT), start and base
+ * (R + 1 each), kr (chunk_tokens * top_k), mask (rows * FWG / top_k
+ * tokens' rank sets, MASK_WORDS(R) words each).
  * scratch: word 0 the tickets, the matrix [G][2R + 1 + P']. Every work-group meets the same barriers
  * whatever its ticket (moe_align_fused says why): the steps of a mode a
  * work-group does not take run over nothing, and the LAST mode's own
@@ -625,17 +694,16 @@ void ep_layout_fused(__global const int *ids, __global const int *l2p, __global 
     expert_counts += out1.s2;
     const uint lid = get_local_id(0), c = get_group_id(0), G = get_num_groups(0), R = in.num_ranks;
     const uint cols = 2 * R + 1 + (in.flags & EP_COUNTS ? in.num_physical : 0u);
-    __local uint *cnt = lm, *sub = cnt + cols, *start = sub + NSUB * (R + 1), *base = start + R + 1;
+    const uint rows = in.flags >> EP_ROWS_SHIFT;
+    __local uint *cnt = lm, *sub = cnt + cols, *start = sub + rows * NSUB * (R + 1), *base = start + R + 1;
     __local uint *kr = base + R + 1, *mask = kr + in.chunk_tokens * in.top_k;
     volatile __global uint *word = scratch;
     __global uint *matrix = scratch + 1;
 
     if (lid == 0 && !alone())
         ticket(word, F_STARTED);
-    for (uint i = lid; i < NSUB * (R + 1); i += FWG)
-        sub[i] = 0;
     const uint tok0 = c * in.chunk_tokens, tok1 = min(tok0 + in.chunk_tokens, in.num_tokens);
-    rank_chunk_fused(&in, c, tok1, phys, tir, cols, cnt, sub, kr, tile, mask);
+    rank_chunk_fused(&in, c, tok1, phys, tir, cols, rows, cnt, sub, kr, mask);
     for (uint i = lid; i < cols; i += FWG)
         peer_store(&matrix[(size_t)c * cols + i], cnt[i]);
 

@@ -160,14 +160,14 @@
  * moe_align's scatter (unused, and dropped, with WG 1). */
 #define LAYOUT_EP_PLACE_STATIC_BYTES(wg) LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg)
 /* The layout's fused kernel: one array sized at launch (counts 2R + 1 +
- * P', sub-tile counts NSUB * (R + 1), starts and bases R + 1 each, a
- * packed rank per slot of its chunk, a tile's rank sets: FWG / top_k
- * tokens of ceil(R / 32) words); compiled in, its tile of FWG words and
- * two flags. */
+ * P', a pass's sub-tile counts rows * NSUB * (R + 1), starts and bases
+ * R + 1 each, a packed rank per slot of its chunk, a pass's rank sets:
+ * rows * FWG / top_k tokens of ceil(R / 32) words); compiled in, its tile
+ * of FWG words and two flags. */
 #define LAYOUT_EP_FUSED_NSUB(fwg) ((fwg) < 32 ? 1 : (fwg) / 32)
-#define LAYOUT_EP_FUSED_LM_BYTES(fwg, cols, ranks, chunk_slots, top_k)                                             \
-    (4 * ((cols) + LAYOUT_EP_FUSED_NSUB(fwg) * ((ranks) + 1) + 2 * ((ranks) + 1) + (chunk_slots) +                \
-          (fwg) / (top_k) * (((ranks) + 31) / 32)))
+#define LAYOUT_EP_FUSED_LM_BYTES(fwg, cols, ranks, chunk_slots, top_k, rows)                                       \
+    (4 * ((cols) + (rows) * LAYOUT_EP_FUSED_NSUB(fwg) * ((ranks) + 1) + 2 * ((ranks) + 1) + (chunk_slots) +       \
+          (rows) * ((fwg) / (top_k)) * (((ranks) + 31) / 32)))
 #define LAYOUT_EP_FUSED_STATIC_BYTES(fwg) (4 * (fwg) + 8)
 #define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
 /* The fused kernel: two arrays of E + 1 words sized at launch (running

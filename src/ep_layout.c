@@ -15,6 +15,8 @@
 
 /* cl/ep_layout.cl's flags. */
 enum { EP_MAP = 1, EP_TABLE = 2, EP_TIR = 4, EP_TPR = 8, EP_COUNTS = 16, EP_MAY_WAIT = 32 };
+/* The fused kernel's rows a pass (flags >> EP_ROWS_SHIFT), at most EP_MAX_ROWS. */
+enum { EP_ROWS_SHIFT = 8, EP_MAX_ROWS = 4 };
 
 /* The fused kernel's limits: its tickets are 7-bit fields (at most 127
  * work-groups), a slot's rank in its chunk is 16 bits, and its sub-tile
@@ -191,7 +193,7 @@ static uint32_t chunk_tokens_of(const moecl_context *ctx, const moecl_ep_layout_
  * EP_FUSED_MAX_GROUPS chunks), work-groups and local bytes; false where
  * it cannot serve d. */
 typedef struct fused_shape {
-    uint32_t chunk, groups, cols;
+    uint32_t chunk, groups, cols, rows;
     size_t local_bytes;
 } fused_shape;
 
@@ -216,8 +218,21 @@ static bool fused_shape_of(const moecl_context *ctx, const moecl_plan *p, const 
     f->chunk = (uint32_t)chunk;
     f->groups = d->num_tokens ? (uint32_t)(((uint64_t)d->num_tokens + chunk - 1) / chunk) : 1;
     f->cols = 2 * d->num_ranks + 1 + (has_counts ? d->num_physical : 0);
-    f->local_bytes = moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k, d->top_k);
-    return f->local_bytes + moecl_layout_ep_fused_static(wg) <= moecl_local_budget(&ctx->info);
+    /* Rows a pass: as many as the chunk has, up to EP_MAX_ROWS, fewer
+     * where local memory is short (each row adds a line of counts a
+     * sub-tile and its tokens' rank sets). */
+    const size_t all = moecl_local_budget(&ctx->info), fixed = moecl_layout_ep_fused_static(wg);
+    if (all < fixed)
+        return false;
+    const size_t budget = all - fixed;
+    f->rows = chunk / tile_tokens < EP_MAX_ROWS ? (uint32_t)(chunk / tile_tokens) : EP_MAX_ROWS;
+    for (;; f->rows--) {
+        f->local_bytes =
+            moecl_layout_ep_fused_lm(wg, f->cols, d->num_ranks, (size_t)chunk * d->top_k, d->top_k, f->rows);
+        if (f->rows == 1 || f->local_bytes <= budget)
+            break;
+    }
+    return f->local_bytes <= budget;
 }
 
 /* One launch: the fused kernel, whose scratch holds the tickets (word 0,
@@ -235,7 +250,7 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_ep_layout_desc
         return st;
     const bool reused = ctx->in_order && ctx->scratch_lock_ready;
     const cl_uint8 dims = {{d->num_tokens, d->top_k, d->num_experts, d->num_physical, d->num_ranks, d->max_replicas,
-                            flags, f->chunk}};
+                            flags | f->rows << EP_ROWS_SHIFT, f->chunk}};
     const cl_ulong4 in0 = {{a->ids.off, a->l2p.off, a->replicas.off, a->p2r.off}};
     const cl_ulong4 out0 = {{a->phys.off, a->tir.off, a->rank_counts.off, a->rank_offsets.off}};
     const cl_ulong4 out1 = {{a->send.off, a->tpr.off, a->counts.off, 0}};

@@ -45,9 +45,10 @@ size_t moecl_layout_moe_align_fused_static(unsigned fused_wg);
 /* The fused kernel's whole local memory. */
 size_t moecl_layout_moe_align_fused_local(unsigned experts, unsigned fused_wg);
 /* The expert-parallel layout's fused kernel: its launch-sized array (cols
- * count columns, ranks, chunk_slots slots a chunk) and its compiled-in
- * bytes (cl/layout.h). */
-size_t moecl_layout_ep_fused_lm(unsigned fwg, size_t cols, unsigned ranks, size_t chunk_slots, unsigned top_k);
+ * count columns, ranks, chunk_slots slots a chunk, rows a pass) and its
+ * compiled-in bytes (cl/layout.h). */
+size_t moecl_layout_ep_fused_lm(unsigned fwg, size_t cols, unsigned ranks, size_t chunk_slots, unsigned top_k,
+                                unsigned rows);
 size_t moecl_layout_ep_fused_static(unsigned fwg);
 /* The one-group kernel's whole local memory for a routing of slots slots. */
 size_t moecl_layout_moe_align_one_group_local(unsigned experts, uint64_t slots, unsigned one_wg, bool warp_match);

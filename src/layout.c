@@ -64,9 +64,10 @@ size_t moecl_layout_moe_align_one_group_static(unsigned one_wg, bool warp_match)
 
 size_t moecl_layout_moe_align_fused_static(unsigned fused_wg) { return LAYOUT_ALIGN_FUSED_STATIC_BYTES((size_t)fused_wg); }
 
-size_t moecl_layout_ep_fused_lm(unsigned fwg, size_t cols, unsigned ranks, size_t chunk_slots, unsigned top_k)
+size_t moecl_layout_ep_fused_lm(unsigned fwg, size_t cols, unsigned ranks, size_t chunk_slots, unsigned top_k,
+                                unsigned rows)
 {
-    return LAYOUT_EP_FUSED_LM_BYTES((size_t)fwg, cols, (size_t)ranks, chunk_slots, (size_t)top_k);
+    return LAYOUT_EP_FUSED_LM_BYTES((size_t)fwg, cols, (size_t)ranks, chunk_slots, (size_t)top_k, (size_t)rows);
 }
 
 size_t moecl_layout_ep_fused_static(unsigned fwg) { return LAYOUT_EP_FUSED_STATIC_BYTES((size_t)fwg); }

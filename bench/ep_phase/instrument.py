@@ -10,9 +10,11 @@ def rep(old, new, count=1):
 rep("static void rank_chunk_fused(const ep_in *in,", """static inline ulong clk(void) { ulong t; asm volatile("mov.u64 %0, %%clock64;" : "=l"(t)); return t; }
 static inline ulong gtm(void) { ulong t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
 static void rank_chunk_fused(ulong *tk, const ep_in *in,""")
+# The keys phase ends at a barrier of its own after chunk_keys_fused's call
+# (one more than the kernel has where a barrier follows the call already).
 i = s.index("    chunk_keys_fused(in, tok0, tok_end, phys, kr")
-i = s.index("    barrier(CLK_LOCAL_MEM_FENCE);\n", i) + len("    barrier(CLK_LOCAL_MEM_FENCE);\n")
-s = s[:i] + "    *tk = clk();\n" + s[i:]
+i = s.index(";\n", i) + 2
+s = s[:i] + "    barrier(CLK_LOCAL_MEM_FENCE);\n    *tk = clk();\n" + s[i:]
 rep("""    if (lid == 0 && !alone())
         ticket(word, F_STARTED);""", """    ulong T[8], G0 = gtm(), G3, G4;
     T[0] = clk();
