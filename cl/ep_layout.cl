@@ -45,6 +45,18 @@ static inline uint replica_of(uint t, uint c)
     return (t * 2654435761u) % c;
 }
 
+/* a / b for a < 2^21, b >= 1, from rcp = 1.0f / b: the float quotient
+ * is off by less than 1 for such a, so a step either way makes it exact.
+ * For the contiguous blocks' rank of a slot, where a division by a value
+ * known only at run time sat in the keys' dependent chain on the H200
+ * (bench/RESULTS.md); elsewhere it measured no faster than `/`. */
+static inline uint div_small(uint a, uint b, float rcp)
+{
+    uint q = (uint)((float)a * rcp);
+    q -= q * b > a;
+    return q + ((q + 1) * b <= a);
+}
+
 /* The physical expert of token t's slot with logical id e, or -1 where it
  * is not sent (id out of range, a replica count or map entry out of
  * range). */
@@ -80,6 +92,9 @@ static inline int physical_of(int e, uint t, uint num_experts, uint num_physical
     return physical_with(e, c, t, num_experts, num_physical, max_replicas, flags, l2p);
 }
 
+/* A placement table's entry as a rank: num_ranks where out of range. */
+static inline uint rank_checked(int r, uint num_ranks) { return r >= 0 && (uint)r < num_ranks ? (uint)r : num_ranks; }
+
 /* The rank of physical expert p (or -1), num_ranks for one not sent:
  * the table's entry where in range, else contiguous blocks. */
 static inline uint rank_of(int p, uint num_physical, uint num_ranks, uint flags, __global const int *p2r)
@@ -88,8 +103,7 @@ static inline uint rank_of(int p, uint num_physical, uint num_ranks, uint flags,
         return num_ranks;
     if (!(flags & EP_TABLE))
         return (uint)p / (num_physical / num_ranks);
-    const int r = p2r[p];
-    return r >= 0 && (uint)r < num_ranks ? (uint)r : num_ranks;
+    return rank_checked(p2r[p], num_ranks);
 }
 
 /* A local count: a plain increment where the work-group is one
@@ -355,7 +369,8 @@ static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local 
 static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global int *phys, __local uint *kr)
 {
     const uint lid = get_local_id(0), k = in->top_k, R = in->num_ranks, n = (tok_end - tok0) * k;
-    const uint s0 = tok0 * k;
+    const uint s0 = tok0 * k, per = in->num_physical / R;
+    const float rper = 1.0f / per;
     for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
         int e[4], c[4], p[4];
         UNROLL
@@ -370,13 +385,25 @@ static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global 
         for (uint m = 0; m < 4; m++)
             p[m] = physical_with(e[m], c[m], tok0 + (i0 + m * FWG) / k, in->num_experts, in->num_physical,
                                  in->max_replicas, in->flags, in->l2p);
+        /* The ranks: the table's, or the contiguous blocks' (a branch
+         * for the whole work-group, so that neither path's steps sit in
+         * the other's chain). */
+        uint key[4];
+        if (in->flags & EP_TABLE) {
+            UNROLL
+            for (uint m = 0; m < 4; m++)
+                key[m] = p[m] < 0 ? R : rank_checked(in->p2r[p[m]], R);
+        } else {
+            UNROLL
+            for (uint m = 0; m < 4; m++)
+                key[m] = p[m] < 0 ? R : div_small((uint)p[m], per, rper);
+        }
         UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
-            const uint key = rank_of(p[m], in->num_physical, R, in->flags, in->p2r);
             if (i < n) {
-                phys[s0 + i] = key < R ? p[m] : -1;
-                kr[i] = key << 16 | (key < R ? (uint)p[m] + 1u : 0u);
+                phys[s0 + i] = key[m] < R ? p[m] : -1;
+                kr[i] = key[m] << 16 | (key[m] < R ? (uint)p[m] + 1u : 0u);
             }
         }
     }
