@@ -62,16 +62,6 @@ static inline uint div_small(uint a, uint b, float rcp)
  * range). */
 static inline bool id_sent(int e, uint num_experts) { return e >= 0 && (uint)e < num_experts; }
 
-/* Where the map's entry for token t's slot of logical expert e with c
- * replicas is, or -1 where c is out of range. */
-static inline long map_at(int e, int c, uint t, uint max_replicas)
-{
-    return c < 1 || (uint)c > max_replicas ? -1 : (long)e * max_replicas + replica_of(t, (uint)c);
-}
-
-/* A map entry as a physical expert: -1 where out of range. */
-static inline int physical_checked(int p, uint num_physical) { return p >= 0 && (uint)p < num_physical ? p : -1; }
-
 /* The same from the replica count c of logical expert e (replicas[e],
  * read by the caller where the id is in range and there is a map). */
 static inline int physical_with(int e, int c, uint t, uint num_experts, uint num_physical, uint max_replicas,
@@ -81,8 +71,10 @@ static inline int physical_with(int e, int c, uint t, uint num_experts, uint num
         return -1;
     if (!(flags & EP_MAP))
         return e;
-    const long at = map_at(e, c, t, max_replicas);
-    return at < 0 ? -1 : physical_checked(l2p[at], num_physical);
+    if (c < 1 || (uint)c > max_replicas)
+        return -1;
+    const int p = l2p[(size_t)e * max_replicas + replica_of(t, (uint)c)];
+    return p >= 0 && (uint)p < num_physical ? p : -1;
 }
 
 static inline int physical_of(int e, uint t, uint num_experts, uint num_physical, uint max_replicas, uint flags,
