@@ -39,10 +39,13 @@
 
 /* The replica of a token's slot among c: a multiplicative hash of the
  * token index (Knuth's 2^32 / golden ratio), so that a token's choice does
- * not follow the slot's place in its row (which follows the score order). */
+ * not follow the slot's place in its row (which follows the score order).
+ * Up to 4 replicas by constant divisors: a division by the count, which is
+ * loaded, would sit in the keys' dependent chain (bench/RESULTS.md). */
 static inline uint replica_of(uint t, uint c)
 {
-    return (t * 2654435761u) % c;
+    const uint h = t * 2654435761u;
+    return c > 4u ? h % c : c == 4u ? h & 3u : c == 3u ? h % 3u : c == 2u ? h & 1u : 0u;
 }
 
 /* a / b for a < 2^21, b >= 1, from rcp = 1.0f / b: the float quotient
@@ -357,26 +360,34 @@ static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local 
  * below EP_MAX_PHYSICAL, 2^14), and its physical_ids entry. Four slots a
  * work-item go through each level of loads together (ids, replica counts,
  * the map, the placement table), so that the chunk waits for memory once
- * a level rather than once a slot and level. */
+ * a level rather than once a slot and level. A work-item's slots are
+ * lid, lid + FWG, ...: their tokens follow by steps of FWG / k with a
+ * carry, so that no division by top_k is left in the loop. */
 static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global int *phys, __local uint *kr)
 {
     const uint lid = get_local_id(0), k = in->top_k, R = in->num_ranks, n = (tok_end - tok0) * k;
-    const uint s0 = tok0 * k, per = in->num_physical / R;
+    const uint s0 = tok0 * k, per = in->num_physical / R, dq = FWG / k, dr = FWG % k;
     const float rper = 1.0f / per;
+    uint q = tok0 + lid / k, r = lid % k;
     for (uint i0 = lid; i0 < n; i0 += 4 * FWG) {
         int e[4], c[4], p[4];
+        uint t[4];
         UNROLL
         for (uint m = 0; m < 4; m++) {
             const uint i = i0 + m * FWG;
             e[m] = i < n ? in->ids[s0 + i] : -1;
+            t[m] = q;
+            r += dr;
+            q += dq + (r >= k);
+            r -= r >= k ? k : 0u;
         }
         UNROLL
         for (uint m = 0; m < 4; m++)
             c[m] = (in->flags & EP_MAP) && id_sent(e[m], in->num_experts) ? in->replicas[e[m]] : 1;
         UNROLL
         for (uint m = 0; m < 4; m++)
-            p[m] = physical_with(e[m], c[m], tok0 + (i0 + m * FWG) / k, in->num_experts, in->num_physical,
-                                 in->max_replicas, in->flags, in->l2p);
+            p[m] = physical_with(e[m], c[m], t[m], in->num_experts, in->num_physical, in->max_replicas,
+                                 in->flags, in->l2p);
         /* The ranks: the table's, or the contiguous blocks' (a branch
          * for the whole work-group, so that neither path's steps sit in
          * the other's chain). */

@@ -267,12 +267,14 @@ static void random_case(moecl_context *ctx, const inputs *in, uint64_t stream, i
     }
 }
 
-/* tokens x ranks x placement; the load, the replicas and the path rotate. */
+/* tokens x ranks x placement; the load, the map's columns (2 to 4, and 7)
+ * and the path rotate. */
 START_TEST(test_grid)
 {
     moecl_context *ctx = harness_context();
     static const uint32_t tokens[] = {0, 1, 7, 129, 1019, 4083, 13526};
     static const uint32_t ranks[] = {1, 2, 8, 64};
+    static const uint32_t replicas[] = {2, 3, 4, 7};
     unsigned i = 0;
     for (size_t t = 0; t < COUNT(tokens); t++)
         for (size_t r = 0; r < COUNT(ranks); r++)
@@ -282,7 +284,7 @@ START_TEST(test_grid)
                 harness_rng rng = harness_rng_for(7000 + i);
                 inputs in;
                 make_inputs(&rng, &in, tokens[t], 8, 256, ranks[r], (enum load)(i % NUM_LOADS),
-                            (enum placement)place, 2 + i % 3);
+                            (enum placement)place, replicas[i % COUNT(replicas)]);
                 random_case(ctx, &in, 7000 + i, 1 << (i % 2));
                 inputs_free(&in);
             }
@@ -303,7 +305,7 @@ START_TEST(test_shapes)
             harness_rng rng = harness_rng_for(8000 + i);
             inputs in;
             make_inputs(&rng, &in, shapes[s][0], shapes[s][1], shapes[s][2], shapes[s][3], (enum load)(i % NUM_LOADS),
-                        (enum placement)place, 1 + i % 4);
+                        (enum placement)place, 1 + i % 6);
             random_case(ctx, &in, 8000 + i, 3);
             inputs_free(&in);
         }
