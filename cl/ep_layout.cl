@@ -37,6 +37,11 @@
 #define EP_COUNTS 16u   /* expert_counts */
 #define EP_MAX_TOPK 64  /* the host's limit on top_k */
 
+static inline uint token_hash(uint t) { return t * 2654435761u; }
+
+/* replica_of for c in 1..4, from the token's hash. */
+static inline uint replica_small(uint h, uint c) { return c == 4u ? h & 3u : c == 3u ? h % 3u : c == 2u ? h & 1u : 0u; }
+
 /* The replica of a token's slot among c: a multiplicative hash of the
  * token index (Knuth's 2^32 / golden ratio), so that a token's choice does
  * not follow the slot's place in its row (which follows the score order).
@@ -44,8 +49,8 @@
  * loaded, would sit in the keys' dependent chain (bench/RESULTS.md). */
 static inline uint replica_of(uint t, uint c)
 {
-    const uint h = t * 2654435761u;
-    return c > 4u ? h % c : c == 4u ? h & 3u : c == 3u ? h % 3u : c == 2u ? h & 1u : 0u;
+    const uint h = token_hash(t);
+    return c > 4u ? h % c : replica_small(h, c);
 }
 
 /* a / b for a < 2^21, b >= 1, from rcp = 1.0f / b: the float quotient
@@ -354,6 +359,20 @@ static inline void sub_tile_rank(uint key, uint R, uint lid, uint base, __local 
 #endif
 }
 
+/* Whether a slot of logical id e with replica count c has a map entry:
+ * the id and the count in range. */
+static inline bool map_sent(int e, int c, const ep_in *in)
+{
+    return id_sent(e, in->num_experts) && c >= 1 && (uint)c <= in->max_replicas;
+}
+
+/* The map's index of that entry (replica_of's choice), 0 where there is
+ * none; for maps of at most 4 columns (c <= 4, so no division by c). */
+static inline uint map_index(int e, int c, uint t, const ep_in *in)
+{
+    return map_sent(e, c, in) ? (uint)e * in->max_replicas + replica_small(token_hash(t), (uint)c) : 0u;
+}
+
 /* Every slot of the chunk [tok0, tok_end) by one work-group, before the
  * tiles: its key (its rank, R where not sent) and physical expert into kr
  * (chunk-relative index) as key << 16 | p + 1 (0 where not sent; p is
@@ -381,21 +400,51 @@ static void chunk_keys_fused(const ep_in *in, uint tok0, uint tok_end, __global 
             q += dq + (r >= k);
             r -= r >= k ? k : 0u;
         }
-        UNROLL
-        for (uint m = 0; m < 4; m++)
-            c[m] = (in->flags & EP_MAP) && id_sent(e[m], in->num_experts) ? in->replicas[e[m]] : 1;
-        UNROLL
-        for (uint m = 0; m < 4; m++)
-            p[m] = physical_with(e[m], c[m], t[m], in->num_experts, in->num_physical, in->max_replicas,
-                                 in->flags, in->l2p);
-        /* The ranks: the table's, or the contiguous blocks' (a branch
-         * for the whole work-group, so that neither path's steps sit in
-         * the other's chain). */
-        uint key[4];
-        if (in->flags & EP_TABLE) {
+        /* The physical experts: a branch for the whole work-group per
+         * case, and in the map's cases every lookup at an index in range
+         * (entry 0 where the slot is not sent, its value then unused), so
+         * that each level's four loads issue together: a lookup under a
+         * slot's own condition made NVIDIA's compiler wait for each in
+         * turn (bench/RESULTS.md). */
+        if (!(in->flags & EP_MAP)) {
             UNROLL
             for (uint m = 0; m < 4; m++)
-                key[m] = p[m] < 0 ? R : rank_checked(in->p2r[p[m]], R);
+                p[m] = id_sent(e[m], in->num_experts) ? e[m] : -1;
+        } else {
+            UNROLL
+            for (uint m = 0; m < 4; m++)
+                c[m] = in->replicas[id_sent(e[m], in->num_experts) ? e[m] : 0];
+            if (in->max_replicas <= 4) {
+                uint at[4];
+                UNROLL
+                for (uint m = 0; m < 4; m++)
+                    at[m] = map_index(e[m], c[m], t[m], in);
+                UNROLL
+                for (uint m = 0; m < 4; m++)
+                    p[m] = in->l2p[at[m]];
+                UNROLL
+                for (uint m = 0; m < 4; m++)
+                    p[m] = map_sent(e[m], c[m], in) && p[m] >= 0 && (uint)p[m] < in->num_physical ? p[m] : -1;
+            } else {
+                UNROLL
+                for (uint m = 0; m < 4; m++)
+                    p[m] = physical_with(e[m], c[m], t[m], in->num_experts, in->num_physical, in->max_replicas,
+                                         in->flags, in->l2p);
+            }
+        }
+        /* The ranks: the table's (looked up at entry 0 for a slot not
+         * sent, as above), or the contiguous blocks' (a branch for the
+         * whole work-group, so that neither path's steps sit in the
+         * other's chain). */
+        uint key[4];
+        if (in->flags & EP_TABLE) {
+            int at[4];
+            UNROLL
+            for (uint m = 0; m < 4; m++)
+                at[m] = in->p2r[p[m] < 0 ? 0 : p[m]];
+            UNROLL
+            for (uint m = 0; m < 4; m++)
+                key[m] = p[m] < 0 ? R : rank_checked(at[m], R);
         } else {
             UNROLL
             for (uint m = 0; m < 4; m++)
