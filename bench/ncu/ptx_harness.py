@@ -36,6 +36,16 @@ float64 with the error bound of the entry's precision: ids may differ
 from the reference's only where the values they select agree within it
 (near ties), weights within it too.
 
+ep_layout_fused (cl/ep_layout.cl) is fed as moecl-bench's layout case:
+--tokens x 256 experts, top 8, --ranks ranks, with the first --physical
+- 256 experts doubled (a placement table) or, at --physical 256,
+contiguous blocks; every output given; the kernel's __local pointer is
+patched to the launch's dynamic shared memory (local_param_to_dynamic).
+Its check: every output equal to the rule's (ep_reference). Its CUDA
+event time back to back (36.8 us a launch at 13526 tokens, 64 ranks,
+288 physical experts on the H200) is far above ncu's duration of one
+launch (12.8 us) for a reason not found: read ncu's.
+
     # the profiled cases in one process, each launch once under ncu
     ncu --profile-from-start off --section SpeedOfLight python3 \
         bench/ncu/ptx_harness.py --cache /tmp/kc --profile-range \
@@ -104,10 +114,27 @@ def patch_ptx(ptx):
         params = [p for p in m.group(2).split(",") if p.strip()]
         shared[m.group(1)] = [i for i, p in enumerate(params) if ".ptr .shared" in p]
     text = re.sub(r"\.ptr\s+\.(global|shared|const|local)\s+(\.align\s+\d+\s+)?", "", text)
-    # The global work offset lives in %envreg registers; moecl launches
-    # with none.
+    # NVIDIA's OpenCL passes the launch's shape in %envreg registers:
+    # get_num_groups in %envreg6..8 (ep_layout_fused's alone() compares
+    # %envreg6 with 1), the others hold offsets that are 0 for moecl's
+    # launches (%envreg0 is added to %ctaid.x for get_group_id).
+    text = re.sub(r"%envreg([678])\b", lambda m: "%nctaid." + "xyz"[int(m.group(1)) - 6], text)
     text = re.sub(r"%envreg\d+", "0", text)
     return text.encode() + b"\0", shared
+
+
+def local_param_to_dynamic(ptx, name, index):
+    """The PTX with entry `name`'s __local pointer parameter `index`
+    replaced by the address of the launch's dynamic shared memory (an
+    .extern .shared array): OpenCL passes that address itself, CUDA's
+    launch has no such argument."""
+    text = ptx.rstrip(b"\0").decode()
+    text, n = re.subn(r"ld\.param\.([ub](?:32|64))\s+(%%\w+),\s*\[%s_param_%d\];" % (re.escape(name), index),
+                      r"mov.\1 \2, moecl_dynamic_local;", text)
+    if n == 0:
+        raise SystemExit("%s: parameter %d is never loaded" % (name, index))
+    text = re.sub(r"(?m)^(\.address_size \d+)$", r"\1\n.extern .shared .align 16 .b8 moecl_dynamic_local[];", text, 1)
+    return text.encode() + b"\0"
 
 
 def entry_params(ptx_text, name):
@@ -365,6 +392,91 @@ def topk_case(cuda, defines, kernel, tokens, params):
     return args, grid, block, check
 
 
+EP_FLAGS = {"map": 1, "table": 2, "tir": 4, "tpr": 8, "counts": 16, "may_wait": 32}
+
+
+def ep_reference(torch, ids, ranks, physical, l2p, replicas, p2r):
+    """Each slot's physical expert and rank by docs/routing.md section 9's
+    rule (the replica by the token's multiplicative hash), R where not
+    sent: for the check of ep_layout_fused's outputs."""
+    t = torch.arange(ids.shape[0], dtype=torch.int64, device=ids.device)[:, None].expand_as(ids)
+    h = (t * 2654435761) % 2 ** 32
+    e = ids.long()
+    c = replicas.long()[e]
+    p = l2p.view(-1, 2).long()[e, h % c]
+    return p, p2r.long()[p]
+
+
+def ep_case(torch, tokens, ranks, physical, params, shared_base, device="cuda"):
+    """Arguments, grid, block, dynamic local bytes and check of
+    ep_layout_fused (cl/ep_layout.cl) at tokens x 256 experts, top 8, on
+    `ranks` ranks, with moecl-bench's replicas where physical > 256 (the
+    first physical - 256 experts doubled, each replica half the ranks
+    away, a placement table), every output given and the grid-wide wait
+    allowed; chunks of 128 tokens (the H200's 106 work-groups at 13526).
+    shared_base: the dynamic local memory's address (the kernel's __local
+    pointer). The check: rank_counts, rank_offsets, tokens_per_rank and
+    expert_counts against the rule's, send_slots grouped by rank and
+    stable, physical_ids equal."""
+    k, e, wg, rows, chunk = 8, 256, 256, 4, 128
+    if params is not None and len(params) != 17:
+        raise SystemExit("ep_layout_fused: %d parameters, expected 17: %s" % (len(params), params))
+    gen = torch.Generator(device=device).manual_seed(1)
+    ids = torch.rand(tokens, e, generator=gen, device=device).topk(k, dim=-1).indices.int().contiguous()
+    hot = physical - e
+    per = e // ranks if e // ranks else 1
+    x = torch.arange(e, device=device)
+    replicas = torch.where(x < hot, 2, 1).int()
+    l2p = torch.stack([x, torch.where(x < hot, e + x, -1)], 1).int().contiguous()
+    p2r = torch.cat([(x // per) % ranks, (x[:hot] // per + ranks // 2) % ranks]).int()
+    flags = sum(EP_FLAGS.values()) if hot else EP_FLAGS["tir"] | EP_FLAGS["tpr"] | EP_FLAGS["counts"] | 32
+    if not hot:
+        replicas, l2p = torch.ones(e, dtype=torch.int32, device=device), x.int()[:, None].repeat(1, 2).contiguous()
+        p2r = (x // (physical // ranks)).int()
+    groups = (tokens + chunk - 1) // chunk
+    cols = 2 * ranks + 1 + physical
+    mw = (ranks + 31) // 32
+    lm_words = cols + rows * (wg // 32) * (ranks + 1) + 2 * (ranks + 1) + chunk * k + rows * (wg // k) * mw
+    i32 = lambda n, v=-7: torch.full((n,), v, dtype=torch.int32, device=device)
+    phys, send = i32(tokens * k), i32(tokens * k)
+    tir = torch.full((tokens * ranks,), 7, dtype=torch.uint8, device=device)
+    rank_counts, rank_offsets, tpr, counts = i32(ranks), i32(ranks + 1), i32(ranks), i32(physical)
+    scratch = torch.zeros(1 + groups * cols, dtype=torch.int32, device=device)
+    ptr = lambda t: ctypes.c_uint64(t.data_ptr())
+    vec4 = lambda *v: (ctypes.c_uint64 * 4)(*v)
+    dims = (ctypes.c_uint32 * 8)(tokens, k, e, physical, ranks, 2 if hot else 1, flags | rows << 8, chunk)
+    args = [ptr(ids), ctypes.c_uint64(l2p.data_ptr() if hot else 0), ctypes.c_uint64(replicas.data_ptr() if hot else 0),
+            ctypes.c_uint64(p2r.data_ptr() if hot else 0), vec4(0, 0, 0, 0), dims, ptr(phys), ptr(tir),
+            ptr(rank_counts), ptr(rank_offsets), vec4(0, 0, 0, 0), ptr(send), ptr(tpr), ptr(counts), vec4(0, 0, 0, 0),
+            ptr(scratch), ctypes.c_uint64(shared_base)]
+
+    def check():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        p, r = ep_reference(torch, ids, ranks, physical, l2p, replicas, p2r)
+        if not hot:
+            p, r = ids.long(), ids.long() // (physical // ranks)
+        r = r.flatten()
+        want_counts = torch.bincount(r, minlength=ranks)[:ranks]
+        want_off = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), want_counts.cumsum(0)])
+        order = torch.sort(r, stable=True).indices
+        trr = torch.zeros(tokens, ranks, dtype=torch.bool, device=device)
+        trr[torch.arange(tokens, device=device).repeat_interleave(k), r] = True
+        bad = [n for n, ok in (
+            ("physical_ids", torch.equal(phys.long(), p.flatten())),
+            ("rank_counts", torch.equal(rank_counts.long(), want_counts)),
+            ("rank_offsets", torch.equal(rank_offsets.long(), want_off)),
+            ("send_slots", torch.equal(send.long(), order)),
+            ("token_in_rank", torch.equal(tir.view(tokens, ranks).bool(), trr) and int(tir.max()) <= 1),
+            ("tokens_per_rank", torch.equal(tpr.long(), trr.sum(0))),
+            ("expert_counts", torch.equal(counts.long(), torch.bincount(p.flatten(), minlength=physical))),
+            ("tickets", int(scratch[0]) == 0)) if not ok]
+        return not bad, "every output as the rule's" if not bad else "DIFFER: " + ", ".join(bad)
+
+    keep = {"t": (ids, l2p, replicas, p2r, phys, send, tir, rank_counts, rank_offsets, tpr, counts, scratch)}
+    return args, groups, wg, lm_words * 4, check, keep
+
+
 def parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", help="a moecl kernel cache directory (MOECL_CACHE_DIR)")
@@ -373,6 +485,9 @@ def parser():
     ap.add_argument("--match", action="append", default=[], help="NAME=VALUE a define must have (repeatable)")
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--ranks", type=int, default=64, help="ep_layout_fused: the ranks")
+    ap.add_argument("--physical", type=int, default=288,
+                    help="ep_layout_fused: physical experts (256: none doubled, contiguous blocks)")
     ap.add_argument("--dump", help="write the patched PTX here")
     ap.add_argument("--label", help="the case's name in the report (the entry becomes <kernel>__<label>)")
     ap.add_argument("--case", action="append", default=[],
@@ -392,7 +507,7 @@ def select_entry(o):
     every entry and returns None."""
     grounded = o.kernel in GROUNDED_KERNELS
     # The variants the case builders can feed, unless asked otherwise.
-    want = {} if grounded else {"HAS_BIAS": "0", "SCORING": "0"}
+    want = {} if grounded or o.kernel == "ep_layout_fused" else {"HAS_BIAS": "0", "SCORING": "0"}
     if any(m.startswith("HAS_BIAS=1") for m in o.match):
         want = {}
     want.update(dict(m.split("=", 1) for m in o.match))
@@ -430,6 +545,8 @@ def prepare(cuda, o, index):
     path, defines, patched = select_entry(o)
     name = "%s__%s" % (o.kernel, re.sub(r"\W", "_", o.label or "case%d" % index))
     patched = rename_entry(patched, o.kernel, name)
+    if o.kernel == "ep_layout_fused":
+        patched = local_param_to_dynamic(patched, name, 16)
     if o.dump:
         open(o.dump, "wb").write(patched.rstrip(b"\0"))
     params = entry_params(patched, name)
@@ -441,11 +558,15 @@ def prepare(cuda, o, index):
                  "DB", "MMA_MI", "MMA_NT", "MMA_WM", "MMA_WN", "MMA_KW", "TEAM", "ROWS")
         if o.kernel != "grounded_router_tiled":
             shown = tuple(n for n in shown if n not in ("TM", "TN", "TK", "MT", "NT", "VEC", "DB"))
+    elif o.kernel == "ep_layout_fused":
+        args, grid, block, shared, check, keep = ep_case(cuda.torch, o.tokens, o.ranks, o.physical, params, 0)
+        shown = ("FWG", "WARP_MATCH")
     else:
         args, grid, block, check = topk_case(cuda, defines, o.kernel, o.tokens, params)
         shown = ("NUM_EXPERTS", "TOPK", "TEAM", "ROWS")
     keep["args"] = args
-    run = lambda: cuda.launch(fn, grid, block, 0, args)
+    shared = shared if o.kernel == "ep_layout_fused" else 0
+    run = lambda: cuda.launch(fn, grid, block, shared, args)
     label = "%s %s grid %d block %d (%s)" % (name, " ".join("%s=%s" % (n, defines[n]) for n in shown if n in defines),
                                              grid, block, os.path.basename(path))
     return run, check, label, keep

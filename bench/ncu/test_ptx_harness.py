@@ -98,7 +98,63 @@ def test_gating_recognised():
     assert h.grounded_gating(dict(dsv3, RENORM_FLOOR="0x1p-20f")) is None
 
 
+def test_envregs_and_dynamic_local():
+    ptx = (b".version 8.5\n.target sm_90, texmode_independent\n.address_size 64\n"
+           b".entry ep_layout_fused(\n\t.param .u64 .ptr .shared .align 4 ep_layout_fused_param_16\n)\n{\n"
+           b"\tmov.b32 %r16, %envreg6;\n\tmov.b32 %r17, %envreg0;\n\tmov.b32 %r18, %envreg8;\n"
+           b"\tld.param.u64 %rd3, [ep_layout_fused_param_16];\n\tret;\n}\n\0")
+    patched, shared = h.patch_ptx(ptx)
+    assert shared == {"ep_layout_fused": [0]}
+    text = patched.decode()
+    assert "mov.b32 %r16, %nctaid.x;" in text and "mov.b32 %r17, 0;" in text and "%nctaid.z" in text
+    dyn = h.local_param_to_dynamic(patched, "ep_layout_fused", 16).decode()
+    assert "mov.u64 %rd3, moecl_dynamic_local;" in dyn and "[ep_layout_fused_param_16]" not in dyn
+    assert dyn.index(".extern .shared .align 16 .b8 moecl_dynamic_local[];") < dyn.index(".entry")
+    with pytest.raises(SystemExit):
+        h.local_param_to_dynamic(patched, "ep_layout_fused", 15)
+
+
 torch = pytest.importorskip("torch")
+
+
+def rule_outputs(tokens, ranks, physical, t):
+    """What a correct ep_layout_fused writes (ep_case's buffers t)."""
+    ids, l2p, replicas, p2r, phys, send, tir, rank_counts, rank_offsets, tpr, counts, scratch = t
+    k = ids.shape[1]
+    if physical > 256:
+        p, r = h.ep_reference(torch, ids, ranks, physical, l2p, replicas, p2r)
+    else:
+        p, r = ids.long(), ids.long() // (physical // ranks)
+    r = r.flatten()
+    c = torch.bincount(r, minlength=ranks)
+    phys.copy_(p.flatten())
+    rank_counts.copy_(c)
+    rank_offsets.copy_(torch.cat([torch.zeros(1, dtype=torch.int64), c.cumsum(0)]))
+    send.copy_(torch.sort(r, stable=True).indices)
+    m = torch.zeros(tokens, ranks, dtype=torch.bool)
+    m[torch.arange(tokens).repeat_interleave(k), r] = True
+    tir.copy_(m.flatten().to(torch.uint8))
+    tpr.copy_(m.sum(0))
+    counts.copy_(torch.bincount(p.flatten(), minlength=physical))
+    return p
+
+
+@pytest.mark.parametrize("ranks,physical", [(64, 288), (64, 256), (8, 288)])
+def test_ep_case(ranks, physical):
+    args, grid, block, lm, check, keep = h.ep_case(torch, 1000, ranks, physical, None, 0, device="cpu")
+    assert (grid, block, len(args)) == (8, 256, 17) and lm % 4 == 0
+    t = keep["t"]
+    assert not check()[0]  # the poisoned outputs
+    p = rule_outputs(1000, ranks, physical, t)
+    assert check() == (True, "every output as the rule's")
+    assert (physical == 256) == bool((p == t[0].long()).all())  # replicas chosen where there are any
+    for i, (a, b) in ((5, (3, 4)), (6, (17, 0))):
+        v = t[i][a].clone()
+        t[i][a] = t[i][b] if i == 5 else 1 - t[i][a]
+        assert not check()[0]
+        t[i][a] = v
+    t[11][0] = 1
+    assert not check()[0]
 
 
 def fp32_outputs(defines, b):
