@@ -407,15 +407,15 @@ def ep_reference(torch, ids, ranks, physical, l2p, replicas, p2r):
     return p, p2r.long()[p]
 
 
-def ep_case(torch, tokens, ranks, physical, params, shared_base, device="cuda"):
+def ep_case(torch, tokens, ranks, physical, params, device="cuda"):
     """Arguments, grid, block, dynamic local bytes and check of
     ep_layout_fused (cl/ep_layout.cl) at tokens x 256 experts, top 8, on
     `ranks` ranks, with moecl-bench's replicas where physical > 256 (the
     first physical - 256 experts doubled, each replica half the ranks
     away, a placement table), every output given and the grid-wide wait
     allowed; chunks of 128 tokens (the H200's 106 work-groups at 13526).
-    shared_base: the dynamic local memory's address (the kernel's __local
-    pointer). The check: rank_counts, rank_offsets, tokens_per_rank and
+    The __local pointer's argument is 0: local_param_to_dynamic makes the
+    kernel ignore it. The check: rank_counts, rank_offsets, tokens_per_rank and
     expert_counts against the rule's, send_slots grouped by rank and
     stable, physical_ids equal."""
     k, e, wg, rows, chunk = 8, 256, 256, 4, 128
@@ -429,7 +429,7 @@ def ep_case(torch, tokens, ranks, physical, params, shared_base, device="cuda"):
     replicas = torch.where(x < hot, 2, 1).int()
     l2p = torch.stack([x, torch.where(x < hot, e + x, -1)], 1).int().contiguous()
     p2r = torch.cat([(x // per) % ranks, (x[:hot] // per + ranks // 2) % ranks]).int()
-    flags = sum(EP_FLAGS.values()) if hot else EP_FLAGS["tir"] | EP_FLAGS["tpr"] | EP_FLAGS["counts"] | 32
+    flags = sum(EP_FLAGS.values()) - (0 if hot else EP_FLAGS["map"] + EP_FLAGS["table"])
     if not hot:
         replicas, l2p = torch.ones(e, dtype=torch.int32, device=device), x.int()[:, None].repeat(1, 2).contiguous()
         p2r = (x // (physical // ranks)).int()
@@ -448,7 +448,7 @@ def ep_case(torch, tokens, ranks, physical, params, shared_base, device="cuda"):
     args = [ptr(ids), ctypes.c_uint64(l2p.data_ptr() if hot else 0), ctypes.c_uint64(replicas.data_ptr() if hot else 0),
             ctypes.c_uint64(p2r.data_ptr() if hot else 0), vec4(0, 0, 0, 0), dims, ptr(phys), ptr(tir),
             ptr(rank_counts), ptr(rank_offsets), vec4(0, 0, 0, 0), ptr(send), ptr(tpr), ptr(counts), vec4(0, 0, 0, 0),
-            ptr(scratch), ctypes.c_uint64(shared_base)]
+            ptr(scratch), ctypes.c_uint64(0)]
 
     def check():
         if device == "cuda":
@@ -551,7 +551,7 @@ def prepare(cuda, o, index):
         open(o.dump, "wb").write(patched.rstrip(b"\0"))
     params = entry_params(patched, name)
     fn = cuda.function(cuda.load(patched), name)
-    keep = {}
+    keep, shared = {}, 0
     if o.kernel in GROUNDED_KERNELS:
         args, grid, block, check, keep = grounded_case(cuda.torch, defines, o.kernel, o.tokens, params, cuda.device)
         shown = ("HIDDEN_DIM", "NUM_EXPERTS", "TOPK", "IN_DTYPE", "PRECISION", "TM", "TN", "TK", "MT", "NT", "VEC",
@@ -559,13 +559,12 @@ def prepare(cuda, o, index):
         if o.kernel != "grounded_router_tiled":
             shown = tuple(n for n in shown if n not in ("TM", "TN", "TK", "MT", "NT", "VEC", "DB"))
     elif o.kernel == "ep_layout_fused":
-        args, grid, block, shared, check, keep = ep_case(cuda.torch, o.tokens, o.ranks, o.physical, params, 0)
+        args, grid, block, shared, check, keep = ep_case(cuda.torch, o.tokens, o.ranks, o.physical, params)
         shown = ("FWG", "WARP_MATCH")
     else:
         args, grid, block, check = topk_case(cuda, defines, o.kernel, o.tokens, params)
         shown = ("NUM_EXPERTS", "TOPK", "TEAM", "ROWS")
     keep["args"] = args
-    shared = shared if o.kernel == "ep_layout_fused" else 0
     run = lambda: cuda.launch(fn, grid, block, shared, args)
     label = "%s %s grid %d block %d (%s)" % (name, " ".join("%s=%s" % (n, defines[n]) for n in shown if n in defines),
                                              grid, block, os.path.basename(path))

@@ -141,7 +141,7 @@ def rule_outputs(tokens, ranks, physical, t):
 
 @pytest.mark.parametrize("ranks,physical", [(64, 288), (64, 256), (8, 288)])
 def test_ep_case(ranks, physical):
-    args, grid, block, lm, check, keep = h.ep_case(torch, 1000, ranks, physical, None, 0, device="cpu")
+    args, grid, block, lm, check, keep = h.ep_case(torch, 1000, ranks, physical, None, device="cpu")
     assert (grid, block, len(args)) == (8, 256, 17) and lm % 4 == 0
     t = keep["t"]
     assert not check()[0]  # the poisoned outputs
