@@ -110,55 +110,6 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
     free(extensions);
 }
 
-/* 1 + the index of value among names, or 0 (absent or another value). */
-static int path_named(const char *value, const char *const *names, int n)
-{
-    for (int i = 0; value && i < n; i++)
-        if (strcmp(value, names[i]) == 0)
-            return i + 1;
-    return 0;
-}
-
-/* The launch variables, read once here (every later decision reads the
- * record). MOECL_TEAM: a power of two 2..256 fixes the team size of the
- * top-k gating team kernel (tuning sweeps); anything else is ignored. It
- * and MOECL_GROUNDED_TILE (128, or one tiled configuration) ask for the GPU rule of their op unless
- * MOECL_LAUNCH_CLASS=cpu (see each op's rule). MOECL_ALIGN=one-group|
- * fused|chunked: moe_align's path whatever the size (one-group and fused
- * still only where the device runs them, src/moe_align.c).
- * MOECL_EP_LAYOUT=chunked|fused|fused-last: the expert-parallel layout's
- * path (src/ep_layout.c); MOECL_EP_FUSED_WG (a power of two 32..1024) and
- * MOECL_EP_FUSED_GROUPS (1..127) its fused kernel's work-group and
- * work-group count, for measurements. */
-static void read_launch_env(moecl_launch_env *env)
-{
-    const char *forced = getenv("MOECL_LAUNCH_CLASS");
-    env->launch_class_forced = forced && (strcmp(forced, "cpu") == 0 || strcmp(forced, "gpu") == 0);
-    const char *team = getenv("MOECL_TEAM");
-    unsigned long t = team ? strtoul(team, NULL, 10) : 0;
-    env->team = (t >= 2 && t <= 256 && (t & (t - 1)) == 0) ? (unsigned)t : 0;
-    const char *tile = getenv("MOECL_GROUNDED_TILE");
-    env->grounded_wide_tile = tile && strcmp(tile, "128") == 0;
-    /* Anything else: one tiled configuration in the tune file's syntax,
-     * "tile=64 tn=128 ..." (ignored when malformed, as a bad tune line is). */
-    char text[256];
-    const int n = tile ? snprintf(text, sizeof(text), "kernel=tiled %s", tile) : 0;
-    if (!tile || env->grounded_wide_tile || n < 0 || (size_t)n >= sizeof(text) ||
-        !moecl_launch_config_parse(text, &env->grounded_tile))
-        env->grounded_tile = (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
-    /* The paths by name, in their enums' order from 1 (0: chosen). */
-    static const char *const align_paths[] = {"one-group", "fused", "chunked"};
-    static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
-    env->align_path = (moecl_align_path)path_named(getenv("MOECL_ALIGN"), align_paths, 3);
-    env->ep_path = (moecl_ep_path)path_named(getenv("MOECL_EP_LAYOUT"), ep_paths, 3);
-    const char *wg = getenv("MOECL_EP_FUSED_WG"), *groups = getenv("MOECL_EP_FUSED_GROUPS");
-    const unsigned long w = wg ? strtoul(wg, NULL, 10) : 0, g = groups ? strtoul(groups, NULL, 10) : 0;
-    env->ep_fused_wg = w >= 32 && w <= 1024 && (w & (w - 1)) == 0 ? (unsigned)w : 0;
-    env->ep_fused_groups = g >= 1 && g <= 127 ? (unsigned)g : 0;
-    const char *grounded = getenv("MOECL_GROUNDED_KERNEL");
-    env->grounded_mma = grounded && strcmp(grounded, "mma") == 0;
-}
-
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
 {
     if (env->launch_class_forced)
@@ -173,19 +124,15 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     }
 }
 
-/* The launch class is data: device type decides, an override table keyed by
- * vendor and type could refine it. MOECL_LAUNCH_CLASS overrides for kernel
- * development and for testing both paths on one device. */
+/* The launch class is data: the device type decides, the variant override
+ * (class=cpu|gpu) forces one, for testing both kernels on one device. */
 static void choose_launch_class(moecl_device_info *info)
 {
-    read_launch_env(&info->env);
-    const char *forced = getenv("MOECL_LAUNCH_CLASS");
-    if (forced && strcmp(forced, "cpu") == 0) {
-        info->launch_class = MOECL_LAUNCH_CPU;
-        info->launch_reason = "forced by MOECL_LAUNCH_CLASS=cpu";
-    } else if (forced && strcmp(forced, "gpu") == 0) {
-        info->launch_class = MOECL_LAUNCH_GPU;
-        info->launch_reason = "forced by MOECL_LAUNCH_CLASS=gpu";
+    moecl_override_get(&info->env);
+    if (info->env.launch_class_forced) {
+        info->launch_class = info->env.launch_class;
+        info->launch_reason = info->launch_class == MOECL_LAUNCH_CPU ? "forced by the variant override class=cpu"
+                                                                     : "forced by the variant override class=gpu";
     } else if (info->type & CL_DEVICE_TYPE_CPU) {
         info->launch_class = MOECL_LAUNCH_CPU;
         info->launch_reason = "CPU device: one work-item per row vectorises best";

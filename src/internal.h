@@ -94,23 +94,41 @@ typedef struct moecl_launch_config {
     moecl_tile_params tiled;
 } moecl_launch_config;
 
-/* What the environment forces, read once when a context is created
- * (moecl_launch_env_read): tests run both kernels of an op on one device
- * this way, measurements force one path. */
+/* What the variant override forces (src/override.c), copied when a context
+ * is created: tests run every variant of an op on one device this way,
+ * tools (moecl-tune, moecl-bench --variant) force one. Nothing here comes
+ * from the environment. */
 typedef struct moecl_launch_env {
-    bool launch_class_forced;    /* MOECL_LAUNCH_CLASS=cpu|gpu set the class */
-    unsigned team;               /* MOECL_TEAM: work-items per row of the top-k team kernel, 0 = chosen */
-    bool grounded_wide_tile;     /* MOECL_GROUNDED_TILE=128: try the 128-token tile first */
-    /* MOECL_GROUNDED_TILE="tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1" (the
-     * tune file's syntax): this tiled configuration where the device runs
-     * it; kernel ROWS when unset. */
+    bool launch_class_forced;    /* class=cpu|gpu set launch_class */
+    moecl_launch_class launch_class;
+    unsigned team;               /* team=N: work-items per row of the top-k team kernel, 0 = chosen */
+    bool grounded_wide_tile;     /* tile=128: try the 128-token tile first */
+    /* tile=64 tn=128 tk=16 mt=8 nt=8 vec=4 db=1 (the tune file's syntax):
+     * this tiled configuration where the device runs it; kernel ROWS when
+     * unset. */
     moecl_launch_config grounded_tile;
-    bool grounded_mma;           /* MOECL_GROUNDED_KERNEL=mma: the tensor-core kernel (emulated without PTX) */
-    moecl_align_path align_path; /* MOECL_ALIGN: moe_align's one-group or chunked path, or chosen by size */
-    moecl_ep_path ep_path;       /* MOECL_EP_LAYOUT: the layout's three kernels or one, or chosen */
-    unsigned ep_fused_wg;        /* MOECL_EP_FUSED_WG: the fused layout kernel's work-group, 0 = chosen */
-    unsigned ep_fused_groups;    /* MOECL_EP_FUSED_GROUPS: its work-groups' target count, 0 = chosen */
+    bool grounded_mma;           /* grounded=mma: the tensor-core kernel (emulated without PTX) */
+    moecl_align_path align_path; /* align=one-group|fused|chunked: moe_align's path, or chosen by size */
+    moecl_ep_path ep_path;       /* ep=chunked|fused|fused-last: the layout's path, or chosen */
+    unsigned ep_fused_wg;        /* ep_wg=N: the fused layout kernel's work-group, 0 = chosen */
+    unsigned ep_fused_groups;    /* ep_groups=N: its work-groups' target count, 0 = chosen */
 } moecl_launch_env;
+
+/* ---- override.c: the process-wide variant override ---- */
+
+/* Parse a space-separated list of name=value words into env (all zero
+ * first: nothing forced); NULL or "" forces nothing. Names: class
+ * (cpu|gpu), team (power of two 2..256), align (one-group|fused|chunked),
+ * ep (chunked|fused|fused-last), ep_wg (power of two 32..1024), ep_groups
+ * (1..127), grounded (mma), tile (128, or a tiled configuration with tn,
+ * tk, mt, nt, vec, db, wc as in the tune file). MOECL_ERROR_INVALID_ARGUMENT
+ * with a message naming the bad word. */
+moecl_status moecl_override_parse(const char *text, moecl_launch_env *env);
+/* Parse text and make it the override every context created afterwards
+ * copies (a failure keeps the previous one). Not for calls in flight. */
+moecl_status moecl_override_set(const char *text);
+/* The current override. */
+void moecl_override_get(moecl_launch_env *env);
 
 /* Whether the environment decides op's configuration: then the tune file
  * and the built-in table step aside and the op's rule runs under what the
