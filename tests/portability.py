@@ -4,7 +4,9 @@ Intel GPUs (ocloc) and AMD GPUs (clang, amdgcn) with the exact build
 options and defines the runtime would pass on such devices.
 
 tests/portability_variants (a C program linked with the library) writes the
-program texts and a manifest of compiles; this script runs the compilers,
+program texts and a manifest of compiles; each distinct compile is made once
+per compiler, on one of the targets that build it, the targets taking turns
+(--all-targets: every target compiles every variant); this script runs the compilers,
 one per CPU at a time (MOECL_PORTABILITY_JOBS=n sets it), target by target,
 and fails on any compile failure, printing the variant, its options and the
 compiler's output. A compile also fails when its binary does not hold the
@@ -138,6 +140,30 @@ def compile_one(job, exe, workdir, outdir):
     return job, ok, cmd, output
 
 
+def spread(rows, targets):
+    """Each distinct compile (program, kernels, options) once per compiler,
+    on one of the targets that build it, those targets taking turns: every
+    variant still meets an Intel and an AMD compiler, and every target a
+    share of every program, in about a third of the compiles of the whole
+    matrix (--all-targets), which differs only in the backends' code
+    generation of the same source."""
+    turn = {}
+    chosen = {}
+    for r in rows:
+        if (r['compiler'], r['arch']) not in targets:
+            continue
+        key = (r['compiler'], r['program'], r['kernel'], r['options'])
+        chosen.setdefault(key, []).append(r)
+    kept = []
+    for key, candidates in chosen.items():
+        archs = sorted({r['arch'] for r in candidates}, key=lambda a: [t[1] for t in targets].index(a))
+        n = turn.get((key[0], tuple(archs)), 0)
+        turn[(key[0], tuple(archs))] = n + 1
+        arch = archs[n % len(archs)]
+        kept.append(next(r for r in candidates if r['arch'] == arch))
+    return kept
+
+
 def quote(cmd):
     return ' '.join("'%s'" % c if (' ' in c or not c) else c for c in cmd)
 
@@ -150,6 +176,9 @@ def main():
     ap.add_argument('--targets', help='comma-separated ocloc devices / AMD gfx names to compile for (default all)')
     ap.add_argument('--only', help='compile only the variants whose description contains this text')
     ap.add_argument('--inject-error', action='store_true', help='compile a deliberately broken copy of the kernels')
+    ap.add_argument('--all-targets', action='store_true',
+                    help='compile every variant for every target (default: each distinct variant once per '
+                         'compiler, the targets that build it taking turns)')
     args = ap.parse_args()
 
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
@@ -215,6 +244,9 @@ def main():
         print('[portability] --inject-error needs every compiler: skipped')
         return 77
 
+    if not args.all_targets:
+        rows = spread(rows, targets)
+
     failures = []
     warnings = []
     summary = []
@@ -274,7 +306,8 @@ def main():
     print('== portability summary (%d jobs) ==' % jobs)
     for line in summary:
         print(line)
-    print('%d compiles, %d failed, %.1f s' % (sum(1 for r in rows if (r['compiler'], r['arch']) in targets),
+    print('%d compiles%s, %d failed, %.1f s' % (sum(1 for r in rows if (r['compiler'], r['arch']) in targets),
+                                               '' if args.all_targets else ' (each variant once per compiler)',
                                              len(failures), time.monotonic() - total_start))
     if warnings:
         print('%d compiles with warnings (listed above)' % len(warnings))
