@@ -4,7 +4,7 @@
  * warm-up, beside the wall time of the same calls. On a machine whose
  * cores other work shares, wall and profiling times measure the sharing
  * as much as the kernel; the processor time counts only the cycles the
- * call's threads ran (bench/RESULTS.md, issue 15's pocl target). It does
+ * call's threads ran (bench/README.md). It does
  * not suit a runtime whose threads spin while they wait (OpenMP's
  * default), so PyTorch is timed by bench/torch_reference.py instead.
  *

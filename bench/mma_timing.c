@@ -8,7 +8,7 @@
  * Built by meson (bench/meson.build) as build/bench/mma_timing.
  * Run: build/bench/mma_timing [CASE...], CASE TxHxE:K:DTYPE[:PRECISION],
  * DTYPE f32|f16|bf16, PRECISION fp32|tf32|3xtf32 (default fp32); default
- * the 16384x4096x128 top 8 cases of issue 15 and the DeepSeek-V3 router
+ * 16384x4096x128 top 8 in each dtype and precision and the DeepSeek-V3 router
  * (hidden 7168, 256 experts, bf16) at 1, 64 and 4083 tokens. Device: as
  * moecl_context_create(NULL) picks it ($MOECL_DEVICE). Exit status 1 if a
  * check or a call failed. */

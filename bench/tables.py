@@ -4,14 +4,15 @@
 
     python3 bench/tables.py --moecl BENCH.json [--torch TORCH.json] [--vllm]
 
---vllm adds the vLLM CUDA figures measured on the H200 (issue #4's table)
-and the issue's targets next to the seed shapes.
+--vllm adds vLLM's CUDA figures on the H200 (fp32, top_k 8, CUDA graph,
+L2-warm; not measured by this harness) and the targets beside the seed
+shapes.
 """
 import argparse
 import json
 
-# vLLM's own CUDA topk_softmax on the same H200 (fp32, top_k 8, CUDA graph,
-# L2-warm), and its grouped DeepSeek-V3 kernel, as issue #4 gives them.
+# vLLM's own CUDA topk_softmax on an H200 (fp32, top_k 8, CUDA graph,
+# L2-warm), and its grouped DeepSeek-V3 kernel.
 VLLM_US = {(1, 128): 3.6, (4083, 128): 9.0, (8192, 128): 14.8, (8037, 256): 17.6, (13526, 256): 26.9}
 VLLM_DSV3_US = {4083: 13.3, 13526: 36.7}
 

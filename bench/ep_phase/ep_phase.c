@@ -1,5 +1,5 @@
 /* ep_phase: where ep_layout_fused's time goes on NVIDIA, phase by phase
- * (bench/RESULTS.md, "The layout at 64 ranks, phase by phase").
+ * (bench/README.md).
  * instrument.py writes a copy of cl/ep_layout.cl whose work-groups read
  * clock64 and globaltimer (inline PTX: NVIDIA only) after each phase and
  * write them over physical_ids[c * 16 ..] at the end; this program runs
@@ -7,7 +7,7 @@
  * cases given (RANKS:PHYSICAL, PHYSICAL > 256: bench/moecl-bench's
  * replicas), and prints each phase's cycles (median and max over the
  * work-groups) and the globaltimer spread. Its output is not a layout:
- * it checks nothing. Chunks of 128 tokens (106 work-groups: the H200).
+ * it checks nothing. Chunks of 128 tokens (106 work-groups at 13526 tokens).
  *
  *   mkdir -p /tmp/cli && cp -r cl/. /tmp/cli/ &&
  *   python3 bench/ep_phase/instrument.py cl/ep_layout.cl /tmp/cli/ep_layout.cl

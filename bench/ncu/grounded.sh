@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the H200 (bench/run-h200.sh's environment, a build in /tmp/b): ncu
-# profiles of the grounded router's GPU kernels (issue 15) through
+# On an NVIDIA GPU with NVIDIA's OpenCL, ncu, ptxas and PyTorch
+# (bench/README.md), a build in build/: ncu
+# profiles of the grounded router's GPU kernels through
 # bench/ncu/ptx_harness.py. Fills a kernel cache through moecl-bench (one
 # process a case, all at once: their float64 checks on the host are the
 # slow part, and cache writes are atomic; their device times print beside
@@ -19,8 +20,9 @@
 # (45) for the plain run. TREES (below): other builds' kernels.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT=${OUT:-/tmp/out}
+OUT=${OUT:-ncu-out}
 mkdir -p "$OUT"
+work=$(mktemp -d)
 T0=${T0:-$(date +%s)}
 left() { local l=$(( ${BUDGET_S:-225} - ($(date +%s) - T0) )); echo $(( l > 5 ? l : 5 )); }
 t() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
@@ -40,12 +42,12 @@ declare -A opts=(
 # TREES: NAME:BUILD_DIR[:CASE,CASE...] a tree (default every case), each
 # with its own moecl-bench and kernel cache; the cases of all trees run in
 # one harness process, labelled NAME_CASE.
-trees=${TREES:-main:/tmp/b}
+trees=${TREES:-main:build}
 mkdir -p $OUT/p
 cases=() pids=()
 for tr in $trees; do
   IFS=: read -r n b list <<< "$tr"
-  kc=/tmp/prof-cache-$n; rm -rf $kc
+  kc=$work/cache-$n; rm -rf $kc
   list=${list:-bf16,f32tiled,x3tf32,dsv3,seed}
   for c in ${list//,/ }; do
     [ -n "${opts[$c]:-}" ] || { echo "no case $c"; continue; }
@@ -71,7 +73,7 @@ $h --check-entries "${args[@]}" | head -3
 for p in "${pids[@]}"; do kill $p 2>/dev/null; done
 wait; t "caches filled"
 grep -HE "^(grounded|router)" $OUT/p/bench-*.txt | sed 's|^.*/bench-||' | cut -c1-170
-for kc in /tmp/prof-cache-*; do
+for kc in $work/cache-*; do
   $h --cache $kc --list | awk '{$1=""; print}' | grep -o "grounded_router_[a-z]*.*" | cut -c1-300 | sort | uniq |
     sed "s|^|$(basename $kc): |" >> $OUT/p/list.txt
 done
@@ -80,23 +82,23 @@ wc -l < $OUT/p/list.txt
 # seconds at most; 0 skips it).
 if [ "${PLAIN_S:-45}" != 0 ]; then timeout ${PLAIN_S:-45} $h "${args[@]}" --iters 20; t "harness rc $?"; fi
 for p in $OUT/p/*.ptx; do
-  ptxas -arch=sm_90 -v "$p" -o /tmp/x.cubin 2>&1 | grep -E "Used|spill" | sed "s|^|$(basename $p .ptx): |" | tee -a $OUT/p/ptxas.txt | grep -v "^$" | tail -2
+  ptxas -arch=sm_90 -v "$p" -o $work/x.cubin 2>&1 | grep -E "Used|spill" | sed "s|^|$(basename $p .ptx): |" | tee -a $OUT/p/ptxas.txt | grep -v "^$" | tail -2
 done
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 secs="--section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats
   --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis"
 mets="sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active,lts__t_sector_hit_rate.pct,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__bytes.sum.per_second"
-rm -f /tmp/prof.ncu-rep
-timeout $(left) $ncu --profile-from-start off --clock-control none $secs --metrics $mets -o /tmp/prof \
+rm -f $work/prof.ncu-rep
+timeout $(left) $ncu --profile-from-start off --clock-control none $secs --metrics $mets -o $work/prof \
   $h --profile-range "${args[@]}" --iters 1 > $OUT/p/ncu-run.txt 2>&1; t "ncu rc $?"
-if [ ! -s /tmp/prof.ncu-rep ] && [ $(left) -gt 30 ]; then
+if [ ! -s $work/prof.ncu-rep ] && [ $(left) -gt 30 ]; then
   tail -5 $OUT/p/ncu-run.txt
   timeout $(left) $ncu --profile-from-start off --clock-control none --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -o /tmp/prof \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis -o $work/prof \
     $h --profile-range "${args[@]}" --iters 1 > $OUT/p/ncu-run2.txt 2>&1; t "ncu (five sections, no extra metrics) rc $?"
 fi
 grep -E "WRONG|FAILED|ERROR" $OUT/p/ncu-run*.txt | head -5
-$ncu -i /tmp/prof.ncu-rep --page raw --csv > $OUT/ncu-raw.csv 2>&1
-$ncu -i /tmp/prof.ncu-rep --page details > $OUT/ncu-details.txt 2>&1
+$ncu -i $work/prof.ncu-rep --page raw --csv > $OUT/ncu-raw.csv 2>&1
+$ncu -i $work/prof.ncu-rep --page details > $OUT/ncu-details.txt 2>&1
 python3 bench/ncu/ncu_summary.py $OUT/ncu-raw.csv
 grep -vE "^ +(OPT|WRN|INF) |^          " $OUT/ncu-details.txt | grep -E "^  [a-z_]+__|Duration|Throughput|Occupancy|Registers|Shared Memory Config|Waves|Warp Cycles|Eligible|Issued Warp|Hit Rate|Pipe" | cut -c1-120 | head -150

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The figures issue 15 asks of each profiled kernel, from ncu's raw page
+"""The figures of each profiled kernel, from ncu's raw page
 (`ncu -i REPORT --page raw --csv`): one column a kernel, one row a metric
 in the units ncu gives (time, DRAM traffic against the peak, pipe utilisation, registers,
 shared memory, occupancy, waves, L2 hit rate, shared-memory bank

@@ -413,7 +413,7 @@ def ep_case(torch, tokens, ranks, physical, params, device="cuda"):
     `ranks` ranks, with moecl-bench's replicas where physical > 256 (the
     first physical - 256 experts doubled, each replica half the ranks
     away, a placement table), every output given and the grid-wide wait
-    allowed; chunks of 128 tokens (the H200's 106 work-groups at 13526).
+    allowed; chunks of 128 tokens (106 work-groups at 13526 tokens).
     The __local pointer's argument is 0: local_param_to_dynamic makes the
     kernel ignore it. The check: rank_counts, rank_offsets, tokens_per_rank and
     expert_counts against the rule's, send_slots grouped by rank and

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# On the H200 (bench/run-h200.sh's environment, a build in /tmp/b): fill a
-# kernel cache with top-k variants through moecl-bench, then time them
-# through the CUDA driver API (bench/ncu/ptx_harness.py) with CUDA events
-# and under ncu (gpu__time_duration: the kernel alone, without OpenCL's
-# launch floor), next to an empty kernel. Prints what it measured.
+# On an NVIDIA GPU with NVIDIA's OpenCL, ncu and PyTorch (bench/README.md):
+# fill a kernel cache with top-k variants through moecl-bench, then time
+# them through the CUDA driver API (bench/ncu/ptx_harness.py) with CUDA
+# events and under ncu (gpu__time_duration: the kernel alone, without
+# OpenCL's launch floor), next to an empty kernel. Prints what it measured.
+# BENCH: the moecl-bench to use (default build/tools/moecl-bench);
+# NCU_CACHE: the kernel cache it fills (default a fresh temporary folder).
 # The grounded router's kernels (grounded_router_mma, _tiled, _team) have
-# their own script, bench/ncu/grounded.sh: the harness feeds them too
-# (its docstring), with the cases of issue 15.
+# their own script, bench/ncu/grounded.sh.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-kc=${NCU_CACHE:-/tmp/ncu-cache}
+kc=${NCU_CACHE:-$(mktemp -d)}
 rm -rf "$kc"
-bench=${BENCH:-/tmp/b/tools/moecl-bench}
+bench=${BENCH:-build/tools/moecl-bench}
 MOECL_CACHE_DIR=$kc "$bench" --shape 1,128,8 --shape 8192,128,8 --shape 13526,256,8 --only custom \
     --iterations 20 > /dev/null 2>&1 || echo "moecl-bench failed filling the cache"
 for t in ${NCU_TEAMS:-32 64}; do

@@ -2,7 +2,7 @@
 and PTX plumbing on a PTX file written here in the form NVIDIA's OpenCL
 returns, and the grounded router cases' arguments, launch shape and check
 on CPU tensors (outputs computed in fp32 pass; a wrong id or weight does
-not). Run: /tmp/torchvenv/bin/python -m pytest bench/ncu/test_ptx_harness.py
+not). Run: python3 -m pytest bench/ncu/test_ptx_harness.py
 (PyTorch for the grounded cases; the PTX checks need only the standard
 library)."""
 import ctypes
