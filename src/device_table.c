@@ -46,62 +46,64 @@ typedef struct table_entry {
 
 /* ---- the defaults: every device unless its entries say otherwise ---- */
 
+/* Indexed by parameter: a value left out would read as 0 with no reason. */
+#define DEFAULT(p, v, why) [p] = {p, v, why}
 static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
-    [MOECL_DP_UNROLL] = {MOECL_DP_UNROLL, 0, "unroll pragmas only where the compiler is known to honour them"},
-    [MOECL_DP_NATIVE_MATH] = {MOECL_DP_NATIVE_MATH, 0,
-                              "exp and division as OpenCL specifies them: native_exp's error is the "
-                              "implementation's, checked against the tests' bounds on NVIDIA only"},
-    [MOECL_DP_PTX_MIN_MAJOR] = {MOECL_DP_PTX_MIN_MAJOR, 0, "inline PTX is NVIDIA's instruction set"},
-    [MOECL_DP_REFUSE_TEAM_WG] = {MOECL_DP_REFUSE_TEAM_WG, 0, "no other driver is known to mishandle a team"},
-    [MOECL_DP_PRIVATE_MAX] = {MOECL_DP_PRIVATE_MAX, 0, "no other driver is known to run short of private memory"},
-    [MOECL_DP_ALIGN_CHUNK_WG_CPU] = {MOECL_DP_ALIGN_CHUNK_WG_CPU, 1, "CPUs: one work-item a chunk, a plain loop"},
-    [MOECL_DP_ALIGN_CHUNK_WG_GPU] = {MOECL_DP_ALIGN_CHUNK_WG_GPU, 128,
-                                     "GPUs: 128 work-items a chunk; H200, 2026-11-30: the chunked path 67.7 us "
-                                     "at 13526x256 (its last kernel 11-14 us); no other size timed"},
-    [MOECL_DP_ALIGN_GROUP_WG] = {MOECL_DP_ALIGN_GROUP_WG, 256,
-                                 "H200, 2026-11-30: NVIDIA's OpenCL reports a limit of 256 for moe_align's "
-                                 "kernels (the device's is 1024), so 1024 work-items never ran"},
-    [MOECL_DP_ALIGN_FUSED_WG_CPU] = {MOECL_DP_ALIGN_FUSED_WG_CPU, 1,
-                                     "pocl and Intel's CPU runtime, 2026-12-01: one work-item walking the slots; "
-                                     "chunks passed by atomics took 44-46 us at 129x128 against 9-10 chunked"},
-    [MOECL_DP_ALIGN_FUSED_WG_GPU] = {MOECL_DP_ALIGN_FUSED_WG_GPU, 256,
-                                     "as the one-group kernel's: its last work-group places every slot alone"},
-    [MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU] = {MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, 8192,
-                                            "pocl and Intel's CPU runtime, 2026-12-01: fused faster up to 8152 "
-                                            "slots (pocl 14.1 against 18.5-24.5 us at 1019x128), chunked from "
-                                            "65536 on a quiet machine (62.7 against 77.2 us at 8192x128)"},
-    [MOECL_DP_ALIGN_FUSED_MAX_SLOTS_GPU] = {MOECL_DP_ALIGN_FUSED_MAX_SLOTS_GPU, 5120,
-                                            "H200, 2026-12-01: fused fastest up to 4160 slots (38.1 against "
-                                            "41.0 us chunked at 520x128), slower from 8152 (48.6 against 42.6)"},
-    [MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU] = {MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, 0,
-                                                "CPUs: the fused kernel serves small routings; the one-group "
-                                                "kernel's 256-wide tiles are a GPU shape"},
-    [MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU] = {MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU, 1024,
-                                                "H200, 2026-11-30: the one-group kernel tied the chunked path at "
-                                                "1032 slots (40.0 against 39.6 us), lost at 2048 (49.9 against "
-                                                "35.9)"},
-    [MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU] = {MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU, 0,
-                                                     "CPUs: as without WARP_MATCH"},
-    [MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU] = {MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU, 1536,
-                                                 "H200, 2026-11-30: with WARP_MATCH (inline PTX) a slot costs 10 "
-                                                 "ns against 14; the one-group kernel won at 1032 slots (33.2 "
-                                                 "against 39.6 us), lost at 2048 (41.3 against 35.9)"},
-    [MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS] = {MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 5120,
-                                             "moe_align_fused's GPU limit: the one kernel's last work-group "
-                                             "places every slot alone, as that kernel's does; unmeasured off "
-                                             "NVIDIA"},
-    [MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS] = {MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 5120,
-                                                    "MOECL_ALIGN=fused: the one kernel up to moe_align_fused's "
-                                                    "GPU limit on every device (tests)"},
-    [MOECL_DP_EP_FUSED_CPU] = {MOECL_DP_EP_FUSED_CPU, 0,
-                               "CPUs: the three kernels, timed on pocl and Intel's CPU runtime, 2026-12-01 "
-                               "(1.12-1.78 ms at 13526x256); the fused kernel was not timed there"},
-    [MOECL_DP_EP_FUSED_GPU] = {MOECL_DP_EP_FUSED_GPU, 1,
-                               "H200, 2026-12-02: one launch 30.8 us against 72.6 for the three kernels at "
-                               "13526x256, 8 ranks (device time)"},
-    [MOECL_DP_EP_FUSED_WG] = {MOECL_DP_EP_FUSED_WG, 256,
-                              "H200, 2026-12-02: 16.0 us of kernel at 13526x256, 8 ranks, against 19.8 at 128 "
-                              "work-items; 512 and 1024 do not fit the kernel on NVIDIA's OpenCL"},
+    DEFAULT(MOECL_DP_UNROLL, 0, "unroll pragmas only where the compiler is known to honour them"),
+    DEFAULT(MOECL_DP_NATIVE_MATH, 0,
+            "exp and division as OpenCL specifies them: native_exp's error is the "
+            "implementation's, checked against the tests' bounds on NVIDIA only"),
+    DEFAULT(MOECL_DP_PTX_MIN_MAJOR, 0, "inline PTX is NVIDIA's instruction set"),
+    DEFAULT(MOECL_DP_REFUSE_TEAM_WG, 0, "no other driver is known to mishandle a team"),
+    DEFAULT(MOECL_DP_PRIVATE_MAX, 0, "no other driver is known to run short of private memory"),
+    DEFAULT(MOECL_DP_ALIGN_CHUNK_WG_CPU, 1, "CPUs: one work-item a chunk, a plain loop"),
+    DEFAULT(MOECL_DP_ALIGN_CHUNK_WG_GPU, 128,
+            "GPUs: 128 work-items a chunk; H200, 2026-11-30: the chunked path 67.7 us "
+            "at 13526x256 (its last kernel 11-14 us); no other size timed"),
+    DEFAULT(MOECL_DP_ALIGN_GROUP_WG, 256,
+            "H200, 2026-11-30: NVIDIA's OpenCL reports a limit of 256 for moe_align's "
+            "kernels (the device's is 1024), so 1024 work-items never ran"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_WG_CPU, 1,
+            "pocl and Intel's CPU runtime, 2026-12-01: one work-item walking the slots; "
+            "chunks passed by atomics took 44-46 us at 129x128 against 9-10 chunked"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_WG_GPU, 256,
+            "as the one-group kernel's: its last work-group places every slot alone"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, 8192,
+            "pocl and Intel's CPU runtime, 2026-12-01: fused faster up to 8152 "
+            "slots (pocl 14.1 against 18.5-24.5 us at 1019x128), chunked from "
+            "65536 on a quiet machine (62.7 against 77.2 us at 8192x128)"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_MAX_SLOTS_GPU, 5120,
+            "H200, 2026-12-01: fused fastest up to 4160 slots (38.1 against "
+            "41.0 us chunked at 520x128), slower from 8152 (48.6 against 42.6)"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, 0,
+            "CPUs: the fused kernel serves small routings; the one-group "
+            "kernel's 256-wide tiles are a GPU shape"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU, 1024,
+            "H200, 2026-11-30: the one-group kernel tied the chunked path at "
+            "1032 slots (40.0 against 39.6 us), lost at 2048 (49.9 against "
+            "35.9)"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU, 0,
+            "CPUs: as without WARP_MATCH"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU, 1536,
+            "H200, 2026-11-30: with WARP_MATCH (inline PTX) a slot costs 10 "
+            "ns against 14; the one-group kernel won at 1032 slots (33.2 "
+            "against 39.6 us), lost at 2048 (41.3 against 35.9)"),
+    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 5120,
+            "moe_align_fused's GPU limit: the one kernel's last work-group "
+            "places every slot alone, as that kernel's does; unmeasured off "
+            "NVIDIA"),
+    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 5120,
+            "MOECL_ALIGN=fused: the one kernel up to moe_align_fused's "
+            "GPU limit on every device (tests)"),
+    DEFAULT(MOECL_DP_EP_FUSED_CPU, 0,
+            "CPUs: the three kernels, timed on pocl and Intel's CPU runtime, 2026-12-01 "
+            "(1.12-1.78 ms at 13526x256); the fused kernel was not timed there"),
+    DEFAULT(MOECL_DP_EP_FUSED_GPU, 1,
+            "H200, 2026-12-02: one launch 30.8 us against 72.6 for the three kernels at "
+            "13526x256, 8 ranks (device time)"),
+    DEFAULT(MOECL_DP_EP_FUSED_WG, 256,
+            "H200, 2026-12-02: 16.0 us of kernel at 13526x256, 8 ranks, against 19.8 at 128 "
+            "work-items; 512 and 1024 do not fit the kernel on NVIDIA's OpenCL"),
 };
 
 /* ---- NVIDIA ---- */

@@ -155,7 +155,7 @@ typedef struct moecl_launch_key {
 /* Where a configuration came from, in rising precedence after DEFAULT. */
 typedef enum moecl_launch_source {
     MOECL_SOURCE_DEFAULT = 0, /* computed from device facts */
-    MOECL_SOURCE_TABLE,       /* the built-in per-device table */
+    MOECL_SOURCE_TABLE,       /* the device table (src/device_table.c) */
     MOECL_SOURCE_TUNED,       /* the tune file moecl-tune wrote */
     MOECL_SOURCE_ENV,         /* computed under MOECL_LAUNCH_CLASS / MOECL_TEAM / MOECL_GROUNDED_TILE */
     MOECL_SOURCE_FORCED,      /* moecl_launch_force (moecl-tune's sweep) */
@@ -228,7 +228,7 @@ bool moecl_launch_config_parse(const char *text, moecl_launch_config *config);
 bool moecl_tune_set(moecl_tune_table *table, const moecl_launch_key *key, const moecl_launch_config *config);
 void moecl_tune_free(moecl_tune_table *table);
 /* Whether the environment decides op's configuration: then the tune file
- * and the built-in table step aside and the op's rule runs under what the
+ * and the device table step aside and the op's rule runs under what the
  * variables force (the source is MOECL_SOURCE_ENV). */
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
 
@@ -236,7 +236,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
 
 /* The values the table holds for every device. Those that differ by
  * launch class come in pairs, the CPU class's id and then the GPU class's
- * (moecl_device_param_of adds the class). */
+ * (moecl_device_param_class picks one). */
 typedef enum moecl_device_param {
     /* Build options: the kernels' MOECL_VENDOR_NVIDIA (unroll pragmas) and
      * NATIVE_MATH (cl/common.cl), 0 or 1. */
@@ -249,8 +249,8 @@ typedef enum moecl_device_param {
      * this many bytes (0: no limit). */
     MOECL_DP_REFUSE_TEAM_WG,
     MOECL_DP_PRIVATE_MAX,
-    /* moe_align's work-groups (at most; the device's limit rounded down to
-     * a power of two below that): the chunk kernels', the scan's and the
+    /* moe_align's work-groups, each the largest power of two within this
+     * and the device's limit: the chunk kernels', the scan's and the
      * one-group kernel's, the fused kernel's. */
     MOECL_DP_ALIGN_CHUNK_WG_CPU,
     MOECL_DP_ALIGN_CHUNK_WG_GPU,
@@ -288,11 +288,8 @@ typedef struct moecl_device_params {
  * whose device name is a substring of info's (case-insensitive). A
  * context holds its device's (moecl_context.params). */
 moecl_device_params moecl_device_table_params(const moecl_device_info *info);
-/* Parameter p, or for a pair (p the CPU class's id) the value of class c. */
-static inline uint32_t moecl_device_param_of(const moecl_device_params *params, moecl_device_param p)
-{
-    return params->value[p];
-}
+/* A pair's value (cpu_id the CPU class's id) for launch class c; other
+ * parameters are params->value[p]. */
 static inline uint32_t moecl_device_param_class(const moecl_device_params *params, moecl_device_param cpu_id,
                                                 moecl_launch_class c)
 {
