@@ -1,9 +1,7 @@
 /* Context lifetime: creating or adopting the OpenCL objects, accessors. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include "internal.h"
 
@@ -13,9 +11,10 @@ char *moecl_build_options(const moecl_device_info *info)
 {
     const char *user = getenv("MOECL_BUILD_OPTIONS");
     char buf[1024];
-    const int nvidia = info->vendor == MOECL_VENDOR_NVIDIA;
-    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%d -DNATIVE_MATH=%d -DMOECL_PTX=%d%s%s", nvidia,
-             nvidia, info->ptx ? 1 : 0, user && *user ? " " : "", user ? user : "");
+    const moecl_device_params p = moecl_device_table_params(info);
+    snprintf(buf, sizeof(buf), "-cl-std=CL1.2 -DMOECL_VENDOR_NVIDIA=%u -DNATIVE_MATH=%u -DMOECL_PTX=%d%s%s",
+             (unsigned)p.value[MOECL_DP_UNROLL], (unsigned)p.value[MOECL_DP_NATIVE_MATH], info->ptx ? 1 : 0,
+             user && *user ? " " : "", user ? user : "");
     return strdup(buf);
 }
 
@@ -30,6 +29,7 @@ static moecl_status finish_context(moecl_context *c, moecl_context **out)
         moecl_context_destroy(c);
         return moecl_fail(NULL, st, "querying the device failed (%s)", moecl_status_string(st));
     }
+    c->params = moecl_device_table_params(&c->info);
     c->build_options = moecl_build_options(&c->info);
     moecl_device_info portable = c->info;
     portable.ptx = false;
@@ -176,162 +176,3 @@ void moecl_context_forget_buffers(moecl_context *ctx)
 cl_context moecl_context_cl_context(const moecl_context *ctx) { return ctx ? ctx->context : NULL; }
 cl_device_id moecl_context_device(const moecl_context *ctx) { return ctx ? ctx->device : NULL; }
 cl_command_queue moecl_context_queue(const moecl_context *ctx) { return ctx ? ctx->queue : NULL; }
-
-/* snprintf at buf + *len, keeping *len the length of the whole text as
- * snprintf counts it (the part past size is counted, not written). */
-static void append(char *buf, size_t size, size_t *len, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
-static void append(char *buf, size_t size, size_t *len, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    char none[1];
-    int n = *len < size ? vsnprintf(buf + *len, size - *len, fmt, ap) : vsnprintf(none, 0, fmt, ap);
-    va_end(ap);
-    if (n > 0)
-        *len += (size_t)n;
-}
-
-#define COPY(dst, src) snprintf((dst), sizeof(dst), "%s", (src))
-
-/* The NVIDIA warp paths: whether they are built, and why not. */
-static void describe_ptx(const moecl_context *ctx, moecl_context_info *r)
-{
-    const moecl_device_info *i = &ctx->info;
-    r->inline_ptx = i->ptx && !moecl_registry_ptx_failed(ctx->registry);
-    if (i->ptx && !r->inline_ptx)
-        snprintf(r->inline_ptx_reason, sizeof(r->inline_ptx_reason),
-                 "compute capability %u.%u, but a build with it failed; portable kernels", i->nv_compute_major,
-                 i->nv_compute_minor);
-    else if (i->ptx)
-        snprintf(r->inline_ptx_reason, sizeof(r->inline_ptx_reason), "compute capability %u.%u", i->nv_compute_major,
-                 i->nv_compute_minor);
-    else if (i->vendor != MOECL_VENDOR_NVIDIA)
-        COPY(r->inline_ptx_reason, "not an NVIDIA device");
-    else if (i->nv_compute_major == 0)
-        COPY(r->inline_ptx_reason, "no compute capability: cl_nv_device_attribute_query absent");
-    else
-        snprintf(r->inline_ptx_reason, sizeof(r->inline_ptx_reason),
-                 "compute capability %u.%u; the warp paths need 7.0", i->nv_compute_major, i->nv_compute_minor);
-}
-
-/* What the seed shapes launch with, and from where. */
-static void describe_launches(const moecl_context *ctx, moecl_context_info *r)
-{
-    moecl_topk_gating_desc t[3] = {moecl_topk_gating_desc_init(1, 128, 8), moecl_topk_gating_desc_init(1, 256, 8),
-                                   moecl_topk_gating_desc_init(1, 256, 8)};
-    t[2].num_expert_groups = 8; /* DeepSeek-V3 */
-    t[2].topk_group = 4;
-    moecl_grounded_router_desc g[2] = {moecl_grounded_router_desc_init(1, 128, 16, 0.5f),
-                                       moecl_grounded_router_desc_init(1, 4096, 128, 0.5f)};
-    g[1].top_k = 8;
-    static const char *const kernels[] = {"rows", "team", "tiled", "mma"};
-    for (int n = 0; n < 5; n++) {
-        moecl_launch_key key;
-        moecl_launch_config config;
-        moecl_launch_source source = n < 3 ? moecl_topk_gating_launch(ctx, &t[n], &key, &config)
-                                           : moecl_grounded_router_launch(ctx, &g[n - 3], &key, &config);
-        moecl_launch_info *l = &r->launches[r->num_launches++];
-        COPY(l->op, key.op == MOECL_OP_TOPK_GATING ? "topk" : "grounded");
-        l->num_experts = key.num_experts;
-        l->top_k = key.top_k;
-        l->groups = key.groups;
-        l->hidden_bucket = key.hidden_bucket;
-        COPY(l->kernel, (unsigned)config.kernel <= MOECL_KERNEL_MMA ? kernels[config.kernel] : "?");
-        l->team = config.team;
-        l->rows = config.rows;
-        l->tile = config.tile;
-        COPY(l->source, moecl_launch_source_name(source));
-        moecl_launch_key_text(&key, l->key_text, sizeof(l->key_text));
-        moecl_launch_config_text(&config, l->config_text, sizeof(l->config_text));
-    }
-}
-
-static void describe(const moecl_context *ctx, moecl_context_info *r)
-{
-    const moecl_device_info *i = &ctx->info;
-    static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl"};
-    memset(r, 0, sizeof(*r));
-    r->struct_size = sizeof(*r);
-    COPY(r->platform, i->platform_name);
-    COPY(r->device, i->device_name);
-    COPY(r->device_version, i->device_version);
-    COPY(r->driver, i->driver_version);
-    COPY(r->type, (i->type & CL_DEVICE_TYPE_CPU)           ? "CPU"
-                  : (i->type & CL_DEVICE_TYPE_GPU)         ? "GPU"
-                  : (i->type & CL_DEVICE_TYPE_ACCELERATOR) ? "accelerator"
-                                                           : "other");
-    COPY(r->vendor, vendors[i->vendor]);
-    r->compute_units = i->compute_units;
-    r->local_memory_bytes = i->local_mem_size;
-    r->max_work_group_size = i->max_work_group_size;
-    COPY(r->launch_class, moecl_launch_class_name(i->launch_class));
-    COPY(r->launch_class_reason, i->launch_reason);
-    COPY(r->kernel_dir, ctx->kernel_dir ? ctx->kernel_dir : "");
-    if (!moecl_cache_dir(r->kernel_cache, sizeof(r->kernel_cache)))
-        r->kernel_cache[0] = '\0';
-    describe_ptx(ctx, r);
-    if (moecl_tune_path(i, r->tune_file, sizeof(r->tune_file)))
-        r->tune_file_present = access(r->tune_file, F_OK) == 0;
-    else
-        r->tune_file[0] = '\0';
-    r->tune_keys_read = (uint32_t)ctx->tuned.count;
-    describe_launches(ctx, r);
-}
-
-moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_context_info *info)
-{
-    /* The first version of the record is this one: a caller's record is
-     * at least that large. */
-    if (!ctx || !info || info->struct_size < sizeof(moecl_context_info))
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                          !ctx    ? "ctx is NULL"
-                          : !info ? "info is NULL"
-                                  : "info->struct_size is below sizeof(moecl_context_info) (set it before the call)");
-    moecl_context_info *r = malloc(sizeof(*r));
-    if (!r)
-        return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory describing the context");
-    describe(ctx, r);
-    memcpy(info, r, sizeof(*r)); /* a larger caller record keeps its newer fields' bytes as they were */
-    info->struct_size = sizeof(*r);
-    free(r);
-    return MOECL_SUCCESS;
-}
-
-size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
-{
-    if (size)
-        buf[0] = '\0';
-    moecl_context_info *r = ctx ? malloc(sizeof(*r)) : NULL;
-    if (!r)
-        return 0;
-    describe(ctx, r);
-    size_t len = 0;
-    append(buf, size, &len,
-           "platform: %s\n"
-           "device: %s\n"
-           "device version: %s\n"
-           "driver: %s\n"
-           "type: %s\n"
-           "vendor: %s\n"
-           "compute units: %u\n"
-           "local memory: %llu bytes\n"
-           "max work-group size: %zu\n"
-           "launch class: %s (%s)\n"
-           "kernel sources: %s\n"
-           "kernel cache: %s\n"
-           "inline PTX: %s (%s)\n",
-           r->platform, r->device, r->device_version, r->driver, r->type, r->vendor, (unsigned)r->compute_units,
-           (unsigned long long)r->local_memory_bytes, r->max_work_group_size, r->launch_class,
-           r->launch_class_reason, *r->kernel_dir ? r->kernel_dir : "embedded",
-           *r->kernel_cache ? r->kernel_cache : "off", r->inline_ptx ? "on" : "off", r->inline_ptx_reason);
-    if (*r->tune_file)
-        append(buf, size, &len, "tune file: %s (%skeys read at creation: %u)\n", r->tune_file,
-               r->tune_file_present ? "" : "absent, moecl-tune writes it; ", (unsigned)r->tune_keys_read);
-    else
-        append(buf, size, &len, "tune file: off (no cache directory)\n");
-    for (uint32_t n = 0; n < r->num_launches; n++)
-        append(buf, size, &len, "launch %s: %s (%s)\n", r->launches[n].key_text, r->launches[n].config_text,
-               r->launches[n].source);
-    free(r);
-    return len;
-}

@@ -76,18 +76,8 @@ bool moecl_extension_listed(const char *extensions, const char *ext)
  *   vote.sync.ballot.b32 WARP_MATCH ranking (ep)   PTX 6.0, sm_30
  *   bar.warp.sync        WARP_MATCH ranking        PTX 6.0, sm_30
  *   mov.u32 %lanemask_lt WARP_MATCH ranking        PTX 2.0, sm_20
- * One threshold serves all: 7.0. match.any.sync needs it, and below it
- * shfl.sync and bar.warp.sync are defined only when every lane of the mask
- * runs them converged, which these kernels were never checked for (they
- * ran on sm_90 only). NVIDIA's compiler builds for the device's own sm,
- * so on an older GPU the build would fail; moecl_variant_get would then
- * build the portable kernels, but asking only where the PTX builds saves
- * a failed compile on every context. */
-bool moecl_device_ptx(const moecl_device_info *info)
-{
-    return info->vendor == MOECL_VENDOR_NVIDIA && info->nv_compute_major >= 7;
-}
-
+ * The compute capability is queried here; the threshold the paths need is
+ * the device table's (src/device_table.c, moecl_device_ptx). */
 /* The compute capability where the device lists the extension (0.0 else). */
 static void query_compute_capability(cl_device_id device, moecl_device_info *info)
 {
@@ -108,20 +98,6 @@ static void query_compute_capability(cl_device_id device, moecl_device_info *inf
         }
     }
     free(extensions);
-}
-
-bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
-{
-    if (env->launch_class_forced)
-        return true;
-    switch (op) {
-    case MOECL_OP_TOPK_GATING:
-        return env->team != 0;
-    case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED || env->grounded_mma;
-    default:
-        return env->align_path != MOECL_ALIGN_AUTO;
-    }
 }
 
 /* The launch class is data: the device type decides, the variant override

@@ -1,5 +1,5 @@
 /* The expert-parallel dispatch layout, host side: validation, the path
- * (three chained launches, or the one-launch fused kernel on GPUs; cl/ep_layout.cl says
+ * (three chained launches, or the one-launch fused kernel; cl/ep_layout.cl says
  * what each kernel does), the chunks, the scratch buffer and the blocking
  * host-memory path. */
 #include <stdio.h>
@@ -90,12 +90,13 @@ enum { COUNT_KERNEL, SCAN_KERNEL, PLACE_KERNEL, FUSED_KERNEL, NUM_KERNELS };
 static const char *const kernel_names[NUM_KERNELS] = {"ep_layout_count", "ep_layout_scan", "ep_layout_place",
                                                       "ep_layout_fused"};
 
-/* The fused kernel's work-group: 256 (or MOECL_EP_FUSED_WG's) where the
- * device allows (NVIDIA's OpenCL reports 256 for moe_align's kernels on
- * the H200), else the largest power of two below the device's limit. */
+/* The fused kernel's work-group: the device table's (or
+ * MOECL_EP_FUSED_WG's) where the device allows, else the largest power of
+ * two below the device's limit. */
 static unsigned fused_wg_of(const moecl_device_info *info)
 {
-    const unsigned cap = info->env.ep_fused_wg ? info->env.ep_fused_wg : 256;
+    const unsigned cap =
+        info->env.ep_fused_wg ? info->env.ep_fused_wg : moecl_device_table_params(info).value[MOECL_DP_EP_FUSED_WG];
     unsigned w = 1;
     while (w * 2 <= cap && w * 2 <= info->max_work_group_size)
         w *= 2;
@@ -281,11 +282,11 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, c
     const cl_uint flags = (a->l2p.mem ? EP_MAP : 0) | (a->p2r.mem ? EP_TABLE : 0) | (a->tir.mem ? EP_TIR : 0) |
                           (a->tpr.mem ? EP_TPR : 0) | (a->counts.mem ? EP_COUNTS : 0);
     /* The path: MOECL_EP_LAYOUT's where it forces one the device can run,
-     * else the fused kernel in the GPU class (one launch against three:
-     * bench/RESULTS.md) and the three kernels in the CPU class. */
+     * else the device table's for the launch class. */
     const moecl_ep_path path = ctx->info.env.ep_path;
+    const bool fused = moecl_device_param_class(&ctx->params, MOECL_DP_EP_FUSED_CPU, ctx->info.launch_class);
     fused_shape f;
-    if (path != MOECL_EP_CHUNKED && (path != MOECL_EP_AUTO || ctx->info.launch_class == MOECL_LAUNCH_GPU) &&
+    if (path != MOECL_EP_CHUNKED && (path != MOECL_EP_AUTO || fused) &&
         fused_shape_of(ctx, p, d, a->counts.mem != NULL, &f))
         return enqueue_fused(ctx, d, p, a, &f, flags | (path == MOECL_EP_FUSED_LAST ? 0 : EP_MAY_WAIT), num_wait,
                              wait, done);

@@ -130,11 +130,6 @@ moecl_status moecl_override_set(const char *text);
 /* The current override. */
 void moecl_override_get(moecl_launch_env *env);
 
-/* Whether the environment decides op's configuration: then the tune file
- * and the built-in table step aside and the op's rule runs under what the
- * variables force (the source is MOECL_SOURCE_ENV). */
-bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
-
 typedef struct moecl_device_info {
     char platform_name[128];
     char device_name[128];
@@ -156,11 +151,6 @@ typedef struct moecl_device_info {
 
 /* Fill info for device (queries OpenCL). */
 moecl_status moecl_device_query(cl_device_id device, moecl_device_info *info);
-/* Whether the inline PTX of the kernels (TEAM_SHUFFLE in cl/common.cl,
- * WARP_MATCH in cl/moe_align.cl) suits a device described by info: an
- * NVIDIA device of compute capability 7.0 or later (src/device.c says
- * why). The ops ask for those paths only where info->ptx is set. */
-bool moecl_device_ptx(const moecl_device_info *info);
 /* Whether the space-separated extension list names ext exactly. */
 bool moecl_extension_listed(const char *extensions, const char *ext);
 /* Resolve a selector (see moecl_context_create) to a device; on failure
@@ -183,7 +173,7 @@ typedef struct moecl_launch_key {
 /* Where a configuration came from, in rising precedence after DEFAULT. */
 typedef enum moecl_launch_source {
     MOECL_SOURCE_DEFAULT = 0, /* computed from device facts */
-    MOECL_SOURCE_TABLE,       /* the built-in per-device table */
+    MOECL_SOURCE_TABLE,       /* the device table (src/device_table.c) */
     MOECL_SOURCE_TUNED,       /* the tune file moecl-tune wrote */
     MOECL_SOURCE_ENV,         /* computed under MOECL_LAUNCH_CLASS / MOECL_TEAM / MOECL_GROUNDED_TILE */
     MOECL_SOURCE_FORCED,      /* moecl_launch_force (moecl-tune's sweep) */
@@ -255,6 +245,86 @@ bool moecl_launch_config_parse(const char *text, moecl_launch_config *config);
 /* Add or replace; false when out of memory or full. */
 bool moecl_tune_set(moecl_tune_table *table, const moecl_launch_key *key, const moecl_launch_config *config);
 void moecl_tune_free(moecl_tune_table *table);
+/* Whether the environment decides op's configuration: then the tune file
+ * and the device table step aside and the op's rule runs under what the
+ * variables force (the source is MOECL_SOURCE_ENV). */
+bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
+
+/* ---- device_table.c: every per-device choice, in one table ---- */
+
+/* The values the table holds for every device. Those that differ by
+ * launch class come in pairs, the CPU class's id and then the GPU class's
+ * (moecl_device_param_class picks one). */
+typedef enum moecl_device_param {
+    /* Build options: the kernels' MOECL_VENDOR_NVIDIA (unroll pragmas) and
+     * NATIVE_MATH (cl/common.cl), 0 or 1. */
+    MOECL_DP_UNROLL,
+    MOECL_DP_NATIVE_MATH,
+    /* Inline PTX from this compute capability (major) up; 0: never. */
+    MOECL_DP_PTX_MIN_MAJOR,
+    /* Driver refusals: team kernels in work-groups of at most this many
+     * work-items (0: none refused); work-groups whose private arrays pass
+     * this many bytes (0: no limit). */
+    MOECL_DP_REFUSE_TEAM_WG,
+    MOECL_DP_PRIVATE_MAX,
+    /* moe_align's work-groups, each the largest power of two within this
+     * and the device's limit: the chunk kernels', the scan's and the
+     * one-group kernel's, the fused kernel's. */
+    MOECL_DP_ALIGN_CHUNK_WG_CPU,
+    MOECL_DP_ALIGN_CHUNK_WG_GPU,
+    MOECL_DP_ALIGN_GROUP_WG,
+    MOECL_DP_ALIGN_FUSED_WG_CPU,
+    MOECL_DP_ALIGN_FUSED_WG_GPU,
+    /* moe_align's paths by default: the fused kernel up to this many
+     * slots, then the one-group kernel up to this many (0: never; the
+     * _WARP limit where it ranks with WARP_MATCH), then the chunked path. */
+    MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU,
+    MOECL_DP_ALIGN_FUSED_MAX_SLOTS_GPU,
+    MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU,
+    MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU,
+    MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU,
+    MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU,
+    /* moecl_route_dispatch's one launch: at most this many slots, and
+     * under MOECL_ALIGN=fused this many. */
+    MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS,
+    MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS,
+    /* The expert-parallel layout: the fused kernel by default (0 or 1),
+     * and its work-group (at most, as moe_align's). */
+    MOECL_DP_EP_FUSED_CPU,
+    MOECL_DP_EP_FUSED_GPU,
+    MOECL_DP_EP_FUSED_WG,
+    MOECL_NUM_DEVICE_PARAMS
+} moecl_device_param;
+
+/* Every parameter's value for one device. */
+typedef struct moecl_device_params {
+    uint32_t value[MOECL_NUM_DEVICE_PARAMS];
+} moecl_device_params;
+
+/* The values for a device described by info: the table's defaults, over
+ * them the entry of info's vendor, over that the entries of the vendor
+ * whose device name is a substring of info's (case-insensitive). A
+ * context holds its device's (moecl_context.params). */
+moecl_device_params moecl_device_table_params(const moecl_device_info *info);
+/* A pair's value (cpu_id the CPU class's id) for launch class c; other
+ * parameters are params->value[p]. */
+static inline uint32_t moecl_device_param_class(const moecl_device_params *params, moecl_device_param cpu_id,
+                                                moecl_launch_class c)
+{
+    return params->value[cpu_id + (c == MOECL_LAUNCH_GPU ? 1 : 0)];
+}
+/* The table's launch configuration for key on a device described by info
+ * (the same lookup, entries keyed further by op, expert count and device
+ * type); NULL where it has none. The tune file overrides it
+ * (moecl_launch_overrides). */
+const moecl_launch_config *moecl_device_table_launch(const moecl_device_info *info, const moecl_launch_key *key);
+/* Whether the inline PTX of the kernels (TEAM_SHUFFLE in cl/common.cl,
+ * WARP_MATCH in cl/moe_align.cl) suits a device described by info: the
+ * table's compute capability threshold against the one device.c queried.
+ * The ops ask for those paths only where info->ptx is set. */
+bool moecl_device_ptx(const moecl_device_info *info);
+/* Why moecl_device_ptx decides as it does, in words, into buf. */
+void moecl_device_ptx_reason(const moecl_device_info *info, char *buf, size_t size);
 
 /* ---- program.c: kernel variants ---- */
 
@@ -309,11 +379,12 @@ typedef struct moecl_pooled_kernel {
  * it back after enqueueing (clSetKernelArg on a shared kernel races). */
 moecl_status moecl_variant_acquire(moecl_context *ctx, moecl_variant *variant, moecl_pooled_kernel **kernel);
 void moecl_variant_release(moecl_variant *variant, moecl_pooled_kernel *kernel);
-/* Drop what a pooled kernel remembers of its arguments and release the
- * buffer references it holds. */
-void moecl_pooled_forget(moecl_pooled_kernel *kernel);
-/* moecl_pooled_forget on every pooled kernel of the registry (no call may
- * be in flight on its context). */
+/* Release the buffer reference a remembered argument holds, and forget
+ * the argument. */
+void moecl_arg_state_release(moecl_arg_state *state);
+/* Forget every pooled kernel's remembered arguments and release the
+ * buffer references they hold (no call may be in flight on the
+ * registry's context). */
 void moecl_registry_forget_buffers(moecl_registry *reg);
 /* The kernel's CL_KERNEL_WORK_GROUP_SIZE on the context's device (queried
  * once, when the variant was created); 0 if the query failed. */
@@ -380,6 +451,7 @@ struct moecl_context {
     cl_device_id device;
     cl_command_queue queue;
     moecl_device_info info;
+    moecl_device_params params; /* the device table's values for info, looked up at creation */
     moecl_registry *registry;
     char *build_options; /* common options for every build */
     char *portable_options; /* the same with MOECL_PTX=0: what a build falls back to (src/program.c) */

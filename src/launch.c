@@ -1,12 +1,13 @@
 /* Launch configurations: the record both ops' choose_launch functions
- * resolve a request to, the built-in table of per-device overrides, the
- * tune file moecl-tune writes beside the kernel cache, and the hook with
- * which moecl-tune forces a configuration.
+ * resolve a request to, the overrides of the computed rule (the device
+ * table's entries, src/device_table.c, and the tune file moecl-tune
+ * writes beside the kernel cache), and the hook with which moecl-tune
+ * forces a configuration.
  *
  * Precedence, first that applies and is valid on the device:
  *   forced (moecl-tune's hook) > environment (MOECL_LAUNCH_CLASS, MOECL_TEAM,
  *   MOECL_GROUNDED_TILE: the computed rule under what they force) > tune
- *   file > built-in table > computed default.
+ *   file > device table > computed default.
  * This file hands out the candidates; the ops check each against the device
  * (work-group size, local memory), since only they know their kernels.
  * Both happen when a request's launch plan is built (src/plan.c), not per
@@ -99,77 +100,12 @@ int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t siz
     return snprintf(buf, size, "kernel=%s rows=%u", kernel, c->rows);
 }
 
-/* ---- the built-in table ---- */
-
-typedef struct table_entry {
-    bool any_vendor;
-    moecl_vendor vendor;
-    cl_device_type type;     /* 0: any */
-    const char *device;      /* case-insensitive substring of the device name, NULL: any */
-    moecl_op op;
-    uint32_t num_experts;    /* 0: any */
-    moecl_launch_config config;
-} table_entry;
-
-/* Small on purpose: an entry says what a measurement showed, and restates
- * the computed default where that is all we know, so the choice is written
- * down per device. */
-static const table_entry builtin_table[] = {
-    /* NVIDIA, 256 experts: a team of 32, four rows a work-group. On the
-     * H200 teams of 8 to 32 came close and smaller ones were slower
-     * (bench/RESULTS.md, "Moved from code comments"); 32 is also what the
-     * rule computes, so this restates it. */
-    {false, MOECL_VENDOR_NVIDIA, 0, NULL, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}}},
-    /* NVIDIA GPUs, the grounded router with 128 experts: of the tiled
-     * kernel's table, the tile the H200 ran fastest at 16384 x 4096 x 128
-     * top 8, f32, with the pointer reads of multiply_step: 8 x 4 blocks
-     * in the plain arrangement (bench/RESULTS.md, "Issues 15 and 17 at
-     * merged main", sixth session). */
-    {false, MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, NULL, MOECL_OP_GROUNDED_ROUTER, 128,
-     {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}}},
-    /* pocl on CPUs: the one-row-per-work-item kernel, 8 rows a work-group,
-     * which restates the rule: moecl-tune found every rows count within
-     * noise of the others and the team kernels several times slower
-     * (bench/RESULTS.md, "Moved from code comments"). */
-    {false, MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, NULL, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0, {0}}},
-};
-
-static bool contains_nocase(const char *haystack, const char *needle)
-{
-    size_t n = strlen(needle);
-    for (; *haystack; haystack++)
-        if (strncasecmp(haystack, needle, n) == 0)
-            return true;
-    return n == 0;
-}
-
-static const moecl_launch_config *table_find(const moecl_device_info *info, const moecl_launch_key *key)
-{
-    for (size_t i = 0; i < sizeof(builtin_table) / sizeof(builtin_table[0]); i++) {
-        const table_entry *e = &builtin_table[i];
-        if ((e->any_vendor || e->vendor == info->vendor) && (!e->type || (info->type & e->type)) &&
-            (!e->device || contains_nocase(info->device_name, e->device)) && e->op == key->op &&
-            (!e->num_experts || e->num_experts == key->num_experts))
-            return &e->config;
-    }
-    return NULL;
-}
-
 /* ---- resolving ---- */
 
-/* Configurations a driver is known to mishandle, refused before the op
- * sees them; moecl-tune found both (its children crashed).
- * pocl 3.1: a team kernel in a work-group of two work-items (team 2, one
- * row) trips an assertion in its kernel compiler (ParallelRegion.cc:346)
- * and aborts the process. And a work-group's private arrays live on a
- * worker thread's stack: the top-k kernels keep about 8 bytes per expert
- * per row (scores and ranks), the grounded team kernel 12, and work-groups
- * past about 8 MiB of them segfault (top-k rows kernel: 256 experts x 4096
- * rows and 1024 x 1024 did, 256 x 2048 and 1024 x 512 did not); refused
- * past 4 MiB. The grounded rows kernel's private arrays are per work-item
- * (its tokens' dot products and keys), counted the same way. */
-/* The private arrays of a work-group of configuration c, roughly (the
- * formula the refusal below rests on). */
+/* The private arrays of a work-group of configuration c, roughly: the
+ * top-k kernels keep about 8 bytes per expert per row (scores and ranks),
+ * the grounded team kernel 12; the grounded rows kernel's are per
+ * work-item (its tokens' dot products and keys), counted the same way. */
 static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moecl_launch_config *c)
 {
     if (key->op == MOECL_OP_GROUNDED_ROUTER && c->kernel == MOECL_KERNEL_ROWS) {
@@ -181,13 +117,30 @@ static uint64_t work_group_private_bytes(const moecl_launch_key *key, const moec
     return (uint64_t)c->rows * key->num_experts * per_expert;
 }
 
-static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key *key, const moecl_launch_config *c)
+/* Configurations a driver is known to mishandle (the device table names
+ * them), refused before the op sees them: a team kernel in a work-group
+ * of few work-items, and work-groups whose private arrays pass a limit. */
+static bool driver_refuses(const moecl_device_params *params, const moecl_launch_key *key,
+                           const moecl_launch_config *c)
 {
-    if (info->vendor != MOECL_VENDOR_POCL)
-        return false;
-    if (c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= 2)
+    const uint32_t team_wg = params->value[MOECL_DP_REFUSE_TEAM_WG], private_max = params->value[MOECL_DP_PRIVATE_MAX];
+    if (team_wg && c->kernel == MOECL_KERNEL_TEAM && c->team * c->rows <= team_wg)
         return true;
-    return work_group_private_bytes(key, c) > ((uint64_t)4 << 20);
+    return private_max && work_group_private_bytes(key, c) > private_max;
+}
+
+bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
+{
+    if (env->launch_class_forced)
+        return true;
+    switch (op) {
+    case MOECL_OP_TOPK_GATING:
+        return env->team != 0;
+    case MOECL_OP_GROUNDED_ROUTER:
+        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED || env->grounded_mma;
+    default:
+        return env->align_path != MOECL_ALIGN_AUTO;
+    }
 }
 
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
@@ -204,13 +157,13 @@ unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key
         c[0] = &ctx->forced[key->op].config;
     if (!moecl_launch_env_decides(&ctx->info.env, key->op)) {
         c[1] = moecl_tune_find(&ctx->tuned, key);
-        c[2] = table_find(&ctx->info, key);
+        c[2] = moecl_device_table_launch(&ctx->info, key);
     }
     static const moecl_launch_source source_of[MOECL_LAUNCH_MAX_OVERRIDES] = {
         MOECL_SOURCE_FORCED, MOECL_SOURCE_TUNED, MOECL_SOURCE_TABLE};
     unsigned n = 0;
     for (unsigned i = 0; i < MOECL_LAUNCH_MAX_OVERRIDES; i++) {
-        if (c[i] && !driver_refuses(&ctx->info, key, c[i])) {
+        if (c[i] && !driver_refuses(&ctx->params, key, c[i])) {
             configs[n] = *c[i];
             sources[n++] = source_of[i];
         }

@@ -70,18 +70,19 @@ static unsigned floor_pow2(size_t v, unsigned cap)
     return p;
 }
 
-/* CPUs: one work-item per chunk (a plain loop); GPUs: 128 work-items per
- * chunk. The scan and the one-group kernel run in one work-group of up to
- * 256 (NVIDIA's OpenCL reports a work-group limit of 256 for these kernels
- * on the H200, below the device's 1024); so do the fused kernel's
- * work-groups on GPUs, since its last one places every slot alone. */
+/* The work-groups the device table gives, each within the device's
+ * limit: the chunk kernels' (by launch class), the scan's and the
+ * one-group kernel's (one work-group each), the fused kernel's (by launch
+ * class). */
 static align_shape shape_of(const moecl_device_info *info)
 {
+    const moecl_device_params p = moecl_device_table_params(info);
+    const size_t limit = info->max_work_group_size;
     align_shape s;
-    s.wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : floor_pow2(info->max_work_group_size, 128);
-    s.scan_wg = floor_pow2(info->max_work_group_size, 256);
-    s.one_wg = floor_pow2(info->max_work_group_size, 256);
-    s.fused_wg = info->launch_class == MOECL_LAUNCH_CPU ? 1 : s.one_wg;
+    s.wg = floor_pow2(limit, moecl_device_param_class(&p, MOECL_DP_ALIGN_CHUNK_WG_CPU, info->launch_class));
+    s.scan_wg = floor_pow2(limit, p.value[MOECL_DP_ALIGN_GROUP_WG]);
+    s.one_wg = floor_pow2(limit, p.value[MOECL_DP_ALIGN_GROUP_WG]);
+    s.fused_wg = floor_pow2(limit, moecl_device_param_class(&p, MOECL_DP_ALIGN_FUSED_WG_CPU, info->launch_class));
     s.warp_match = info->ptx && s.one_wg >= 32;
     return s;
 }
@@ -139,15 +140,6 @@ moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
     return moecl_plan_get(ctx, &key, build_plan, NULL, plan);
 }
 
-/* The most slots the one-group kernel takes by default: its tiles run one
- * after another in one work-group, so beyond some size the chunked path's
- * many work-groups win despite their three launches (measured on the H200,
- * bench/RESULTS.md). */
-#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS 1024u
-/* With WARP_MATCH a slot costs less on the H200, so the one-group kernel
- * wins up to larger sizes (bench/RESULTS.md, "Moved from code comments"). */
-#define MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP 1536u
-
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
  * slot where the warp path keeps them, else a placeholder. */
 static size_t slot_cols_bytes(const moecl_plan *p, uint64_t slots)
@@ -182,29 +174,20 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
            moecl_layout_moe_align_fused_local(d->num_experts, p->fused_wg) + 1024 <= ctx->info.local_mem_size;
 }
 
-/* The most slots the fused kernel takes by default: its last work-group
- * places every slot alone, so beyond some size the chunked path's three
- * launches, which place in parallel, win (on pocl and Intel's CPU runtime
- * from about 8192 slots: bench/RESULTS.md, "moe_align in one launch"). */
-#define MOECL_ALIGN_FUSED_MAX_SLOTS_CPU 8192u
-/* GPUs: on the H200 the fused kernel beat both the one-group kernel and
- * the chunked path up to 4160 slots and lost to the chunked path from
- * 8152; the crossing is between (bench/RESULTS.md, "moe_align in one
- * launch on the H200"). */
-#define MOECL_ALIGN_FUSED_MAX_SLOTS_GPU 5120u
-
 typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
 
 /* The path of d: MOECL_ALIGN's where it forces one the device can run;
- * else the fused kernel up to its limit, then on GPUs the one-group kernel
- * up to the sizes above (where the fused kernel does not fit), then the
- * chunked path. */
+ * else, within the device table's limits, the fused kernel (its last
+ * work-group places every slot alone, so beyond some size the chunked
+ * path's three launches, which place in parallel, win), then the
+ * one-group kernel where the fused kernel does not fit (its tiles run one
+ * after another in one work-group), then the chunked path. */
 static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
     const moecl_align_path path = info->env.align_path;
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k;
-    const bool cpu = info->launch_class == MOECL_LAUNCH_CPU;
+    const moecl_launch_class c = info->launch_class;
     switch (path) {
     case MOECL_ALIGN_ONE_GROUP:
         return one_group_serves(ctx, p, d) ? ROUTE_ONE_GROUP : ROUTE_CHUNKED;
@@ -215,10 +198,12 @@ static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const
     default:
         break;
     }
-    const uint32_t one_cap = p->warp_match ? MOECL_ALIGN_ONE_GROUP_MAX_SLOTS_WARP : MOECL_ALIGN_ONE_GROUP_MAX_SLOTS;
-    if (slots <= (cpu ? MOECL_ALIGN_FUSED_MAX_SLOTS_CPU : MOECL_ALIGN_FUSED_MAX_SLOTS_GPU) && fused_serves(ctx, p, d))
+    const moecl_device_params *t = &ctx->params;
+    const uint32_t one_cap = moecl_device_param_class(
+        t, p->warp_match ? MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU : MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, c);
+    if (slots <= moecl_device_param_class(t, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, c) && fused_serves(ctx, p, d))
         return ROUTE_FUSED;
-    if (!cpu && slots <= one_cap && one_group_serves(ctx, p, d))
+    if (one_cap && slots <= one_cap && one_group_serves(ctx, p, d))
         return ROUTE_ONE_GROUP;
     return ROUTE_CHUNKED;
 }

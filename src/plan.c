@@ -257,13 +257,6 @@ static bool same(const moecl_arg_state *a, const moecl_arg_state *b)
            memcmp(a->bits, b->bits, a->size <= MOECL_ARG_BYTES ? a->size : 0) == 0;
 }
 
-static void release_held(moecl_arg_state *s)
-{
-    if (s->held)
-        clReleaseMemObject(s->held);
-    *s = (moecl_arg_state){0};
-}
-
 moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const char *name,
                              const moecl_kernel_arg *args, cl_uint count)
 {
@@ -279,23 +272,17 @@ moecl_status moecl_bind_args(moecl_context *ctx, moecl_pooled_kernel *k, const c
             continue; /* the kernel still has this value */
         const cl_int err = clSetKernelArg(k->kernel, i, args[i].size, args[i].value);
         if (err != CL_SUCCESS) {
-            release_held(last);
+            moecl_arg_state_release(last);
             return moecl_fail(ctx, err, "clSetKernelArg(%s, arg %u) failed: %s", name, i, moecl_status_string(err));
         }
         /* Without the reference the handle may come back for another
          * buffer: then the argument is set again next time. */
         if (next.held && clRetainMemObject(next.held) != CL_SUCCESS)
             next = (moecl_arg_state){0};
-        release_held(last);
+        moecl_arg_state_release(last);
         *last = next;
     }
     return MOECL_SUCCESS;
-}
-
-void moecl_pooled_forget(moecl_pooled_kernel *k)
-{
-    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
-        release_held(&k->args[i]);
 }
 
 /* ---- running a call ---- */

@@ -47,6 +47,21 @@ moecl_status moecl_registry_create(moecl_registry **reg)
     return MOECL_SUCCESS;
 }
 
+void moecl_arg_state_release(moecl_arg_state *s)
+{
+    if (s->held)
+        clReleaseMemObject(s->held);
+    *s = (moecl_arg_state){0};
+}
+
+/* Drop what a pooled kernel remembers of its arguments and release the
+ * buffer references it holds. */
+static void pooled_forget(moecl_pooled_kernel *k)
+{
+    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
+        moecl_arg_state_release(&k->args[i]);
+}
+
 static void variant_destroy(moecl_variant *v)
 {
     if (!v)
@@ -54,7 +69,7 @@ static void variant_destroy(moecl_variant *v)
     /* Every kernel is back in the pool once no call is in flight. */
     const size_t n = atomic_load(&v->created);
     for (size_t i = 0; i < n; i++) {
-        moecl_pooled_forget(v->pool[i]);
+        pooled_forget(v->pool[i]);
         clReleaseKernel(v->pool[i]->kernel);
         free(v->pool[i]);
     }
@@ -350,7 +365,7 @@ void moecl_registry_forget_buffers(moecl_registry *reg)
         moecl_variant *v = reg->items[i];
         const size_t n = atomic_load(&v->created);
         for (size_t j = 0; j < n; j++)
-            moecl_pooled_forget(v->pool[j]);
+            pooled_forget(v->pool[j]);
     }
     pthread_mutex_unlock(&reg->lock);
 }
@@ -364,7 +379,7 @@ void moecl_variant_release(moecl_variant *v, moecl_pooled_kernel *k)
 {
     (void)v;
     if (k->temporary) {
-        moecl_pooled_forget(k);
+        pooled_forget(k);
         clReleaseKernel(k->kernel);
         free(k);
         return;

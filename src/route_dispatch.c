@@ -13,16 +13,6 @@
 #include "internal.h"
 #include "kernel_layout.h"
 
-/* The most slots the one kernel takes: its last work-group places every
- * slot alone, as moe_align_fused's does, whose GPU limit this is
- * (src/moe_align.c, MOECL_ALIGN_FUSED_MAX_SLOTS_GPU). On NVIDIA's OpenCL
- * (the H200) it beat the two calls in wall time up to 32 tokens at top_k 8
- * and lost from 64 (bench/RESULTS.md, "moecl_route_dispatch on the H200"),
- * so there the default stops at 256 slots; MOECL_ALIGN=fused asks for the
- * one kernel up to the general limit on every device. */
-#define ROUTE_ONE_KERNEL_MAX_SLOTS 5120u
-#define ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA 256u
-
 /* The routing step of a call: top-k gating's (topk) or, where is_grounded,
  * the grounded router's (grounded), either desc possibly NULL until
  * validated; whether top-k has a bias; the inputs (gating and bias; or
@@ -142,7 +132,9 @@ static size_t routing_team_local(const route_step *s, unsigned team, unsigned ro
 }
 
 /* Whether the one kernel serves the call, and its plan: some tokens, at
- * most ROUTE_ONE_KERNEL_MAX_SLOTS slots, the routing on its team kernel,
+ * most the device table's slots (its last work-group places every slot
+ * alone, as moe_align_fused's does; MOECL_ALIGN=fused asks for it up to
+ * the table's limit under that variable), the routing on its team kernel,
  * no MOECL_ALIGN forcing another path, the device's work-group limit and
  * local memory (the team's rows, then moe_align_fused's two arrays of
  * E + 1 words and its compiled-in ones). */
@@ -151,9 +143,8 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
     *plan = NULL;
     const uint64_t slots = (uint64_t)step_tokens(s) * step_top_k(s);
     const moecl_align_path forced = ctx->info.env.align_path;
-    const uint64_t cap = ctx->info.vendor == MOECL_VENDOR_NVIDIA && forced != MOECL_ALIGN_FUSED
-                             ? ROUTE_ONE_KERNEL_MAX_SLOTS_NVIDIA
-                             : ROUTE_ONE_KERNEL_MAX_SLOTS;
+    const uint64_t cap = ctx->params.value[forced == MOECL_ALIGN_FUSED ? MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS
+                                                                      : MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS];
     if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED)
         return MOECL_SUCCESS;
     const moecl_plan *p;

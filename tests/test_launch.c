@@ -1,7 +1,8 @@
 /* Launch configurations (src/launch.c and the ops' choose_launch): the tune
  * file round trip, garbage and foreign files ignored, configurations the
  * device cannot run ignored, the precedence forced > env > tune file >
- * table > default, correct results under many configurations, the
+ * table > default, the device table's entries and values, correct
+ * results under many configurations, the
  * inline PTX paths (chosen by compute capability; a build with them
  * that fails falls back to the portable kernels), and the failure
  * contract of the header: OpenCL calls of the ops made to fail (see
@@ -637,7 +638,7 @@ START_TEST(test_precedence)
     ck_assert(src_t == MOECL_SOURCE_TABLE || src_t == MOECL_SOURCE_DEFAULT);
     ck_assert(src_r == MOECL_SOURCE_TABLE || src_r == MOECL_SOURCE_DEFAULT);
     moecl_context *ctx = harness_context();
-    /* The built-in table: pocl on CPUs has a top-k gating entry. */
+    /* The device table: pocl on CPUs has a top-k gating entry. */
     if (ctx->info.vendor == MOECL_VENDOR_POCL && (ctx->info.type & CL_DEVICE_TYPE_CPU))
         assert_source(src_t, MOECL_SOURCE_TABLE, "pocl top-k, no tune file");
 
@@ -714,6 +715,104 @@ START_TEST(test_precedence)
     ctx = harness_context();
     assert_source(topk_launch(ctx, &t, &got), MOECL_SOURCE_ENV, "MOECL_TEAM with the cpu class");
     ck_assert_int_eq(got.kernel, MOECL_KERNEL_ROWS);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* ---------------------------------------------------------------------- */
+/* The device table (src/device_table.c)                                   */
+/* ---------------------------------------------------------------------- */
+
+/* A device as device.c would record it, of vendor and type, named name. */
+static moecl_device_info table_device(moecl_vendor vendor, cl_device_type type, const char *name)
+{
+    moecl_device_info info;
+    memset(&info, 0, sizeof(info));
+    snprintf(info.device_name, sizeof(info.device_name), "%s", name);
+    info.vendor = vendor;
+    info.type = type;
+    info.launch_class = type & CL_DEVICE_TYPE_CPU ? MOECL_LAUNCH_CPU : MOECL_LAUNCH_GPU;
+    return info;
+}
+
+static void assert_table_launch(const moecl_device_info *info, const moecl_launch_key *key,
+                                const moecl_launch_config *want, const char *label)
+{
+    const moecl_launch_config *got = moecl_device_table_launch(info, key);
+    if (!want) {
+        char text[128] = "";
+        if (got)
+            moecl_launch_config_text(got, text, sizeof(text));
+        ck_assert_msg(got == NULL, "%s: a table entry (%s)", label, text);
+        return;
+    }
+    ck_assert_msg(got != NULL, "%s: no table entry", label);
+    assert_config(got, want, label);
+}
+
+/* The table's entries by vendor, device type, op and expert count, and its
+ * values: the defaults, and over them the vendor's. */
+START_TEST(test_device_table)
+{
+    const moecl_device_info h200 = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "NVIDIA H200");
+    const moecl_device_info nv_cpu = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_CPU, "NVIDIA something");
+    const moecl_device_info pocl = table_device(MOECL_VENDOR_POCL, CL_DEVICE_TYPE_CPU, "pthread-skylake");
+    const moecl_device_info pocl_gpu = table_device(MOECL_VENDOR_POCL, CL_DEVICE_TYPE_GPU, "pocl gpu");
+    const moecl_device_info amd = table_device(MOECL_VENDOR_AMD, CL_DEVICE_TYPE_GPU, "gfx90a");
+    const moecl_device_info intel = table_device(MOECL_VENDOR_INTEL, CL_DEVICE_TYPE_GPU, "dg2");
+
+    const moecl_launch_key topk256 = moecl_launch_key_topk(256, 8, 0), topk128 = moecl_launch_key_topk(128, 8, 0);
+    const moecl_launch_key grounded128 = moecl_launch_key_grounded(4096, 128, 8);
+    const moecl_launch_key grounded16 = moecl_launch_key_grounded(128, 16, 2);
+    const moecl_launch_config team32 = cfg_team(32, 4), rows8 = cfg_rows(8);
+    const moecl_launch_config tiled = {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}};
+    assert_table_launch(&h200, &topk256, &team32, "NVIDIA top-k 256");
+    assert_table_launch(&nv_cpu, &topk256, &team32, "NVIDIA top-k 256, any type");
+    assert_table_launch(&h200, &topk128, NULL, "NVIDIA top-k 128");
+    assert_table_launch(&h200, &grounded128, &tiled, "NVIDIA GPU grounded 128");
+    assert_table_launch(&nv_cpu, &grounded128, NULL, "NVIDIA CPU grounded 128");
+    assert_table_launch(&h200, &grounded16, NULL, "NVIDIA grounded 16");
+    assert_table_launch(&pocl, &topk128, &rows8, "pocl CPU top-k");
+    assert_table_launch(&pocl, &topk256, &rows8, "pocl CPU top-k 256");
+    assert_table_launch(&pocl, &grounded16, NULL, "pocl grounded");
+    assert_table_launch(&pocl_gpu, &topk128, NULL, "pocl GPU top-k");
+    const moecl_device_info *plain[] = {&amd, &intel};
+    for (size_t i = 0; i < 2; i++) {
+        assert_table_launch(plain[i], &topk256, NULL, plain[i]->device_name);
+        assert_table_launch(plain[i], &grounded128, NULL, plain[i]->device_name);
+    }
+
+    /* Values: AMD and Intel take the defaults, NVIDIA and pocl their own
+     * over them; pairs by launch class. */
+    const moecl_device_params d = moecl_device_table_params(&amd);
+    ck_assert(memcmp(&d, &(moecl_device_params){0}, sizeof(d)) != 0);
+    const moecl_device_params i = moecl_device_table_params(&intel), n = moecl_device_table_params(&h200);
+    const moecl_device_params p = moecl_device_table_params(&pocl);
+    ck_assert(memcmp(&d, &i, sizeof(d)) == 0);
+    ck_assert_uint_eq(d.value[MOECL_DP_PTX_MIN_MAJOR], 0);
+    ck_assert_uint_eq(n.value[MOECL_DP_PTX_MIN_MAJOR], 7);
+    ck_assert_uint_eq(d.value[MOECL_DP_NATIVE_MATH], 0);
+    ck_assert_uint_eq(n.value[MOECL_DP_NATIVE_MATH], 1);
+    ck_assert_uint_eq(d.value[MOECL_DP_REFUSE_TEAM_WG], 0);
+    ck_assert_uint_eq(p.value[MOECL_DP_REFUSE_TEAM_WG], 2);
+    ck_assert_uint_eq(d.value[MOECL_DP_PRIVATE_MAX], 0);
+    ck_assert_uint_eq(p.value[MOECL_DP_PRIVATE_MAX], 4u << 20);
+    ck_assert_uint_eq(d.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 5120);
+    ck_assert_uint_eq(n.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 256);
+    ck_assert_uint_eq(n.value[MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS], 5120);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, MOECL_LAUNCH_CPU), 8192);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, MOECL_LAUNCH_GPU), 5120);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_CPU), 0);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_GPU), 1);
+    /* The device name does not move a vendor's values. */
+    const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
+    const moecl_device_params o = moecl_device_table_params(&other);
+    ck_assert(memcmp(&n, &o, sizeof(n)) == 0);
+
+    /* A context holds its device's values. */
+    moecl_context *ctx = harness_context();
+    const moecl_device_params here = moecl_device_table_params(&ctx->info);
+    ck_assert(memcmp(&ctx->params, &here, sizeof(here)) == 0);
     moecl_context_destroy(ctx);
 }
 END_TEST
@@ -2037,6 +2136,7 @@ int main(void)
     tcase_add_test(tc, test_invalid_config_ignored);
     tcase_add_test(tc, test_rows_per_group_bit_identical);
     tcase_add_test(tc, test_precedence);
+    tcase_add_test(tc, test_device_table);
     tcase_add_test(tc, test_configs_correct);
     tcase_add_test(tc, test_plan_cache);
     tcase_add_test(tc, test_plan_buffer_released);

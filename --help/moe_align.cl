@@ -1,0 +1,907 @@
+/* The memory layout of every kernel: the element count of each __local
+ * array and of each large private array, and each kernel's local bytes, as
+ * macros of its compile-time parameters. One description for both sides:
+ * the kernels declare their arrays with these counts (the host prepends
+ * this file to each program's text, src/kernel_source.c), and the host
+ * sizes launches with the byte totals (src/layout.c includes it). Written
+ * in the common subset of C11 and OpenCL C, so it holds only integer
+ * expressions of its arguments; the arguments may be preprocessor
+ * constants (in #if too) or host variables. Element sizes are OpenCL C's:
+ * uchar 1, ushort 2, uint and float 4, ulong 8 bytes.
+ *
+ * tests/test_layout.c holds these totals against CL_KERNEL_LOCAL_MEM_SIZE
+ * and CL_KERNEL_PRIVATE_MEM_SIZE for every variant of the portability
+ * suite. */
+#ifndef MOECL_LAYOUT_H
+#define MOECL_LAYOUT_H
+
+#define LAYOUT_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define LAYOUT_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* ---- team top-k (cl/common.cl team_topk), one row's scratch ---------- */
+
+/* Counting: a lane contributes at most its own TOPK best, so the candidate
+ * list (keys and values) holds TEAM * min(EPT, TOPK); the uints are the
+ * lanes' maxima, the floor and the candidate count. */
+#define LAYOUT_TOPK_PER_LANE(ept, k) LAYOUT_MIN(ept, k)
+#define LAYOUT_TOPK_CAP(team, ept, k) ((team) * LAYOUT_TOPK_PER_LANE(ept, k))
+#define LAYOUT_TOPK_U32(team) ((team) + 2)
+#define LAYOUT_TEAM_TOPK_BYTES(team, ept, k) (4 * LAYOUT_TOPK_U32(team) + (8 + 4) * LAYOUT_TOPK_CAP(team, ept, k))
+
+/* ---- topk_gating_team: ROWS rows of TEAM lanes, EPT experts a lane ---- */
+
+/* Lanes that score one group together: a power of two of at most 32, so
+ * that a group's parts are neighbouring lanes (1: one lane per group). */
+#define LAYOUT_GROUP_PARTS_RAW(team, groups) ((groups) > 0 ? (team) / (groups) : 0)
+#define LAYOUT_GROUP_PARTS(team, groups)                                                           \
+    (LAYOUT_GROUP_PARTS_RAW(team, groups) >= 32   ? 32                                             \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 16 ? 16                                             \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 8  ? 8                                              \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 4  ? 4                                              \
+     : LAYOUT_GROUP_PARTS_RAW(team, groups) >= 2  ? 2                                              \
+                                                  : 1)
+
+/* One row's local memory: the softmax's float slots for the team max and
+ * sum (none with shuffles, none for sigmoid), the top-k scratch, the
+ * chosen weights and ids, and with groups the row's selection scores, the
+ * group keys and kept flags, and the parts' top two and counts. */
+#define LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle)      \
+    (((shuffle) || !(softmax) ? 0 : 4 * (team)) + LAYOUT_TEAM_TOPK_BYTES(team, ept, k) + \
+     (4 + 4) * (k) +                                                                               \
+     ((groups) > 0 ? 4 * (experts) + (8 + 1) * (groups) + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 12 * (team) : 0) \
+                   : 0))
+#define LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, rows, ept, k, experts, groups, softmax, shuffle) \
+    ((rows) * LAYOUT_TOPK_TEAM_ROW_BYTES(team, ept, k, experts, groups, softmax, shuffle))
+/* A lane's private row: EPT logits and EPT ranks. */
+#define LAYOUT_TOPK_TEAM_PRIVATE_BYTES(ept) ((4 + 4) * (ept))
+
+/* ---- topk_gating_rows: one work-item per row ------------------------- */
+
+/* The generic loop keeps the row as blocks of eight: scores (float8),
+ * ranks (uint8) and each block's largest rank, then TOPK keys and weights;
+ * with groups, each group's top-two accumulator (two floats and a count)
+ * and key. The copy of the logits that cl/gating.cl's rows_pipeline takes
+ * is left out: a lower bound, which is what test_layout checks private
+ * sizes against (Intel's compiler keeps part of it in registers). */
+#define LAYOUT_ROWS_BLOCK 8
+#define LAYOUT_ROWS_BLOCKS(experts) (((experts) + LAYOUT_ROWS_BLOCK - 1) / LAYOUT_ROWS_BLOCK)
+#define LAYOUT_TOPK_ROWS_PRIVATE_BYTES(experts, k, groups)                                         \
+    ((32 + 32 + 4) * LAYOUT_ROWS_BLOCKS(experts) + (8 + 4) * (k) + (12 + 8) * (groups))
+
+/* ---- grounded_router_team -------------------------------------------- */
+
+/* The ground table k-major, one column per lane's expert, +1 column
+ * against bank conflicts. */
+#define LAYOUT_GROUND_STRIDE(team, ept) ((ept) * (team) + 1)
+#define LAYOUT_GROUNDED_TEAM_LOCAL_BYTES(hidden, team, ept, rows, k)            \
+    (4 * (hidden) * LAYOUT_GROUND_STRIDE(team, ept) + 4 * (rows) * (hidden) + (4 + 4) * (rows) * (k) + \
+     (rows) * LAYOUT_TEAM_TOPK_BYTES(team, ept, k))
+/* A lane's EPT logits, four partial dot products, ranks and g. */
+#define LAYOUT_GROUNDED_TEAM_PRIVATE_BYTES(ept) ((4 + 16 + 4 + 4) * (ept))
+
+/* ---- grounded_router_tiled: TM tokens x TN experts, hidden by TK ------ */
+
+/* A stage holds both input tiles k-contiguous, TM tokens' rows then TN
+ * experts' rows, each padded by VEC floats (a vector), so that neighbouring
+ * rows start in different banks; DB keeps two stages. The tile of g (one
+ * column of padding) shares their array, since the two are never live
+ * together; the array is rounded up to whole vectors. Then TOPK keys per
+ * token. */
+#define LAYOUT_TILE_ROW(tk, vec) ((tk) + (vec))
+#define LAYOUT_TILE_STAGE(tm, tn, tk, vec) (((tm) + (tn)) * LAYOUT_TILE_ROW(tk, vec))
+#define LAYOUT_TILE_INPUTS(tm, tn, tk, vec, db) (((db) ? 2 : 1) * LAYOUT_TILE_STAGE(tm, tn, tk, vec))
+#define LAYOUT_TILE_G(tm, tn) ((tm) * ((tn) + 1))
+#define LAYOUT_TILE_FLOATS(tm, tn, tk, vec, db)                                                   \
+    ((LAYOUT_MAX(LAYOUT_TILE_INPUTS(tm, tn, tk, vec, db), LAYOUT_TILE_G(tm, tn)) + (vec) - 1) / (vec) * (vec))
+#define LAYOUT_TILE_KEYS(tm, k) ((tm) * (k))
+#define LAYOUT_GROUNDED_TILED_LOCAL_BYTES(tm, tn, tk, vec, db, k)                                  \
+    (4 * LAYOUT_TILE_FLOATS(tm, tn, tk, vec, db) + 8 * LAYOUT_TILE_KEYS(tm, k))
+
+/* ---- grounded_router_rows: TM tokens per work-item ------------------- */
+
+/* Experts go in blocks of EB (a multiple of the two experts a step takes)
+ * whose dot products wait in dots[TM][EB]; each token keeps its row of g
+ * (padded to blocks of eight) for the gating pipeline, which runs on one
+ * token's row at a time (its own arrays, as the top-k rows kernel's, are
+ * left out: a lower bound) and keeps TOPK keys. */
+#define LAYOUT_GROUNDED_RN 2
+#define LAYOUT_GROUNDED_EB(experts) ((experts) < 256 ? ((experts) + 1) / 2 * 2 : 256)
+/* The tokens' rows of g for the gating pipeline: in dots[][] itself where
+ * one block of experts is the whole row and no padding is needed, else a
+ * row of BLOCKS * BLOCK floats a token besides; then one token's TOPK
+ * keys (the pipeline's other per-token arrays are left out: a lower bound,
+ * as test_layout checks private sizes). */
+#define LAYOUT_GROUNDED_G_IN_DOTS(experts)                                                         \
+    (LAYOUT_GROUNDED_EB(experts) == (experts) && (experts) % LAYOUT_ROWS_BLOCK == 0)
+#define LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k)                                         \
+    (4 * (tm) * LAYOUT_GROUNDED_EB(experts) +                                                      \
+     (LAYOUT_GROUNDED_G_IN_DOTS(experts) ? 0 : 4 * (tm) * LAYOUT_ROWS_BLOCKS(experts) * LAYOUT_ROWS_BLOCK) + \
+     8 * (k))
+/* TM, the tokens of a work-item: 32, four register blocks of 8 sharing each
+ * chunk of ground rows from L2 (bench/RESULTS.md: faster than 8 on pocl),
+ * where that keeps the private arrays within 20 KiB (128 experts up to top
+ * 16); else the largest of 8, 4, 2 and 1 that does, as Intel's CPU runtime
+ * allows a single work-item a group at 48 KiB. */
+#define LAYOUT_GROUNDED_ROWS_FITS(tm, experts, k) (LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(tm, experts, k) <= 20480)
+#define LAYOUT_GROUNDED_ROWS_TM(experts, k)                                                        \
+    (LAYOUT_GROUNDED_ROWS_FITS(32, experts, k)  ? 32                                               \
+     : LAYOUT_GROUNDED_ROWS_FITS(8, experts, k) ? 8                                                \
+     : LAYOUT_GROUNDED_ROWS_FITS(4, experts, k) ? 4                                                \
+     : LAYOUT_GROUNDED_ROWS_FITS(2, experts, k) ? 2                                                \
+                                                : 1)
+
+/* ---- grounded_router_mma: TM tokens x TN experts, kw words a k step --- */
+
+/* Two stages of TM hidden and TN ground rows of kw words (+4 against bank
+ * conflicts), which after the hidden loop hold the g rows (TN + 1 floats a
+ * row); the emulation (MMA_EMULATE) adds a warp's A and B as floats. */
+#define LAYOUT_MMA_WORDS(tm, tn, kw) LAYOUT_MAX(2 * ((tm) + (tn)) * ((kw) + 4), (tm) * ((tn) + 1))
+#define LAYOUT_MMA_EMU_FLOATS (16 * 16 + 16 * 8)
+#define LAYOUT_GROUNDED_MMA_LOCAL_BYTES(tm, tn, kw, warps, emulated)                               \
+    (4 * LAYOUT_MMA_WORDS(tm, tn, kw) + ((emulated) ? 4 * (warps) * LAYOUT_MMA_EMU_FLOATS : 0))
+
+/* ---- moe_align ------------------------------------------------------- */
+
+/* Arrays sized at launch (__local kernel arguments): count, scan and
+ * scatter take one array of E + 1 words (a column per expert and one for
+ * invalid ids; scatter's running positions use E of them), the one-group
+ * kernel two such arrays and, on the warp path, a ushort per slot (rounded
+ * up to a word; a word when unused). */
+#define LAYOUT_ALIGN_COLS_BYTES(experts) (4 * ((experts) + 1))
+#define LAYOUT_ALIGN_SLOT_COLS_BYTES(slots, warp) ((warp) && (slots) > 0 ? ((slots) * 2 + 3) / 4 * 4 : 4)
+/* Arrays compiled in: the scan's partial sums and its total; the
+ * scatter's tile of WG columns (none with WG 1, the plain loop); the
+ * one-group kernel's partial sums and its tile (none on the warp path). */
+#define LAYOUT_ALIGN_COUNT_STATIC_BYTES 0
+#define LAYOUT_ALIGN_SCAN_STATIC_BYTES(scan_wg) (4 * (scan_wg) + 4)
+#define LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg) ((wg) > 1 ? 4 * (wg) : 0)
+/* The expert-parallel layout (cl/ep_layout.cl): count and scan take only
+ * arrays sized at launch; place compiles in a tile of WG words, as
+ * moe_align's scatter (unused, and dropped, with WG 1). */
+#define LAYOUT_EP_PLACE_STATIC_BYTES(wg) LAYOUT_ALIGN_SCATTER_STATIC_BYTES(wg)
+/* The layout's fused kernel: one array sized at launch (counts 2R + 1 +
+ * P', a pass's sub-tile counts rows * NSUB * (R + 1), starts and bases
+ * R + 1 each, a packed rank per slot of its chunk, a pass's rank sets:
+ * rows * FWG / top_k tokens of ceil(R / 32) words); compiled in, its tile
+ * of FWG words and two flags. */
+#define LAYOUT_EP_FUSED_NSUB(fwg) ((fwg) < 32 ? 1 : (fwg) / 32)
+#define LAYOUT_EP_FUSED_LM_BYTES(fwg, cols, ranks, chunk_slots, top_k, rows)                                       \
+    (4 * ((cols) + (rows) * LAYOUT_EP_FUSED_NSUB(fwg) * ((ranks) + 1) + 2 * ((ranks) + 1) + (chunk_slots) +       \
+          (rows) * ((fwg) / (top_k)) * (((ranks) + 31) / 32)))
+#define LAYOUT_EP_FUSED_STATIC_BYTES(fwg) (4 * (fwg) + 8)
+#define LAYOUT_ALIGN_ONE_GROUP_STATIC_BYTES(one_wg, warp) (4 * (one_wg) + ((warp) ? 0 : 4 * (one_wg)))
+/* The fused kernel: two arrays of E + 1 words sized at launch (running
+ * counts, then totals; the starts); compiled in, the partial sums, the
+ * last-work-group flag and the tile of FUSED_WG columns (none with 1). */
+#define LAYOUT_ALIGN_FUSED_STATIC_BYTES(fused_wg) (4 * (fused_wg) + 4 + ((fused_wg) > 1 ? 4 * (fused_wg) : 0))
+
+/* ---- top-k gating's scalar arguments, one record ---------------------- */
+
+/* The offsets (in elements) and scalars of a topk_gating call, passed by
+ * value as one argument: each kernel argument costs an enqueue a copy
+ * (pocl) or a setting (Intel's CPU runtime). Fields in decreasing
+ * alignment, so C and OpenCL C lay it out alike, without padding; the
+ * array below fails to compile on either side if the size differs. */
+#if defined(__OPENCL_C_VERSION__) || defined(__OPENCL_VERSION__) /* clang sets only the first */
+#define LAYOUT_U64 ulong
+#define LAYOUT_U32 uint
+#else
+#define LAYOUT_U64 uint64_t
+#define LAYOUT_U32 uint32_t
+#endif
+typedef struct layout_topk_args {
+    LAYOUT_U64 gating_off, bias_off, weights_off, ids_off, counts_off;
+    LAYOUT_U32 num_tokens;
+    float scaling_factor;
+} layout_topk_args;
+typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 48 ? 1 : -1];
+
+/* moecl_route_dispatch's kernel (topk_gating_team built with
+ * ROUTE_DISPATCH): moe_align's offsets (in elements) and scalars, one
+ * argument as above. */
+typedef struct layout_dispatch_args {
+    LAYOUT_U64 counts_off, sorted_off, blocks_off, post_off, slots_off, invalid_off;
+    LAYOUT_U32 block_size, has_slots, has_invalid, unused;
+} layout_dispatch_args;
+typedef char layout_dispatch_args_size_check[sizeof(layout_dispatch_args) == 64 ? 1 : -1];
+
+#endif
+
+/* Dispatch after routing: moe_align (docs/routing.md, "Dispatch:
+ * moe_align"). Groups the flat slots s = t * top_k + j of topk_ids by
+ * expert, in increasing expert order and increasing slot order within an
+ * expert, pads each expert's run to a multiple of the block size, and
+ * names the expert of each block.
+ *
+ * Three launches, chained by the host:
+ *   moe_align_count    one work-group per chunk of CHUNK slots: a
+ *                      histogram of the chunk's ids in local memory, written
+ *                      as the chunk's row of the count matrix
+ *                      m[chunk][E + 1] (column E counts invalid ids);
+ *   moe_align_scan     one work-group: per expert, an exclusive scan of its
+ *                      column over the chunks (in slot order), the totals,
+ *                      the padded totals and their exclusive scan over the
+ *                      experts (expert_start), and the small outputs;
+ *   moe_align_scatter  one work-group per chunk: each valid slot goes to
+ *                      expert_start[e] + (slots of e in earlier chunks) +
+ *                      (slots of e earlier in this chunk); and all its
+ *                      work-items together write the sentinel at the
+ *                      padding positions and the expert of each block.
+ * The within-chunk rank is stable: the chunk is walked in tiles of WG
+ * slots, a slot's rank in its tile is the count of equal ids before it
+ * (a loop over the tile in local memory), and a per-expert running offset
+ * in local memory advances after each tile. Every output element is
+ * written by exactly one work-item and its value does not depend on
+ * scheduling, so results are deterministic on every device.
+ *
+ * Small routings (GPUs; the host decides by size) take one launch instead,
+ * moe_align_one_group: one work-group does every step. It saves two
+ * launches and the scratch buffer, which is most of the time at decode
+ * sizes where a launch costs the host more than the work (NVIDIA's OpenCL;
+ * bench/RESULTS.md, moe_align).
+ *
+ * Build-time defines: WG (work-items of the count and scatter work-groups;
+ * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
+ * work-group) and ONE_WG (the one-group kernel's work-group). Everything
+ * else is a kernel argument. OpenCL C 1.2 with no extensions: local
+ * atomic_inc on uint is core since 1.1. Sizes fit in int32 (the host
+ * validates num_tokens * top_k + E * (block_size - 1) <= INT32_MAX), so
+ * uint arithmetic does not wrap. */
+
+#ifndef WG
+#define WG 1
+#endif
+#ifndef SCAN_WG
+#define SCAN_WG 64
+#endif
+#ifndef ONE_WG
+#define ONE_WG 256
+#endif
+/* WARP_MATCH (set by the host only with MOECL_PTX): the one-group
+ * kernel's first warp places the slots in tiles of 32, ranking equal ids
+ * with PTX match.any.sync (sm_70 and later) instead of a loop over the
+ * tile. MOECL_PTX, a build option (src/device.c): without it WARP_MATCH is
+ * off, so that a build whose inline PTX fails can be redone portable by
+ * that define alone (src/program.c; cl/common.cl, which this program does
+ * not include, does the same for TEAM_SHUFFLE). */
+#ifndef MOECL_PTX
+#define MOECL_PTX 0
+#endif
+#if !MOECL_PTX
+#undef WARP_MATCH
+#endif
+#ifndef WARP_MATCH
+#define WARP_MATCH 0
+#endif
+
+#ifndef UNROLL /* cl/common.cl's, where the program holds it (route dispatch) */
+#if defined(MOECL_VENDOR_NVIDIA) && MOECL_VENDOR_NVIDIA
+#define UNROLL _Pragma("unroll")
+#else
+#define UNROLL
+#endif
+#endif
+/* The loads of a serial walk (the scans, the fused kernel's placement) go
+ * out LOAD_BATCH at a time before any is used: a GPU issues in order and
+ * stalls at a value's first use, so one load a step would cost a round
+ * trip to memory a step. */
+#define LOAD_BATCH 8
+
+/* The column of a slot's id: its expert, or E for an id outside [0, E). */
+static inline uint column_of(int id, uint num_experts)
+{
+    return id >= 0 && (uint)id < num_experts ? (uint)id : num_experts;
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void moe_align_count(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                     __global uint *matrix, __local uint *hist)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    for (uint e = lid; e < cols; e += WG)
+        hist[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = c * chunk, end = min(begin + chunk, num_slots);
+    for (uint s = begin + lid; s < end; s += WG) {
+#if WG == 1
+        hist[column_of(ids[s], num_experts)]++;
+#else
+        atomic_inc(&hist[column_of(ids[s], num_experts)]);
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __global uint *row = matrix + (size_t)c * cols;
+    for (uint e = lid; e < cols; e += WG)
+        row[e] = hist[e];
+}
+
+/* scratch holds, after the count matrix: expert_start[E + 1] (start[E] is
+ * num_tokens_post_padded) and totals[E + 1] (totals[E]: invalid ids). The
+ * matrix becomes each chunk's exclusive prefix per column. */
+__kernel __attribute__((reqd_work_group_size(SCAN_WG, 1, 1)))
+void moe_align_scan(__global uint *matrix, uint num_chunks, uint num_experts, uint block_size,
+                    __global int *counts, ulong counts_off, __global int *post_padded, ulong post_off,
+                    __global int *num_invalid, ulong invalid_off, uint has_invalid, __local uint *tot)
+{
+    __local uint part[SCAN_WG];
+    __local uint total_padded;
+    const uint lid = get_local_id(0), cols = num_experts + 1;
+    __global uint *expert_start = matrix + (size_t)num_chunks * cols, *totals = expert_start + cols;
+    /* Columns over chunks: adjacent work-items read adjacent columns. */
+    for (uint e = lid; e < cols; e += SCAN_WG) {
+        uint acc = 0;
+        for (uint c0 = 0; c0 < num_chunks; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++)
+                count[j] = c0 + j < num_chunks ? matrix[(size_t)(c0 + j) * cols + e] : 0u;
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++) {
+                if (c0 + j < num_chunks)
+                    matrix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
+        }
+        tot[e] = acc;
+        totals[e] = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* Padded totals over experts: contiguous ranges per work-item, then an
+     * exclusive scan of the ranges' sums. */
+    const uint per = (num_experts + SCAN_WG - 1) / SCAN_WG;
+    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
+    uint sum = 0;
+    for (uint e = lo; e < hi; e++)
+        sum += (tot[e] + block_size - 1) / block_size * block_size;
+    part[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid == 0) {
+        uint acc = 0;
+        for (uint w = 0; w < SCAN_WG; w++) {
+            const uint v = part[w];
+            part[w] = acc;
+            acc += v;
+        }
+        total_padded = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint at = part[lid];
+    for (uint e = lo; e < hi; e++) {
+        expert_start[e] = at;
+        counts[counts_off + e] = (int)tot[e];
+        at += (tot[e] + block_size - 1) / block_size * block_size;
+    }
+    if (lid == 0) {
+        expert_start[num_experts] = total_padded;
+        post_padded[post_off] = (int)total_padded;
+        if (has_invalid)
+            num_invalid[invalid_off] = (int)tot[num_experts];
+    }
+}
+
+/* The expert whose padded range holds position p < start[E]: the largest
+ * e with start[e] <= p (empty experts have start[e] == start[e + 1]). */
+static inline uint expert_at(__global const uint *start, uint num_experts, uint p)
+{
+    uint lo = 0, hi = num_experts;
+    while (hi - lo > 1) {
+        const uint mid = (lo + hi) / 2;
+        if (start[mid] <= p)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* The stable rank of work-item lid's column e in a tile of n work-items:
+ * the number of lower work-items with the same column (tile holds the n
+ * columns, read one at a time: four at a time was slower on the H200,
+ * bench/RESULTS.md, moe_align). Called by all n work-items. */
+static inline uint tile_rank(uint e, uint lid, __local uint *tile)
+{
+    tile[lid] = e;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    uint rank = 0;
+    for (uint j = 0; j < lid; j++)
+        rank += tile[j] == e;
+    return rank;
+}
+
+/* After a tile: each column's running count (run) moves past the tile's
+ * slots of that column, for the columns below limit. */
+static inline void tile_advance(uint e, __local uint *run, uint limit)
+{
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (e < limit)
+        atomic_inc(&run[e]);
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* One tile of the stable placement, called by all n work-items of a
+ * work-group: work-item lid's slot (e: its column; past the end, a column
+ * no slot has) goes to run[e] plus its rank in the tile; then run advances
+ * past the tile's slots. */
+static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __local uint *tile, __local uint *run,
+                              uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
+                              ulong slot_off, uint has_slots)
+{
+    const uint rank = tile_rank(e, lid, tile);
+    int pos = -1;
+    if (e < num_experts) {
+        pos = (int)(run[e] + rank);
+        sorted[sorted_off + pos] = (int)slot;
+    }
+    if (in_range && has_slots)
+        slot_positions[slot_off + slot] = pos;
+    tile_advance(e, run, num_experts);
+}
+
+__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                       __global const uint *matrix, ulong starts_off, __global int *sorted,
+                       ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots,
+                       uint block_size, uint max_padded, uint num_blocks, __global int *blocks, ulong blocks_off,
+                       __local uint *run)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    __global const uint *row = matrix + (size_t)c * cols, *expert_start = matrix + starts_off;
+    /* Padding positions (the sentinel num_slots) and blocks, spread over
+     * every work-item of the launch: a launch of its own would cost the
+     * host more than this work. Each expert's padding (under block_size
+     * positions) after its slots, then the tail after the last run; a
+     * binary search per block (there are few). */
+    const uint post = expert_start[num_experts], gid = get_global_id(0), gsize = get_global_size(0);
+    __global const uint *totals = expert_start + cols;
+    for (uint e = gid; e < num_experts; e += gsize)
+        for (uint p = expert_start[e] + totals[e]; p < expert_start[e + 1]; p++)
+            sorted[sorted_off + p] = (int)num_slots;
+    for (uint p = post + gid; p < max_padded; p += gsize)
+        sorted[sorted_off + p] = (int)num_slots;
+    for (uint b = gid; b < num_blocks; b += gsize) {
+        const uint q = b * block_size;
+        blocks[blocks_off + b] = q >= post ? -1 : (int)expert_at(expert_start, num_experts, q);
+    }
+    for (uint e = lid; e < num_experts; e += WG)
+        run[e] = expert_start[e] + row[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = c * chunk, end = min(begin + chunk, num_slots);
+#if WG == 1
+    for (uint s = begin; s < end; s++) {
+        const uint e = column_of(ids[s], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)run[e]++;
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
+#else
+    __local uint tile[WG];
+    for (uint base = begin; base < end; base += WG) {
+        const uint s = base + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        place_tile(s, e, s < end, lid, tile, run, num_experts, sorted, sorted_off, slot_positions, slot_off,
+                   has_slots);
+    }
+#endif
+}
+
+/* ---- one launch for small routings ---- */
+
+/* The padded starts from the column totals tot[E + 1] in one work-group
+ * of n work-items (part: n words): contiguous ranges of experts per
+ * work-item, an inclusive scan of the ranges' sums (Hillis-Steele), then
+ * each range's own prefix. Writes start[0..E] (start[E]: the padded
+ * total), expert_counts and, where publish is set,
+ * num_tokens_post_padded and num_invalid; returns the padded total. start is
+ * complete for every work-item on return. */
+static inline uint padded_starts(__local const uint *tot, __local uint *start, __local uint *part, uint n, uint lid,
+                                 uint num_experts, uint block_size, __global int *counts, ulong counts_off,
+                                 __global int *post_padded, ulong post_off, __global int *num_invalid,
+                                 ulong invalid_off, uint has_invalid, bool publish)
+{
+    const uint per = (num_experts + n - 1) / n;
+    const uint lo = min(lid * per, num_experts), hi = min(lo + per, num_experts);
+    uint sum = 0;
+    for (uint e = lo; e < hi; e++)
+        sum += (tot[e] + block_size - 1) / block_size * block_size;
+    part[lid] = sum;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint d = 1; d < n; d <<= 1) {
+        const uint add = lid >= d ? part[lid - d] : 0;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        part[lid] += add;
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    uint at = part[lid] - sum;
+    for (uint e = lo; e < hi; e++) {
+        start[e] = at;
+        counts[counts_off + e] = (int)tot[e];
+        at += (tot[e] + block_size - 1) / block_size * block_size;
+    }
+    const uint post = part[n - 1];
+    if (lid == 0) {
+        start[num_experts] = post;
+        if (publish) {
+            post_padded[post_off] = (int)post;
+            if (has_invalid)
+                num_invalid[invalid_off] = (int)tot[num_experts];
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    return post;
+}
+
+/* The sentinel at the padding positions and the expert of each block, by
+ * the n work-items of one work-group: per expert, its padding follows its
+ * slots and its blocks are its run; then the tail after post. The slots'
+ * own positions, written apart, are disjoint from these. */
+static inline void pad_and_blocks(__local const uint *tot, __local const uint *start, uint post, uint n, uint lid,
+                                  uint num_slots, uint num_experts, uint block_size, uint max_padded, uint num_blocks,
+                                  __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off)
+{
+    for (uint e = lid; e < num_experts; e += n) {
+        const uint first = start[e], next = start[e + 1];
+        for (uint p = first + tot[e]; p < next; p++)
+            sorted[sorted_off + p] = (int)num_slots;
+        for (uint b = first / block_size; b < next / block_size; b++)
+            blocks[blocks_off + b] = (int)e;
+    }
+    for (uint p = post + lid; p < max_padded; p += n)
+        sorted[sorted_off + p] = (int)num_slots;
+    for (uint b = post / block_size + lid; b < num_blocks; b += n)
+        blocks[blocks_off + b] = -1;
+}
+
+/* tot and start hold num_experts + 1 words each. The same steps as the
+ * three kernels, in one work-group: count, scan, padding and blocks (per
+ * expert: its padding follows its slots, its blocks are its run), then the
+ * slots in tiles of ONE_WG with the stable rank of moe_align_scatter. */
+__kernel __attribute__((reqd_work_group_size(ONE_WG, 1, 1)))
+void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint block_size,
+                         uint max_padded, uint num_blocks, __global int *counts, ulong counts_off,
+                         __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
+                         __global int *post_padded, ulong post_off, __global int *slot_positions, ulong slot_off,
+                         uint has_slots, __global int *num_invalid, ulong invalid_off, uint has_invalid,
+                         __local uint *tot, __local uint *start, __local ushort *slot_cols)
+{
+    __local uint part[ONE_WG];
+#if !WARP_MATCH
+    __local uint tile[ONE_WG];
+#endif
+    const uint lid = get_local_id(0), cols = num_experts + 1;
+    ids += ids_off;
+    for (uint e = lid; e < cols; e += ONE_WG)
+        tot[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint s = lid; s < num_slots; s += ONE_WG) {
+        const uint e = column_of(ids[s], num_experts);
+        atomic_inc(&tot[e]);
+#if WARP_MATCH
+        slot_cols[s] = (ushort)e; /* the placing warp reads them from here */
+#endif
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+    const uint post = padded_starts(tot, start, part, ONE_WG, lid, num_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, true);
+    pad_and_blocks(tot, start, post, ONE_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks, sorted,
+                   sorted_off, blocks, blocks_off);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    /* tot becomes each expert's next position (the warp path: its count
+     * so far, which fits the 16-bit ranks). */
+    for (uint e = lid; e < num_experts; e += ONE_WG)
+        tot[e] = WARP_MATCH ? 0 : start[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+
+#if WARP_MATCH
+    /* One warp ranks the slots in tiles of 32: a slot's rank within its
+     * expert is the expert's count so far plus the lower lanes with the
+     * same column; the lowest such lane then advances the count. The
+     * warp touches only local memory (bar.warp.sync orders it between the
+     * lanes); the rank replaces the slot's column, and all work-items write
+     * the outputs afterwards. */
+    if (lid < 32) {
+        uint lower;
+        asm("mov.u32 %0, %%lanemask_lt;" : "=r"(lower));
+        for (uint base = 0; base < num_slots; base += 32) {
+            const uint slot = lid + base;
+            const uint e = slot < num_slots ? slot_cols[slot] : num_experts + 1;
+            uint same;
+            asm volatile("match.any.sync.b32 %0, %1, 0xffffffff;" : "=r"(same) : "r"(e));
+            if (e < num_experts)
+                slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+            if (e < num_experts && (same & lower) == 0)
+                tot[e] += popcount(same);
+            asm volatile("bar.warp.sync 0xffffffff;" ::: "memory");
+        }
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint slot = lid; slot < num_slots; slot += ONE_WG) {
+        const uint e = column_of(ids[slot], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)(start[e] + slot_cols[slot]);
+            sorted[sorted_off + pos] = (int)slot;
+        }
+        if (has_slots)
+            slot_positions[slot_off + slot] = pos;
+    }
+#else
+    for (uint base = 0; base < num_slots; base += ONE_WG) {
+        const uint slot = base + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = slot < num_slots ? column_of(ids[slot], num_experts) : num_experts + 1;
+        place_tile(slot, e, slot < num_slots, lid, tile, tot, num_experts, sorted, sorted_off, slot_positions,
+                   slot_off, has_slots);
+    }
+#endif
+}
+
+/* ---- one launch at every size: moe_align_fused ---- */
+
+/* Each work-group c counts and ranks its chunk of slots: the ranks (a
+ * slot's place among the chunk's slots of its column, stable) go to
+ * ranks[s], the chunk's counts to row c of the count matrix. Then it takes
+ * a ticket; the work-group that takes the last one does the rest alone:
+ * the scan of the matrix, the small outputs, the padding and blocks, and
+ * every slot's placement (position = its expert's start + the expert's
+ * slots in earlier chunks + its rank). No work-group waits for another:
+ * OpenCL does not promise that work-groups run concurrently (pocl and
+ * Intel's CPU runtime run them on a few threads), so a wait could hang.
+ *
+ * The ticket is OpenCL 1.2's pattern: each work-item's global writes, a
+ * mem_fence, a barrier, then one atomic_inc per work-group. Every word
+ * one work-group writes for another (the counts, the ranks) is written
+ * and read with atomics, the only global accesses OpenCL 1.2 makes
+ * coherent between the work-groups of a kernel (so no copy cached before
+ * the ticket is read, as NVIDIA's L1 could hold, and oclgrind's race check
+ * sees no race). It assumes that the fence and the ticket's atomic order
+ * a work-item's earlier atomics for every work-group that sees the
+ * ticket's result: OpenCL 1.2 promises each atomic's atomicity, not this
+ * order between atomics on different words (the header says so). The
+ * last work-group puts the ticket back to 0 for the next call; the host
+ * zeroes it where the scratch is new.
+ *
+ * With FUSED_WG 1 (CPUs) no rank is stored: the last work-group, one
+ * work-item, walks every slot in order with a running position per
+ * expert (the host launches one work-group there, so nothing crosses
+ * work-groups: bench/RESULTS.md). With more work-items the ranks are
+ * stored, not recomputed, so that the last work-group's placement is one
+ * pass without a rank loop.
+ *
+ * scratch: [0] the ticket, then the count matrix m[groups][E + 1], the
+ * last work-group's prefixes of it (same shape), ranks[num_slots] and,
+ * where the ids are this launch's own (moecl_route_dispatch's kernel,
+ * cl/topk_gating.cl), each slot's column[num_slots]. run and start hold
+ * E + 1 words each. */
+#ifndef FUSED_WG
+#define FUSED_WG 1
+#endif
+
+/* A word written by one work-group and read by another (see above). A
+ * launch of one work-group (a decode batch) needs no atomics, nor a
+ * ticket: its own barriers with global fences order its accesses, and
+ * each atomic costs a round trip to the device's cache on GPUs. */
+static inline bool alone(void) { return get_num_groups(0) == 1; }
+
+static inline void shared_store(__global uint *p, uint v)
+{
+    if (alone())
+        *p = v;
+    else
+        atomic_xchg((volatile __global uint *)p, v);
+}
+
+static inline uint shared_load(__global const uint *p)
+{
+    return alone() ? *p : atomic_or((volatile __global uint *)p, 0u);
+}
+
+/* Counts and (with more than one work-item) ranks of slots [begin, end)
+ * by one work-group: run[e] ends as the chunk's count of column e. Where
+ * columns is not 0 (ids written by this kernel: moecl_route_dispatch), each
+ * slot's column goes there too, so that the last work-group reads it by
+ * an atomic rather than another work-group's plain store. */
+static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
+                              __local uint *run, __local uint *tile, __global uint *ranks, __global uint *columns)
+{
+#if FUSED_WG == 1
+    /* One work-item: the counts only; the last work-group walks every
+     * slot in order itself (place_all), so no rank crosses work-groups. */
+    (void)lid;
+    (void)tile;
+    (void)ranks;
+    (void)columns;
+    for (uint s = begin; s < end; s++)
+        run[column_of(ids[s], num_experts)]++;
+#else
+    for (uint at = begin; at < end; at += FUSED_WG) {
+        const uint s = at + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        const uint rank = tile_rank(e, lid, tile);
+        if (s < end) {
+            shared_store(&ranks[s], run[e] + rank);
+            if (columns)
+                shared_store(&columns[s], e);
+        }
+        tile_advance(e, run, num_experts + 1);
+    }
+#endif
+}
+
+/* Whether this work-group is the last to finish its chunk; the last one
+ * puts the ticket back to 0 (every other work-group has taken its ticket
+ * by then). */
+static inline bool last_to_finish(volatile __global uint *ticket, uint groups, uint lid, __local uint *flag)
+{
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's counts and ranks before the ticket */
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (lid == 0) {
+        const uint t = alone() ? 0u : atomic_inc(ticket);
+        *flag = t == groups - 1;
+        if (t == groups - 1 && !alone())
+            atomic_xchg(ticket, 0u);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const bool last = *flag;
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* the ticket before the reads of the others' writes */
+    return last;
+}
+
+/* Per column, each chunk's exclusive prefix over the chunks before it
+ * (prefix, beside the matrix) and the column's total (tot), by one
+ * work-group: adjacent work-items walk adjacent columns. */
+static inline void scan_columns(__global const uint *matrix, __global uint *prefix, uint groups, uint cols,
+                                uint lid, __local uint *tot)
+{
+    for (uint e = lid; e < cols; e += FUSED_WG) {
+        uint acc = 0;
+        for (uint c0 = 0; c0 < groups; c0 += LOAD_BATCH) {
+            uint count[LOAD_BATCH];
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++)
+                count[j] = c0 + j < groups ? shared_load(&matrix[(size_t)(c0 + j) * cols + e]) : 0u;
+            UNROLL
+            for (uint j = 0; j < LOAD_BATCH; j++) {
+                if (c0 + j < groups)
+                    prefix[(size_t)(c0 + j) * cols + e] = acc;
+                acc += count[j];
+            }
+        }
+        tot[e] = acc;
+    }
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+}
+
+/* Every slot to its position, by the last work-group (a slot's column
+ * from columns where rank_chunk stored them there). */
+#if FUSED_WG == 1
+/* One work-item walks the slots in order; start becomes each expert's
+ * next position. */
+static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
+                             __local uint *start, __global const uint *prefix,
+                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+{
+    (void)chunk;
+    (void)lid;
+    (void)prefix;
+    (void)ranks;
+    (void)columns;
+    for (uint s = 0; s < num_slots; s++) {
+        const uint e = column_of(ids[s], num_experts);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)start[e]++;
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
+}
+#else
+/* A slot's position is its expert's start + the expert's slots in earlier
+ * chunks + its rank; each work-item takes LOAD_BATCH slots a round. */
+static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
+                             __local uint *start, __global const uint *prefix,
+                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+{
+    const uint cols = num_experts + 1;
+    for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * LOAD_BATCH) {
+        uint e[LOAD_BATCH], rank[LOAD_BATCH];
+        UNROLL
+        for (uint j = 0; j < LOAD_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            const bool in = s < num_slots;
+            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
+            rank[j] = in ? shared_load(&ranks[s]) : 0u;
+        }
+        UNROLL
+        for (uint j = 0; j < LOAD_BATCH; j++) {
+            const uint s = s0 + j * FUSED_WG;
+            int pos = -1;
+            if (s < num_slots && e[j] < num_experts) {
+                pos = (int)(start[e[j]] + prefix[(size_t)(s / chunk) * cols + e[j]] + rank[j]);
+                sorted[sorted_off + pos] = (int)s;
+            }
+            if (s < num_slots && has_slots)
+                slot_positions[slot_off + s] = pos;
+        }
+    }
+}
+#endif
+
+/* The fused kernel's steps, by every work-group of a launch: work-group c
+ * counts and ranks slots [c * chunk, (c + 1) * chunk) of ids, takes a
+ * ticket, and the last one does the rest. part and tile hold FUSED_WG
+ * words, run and start E + 1; columns as for rank_chunk (0: read ids). */
+static inline void fused_align(__global const int *ids, uint num_slots, uint num_experts, uint chunk,
+                               uint block_size, __global uint *scratch, __global int *counts, ulong counts_off,
+                               __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
+                               __global int *post_padded, ulong post_off, __global int *slot_positions,
+                               ulong slot_off, uint has_slots, __global int *num_invalid, ulong invalid_off,
+                               uint has_invalid, __local uint *run, __local uint *start, __local uint *part,
+                               __local uint *flag, __local uint *tile, bool store_columns)
+{
+    const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
+    /* As moecl_moe_align_max_padded (kernel arguments are at most
+     * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
+    const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
+    __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
+    __global uint *ranks = prefix + (size_t)groups * cols;
+    __global uint *columns = store_columns ? ranks + num_slots : 0;
+
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        run[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
+    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, columns);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        shared_store(&matrix[(size_t)c * cols + e], run[e]);
+
+    /* Every work-group meets the same barriers: the others run the last
+     * one's steps over nothing (pocl 3.1 computed wrong results with these
+     * barriers under a branch on the ticket, bench/RESULTS.md). */
+    const bool last = last_to_finish(scratch, groups, lid, flag);
+    const uint live_experts = last ? num_experts : 0;
+    scan_columns(matrix, prefix, last ? groups : 0, last ? cols : 0, lid, run);
+    const uint post = padded_starts(run, start, part, FUSED_WG, lid, live_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, last);
+    if (last) {
+        pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
+                       sorted, sorted_off, blocks, blocks_off);
+        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, columns, sorted, sorted_off,
+                  slot_positions, slot_off, has_slots);
+    }
+}
+
+__kernel __attribute__((reqd_work_group_size(FUSED_WG, 1, 1)))
+void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                     uint block_size, __global uint *scratch,
+                     __global int *counts, ulong counts_off, __global int *sorted, ulong sorted_off,
+                     __global int *blocks, ulong blocks_off, __global int *post_padded, ulong post_off,
+                     __global int *slot_positions, ulong slot_off, uint has_slots, __global int *num_invalid,
+                     ulong invalid_off, uint has_invalid, __local uint *run, __local uint *start)
+{
+    __local uint part[FUSED_WG];
+    __local uint flag;
+#if FUSED_WG > 1
+    __local uint tile[FUSED_WG];
+#else
+    __local uint *tile = part; /* unused */
+#endif
+    fused_align(ids + ids_off, num_slots, num_experts, chunk, block_size, scratch, counts, counts_off, sorted,
+                sorted_off, blocks, blocks_off, post_padded, post_off, slot_positions, slot_off, has_slots,
+                num_invalid, invalid_off, has_invalid, run, start, part, &flag, tile, false);
+}
+

@@ -1,0 +1,227 @@
+/* Every per-device choice of every op in one table: build options, the
+ * inline PTX threshold, the configurations drivers are known to mishandle,
+ * the ops' path limits and work-groups, and the launch configurations that
+ * override the computed rules. The ops and src/launch.c read it; nothing
+ * else names a vendor or a device.
+ *
+ * Looked up as CLBlast's database is: the defaults, over them the entry of
+ * the device's vendor, over that the vendor's entries whose device name is
+ * a substring of the device's (case-insensitive). Each value says what it
+ * rests on: the device and date of the measurement, with its figures,
+ * where one was made. The tune file moecl-tune writes overrides the launch
+ * configurations (src/launch.c). */
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+/* One value of an entry, and why. */
+typedef struct table_value {
+    moecl_device_param param;
+    uint32_t value;
+    const char *why;
+} table_value;
+
+/* One launch configuration of an entry: for op at num_experts (0: any) on
+ * devices of type (0: any). */
+typedef struct table_launch {
+    cl_device_type type;
+    moecl_op op;
+    uint32_t num_experts;
+    moecl_launch_config config;
+    const char *why;
+} table_launch;
+
+/* A vendor's entry (device NULL) or one of its devices'. */
+typedef struct table_entry {
+    moecl_vendor vendor;
+    const char *device; /* case-insensitive substring of the device name; NULL: the vendor's default */
+    const table_value *values;
+    size_t num_values;
+    const table_launch *launches;
+    size_t num_launches;
+} table_entry;
+
+#define COUNT(a) (sizeof(a) / sizeof((a)[0]))
+
+/* ---- the defaults: every device unless its entries say otherwise ---- */
+
+/* Indexed by parameter: a value left out would read as 0 with no reason. */
+#define DEFAULT(p, v, why) [p] = {p, v, why}
+static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
+    DEFAULT(MOECL_DP_UNROLL, 0, "unroll pragmas only where the compiler is known to honour them"),
+    DEFAULT(MOECL_DP_NATIVE_MATH, 0,
+            "exp and division as OpenCL specifies them: native_exp's error is the "
+            "implementation's, checked against the tests' bounds on NVIDIA only"),
+    DEFAULT(MOECL_DP_PTX_MIN_MAJOR, 0, "inline PTX is NVIDIA's instruction set"),
+    DEFAULT(MOECL_DP_REFUSE_TEAM_WG, 0, "no other driver is known to mishandle a team"),
+    DEFAULT(MOECL_DP_PRIVATE_MAX, 0, "no other driver is known to run short of private memory"),
+    DEFAULT(MOECL_DP_ALIGN_CHUNK_WG_CPU, 1, "CPUs: one work-item a chunk, a plain loop"),
+    DEFAULT(MOECL_DP_ALIGN_CHUNK_WG_GPU, 128,
+            "GPUs: 128 work-items a chunk; H200, 2026-11-30: the chunked path 67.7 us "
+            "at 13526x256 (its last kernel 11-14 us); no other size timed"),
+    DEFAULT(MOECL_DP_ALIGN_GROUP_WG, 256,
+            "H200, 2026-11-30: NVIDIA's OpenCL reports a limit of 256 for moe_align's "
+            "kernels (the device's is 1024), so 1024 work-items never ran"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_WG_CPU, 1,
+            "pocl and Intel's CPU runtime, 2026-12-01: one work-item walking the slots; "
+            "chunks passed by atomics took 44-46 us at 129x128 against 9-10 chunked"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_WG_GPU, 256,
+            "as the one-group kernel's: its last work-group places every slot alone"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, 8192,
+            "pocl and Intel's CPU runtime, 2026-12-01: fused faster up to 8152 "
+            "slots (pocl 14.1 against 18.5-24.5 us at 1019x128), chunked from "
+            "65536 on a quiet machine (62.7 against 77.2 us at 8192x128)"),
+    DEFAULT(MOECL_DP_ALIGN_FUSED_MAX_SLOTS_GPU, 5120,
+            "H200, 2026-12-01: fused fastest up to 4160 slots (38.1 against "
+            "41.0 us chunked at 520x128), slower from 8152 (48.6 against 42.6)"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, 0,
+            "CPUs: the fused kernel serves small routings; the one-group "
+            "kernel's 256-wide tiles are a GPU shape"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU, 1024,
+            "H200, 2026-11-30: the one-group kernel tied the chunked path at "
+            "1032 slots (40.0 against 39.6 us), lost at 2048 (49.9 against "
+            "35.9)"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU, 0,
+            "CPUs: as without WARP_MATCH"),
+    DEFAULT(MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU, 1536,
+            "H200, 2026-11-30: with WARP_MATCH (inline PTX) a slot costs 10 "
+            "ns against 14; the one-group kernel won at 1032 slots (33.2 "
+            "against 39.6 us), lost at 2048 (41.3 against 35.9)"),
+    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 5120,
+            "moe_align_fused's GPU limit: the one kernel's last work-group "
+            "places every slot alone, as that kernel's does; unmeasured off "
+            "NVIDIA"),
+    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 5120,
+            "MOECL_ALIGN=fused: the one kernel up to moe_align_fused's "
+            "GPU limit on every device (tests)"),
+    DEFAULT(MOECL_DP_EP_FUSED_CPU, 0,
+            "CPUs: the three kernels, timed on pocl and Intel's CPU runtime, 2026-12-01 "
+            "(1.12-1.78 ms at 13526x256); the fused kernel was not timed there"),
+    DEFAULT(MOECL_DP_EP_FUSED_GPU, 1,
+            "H200, 2026-12-02: one launch 30.8 us against 72.6 for the three kernels at "
+            "13526x256, 8 ranks (device time)"),
+    DEFAULT(MOECL_DP_EP_FUSED_WG, 256,
+            "H200, 2026-12-02: 16.0 us of kernel at 13526x256, 8 ranks, against 19.8 at 128 "
+            "work-items; 512 and 1024 do not fit the kernel on NVIDIA's OpenCL"),
+};
+
+/* ---- NVIDIA ---- */
+
+static const table_value nvidia_values[] = {
+    {MOECL_DP_UNROLL, 1,
+     "H200, 2026-11-30: the compiler honours the pragma, keeping the team kernels' private arrays in registers "
+     "(no timing kept)"},
+    {MOECL_DP_NATIVE_MATH, 1,
+     "H200, 2026-11-30: native exp and reciprocal within every kernel's tested error bounds (no timing kept)"},
+    /* match.any.sync needs sm_70 (PTX ISA, "Target ISA Notes"); below it
+     * shfl.sync and bar.warp.sync are defined only for converged lanes,
+     * which these kernels were never checked for. NVIDIA's compiler builds
+     * for the device's own sm, so an older GPU would fail the build and
+     * fall back (src/program.c) on every context. */
+    {MOECL_DP_PTX_MIN_MAJOR, 7, "match.any.sync needs sm_70; the PTX paths ran on sm_90 (H200) only"},
+    {MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 256,
+     "H200, 2026-12-01: one launch won in wall time up to 32 tokens at top_k 8 (9.3 against 11.7 us at one "
+     "token), lost from 64 (20.5 against 19.7)"},
+};
+
+static const table_launch nvidia_launches[] = {
+    {0, MOECL_OP_TOPK_GATING, 256, {MOECL_KERNEL_TEAM, 32, 4, 0, {0}},
+     "H200, 2026-11-30: teams of 8 to 32 within 16% at 13526x256, a team of 4 38% slower; 32 x 4 rows is also "
+     "the rule's"},
+    {CL_DEVICE_TYPE_GPU, MOECL_OP_GROUNDED_ROUTER, 128, {MOECL_KERNEL_TILED, 1, 0, 64, {128, 16, 8, 4, 4, 1, 0}},
+     "H200, 2026-12-02: 517.4 us at 16384x4096x128 top 8 f32 with the pointer reads, against 545.2 for 16x4 "
+     "wc 8 and 572.4 for 8x4 without them"},
+};
+
+/* ---- pocl ---- */
+
+static const table_value pocl_values[] = {
+    {MOECL_DP_REFUSE_TEAM_WG, 2,
+     "pocl 3.1, 2026-11-30: a team kernel in a work-group of two (team 2, one row) trips an assertion in its "
+     "kernel compiler (ParallelRegion.cc:346) and aborts the process (moecl-tune's children)"},
+    /* A work-group's private arrays live on a worker thread's stack. */
+    {MOECL_DP_PRIVATE_MAX, 4u << 20,
+     "pocl 3.1, 2026-11-30: work-groups of about 8 MiB of private arrays segfaulted (top-k rows kernel 256 "
+     "experts x 4096 rows, 1024 x 1024), 256 x 2048 and 1024 x 512 did not"},
+};
+
+static const table_launch pocl_launches[] = {
+    {CL_DEVICE_TYPE_CPU, MOECL_OP_TOPK_GATING, 0, {MOECL_KERNEL_ROWS, 1, 8, 0, {0}},
+     "pocl 3.1 on a 2-core Xeon, 2026-11-30: every rows count 1..4096 within -4..+8% at 8192x128 (the noise), "
+     "team kernels 3x to 25x slower; 8 rows is also the rule's"},
+};
+
+static const table_entry entries[] = {
+    {MOECL_VENDOR_NVIDIA, NULL, nvidia_values, COUNT(nvidia_values), nvidia_launches, COUNT(nvidia_launches)},
+    {MOECL_VENDOR_POCL, NULL, pocl_values, COUNT(pocl_values), pocl_launches, COUNT(pocl_launches)},
+};
+
+/* ---- lookup ---- */
+
+static bool contains_nocase(const char *haystack, const char *needle)
+{
+    const size_t n = strlen(needle);
+    for (; *haystack; haystack++)
+        if (strncasecmp(haystack, needle, n) == 0)
+            return true;
+    return n == 0;
+}
+
+/* Whether entry e applies to info at this level: the vendor's default
+ * (named false) or one of its devices (named true). */
+static bool applies(const table_entry *e, const moecl_device_info *info, bool named)
+{
+    return e->vendor == info->vendor && (e->device != NULL) == named &&
+           (!named || contains_nocase(info->device_name, e->device));
+}
+
+moecl_device_params moecl_device_table_params(const moecl_device_info *info)
+{
+    moecl_device_params p;
+    for (int i = 0; i < MOECL_NUM_DEVICE_PARAMS; i++)
+        p.value[i] = defaults[i].value;
+    for (int named = 0; named <= 1; named++)
+        for (size_t i = 0; i < COUNT(entries); i++)
+            if (applies(&entries[i], info, named))
+                for (size_t v = 0; v < entries[i].num_values; v++)
+                    p.value[entries[i].values[v].param] = entries[i].values[v].value;
+    return p;
+}
+
+const moecl_launch_config *moecl_device_table_launch(const moecl_device_info *info, const moecl_launch_key *key)
+{
+    for (int named = 1; named >= 0; named--) {
+        for (size_t i = 0; i < COUNT(entries); i++) {
+            if (!applies(&entries[i], info, named))
+                continue;
+            for (size_t l = 0; l < entries[i].num_launches; l++) {
+                const table_launch *e = &entries[i].launches[l];
+                if ((!e->type || (info->type & e->type)) && e->op == key->op &&
+                    (!e->num_experts || e->num_experts == key->num_experts))
+                    return &e->config;
+            }
+        }
+    }
+    return NULL;
+}
+
+bool moecl_device_ptx(const moecl_device_info *info)
+{
+    const uint32_t major = moecl_device_table_params(info).value[MOECL_DP_PTX_MIN_MAJOR];
+    return major && info->nv_compute_major >= major;
+}
+
+void moecl_device_ptx_reason(const moecl_device_info *info, char *buf, size_t size)
+{
+    const uint32_t major = moecl_device_table_params(info).value[MOECL_DP_PTX_MIN_MAJOR];
+    if (!major)
+        snprintf(buf, size, "not an NVIDIA device");
+    else if (info->nv_compute_major == 0)
+        snprintf(buf, size, "no compute capability: cl_nv_device_attribute_query absent");
+    else if (info->nv_compute_major >= major)
+        snprintf(buf, size, "compute capability %u.%u", info->nv_compute_major, info->nv_compute_minor);
+    else
+        snprintf(buf, size, "compute capability %u.%u; the warp paths need %u.0", info->nv_compute_major,
+                 info->nv_compute_minor, major);
+}
