@@ -730,8 +730,9 @@ void moecl_variant_defines(const moecl_variant_op *op, const moecl_variant_value
 size_t moecl_variant_text(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel,
                           char *buf, size_t size);
 /* NULL where op's table is consistent (every range fits its key bits, the
- * key fits its words) and v's carried values are in range; else the name
- * of the first parameter that is not (tests). */
+ * key fits its words) and v's values that kernel carries are in range (v
+ * NULL: the table only); else the name of the first parameter that is
+ * not (tests). */
 const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel);
 
 /* ---- buffers.c: validation shared by the ops ---- */

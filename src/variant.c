@@ -308,6 +308,10 @@ size_t moecl_variant_text(const moecl_variant_op *op, const moecl_variant_values
 
 const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel)
 {
+    static const moecl_variant_values none;
+    const bool values = v != NULL;
+    if (!v)
+        v = &none;
     unsigned bits = 0;
     for (unsigned i = 0; i < count_of(op); i++) {
         uint32_t value;
@@ -318,7 +322,7 @@ const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_
         /* Values beyond the key's bits would share a plan. */
         if (p->key_bits && p->key_bits < 32 && p->max >= (1u << p->key_bits))
             return p->name;
-        if (v && carried(v, kernel, p, value) && (value < p->min || value > p->max))
+        if (values && carried(v, kernel, p, value) && (value < p->min || value > p->max))
             return p->name;
     }
     return bits > 126 ? "the packed key (126 bits)" : NULL;
