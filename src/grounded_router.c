@@ -384,52 +384,56 @@ moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const
     return resolve(ctx, &ctx->info, &r, config, &shape);
 }
 
-/* Appends printf-formatted text to the defines. */
-static void append(char *defines, size_t size, const char *fmt, unsigned a, unsigned b, unsigned c)
+/* The variant of request r: its parameters (src/variant.c), with the
+ * launch shape s where it is known (the plan key needs none of it). */
+static moecl_variant_values values_of(const grounded_request *r, const grounded_shape *s)
 {
-    const size_t used = strlen(defines);
-    snprintf(defines + used, size > used ? size - used : 0, fmt, a, b, c);
+    const moecl_grounded_router_desc *d = r->desc;
+    moecl_variant_values v;
+    memset(&v, 0, sizeof(v));
+    uint32_t *p = v.param;
+    p[MOECL_GROUNDED_HIDDEN_DIM] = d->hidden_dim;
+    p[MOECL_GROUNDED_NUM_EXPERTS] = d->num_experts;
+    p[MOECL_GROUNDED_TOPK] = d->top_k;
+    p[MOECL_GROUNDED_IN_DTYPE] = (uint32_t)d->hidden_dtype;
+    p[MOECL_GROUNDED_HAS_PAIRS] = r->pairs;
+    p[MOECL_GROUNDED_HAS_WEIGHTS] = r->weights;
+    p[MOECL_GROUNDED_HAS_IDS] = r->ids;
+    p[MOECL_GROUNDED_HAS_LOGITS] = !r->no_logits;
+    p[MOECL_GROUNDED_PRECISION] = (uint32_t)d->precision;
+    p[MOECL_GROUNDED_ROUTE_DISPATCH] = r->dispatch;
+    if (s) {
+        p[MOECL_GROUNDED_KERNEL] = (uint32_t)s->kind;
+        p[MOECL_GROUNDED_TM] = s->tm;
+        p[MOECL_GROUNDED_TN] = s->tn;
+        p[MOECL_GROUNDED_TK] = s->tk;
+        p[MOECL_GROUNDED_MT] = s->mt;
+        p[MOECL_GROUNDED_NT] = s->nt;
+        p[MOECL_GROUNDED_TEAM] = s->team;
+        p[MOECL_GROUNDED_ROWS] = s->rows;
+        p[MOECL_GROUNDED_EPT] = s->ept;
+        p[MOECL_GROUNDED_TEAM_SHUFFLE] = s->shuffle;
+        p[MOECL_GROUNDED_VEC] = s->vec;
+        p[MOECL_GROUNDED_DB] = s->db;
+        p[MOECL_GROUNDED_WC] = s->wc;
+        p[MOECL_GROUNDED_MMA_MI] = s->mma_mi;
+        p[MOECL_GROUNDED_MMA_NT] = s->mma_nt;
+        p[MOECL_GROUNDED_MMA_WM] = s->mma_wm;
+        p[MOECL_GROUNDED_MMA_WN] = s->mma_wn;
+        p[MOECL_GROUNDED_MMA_KW] = s->mma_kw;
+        p[MOECL_GROUNDED_FUSED_WG] = s->team * s->rows;
+    }
+    const moecl_topk_gating_desc gating = moecl_grounded_gating_desc(d);
+    const moecl_gating_source source = {&gating, d->gating.num_expert_groups, d->gating.topk_group, r->has_bias};
+    moecl_variant_gating(&v, &source);
+    return v;
 }
 
 /* The -D defines of the variant of request r in shape s. */
 static void defines_of(const grounded_request *r, const grounded_shape *s, char *defines, size_t size)
 {
-    const moecl_grounded_router_desc *d = r->desc;
-    const moecl_gating *g = &d->gating;
-    snprintf(defines, size,
-             "-DHIDDEN_DIM=%u -DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DHAS_PAIRS=%d -DHAS_WEIGHTS=%d -DHAS_IDS=%d "
-             "-DKERNEL=%d -DTM=%u -DTN=%u -DTK=%u -DMT=%u -DNT=%u -DTEAM=%u -DROWS=%u -DEPT=%u -DTEAM_SHUFFLE=%d "
-             "-DSCORING=%d -DWEIGHTING=%d",
-             d->hidden_dim, d->num_experts, d->top_k, (int)d->hidden_dtype, r->pairs, r->weights, r->ids,
-             (int)s->kind, s->tm, s->tn, s->tk, s->mt, s->nt, s->team, s->rows, s->ept, s->shuffle ? 1 : 0,
-             (int)g->scoring, (int)g->weighting);
-    /* The rest appended only when set (cl/gating.cl's defaults): the
-     * seed's gating needs none of them; the tiled kernel's vector width
-     * and double buffering only on its variants. */
-    if (s->kind == MOECL_KERNEL_TILED)
-        append(defines, size, " -DVEC=%u -DDB=%u -DWC=%u", s->vec, s->db, s->wc);
-    if (g->num_expert_groups)
-        append(defines, size, " -DNUM_GROUPS=%u -DTOPK_GROUP=%u -DGROUP_SCORE=%u", g->num_expert_groups,
-               g->topk_group, (unsigned)g->group_score);
-    if (g->num_expert_groups && g->group_fill == MOECL_GROUP_FILL_ZERO)
-        append(defines, size, " -DGROUP_FILL=1", 0, 0, 0);
-    if (g->renormalize)
-        append(defines, size, " -DRENORMALIZE=1", 0, 0, 0);
-    if (r->has_bias)
-        append(defines, size, " -DHAS_BIAS=1", 0, 0, 0);
-    if (r->no_logits)
-        append(defines, size, " -DHAS_LOGITS=0", 0, 0, 0);
-    /* Hex literals: the kernel gets the exact bits. */
-    if (g->renormalize && g->renormalize_floor > 0.0f) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af", (double)g->renormalize_floor);
-    }
-    if (s->kind == MOECL_KERNEL_MMA) {
-        append(defines, size, " -DPRECISION=%u -DMMA_MI=%u -DMMA_NT=%u", (unsigned)d->precision, s->mma_mi, s->mma_nt);
-        append(defines, size, " -DMMA_WM=%u -DMMA_WN=%u -DMMA_KW=%u", s->mma_wm, s->mma_wn, s->mma_kw);
-    }
-    if (r->dispatch)
-        append(defines, size, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u", s->team * s->rows, 0, 0);
+    const moecl_variant_values v = values_of(r, s);
+    moecl_variant_defines(&moecl_variant_grounded_router, &v, s->kind, defines, size);
 }
 
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
@@ -473,8 +477,13 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     grounded_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
-    if (r->dispatch && shape.kind != MOECL_KERNEL_TEAM)
-        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "grounded route dispatch in one kernel needs the team kernel");
+    if (r->dispatch && shape.kind != MOECL_KERNEL_TEAM) {
+        char text[512];
+        const moecl_variant_values v = values_of(r, &shape);
+        moecl_variant_text(&moecl_variant_grounded_router, &v, shape.kind, text, sizeof(text));
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
+                          "grounded route dispatch in one kernel needs the team kernel (%s)", text);
+    }
     char defines[512];
     defines_of(r, &shape, defines, sizeof(defines));
     moecl_status st = moecl_variant_get(ctx, r->dispatch ? MOECL_PROGRAM_GROUNDED_DISPATCH : MOECL_PROGRAM_GROUNDED_ROUTER,
@@ -489,29 +498,10 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     return MOECL_SUCCESS;
 }
 
-/* Everything the defines depend on, packed: dtype 2 bits, the three
- * outputs, experts 13, top_k 7, hidden 17, the dispatch epilogue, then
- * the gating: scoring 2, weighting 2, group score, zero fill,
- * renormalize, bias, absent logits, then the precision 2 (bits 52-53);
- * in the second word groups 13 and topk_group 13 (bits 0-25) and the
- * floor's bits (32-63). The scaling factor is a kernel argument. */
 static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r)
 {
-    const moecl_grounded_router_desc *d = r->desc;
-    const moecl_gating *g = &d->gating;
-    const bool groups = g->num_expert_groups != 0;
-    const uint64_t a = (uint64_t)d->hidden_dtype | (uint64_t)r->pairs << 2 | (uint64_t)r->weights << 3 |
-                       (uint64_t)r->ids << 4 | (uint64_t)d->num_experts << 5 | (uint64_t)d->top_k << 18 |
-                       (uint64_t)d->hidden_dim << 25 | (uint64_t)r->dispatch << 42 | (uint64_t)g->scoring << 43 |
-                       (uint64_t)g->weighting << 45 | (uint64_t)(groups ? g->group_score : 0) << 47 |
-                       (uint64_t)(groups && g->group_fill == MOECL_GROUP_FILL_ZERO) << 48 |
-                       (uint64_t)g->renormalize << 49 | (uint64_t)r->has_bias << 50 | (uint64_t)r->no_logits << 51 |
-                       (uint64_t)d->precision << 52;
-    uint32_t floor_bits = 0;
-    if (g->renormalize && g->renormalize_floor > 0.0f)
-        memcpy(&floor_bits, &g->renormalize_floor, 4);
-    const uint64_t b = (uint64_t)g->num_expert_groups | (uint64_t)g->topk_group << 13 | (uint64_t)floor_bits << 32;
-    return moecl_plan_key_of(ctx, MOECL_OP_GROUNDED_ROUTER, a, b);
+    const moecl_variant_values v = values_of(r, NULL);
+    return moecl_variant_key(ctx, &moecl_variant_grounded_router, &v);
 }
 
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,

@@ -726,6 +726,105 @@ moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *call
  * answered. */
 moecl_status moecl_check_work_group(moecl_context *ctx, const char *name, size_t local, size_t limit);
 
+/* ---- variant.c: the ops' kernel parameters, each named once ---- */
+
+/* An op's kernel parameters (moecl_variant_topk_gating,
+ * moecl_variant_grounded_router): for each, its define, its width in the
+ * plan key, the kernel's default, its range and the kernels that read it.
+ * The key, the -D defines and the readable line all derive from it. */
+typedef struct moecl_variant_op moecl_variant_op;
+extern const moecl_variant_op moecl_variant_topk_gating;
+extern const moecl_variant_op moecl_variant_grounded_router;
+
+/* Top-k gating's own parameters, in the table's order (the gating block
+ * sits before TEAM). */
+enum {
+    MOECL_TOPK_NUM_EXPERTS,
+    MOECL_TOPK_TOPK,
+    MOECL_TOPK_IN_DTYPE,
+    MOECL_TOPK_HAS_COUNTS,
+    MOECL_TOPK_TEAM,
+    MOECL_TOPK_ROWS,
+    MOECL_TOPK_TEAM_SHUFFLE,
+    MOECL_TOPK_EPT,
+    MOECL_TOPK_CPU_DEVICE,
+    MOECL_TOPK_ROUTE_DISPATCH,
+    MOECL_TOPK_FUSED_WG,
+    MOECL_TOPK_PARAMS
+};
+
+/* The grounded router's own parameters, in the table's order (the gating
+ * block sits before KERNEL). */
+enum {
+    MOECL_GROUNDED_HIDDEN_DIM,
+    MOECL_GROUNDED_NUM_EXPERTS,
+    MOECL_GROUNDED_TOPK,
+    MOECL_GROUNDED_IN_DTYPE,
+    MOECL_GROUNDED_HAS_PAIRS,
+    MOECL_GROUNDED_HAS_WEIGHTS,
+    MOECL_GROUNDED_HAS_IDS,
+    MOECL_GROUNDED_HAS_LOGITS,
+    MOECL_GROUNDED_PRECISION,
+    MOECL_GROUNDED_KERNEL,
+    MOECL_GROUNDED_TM,
+    MOECL_GROUNDED_TN,
+    MOECL_GROUNDED_TK,
+    MOECL_GROUNDED_MT,
+    MOECL_GROUNDED_NT,
+    MOECL_GROUNDED_TEAM,
+    MOECL_GROUNDED_ROWS,
+    MOECL_GROUNDED_EPT,
+    MOECL_GROUNDED_TEAM_SHUFFLE,
+    MOECL_GROUNDED_VEC,
+    MOECL_GROUNDED_DB,
+    MOECL_GROUNDED_WC,
+    MOECL_GROUNDED_MMA_MI,
+    MOECL_GROUNDED_MMA_NT,
+    MOECL_GROUNDED_MMA_WM,
+    MOECL_GROUNDED_MMA_WN,
+    MOECL_GROUNDED_MMA_KW,
+    MOECL_GROUNDED_ROUTE_DISPATCH,
+    MOECL_GROUNDED_FUSED_WG,
+    MOECL_GROUNDED_PARAMS
+};
+
+#define MOECL_VARIANT_MAX_PARAMS 32
+#define MOECL_GATING_MAX_PARAMS 16
+
+/* A variant: the value of each of the op's own parameters (by the enums
+ * above) and of cl/gating.cl's block (moecl_variant_gating). */
+typedef struct moecl_variant_values {
+    uint32_t param[MOECL_VARIANT_MAX_PARAMS];
+    uint32_t gating[MOECL_GATING_MAX_PARAMS];
+} moecl_variant_values;
+
+/* What the gating block's values come from: the gating fields (the
+ * grounded router's through moecl_grounded_gating_desc), the groups the
+ * op keeps, and whether a bias steers the selection. */
+typedef struct moecl_gating_source {
+    const moecl_topk_gating_desc *desc;
+    unsigned groups, topk_group;
+    bool has_bias;
+} moecl_gating_source;
+
+/* Fills v's gating block from source. */
+void moecl_variant_gating(moecl_variant_values *v, const moecl_gating_source *source);
+/* The plan key of variant v of op (every parameter with bits in the key). */
+moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_op *op, const moecl_variant_values *v);
+/* The -D defines of variant v of op built as kernel: those always there,
+ * then those set to other than the kernel's default. */
+void moecl_variant_defines(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel,
+                           char *buf, size_t size);
+/* The same parameters in words ("topk_gating team: experts=128 top_k=8
+ * dtype=f16 ..."), for messages; returns the length written. */
+size_t moecl_variant_text(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel,
+                          char *buf, size_t size);
+/* NULL where op's table is consistent (every range fits its key bits, the
+ * key fits its words) and v's values that kernel carries are in range (v
+ * NULL: the table only); else the name of the first parameter that is
+ * not (tests). */
+const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_values *v, moecl_kernel_kind kernel);
+
 /* ---- buffers.c: validation shared by the ops ---- */
 
 /* Check that buf holds `bytes` bytes at its offset, that the offset is a

@@ -181,33 +181,40 @@ static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, b
     return r;
 }
 
-static bool has_floor(const moecl_topk_gating_desc *d)
-{
-    return d->renormalize && d->renormalize_floor > 0.0f;
-}
-
-static bool zero_fill(const topk_request *r)
-{
-    return r->groups && r->desc->group_fill == MOECL_GROUP_FILL_ZERO;
-}
-
-/* Everything the defines depend on, packed: dtype 2 bits, scoring's low
- * bit, group score, renormalize, bias, counts, zero fill, experts 13,
- * top_k 7, groups 13, topk_group 13, dispatch; in the second word the
- * floor's bits, scoring's high bit and the weighting (2 bits). */
-static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
+/* The variant of request r: its parameters (src/variant.c), with the
+ * launch shape s where it is known (the plan key needs none of it). */
+static moecl_variant_values values_of(const moecl_device_info *info, const topk_request *r, const topk_shape *s)
 {
     const moecl_topk_gating_desc *d = r->desc;
-    const uint64_t a = (uint64_t)d->gating_dtype | (uint64_t)(d->scoring & 1) << 2 |
-                       (uint64_t)(r->groups ? d->group_score : 0) << 3 | (uint64_t)d->renormalize << 4 |
-                       (uint64_t)r->has_bias << 5 | (uint64_t)r->has_counts << 6 | (uint64_t)zero_fill(r) << 7 |
-                       (uint64_t)d->num_experts << 8 | (uint64_t)d->top_k << 21 | (uint64_t)r->groups << 28 |
-                       (uint64_t)r->topk_group << 41 | (uint64_t)r->has_dispatch << 54;
-    uint32_t floor_bits = 0;
-    if (has_floor(d))
-        memcpy(&floor_bits, &d->renormalize_floor, sizeof(floor_bits));
-    const uint64_t b = (uint64_t)floor_bits | (uint64_t)(d->scoring >> 1) << 32 | (uint64_t)d->weighting << 33;
-    return moecl_plan_key_of(ctx, MOECL_OP_TOPK_GATING, a, b);
+    moecl_variant_values v;
+    memset(&v, 0, sizeof(v));
+    v.param[MOECL_TOPK_NUM_EXPERTS] = d->num_experts;
+    v.param[MOECL_TOPK_TOPK] = d->top_k;
+    v.param[MOECL_TOPK_IN_DTYPE] = (uint32_t)d->gating_dtype;
+    v.param[MOECL_TOPK_HAS_COUNTS] = r->has_counts;
+    v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
+    v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
+    if (s) {
+        v.param[MOECL_TOPK_TEAM] = s->team;
+        v.param[MOECL_TOPK_ROWS] = s->rows;
+        v.param[MOECL_TOPK_TEAM_SHUFFLE] = s->shuffle;
+        v.param[MOECL_TOPK_EPT] = (d->num_experts + s->team - 1) / s->team;
+        v.param[MOECL_TOPK_FUSED_WG] = s->team * s->rows;
+    }
+    const moecl_gating_source gating = {d, r->groups, r->topk_group, r->has_bias};
+    moecl_variant_gating(&v, &gating);
+    return v;
+}
+
+static moecl_kernel_kind kernel_of(const topk_shape *s)
+{
+    return s->team > 1 ? MOECL_KERNEL_TEAM : MOECL_KERNEL_ROWS;
+}
+
+static moecl_plan_key key_of(const moecl_context *ctx, const topk_request *r)
+{
+    const moecl_variant_values v = values_of(&ctx->info, r, NULL);
+    return moecl_variant_key(ctx, &moecl_variant_topk_gating, &v);
 }
 
 moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moecl_topk_gating_desc *d,
@@ -223,40 +230,8 @@ moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moe
 static void defines_of(const moecl_device_info *info, const topk_request *r, const topk_shape *s, char *defines,
                        size_t size)
 {
-    const moecl_topk_gating_desc *d = r->desc;
-    snprintf(defines, size,
-             "-DNUM_EXPERTS=%u -DTOPK=%u -DIN_DTYPE=%d -DSCORING=%d -DHAS_BIAS=%d -DNUM_GROUPS=%u "
-             "-DTOPK_GROUP=%u -DGROUP_SCORE=%d -DRENORMALIZE=%d -DTEAM=%u -DROWS=%u -DTEAM_SHUFFLE=%d -DEPT=%u "
-             "-DCPU_DEVICE=%d",
-             d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->scoring, r->has_bias ? 1 : 0, r->groups,
-             r->topk_group, r->groups ? (int)d->group_score : 0, d->renormalize ? 1 : 0, s->team, s->rows,
-             s->shuffle ? 1 : 0, (d->num_experts + s->team - 1) / s->team, (info->type & CL_DEVICE_TYPE_CPU) ? 1 : 0);
-    /* Appended only when set: the defines, and so the kernels and
-     * disk-cache entries, of requests that use none of these are what
-     * they were before each was added. The floor is a hex literal, so the
-     * kernel gets its exact bits. */
-    if (r->has_counts) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DHAS_COUNTS=1");
-    }
-    if (has_floor(d)) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DRENORM_FLOOR=%af",
-                 (double)d->renormalize_floor);
-    }
-    if (zero_fill(r)) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DGROUP_FILL=1");
-    }
-    if (d->weighting != MOECL_WEIGHTS_SCORE) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DWEIGHTING=%d", (int)d->weighting);
-    }
-    if (r->has_dispatch) {
-        const size_t used = strlen(defines);
-        snprintf(defines + used, size > used ? size - used : 0, " -DROUTE_DISPATCH=1 -DFUSED_WG=%u",
-                 s->team * s->rows);
-    }
+    const moecl_variant_values v = values_of(info, r, s);
+    moecl_variant_defines(&moecl_variant_topk_gating, &v, kernel_of(s), defines, size);
 }
 
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
@@ -290,8 +265,13 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     topk_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
-    if (r->has_dispatch && shape.team == 1)
-        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "route dispatch in one kernel needs the team kernel");
+    if (r->has_dispatch && shape.team == 1) {
+        char text[512];
+        const moecl_variant_values v = values_of(&ctx->info, r, &shape);
+        moecl_variant_text(&moecl_variant_topk_gating, &v, kernel_of(&shape), text, sizeof(text));
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED, "route dispatch in one kernel needs the team kernel (%s)",
+                          text);
+    }
     char defines[512];
     defines_of(&ctx->info, r, &shape, defines, sizeof(defines));
     moecl_status st =

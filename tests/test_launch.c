@@ -2124,6 +2124,103 @@ START_TEST(test_ptx_build_falls_back)
 }
 END_TEST
 
+/* The parameter tables (src/variant.c): consistent, and the defines,
+ * readable line and key that derive from one variant of each op. */
+START_TEST(test_variant_tables)
+{
+    ck_assert_ptr_null(moecl_variant_check(&moecl_variant_topk_gating, NULL, MOECL_KERNEL_TEAM));
+    ck_assert_ptr_null(moecl_variant_check(&moecl_variant_grounded_router, NULL, MOECL_KERNEL_TILED));
+    moecl_context ctx;
+    memset(&ctx, 0, sizeof(ctx));
+    char text[512];
+
+    /* DeepSeek-V3's gating in route dispatch's team kernel, with a floor. */
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 256, 8);
+    d.num_expert_groups = 8;
+    d.topk_group = 4;
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+    d.renormalize = true;
+    d.renormalize_floor = 0x1p-14f;
+    moecl_variant_values v;
+    memset(&v, 0, sizeof(v));
+    v.param[MOECL_TOPK_NUM_EXPERTS] = 256;
+    v.param[MOECL_TOPK_TOPK] = 8;
+    v.param[MOECL_TOPK_TEAM] = 32;
+    v.param[MOECL_TOPK_ROWS] = 4;
+    v.param[MOECL_TOPK_EPT] = 8;
+    v.param[MOECL_TOPK_ROUTE_DISPATCH] = 1;
+    v.param[MOECL_TOPK_FUSED_WG] = 128;
+    const moecl_gating_source source = {&d, 8, 4, true};
+    moecl_variant_gating(&v, &source);
+    const moecl_variant_op *op = &moecl_variant_topk_gating;
+    ck_assert_ptr_null(moecl_variant_check(op, &v, MOECL_KERNEL_TEAM));
+    moecl_variant_defines(op, &v, MOECL_KERNEL_TEAM, text, sizeof(text));
+    ck_assert_str_eq(text, "-DNUM_EXPERTS=256 -DTOPK=8 -DIN_DTYPE=0 -DSCORING=1 -DHAS_BIAS=1 -DNUM_GROUPS=8 "
+                           "-DTOPK_GROUP=4 -DGROUP_SCORE=1 -DRENORMALIZE=1 -DTEAM=32 -DROWS=4 -DTEAM_SHUFFLE=0 "
+                           "-DEPT=8 -DCPU_DEVICE=0 -DRENORM_FLOOR=0x1p-14f -DROUTE_DISPATCH=1 -DFUSED_WG=128");
+    moecl_variant_text(op, &v, MOECL_KERNEL_TEAM, text, sizeof(text));
+    ck_assert_str_eq(text, "topk_gating team: experts=256 top_k=8 dtype=f32 scoring=sigmoid bias groups=8 "
+                           "topk_group=4 group_score=top2-sum renormalize floor=6.10352e-05 team=32 rows=4 ept=8 "
+                           "dispatch fused_wg=128");
+    /* The rows kernel reads no dispatch; a short buffer ends the text. */
+    moecl_variant_defines(op, &v, MOECL_KERNEL_ROWS, text, sizeof(text));
+    ck_assert_ptr_null(strstr(text, "DISPATCH"));
+    moecl_variant_defines(op, &v, MOECL_KERNEL_TEAM, text, 12);
+    ck_assert_str_eq(text, "-DNUM_EXPER");
+    /* Each field of the key apart, the one the two words split included. */
+    const moecl_plan_key base = moecl_variant_key(&ctx, op, &v);
+    moecl_variant_values w = v;
+    w.param[MOECL_TOPK_TEAM] = 64; /* the launch shape is not in the key */
+    moecl_plan_key k = moecl_variant_key(&ctx, op, &w);
+    ck_assert(k.a == base.a && k.b == base.b);
+    d.renormalize_floor = 0x1p-13f; /* the floor's low bits are in the first word, the high in the second */
+    moecl_variant_gating(&w, &source);
+    k = moecl_variant_key(&ctx, op, &w);
+    ck_assert(k.a == base.a && k.b != base.b);
+    d.renormalize_floor = 0x1p-14f;
+    d.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
+    moecl_variant_gating(&w, &source);
+    k = moecl_variant_key(&ctx, op, &w);
+    ck_assert(k.b != base.b);
+    d.weighting = MOECL_WEIGHTS_SCORE;
+    w = v;
+    w.param[MOECL_TOPK_TOPK] = 65;
+    ck_assert_str_eq(moecl_variant_check(op, &w, MOECL_KERNEL_TEAM), "TOPK");
+
+    /* The grounded router's tiled kernel: the tile's VEC, DB and WC, no
+     * mma parameters, the gating block's zeros. */
+    const moecl_topk_gating_desc raw = moecl_topk_gating_desc_init(1, 128, 8);
+    const moecl_gating_source none = {&raw, 0, 0, false};
+    memset(&v, 0, sizeof(v));
+    const unsigned grounded[][2] = {
+        {MOECL_GROUNDED_HIDDEN_DIM, 4096}, {MOECL_GROUNDED_NUM_EXPERTS, 128}, {MOECL_GROUNDED_TOPK, 8},
+        {MOECL_GROUNDED_IN_DTYPE, 2},      {MOECL_GROUNDED_HAS_PAIRS, 1},     {MOECL_GROUNDED_HAS_LOGITS, 1},
+        {MOECL_GROUNDED_KERNEL, 2},        {MOECL_GROUNDED_TM, 64},           {MOECL_GROUNDED_TN, 128},
+        {MOECL_GROUNDED_TK, 16},           {MOECL_GROUNDED_MT, 8},            {MOECL_GROUNDED_NT, 4},
+        {MOECL_GROUNDED_TEAM, 1},          {MOECL_GROUNDED_ROWS, 1},          {MOECL_GROUNDED_EPT, 1},
+        {MOECL_GROUNDED_VEC, 4},           {MOECL_GROUNDED_DB, 1},            {MOECL_GROUNDED_WC, 8},
+        {MOECL_GROUNDED_MMA_MI, 2},        {MOECL_GROUNDED_FUSED_WG, 1}};
+    for (size_t i = 0; i < sizeof(grounded) / sizeof(grounded[0]); i++)
+        v.param[grounded[i][0]] = grounded[i][1];
+    moecl_variant_gating(&v, &none);
+    op = &moecl_variant_grounded_router;
+    ck_assert_ptr_null(moecl_variant_check(op, &v, MOECL_KERNEL_TILED));
+    moecl_variant_defines(op, &v, MOECL_KERNEL_TILED, text, sizeof(text));
+    ck_assert_str_eq(text, "-DHIDDEN_DIM=4096 -DNUM_EXPERTS=128 -DTOPK=8 -DIN_DTYPE=2 -DHAS_PAIRS=1 -DHAS_WEIGHTS=0 "
+                           "-DHAS_IDS=0 -DSCORING=0 -DHAS_BIAS=0 -DNUM_GROUPS=0 -DTOPK_GROUP=0 -DGROUP_SCORE=0 "
+                           "-DRENORMALIZE=0 -DKERNEL=2 -DTM=64 -DTN=128 -DTK=16 -DMT=8 -DNT=4 -DTEAM=1 -DROWS=1 "
+                           "-DEPT=1 -DTEAM_SHUFFLE=0 -DVEC=4 -DDB=1 -DWC=8");
+    /* Groups of up to 4096 experts: topk_group's field spans the words. */
+    const moecl_plan_key gbase = moecl_variant_key(&ctx, op, &v);
+    const moecl_gating_source wide = {&raw, 4096, 4096, false};
+    w = v;
+    moecl_variant_gating(&w, &wide);
+    k = moecl_variant_key(&ctx, op, &w);
+    ck_assert(k.a != gbase.a && k.b != gbase.b);
+}
+END_TEST
+
 int main(void)
 {
     faults_init();
@@ -2155,6 +2252,9 @@ int main(void)
     tcase_add_checked_fixture(tc, env_setup, env_teardown);
     tcase_add_test(tc, test_ptx_by_capability);
     tcase_add_test(tc, test_ptx_build_falls_back);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("variants");
+    tcase_add_test(tc, test_variant_tables);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }
