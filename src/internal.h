@@ -130,9 +130,9 @@ moecl_status moecl_override_set(const char *text);
 /* The current override. */
 void moecl_override_get(moecl_launch_env *env);
 
-/* Whether the environment decides op's configuration: then the tune file
- * and the built-in table step aside and the op's rule runs under what the
- * variables force (the source is MOECL_SOURCE_ENV). */
+/* Whether the variant override decides op's configuration: then the tune
+ * file and the built-in table step aside and the op's rule runs under what
+ * it forces (the source is MOECL_SOURCE_OVERRIDE). */
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
 
 typedef struct moecl_device_info {
@@ -185,7 +185,7 @@ typedef enum moecl_launch_source {
     MOECL_SOURCE_DEFAULT = 0, /* computed from device facts */
     MOECL_SOURCE_TABLE,       /* the built-in per-device table */
     MOECL_SOURCE_TUNED,       /* the tune file moecl-tune wrote */
-    MOECL_SOURCE_ENV,         /* computed under MOECL_LAUNCH_CLASS / MOECL_TEAM / MOECL_GROUNDED_TILE */
+    MOECL_SOURCE_OVERRIDE,    /* computed under the variant override (class, team, tile, grounded) */
     MOECL_SOURCE_FORCED,      /* moecl_launch_force (moecl-tune's sweep) */
 } moecl_launch_source;
 

@@ -67,7 +67,7 @@ bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_
 
 const char *moecl_launch_source_name(moecl_launch_source s)
 {
-    static const char *const names[] = {"default", "table", "tuned", "env", "forced"};
+    static const char *const names[] = {"default", "table", "tuned", "override", "forced"};
     return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
 }
 
@@ -192,7 +192,7 @@ static bool driver_refuses(const moecl_device_info *info, const moecl_launch_key
 
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
 {
-    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
+    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_OVERRIDE : MOECL_SOURCE_DEFAULT;
 }
 
 unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,
