@@ -41,7 +41,7 @@ typedef enum moecl_vendor {
 } moecl_vendor;
 
 /* moe_align's paths (src/moe_align.c): chosen by size and device, or
- * forced by MOECL_ALIGN for tests and measurements. */
+ * forced by the variant override (align=) for tests and measurements. */
 typedef enum moecl_align_path {
     MOECL_ALIGN_AUTO = 0,
     MOECL_ALIGN_ONE_GROUP,
@@ -50,8 +50,8 @@ typedef enum moecl_align_path {
 } moecl_align_path;
 
 /* The expert-parallel layout's paths (src/ep_layout.c): by launch class
- * and size, or forced by MOECL_EP_LAYOUT for tests and measurements
- * (FUSED_LAST: the one launch with its grid-wide wait off). */
+ * and size, or forced by the variant override (ep=) for tests and
+ * measurements (FUSED_LAST: the one launch with its grid-wide wait off). */
 typedef enum moecl_ep_path { MOECL_EP_AUTO = 0, MOECL_EP_CHUNKED, MOECL_EP_FUSED, MOECL_EP_FUSED_LAST } moecl_ep_path;
 
 typedef enum moecl_op {

@@ -4,9 +4,9 @@
  * which moecl-tune forces a configuration.
  *
  * Precedence, first that applies and is valid on the device:
- *   forced (moecl-tune's hook) > environment (MOECL_LAUNCH_CLASS, MOECL_TEAM,
- *   MOECL_GROUNDED_TILE: the computed rule under what they force) > tune
- *   file > built-in table > computed default.
+ *   forced (moecl-tune's hook) > the variant override (class, team, tile,
+ *   grounded: the computed rule under what it forces) > tune file >
+ *   built-in table > computed default.
  * This file hands out the candidates; the ops check each against the device
  * (work-group size, local memory), since only they know their kernels.
  * Both happen when a request's launch plan is built (src/plan.c), not per
