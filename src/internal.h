@@ -41,7 +41,7 @@ typedef enum moecl_vendor {
 } moecl_vendor;
 
 /* moe_align's paths (src/moe_align.c): chosen by size and device, or
- * forced by MOECL_ALIGN for tests and measurements. */
+ * forced by the variant override (align=) for tests and measurements. */
 typedef enum moecl_align_path {
     MOECL_ALIGN_AUTO = 0,
     MOECL_ALIGN_ONE_GROUP,
@@ -50,8 +50,8 @@ typedef enum moecl_align_path {
 } moecl_align_path;
 
 /* The expert-parallel layout's paths (src/ep_layout.c): by launch class
- * and size, or forced by MOECL_EP_LAYOUT for tests and measurements
- * (FUSED_LAST: the one launch with its grid-wide wait off). */
+ * and size, or forced by the variant override (ep=) for tests and
+ * measurements (FUSED_LAST: the one launch with its grid-wide wait off). */
 typedef enum moecl_ep_path { MOECL_EP_AUTO = 0, MOECL_EP_CHUNKED, MOECL_EP_FUSED, MOECL_EP_FUSED_LAST } moecl_ep_path;
 
 typedef enum moecl_op {
@@ -175,7 +175,7 @@ typedef enum moecl_launch_source {
     MOECL_SOURCE_DEFAULT = 0, /* computed from device facts */
     MOECL_SOURCE_TABLE,       /* the device table (src/device_table.c) */
     MOECL_SOURCE_TUNED,       /* the tune file moecl-tune wrote */
-    MOECL_SOURCE_ENV,         /* computed under MOECL_LAUNCH_CLASS / MOECL_TEAM / MOECL_GROUNDED_TILE */
+    MOECL_SOURCE_OVERRIDE,    /* computed under the variant override (class, team, tile, grounded) */
     MOECL_SOURCE_FORCED,      /* moecl_launch_force (moecl-tune's sweep) */
 } moecl_launch_source;
 
@@ -245,9 +245,9 @@ bool moecl_launch_config_parse(const char *text, moecl_launch_config *config);
 /* Add or replace; false when out of memory or full. */
 bool moecl_tune_set(moecl_tune_table *table, const moecl_launch_key *key, const moecl_launch_config *config);
 void moecl_tune_free(moecl_tune_table *table);
-/* Whether the environment decides op's configuration: then the tune file
- * and the device table step aside and the op's rule runs under what the
- * variables force (the source is MOECL_SOURCE_ENV). */
+/* Whether the variant override decides op's configuration: then the tune
+ * file and the device table step aside and the op's rule runs under what
+ * it forces (the source is MOECL_SOURCE_OVERRIDE). */
 bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op);
 
 /* ---- device_table.c: every per-device choice, in one table ---- */

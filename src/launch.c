@@ -5,9 +5,9 @@
  * forces a configuration.
  *
  * Precedence, first that applies and is valid on the device:
- *   forced (moecl-tune's hook) > environment (MOECL_LAUNCH_CLASS, MOECL_TEAM,
- *   MOECL_GROUNDED_TILE: the computed rule under what they force) > tune
- *   file > device table > computed default.
+ *   forced (moecl-tune's hook) > the variant override (class, team, tile,
+ *   grounded: the computed rule under what it forces) > tune file >
+ *   device table > computed default.
  * This file hands out the candidates; the ops check each against the device
  * (work-group size, local memory), since only they know their kernels.
  * Both happen when a request's launch plan is built (src/plan.c), not per
@@ -68,7 +68,7 @@ bool moecl_launch_config_equal(const moecl_launch_config *a, const moecl_launch_
 
 const char *moecl_launch_source_name(moecl_launch_source s)
 {
-    static const char *const names[] = {"default", "table", "tuned", "env", "forced"};
+    static const char *const names[] = {"default", "table", "tuned", "override", "forced"};
     return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
 }
 
@@ -145,7 +145,7 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
 
 moecl_launch_source moecl_launch_default_source(const moecl_device_info *info, moecl_op op)
 {
-    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_ENV : MOECL_SOURCE_DEFAULT;
+    return moecl_launch_env_decides(&info->env, op) ? MOECL_SOURCE_OVERRIDE : MOECL_SOURCE_DEFAULT;
 }
 
 unsigned moecl_launch_overrides(const moecl_context *ctx, const moecl_launch_key *key,

@@ -322,16 +322,83 @@ void harness_check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, har
     ASSERT_TRIED(harness_try_topk(ctx, d, rng, with_bias, path, offset, &e), e);
 }
 
+/* What harness_args read. */
+static struct {
+    harness_override_fn set_override;
+    const char *variant;
+    const char *tcase;
+    bool quick;
+} args = {NULL, "", NULL, false};
+
+static void usage(const char *program, const char *problem, const char *arg)
+{
+    fprintf(stderr,
+            "%s: %s%s%s\n"
+            "usage: %s [--variant TEXT] [--quick] [--case NAME]\n"
+            "  --variant TEXT  force a kernel variant (\"class=gpu align=fused ...\", docs/environment.md)\n"
+            "  --quick         leave out the largest grids\n"
+            "  --case NAME     run only the Check test case NAME\n",
+            program, problem, arg ? " " : "", arg ? arg : "", program);
+    exit(2);
+}
+
+void harness_args(int argc, char **argv, harness_override_fn set_override)
+{
+    const char *program = argc > 0 ? argv[0] : "test";
+    args.set_override = set_override;
+    for (int i = 1; i < argc; i++) {
+        const bool has_value = i + 1 < argc;
+        if (strcmp(argv[i], "--quick") == 0) {
+            args.quick = true;
+        } else if (strcmp(argv[i], "--case") == 0 || strcmp(argv[i], "--variant") == 0) {
+            if (!has_value)
+                usage(program, "option needs a value:", argv[i]);
+            if (argv[i][2] == 'c')
+                args.tcase = argv[++i];
+            else
+                args.variant = argv[++i];
+        } else {
+            usage(program, "unknown argument:", argv[i]);
+        }
+    }
+    if (!*args.variant)
+        return;
+    if (!set_override)
+        usage(program, "--variant: this program links the shared library, which cannot force a variant", NULL);
+    const moecl_status st = set_override(args.variant);
+    if (st != MOECL_SUCCESS) {
+        fprintf(stderr, "%s: --variant '%s': %s\n", program, args.variant, moecl_context_error(NULL));
+        exit(2);
+    }
+    fprintf(stderr, "moecl tests: variant %s\n", args.variant);
+}
+
+const char *harness_variant(void) { return args.variant; }
+
+void harness_override_with(const char *words)
+{
+    ck_assert_msg(args.set_override, "this test program cannot force a variant (linked with the shared library)");
+    char text[512];
+    const int n = snprintf(text, sizeof(text), "%s %s", args.variant, words ? words : "");
+    ck_assert_msg(n > 0 && (size_t)n < sizeof(text), "variant text too long");
+    const moecl_status st = args.set_override(text);
+    ck_assert_msg(st == MOECL_SUCCESS, "variant override '%s': %s", text, moecl_context_error(NULL));
+}
+
 bool harness_quick(void)
 {
     const char *env = getenv("MOECL_TEST_QUICK");
-    return env && *env && strcmp(env, "0") != 0;
+    return args.quick || (env && *env && strcmp(env, "0") != 0);
 }
 
 int harness_run(Suite *suite)
 {
+    if (args.tcase && !suite_tcase(suite, args.tcase)) {
+        fprintf(stderr, "--case %s: the suite has no such test case\n", args.tcase);
+        return 2;
+    }
     SRunner *runner = srunner_create(suite);
-    srunner_run_all(runner, CK_NORMAL);
+    srunner_run(runner, NULL, args.tcase, CK_NORMAL);
     int failed = srunner_ntests_failed(runner);
     srunner_free(runner);
     return failed ? 1 : 0;

@@ -94,11 +94,38 @@ bool harness_try_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harne
 void harness_check_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng, bool with_bias,
                         harness_path path, size_t offset);
 
-/* MOECL_TEST_QUICK set (and not "0"): the op suites leave out their
- * largest grids, for slow runs such as the valgrind setup. */
+/* The arguments of every Check program, which harness_args reads first
+ * thing in main, before any context (two runs of a suite differ by their
+ * command lines, never by the environment):
+ *   --variant TEXT  the variant override for every context the run
+ *                   creates ("class=gpu align=fused ...", the words of
+ *                   docs/environment.md's "Forcing a variant"); a text the
+ *                   library rejects fails the run
+ *   --quick         leave out the largest grids (harness_quick)
+ *   --case NAME     run only the Check test case NAME (harness_run)
+ * set_override is the library's moecl_override_set (src/internal.h) in
+ * programs linked with its objects; programs linked with the shared
+ * library, which hides it, pass NULL and refuse --variant. A bad argument
+ * prints the usage and exits with status 2. */
+typedef moecl_status (*harness_override_fn)(const char *text);
+void harness_args(int argc, char **argv, harness_override_fn set_override);
+
+/* The run's --variant text; "" without one. */
+const char *harness_variant(void);
+/* Make the override the run's --variant followed by words (which win
+ * where they name the same thing), for the contexts created next; NULL
+ * puts the run's own back. Fails the test where the program cannot force
+ * a variant or the library rejects the text. */
+void harness_override_with(const char *words);
+
+/* --quick given, or MOECL_TEST_QUICK set and not "0" (the valgrind setup
+ * and the sanitizer build, which can only set the environment): the op
+ * suites leave out their largest grids. */
 bool harness_quick(void);
 
-/* Run a suite with CK_FORK as set by the environment (meson sets no). */
+/* Run the suite (only the test case --case named, where one was) with
+ * CK_FORK as set by the environment (meson sets no). 0 when every test
+ * passed. */
 int harness_run(Suite *suite);
 
 #endif

@@ -61,11 +61,10 @@ static const target targets[] = {
 };
 
 /* The per-device configurations a device of a target can be in: the GPU
- * launch class (its default), the CPU launch class
- * (MOECL_LAUNCH_CLASS=cpu), the 128-token grounded tile
- * (MOECL_GROUNDED_TILE=128) and the grounded router's tensor-core kernel
- * (MOECL_GROUNDED_KERNEL=mma: emulated, as these devices build it; the
- * PTX itself needs NVIDIA's compiler). The last two change only the
+ * launch class (its default), the CPU launch class (the variant
+ * override's class=cpu), the 128-token grounded tile (tile=128) and the
+ * grounded router's tensor-core kernel (grounded=mma: emulated, as these
+ * devices build it; the PTX itself needs NVIDIA's compiler). The last two change only the
  * grounded router. */
 typedef struct config {
     const char *name;
@@ -486,8 +485,8 @@ int main(int argc, char **argv)
             }
             free(options);
         }
-        /* Every tile of the grounded router's table (MOECL_GROUNDED_TILE
-         * names one) in the GPU class, on the first target of each
+        /* Every tile of the grounded router's table (the override's
+         * tile=... words name one) in the GPU class, on the first target of each
          * compiler, one shape each, the dtypes in turn (the tiles differ in
          * their defines only; the other targets compile the rule's); where
          * the target's local memory or work-group limit refuses one, the

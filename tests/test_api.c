@@ -590,8 +590,9 @@ START_TEST(test_zero_tokens)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, NULL);
     Suite *s = suite_create("runtime_api");
     TCase *tc = rt_tcase(s, "status", false);
     tcase_add_test(tc, test_status_strings);

@@ -266,6 +266,7 @@ int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--probe-create") == 0)
         return probe_create();
+    harness_args(argc, argv, NULL);
 
     Suite *s = suite_create("runtime_device");
     TCase *tc = rt_tcase(s, "context", true);

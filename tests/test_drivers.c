@@ -99,8 +99,9 @@ START_TEST(test_exp_across_barrier)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, NULL);
     Suite *s = suite_create("drivers");
     TCase *tc = tcase_create("quirks");
     tcase_set_timeout(tc, 300);

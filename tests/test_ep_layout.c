@@ -5,7 +5,7 @@
  * both paths (host; device buffers at offsets, poisoned, after a wait-list
  * event); a map changed between two calls of one prepared context; every
  * validation error, with the outputs left untouched. meson runs it once
- * per launch class (MOECL_LAUNCH_CLASS), so the CPU (one work-item per
+ * per launch class (--variant class=cpu|gpu), so the CPU (one work-item per
  * chunk) and GPU (tiles of work-items) shapes are both checked. */
 #include <stdint.h>
 #include <stdio.h>
@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "internal.h"
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -660,8 +661,9 @@ START_TEST(test_mutation_caught)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("ep_layout");
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 900);

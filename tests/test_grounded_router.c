@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "internal.h"
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -203,15 +204,15 @@ START_TEST(test_topk_alpha_dtypes)
 }
 END_TEST
 
-/* A context whose grounded router takes the tensor-core kernel
- * (MOECL_GROUNDED_KERNEL=mma; emulated where the device has no mma.sync),
- * for f16, bf16 and the f32 TF32 precisions; f32 at FP32 keeps the
- * portable kernels. */
+/* A context whose grounded router takes the tensor-core kernel (the
+ * variant override's grounded=mma; emulated where the device has no
+ * mma.sync), for f16, bf16 and the f32 TF32 precisions; f32 at FP32 keeps
+ * the portable kernels. */
 static moecl_context *mma_context(void)
 {
-    setenv("MOECL_GROUNDED_KERNEL", "mma", 1);
+    harness_override_with("grounded=mma");
     moecl_context *ctx = harness_context();
-    unsetenv("MOECL_GROUNDED_KERNEL");
+    harness_override_with(NULL);
     return ctx;
 }
 
@@ -638,8 +639,9 @@ START_TEST(test_router_llama4_and_ties)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("grounded_router");
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
@@ -650,13 +652,13 @@ int main(void)
     tcase_add_test(tc, test_router_llama4_and_ties);
     tcase_add_test(tc, test_router_gatings);
     tcase_add_test(tc, test_router_deepseek);
-    /* MOECL_TEST_QUICK: without the grid and the dtype sweep. */
+    /* --quick: without the grid and the dtype sweep. */
     if (!harness_quick()) {
         tcase_add_test(tc, test_topk_alpha_dtypes);
         tcase_add_test(tc, test_grid);
     }
     suite_add_tcase(s, tc);
-    /* The tensor-core kernel, forced (CK_RUN_CASE=mma runs it alone). */
+    /* The tensor-core kernel, forced (--case mma runs it alone). */
     TCase *mma = tcase_create("mma");
     tcase_set_timeout(mma, 1200);
     tcase_add_loop_test(mma, test_special_rows, 1, 3);

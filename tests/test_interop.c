@@ -300,8 +300,9 @@ START_TEST(test_events_and_offsets)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, NULL);
     Suite *s = suite_create("runtime_interop");
     TCase *tc = rt_tcase(s, "interop", false);
     tcase_add_test(tc, test_create_from_cl);

@@ -121,8 +121,9 @@ START_TEST(test_kernel_dir)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, NULL);
     Suite *s = suite_create("runtime_kernel_dir");
     TCase *tc = rt_tcase(s, "kernel_dir", true);
     tcase_add_test(tc, test_kernel_dir);

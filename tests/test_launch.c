@@ -10,9 +10,10 @@
  * the failed call left in its outputs.
  *
  * Links the library's objects, not its ABI, to reach the internals (the
- * tune table, moecl_launch_force), as moecl-tune does. Every test runs in a
- * fixture with its own MOECL_CACHE_DIR and none of the launch variables
- * set, restored afterwards. */
+ * tune table, moecl_launch_force, the variant override), as moecl-tune
+ * does. Every test runs in a fixture with its own MOECL_CACHE_DIR and the
+ * run's variant override (--variant, none in meson's run), both restored
+ * afterwards. */
 #include "harness.h"
 #include "harness_env.h"
 #include "internal.h"
@@ -32,18 +33,20 @@
 /* Fixture                                                                 */
 /* ---------------------------------------------------------------------- */
 
-static const char *const fx_names[] = {"MOECL_CACHE_DIR", "MOECL_LAUNCH_CLASS", "MOECL_TEAM", "MOECL_GROUNDED_TILE",
-                                       NULL};
+static const char *const fx_names[] = {"MOECL_CACHE_DIR", NULL};
 
 static void env_setup(void)
 {
     harness_env_save(fx_names, "launch");
-    for (size_t i = 0; fx_names[i]; i++)
-        unsetenv(fx_names[i]);
     ck_assert_int_eq(setenv("MOECL_CACHE_DIR", harness_env_dir(), 1), 0);
+    harness_override_with(NULL);
 }
 
-static void env_teardown(void) { harness_env_restore(); }
+static void env_teardown(void)
+{
+    harness_env_restore();
+    harness_override_with(NULL);
+}
 
 /* ---------------------------------------------------------------------- */
 /* Helpers                                                                 */
@@ -668,54 +671,98 @@ START_TEST(test_precedence)
     assert_source(topk_launch(ctx, &t, &got), MOECL_SOURCE_TUNED, "forcing stopped");
     moecl_context_destroy(ctx);
 
-    /* The environment beats the tune file (read at context creation). */
+    /* The variant override beats the tune file (copied at context
+     * creation). */
     static const struct {
-        const char *name, *value;
-        bool topk_env, grounded_env;
-    } envs[] = {
-        {"MOECL_LAUNCH_CLASS", "gpu", true, true},
-        {"MOECL_LAUNCH_CLASS", "cpu", true, true},
-        {"MOECL_TEAM", "8", true, false},
-        {"MOECL_GROUNDED_TILE", "128", false, true},
+        const char *variant;
+        bool topk_override, grounded_override;
+    } overrides[] = {
+        {"class=gpu", true, true},
+        {"class=cpu", true, true},
+        {"team=8", true, false},
+        {"tile=128", false, true},
+        {"grounded=mma", false, true},
     };
-    for (size_t i = 0; i < sizeof(envs) / sizeof(envs[0]); i++) {
-        char label[96];
-        snprintf(label, sizeof(label), "%s=%s", envs[i].name, envs[i].value);
-        ck_assert_int_eq(setenv(envs[i].name, envs[i].value, 1), 0);
+    for (size_t i = 0; i < sizeof(overrides) / sizeof(overrides[0]); i++) {
+        const char *label = overrides[i].variant;
+        harness_override_with(label);
         ctx = harness_context();
         moecl_launch_source s = topk_launch(ctx, &t, &got);
-        if (envs[i].topk_env) {
-            assert_source(s, MOECL_SOURCE_ENV, label);
+        if (overrides[i].topk_override) {
+            assert_source(s, MOECL_SOURCE_OVERRIDE, label);
             ck_assert_msg(!moecl_launch_config_equal(&got, &tuned_t), "%s: the tune file's choice was used", label);
         } else {
             assert_source(s, MOECL_SOURCE_TUNED, label);
         }
-        if (!strcmp(envs[i].name, "MOECL_TEAM")) {
+        if (!strcmp(label, "team=8")) {
             const moecl_launch_config team8 = {MOECL_KERNEL_TEAM, 8, got.rows, 0, {0}};
             assert_config(&got, &team8, label);
         }
-        if (!strcmp(envs[i].value, "cpu")) {
+        if (!strcmp(label, "class=cpu")) {
             const moecl_launch_config rows8 = cfg_rows(8);
             assert_config(&got, &rows8, label);
         }
         s = grounded_launch(ctx, &r, &got);
-        assert_source(s, envs[i].grounded_env ? MOECL_SOURCE_ENV : MOECL_SOURCE_TUNED, label);
+        assert_source(s, overrides[i].grounded_override ? MOECL_SOURCE_OVERRIDE : MOECL_SOURCE_TUNED, label);
         check_topk(ctx, &t, false, 31 + i, label);
         check_grounded(ctx, &r, 41 + i, label);
-        /* Forced still beats the environment. */
+        /* Forced still beats the override. */
         moecl_launch_force(ctx, MOECL_OP_TOPK_GATING, &forced);
         assert_source(topk_launch(ctx, &t, &got), MOECL_SOURCE_FORCED, label);
         moecl_context_destroy(ctx);
-        unsetenv(envs[i].name);
     }
 
-    /* MOECL_TEAM with MOECL_LAUNCH_CLASS=cpu: the rows kernel, as before. */
-    ck_assert_int_eq(setenv("MOECL_TEAM", "8", 1), 0);
-    ck_assert_int_eq(setenv("MOECL_LAUNCH_CLASS", "cpu", 1), 0);
+    /* team=8 with class=cpu: the rows kernel, as before. */
+    harness_override_with("team=8 class=cpu");
     ctx = harness_context();
-    assert_source(topk_launch(ctx, &t, &got), MOECL_SOURCE_ENV, "MOECL_TEAM with the cpu class");
+    assert_source(topk_launch(ctx, &t, &got), MOECL_SOURCE_OVERRIDE, "team=8 with the cpu class");
     ck_assert_int_eq(got.kernel, MOECL_KERNEL_ROWS);
     moecl_context_destroy(ctx);
+    harness_override_with(NULL);
+}
+END_TEST
+
+/* The variant override's text (src/override.c): every name read into its
+ * field; a bad word rejected, named in the message, and the override set
+ * before it kept. */
+START_TEST(test_override_text)
+{
+    moecl_launch_env env;
+    ck_assert_int_eq(moecl_override_parse("class=gpu team=16 align=fused ep=fused-last ep_wg=64 ep_groups=2 "
+                                          "grounded=mma",
+                                          &env),
+                     MOECL_SUCCESS);
+    ck_assert(env.launch_class_forced && env.launch_class == MOECL_LAUNCH_GPU);
+    ck_assert_uint_eq(env.team, 16);
+    ck_assert_int_eq(env.align_path, MOECL_ALIGN_FUSED);
+    ck_assert_int_eq(env.ep_path, MOECL_EP_FUSED_LAST);
+    ck_assert_uint_eq(env.ep_fused_wg, 64);
+    ck_assert_uint_eq(env.ep_fused_groups, 2);
+    ck_assert(env.grounded_mma && !env.grounded_wide_tile);
+    ck_assert_int_eq(moecl_override_parse("  tile=64 tn=128\ttk=16 mt=8 nt=8 vec=4 db=1 ", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.grounded_tile.kernel, MOECL_KERNEL_TILED);
+    ck_assert_uint_eq(env.grounded_tile.tile, 64);
+    ck_assert_uint_eq(env.grounded_tile.tiled.tn, 128);
+    ck_assert_int_eq(moecl_override_parse("tile=128", &env), MOECL_SUCCESS);
+    ck_assert(env.grounded_wide_tile && env.grounded_tile.kernel == MOECL_KERNEL_ROWS);
+    ck_assert_int_eq(moecl_override_parse("", &env), MOECL_SUCCESS);
+    ck_assert(!env.launch_class_forced && !env.team && env.align_path == MOECL_ALIGN_AUTO);
+    static const char *const bad[][2] = {
+        {"class=tpu", "tpu"},  {"team=3", "3"},   {"team=512", "512"},     {"align", "align"},
+        {"color=red", "color"}, {"ep_groups=0", "0"}, {"ep=one", "one"}, {"tn=128", "tile=N"},
+        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"},
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        ck_assert_msg(moecl_override_parse(bad[i][0], &env) == MOECL_ERROR_INVALID_ARGUMENT, "'%s' accepted",
+                      bad[i][0]);
+        ck_assert_msg(strstr(moecl_context_error(NULL), bad[i][1]) != NULL, "'%s': the message does not name %s: %s",
+                      bad[i][0], bad[i][1], moecl_context_error(NULL));
+    }
+    ck_assert_int_eq(moecl_override_set("team=8"), MOECL_SUCCESS);
+    ck_assert_int_eq(moecl_override_set("team=7"), MOECL_ERROR_INVALID_ARGUMENT);
+    moecl_override_get(&env);
+    ck_assert_uint_eq(env.team, 8);
+    harness_override_with(NULL);
 }
 END_TEST
 
@@ -2221,8 +2268,9 @@ START_TEST(test_variant_tables)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     faults_init();
     Suite *s = suite_create("launch");
     TCase *tc = tcase_create("tune_file");
@@ -2234,6 +2282,7 @@ int main(void)
     tcase_add_test(tc, test_rows_per_group_bit_identical);
     tcase_add_test(tc, test_precedence);
     tcase_add_test(tc, test_device_table);
+    tcase_add_test(tc, test_override_text);
     tcase_add_test(tc, test_configs_correct);
     tcase_add_test(tc, test_plan_cache);
     tcase_add_test(tc, test_plan_buffer_released);

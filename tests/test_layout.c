@@ -310,8 +310,9 @@ START_TEST(test_layout_matches_compiler)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("layout");
     TCase *tc = tcase_create("layout");
     tcase_set_timeout(tc, 1200);

@@ -3,7 +3,7 @@
  * and expert count of the grid, both paths (host; device buffers with
  * offsets, poisoned, chained by events), the gather/scatter round trip,
  * every validation error, and a mutated kernel that the suite must catch.
- * meson runs it once per launch class (MOECL_LAUNCH_CLASS), so the CPU
+ * meson runs it once per launch class (--variant class=cpu|gpu), so the CPU
  * (one work-item per chunk) and GPU (tiles of work-items) kernels are both
  * checked on every device. */
 #include <pthread.h>
@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "internal.h"
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -755,8 +756,9 @@ START_TEST(test_queue_kinds)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("moe_align");
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);

@@ -10,7 +10,7 @@
  * are past it), the CPU class the two calls. The case "grounded" does the
  * same for moecl_grounded_route_dispatch against moecl_grounded_router
  * followed by moecl_moe_align (the router's reference bounds its weights
- * and fixes its ids); meson runs it again with each MOECL_ALIGN path. */
+ * and fixes its ids). */
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "internal.h"
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 
@@ -833,8 +834,9 @@ START_TEST(test_grounded_bad_input)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("route_dispatch");
     TCase *tc = tcase_create("route_dispatch");
     tcase_set_timeout(tc, 1200);
@@ -844,8 +846,8 @@ int main(void)
     tcase_add_test(tc, test_out_of_order);
     tcase_add_test(tc, test_bad_input);
     suite_add_tcase(s, tc);
-    /* The grounded router's, a case of its own so that meson's runs that
-     * force each moe_align path can select it (CK_RUN_CASE). */
+    /* The grounded router's, a case of its own so that a run can take it
+     * alone (--case grounded). */
     TCase *grounded = tcase_create("grounded");
     tcase_set_timeout(grounded, 1200);
     tcase_add_test(grounded, test_grounded_sizes);

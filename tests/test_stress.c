@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "harness.h"
+#include "internal.h"
 
 extern char **environ;
 
@@ -388,14 +389,12 @@ static routed route_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, co
     return r;
 }
 
-static moecl_context *context_with_env(const char *name, const char *value)
+/* A context under the variant override words (harness_override_with). */
+static moecl_context *context_with_variant(const char *words)
 {
-    if (value)
-        ck_assert_int_eq(setenv(name, value, 1), 0);
-    else
-        unsetenv(name);
+    harness_override_with(words);
     moecl_context *ctx = harness_context();
-    unsetenv(name);
+    harness_override_with(NULL);
     return ctx;
 }
 
@@ -437,20 +436,15 @@ START_TEST(test_determinism)
          * even sigmoid weights differed in their last bit between teams of
          * 8 and 32, 2026-11-30). The launch suite checks that rows per
          * work-group leave every bit alone. */
-        static const char *const shapes[][2] = {{"MOECL_LAUNCH_CLASS", "cpu"}, {"MOECL_LAUNCH_CLASS", "gpu"},
-                                                {"MOECL_TEAM", "8"},           {"MOECL_TEAM", "32"}};
+        static const char *const shapes[] = {"class=cpu", "class=gpu", "class=gpu team=8", "class=gpu team=32"};
         for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
-            if (strcmp(shapes[s][0], "MOECL_LAUNCH_CLASS") != 0)
-                setenv("MOECL_LAUNCH_CLASS", "gpu", 1);
-            ctx = context_with_env(shapes[s][0], shapes[s][1]);
-            unsetenv("MOECL_LAUNCH_CLASS");
+            ctx = context_with_variant(shapes[s]);
             routed other = route_topk(ctx, &d, g, bias);
             moecl_context_destroy(ctx);
             char msg[900];
             ck_assert_msg(ref_check_topk_gating(&d, g, bias, other.w, other.ids, msg, sizeof(msg)) == 0,
-                          "case %d, %s=%s: %s", c, shapes[s][0], shapes[s][1], msg);
-            ck_assert_msg(memcmp(other.ids, first.ids, out * 4) == 0, "case %d, %s=%s: ids differ", c, shapes[s][0],
-                          shapes[s][1]);
+                          "case %d, %s: %s", c, shapes[s], msg);
+            ck_assert_msg(memcmp(other.ids, first.ids, out * 4) == 0, "case %d, %s: ids differ", c, shapes[s]);
             free(other.w);
             free(other.ids);
         }
@@ -517,6 +511,7 @@ int main(int argc, char **argv)
     if (len <= 0)
         return 1;
     self_path[len] = '\0';
+    harness_args(argc, argv, moecl_override_set);
 
     Suite *s = suite_create("stress");
     TCase *tc = tcase_create("stress");

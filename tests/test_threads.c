@@ -16,7 +16,7 @@
 
 #define THREADS 4
 #define CALLS 50
-/* MOECL_TEST_QUICK (valgrind and the sanitizer build, where a checked call
+/* harness_quick (valgrind and the sanitizer build, where a checked call
  * costs tens of times more): still every combination, four times a thread. */
 #define QUICK_CALLS 16
 
@@ -85,7 +85,7 @@ END_TEST
  * BUILD_SHAPES shapes (E = 17, 18, ..., k 1: a distinct NUM_EXPERTS define
  * each; prepare builds the variants with and without bias, so 32 variants,
  * which with the routed shape's two cross both growths; under
- * MOECL_TEST_QUICK half as many, one growth) while ROUTERS threads route
+ * harness_quick half as many, one growth) while ROUTERS threads route
  * on the shape built first, checked against the reference, and between
  * their calls look up the newest variant (prepare of a built shape is a
  * registry lookup and nothing else; the newest is last, so the lookup
@@ -180,7 +180,7 @@ static void build_while_routing(int round, uint32_t shapes)
 START_TEST(test_threads_while_building)
 {
     (void)harness_seed(); /* before any thread asks for it */
-    /* MOECL_TEST_QUICK (valgrind, where threads take turns): half the
+    /* harness_quick (valgrind, where threads take turns): half the
      * shapes, one growth a round. */
     const uint32_t shapes = harness_quick() ? BUILD_SHAPES / 2 : BUILD_SHAPES;
     const double t0 = rt_now_s();
@@ -189,8 +189,9 @@ START_TEST(test_threads_while_building)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, NULL);
     Suite *s = suite_create("runtime_threads");
     TCase *tc = rt_tcase(s, "threads", false);
     tcase_add_test(tc, test_threads);

@@ -1,6 +1,6 @@
 /* moecl_topk_gating against the float64 reference: shapes, dtypes, options,
  * groups, special rows, device-buffer path with offsets and events.
- * meson runs this suite once per launch class (MOECL_LAUNCH_CLASS), so the
+ * meson runs this suite once per launch class (--variant class=cpu|gpu), so the
  * CPU and GPU kernels are both checked on every device. */
 #include <math.h>
 #include <stdio.h>
@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "harness.h"
+#include "internal.h"
 
 static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t == MOECL_F16 ? "f16" : "bf16"; }
 
@@ -1130,10 +1131,11 @@ START_TEST(test_checker_rejects)
 }
 END_TEST
 
-int main(void)
+int main(int argc, char **argv)
 {
+    harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("topk_gating");
-    /* Three test cases, so that a run can take one (CK_RUN_CASE): the quick
+    /* Three test cases, so that a run can take one (--case NAME): the quick
      * suite runs each as a process of its own, in parallel. */
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
@@ -1157,7 +1159,7 @@ int main(void)
     tcase_add_test(random, test_group_fill_random);
     tcase_add_test(random, test_renormalize_floor_random);
     tcase_add_test(random, test_crowded_rows);
-    /* MOECL_TEST_QUICK (the valgrind setup): without the large shapes and
+    /* --quick (and the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants. */
     if (!harness_quick()) {
         tcase_add_test(random, test_deepseek_v3);

@@ -28,6 +28,7 @@
 
 #include <moecl/moecl.h>
 
+#include "internal.h"
 #include "reference.h"
 #include "tool_args.h"
 #include "tool_common.h"
@@ -62,6 +63,7 @@ typedef struct bench_result {
 
 typedef struct options {
     const char *device, *json, *csv, *only;
+    const char *variant; /* --variant: the variant override, or NULL */
     unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases */
     int num_shapes;
     int iterations, wall_calls;
@@ -935,7 +937,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick] [--marker]\n"
                "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
-               "                   [--logits normal|uniform10] [--host-cost] [--help]\n"
+               "                   [--logits normal|uniform10] [--host-cost] [--variant TEXT] [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
                "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
@@ -956,6 +958,8 @@ static void usage(FILE *f)
                "kernel START..END (the whole call where both are one launch, as the fused layout is once\n"
                "its scratch is set up), with --marker each one's span from its marker, and each one's\n"
                "wall time.\n"
+               "--variant TEXT forces a kernel variant in every context (\"class=gpu align=fused ...\", the words\n"
+               "of docs/environment.md, \"Forcing a variant\"); the header and the JSON name it.\n"
                "--host-cost instead times what a moecl_topk_gating call (device buffers, softmax, f32;\n"
                "1,128,8 or the --shape) costs the host: batches of 200 calls on the context's own queue\n"
                "behind an uncompleted user event, so no kernel runs, best of 15 rounds, against a bare\n"
@@ -995,6 +999,7 @@ enum {
     OPT_HOST_COST,
     OPT_LOGITS,
     OPT_MARKER,
+    OPT_VARIANT,
 };
 
 /* "T,E,K": three whole numbers, experts and top_k at least 1. */
@@ -1024,6 +1029,7 @@ static int parse_args(int argc, char **argv, options *o)
         {"shape", required_argument, NULL, OPT_SHAPE},     {"cold", no_argument, NULL, OPT_COLD},
         {"quick", no_argument, NULL, OPT_QUICK},           {"host-cost", no_argument, NULL, OPT_HOST_COST},
         {"logits", required_argument, NULL, OPT_LOGITS},   {"marker", no_argument, NULL, OPT_MARKER},
+        {"variant", required_argument, NULL, OPT_VARIANT},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -1075,6 +1081,11 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case OPT_HOST_COST:
             o->host_cost = true;
+            break;
+        case OPT_VARIANT:
+            if (moecl_override_set(optarg) != MOECL_SUCCESS)
+                return tool_bad_usage(prog, usage, "--variant %s: %s", optarg, moecl_context_error(NULL));
+            o->variant = optarg;
             break;
         case OPT_MARKER:
             o->marker = true;
@@ -1234,6 +1245,8 @@ int main(int argc, char **argv)
     moecl_context_describe(plain, desc, sizeof(desc));
     printf("moecl %s  %s  logits %s\n%s", moecl_version(),
            o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)", tool_logits_name(o.logits), desc);
+    if (o.variant)
+        printf("variant override: %s\n", o.variant);
     if (o.host_cost) {
         status = run_host_cost(plain, &o, jf);
         moecl_context_destroy(plain);
@@ -1340,6 +1353,7 @@ int main(int argc, char **argv)
         tool_json_add_string(doc, "version", moecl_version());
         tool_json_add_bool(doc, "cold", o.cold);
         tool_json_add_string(doc, "logits", tool_logits_name(o.logits));
+        tool_json_add_string(doc, "variant", o.variant);
         tool_json_add_number(doc, "context_create_ms", rounded(create_ms, 1e2));
         tool_json_add_number(doc, "empty_kernel_us", rounded(pr.empty_us, 1e3));
         tool_json_add_number(doc, "empty_kernel_wall_us", rounded(pr.empty_wall_us, 1e3));

@@ -2,7 +2,9 @@
  * picks and why, the device facts its kernels are tuned on, and the launch
  * configurations it chose for representative shapes and where from.
  * --json writes the same as one JSON object, for scripts: the picked
- * device is moecl_context_query_info()'s record, serialised. */
+ * device is moecl_context_query_info()'s record, serialised. --variant
+ * shows what a forced variant changes; it sets the variant override, an
+ * internal of the library, so this program links the library's objects. */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,12 +12,13 @@
 
 #include <moecl/moecl.h>
 
+#include "internal.h"
 #include "tool_args.h"
 #include "tool_json.h"
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: moecl-info [--device SELECTOR] [--json] [--help]\n"
+    fprintf(f, "usage: moecl-info [--device SELECTOR] [--json] [--variant TEXT] [--help]\n"
                "Lists the OpenCL devices, the one moecl chooses (SELECTOR, else $MOECL_DEVICE,\n"
                "else the first GPU/accelerator, else the first CPU) and what moecl knows of it:\n"
                "device facts, kernel cache, tune file, launch configurations of representative\n"
@@ -25,6 +28,9 @@ static void usage(FILE *f)
                "           picks no device: moecl_context_query_info's record, with launch[]), and\n"
                "           error (null or the reason). Strings are valid UTF-8: a byte of a driver's\n"
                "           name that is not is written as U+FFFD.\n"
+               "  --variant TEXT  force a kernel variant (\"class=gpu team=16 ...\", the words of\n"
+               "           docs/environment.md, \"Forcing a variant\") and show what it changes; the\n"
+               "           text names it, the JSON as \"variant\" (null without one).\n"
                "Exit status: 0 ok, 1 no usable device (moecl picks none), 2 bad usage.\n");
 }
 
@@ -169,11 +175,12 @@ static cJSON *list_devices(bool json)
     return list;
 }
 
-static int parse_args(int argc, char **argv, const char **selector, bool *json)
+static int parse_args(int argc, char **argv, const char **selector, bool *json, const char **variant)
 {
-    enum { OPT_DEVICE = 256, OPT_JSON };
+    enum { OPT_DEVICE = 256, OPT_JSON, OPT_VARIANT };
     static const struct option longopts[] = {{"device", required_argument, NULL, OPT_DEVICE},
                                              {"json", no_argument, NULL, OPT_JSON},
+                                             {"variant", required_argument, NULL, OPT_VARIANT},
                                              {"help", no_argument, NULL, 'h'},
                                              {NULL, 0, NULL, 0}};
     int c;
@@ -185,6 +192,10 @@ static int parse_args(int argc, char **argv, const char **selector, bool *json)
             *selector = optarg;
         } else if (c == OPT_JSON) {
             *json = true;
+        } else if (c == OPT_VARIANT) {
+            if (moecl_override_set(optarg) != MOECL_SUCCESS)
+                return tool_bad_usage("moecl-info", usage, "--variant %s: %s", optarg, moecl_context_error(NULL));
+            *variant = optarg;
         } else {
             return 2; /* tool_getopt named it */
         }
@@ -196,14 +207,15 @@ static int parse_args(int argc, char **argv, const char **selector, bool *json)
 
 int main(int argc, char **argv)
 {
-    const char *selector = NULL;
+    const char *selector = NULL, *variant = NULL;
     bool json = false;
-    int status = parse_args(argc, argv, &selector, &json);
+    int status = parse_args(argc, argv, &selector, &json, &variant);
     if (status >= 0)
         return status;
     cJSON *doc = json ? cJSON_CreateObject() : NULL;
     if (json) {
         tool_json_add_string(doc, "moecl_version", moecl_version());
+        tool_json_add_string(doc, "variant", variant);
     } else {
         printf("moecl %s\n\nOpenCL devices (select with \"P:D\", \"gpu\", \"cpu\" or a name substring):\n",
                moecl_version());
@@ -257,11 +269,13 @@ int main(int argc, char **argv)
            selector ? "the --device selector"
            : by_env ? "$MOECL_DEVICE"
                     : "the default rule: first GPU/accelerator, else first CPU");
+    if (variant)
+        printf("  variant override: %s\n", variant);
     for (char *line = strtok(text, "\n"); line; line = strtok(NULL, "\n"))
         printf("  %s\n", line);
     printf("\n\"launch\" lines: the configuration representative keys launch with, and where it came from:\n"
            "default (computed from the device facts), table (moecl's built-in per-device table), tuned (the\n"
-           "tune file moecl-tune wrote), env (MOECL_LAUNCH_CLASS, MOECL_TEAM or MOECL_GROUNDED_TILE).\n");
+           "tune file moecl-tune wrote), override (computed under the variant override, --variant).\n");
     free(text);
     return 0;
 }

@@ -66,6 +66,7 @@ typedef struct tune_case {
 
 typedef struct options {
     const char *device, *only;
+    const char *variant; /* --variant: the variant override, or NULL */
     int iterations;
     bool quick, dry_run, all, plan;
     char *const *child; /* --child: case, configuration (the tune file's text), best median (us) */
@@ -531,6 +532,10 @@ static int common_args(const options *o, char **argv, char *iters, size_t iters_
     }
     argv[n++] = "--iterations";
     argv[n++] = iters;
+    if (o->variant) {
+        argv[n++] = "--variant";
+        argv[n++] = (char *)o->variant;
+    }
     return n;
 }
 
@@ -648,7 +653,9 @@ static int run_planner(const options *o, const tune_case *cases, int num_cases)
     print_name("platform", info->platform_name);
     print_name("device", info->device_name);
     print_name("driver", info->driver_version);
-    printf("flags %d %d\n", cpu, info->env.launch_class_forced || info->env.team || info->env.grounded_wide_tile);
+    printf("flags %d %d\n", cpu,
+           moecl_launch_env_decides(&info->env, MOECL_OP_TOPK_GATING) ||
+               moecl_launch_env_decides(&info->env, MOECL_OP_GROUNDED_ROUTER));
     static plan p;
     for (int i = 0; i < num_cases; i++) {
         if (!shape_selected(o, &cases[i]))
@@ -827,7 +834,7 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: moecl-tune [--device SEL] [--quick] [--dry-run] [--all] [--only SUBSTRING]\n"
-            "                  [--iterations N] [--help]\n"
+            "                  [--iterations N] [--variant TEXT] [--help]\n"
             "Sweeps the launch configurations the device can run for each tuned shape (top-k gating at\n"
             "8192x128 and 13526x256 k8 and DeepSeek-V3 grouped 13526x256; the grounded router at\n"
             "4096x128x16 k2 and 16384x4096x128 k8), checks each once against the float64 reference,\n"
@@ -838,6 +845,8 @@ static void usage(FILE *f)
             "  --dry-run    sweep and print, write nothing\n"
             "  --all        also the large grounded shape on CPU devices\n"
             "  --only S     only the shapes whose label or size contains S\n"
+            "  --variant T  sweep under a forced kernel variant (\"class=gpu ...\", the words of\n"
+            "               docs/environment.md, \"Forcing a variant\"): the untuned choice is what it forces\n"
             "Exit status: 0 ok, 1 a check or a call failed or the file could not be written, 2 bad usage.\n");
 }
 
@@ -845,13 +854,14 @@ static void usage(FILE *f)
  * the exit status (0 after --help, 2 for a bad usage, named). */
 static int parse_args(int argc, char **argv, options *o)
 {
-    enum { OPT_DEVICE = 256, OPT_ONLY, OPT_ITERATIONS, OPT_QUICK, OPT_DRY_RUN, OPT_ALL, OPT_PLAN, OPT_CHILD };
+    enum { OPT_DEVICE = 256, OPT_ONLY, OPT_ITERATIONS, OPT_QUICK, OPT_DRY_RUN, OPT_ALL, OPT_PLAN, OPT_CHILD, OPT_VARIANT };
     static const struct option longopts[] = {
         {"device", required_argument, NULL, OPT_DEVICE}, {"only", required_argument, NULL, OPT_ONLY},
         {"iterations", required_argument, NULL, OPT_ITERATIONS}, {"quick", no_argument, NULL, OPT_QUICK},
         {"dry-run", no_argument, NULL, OPT_DRY_RUN},     {"all", no_argument, NULL, OPT_ALL},
         {"plan", no_argument, NULL, OPT_PLAN},           {"child", no_argument, NULL, OPT_CHILD},
-        {"help", no_argument, NULL, 'h'},                {NULL, 0, NULL, 0},
+        {"variant", required_argument, NULL, OPT_VARIANT}, {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0},
     };
     const char *prog = "moecl-tune";
     memset(o, 0, sizeof(*o));
@@ -875,6 +885,12 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case OPT_QUICK:
             o->quick = true;
+            break;
+        case OPT_VARIANT:
+            /* Set here in the parent and in each child, which get it again. */
+            if (moecl_override_set(optarg) != MOECL_SUCCESS)
+                return tool_bad_usage(prog, usage, "--variant %s: %s", optarg, moecl_context_error(NULL));
+            o->variant = optarg;
             break;
         case OPT_DRY_RUN:
             o->dry_run = true;
@@ -968,8 +984,7 @@ int main(int argc, char **argv)
     printf("moecl-tune (moecl %s)\ndevice: %s / %s (driver %s)\n", moecl_version(), info->platform_name,
            info->device_name, info->driver_version);
     if (env)
-        fprintf(stderr, "moecl-tune: note: MOECL_LAUNCH_CLASS, MOECL_TEAM or MOECL_GROUNDED_TILE is set: the "
-                        "untuned choice is what they force\n");
+        fprintf(stderr, "moecl-tune: note: --variant %s decides the untuned choice\n", o.variant);
     printf("median of up to %d profiled calls per configuration; teams and rows stepped by %d\n", o.iterations,
            o.quick ? 4 : 2);
 

@@ -7,8 +7,6 @@ tune=$1
 info=$2
 dir=$(mktemp -d "${TMPDIR:-/tmp}/moecl-tune-test.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
-# The launch variables would decide instead of the tune file.
-unset MOECL_LAUNCH_CLASS MOECL_TEAM MOECL_GROUNDED_TILE
 export MOECL_CACHE_DIR="$dir"
 
 "$tune" --quick --dry-run --only "grounded seed"

@@ -218,7 +218,7 @@ typedef struct moecl_launch_info {
     uint32_t team;          /**< work-items per row (1 for rows and tiled) */
     uint32_t rows;          /**< rows (tokens) per work-group (0 for tiled) */
     uint32_t tile;          /**< tokens per work-group of the tiled kernel (0 otherwise) */
-    char source[16];        /**< where it came from: "default", "table", "tuned", "env" or "forced" */
+    char source[16];        /**< where it came from: "default", "table", "tuned", "override" or "forced" */
     char key_text[64];      /**< the key as a tune file line spells it, "topk e=128 k=8 groups=0" */
     char config_text[64];   /**< the configuration as a tune file line spells it, "kernel=rows rows=8" */
 } moecl_launch_info;
@@ -724,15 +724,14 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * every block -1, num_invalid 0.
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
- * queue and returns. One of three paths, chosen by size and device:
- *   - the fused kernel, one launch (up to 8192 slots on CPUs and 5120 on
- *     GPUs, where its work-group and local memory fit): every
- *     work-group counts and ranks its chunk of slots (CPUs: one
- *     work-group of one work-item for all of them), then takes a ticket
- *     with atomic_inc on a global counter; the work-group that takes the
- *     last ticket scans the counts, writes every output and puts the
- *     counter back to 0. No work-group ever waits for another, so it
- *     needs no concurrency between work-groups.
+ * queue and returns. One of three paths, which moecl chooses for the size
+ * and the device (docs/routing.md §7); all three give the same bits:
+ *   - the fused kernel, one launch: every work-group counts and ranks its
+ *     chunk of slots, then takes a ticket with atomic_inc on a global
+ *     counter; the work-group that takes the last ticket scans the
+ *     counts, writes every output and puts the counter back to 0. No
+ *     work-group ever waits for another, so it needs no concurrency
+ *     between work-groups.
  *     Every word one work-group passes to another is written and read
  *     with OpenCL 1.2 global atomics. It assumes of the device what
  *     OpenCL 1.2 does not promise in words: that a work-item's atomics,
@@ -742,15 +741,11 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *     atomics on different words). pocl, Intel's CPU runtime and oclgrind
  *     give the exact results with it, and so did NVIDIA's OpenCL on the
  *     H200 (the moe_align suites); cl/moe_align.cl says more;
- *   - one kernel in one work-group (on GPUs where the fused kernel does
- *     not fit: up to 1024 slots, 1536 on NVIDIA, where the device's local
- *     memory and the kernel's work-group limit allow);
+ *   - one kernel in one work-group;
  *   - three kernels (count, scan, scatter; the count is skipped when
- *     num_tokens == 0): the rest, and every size where MOECL_ALIGN=chunked.
- * The fused kernel is not used where the device's work-group limit for it
- * is below its work-group or its local memory does not fit; the
- * environment variable MOECL_ALIGN=one-group|fused|chunked forces a path
- * (where the device runs it) for tests and measurements.
+ *     num_tokens == 0), at any size.
+ * A path runs only where the device's work-group limit and local memory
+ * allow it; the three kernels run everywhere.
  * The first command waits on the `num_wait` events of `wait`; on an
  * out-of-order queue each later one waits on its predecessor's event. If
  * `done` is non-NULL it receives the event of the last kernel, which
@@ -898,18 +893,19 @@ MOECL_API moecl_ep_layout_desc moecl_ep_layout_desc_init(uint32_t num_tokens, ui
  * other outputs have no element).
  *
  * Asynchronous: validates, then enqueues its kernels on the context's
- * queue and returns. Two paths (docs/routing.md §9), the same bits:
- *   - the fused kernel, one launch (by default in the GPU launch class,
- *     where num_ranks <= 256, top_k is at most its work-group and its
- *     local memory fits): preceded, where the scratch buffer is new or
- *     another path wrote its first word last, by a fill of that word. It
+ * queue and returns. Two paths, which moecl chooses for the device and
+ * the shape (docs/routing.md §9), the same bits:
+ *   - the fused kernel, one launch (where the device's work-group limit
+ *     and local memory allow it for num_ranks and top_k): preceded, where
+ *     the scratch buffer is new or another path wrote its first word
+ *     last, by a fill of that word. It
  *     uses a scratch buffer of 4 * (1 + G * (3 * num_ranks + 2 + P') +
  *     num_ranks + 1) bytes, G <= 127 work-groups, P' = num_physical with
  *     expert_counts, else 0;
  *   - three chained kernels (count, scan, place; the count and the place
- *     are skipped when num_tokens is 0; by default in the CPU launch
- *     class), with a scratch buffer of 4 * (chunks * (2 * num_ranks + 1) +
- *     num_ranks + 1 + num_tokens * top_k) bytes, where chunks <= 4096.
+ *     are skipped when num_tokens is 0), at any shape, with a scratch
+ *     buffer of 4 * (chunks * (2 * num_ranks + 1) + num_ranks + 1 +
+ *     num_tokens * top_k) bytes, where chunks <= 4096.
  * The first command waits on the `num_wait` events of `wait`; on an
  * out-of-order queue each later one waits on its predecessor's event. If
  * `done` is non-NULL it receives the event of the last kernel, which
@@ -991,25 +987,22 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
  * num_tokens == 0 writes moe_align's empty result and no top-k output.
  *
- * Asynchronous. One of two paths:
- *   - one kernel, where top-k runs its team kernel (the GPU launch class)
- *     and 1 <= num_tokens * top_k <= 5120 (256 on NVIDIA, where the two
- *     calls are faster beyond; MOECL_ALIGN=fused lifts that), unless
- *     MOECL_ALIGN forces
- *     moe_align's one-group or chunked path, and where the device's
- *     work-group limit and local memory allow it: each work-group routes
- *     its rows, writes them, then counts and ranks their ids as
- *     moecl_moe_align()'s fused kernel counts a chunk, takes a ticket, and
- *     the last work-group writes every dispatch output. It assumes of the
- *     device what that fused kernel does (see moecl_moe_align()), and
- *     also passes each slot's expert to the last work-group through an
- *     atomic. Preceded by a fill of its ticket where moe_align's fused
- *     path would need one, under the same conditions;
- *   - otherwise two calls' commands: top-k gating's kernel, then
- *     moe_align's path for that size (one launch up to the sizes
- *     moecl_moe_align() states, three beyond, and none of top-k's when
- *     num_tokens is 0); on an out-of-order queue moe_align's first
- *     command waits on the top-k kernel's event.
+ * Asynchronous. One of two paths, which moecl chooses for the size and the
+ * device (docs/routing.md §8); both give the same bits:
+ *   - one kernel, where top-k runs its team kernel, num_tokens >= 1, the
+ *     slots are few enough and the device's work-group limit and local
+ *     memory allow it: each work-group routes its rows, writes them, then
+ *     counts and ranks their ids as moecl_moe_align()'s fused kernel
+ *     counts a chunk, takes a ticket, and the last work-group writes
+ *     every dispatch output. It assumes of the device what that fused
+ *     kernel does (see moecl_moe_align()), and also passes each slot's
+ *     expert to the last work-group through an atomic. Preceded by a fill
+ *     of its ticket where moe_align's fused path would need one, under the
+ *     same conditions;
+ *   - otherwise two calls' commands: top-k gating's kernel (none when
+ *     num_tokens is 0), then moe_align's path as moecl_moe_align()
+ *     chooses it; on an out-of-order queue moe_align's first command
+ *     waits on the top-k kernel's event.
  * The first command waits on the `num_wait` events of `wait`. `done`, if
  * non-NULL, receives the event of the last command, which completes after
  * all of them. Both paths use the context's scratch buffer as
@@ -1081,13 +1074,11 @@ MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl
  * Asynchronous. The paths, their conditions, the events, the scratch
  * buffer and its size, the errors and what a failed call leaves are
  * moecl_route_dispatch()'s, with the grounded router in top-k gating's
- * place: one kernel where the grounded router runs its team kernel
- * (grounded_router_team: the GPU launch class and at most 64 experts) and
- * the slot count is within moecl_route_dispatch()'s one-kernel limits
- * (5120, 256 on NVIDIA unless MOECL_ALIGN=fused; none under
- * MOECL_ALIGN=one-group or chunked), its local memory (the team kernel's:
- * the ground table, the tokens' hidden states, the top-k scratch; then
- * moe_align's fused arrays) and work-group limit permitting; otherwise the
+ * place: one kernel where the grounded router runs its team kernel (at
+ * most 64 experts) and the slots are few enough, its local memory (the
+ * team kernel's: the ground table, the tokens' hidden states, the top-k
+ * scratch; then moe_align's fused arrays) and work-group limit
+ * permitting; otherwise the
  * grounded router's kernel, then moe_align's path for that size. On the
  * two calls' path, a moe_align failure after the router's kernel was
  * enqueued leaves topk_weights and topk_ids unspecified (normally

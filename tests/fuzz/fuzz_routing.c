@@ -30,6 +30,7 @@
 
 #include <moecl/moecl.h>
 
+#include "internal.h"
 #include "reference.h"
 
 #define GUARD 64
@@ -54,17 +55,20 @@ int LLVMFuzzerInitialize(int *argc, char ***argv)
 {
     (void)argc;
     (void)argv;
-    static const char *const classes[2] = {"cpu", "gpu"};
+    /* The target is built from the library's sources, so it reaches the
+     * variant override (src/internal.h). */
+    static const char *const classes[2] = {"class=cpu", "class=gpu"};
     for (int i = 0; i < 2; i++) {
-        setenv("MOECL_LAUNCH_CLASS", classes[i], 1);
-        moecl_status st = moecl_context_create(NULL, &contexts[i]);
+        moecl_status st = moecl_override_set(classes[i]);
+        if (st == MOECL_SUCCESS)
+            st = moecl_context_create(NULL, &contexts[i]);
         if (st != MOECL_SUCCESS) {
             fprintf(stderr, "fuzz_routing: moecl_context_create: %s: %s\n", moecl_status_string(st),
                     moecl_context_error(NULL));
             exit(1);
         }
     }
-    unsetenv("MOECL_LAUNCH_CLASS");
+    moecl_override_set(NULL);
     return 0;
 }
 

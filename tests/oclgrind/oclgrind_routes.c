@@ -9,14 +9,15 @@
  *   oclgrind_routes --list      the runs, one name a line
  *   oclgrind_routes [FLAGS] RUN...
  *                               run them (each in a context of its own,
- *                               with the environment its name says);
+ *                               under the variant its name says);
  *                               --help lists the flags, which leave out
  *                               what an oclgrind bug breaks
  *
- * A run is one op under one launch configuration: the MOECL_* variables of
- * docs/environment.md set before its context is created, and where no variable
- * reaches a configuration (team kernels with a few rows a work-group, the
- * grounded router's tiles) moecl_launch_force, as moecl-tune does. Each run
+ * A run is one op under one launch configuration: the variant override
+ * (moecl_override_set, docs/environment.md's "Forcing a variant") set
+ * before its context is created, and where no override word reaches a
+ * configuration (team kernels with a few rows a work-group, the grounded
+ * router's tiles) moecl_launch_force, as moecl-tune does. Each run
  * checks that the kernel it meant to reach is the one the library chose.
  * Exit status 0 when every result agrees with the reference, 1 otherwise. */
 #include <math.h>
@@ -178,8 +179,8 @@ typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUT
 typedef struct run_def {
     const char *name;
     op_kind op;
-    const char *launch_class; /* MOECL_LAUNCH_CLASS, or NULL */
-    const char *env[2];       /* more "NAME=value", or NULL */
+    const char *launch_class; /* the override's class: "cpu" or "gpu" */
+    const char *more;         /* more override words, or NULL */
     /* moecl_launch_force's configuration, when forced */
     bool forced;
     moecl_launch_config force;
@@ -189,31 +190,31 @@ typedef struct run_def {
     bool one_dtype;
 } run_def;
 
-#define TEAM_RUN(n, rows, one_dtype)                                                               \
-    {"topk-team" #n "-rows" #rows, OP_TOPK, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TEAM, n, rows, 0, {0}}, \
+#define TEAM_RUN(n, rows, one_dtype)                                                                       \
+    {"topk-team" #n "-rows" #rows, OP_TOPK, "gpu", NULL, true, {MOECL_KERNEL_TEAM, n, rows, 0, {0}},       \
      false, one_dtype}
-#define TILE_RUN(t)                                                                                \
-    {"grounded-tile" #t, OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t, {0}},          \
+#define TILE_RUN(t)                                                                                        \
+    {"grounded-tile" #t, OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_TILED, 1, 0, t, {0}},               \
      true, false}
 /* A tile of the table (src/grounded_router.c) with its GEMM parameters:
  * tokens, experts, hidden step, block, vector width, double buffering. */
-#define GEMM_RUN(t, tn, tk, mt, nt, vec, db)                                                       \
-    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db, OP_GROUNDED, "gpu", {NULL, NULL}, \
+#define GEMM_RUN(t, tn, tk, mt, nt, vec, db)                                                               \
+    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db, OP_GROUNDED, "gpu", NULL,     \
      true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db, 0}}, true, true}
 /* The same with wc work-items side by side along the experts. */
-#define GEMM_WC_RUN(t, tn, tk, mt, nt, vec, db, wc)                                                \
-    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db "-wc" #wc, OP_GROUNDED, "gpu",  \
-     {NULL, NULL}, true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db, wc}}, true, true}
-#define GTEAM_RUN(n, rows)                                                                         \
-    {"grounded-team" #n "-rows" #rows, OP_GROUNDED, "gpu", {NULL, NULL}, true,                              \
+#define GEMM_WC_RUN(t, tn, tk, mt, nt, vec, db, wc)                                                        \
+    {"grounded-tile" #t "-" #tn "x" #tk "-" #mt "x" #nt "-v" #vec "-db" #db "-wc" #wc, OP_GROUNDED, "gpu", \
+     NULL, true, {MOECL_KERNEL_TILED, 1, 0, t, {tn, tk, mt, nt, vec, db, wc}}, true, true}
+#define GTEAM_RUN(n, rows)                                                                                 \
+    {"grounded-team" #n "-rows" #rows, OP_GROUNDED, "gpu", NULL, true,                                     \
      {MOECL_KERNEL_TEAM, n, rows, 0, {0}}, true, false}
 
 static const run_def runs[] = {
     /* Top-k gating: the rows kernel (fast path and generic loop), the team
      * kernel as the rule sizes it, and at every team
      * size with few rows a work-group (the last group's padding rows). */
-    {"topk-cpu", OP_TOPK, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"topk-gpu", OP_TOPK, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"topk-cpu", OP_TOPK, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"topk-gpu", OP_TOPK, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     TEAM_RUN(2, 4, false),
     TEAM_RUN(4, 4, false),
     TEAM_RUN(8, 2, false),
@@ -224,9 +225,9 @@ static const run_def runs[] = {
     TEAM_RUN(256, 2, true),
     /* The grounded router: rows kernel, the rule's team and tiled kernels,
      * every tile, team sizes. */
-    {"grounded-cpu", OP_GROUNDED, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"grounded-gpu", OP_GROUNDED, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"grounded-wide-tile", OP_GROUNDED, "gpu", {"MOECL_GROUNDED_TILE=128", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-cpu", OP_GROUNDED, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-gpu", OP_GROUNDED, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-wide-tile", OP_GROUNDED, "gpu", "tile=128", false, {0, 0, 0, 0, {0}}, true, false},
     TILE_RUN(16),
     TILE_RUN(32),
     TILE_RUN(64),
@@ -253,37 +254,37 @@ static const run_def runs[] = {
     GTEAM_RUN(8, 2),
     GTEAM_RUN(32, 2),
     /* The tensor-core kernel, emulated (f32 at TF32 and 3xTF32 in turn). */
-    {"grounded-mma", OP_GROUNDED, "gpu", {NULL, NULL}, true, {MOECL_KERNEL_MMA, 1, 0, 0, {0}}, true, false},
+    {"grounded-mma", OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_MMA, 1, 0, 0, {0}}, true, false},
     /* moe_align: every path in both launch classes. */
-    {"align-cpu", OP_ALIGN, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-cpu-one-group", OP_ALIGN, "cpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-cpu-fused", OP_ALIGN, "cpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-cpu-chunked", OP_ALIGN, "cpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-gpu", OP_ALIGN, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-gpu-one-group", OP_ALIGN, "gpu", {"MOECL_ALIGN=one-group", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-gpu-fused", OP_ALIGN, "gpu", {"MOECL_ALIGN=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"align-gpu-chunked", OP_ALIGN, "gpu", {"MOECL_ALIGN=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu", OP_ALIGN, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-one-group", OP_ALIGN, "cpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-fused", OP_ALIGN, "cpu", "align=fused", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-chunked", OP_ALIGN, "cpu", "align=chunked", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu", OP_ALIGN, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-one-group", OP_ALIGN, "gpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-fused", OP_ALIGN, "gpu", "align=fused", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-chunked", OP_ALIGN, "gpu", "align=chunked", false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
-    {"route-cpu", OP_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"route-gpu", OP_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"route-cpu", OP_ROUTE, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"route-gpu", OP_ROUTE, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     /* The expert-parallel layout: its default paths (the CPU class's three
      * kernels, the GPU class's fused kernel), the three kernels in the GPU
      * class, and the fused kernel in the CPU class and with its wait off. */
-    {"ep-cpu", OP_EP, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"ep-gpu", OP_EP, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"ep-gpu-chunked", OP_EP, "gpu", {"MOECL_EP_LAYOUT=chunked", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"ep-cpu-fused", OP_EP, "cpu", {"MOECL_EP_LAYOUT=fused", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"ep-gpu-fused-last", OP_EP, "gpu", {"MOECL_EP_LAYOUT=fused-last", NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-cpu", OP_EP, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu", OP_EP, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-chunked", OP_EP, "gpu", "ep=chunked", false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-cpu-fused", OP_EP, "cpu", "ep=fused", false, {0, 0, 0, 0, {0}}, true, false},
+    {"ep-gpu-fused-last", OP_EP, "gpu", "ep=fused-last", false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_grounded_route_dispatch: the router's rows kernel then
      * moe_align (cpu), its team kernel with the dispatch epilogue (gpu). */
-    {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-route-cpu", OP_GROUNDED_ROUTE, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"grounded-route-gpu", OP_GROUNDED_ROUTE, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_router: the grounded router's g through the gating pipeline
      * (cl/gating.cl) with a bias and no router logits: the rows kernel
      * (cpu), the team kernel or, for tables past 64 experts, the rows
      * kernel (gpu). */
-    {"router-cpu", OP_ROUTER, "cpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
-    {"router-gpu", OP_ROUTER, "gpu", {NULL, NULL}, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-cpu", OP_ROUTER, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-gpu", OP_ROUTER, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -294,8 +295,8 @@ static const char *kernel_name(moecl_kernel_kind k)
 /* The kernel the run is for: the forced one, the rows kernel in the CPU
  * class, and in the GPU class the rule's (src/topk_gating.c: a team of
  * about one work-item per 8 experts, none for up to 8; src/grounded_router.c:
- * a team for up to 64 experts, then tiles, of 128 tokens under
- * MOECL_GROUNDED_TILE=128 where the expert tile is 64). */
+ * a team for up to 64 experts, then tiles, of 128 tokens under tile=128
+ * where the expert tile is 64). */
 static moecl_launch_config expected_launch(const run_def *run, uint32_t experts)
 {
     if (run->forced)
@@ -307,7 +308,7 @@ static moecl_launch_config expected_launch(const run_def *run, uint32_t experts)
                             : (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0, {0}};
     if (experts <= 64)
         return (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0, {0}};
-    return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, run->env[0] && strstr(run->env[0], "TILE=128") ? 128 : 0, {0}};
+    return (moecl_launch_config){MOECL_KERNEL_TILED, 1, 0, run->more && strstr(run->more, "tile=128") ? 128 : 0, {0}};
 }
 
 /* The configuration the library chose must be the run's (0: any). */
@@ -739,7 +740,7 @@ static const align_case align_cases[] = {
  * --uninitialized takes for unwritten values. */
 static bool may_take_fused(const run_def *run)
 {
-    const char *forced = run->env[0] && strncmp(run->env[0], "MOECL_ALIGN=", 12) == 0 ? run->env[0] + 12 : NULL;
+    const char *forced = run->more && strncmp(run->more, "align=", 6) == 0 ? run->more + 6 : NULL;
     return forced ? strcmp(forced, "fused") == 0 : true;
 }
 
@@ -1103,18 +1104,13 @@ static void run_grounded_route(moecl_context *ctx, const run_def *run)
 static int run_one(const run_def *run)
 {
     const int before = failures;
-    /* The launch variables are read when a context is created. */
-    unsetenv("MOECL_LAUNCH_CLASS");
-    unsetenv("MOECL_TEAM");
-    unsetenv("MOECL_GROUNDED_TILE");
-    unsetenv("MOECL_ALIGN");
-    if (run->launch_class)
-        setenv("MOECL_LAUNCH_CLASS", run->launch_class, 1);
-    for (size_t i = 0; i < COUNT(run->env) && run->env[i]; i++) {
-        char name[64];
-        const char *eq = strchr(run->env[i], '=');
-        snprintf(name, sizeof(name), "%.*s", (int)(eq - run->env[i]), run->env[i]);
-        setenv(name, eq + 1, 1);
+    /* The override is copied when a context is created. */
+    char variant[128];
+    snprintf(variant, sizeof(variant), "class=%s %s", run->launch_class, run->more ? run->more : "");
+    const moecl_status set = moecl_override_set(variant);
+    if (set != MOECL_SUCCESS) {
+        fail("variant '%s': %s", variant, moecl_context_error(NULL));
+        return 1;
     }
     snprintf(current, sizeof(current), "%s", run->name);
     moecl_context *ctx = NULL;
