@@ -473,7 +473,7 @@ static const topk_shape topk_shapes[] = {
      true, false, true, 1.0f, false},
     {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_F16, MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, true, true, false,
      false, 2.5f, false},
-    {4096, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_F32, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, true, false,
+    {4096, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_F32, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, false, false,
      false, 1.0f, true},
 };
 
