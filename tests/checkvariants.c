@@ -192,10 +192,6 @@ static void unforce(const variant *v, moecl_op op)
 
 static bool selected(const variant *v) { return !opt.variant || strstr(v->name, opt.variant); }
 
-/* With --jobs N, worker `job` takes every N-th variant of each op. */
-static int jobs = 1, job;
-static bool mine(int vi) { return vi % jobs == job; }
-
 /* A variant's end: counted where some shape accepted it. */
 static void finish_variant(tally *tl, const char *op, const variant *v, int accepted)
 {
@@ -665,7 +661,7 @@ static void check_topk(tally *tl)
     const int nv = topk_variants(vs, 64);
     for (int vi = 0; vi < nv; vi++) {
         const variant *v = &vs[vi];
-        if (!selected(v) || !mine(vi))
+        if (!selected(v))
             continue;
         moecl_context *ctx = context_for(v->override, false);
         force(v, MOECL_OP_TOPK_GATING);
@@ -881,7 +877,7 @@ static void check_grounded(tally *tl)
     const int nv = gr_variants(vs, 128);
     for (int vi = 0; vi < nv; vi++) {
         const variant *v = &vs[vi];
-        if (!selected(v) || !mine(vi))
+        if (!selected(v))
             continue;
         moecl_context *ctx = context_for(v->override, false);
         force(v, MOECL_OP_GROUNDED_ROUTER);
@@ -1085,7 +1081,7 @@ static void check_align(tally *tl)
     const int nv = path_variants(vs, 16, paths, COUNT(paths));
     for (int vi = 0; vi < nv; vi++) {
         const variant *v = &vs[vi];
-        if (!selected(v) || !mine(vi))
+        if (!selected(v))
             continue;
         moecl_context *ctx = context_for(v->override, false);
         tl->variant_failed = false;
@@ -1264,7 +1260,7 @@ static void check_ep(tally *tl)
     const int nv = ep_variants(vs, 32);
     for (int vi = 0; vi < nv; vi++) {
         const variant *v = &vs[vi];
-        if (!selected(v) || !mine(vi))
+        if (!selected(v))
             continue;
         moecl_context *ctx = context_for(v->override, false);
         tl->variant_failed = false;
@@ -1443,7 +1439,7 @@ static void check_route(tally *tl)
     const int nv = route_variants(vs, 32);
     for (int vi = 0; vi < nv; vi++) {
         const variant *v = &vs[vi];
-        if (!selected(v) || !mine(vi))
+        if (!selected(v))
             continue;
         moecl_context *ctx = context_for(v->override, false);
         force(v, MOECL_OP_TOPK_GATING);
