@@ -815,7 +815,7 @@ static float demo_normal(uint64_t *s)
 }
 
 /* DIR/logits.npy: standard normal logits plus a popularity per expert
- * (standard deviation 0.5), so that the load is uneven as a real router's
+ * (standard deviation 0.3), so that the load is uneven as a real router's
  * is; DIR/bias.npy: a correction bias against that popularity, as a
  * DeepSeek-V3 router's e_score_correction_bias. */
 static int write_demo(const char *dir)
@@ -842,7 +842,7 @@ static int write_demo(const char *dir)
     }
     uint64_t seed = 20261205;
     for (int e = 0; e < EXPERTS; e++) {
-        pop[e] = 0.5f * demo_normal(&seed);
+        pop[e] = 0.3f * demo_normal(&seed);
         bias[e] = -0.05f * pop[e];
     }
     for (size_t i = 0; i < (size_t)TOKENS * EXPERTS; i++)
