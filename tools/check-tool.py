@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Runs a tool and checks what scripts rely on: its exit status (--status,
 default 0), that stdout contains each --contains text and none of the
---stdout-lacks texts, that stderr contains each --stderr-contains text,
+--stdout-lacks texts, that stderr contains each --stderr-contains text
+and none of the --stderr-lacks texts,
 and with --json that stdout (or --json-file) is valid UTF-8 and one valid
 JSON object (what `python3 -m json.tool` accepts) holding each --key (a
 dotted path; `a.0.b` indexes a list). Usage: check-tool.py [options] --
@@ -18,6 +19,7 @@ def main():
     ap.add_argument('--contains', action='append', default=[])
     ap.add_argument('--stdout-lacks', action='append', default=[])
     ap.add_argument('--stderr-contains', action='append', default=[])
+    ap.add_argument('--stderr-lacks', action='append', default=[])
     ap.add_argument('--json', action='store_true')
     ap.add_argument('--json-file')
     ap.add_argument('--key', action='append', default=[])
@@ -39,6 +41,7 @@ def main():
     bad += ['stdout lacks %r' % c for c in a.contains if c not in stdout]
     bad += ['stdout has %r' % c for c in a.stdout_lacks if c in stdout]
     bad += ['stderr lacks %r' % c for c in a.stderr_contains if c not in stderr]
+    bad += ['stderr has %r' % c for c in a.stderr_lacks if c in stderr]
     if a.json or a.json_file:
         try:
             if a.json_file:

@@ -5,9 +5,9 @@
  * calls after a warm-up, on the same input (L2-warm) or, with --cold,
  * rotating through input sets larger than the last-level cache; (b) wall
  * time per call of 1000 calls enqueued back to back on a queue without
- * profiling, one clFinish; (c) achieved GB/s and its ratio to a copy kernel
- * timed on the same device in the same run. An empty kernel is timed too,
- * as the floor of a launch.
+ * profiling, one clFinish; (c) achieved GB/s and, with --copy-floor, its
+ * ratio to a copy kernel timed on the same device in the same run. An empty
+ * kernel is timed too, as the floor of a launch.
  *
  * moe_align runs one to three kernels a call. Its device time is the span from a
  * marker enqueued just before the call (the call waits on it) to the end
@@ -20,11 +20,13 @@
  * comparison line of a layout case puts its last kernel's own time next
  * to the routing kernel's (both START..END of one kernel where the layout
  * is one launch). */
+#include <fnmatch.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <moecl/moecl.h>
 
@@ -61,13 +63,17 @@ typedef struct bench_result {
     uint64_t ids_hash; /* FNV-1a of the chosen ids: compares devices (same inputs everywhere) */
 } bench_result;
 
+#define MAX_ONLY 16
+
 typedef struct options {
-    const char *device, *json, *csv, *only;
+    const char *device, *json, *csv;
+    const char *only[MAX_ONLY]; /* --only: names or shell patterns, any of which selects a case */
+    int num_only;
     const char *variant; /* --variant: the variant override, or NULL */
     unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases */
     int num_shapes;
     int iterations, wall_calls;
-    bool cold, quick, host_cost, marker;
+    bool cold, quick, host_cost, marker, copy_floor, list;
     tool_logits logits; /* --logits: how the top-k cases' logits are drawn */
 } options;
 
@@ -132,8 +138,11 @@ static double empty_wall_us(cl_command_queue q, cl_kernel k, cl_mem arg, int cal
     return (tool_now_us() - t0) / calls;
 }
 
+/* The empty kernel, and with copy the copy kernel: 1 GiB each way (far
+ * past any cache), median of 20 calls, about a second on a GPU and ten on
+ * a CPU, so only on request (--copy-floor). */
 static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q, cl_command_queue plain_q,
-                             int iterations, int wall_calls)
+                             int iterations, int wall_calls, bool copy_floor)
 {
     probes r = {0, 0, 0};
     cl_int err;
@@ -144,7 +153,7 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
     const size_t n4 = (size_t)64 << 20; /* 64 Mi float4 = 1 GiB each way: far past any cache */
     cl_ulong max_alloc = 0;
     clGetDeviceInfo(dev, CL_DEVICE_MAX_MEM_ALLOC_SIZE, sizeof(max_alloc), &max_alloc, NULL);
-    size_t count = n4;
+    size_t count = copy_floor ? n4 : 1024;
     while (count * 16 > max_alloc / 2 && count > 1024)
         count /= 2;
     cl_mem a = tool_make_buffer("moecl-bench", c, count * 16, NULL), b = tool_make_buffer("moecl-bench", c, count * 16, NULL);
@@ -154,10 +163,11 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
     clSetKernelArg(copy, 1, sizeof(cl_mem), &b);
     double *t = malloc(sizeof(double) * (size_t)iterations);
     size_t one = 1, local = 1, g = count, lc = 256;
-    for (int pass = 0; pass < 2; pass++) {
+    for (int pass = 0; pass < (copy_floor ? 2 : 1); pass++) {
         cl_kernel k = pass == 0 ? empty : copy;
         size_t *gs = pass == 0 ? &one : &g, *ls = pass == 0 ? &local : &lc;
-        for (int i = -5; i < iterations; i++) {
+        const int calls = pass == 0 || iterations < 20 ? iterations : 20;
+        for (int i = pass == 0 ? -5 : -2; i < calls; i++) {
             cl_event ev;
             if (clEnqueueNDRangeKernel(q, k, 1, NULL, gs, ls, 0, NULL, &ev) != CL_SUCCESS)
                 break;
@@ -166,11 +176,11 @@ static probes measure_probes(cl_context c, cl_device_id dev, cl_command_queue q,
                 t[i] = tool_event_us(ev);
             clReleaseEvent(ev);
         }
-        qsort(t, (size_t)iterations, sizeof(double), tool_cmp_double);
+        qsort(t, (size_t)calls, sizeof(double), tool_cmp_double);
         if (pass == 0)
-            r.empty_us = t[iterations / 2];
+            r.empty_us = t[calls / 2];
         else
-            r.copy_gbps = 2.0 * count * 16 / (t[iterations / 2] * 1e3);
+            r.copy_gbps = 2.0 * count * 16 / (t[calls / 2] * 1e3);
     }
     free(t);
     r.empty_wall_us = empty_wall_us(plain_q, empty, a, wall_calls);
@@ -671,7 +681,7 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     r->bytes = (double)input_bytes(c) + (double)output_bytes(c) +
                (b.bias ? (c->op == OP_TOPK ? c->topk.num_experts : c->grounded.num_experts) * 4.0 : 0.0);
     r->gbps = r->bytes / (r->median_us * 1e3);
-    r->copy_ratio = copy_gbps > 0 ? r->gbps / copy_gbps : 0;
+    r->copy_ratio = copy_gbps > 0 ? r->gbps / copy_gbps : NAN; /* NAN: no --copy-floor */
     free_buffers(&b);
 }
 
@@ -936,14 +946,20 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
 static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick] [--marker]\n"
-               "                   [--only SUBSTRING] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
-               "                   [--logits normal|uniform10] [--host-cost] [--variant TEXT] [--help]\n"
+               "                   [--only NAME]... [--list] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
+               "                   [--logits normal|uniform10] [--copy-floor] [--host-cost] [--variant TEXT]\n"
+               "                   [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
-               "wall time per call of back-to-back calls (default 1000), GB/s and the ratio to a copy\n"
-               "kernel. --quick: fewer calls and no large grounded-router cases. --shape adds a softmax\n"
-               "top-k case of T tokens, E experts, top_k K (repeatable); --only keeps the cases whose\n"
-               "label or shape contains SUBSTRING (one that keeps none is a bad usage). --logits: the top-k\n"
+               "wall time per call of back-to-back calls (default 1000), GB/s, and with --copy-floor the\n"
+               "ratio to a copy kernel (1 GiB each way, median of 20 calls: seconds on a CPU). The header\n"
+               "names the device in one line; moecl-info describes it. --quick: fewer calls and no large\n"
+               "grounded-router cases. --shape adds a softmax top-k case of T tokens, E experts, top_k K\n"
+               "(repeatable). --only NAME keeps the cases whose label (\"moe_align\"), shape (\"1x128 k8\n"
+               "b64\") or both (\"moe_align 1x128 k8 b64\") is NAME in full; *, ? and [...] make NAME a\n"
+               "shell pattern (--only '1x128 *': every shape of 1 token x 128 experts); repeatable, any\n"
+               "match keeps a case; one that keeps none is a bad usage. --list prints the names the\n"
+               "options select and exits. Progress goes to stderr when it is a terminal. --logits: the top-k\n"
                "cases' logits, standard normal (the default) or uniform on [0, 10) (top values crowd\n"
                "together), both from the same seeded generator; bench/torch_reference.py --logits draws\n"
                "the same kinds. --json FILE and\n"
@@ -973,7 +989,8 @@ static void usage(FILE *f)
                "              10th and 90th percentiles\n"
                "  wall_us     wall time per call of --wall-calls calls back to back (host and device)\n"
                "  GB/s        bytes the op must read and write over dev_us; %%copy: that against the\n"
-               "              copy kernel's GB/s on the same device (the header line)\n"
+               "              copy kernel's GB/s on the same device (the header line; - without\n"
+               "              --copy-floor, and null or empty in the JSON and CSV)\n"
                "  T_SOL       the seed's speed-of-light time for the shape (on hardware it calls XPU-A)\n"
                "  T_Prod      the seed's time of the production implementation (vllm._custom_ops);\n"
                "              both given only for the seed's ten top-k shapes, copied from the seed,\n"
@@ -983,6 +1000,7 @@ static void usage(FILE *f)
                "  calls       how many calls dev_us is the median of\n"
                "  check       ok or FAIL against the float64 reference (FAIL: the reason follows)\n"
                "The last line is the verdict, \"P/N checks passed\" (not with --host-cost).\n"
+               "Long options are spelled out in full: an abbreviation is a bad usage.\n"
                "Exit status: 0 all checks passed, 1 a check or a call failed or FILE could not be written, 2 bad usage.\n");
 }
 
@@ -1000,6 +1018,8 @@ enum {
     OPT_LOGITS,
     OPT_MARKER,
     OPT_VARIANT,
+    OPT_COPY_FLOOR,
+    OPT_LIST,
 };
 
 /* "T,E,K": three whole numbers, experts and top_k at least 1. */
@@ -1030,6 +1050,7 @@ static int parse_args(int argc, char **argv, options *o)
         {"quick", no_argument, NULL, OPT_QUICK},           {"host-cost", no_argument, NULL, OPT_HOST_COST},
         {"logits", required_argument, NULL, OPT_LOGITS},   {"marker", no_argument, NULL, OPT_MARKER},
         {"variant", required_argument, NULL, OPT_VARIANT},
+        {"copy-floor", no_argument, NULL, OPT_COPY_FLOOR}, {"list", no_argument, NULL, OPT_LIST},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
@@ -1064,7 +1085,15 @@ static int parse_args(int argc, char **argv, options *o)
             o->csv = optarg;
             break;
         case OPT_ONLY:
-            o->only = optarg;
+            if (o->num_only == MAX_ONLY)
+                return tool_bad_usage(prog, usage, "--only %s: at most %d --only", optarg, MAX_ONLY);
+            o->only[o->num_only++] = optarg;
+            break;
+        case OPT_COPY_FLOOR:
+            o->copy_floor = true;
+            break;
+        case OPT_LIST:
+            o->list = true;
             break;
         case OPT_SHAPE:
             if (o->num_shapes == 16)
@@ -1102,7 +1131,7 @@ static int parse_args(int argc, char **argv, options *o)
         return tool_bad_usage(prog, usage, "unexpected argument '%s'", argv[optind]);
     if (o->host_cost && o->num_shapes > 1)
         return tool_bad_usage(prog, usage, "--host-cost times one shape: one --shape at most");
-    if (o->host_cost && (o->only || o->cold || o->csv))
+    if (o->host_cost && (o->num_only || o->cold || o->csv))
         return tool_bad_usage(prog, usage, "--host-cost times one top-k call: not with --only, --cold or --csv");
     if (o->quick) {
         o->iterations = o->iterations > 50 ? 50 : o->iterations;
@@ -1111,11 +1140,23 @@ static int parse_args(int argc, char **argv, options *o)
     return -1;
 }
 
-static bool case_selected(const bench_case *c, const char *only)
+/* --only: each pattern is matched whole, as a shell pattern (fnmatch: a
+ * plain name matches only itself; *, ? and [...] widen it), against the
+ * case's label, its shape and "label shape"; any pattern that matches
+ * selects the case. */
+static bool case_selected(const bench_case *c, const options *o)
 {
-    char shape[64];
+    if (!o->num_only)
+        return true;
+    char shape[64], full[160];
     shape_text(c, shape, sizeof(shape));
-    return !only || strstr(c->label, only) || strstr(shape, only);
+    snprintf(full, sizeof(full), "%s %s", c->label, shape);
+    const char *names[3] = {c->label, shape, full};
+    for (int p = 0; p < o->num_only; p++)
+        for (int i = 0; i < 3; i++)
+            if (!fnmatch(o->only[p], names[i], 0))
+                return true;
+    return false;
 }
 
 static const char *dtype_name(const bench_case *c)
@@ -1153,8 +1194,10 @@ static cJSON *case_json(const bench_case *c, const bench_result *r)
                    {"kernel_us", r->kernel_us, 1e3}};
     tool_json_add_string(j, "op", c->label);
     tool_json_add_string(j, "shape", shape);
-    for (size_t i = 0; i < sizeof(numbers) / sizeof(numbers[0]); i++)
-        tool_json_add_number(j, numbers[i].name, rounded(numbers[i].value, numbers[i].scale));
+    for (size_t i = 0; i < sizeof(numbers) / sizeof(numbers[0]); i++) /* NAN (copy_ratio without --copy-floor): null */
+        cJSON_AddItemToObject(j, numbers[i].name, isnan(numbers[i].value)
+                                                      ? cJSON_CreateNull()
+                                                      : cJSON_CreateNumber(rounded(numbers[i].value, numbers[i].scale)));
     tool_json_add_bool(j, "check", r->checked_ok);
     tool_json_add_string(j, "ids_fnv1a", hash);
     return j;
@@ -1223,10 +1266,27 @@ int main(int argc, char **argv)
         c->topk = moecl_topk_gating_desc_init(o.shapes[i][0], o.shapes[i][1], o.shapes[i][2]);
     }
     int selected = 0;
-    for (int i = 0; i < n; i++)
-        selected += case_selected(&cases[i], o.only);
-    if (!o.host_cost && selected == 0)
-        return tool_bad_usage("moecl-bench", usage, "--only %s matches no case's label or shape", o.only);
+    for (int i = 0; i < n; i++) {
+        if (!case_selected(&cases[i], &o))
+            continue;
+        selected++;
+        if (o.list) {
+            char shape[64];
+            shape_text(&cases[i], shape, sizeof(shape));
+            printf("%s %s\n", cases[i].label, shape);
+        }
+    }
+    if (o.list)
+        return 0;
+    if (!o.host_cost && selected == 0) {
+        char patterns[512] = "";
+        for (int p = 0, used = 0; p < o.num_only && used < (int)sizeof(patterns); p++)
+            used += snprintf(patterns + used, sizeof(patterns) - (size_t)used, "%s--only %s", p ? " " : "", o.only[p]);
+        return tool_bad_usage("moecl-bench", usage,
+                              "%s matches no case's label, shape or \"label shape\" in full (--list names them; "
+                              "'*' widens a pattern: --only '%s*')",
+                              patterns, o.only[0]);
+    }
     /* Opened before the runs, so that a path that cannot be written fails
      * at once rather than after the timing. */
     FILE *jf = o.json ? fopen(o.json, "w") : NULL, *cf = o.csv ? fopen(o.csv, "w") : NULL;
@@ -1241,10 +1301,16 @@ int main(int argc, char **argv)
     double create_ms = (tool_now_us() - c0) / 1e3;
     if (st != MOECL_SUCCESS)
         die("creating the context", NULL, st);
-    char desc[4096];
-    moecl_context_describe(plain, desc, sizeof(desc));
-    printf("moecl %s  %s  logits %s\n%s", moecl_version(),
-           o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)", tool_logits_name(o.logits), desc);
+    /* One line names the device; moecl-info describes it. */
+    char pname[256] = "?", dname[256] = "?";
+    cl_platform_id platform;
+    if (clGetDeviceInfo(moecl_context_device(plain), CL_DEVICE_PLATFORM, sizeof(platform), &platform, NULL) ==
+        CL_SUCCESS)
+        clGetPlatformInfo(platform, CL_PLATFORM_NAME, sizeof(pname), pname, NULL);
+    clGetDeviceInfo(moecl_context_device(plain), CL_DEVICE_NAME, sizeof(dname), dname, NULL);
+    printf("moecl %s  %s  logits %s\ndevice: %s / %s (moecl-info describes it)\n", moecl_version(),
+           o.cold ? "(cold: inputs rotate past the cache)" : "(L2-warm: same input)", tool_logits_name(o.logits), pname,
+           dname);
     if (o.variant)
         printf("variant override: %s\n", o.variant);
     if (o.host_cost) {
@@ -1265,11 +1331,19 @@ int main(int argc, char **argv)
         die("adopting the profiling queue", NULL, st);
     clReleaseCommandQueue(pq);
 
+    const bool progress = isatty(STDERR_FILENO);
+    if (progress && o.copy_floor)
+        fprintf(stderr, "timing the copy kernel (1 GiB each way) ...");
     probes pr = measure_probes(cl, dev, moecl_context_queue(prof), moecl_context_queue(plain), o.iterations,
-                               o.wall_calls);
+                               o.wall_calls, o.copy_floor);
+    if (progress && o.copy_floor)
+        fprintf(stderr, "\r%60s\r", "");
+    char copy[64] = "not timed (--copy-floor times it)";
+    if (o.copy_floor)
+        snprintf(copy, sizeof(copy), "%.1f GB/s (read + write)", pr.copy_gbps);
     printf("context creation: %.1f ms; empty kernel: %.2f us device time, %.2f us wall time per call of %d back to "
-           "back; copy kernel: %.1f GB/s (read + write)\n\n",
-           create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, pr.copy_gbps);
+           "back; copy kernel: %s\n\n",
+           create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, copy);
 
     bench_result results[80];
     bool ran[80] = {false};
@@ -1280,9 +1354,10 @@ int main(int argc, char **argv)
         const bench_case *c = &cases[i];
         char shape[64];
         shape_text(c, shape, sizeof(shape));
-        if (!case_selected(c, o.only))
+        if (!case_selected(c, &o))
             continue;
-        fprintf(stderr, "\r[%d/%d] %s %s ...          ", i + 1, n, c->label, shape);
+        if (progress)
+            fprintf(stderr, "\r[%d/%d] %s %s ...          ", i + 1, n, c->label, shape);
         run_case(prof, plain, c, &o, pr.copy_gbps, &results[i]);
         ran[i] = true;
         const bench_result *r = &results[i];
@@ -1293,9 +1368,13 @@ int main(int argc, char **argv)
             snprintf(sol, sizeof(sol), "%.2f", c->t_sol_us);
             snprintf(prod, sizeof(prod), "%.2f", c->t_prod_us);
         }
-        fprintf(stderr, "\r%60s\r", "");
-        printf("%-18s %-20s %-5s %9.2f %9.2f %9.2f %10.2f %9.1f %5.1f%% %7s %7s %8.1f %5d %s\n", c->label, shape,
-               dtype_name(c), r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps, 100 * r->copy_ratio, sol, prod,
+        if (progress)
+            fprintf(stderr, "\r%60s\r", "");
+        char copy[16] = "-";
+        if (!isnan(r->copy_ratio))
+            snprintf(copy, sizeof(copy), "%.1f%%", 100 * r->copy_ratio);
+        printf("%-18s %-20s %-5s %9.2f %9.2f %9.2f %10.2f %9.1f %6s %7s %7s %8.1f %5d %s\n", c->label, shape,
+               dtype_name(c), r->median_us, r->p10_us, r->p90_us, r->wall_us, r->gbps, copy, sol, prod,
                r->prepare_ms, r->iterations, r->checked_ok ? "ok" : "FAIL");
         fflush(stdout);
         if (!r->checked_ok) {
@@ -1345,9 +1424,14 @@ int main(int argc, char **argv)
         if (list)
             cJSON_AddItemToArray(list, case_json(c, r));
         if (cf)
-            fprintf(cf, "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.2f,%.4f,%.2f,%.2f,%s\n", c->label, shape, dt, r->median_us,
-                    r->p10_us, r->p90_us, r->wall_us, r->gbps, r->copy_ratio, c->t_sol_us, c->t_prod_us,
+        {
+            char ratio[32] = ""; /* empty without --copy-floor */
+            if (!isnan(r->copy_ratio))
+                snprintf(ratio, sizeof(ratio), "%.4f", r->copy_ratio);
+            fprintf(cf, "%s,%s,%d,%.3f,%.3f,%.3f,%.3f,%.2f,%s,%.2f,%.2f,%s\n", c->label, shape, dt, r->median_us,
+                    r->p10_us, r->p90_us, r->wall_us, r->gbps, ratio, c->t_sol_us, c->t_prod_us,
                     r->checked_ok ? "ok" : "FAIL");
+        }
     }
     if (jf) {
         tool_json_add_string(doc, "version", moecl_version());
@@ -1357,7 +1441,8 @@ int main(int argc, char **argv)
         tool_json_add_number(doc, "context_create_ms", rounded(create_ms, 1e2));
         tool_json_add_number(doc, "empty_kernel_us", rounded(pr.empty_us, 1e3));
         tool_json_add_number(doc, "empty_kernel_wall_us", rounded(pr.empty_wall_us, 1e3));
-        tool_json_add_number(doc, "copy_gbps", rounded(pr.copy_gbps, 1e1));
+        cJSON_AddItemToObject(doc, "copy_gbps",
+                              o.copy_floor ? cJSON_CreateNumber(rounded(pr.copy_gbps, 1e1)) : cJSON_CreateNull());
         cJSON_AddItemToObject(doc, "cases", list);
         failures += !finish_json(jf, o.json, doc);
     }

@@ -9,12 +9,14 @@
  * does only that, on an ids file. A summary follows: the load of each
  * expert as a text histogram, tokens routed, time. */
 #include <errno.h>
+#include <float.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <moecl/moecl.h>
@@ -39,6 +41,7 @@ typedef struct options {
     const char *logits, *hidden, *ground, *bias, *ids_in;
     const char *out[NUM_OUT];
     const char *device;
+    const char *demo; /* --demo DIR */
     long top_k; /* 0: the default */
     long groups, topk_group;
     long experts;    /* --op align */
@@ -58,6 +61,7 @@ static void usage(FILE *f)
             "usage: moecl-route [--op topk] [--logits] LOGITS.npy [options] [outputs]\n"
             "       moecl-route --op grounded --hidden H.npy --logits L.npy --ground G.npy [--alpha F] [outputs]\n"
             "       moecl-route --op align --ids-in IDS.npy --experts E [--block-size N] [dispatch outputs]\n"
+            "       moecl-route --demo DIR\n"
             "Routes the tokens (rows) of .npy files with moecl and prints each expert's load; with\n"
             "dispatch outputs, also sorts the routed slots by expert (moe_align) for a grouped GEMM.\n"
             "\n"
@@ -66,11 +70,12 @@ static void usage(FILE *f)
             "            as '<u2' or '|V2' (with --bf16)\n"
             "  grounded  --hidden [tokens][hidden] and --ground [experts][hidden], one dtype of the\n"
             "            three; --logits [tokens][experts] float32\n"
-            "  align     --ids-in [tokens][top_k] '<i4' int32 expert ids (no routing); ids outside\n"
-            "            [0, E) are skipped and counted (num_invalid)\n"
+            "  align     --ids-in [tokens][top_k] expert ids (no routing), '<i4' int32 or '<i8' int64\n"
+            "            (torch.topk's; converted to int32, a value outside the int32 range stops the run);\n"
+            "            ids outside [0, E) are skipped and counted (num_invalid)\n"
             "Options:\n"
             "  --op topk|grounded|align          the op (default topk)\n"
-            "  --top-k N               experts per token (default 8 for topk, at most the experts;\n"
+            "  --top-k N, --topk N     experts per token (default 8 for topk, at most the experts;\n"
             "                          2 for grounded, as the grounded-router task moecl started from)\n"
             "  --scoring softmax|sigmoid         (topk; default softmax)\n"
             "  --bias FILE.npy         correction bias, float32 [experts], steers selection only (topk)\n"
@@ -98,7 +103,13 @@ static void usage(FILE *f)
             "  --no-progress           no progress line\n"
             "  --all-experts           a histogram line for every expert, however many\n"
             "  --json                  print the summary as JSON on stdout instead of text\n"
-            "Outputs (each optional; written to a temporary file and renamed when complete):\n"
+            "  --demo DIR              write example inputs and exit: DIR/logits.npy (float32, 4096 tokens\n"
+            "                          x 256 experts, some experts favoured) and DIR/bias.npy (float32\n"
+            "                          [256]); an existing file of those names is kept and refused\n"
+            "Long options are spelled out in full: an abbreviation is a bad usage.\n"
+            "Outputs (each optional; each written to a temporary file next to it, all renamed into\n"
+            "place once the whole run succeeded; an output path that is a folder or another non-file\n"
+            "is refused before anything is written):\n"
             "  --weights OUT.npy       float32 [tokens][top_k]\n"
             "  --ids OUT.npy           int32 [tokens][top_k]\n"
             "  --pairs OUT.npy         float32 [tokens][top_k][2]: stacked (index, weight) pairs, the\n"
@@ -112,9 +123,11 @@ static void usage(FILE *f)
             "  --block-expert-ids OUT.npy  int32 [max_padded / N]: each block's expert, -1 past the end\n"
             "  --slot-positions OUT.npy    int32 [tokens][top_k]: where each slot landed (-1: skipped)\n"
             "  --post-padded OUT.npy       int32 [1]: num_tokens_post_padded (also in the summary)\n"
-            "Exit status: 0 ok; 1 a bad or unreadable file, a device or write failure (no output\n"
-            "file is left behind); 2 bad usage, or options the op rejects for these shapes (also\n"
-            "max_padded above 2^31-1).\n");
+            "Exit status: 0 ok; 1 a bad or unreadable file, a device or write failure (no output file\n"
+            "is left behind, and files at the output paths are as they were; only if a rename fails\n"
+            "after the others succeeded (the folder changed meanwhile) are the outputs already\n"
+            "renamed removed again, named on stderr, and the files they replaced lost); 2 bad usage,\n"
+            "or options the op rejects for these shapes (also max_padded above 2^31-1).\n");
 }
 
 /* ---- temporary outputs: removed on failure, and on SIGINT/SIGTERM ---- */
@@ -172,15 +185,14 @@ static bool parse_long(const char *s, long lo, long hi, long *v)
     return true;
 }
 
-static bool parse_float(const char *s, float *v)
+/* A float option's value: -1 to go on, else 2 with the reason named. */
+static int parse_float(const char *flag, const char *s, float *v)
 {
-    char *end;
-    errno = 0;
-    float x = strtof(s, &end);
-    if (errno || end == s || *end || !isfinite(x))
-        return false;
-    *v = x;
-    return true;
+    const char *why = tool_parse_float(s, v);
+    if (!why)
+        return -1;
+    fprintf(stderr, "moecl-route: %s %s: the value %s\nTry 'moecl-route --help'.\n", flag, s, why);
+    return 2;
 }
 
 /* The index in out_flag of an output option, else -1. */
@@ -210,7 +222,7 @@ static void try_help(FILE *f) { fprintf(f, "Try 'moecl-route --help'.\n"); }
 #define VALUE(name) {name, required_argument, NULL, 0}
 static struct option longopts[] = {
     FLAG("renormalize"), FLAG("bf16"), FLAG("json"), FLAG("progress"), FLAG("no-progress"), FLAG("all-experts"),
-    VALUE("op"), VALUE("logits"), VALUE("hidden"), VALUE("ground"), VALUE("bias"), VALUE("ids-in"),
+    VALUE("op"), VALUE("topk"), VALUE("demo"), VALUE("logits"), VALUE("hidden"), VALUE("ground"), VALUE("bias"), VALUE("ids-in"),
     VALUE("weights"), VALUE("ids"), VALUE("pairs"), VALUE("expert-counts"), VALUE("sorted-token-ids"),
     VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
     VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
@@ -237,6 +249,10 @@ static int parse_args(int argc, char **argv, options *o)
             return 2; /* tool_getopt named it */
         char a[40];
         snprintf(a, sizeof(a), "--%s", longopts[c - 256].name);
+        /* vLLM's spelling of --top-k, as an option of its own (never a
+         * prefix of --topk-group: tool_getopt takes full names only). */
+        if (!strcmp(a, "--topk"))
+            snprintf(a, sizeof(a), "--top-k");
         const char *v = optarg;
         long n;
         if (!strcmp(a, "--renormalize")) {
@@ -276,6 +292,8 @@ static int parse_args(int argc, char **argv, options *o)
             o->out[out_option(a)] = v;
         } else if (!strcmp(a, "--device")) {
             o->device = v;
+        } else if (!strcmp(a, "--demo")) {
+            o->demo = v;
         } else if (!strcmp(a, "--top-k")) {
             if (!parse_long(v, 1, 64, &o->top_k))
                 return bad_usage("--top-k is 1..64, not '%s'", v);
@@ -308,8 +326,16 @@ static int parse_args(int argc, char **argv, options *o)
             else
                 return bad_usage("--group-fill is neg-inf or zero, not '%s'", v);
         } else if (!strcmp(a, "--renormalize-floor")) {
-            if (!parse_float(v, &o->renormalize_floor))
-                return bad_usage("--renormalize-floor needs a finite number, not '%s'", v);
+            if (parse_float(a, v, &o->renormalize_floor) >= 0)
+                return 2;
+            /* The library's rule, said here with the value's own words. */
+            if (o->renormalize_floor < 0.0f || (o->renormalize_floor > 0.0f && o->renormalize_floor < FLT_MIN))
+                return bad_usage(o->renormalize_floor < 0.0f
+                                     ? "--renormalize-floor is 0 or at least 2^-126 (1.17549435e-38, the smallest "
+                                       "normal float), not '%s'"
+                                     : "--renormalize-floor is 0 or at least 2^-126 (1.17549435e-38, the smallest "
+                                       "normal float), not '%s', a subnormal float",
+                                 v);
             o->floor_set = true;
         } else if (!strcmp(a, "--scoring")) {
             o->scoring_set = true;
@@ -320,18 +346,29 @@ static int parse_args(int argc, char **argv, options *o)
             else
                 return bad_usage("--scoring is softmax or sigmoid, not '%s'", v);
         } else if (!strcmp(a, "--scale")) {
-            if (!parse_float(v, &o->scale))
-                return bad_usage("--scale needs a finite number, not '%s'", v);
+            if (parse_float(a, v, &o->scale) >= 0)
+                return 2;
             o->scale_set = true;
         } else if (!strcmp(a, "--alpha")) {
-            if (!parse_float(v, &o->alpha))
-                return bad_usage("--alpha needs a finite number, not '%s'", v);
+            if (parse_float(a, v, &o->alpha) >= 0)
+                return 2;
             o->alpha_set = true;
         } else if (!strcmp(a, "--chunk-rows")) {
             if (!parse_long(v, 1, 1L << 30, &n))
                 return bad_usage("--chunk-rows is 1..2^30, not '%s'", v);
             o->chunk_rows = n;
         }
+    }
+    if (o->demo) {
+        if (optind < argc || o->logits || o->hidden || o->ground || o->bias || o->ids_in || o->op || o->top_k ||
+            o->groups || o->topk_group || o->experts || o->block_size || o->group_score_set || o->group_fill_set ||
+            o->scoring_set || o->renormalize || o->floor_set || o->scale_set || o->alpha_set || o->bf16 || o->json ||
+            o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts)
+            return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
+        for (int i = 0; i < NUM_OUT; i++)
+            if (o->out[i])
+                return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
+        return -1;
     }
     for (; optind < argc; optind++) {
         if (o->logits)
@@ -437,6 +474,7 @@ typedef struct summary {
     uint64_t invalid; /* slots whose id is outside [0, experts) (--op align) */
     double wall_s, read_s, write_s, prepare_s, kernel_s, transfer_s;
     bool device_time;
+    bool ids_i64; /* --op align read int64 ids */
     char device[512];
     /* moe_align, when the run asked for it */
     bool dispatch;
@@ -599,7 +637,7 @@ static bool print_json(const summary *s, const options *o, const moecl_topk_gati
 {
     cJSON *j = cJSON_CreateObject();
     tool_json_add_string(j, "op", o->op == OP_TOPK ? "topk" : o->op == OP_GROUNDED ? "grounded" : "align");
-    tool_json_add_string(j, "dtype", o->op == OP_ALIGN ? "i32" : dtype_name(dtype));
+    tool_json_add_string(j, "dtype", o->op == OP_ALIGN ? (s->ids_i64 ? "i64" : "i32") : dtype_name(dtype));
     tool_json_add_number(j, "tokens", (double)s->tokens);
     tool_json_add_number(j, "experts", s->experts);
     tool_json_add_number(j, "top_k", s->top_k);
@@ -714,6 +752,120 @@ static cl_mem device_buffer(moecl_context *ctx, size_t size, const void *data, c
     return m;
 }
 
+/* ---- outputs ---- */
+
+/* Every output path must be a file or not yet exist: a folder (or a
+ * device, a pipe) at one would fail its rename after the others had
+ * succeeded. 0, or -1 with a message. */
+static int check_targets(const char *const *paths, int count, char *err, size_t size)
+{
+    for (int i = 0; i < count; i++) {
+        struct stat st;
+        if (!paths[i] || stat(paths[i], &st))
+            continue;
+        if (!S_ISREG(st.st_mode)) {
+            snprintf(err, size, "%s %s; an output is written as a file (nothing was written)", paths[i],
+                     S_ISDIR(st.st_mode) ? "is a folder" : "exists and is not a file");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Renames every finished output into place. If one fails (its folder
+ * changed since the checks), the ones renamed before it are removed again
+ * and named, so that no output of the run remains. */
+static int commit_outputs(const char *const *paths, char *err, size_t size)
+{
+    for (int i = 0; i < NUM_OUT; i++)
+        if (paths[i] && npy_writer_finish(&writers[i], err, size))
+            return -1;
+    for (int i = 0; i < NUM_OUT; i++) {
+        if (!paths[i])
+            continue;
+        if (npy_writer_commit(&writers[i], err, size)) {
+            for (int j = 0; j < i; j++)
+                if (paths[j] && !unlink(paths[j]))
+                    fprintf(stderr, "moecl-route: note: removed %s, renamed into place before the failure (the file "
+                                    "it replaced is lost)\n", paths[j]);
+            pending_tmp[i] = NULL;
+            return -1;
+        }
+        pending_tmp[i] = NULL;
+    }
+    return 0;
+}
+
+/* ---- --demo: example inputs ---- */
+
+/* splitmix64: a fixed seed, so that every machine writes the same files. */
+static uint64_t demo_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static float demo_normal(uint64_t *s)
+{
+    const double u1 = ((double)(demo_next(s) >> 11) + 1.0) / 9007199254740993.0,
+                 u2 = (double)(demo_next(s) >> 11) / 9007199254740992.0;
+    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* DIR/logits.npy: standard normal logits plus a popularity per expert
+ * (standard deviation 0.3), so that the load is uneven as a real router's
+ * is; DIR/bias.npy: a correction bias against that popularity, as a
+ * DeepSeek-V3 router's e_score_correction_bias. */
+static int write_demo(const char *dir)
+{
+    enum { TOKENS = 4096, EXPERTS = 256 };
+    char paths[2][4096], err[1024];
+    const char *names[2] = {"logits.npy", "bias.npy"};
+    for (int i = 0; i < 2; i++) {
+        if (snprintf(paths[i], sizeof(paths[i]), "%s/%s", dir, names[i]) >= (int)sizeof(paths[i])) {
+            fprintf(stderr, "moecl-route: --demo %s: the path is too long\n", dir);
+            return 1;
+        }
+        struct stat st;
+        if (!stat(paths[i], &st)) {
+            fprintf(stderr, "moecl-route: %s exists; --demo writes no file over another (remove it, or name "
+                            "another folder)\n", paths[i]);
+            return 1;
+        }
+    }
+    float pop[EXPERTS], bias[EXPERTS], *logits = malloc(sizeof(float) * TOKENS * EXPERTS);
+    if (!logits) {
+        fprintf(stderr, "moecl-route: out of host memory\n");
+        return 1;
+    }
+    uint64_t seed = 20261205;
+    for (int e = 0; e < EXPERTS; e++) {
+        pop[e] = 0.3f * demo_normal(&seed);
+        bias[e] = -0.05f * pop[e];
+    }
+    for (size_t i = 0; i < (size_t)TOKENS * EXPERTS; i++)
+        logits[i] = demo_normal(&seed) + pop[i % EXPERTS];
+    const uint64_t shape_l[2] = {TOKENS, EXPERTS}, shape_b[1] = {EXPERTS};
+    const void *data[2] = {logits, bias};
+    const size_t bytes[2] = {sizeof(float) * TOKENS * EXPERTS, sizeof(bias)};
+    int rc = 0;
+    for (int i = 0; i < 2 && !rc; i++)
+        rc = npy_writer_open(&writers[i], paths[i], "<f4", 2 - i, i ? shape_b : shape_l, err, sizeof(err)) ||
+             npy_writer_write(&writers[i], data[i], bytes[i], err, sizeof(err));
+    const char *const out[NUM_OUT] = {paths[0], paths[1]};
+    if (!rc)
+        rc = commit_outputs(out, err, sizeof(err));
+    free(logits);
+    if (rc)
+        return fail_run(err);
+    printf("wrote %s (float32 [%d][%d]: standard normal logits, some experts favoured) and %s (float32 [%d]: a "
+           "correction bias against that)\n",
+           paths[0], TOKENS, EXPERTS, paths[1], EXPERTS);
+    return 0;
+}
+
 /* ---- main ---- */
 
 enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, IN_IDS, NUM_IN };
@@ -724,8 +876,12 @@ int main(int argc, char **argv)
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0)
         return rc;
+    if (o.demo)
+        return write_demo(o.demo);
     const double t0 = now_s();
     char err[1024];
+    if (check_targets(o.out, NUM_OUT, err, sizeof(err)))
+        return fail_run(err);
     npy_file in[NUM_IN];
     memset(in, 0, sizeof(in));
     const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias, o.ids_in};
@@ -737,6 +893,7 @@ int main(int argc, char **argv)
     moecl_topk_gating_desc td;
     moecl_grounded_router_desc gd;
     moecl_dtype dtype = MOECL_F32;
+    bool ids_i64 = false;
     uint64_t tokens;
     uint32_t experts, top_k;
     memset(&td, 0, sizeof(td));
@@ -829,9 +986,9 @@ int main(int argc, char **argv)
         const npy_file *n = &in[IN_IDS];
         if (need_2d(n, "the expert ids", "tokens][top_k", err, sizeof(err)))
             goto file_error;
-        if (n->kind != NPY_I32) {
-            snprintf(err, sizeof(err), "%s: unsupported dtype %s: the expert ids are int32 ('<i4') only", n->path,
-                     npy_kind_name(n->kind));
+        if (n->kind != NPY_I32 && n->kind != NPY_I64) {
+            snprintf(err, sizeof(err), "%s: unsupported dtype %s: the expert ids are int32 ('<i4') or int64 ('<i8', "
+                                       "converted to int32)", n->path, npy_kind_name(n->kind));
             goto file_error;
         }
         if (n->shape[1] < 1 || n->shape[1] > 64 || n->shape[0] > UINT32_MAX) {
@@ -842,6 +999,7 @@ int main(int argc, char **argv)
         }
         tokens = n->shape[0];
         experts = (uint32_t)o.experts;
+        ids_i64 = n->kind == NPY_I64;
         top_k = (uint32_t)n->shape[1];
     }
 
@@ -881,6 +1039,7 @@ int main(int argc, char **argv)
     s.dispatch = dispatch;
     s.block_size = ad.block_size;
     s.max_padded = max_padded;
+    s.ids_i64 = ids_i64;
     moecl_context *ctx = NULL;
     moecl_status st = make_context(o.device, &ctx, &s.device_time, s.device, sizeof(s.device));
     if (st != MOECL_SUCCESS) {
@@ -991,7 +1150,7 @@ int main(int argc, char **argv)
     for (uint64_t done = 0; o.op == OP_ALIGN && done < tokens; done += chunk) {
         const uint64_t rows = tokens - done < chunk ? tokens - done : chunk;
         const double r0 = now_s();
-        if (npy_read_rows(&in[IN_IDS], all_ids + done * top_k, rows, err, sizeof(err)))
+        if (npy_read_ids(&in[IN_IDS], all_ids + done * top_k, rows, err, sizeof(err)))
             goto run_error;
         s.read_s += now_s() - r0;
         count_load(&s, all_ids + done * top_k, rows * top_k);
@@ -1100,26 +1259,15 @@ int main(int argc, char **argv)
         s.write_s += now_s() - w1;
     }
     const double w0 = now_s();
-    for (int i = 0; i < NUM_OUT; i++) {
-        if (!out_paths[i])
-            continue;
-        if (npy_writer_commit(&writers[i], err, sizeof(err))) {
-            /* The outputs renamed before this one are complete files; say so. */
-            for (int j = 0; j < i; j++)
-                if (out_paths[j])
-                    fprintf(stderr, "moecl-route: note: %s was written in full before the failure\n", out_paths[j]);
-            pending_tmp[i] = NULL;
-            goto run_error;
-        }
-        pending_tmp[i] = NULL;
-    }
+    if (commit_outputs(out_paths, err, sizeof(err)))
+        goto run_error;
     s.write_s += now_s() - w0;
     s.wall_s = now_s() - t0;
 
     char what[512];
     if (o.op == OP_ALIGN)
-        snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts", o.ids_in,
-                 (unsigned long long)tokens, top_k, experts);
+        snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts%s", o.ids_in,
+                 (unsigned long long)tokens, top_k, experts, ids_i64 ? ", int64 ids read as int32" : "");
     else if (o.op == OP_TOPK)
         snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s",
                  o.logits, (unsigned long long)tokens, experts, dtype_name(dtype), top_k,

@@ -30,13 +30,18 @@ static int fail(char *err, size_t size, const char *fmt, ...)
     return -1;
 }
 
+/* What the tools read, for the message about any other dtype. */
+#define KNOWN_DTYPES                                                                                                   \
+    "floats are read as '<f4', '<f2', or bfloat16 as '<u2' or '|V2'; expert ids as '<i4' or '<i8'; all "            \
+    "little-endian"
+
 static const struct {
     const char *descr;
     npy_kind kind;
     size_t size;
 } known_types[] = {
     {"<f4", NPY_F32, 4}, {"<f2", NPY_F16, 2}, {"<u2", NPY_U2, 2}, {"|V2", NPY_V2, 2},
-    {"<V2", NPY_V2, 2},  {">V2", NPY_V2, 2},  {"<i4", NPY_I32, 4},
+    {"<V2", NPY_V2, 2},  {">V2", NPY_V2, 2},  {"<i4", NPY_I32, 4}, {"<i8", NPY_I64, 8},
 };
 
 const char *npy_kind_name(npy_kind kind)
@@ -47,6 +52,7 @@ const char *npy_kind_name(npy_kind kind)
     case NPY_U2: return "'<u2' (uint16)";
     case NPY_V2: return "'|V2' (2-byte void)";
     case NPY_I32: return "'<i4' (int32)";
+    case NPY_I64: return "'<i8' (int64)";
     }
     return "?";
 }
@@ -155,8 +161,7 @@ static int parse_header(npy_file *n, const char *h, size_t len, bool *fortran, c
         if (!strcmp(key, "descr")) {
             skip_space(&c);
             if (c.p < c.end && *c.p == '[')
-                return fail(err, size, "%s: unsupported dtype: a structured dtype (moecl-route reads '<f4', "
-                                       "'<f2', and bfloat16 as '<u2' or '|V2')", n->path);
+                return fail(err, size, "%s: unsupported dtype: a structured dtype (" KNOWN_DTYPES ")", n->path);
             if (!parse_string(&c, n->descr, sizeof(n->descr)))
                 return fail(err, size, "%s: bad .npy header: 'descr' is not a string", n->path);
             have_descr = true;
@@ -272,8 +277,7 @@ int npy_open(npy_file *n, const char *path, char *err, size_t size)
             known = true;
         }
     if (!known) {
-        r = fail(err, size, "%s: unsupported dtype '%s' (moecl-route reads '<f4', '<f2', and bfloat16 as "
-                            "'<u2' or '|V2'; little-endian)", path, n->descr);
+        r = fail(err, size, "%s: unsupported dtype '%s' (" KNOWN_DTYPES ")", path, n->descr);
         goto out;
     }
     n->count = 1;
@@ -333,6 +337,37 @@ int npy_read_rows(npy_file *n, void *buf, uint64_t rows, char *err, size_t size)
         return fail(err, size, "%s: %s at row %llu", n->path, ferror(n->f) ? strerror(errno) : "unexpected end of data",
                     (unsigned long long)n->rows_read);
     n->rows_read += rows;
+    return 0;
+}
+
+int npy_read_ids(npy_file *n, int32_t *ids, uint64_t rows, char *err, size_t size)
+{
+    if (n->kind == NPY_I32)
+        return npy_read_rows(n, ids, rows, err, size);
+    if (n->kind != NPY_I64)
+        return fail(err, size, "%s: dtype %s: expert ids are '<i4' (int32) or '<i8' (int64)", n->path,
+                    npy_kind_name(n->kind));
+    /* A row at a time through a small buffer: no second copy of the ids. */
+    const size_t per_row = npy_row_bytes(n) / 8;
+    int64_t buf[256];
+    for (uint64_t r = 0; r < rows; r++) {
+        const uint64_t row = n->rows_read;
+        for (size_t done = 0; done < per_row;) {
+            const size_t m = per_row - done < 256 ? per_row - done : 256;
+            if (fread(buf, 8, m, n->f) != m)
+                return fail(err, size, "%s: %s at row %llu", n->path,
+                            ferror(n->f) ? strerror(errno) : "unexpected end of data", (unsigned long long)row);
+            for (size_t i = 0; i < m; i++) {
+                if (buf[i] < INT32_MIN || buf[i] > INT32_MAX)
+                    return fail(err, size, "%s: row %llu holds the id %lld, outside the int32 range that moe_align "
+                                           "takes (int64 ids are converted to int32)",
+                                n->path, (unsigned long long)row, (long long)buf[i]);
+                ids[r * per_row + done + i] = (int32_t)buf[i];
+            }
+            done += m;
+        }
+        n->rows_read++;
+    }
     return 0;
 }
 
@@ -397,16 +432,28 @@ int npy_writer_write(npy_writer *w, const void *data, size_t bytes, char *err, s
     return 0;
 }
 
-int npy_writer_commit(npy_writer *w, char *err, size_t size)
+int npy_writer_finish(npy_writer *w, char *err, size_t size)
 {
     FILE *f = w->f;
+    if (!f)
+        return 0;
     w->f = NULL;
     int r = 0;
     if (fflush(f) || fsync(fileno(f)))
         r = fail(err, size, "%s: cannot write: %s", w->path, strerror(errno));
     if (fclose(f) && !r)
         r = fail(err, size, "%s: cannot write: %s", w->path, strerror(errno));
-    if (!r && rename(w->tmp, w->path))
+    if (r)
+        npy_writer_abort(w);
+    return r;
+}
+
+int npy_writer_commit(npy_writer *w, char *err, size_t size)
+{
+    int r = npy_writer_finish(w, err, size);
+    if (r)
+        return r;
+    if (rename(w->tmp, w->path))
         r = fail(err, size, "%s: cannot rename %s into place: %s", w->path, w->tmp, strerror(errno));
     if (r) {
         npy_writer_abort(w);

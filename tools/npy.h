@@ -13,8 +13,9 @@
 #define NPY_MAX_DIMS 8
 
 /* The element types these tools know. U2 and V2 are 16-bit patterns whose
- * meaning the caller decides (moecl-route: bfloat16 with --bf16). */
-typedef enum npy_kind { NPY_F32, NPY_F16, NPY_U2, NPY_V2, NPY_I32 } npy_kind;
+ * meaning the caller decides (moecl-route: bfloat16 with --bf16); I64 is
+ * read as expert ids only (npy_read_ids). */
+typedef enum npy_kind { NPY_F32, NPY_F16, NPY_U2, NPY_V2, NPY_I32, NPY_I64 } npy_kind;
 
 typedef struct npy_file {
     FILE *f;
@@ -45,6 +46,11 @@ size_t npy_row_bytes(const npy_file *n);
  * message naming the file (short read: the file changed or an I/O error). */
 int npy_read_rows(npy_file *n, void *buf, uint64_t rows, char *err, size_t err_size);
 
+/* Reads the next `rows` rows of an int32 or int64 array into ids as int32:
+ * 0, or -1 with a message naming the file, the row and the value when an
+ * int64 one is outside the int32 range. */
+int npy_read_ids(npy_file *n, int32_t *ids, uint64_t rows, char *err, size_t err_size);
+
 /* "'<f4' (float32)" and the like, for messages. */
 const char *npy_kind_name(npy_kind kind);
 
@@ -60,6 +66,10 @@ typedef struct npy_writer {
 int npy_writer_open(npy_writer *w, const char *path, const char *descr, int ndim, const uint64_t *shape, char *err,
                     size_t err_size);
 int npy_writer_write(npy_writer *w, const void *data, size_t bytes, char *err, size_t err_size);
+/* Flushes and closes the temporary file (to disk: fsync), which stays
+ * until commit or abort. */
+int npy_writer_finish(npy_writer *w, char *err, size_t err_size);
+/* Finishes the file if it is not yet, and renames it to path. */
 int npy_writer_commit(npy_writer *w, char *err, size_t err_size);
 /* Removes the temporary file; a no-op on a writer that was never opened or
  * is already committed. */

@@ -39,6 +39,20 @@ static void *read_all(const char *path, npy_file *n, char *err, size_t size)
     return p;
 }
 
+/* An ids file, int32 or int64, whole, as int32 (npy_read_ids). */
+static int32_t *read_ids(const char *path, npy_file *n, char *err, size_t size)
+{
+    if (npy_open(n, path, err, size))
+        return NULL;
+    int32_t *p = malloc(n->count * 4 + 16);
+    if (p && npy_read_ids(n, p, n->ndim ? n->shape[0] : 1, err, size)) {
+        free(p);
+        p = NULL;
+    }
+    npy_close(n);
+    return p;
+}
+
 static void shape_text(char *out, size_t size, int ndim, const uint64_t *shape)
 {
     int n = snprintf(out, size, "(");
@@ -230,10 +244,10 @@ int main(int argc, char **argv)
             fprintf(stderr, "route-check: --op align needs --ids-in and --experts 1..4096\n");
             return 2;
         }
-        if (!(in = read_all(ids_in, &n, err, sizeof(err))))
+        if (!(in = read_ids(ids_in, &n, err, sizeof(err))))
             return fail("%s%s", err, "");
-        if (n.kind != NPY_I32 || n.ndim != 2)
-            return fail("%s: not a 2-D '<i4' array%s", ids_in, "");
+        if ((n.kind != NPY_I32 && n.kind != NPY_I64) || n.ndim != 2)
+            return fail("%s: not a 2-D '<i4' or '<i8' array%s", ids_in, "");
         const int r = check_dispatch(dispatch, (uint32_t)n.shape[0], (uint32_t)n.shape[1], (uint32_t)experts_in,
                                      (uint32_t)block, in, want_post, want_invalid);
         free(in);

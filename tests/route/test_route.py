@@ -659,6 +659,131 @@ def case_usage(c):
         raise Failure("%s was written" % same)
 
 
+def case_options_in_full(c):
+    """No option is guessed: --topk is --top-k's second spelling, never a
+    prefix of --topk-group; an abbreviation exits 2 naming the full names;
+    a flag given a value exits 2."""
+    t, e = 12, 16
+    lg = logits_file(c, "logits.npy", t, e)
+    # getopt_long's default took --topk for --topk-group: this routed with
+    # top_k 8 and topk_group 2, exit status 0.
+    p = c.expect_failure([lg, "--topk", "2", "--groups", "8"], ["--groups and --topk-group"], rc=2)
+    ids = c.path("ids.npy")
+    p = c.run(c.route, [lg, "--topk", "3", "--json", "--ids", ids])
+    if json.loads(p.stdout)["top_k"] != 3 or read_npy(ids)[1] != (t, 3):
+        raise Failure("--topk 3 did not route with top_k 3")
+    for word, full in (("--topk-g", "--topk-group"), ("--top", "--top-k"), ("--weig", "--weights"),
+                       ("--renorm", "--renormalize")):
+        argv = [lg, word] if word == "--renorm" else [lg, "--groups", "4", word, "2"]
+        if word == "--weig":
+            argv = [lg, word, c.path("w.npy")]
+        p = c.expect_failure(argv, ["'%s' is not a full option name" % word], rc=2)
+        if full not in p.stderr:
+            raise Failure("the message does not name %s" % full)
+    c.expect_failure([lg, "--json=yes"], ["option '--json' takes no value"], rc=2)
+
+
+def case_float_options(c):
+    """A subnormal value is a number: --scale takes it; --renormalize-floor
+    refuses it naming its range (not "not a finite number"); a value that
+    rounds to 0 or beyond the float range is refused as such."""
+    t, e = 10, 8
+    lg = logits_file(c, "logits.npy", t, e)
+    _, p = c.route_and_check([lg, "--top-k", "2", "--scale", "1e-40", "--json"], 2, t)
+    if json.loads(p.stdout)["scale"] != 1e-40:
+        raise Failure("--scale 1e-40 is not in the summary: %r" % json.loads(p.stdout)["scale"])
+    p = c.expect_failure([lg, "--renormalize", "--renormalize-floor", "1e-40"], ["2^-126"], rc=2)
+    if "finite" in p.stderr or "subnormal" not in p.stderr:
+        raise Failure("the message does not call 1e-40 subnormal: %r" % p.stderr)
+    c.expect_failure([lg, "--scale", "1e-50"], ["rounds to 0"], rc=2)
+    c.expect_failure([lg, "--scale", "1e39"], ["beyond the float range"], rc=2)
+
+
+def case_align_int64_ids(c):
+    """int64 ids (torch.topk's) read as int32: the same outputs as the
+    int32 file; an id outside int32 stops the run (exit 1, nothing
+    written) with a message naming int32; other dtypes are refused naming
+    what ids are read."""
+    t, k, e = 300, 4, 16
+    ids, invalid = align_ids(c, t, k, e)
+    p32 = write_ids(c.path("ids32.npy"), ids, (t, k))
+    p64 = c.path("ids64.npy")
+    with open(p64, "wb") as f:
+        f.write(npy_bytes("<i8", (t, k), struct.pack("<%dq" % len(ids), *ids)))
+    base = ["--op", "align", "--experts", str(e), "--block-size", "8", "--chunk-rows", "37", "--ids-in"]
+    out32, _ = c.route_and_check(base + [p32], k, t, DISPATCH, experts=e)
+    out64, p = c.route_and_check(base + [p64, "--json"], k, t, DISPATCH, experts=e)
+    if json.loads(p.stdout)["dtype"] != "i64" or p.summary[1] != invalid:
+        raise Failure("the summary says dtype %r, num_invalid %r" % (json.loads(p.stdout)["dtype"], p.summary[1]))
+    for o in DISPATCH:
+        if read_npy(out32[o]) != read_npy(out64[o]):
+            raise Failure("%s differs between the int32 and the int64 ids" % o)
+    big = list(ids)
+    big[5 * k + 1] = 1 << 40
+    pbig = c.path("ids64-big.npy")
+    with open(pbig, "wb") as f:
+        f.write(npy_bytes("<i8", (t, k), struct.pack("<%dq" % len(big), *big)))
+    p = c.expect_failure(base + [pbig], [pbig], rc=1, outputs=DISPATCH)
+    if "int32" not in p.stderr or "row 5" not in p.stderr:
+        raise Failure("the message does not name the row and int32: %r" % p.stderr)
+    pu8 = c.path("ids-u8.npy")
+    with open(pu8, "wb") as f:
+        f.write(npy_bytes("<u8", (t, k), struct.pack("<%dQ" % len(ids), *[i & 0xFFFF for i in ids])))
+    p = c.expect_failure(base + [pu8], [pu8], rc=1, outputs=DISPATCH)
+    if "'<i8'" not in p.stderr or "'<i4'" not in p.stderr:
+        raise Failure("the message does not say which ids are read: %r" % p.stderr)
+
+
+def case_folder_target(c):
+    """An output path that is a folder is refused before anything is
+    written: exit 1, no other output written, a file at another output
+    path as it was (the rename into the folder used to fail after the
+    weights had been renamed into place)."""
+    t, e = 20, 8
+    lg = logits_file(c, "logits.npy", t, e)
+    outdir = c.path("outs")
+    os.mkdir(outdir)
+    folder = os.path.join(outdir, "a-folder")
+    os.mkdir(folder)
+    keep = os.path.join(outdir, "old.npy")
+    with open(keep, "wb") as f:
+        f.write(b"old contents")
+    for argv in ([lg, "--top-k", "2", "--weights", os.path.join(outdir, "w.npy"), "--ids", folder],
+                 [lg, "--top-k", "2", "--weights", keep, "--pairs", folder],
+                 [lg, "--top-k", "2", "--ids", os.path.join(outdir, "i.npy"), "--sorted-token-ids", folder]):
+        p = c.run(c.route, argv, want_rc=1)
+        if folder not in p.stderr or "folder" not in p.stderr.replace(folder, ""):
+            raise Failure("the message does not name the folder: %r" % p.stderr)
+        if sorted(os.listdir(outdir)) != ["a-folder", "old.npy"] or os.listdir(folder):
+            raise Failure("files were written: %s" % os.listdir(outdir))
+        if open(keep, "rb").read() != b"old contents":
+            raise Failure("%s changed" % keep)
+
+
+def case_demo(c):
+    """--demo DIR writes the example logits and bias that the README's
+    commands route; a second --demo keeps the files and exits 1; --demo
+    takes no other option."""
+    d = c.path("demo")
+    os.mkdir(d)
+    p = c.run(c.route, ["--demo", d])
+    lg, bias = os.path.join(d, "logits.npy"), os.path.join(d, "bias.npy")
+    for path, shape in ((lg, (4096, 256)), (bias, (256,))):
+        descr, got, fortran, payload = read_npy(path)
+        if (descr, got, fortran, len(payload)) != ("<f4", shape, False, 4 * shape[0] * (shape[1:] or (1,))[0]):
+            raise Failure("%s: %r %r %r, %d bytes" % (path, descr, got, fortran, len(payload)))
+        if path not in p.stdout:
+            raise Failure("the message does not name %s" % path)
+    before = open(lg, "rb").read()
+    c.run(c.route, ["--demo", d], want_rc=1)
+    if open(lg, "rb").read() != before:
+        raise Failure("a second --demo changed %s" % lg)
+    c.expect_failure(["--demo", d, "--top-k", "2"], ["--demo"], rc=2)
+    c.route_and_check([lg], 8, 4096)
+    c.route_and_check([lg, "--top-k", "8", "--scoring", "sigmoid", "--bias", bias, "--groups", "8", "--topk-group",
+                       "4", "--group-score", "top2sum", "--renormalize", "--scale", "2.5"], 8, 4096)
+
+
 CASES = {name[5:].replace("_", "-"): fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
