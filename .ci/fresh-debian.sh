@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # CI: follow the README on a fresh Debian 12 as a new user would. In a
 # debootstrap'd minbase root, as root: the README's first quick-start
-# command, its "Building" commands, `ldconfig`, then each link command of
-# "Install and link" on the README's smallest program, which must run and
-# print two "token" lines; then the README's `python3 -m venv venv &&
-# venv/bin/pip install .` of the Python package (from PyPI) and its Python
-# example (the first ```python block of "## Python"), which must print the
-# ids' shape and dtype and each row's
-# weight sum. The commands, app.c and the example are read from README.md,
-# so the README and this check cannot drift apart. Not the test command:
-# the rest of CI runs that.
+# command; the commands of "## Python" (its packages, then `python3 -m venv
+# venv && venv/bin/pip install .`, which builds the C library into the
+# package, from PyPI's meson-python) and the README's Python example (its
+# first ```python block), which must print the ids' shape and dtype and
+# each row's weight sum, before any C library is installed; then the
+# "Building" commands, `ldconfig`, then each link command of "Install and
+# link" on the README's smallest program, which must run and print two
+# "token" lines. The commands, app.c and the example are read from
+# README.md, so the README and this check cannot drift apart. Not the test
+# command: the rest of CI runs that.
 #
 # Needs root (debootstrap, mount, chroot) and Debian's mirror. Tests the
 # committed tree (git archive HEAD). KEEP=1 keeps the root for a look;
@@ -149,7 +150,9 @@ small = install.find('The smallest program')
 if small < 0:
     sys.exit('README.md: no "The smallest program" in "Install and link"')
 write('app.c', block(install[small:], 'c', 'after "The smallest program"'))
-write('example.py', block(section('Python'), 'python', 'in "Python"'))
+write('example.py', block(text, 'python', 'in README.md'))
+for i, c in enumerate(commands(block(section('Python'), 'sh', 'in "Python"'))):
+    write('python-%02d.cmd' % i, c)
 PY
 ls "$readme"/link-*.cmd >/dev/null 2>&1 || fail "no link commands read from README.md"
 
@@ -169,8 +172,34 @@ begin "copying the tree of $(git rev-parse --short HEAD) to /root/moecl"
 git diff --quiet HEAD -- || say "note: uncommitted changes are not tested (git archive HEAD)"
 git archive --prefix=moecl/ HEAD | tar -x -C "$root/root"
 
+# How many packages the root has installed (the README gives the quick start's count).
+packages() { in_root /root 'dpkg-query -W -f "\${Status}\n" | grep -c "install ok installed"' || true; }
+before=$(packages)
+quick_t0=$SECONDS
 begin "quick start: $(cat "$readme/quickstart.cmd")"
 in_root /root/moecl "$(cat "$readme/quickstart.cmd")" || fail "the README's quick-start command"
+say "the quick start installed $(($(packages) - before)) packages in $((SECONDS - quick_t0)) s"
+
+# The Python package as the README installs it, before the C library is
+# installed: the section's commands in the checkout (its packages, then
+# pip fetching meson-python, meson and numpy from PyPI), then the example.
+# Once ca-certificates is installed, the fresh root trusts the certificate
+# authorities this machine trusts: CI's network intercepts TLS with one of
+# its own, which Debian's bundle lacks.
+mkdir -p "$root/root/app"
+for f in "$readme"/python-*.cmd; do
+    c=$(cat "$f")
+    begin "Python: $c"
+    if [ -f /etc/ssl/certs/ca-certificates.crt ] && [ -f "$root/etc/ssl/certs/ca-certificates.crt" ]; then
+        cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt" || fail "copying the CA bundle"
+    fi
+    in_root /root/moecl "$c" || fail "the README's Python command: $c"
+done
+cp "$readme/example.py" "$root/root/app/example.py"
+out=$(in_root /root/app '/root/moecl/venv/bin/python example.py') || { printf '%s\n' "$out" >&2; fail "the README's Python example"; }
+printf '%s\n' "$out"
+grep -q '^(4, 8) int32 \[' <<<"$out" || fail "the README's Python example did not print \"(4, 8) int32 [...]\""
+in_root /root 'ldconfig -p | grep -q libmoecl' && fail "a libmoecl was installed before the Python example: it proves nothing"
 
 for f in "$readme"/build-*.cmd; do
     c=$(cat "$f")
@@ -195,7 +224,6 @@ if [ ${#failures[@]} -gt 0 ]; then
     fail "the README's install commands, as written"
 fi
 
-mkdir -p "$root/root/app"
 cp "$readme/app.c" "$root/root/app/app.c"
 for f in "$readme"/link-*.cmd; do
     c=$(cat "$f")
@@ -206,23 +234,6 @@ for f in "$readme"/link-*.cmd; do
     printf '%s\n' "$out"
     [ "$(grep -c '^token ' <<<"$out" || true)" -eq 2 ] || fail "./app did not print two \"token\" lines"
 done
-
-# The Python package as the README installs it: python3-venv (which the
-# README says to install first), then its two commands in the checkout,
-# pip fetching numpy and the pinned setuptools and wheel from PyPI. The
-# fresh root trusts the certificate authorities this machine trusts: CI's
-# network intercepts TLS with one of its own, which Debian's bundle lacks.
-begin "Python: python3 -m venv venv && venv/bin/pip install ., the README's example"
-in_root /root 'apt-get install -y --no-install-recommends python3-venv ca-certificates >/dev/null' ||
-    fail "apt-get install python3-venv ca-certificates"
-if [ -f /etc/ssl/certs/ca-certificates.crt ]; then
-    cp /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt" || fail "copying the CA bundle"
-fi
-in_root /root/moecl 'python3 -m venv venv && venv/bin/pip install -q .' || fail "python3 -m venv venv && venv/bin/pip install ."
-cp "$readme/example.py" "$root/root/app/example.py"
-out=$(in_root /root/app '/root/moecl/venv/bin/python example.py') || { printf '%s\n' "$out" >&2; fail "the README's Python example"; }
-printf '%s\n' "$out"
-grep -q '^(4, 8) int32 \[' <<<"$out" || fail "the README's Python example did not print \"(4, 8) int32 [...]\""
 
 step="done"
 say "passed in $((SECONDS - t0)) s"

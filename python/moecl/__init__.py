@@ -1,7 +1,7 @@
 """moecl: portable OpenCL kernels for mixture-of-experts routing, from Python.
 
-A ctypes layer over the installed C library libmoecl.so (built and
-installed with meson; see python/README.md). ::
+A ctypes layer over the C library libmoecl.so, which ``pip install``
+builds into the package (python/README.md). ::
 
     import numpy as np
     import moecl
@@ -11,8 +11,8 @@ installed with meson; see python/README.md). ::
     weights, ids = ctx.topk_gating(logits, top_k=8, renormalize=True)
 
 The library is loaded on import: from $MOECL_LIBRARY (a path), else the
-libdir of ``pkg-config moecl``, else ``ctypes.util.find_library("moecl")``;
-an OSError lists what was tried.
+package's own, else the libdir of ``pkg-config moecl``, else
+``ctypes.util.find_library("moecl")``; an OSError lists what was tried.
 """
 
 from ._context import (Context, EpLayoutResult, MoeAlignResult, RouteDispatchResult, library, status_string,

@@ -454,12 +454,17 @@ class Context:
         gating: the gating options by their Python names (scoring,
         weighting, groups, topk_group, group_score, group_fill,
         renormalize, scale, renormalize_floor, precision); absent ones keep
-        desc_init's defaults (the seed's gating)."""
+        desc_init's defaults (the seed's gating: scoring "raw", weighting
+        "softmax_chosen"), except that a scoring given without a weighting
+        weighs the chosen by their score, as topk_gating does, so that
+        scoring="softmax" means the same here as there."""
         tokens, hidden_dim = h.shape
         desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[T.input_dtypes(dtype)[h.dtype]]
         g = dict(gating or {})
+        if "scoring" in g and "weighting" not in g:
+            g["weighting"] = "score"
         convert = {
             "scoring": lambda v: ("scoring", _enum("scoring", v, _lib.SCORINGS)),
             "weighting": lambda v: ("weighting", _enum("weighting", v, _lib.WEIGHTINGS)),
@@ -492,7 +497,10 @@ class Context:
         options (keywords: scoring, weighting, groups, topk_group,
         group_score, group_fill, renormalize, scale, renormalize_floor, as
         for topk_gating; precision "fp32", "tf32" or "3xtf32") route g as
-        top-k gating routes its logits.
+        top-k gating routes its logits. A scoring given without a weighting
+        takes topk_gating's weighting="score": scoring="softmax" gives the
+        weights topk_gating(g, scoring="softmax") gives. Without a scoring,
+        the seed's gating stays (scoring="raw", weighting="softmax_chosen").
 
         Args:
             hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
@@ -543,8 +551,14 @@ class Context:
         optional correction bias: DeepSeek-V3 is scoring="sigmoid",
         weighting="score", bias=e_score_correction_bias, groups=8,
         topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5,
-        top_k=8. The defaults are the grounded router's (scoring="raw",
-        weighting="softmax_chosen").
+        top_k=8. Without scoring and weighting, the grounded router's
+        gating: top-k of g, then a softmax over the chosen values
+        (scoring="raw", weighting="softmax_chosen"). A scoring given without
+        a weighting weighs the chosen by their score, as topk_gating does:
+        router(h, W, top_k=4, scoring="softmax") gives the weights of
+        topk_gating(h @ W.T, top_k=4, scoring="softmax") (all experts'
+        softmax at the chosen ones); pass weighting="softmax_chosen" for a
+        softmax over the chosen only (Mixtral, Qwen).
 
         Args:
             hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).

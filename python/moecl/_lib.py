@@ -20,6 +20,9 @@ ABI_VERSION = 1
 
 _SONAMES = ("libmoecl.so.%d" % ABI_VERSION, "libmoecl.so")
 
+#: The libmoecl.so that `pip install .` builds into the package.
+BUNDLED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libmoecl.so")
+
 c_uint32 = ctypes.c_uint32
 c_int = ctypes.c_int
 c_void_p = ctypes.c_void_p
@@ -198,6 +201,12 @@ def _candidates() -> Tuple[List[str], List[str]]:
     if env:
         return [env], notes  # an explicit path is the only one tried
     notes.append("MOECL_LIBRARY: unset")
+    # The library pip built into the package (meson.build's python option):
+    # the one these declarations were built with.
+    if os.path.exists(BUNDLED):
+        paths.append(BUNDLED)
+    else:
+        notes.append("%s: not there (the package was not installed with pip)" % BUNDLED)
     libdir, note = _pkg_config_libdir()
     if libdir is None:
         notes.append(note)
@@ -214,8 +223,9 @@ def _candidates() -> Tuple[List[str], List[str]]:
 def load() -> ctypes.CDLL:
     """Load libmoecl and declare its functions.
 
-    Tries, in order: the path in $MOECL_LIBRARY, the library in
-    ``pkg-config --variable=libdir moecl``, then
+    Tries, in order: the path in $MOECL_LIBRARY (alone, when set), the
+    library inside the package (``BUNDLED``, which pip builds), the library
+    in ``pkg-config --variable=libdir moecl``, then
     ``ctypes.util.find_library("moecl")``.
 
     Raises:
@@ -239,6 +249,7 @@ def load() -> ctypes.CDLL:
             continue
         return lib
     raise OSError(
-        "moecl: cannot load the C library libmoecl.so (build and install it with meson, "
-        "as the README says, or set MOECL_LIBRARY to its path). Tried:\n  " + "\n  ".join(failures)
+        "moecl: cannot load the C library libmoecl.so (install the package with pip, which builds it "
+        "into the package, or build and install it with meson as the README says, or set MOECL_LIBRARY "
+        "to its path). Tried:\n  " + "\n  ".join(failures)
     )

@@ -1,5 +1,5 @@
-"""The package's version: meson.build's project version, which setup.py
-copies into the package metadata when pip builds it."""
+"""The package's version: meson.build's project version, which
+meson-python copies into the package metadata when pip builds it."""
 
 from importlib.metadata import PackageNotFoundError, version as _dist_version
 

@@ -52,15 +52,34 @@ def test_unloadable_library_is_reported():
 
 def test_search_order_is_reported(tmp_path):
     # No MOECL_LIBRARY, a pkg-config that finds nothing, no loader cache hit:
-    # the message names each place tried.
-    r = run_import({"MOECL_LIBRARY": "", "PKG_CONFIG_PATH": str(tmp_path), "PKG_CONFIG_LIBDIR": str(tmp_path),
-                    "LD_LIBRARY_PATH": "", "PATH": os.environ.get("PATH", "")})
+    # the package's own library (pip builds it in), else the message names
+    # each place tried.
+    env = {"MOECL_LIBRARY": "", "PKG_CONFIG_PATH": str(tmp_path), "PKG_CONFIG_LIBDIR": str(tmp_path),
+           "LD_LIBRARY_PATH": "", "PATH": os.environ.get("PATH", "")}
+    r = run_import(env)
+    if os.path.exists(_lib.BUNDLED):
+        assert r.returncode == 0, r.stderr
+        r = subprocess.run([sys.executable, "-c", "import moecl; print(moecl.library()._name)"], capture_output=True,
+                           text=True, env={**os.environ, **env}, timeout=120)
+        assert r.stdout.strip() == _lib.BUNDLED, r.stdout + r.stderr
+        return
     if r.returncode == 0:
         import ctypes.util
         assert ctypes.util.find_library("moecl"), "imported with no MOECL_LIBRARY, pkg-config or loader cache entry"
         return  # installed system-wide: the loader cache has it
-    assert "MOECL_LIBRARY: unset" in r.stderr
+    assert "MOECL_LIBRARY: unset" in r.stderr and _lib.BUNDLED in r.stderr
     assert "pkg-config" in r.stderr and 'find_library("moecl")' in r.stderr
+
+
+def test_moecl_library_wins(tmp_path):
+    # MOECL_LIBRARY, when set, is the library loaded, the package's own or not:
+    # a copy of the library in use, under another name, is the one loaded.
+    import shutil
+    path = str(tmp_path / "libmoecl-mine.so")
+    shutil.copy(os.environ.get("MOECL_LIBRARY") or _lib.BUNDLED, path)
+    r = subprocess.run([sys.executable, "-c", "import moecl; print(moecl.library()._name)"], capture_output=True,
+                       text=True, env={**os.environ, "MOECL_LIBRARY": path}, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == path, r.stdout + r.stderr
 
 
 def test_device_selectors(ctx):
