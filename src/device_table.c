@@ -93,7 +93,7 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
             "places every slot alone, as that kernel's does; unmeasured off "
             "NVIDIA"),
     DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 5120,
-            "MOECL_ALIGN=fused: the one kernel up to moe_align_fused's "
+            "the override align=fused: the one kernel up to moe_align_fused's "
             "GPU limit on every device (tests)"),
     DEFAULT(MOECL_DP_EP_FUSED_CPU, 0,
             "CPUs: the three kernels, timed on pocl and Intel's CPU runtime, 2026-12-01 "

@@ -91,7 +91,7 @@ static const char *const kernel_names[NUM_KERNELS] = {"ep_layout_count", "ep_lay
                                                       "ep_layout_fused"};
 
 /* The fused kernel's work-group: the device table's (or
- * MOECL_EP_FUSED_WG's) where the device allows, else the largest power of
+ * the override's ep_wg) where the device allows, else the largest power of
  * two below the device's limit. */
 static unsigned fused_wg_of(const moecl_device_info *info)
 {
@@ -281,7 +281,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, c
     const cl_uint ranks = d->num_ranks, replicas = d->max_replicas;
     const cl_uint flags = (a->l2p.mem ? EP_MAP : 0) | (a->p2r.mem ? EP_TABLE : 0) | (a->tir.mem ? EP_TIR : 0) |
                           (a->tpr.mem ? EP_TPR : 0) | (a->counts.mem ? EP_COUNTS : 0);
-    /* The path: MOECL_EP_LAYOUT's where it forces one the device can run,
+    /* The path: the override's ep= where it forces one the device can run,
      * else the device table's for the launch class. */
     const moecl_ep_path path = ctx->info.env.ep_path;
     const bool fused = moecl_device_param_class(&ctx->params, MOECL_DP_EP_FUSED_CPU, ctx->info.launch_class);

@@ -123,15 +123,15 @@ size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, uns
 
 /* The tiled kernel's configurations: the rule's, in the order it tries
  * them, then the ones only moecl-tune's sweep, a tune file or
- * MOECL_GROUNDED_TILE asks for. tn 0: the experts rounded up to a power of
+ * the override's tile= asks for. tn 0: the experts rounded up to a power of
  * two, 16 to 64. The rule starts at 64 tokens with 4 x 4 blocks, the
  * shape of the kernel before its vector loads and double buffering;
  * 128 tokens with 8 x 8 blocks measured slower on the H200 in that kernel
  * (bench/RESULTS.md, "Moved from code comments"), so only
- * MOECL_GROUNDED_TILE=128 starts the rule there. */
+ * the override tile=128 starts the rule there. */
 #define RULE_TILE_CONFIGS 4
 static const moecl_launch_config tile_configs[] = {
-    /* the rule's (MOECL_GROUNDED_TILE=128 starts at the first) */
+    /* the rule's (the override tile=128 starts at the first) */
     {MOECL_KERNEL_TILED, 1, 0, 128, {0, 16, 8, 8, 4, 1, 0}},
     {MOECL_KERNEL_TILED, 1, 0, 64, {0, 16, 4, 4, 4, 1, 0}},
     {MOECL_KERNEL_TILED, 1, 0, 32, {0, 16, 4, 4, 4, 1, 0}},
@@ -238,7 +238,7 @@ static bool mma_wanted(const grounded_request *r)
 
 /* Whether the device runs the mma instructions themselves: NVIDIA sm_80+
  * (bf16 and tf32 mma.sync) with inline PTX. Elsewhere the kernel is only
- * forced (MOECL_GROUNDED_KERNEL=mma) and runs emulated. */
+ * forced (the override grounded=mma) and runs emulated. */
 static bool mma_native(const moecl_device_info *info)
 {
     return info->ptx && info->nv_compute_major >= 8;
@@ -336,10 +336,10 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
      * f16 and bf16 and for the TF32 precisions, with the seed's gating. */
     if ((info->env.grounded_mma || mma_native(info)) && mma_shape(info, r, &shape))
         return (moecl_launch_config){MOECL_KERNEL_MMA, 1, 0, 0, {0}};
-    /* MOECL_GROUNDED_TILE asks for the GPU rule unless MOECL_LAUNCH_CLASS=cpu. */
+    /* the override's tile= asks for the GPU rule unless the override says class=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!env_tiled || info->env.launch_class_forced))
         return rows_kernel;
-    /* One tiled configuration named by MOECL_GROUNDED_TILE, whatever the
+    /* One tiled configuration named by the override's tile= words, whatever the
      * shape, where the device runs it. */
     if (env_tile->kernel == MOECL_KERNEL_TILED && mergeable(r) && tiled_shape(info, env_tile, experts, k, &shape))
         return *env_tile;

@@ -176,7 +176,7 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
 
 typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
 
-/* The path of d: MOECL_ALIGN's where it forces one the device can run;
+/* The path of d: the override's align= where it forces one the device can run;
  * else, within the device table's limits, the fused kernel (its last
  * work-group places every slot alone, so beyond some size the chunked
  * path's three launches, which place in parallel, win), then the

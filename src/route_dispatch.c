@@ -133,9 +133,9 @@ static size_t routing_team_local(const route_step *s, unsigned team, unsigned ro
 
 /* Whether the one kernel serves the call, and its plan: some tokens, at
  * most the device table's slots (its last work-group places every slot
- * alone, as moe_align_fused's does; MOECL_ALIGN=fused asks for it up to
+ * alone, as moe_align_fused's does; the override align=fused asks for it up to
  * the table's limit under that variable), the routing on its team kernel,
- * no MOECL_ALIGN forcing another path, the device's work-group limit and
+ * no override (align=) forcing another path, the device's work-group limit and
  * local memory (the team's rows, then moe_align_fused's two arrays of
  * E + 1 words and its compiled-in ones). */
 static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, const moecl_plan **plan)

@@ -136,7 +136,7 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const topk_request *r = request;
     const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
     const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0, {0}};
-    /* MOECL_TEAM asks for the team kernel unless MOECL_LAUNCH_CLASS=cpu. */
+    /* the override team= asks for the team kernel unless the override says class=cpu. */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.team || info->env.launch_class_forced))
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
