@@ -550,8 +550,9 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 #define G_AT(m, n) ((__local float *)tile_memory)[(m) * (TN + 1) + (n)]
 
     const uint lid = get_local_id(0);
-    /* One panel: the plain form, to which NVIDIA's compiler gave fewer
-     * registers than the general one (bench/RESULTS.md). */
+    /* One panel: the plain form, to which NVIDIA's compiler gives fewer
+     * registers than the general one (128 against 156 for the 8 x 4 tile,
+     * 565 against 640 us on the H200). */
 #if WC == COL_GROUPS
     const uint col_group = lid % COL_GROUPS, row_group = lid / COL_GROUPS;
 #else

@@ -9,7 +9,7 @@
  * the row lives in the registers of TEAM work-items, EPT elements each). */
 
 /* HAS_COUNTS (moecl_topk_gating_with_counts; absent, i.e. 0, for the plain
- * entry points, whose defines and kernels stay as they were): both kernels
+ * entry points, whose defines and kernels do not depend on it): both kernels
  * take two more arguments, an int histogram and its offset in elements,
  * which the host has zeroed, and add one to counts[id] for each id they
  * write. Integer sums: the result is the same in any order. */
@@ -71,8 +71,9 @@ static inline float8 load_block(__global const in_t *x, uint e0, float pad)
  * give ids 0..k-1. Blocks of 16 floats (one AVX-512 register); every loop
  * below is over the row's blocks. CPU_DEVICE (set by the host for CPU
  * devices): the path is only taken where it is known right, pocl and
- * Intel's CPU runtime; the H200 gives wrong ids with it (bench/RESULTS.md,
- * "Correctness fixes"), so other devices take the generic loop below. */
+ * Intel's CPU runtime; the H200 gives wrong ids with it (f32, f16 and
+ * bf16 rows of 60 and 64 experts; cause not found), so other devices
+ * take the generic loop below. */
 #ifndef CPU_DEVICE
 #define CPU_DEVICE 0
 #endif

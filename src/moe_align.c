@@ -275,7 +275,8 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     /* CPUs: one work-group of one work-item, which walks the slots in
      * order: counts and ranks passed between work-groups by atomics cost
-     * more there than the parallel count saves (bench/RESULTS.md). */
+     * more there than the parallel count saves (pocl: 44-46 us at 129 x 128
+     * against 9-10 for the three kernels). */
     const cl_uint chunk = ctx->info.launch_class == MOECL_LAUNCH_CPU ? (slots ? slots : 1)
                                                                      : chunk_size(ctx, p->fused_wg, slots, experts);
     const cl_uint groups = slots ? (cl_uint)(((uint64_t)slots + chunk - 1) / chunk) : 1;

@@ -22,7 +22,7 @@ typedef struct param {
     unsigned key_bits;
     /* In every variant's defines, even at def; else only where the value
      * differs from def, so that the defines (and the disk-cache entries)
-     * of the variants that leave it at def stay what they were. */
+     * of the variants that leave it at def do not depend on it. */
     bool always;
     uint32_t def;           /* the kernel's value where the define is absent */
     uint32_t min, max;      /* the values the op passes */

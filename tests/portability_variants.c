@@ -355,7 +355,7 @@ int main(int argc, char **argv)
                          s->renormalize ? " renormalize" : "", c->name);
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
                 /* The plain entry points' defines never name HAS_COUNTS
-                 * (their kernels and cache entries are what they were). */
+                 * (their kernels and cache entries do not depend on it). */
                 if (strstr(defines, "HAS_COUNTS")) {
                     fprintf(stderr, "portability_variants: the plain variant names HAS_COUNTS: %s\n", defines);
                     exit(1);
@@ -364,7 +364,7 @@ int main(int argc, char **argv)
 
             /* The zero fill and the floor, appended to the plain defines
              * only when set (so that the other variants' defines and cache
-             * entries are what they were). */
+             * entries do not depend on them). */
             for (size_t i = 0; !grounded_only(c) && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
                  i++) {
                 const topk_spec *s = &topk_specs[convention_specs[i]];
@@ -386,7 +386,7 @@ int main(int argc, char **argv)
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
             }
 
-            /* The scorings and weightings of issue 15 (cl/gating.cl): on
+            /* The scorings and weightings of cl/gating.cl: on
              * the convention specs, sqrt(softplus) and raw selection with
              * each chosen weighting. */
             for (size_t i = 0; i < sizeof(convention_specs) / sizeof(convention_specs[0]); i++) {

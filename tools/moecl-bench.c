@@ -870,7 +870,7 @@ static int default_cases(bench_case *out, bool quick)
     g->label = "grounded seed";
     g->op = OP_GROUNDED;
     g->grounded = moecl_grounded_router_desc_init(4096, 128, 16, 0.5f);
-    /* Issue 15's large shape, 16384 tokens x hidden 4096 x 128 experts, top
+    /* The large grounded shape, 16384 tokens x hidden 4096 x 128 experts, top
      * 8: f32 in each precision mode, and f16 and bf16 hidden states (--only
      * 16384x4096 selects the five). */
     static const struct {

@@ -737,7 +737,7 @@ def case_align_int64_ids(c):
 def case_folder_target(c):
     """An output path that is a folder is refused before anything is
     written: exit 1, no other output written, a file at another output
-    path as it was (the rename into the folder used to fail after the
+    path as it was (a rename into the folder would fail only after the
     weights had been renamed into place)."""
     t, e = 20, 8
     lg = logits_file(c, "logits.npy", t, e)
