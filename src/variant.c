@@ -34,6 +34,9 @@ typedef struct param {
     uint32_t (*get)(const moecl_gating_source *s);
 } param;
 
+/* A row's first seven fields; the rest by name, where a row sets them. */
+#define PARAM(n, l, bits, alw, d, lo, hi) \
+    .name = (n), .label = (l), .key_bits = (bits), .always = (alw), .def = (d), .min = (lo), .max = (hi)
 #define KERNEL_BIT(k) (1u << (k))
 #define WITH(p) ((p) + 1u)
 
@@ -75,18 +78,18 @@ static uint32_t get_weighting(const moecl_gating_source *s) { return (uint32_t)s
  * `always`, and its def is the kernel's default, so that every variant
  * that leaves it there keeps its defines and cache entries. */
 static const param gating_params[] = {
-    {"SCORING", "scoring", 2, true, 0, 0, MOECL_SCORING_RAW, 0, 0, FORMAT_UINT, scoring_names, get_scoring},
-    {"HAS_BIAS", "bias", 1, true, 0, 0, 1, 0, 0, FORMAT_UINT, NULL, get_bias},
-    {"NUM_GROUPS", "groups", 13, true, 0, 0, MOECL_MAX_EXPERTS, 0, 0, FORMAT_UINT, NULL, get_groups},
-    {"TOPK_GROUP", "topk_group", 13, true, 0, 0, MOECL_MAX_EXPERTS, 0, 0, FORMAT_UINT, NULL, get_topk_group},
-    {"GROUP_SCORE", "group_score", 1, true, 0, 0, MOECL_GROUP_SCORE_TOP2_SUM, 0, 0, FORMAT_UINT, group_score_names,
-     get_group_score},
-    {"RENORMALIZE", "renormalize", 1, true, 0, 0, 1, 0, 0, FORMAT_UINT, NULL, get_renormalize},
-    {"RENORM_FLOOR", "floor", 32, false, 0, 0, UINT32_MAX, 0, 0, FORMAT_FLOAT, NULL, get_floor},
-    {"GROUP_FILL", "group_fill", 1, false, 0, 0, MOECL_GROUP_FILL_ZERO, 0, 0, FORMAT_UINT, group_fill_names,
-     get_group_fill},
-    {"WEIGHTING", "weighting", 2, false, 0, 0, MOECL_WEIGHTS_SIGMOID_CHOSEN, 0, 0, FORMAT_UINT, weighting_names,
-     get_weighting},
+    {PARAM("SCORING", "scoring", 2, true, 0, 0, MOECL_SCORING_RAW), .names = scoring_names, .get = get_scoring},
+    {PARAM("HAS_BIAS", "bias", 1, true, 0, 0, 1), .get = get_bias},
+    {PARAM("NUM_GROUPS", "groups", 13, true, 0, 0, MOECL_MAX_EXPERTS), .get = get_groups},
+    {PARAM("TOPK_GROUP", "topk_group", 13, true, 0, 0, MOECL_MAX_EXPERTS), .get = get_topk_group},
+    {PARAM("GROUP_SCORE", "group_score", 1, true, 0, 0, MOECL_GROUP_SCORE_TOP2_SUM), .names = group_score_names,
+     .get = get_group_score},
+    {PARAM("RENORMALIZE", "renormalize", 1, true, 0, 0, 1), .get = get_renormalize},
+    {PARAM("RENORM_FLOOR", "floor", 32, false, 0, 0, UINT32_MAX), .format = FORMAT_FLOAT, .get = get_floor},
+    {PARAM("GROUP_FILL", "group_fill", 1, false, 0, 0, MOECL_GROUP_FILL_ZERO), .names = group_fill_names,
+     .get = get_group_fill},
+    {PARAM("WEIGHTING", "weighting", 2, false, 0, 0, MOECL_WEIGHTS_SIGMOID_CHOSEN), .names = weighting_names,
+     .get = get_weighting},
 };
 #define NUM_GATING_PARAMS (sizeof(gating_params) / sizeof(gating_params[0]))
 _Static_assert(NUM_GATING_PARAMS <= MOECL_GATING_MAX_PARAMS, "moecl_variant_values holds the gating block");
@@ -94,19 +97,20 @@ _Static_assert(NUM_GATING_PARAMS <= MOECL_GATING_MAX_PARAMS, "moecl_variant_valu
 /* ---- cl/topk_gating.cl (and moecl_route_dispatch's program) ---- */
 
 static const param topk_params[MOECL_TOPK_PARAMS] = {
-    [MOECL_TOPK_NUM_EXPERTS] = {"NUM_EXPERTS", "experts", 13, true, 0, 1, MOECL_MAX_EXPERTS},
-    [MOECL_TOPK_TOPK] = {"TOPK", "top_k", 7, true, 0, 1, MOECL_MAX_TOPK},
-    [MOECL_TOPK_IN_DTYPE] = {"IN_DTYPE", "dtype", 2, true, 0, 0, MOECL_BF16, .names = dtype_names},
-    [MOECL_TOPK_HAS_COUNTS] = {"HAS_COUNTS", "counts", 1, false, 0, 0, 1},
+    [MOECL_TOPK_NUM_EXPERTS] = {PARAM("NUM_EXPERTS", "experts", 13, true, 0, 1, MOECL_MAX_EXPERTS)},
+    [MOECL_TOPK_TOPK] = {PARAM("TOPK", "top_k", 7, true, 0, 1, MOECL_MAX_TOPK)},
+    [MOECL_TOPK_IN_DTYPE] = {PARAM("IN_DTYPE", "dtype", 2, true, 0, 0, MOECL_BF16), .names = dtype_names},
+    [MOECL_TOPK_HAS_COUNTS] = {PARAM("HAS_COUNTS", "counts", 1, false, 0, 0, 1)},
     /* the gating block sits here (moecl_variant_topk_gating.gating_at) */
-    [MOECL_TOPK_TEAM] = {"TEAM", "team", 0, true, 1, 1, MOECL_LAUNCH_MAX_TEAM},
-    [MOECL_TOPK_ROWS] = {"ROWS", "rows", 0, true, 1, 1, MOECL_LAUNCH_MAX_ROWS},
-    [MOECL_TOPK_TEAM_SHUFFLE] = {"TEAM_SHUFFLE", "shuffle", 0, true, 0, 0, 1},
-    [MOECL_TOPK_EPT] = {"EPT", "ept", 0, true, 0, 1, MOECL_MAX_EXPERTS},
-    [MOECL_TOPK_CPU_DEVICE] = {"CPU_DEVICE", "cpu", 0, true, 0, 0, 1},
-    [MOECL_TOPK_ROUTE_DISPATCH] = {"ROUTE_DISPATCH", "dispatch", 1, false, 0, 0, 1, KERNEL_BIT(MOECL_KERNEL_TEAM)},
-    [MOECL_TOPK_FUSED_WG] = {"FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX, KERNEL_BIT(MOECL_KERNEL_TEAM),
-                             WITH(MOECL_TOPK_ROUTE_DISPATCH)},
+    [MOECL_TOPK_TEAM] = {PARAM("TEAM", "team", 0, true, 1, 1, MOECL_LAUNCH_MAX_TEAM)},
+    [MOECL_TOPK_ROWS] = {PARAM("ROWS", "rows", 0, true, 1, 1, MOECL_LAUNCH_MAX_ROWS)},
+    [MOECL_TOPK_TEAM_SHUFFLE] = {PARAM("TEAM_SHUFFLE", "shuffle", 0, true, 0, 0, 1)},
+    [MOECL_TOPK_EPT] = {PARAM("EPT", "ept", 0, true, 0, 1, MOECL_MAX_EXPERTS)},
+    [MOECL_TOPK_CPU_DEVICE] = {PARAM("CPU_DEVICE", "cpu", 0, true, 0, 0, 1)},
+    [MOECL_TOPK_ROUTE_DISPATCH] = {PARAM("ROUTE_DISPATCH", "dispatch", 1, false, 0, 0, 1),
+                                   .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM)},
+    [MOECL_TOPK_FUSED_WG] = {PARAM("FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX),
+                             .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM), .with = WITH(MOECL_TOPK_ROUTE_DISPATCH)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */
@@ -114,40 +118,40 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
 #define TILED KERNEL_BIT(MOECL_KERNEL_TILED)
 #define MMA KERNEL_BIT(MOECL_KERNEL_MMA)
 static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
-    [MOECL_GROUNDED_HIDDEN_DIM] = {"HIDDEN_DIM", "hidden", 17, true, 0, 1, MOECL_MAX_HIDDEN},
-    [MOECL_GROUNDED_NUM_EXPERTS] = {"NUM_EXPERTS", "experts", 13, true, 0, 1, MOECL_MAX_EXPERTS},
-    [MOECL_GROUNDED_TOPK] = {"TOPK", "top_k", 7, true, 0, 1, MOECL_MAX_TOPK},
-    [MOECL_GROUNDED_IN_DTYPE] = {"IN_DTYPE", "dtype", 2, true, 0, 0, MOECL_BF16, .names = dtype_names},
-    [MOECL_GROUNDED_HAS_PAIRS] = {"HAS_PAIRS", "pairs", 1, true, 0, 0, 1},
-    [MOECL_GROUNDED_HAS_WEIGHTS] = {"HAS_WEIGHTS", "weights", 1, true, 0, 0, 1},
-    [MOECL_GROUNDED_HAS_IDS] = {"HAS_IDS", "ids", 1, true, 0, 0, 1},
-    [MOECL_GROUNDED_HAS_LOGITS] = {"HAS_LOGITS", "logits", 1, false, 1, 0, 1},
+    [MOECL_GROUNDED_HIDDEN_DIM] = {PARAM("HIDDEN_DIM", "hidden", 17, true, 0, 1, MOECL_MAX_HIDDEN)},
+    [MOECL_GROUNDED_NUM_EXPERTS] = {PARAM("NUM_EXPERTS", "experts", 13, true, 0, 1, MOECL_MAX_EXPERTS)},
+    [MOECL_GROUNDED_TOPK] = {PARAM("TOPK", "top_k", 7, true, 0, 1, MOECL_MAX_TOPK)},
+    [MOECL_GROUNDED_IN_DTYPE] = {PARAM("IN_DTYPE", "dtype", 2, true, 0, 0, MOECL_BF16), .names = dtype_names},
+    [MOECL_GROUNDED_HAS_PAIRS] = {PARAM("HAS_PAIRS", "pairs", 1, true, 0, 0, 1)},
+    [MOECL_GROUNDED_HAS_WEIGHTS] = {PARAM("HAS_WEIGHTS", "weights", 1, true, 0, 0, 1)},
+    [MOECL_GROUNDED_HAS_IDS] = {PARAM("HAS_IDS", "ids", 1, true, 0, 0, 1)},
+    [MOECL_GROUNDED_HAS_LOGITS] = {PARAM("HAS_LOGITS", "logits", 1, false, 1, 0, 1)},
     /* in the key everywhere: it decides whether the mma kernel serves */
-    [MOECL_GROUNDED_PRECISION] = {"PRECISION", "precision", 2, true, 0, 0, MOECL_PRECISION_3XTF32, MMA,
-                                  .names = precision_names},
+    [MOECL_GROUNDED_PRECISION] = {PARAM("PRECISION", "precision", 2, true, 0, 0, MOECL_PRECISION_3XTF32),
+                                  .kernels = MMA, .names = precision_names},
     /* the gating block sits here (moecl_variant_grounded_router.gating_at) */
-    [MOECL_GROUNDED_KERNEL] = {"KERNEL", "kernel", 0, true, 0, 0, MOECL_KERNEL_MMA, .names = kernel_names},
-    [MOECL_GROUNDED_TM] = {"TM", "tm", 0, true, 0, 1, UINT32_MAX},
-    [MOECL_GROUNDED_TN] = {"TN", "tn", 0, true, 0, 0, UINT32_MAX},
-    [MOECL_GROUNDED_TK] = {"TK", "tk", 0, true, 0, 0, UINT32_MAX},
-    [MOECL_GROUNDED_MT] = {"MT", "mt", 0, true, 4, 1, UINT32_MAX},
-    [MOECL_GROUNDED_NT] = {"NT", "nt", 0, true, 4, 1, UINT32_MAX},
-    [MOECL_GROUNDED_TEAM] = {"TEAM", "team", 0, true, 1, 1, MOECL_LAUNCH_MAX_TEAM},
-    [MOECL_GROUNDED_ROWS] = {"ROWS", "rows", 0, true, 1, 1, MOECL_LAUNCH_MAX_ROWS},
-    [MOECL_GROUNDED_EPT] = {"EPT", "ept", 0, true, 1, 1, MOECL_MAX_EXPERTS},
-    [MOECL_GROUNDED_TEAM_SHUFFLE] = {"TEAM_SHUFFLE", "shuffle", 0, true, 0, 0, 1},
-    [MOECL_GROUNDED_VEC] = {"VEC", "vec", 0, true, 1, 1, 4, TILED},
-    [MOECL_GROUNDED_DB] = {"DB", "db", 0, true, 0, 0, 1, TILED},
-    [MOECL_GROUNDED_WC] = {"WC", "wc", 0, true, 0, 1, UINT32_MAX, TILED},
-    [MOECL_GROUNDED_MMA_MI] = {"MMA_MI", "mma_mi", 0, true, 0, 1, 2, MMA},
-    [MOECL_GROUNDED_MMA_NT] = {"MMA_NT", "mma_nt", 0, true, 0, 1, 8, MMA},
-    [MOECL_GROUNDED_MMA_WM] = {"MMA_WM", "mma_wm", 0, true, 0, 1, 8, MMA},
-    [MOECL_GROUNDED_MMA_WN] = {"MMA_WN", "mma_wn", 0, true, 0, 1, UINT32_MAX, MMA},
-    [MOECL_GROUNDED_MMA_KW] = {"MMA_KW", "mma_kw", 0, true, 0, 8, 16, MMA},
-    [MOECL_GROUNDED_ROUTE_DISPATCH] = {"ROUTE_DISPATCH", "dispatch", 1, false, 0, 0, 1,
-                                       KERNEL_BIT(MOECL_KERNEL_TEAM)},
-    [MOECL_GROUNDED_FUSED_WG] = {"FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX, KERNEL_BIT(MOECL_KERNEL_TEAM),
-                                 WITH(MOECL_GROUNDED_ROUTE_DISPATCH)},
+    [MOECL_GROUNDED_KERNEL] = {PARAM("KERNEL", "kernel", 0, true, 0, 0, MOECL_KERNEL_MMA), .names = kernel_names},
+    [MOECL_GROUNDED_TM] = {PARAM("TM", "tm", 0, true, 0, 1, UINT32_MAX)},
+    [MOECL_GROUNDED_TN] = {PARAM("TN", "tn", 0, true, 0, 0, UINT32_MAX)},
+    [MOECL_GROUNDED_TK] = {PARAM("TK", "tk", 0, true, 0, 0, UINT32_MAX)},
+    [MOECL_GROUNDED_MT] = {PARAM("MT", "mt", 0, true, 4, 1, UINT32_MAX)},
+    [MOECL_GROUNDED_NT] = {PARAM("NT", "nt", 0, true, 4, 1, UINT32_MAX)},
+    [MOECL_GROUNDED_TEAM] = {PARAM("TEAM", "team", 0, true, 1, 1, MOECL_LAUNCH_MAX_TEAM)},
+    [MOECL_GROUNDED_ROWS] = {PARAM("ROWS", "rows", 0, true, 1, 1, MOECL_LAUNCH_MAX_ROWS)},
+    [MOECL_GROUNDED_EPT] = {PARAM("EPT", "ept", 0, true, 1, 1, MOECL_MAX_EXPERTS)},
+    [MOECL_GROUNDED_TEAM_SHUFFLE] = {PARAM("TEAM_SHUFFLE", "shuffle", 0, true, 0, 0, 1)},
+    [MOECL_GROUNDED_VEC] = {PARAM("VEC", "vec", 0, true, 1, 1, 4), .kernels = TILED},
+    [MOECL_GROUNDED_DB] = {PARAM("DB", "db", 0, true, 0, 0, 1), .kernels = TILED},
+    [MOECL_GROUNDED_WC] = {PARAM("WC", "wc", 0, true, 0, 1, UINT32_MAX), .kernels = TILED},
+    [MOECL_GROUNDED_MMA_MI] = {PARAM("MMA_MI", "mma_mi", 0, true, 0, 1, 2), .kernels = MMA},
+    [MOECL_GROUNDED_MMA_NT] = {PARAM("MMA_NT", "mma_nt", 0, true, 0, 1, 8), .kernels = MMA},
+    [MOECL_GROUNDED_MMA_WM] = {PARAM("MMA_WM", "mma_wm", 0, true, 0, 1, 8), .kernels = MMA},
+    [MOECL_GROUNDED_MMA_WN] = {PARAM("MMA_WN", "mma_wn", 0, true, 0, 1, UINT32_MAX), .kernels = MMA},
+    [MOECL_GROUNDED_MMA_KW] = {PARAM("MMA_KW", "mma_kw", 0, true, 0, 8, 16), .kernels = MMA},
+    [MOECL_GROUNDED_ROUTE_DISPATCH] = {PARAM("ROUTE_DISPATCH", "dispatch", 1, false, 0, 0, 1),
+                                       .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM)},
+    [MOECL_GROUNDED_FUSED_WG] = {PARAM("FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX),
+                                 .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM), .with = WITH(MOECL_GROUNDED_ROUTE_DISPATCH)},
 };
 #undef TILED
 #undef MMA
