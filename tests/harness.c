@@ -391,6 +391,12 @@ bool harness_quick(void)
     return args.quick || (env && *env && strcmp(env, "0") != 0);
 }
 
+bool harness_valgrind(void)
+{
+    const char *env = getenv("MOECL_TEST_VALGRIND");
+    return env && *env && strcmp(env, "0") != 0;
+}
+
 int harness_run(Suite *suite)
 {
     if (args.tcase && !suite_tcase(suite, args.tcase)) {

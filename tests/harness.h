@@ -123,6 +123,12 @@ void harness_override_with(const char *words);
  * suites leave out their largest grids. */
 bool harness_quick(void);
 
+/* MOECL_TEST_VALGRIND set and not "0" (the valgrind setup). Under
+ * valgrind pocl is another device (valgrind's CPU is a Haswell to it, not
+ * the host's CPU), so every kernel a test asks for compiles, with pocl's
+ * LLVM running under valgrind: some 20 s a program. */
+bool harness_valgrind(void);
+
 /* Run the suite (only the test case --case named, where one was) with
  * CK_FORK as set by the environment (meson sets no). 0 when every test
  * passed. */
