@@ -385,16 +385,21 @@ void harness_override_with(const char *words)
     ck_assert_msg(st == MOECL_SUCCESS, "variant override '%s': %s", text, moecl_context_error(NULL));
 }
 
+/* An environment flag: set, not empty and not "0". */
+static bool env_flag(const char *name)
+{
+    const char *env = getenv(name);
+    return env && *env && strcmp(env, "0") != 0;
+}
+
 bool harness_quick(void)
 {
-    const char *env = getenv("MOECL_TEST_QUICK");
-    return args.quick || (env && *env && strcmp(env, "0") != 0);
+    return args.quick || env_flag("MOECL_TEST_QUICK");
 }
 
 bool harness_valgrind(void)
 {
-    const char *env = getenv("MOECL_TEST_VALGRIND");
-    return env && *env && strcmp(env, "0") != 0;
+    return env_flag("MOECL_TEST_VALGRIND");
 }
 
 int harness_run(Suite *suite)
