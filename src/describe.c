@@ -3,6 +3,7 @@
  * representative requests launch, as a caller would; the context layer
  * below calls no op. */
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,6 +95,7 @@ static void describe(const moecl_context *ctx, moecl_context_info *r)
     COPY(r->kernel_dir, ctx->kernel_dir ? ctx->kernel_dir : "");
     if (!moecl_cache_dir(r->kernel_cache, sizeof(r->kernel_cache)))
         r->kernel_cache[0] = '\0';
+    r->kernel_binaries = moecl_program_binaries(ctx);
     describe_ptx(ctx, r);
     if (moecl_tune_path(i, r->tune_file, sizeof(r->tune_file)))
         r->tune_file_present = access(r->tune_file, F_OK) == 0;
@@ -105,19 +107,24 @@ static void describe(const moecl_context *ctx, moecl_context_info *r)
 
 moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_context_info *info)
 {
-    /* The first version of the record is this one: a caller's record is
-     * at least that large. */
-    if (!ctx || !info || info->struct_size < sizeof(moecl_context_info))
+    /* The first version of the record ends at launches[]: a caller built
+     * against it gets those fields, and its struct_size back. */
+    const size_t first = offsetof(moecl_context_info, kernel_binaries);
+    if (!ctx || !info || info->struct_size < first)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           !ctx    ? "ctx is NULL"
                           : !info ? "info is NULL"
-                                  : "info->struct_size is below sizeof(moecl_context_info) (set it before the call)");
+                                  : "info->struct_size is below the first version of moecl_context_info "
+                                    "(set it to sizeof(moecl_context_info) before the call)");
     moecl_context_info *r = malloc(sizeof(*r));
     if (!r)
         return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory describing the context");
     describe(ctx, r);
-    memcpy(info, r, sizeof(*r)); /* a larger caller record keeps its newer fields' bytes as they were */
-    info->struct_size = sizeof(*r);
+    /* A larger caller record keeps its newer fields' bytes as they were, a
+     * smaller one gets the fields it has. */
+    const size_t size = info->struct_size < sizeof(*r) ? info->struct_size : sizeof(*r);
+    memcpy(info, r, size);
+    info->struct_size = size < sizeof(*r) ? first : size;
     free(r);
     return MOECL_SUCCESS;
 }
@@ -144,11 +151,16 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
            "launch class: %s (%s)\n"
            "kernel sources: %s\n"
            "kernel cache: %s\n"
+           "kernel binaries: %s\n"
            "inline PTX: %s (%s)\n",
            r->platform, r->device, r->device_version, r->driver, r->type, r->vendor, (unsigned)r->compute_units,
            (unsigned long long)r->local_memory_bytes, r->max_work_group_size, r->launch_class,
            r->launch_class_reason, *r->kernel_dir ? r->kernel_dir : "embedded",
-           *r->kernel_cache ? r->kernel_cache : "off", r->inline_ptx ? "on" : "off", r->inline_ptx_reason);
+           *r->kernel_cache ? r->kernel_cache : "off",
+           r->kernel_binaries  ? "stored in the kernel cache"
+           : *r->kernel_cache ? "left to the OpenCL implementation's own cache"
+                              : "not stored",
+           r->inline_ptx ? "on" : "off", r->inline_ptx_reason);
     if (*r->tune_file)
         append(buf, size, &len, "tune file: %s (%skeys read at creation: %u)\n", r->tune_file,
                r->tune_file_present ? "" : "absent, moecl-tune writes it; ", (unsigned)r->tune_keys_read);

@@ -104,6 +104,9 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_EP_FUSED_WG, 256,
             "H200, 2026-12-02: 16.0 us of kernel at 13526x256, 8 ranks, against 19.8 at 128 "
             "work-items; 512 and 1024 do not fit the kernel on NVIDIA's OpenCL"),
+    DEFAULT(MOECL_DP_BINARY_CACHE, 1,
+            "a stored binary spares the driver's compile in the next process: Intel's CPU runtime, "
+            "2026-12-05, 96 top-k programs in 27.0 s cold, 1.4 s from the cache, 26.8 s with it off"),
 };
 
 /* ---- NVIDIA ---- */
@@ -144,6 +147,11 @@ static const table_value pocl_values[] = {
     {MOECL_DP_PRIVATE_MAX, 4u << 20,
      "pocl 3.1, 2026-11-30: work-groups of about 8 MiB of private arrays segfaulted (top-k rows kernel 256 "
      "experts x 4096 rows, 1024 x 1024), 256 x 2048 and 1024 x 512 did not"},
+    /* pocl keys its own cache (kcache) by source, options and device. */
+    {MOECL_DP_BINARY_CACHE, 0,
+     "pocl 3.1 on a 2-core Xeon, 2026-12-05: fetching a program's binary compiles a generic work-group "
+     "function per kernel that no launch uses; 96 top-k programs built in 78 s with it, 38 s without; "
+     "pocl's own kernel cache then served a second process in 3.6 s either way"},
 };
 
 static const table_launch pocl_launches[] = {

@@ -112,6 +112,7 @@ typedef struct moecl_launch_env {
     moecl_ep_path ep_path;       /* ep=chunked|fused|fused-last: the layout's path, or chosen */
     unsigned ep_fused_wg;        /* ep_wg=N: the fused layout kernel's work-group, 0 = chosen */
     unsigned ep_fused_groups;    /* ep_groups=N: its work-groups' target count, 0 = chosen */
+    int binaries;                /* binaries=on|off: 1 or -1 forces the binary cache, 0 = the table's */
 } moecl_launch_env;
 
 /* ---- override.c: the process-wide variant override ---- */
@@ -121,8 +122,8 @@ typedef struct moecl_launch_env {
  * (cpu|gpu), team (power of two 2..256), align (one-group|fused|chunked),
  * ep (chunked|fused|fused-last), ep_wg (power of two 32..1024), ep_groups
  * (1..127), grounded (mma), tile (128, or a tiled configuration with tn,
- * tk, mt, nt, vec, db, wc as in the tune file). MOECL_ERROR_INVALID_ARGUMENT
- * with a message naming the bad word. */
+ * tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off).
+ * MOECL_ERROR_INVALID_ARGUMENT with a message naming the bad word. */
 moecl_status moecl_override_parse(const char *text, moecl_launch_env *env);
 /* Parse text and make it the override every context created afterwards
  * copies (a failure keeps the previous one). Not for calls in flight. */
@@ -293,6 +294,10 @@ typedef enum moecl_device_param {
     MOECL_DP_EP_FUSED_CPU,
     MOECL_DP_EP_FUSED_GPU,
     MOECL_DP_EP_FUSED_WG,
+    /* The compiled-kernel disk cache (src/cache.c) stores and loads the
+     * device's program binaries: 1; 0 where the implementation keeps a
+     * kernel cache of its own and fetching a binary costs a compile. */
+    MOECL_DP_BINARY_CACHE,
     MOECL_NUM_DEVICE_PARAMS
 } moecl_device_param;
 
@@ -327,6 +332,11 @@ bool moecl_device_ptx(const moecl_device_info *info);
 void moecl_device_ptx_reason(const moecl_device_info *info, char *buf, size_t size);
 
 /* ---- program.c: kernel variants ---- */
+
+/* Whether programs go through the binary cache: a cache directory, and the
+ * device table's MOECL_DP_BINARY_CACHE unless the override forces one
+ * (binaries=on|off). */
+bool moecl_program_binaries(const moecl_context *ctx);
 
 typedef struct moecl_variant moecl_variant;
 typedef struct moecl_registry moecl_registry;

@@ -69,6 +69,7 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
         static const char *const classes[] = {"cpu", "gpu"};
         static const char *const align_paths[] = {"one-group", "fused", "chunked"};
         static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
+        static const char *const on_off[] = {"on", "off"};
         static const char *const tile_words[] = {"tn", "tk", "mt", "nt", "vec", "db", "wc"};
         int k;
         if (strcmp(name, "class") == 0) {
@@ -93,6 +94,10 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
         } else if (strcmp(name, "ep_groups") == 0) {
             if (!number(value, 1, 127, false, &env->ep_fused_groups))
                 return bad(value, "ep_groups is 1..127");
+        } else if (strcmp(name, "binaries") == 0) {
+            if (!(k = named(value, on_off, 2)))
+                return bad(value, "binaries is on or off");
+            env->binaries = k == 1 ? 1 : -1;
         } else if (strcmp(name, "grounded") == 0) {
             if (strcmp(value, "mma") != 0)
                 return bad(value, "grounded is mma");
@@ -106,8 +111,8 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
                 return bad(name, "too long");
             tile_len += (size_t)w;
         } else {
-            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, grounded, tile, tn, tk, mt, "
-                             "nt, vec, db, wc)");
+            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, binaries, grounded, tile, tn, "
+                             "tk, mt, nt, vec, db, wc)");
         }
     }
     if (tile_len > strlen("kernel=tiled")) {

@@ -137,6 +137,14 @@ static moecl_status build_failure(moecl_context *ctx, cl_program program, cl_int
                       moecl_status_string(err), log);
 }
 
+bool moecl_program_binaries(const moecl_context *ctx)
+{
+    char dir[4096];
+    const int forced = ctx->info.env.binaries;
+    return moecl_cache_dir(dir, sizeof(dir)) &&
+           (forced ? forced > 0 : ctx->params.value[MOECL_DP_BINARY_CACHE] != 0);
+}
+
 /* Build with base options (the context's, or its portable ones) and
  * defines, from the binary cache if it holds a valid entry, else from
  * source (and store the result). quiet: a compile error is returned as
@@ -166,7 +174,8 @@ static moecl_status build_program(moecl_context *ctx, const char *base_options, 
     cl_program program = NULL;
     unsigned char *binary = NULL;
     size_t binary_size = 0;
-    if (moecl_cache_load(key, &binary, &binary_size)) {
+    const bool cached = moecl_program_binaries(ctx);
+    if (cached && moecl_cache_load(key, &binary, &binary_size)) {
         const unsigned char *bins[1] = {binary};
         cl_int bin_status;
         program = clCreateProgramWithBinary(ctx->context, 1, &ctx->device, &binary_size, bins, &bin_status, &err);
@@ -186,7 +195,7 @@ static moecl_status build_program(moecl_context *ctx, const char *base_options, 
             st = quiet ? MOECL_ERROR_BUILD : build_failure(ctx, program, err, defines);
             clReleaseProgram(program);
             program = NULL;
-        } else {
+        } else if (cached) {
             size_t size = 0;
             if (clGetProgramInfo(program, CL_PROGRAM_BINARY_SIZES, sizeof(size), &size, NULL) == CL_SUCCESS && size) {
                 unsigned char *bin = malloc(size);

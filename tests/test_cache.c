@@ -1,8 +1,9 @@
 /* The compiled-kernel disk cache (src/cache.c): cold and warm runs (a warm
  * run rewrites nothing), every kind of broken entry rebuilt and replaced
  * without touching the others, a cache directory that cannot be created,
- * one that is read-only for the user, MOECL_CACHE_DIR=off and "", and the
- * default locations. Entries are read and forged with the library's own
+ * one that is read-only for the user, MOECL_CACHE_DIR=off and "", the
+ * default locations, and the device table's choice to store binaries or
+ * leave them to the implementation's own cache (pocl's). Entries are read and forged with the library's own
  * functions for the format (moecl_cache_entry_parse and _encode), so it
  * links the library's objects as the launch suite does.
  *
@@ -10,7 +11,10 @@
  * --read-only`): as root, whom permissions do not stop, it runs this
  * executable again as the user nobody (setpriv) on a directory that user
  * owns with mode 0500; it exits 77 (a skip, for meson) only where no
- * privileges can be dropped. */
+ * privileges can be dropped.
+ *
+ * Every check but the table's own runs with the override binaries=on, so
+ * that the cache holds binaries on every device. */
 #include "runtime_common.h"
 #include "internal.h"
 
@@ -29,6 +33,9 @@
 #include <unistd.h>
 
 extern char **environ;
+
+/* The cache's own checks need binaries in it on every device. */
+#define BINARIES_ON "binaries=on"
 
 /* ---------------------------------------------------------------------- */
 /* The compiled-kernel disk cache                                         */
@@ -270,6 +277,31 @@ START_TEST(test_cache_unwritable)
 }
 END_TEST
 
+/* binaries=on stores, binaries=off stores nothing, and without either the
+ * device table decides (MOECL_DP_BINARY_CACHE). */
+START_TEST(test_cache_binaries_choice)
+{
+    harness_rng rng = harness_rng_for(104);
+    moecl_context *ctx = harness_context();
+    const bool table = ctx->params.value[MOECL_DP_BINARY_CACHE] != 0;
+    moecl_context_destroy(ctx);
+    static const char *const overrides[] = {"binaries=on", "binaries=off", ""};
+    const bool want[] = {true, false, table};
+    for (size_t i = 0; i < 3; i++) {
+        char dir[PATH_MAX], label[64];
+        snprintf(label, sizeof(label), "choice%zu", i);
+        cache_dir_env(dir, sizeof(dir), label);
+        snprintf(label, sizeof(label), "override \"%s\"", overrides[i]);
+        ck_assert_int_eq(moecl_override_set(overrides[i]), MOECL_SUCCESS);
+        prepare_and_route(&rng, label);
+        char first[HARNESS_PATH];
+        const int n = harness_entries_below(dir, first, sizeof(first));
+        ck_assert_msg(want[i] ? n >= 1 : n == 0, "%s: %d entries, expected %s", label, n, want[i] ? "some" : "none");
+    }
+    ck_assert_int_eq(moecl_override_set(BINARIES_ON), MOECL_SUCCESS);
+}
+END_TEST
+
 START_TEST(test_cache_off)
 {
     harness_rng rng = harness_rng_for(103);
@@ -461,6 +493,8 @@ static bool can_check_read_only(char *why, size_t why_size)
 
 int main(int argc, char **argv)
 {
+    if (moecl_override_set(BINARIES_ON) != MOECL_SUCCESS)
+        return 1;
     if (argc > 1 && strcmp(argv[1], "--whoami") == 0)
         return geteuid() != 0 && getuid() != 0 ? 0 : 1;
     if (argc > 2 && strcmp(argv[1], "--read-only-child") == 0) {
@@ -485,5 +519,6 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_cache_corrupt);
     tcase_add_test(tc, test_cache_unwritable);
     tcase_add_test(tc, test_cache_off);
+    tcase_add_test(tc, test_cache_binaries_choice);
     return harness_run(s);
 }

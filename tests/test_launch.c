@@ -729,9 +729,10 @@ START_TEST(test_override_text)
 {
     moecl_launch_env env;
     ck_assert_int_eq(moecl_override_parse("class=gpu team=16 align=fused ep=fused-last ep_wg=64 ep_groups=2 "
-                                          "grounded=mma",
+                                          "grounded=mma binaries=off",
                                           &env),
                      MOECL_SUCCESS);
+    ck_assert_int_eq(env.binaries, -1);
     ck_assert(env.launch_class_forced && env.launch_class == MOECL_LAUNCH_GPU);
     ck_assert_uint_eq(env.team, 16);
     ck_assert_int_eq(env.align_path, MOECL_ALIGN_FUSED);
@@ -743,14 +744,16 @@ START_TEST(test_override_text)
     ck_assert_int_eq(env.grounded_tile.kernel, MOECL_KERNEL_TILED);
     ck_assert_uint_eq(env.grounded_tile.tile, 64);
     ck_assert_uint_eq(env.grounded_tile.tiled.tn, 128);
+    ck_assert_int_eq(moecl_override_parse("binaries=on", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.binaries, 1);
     ck_assert_int_eq(moecl_override_parse("tile=128", &env), MOECL_SUCCESS);
     ck_assert(env.grounded_wide_tile && env.grounded_tile.kernel == MOECL_KERNEL_ROWS);
     ck_assert_int_eq(moecl_override_parse("", &env), MOECL_SUCCESS);
-    ck_assert(!env.launch_class_forced && !env.team && env.align_path == MOECL_ALIGN_AUTO);
+    ck_assert(!env.launch_class_forced && !env.team && env.align_path == MOECL_ALIGN_AUTO && !env.binaries);
     static const char *const bad[][2] = {
         {"class=tpu", "tpu"},  {"team=3", "3"},   {"team=512", "512"},     {"align", "align"},
         {"color=red", "color"}, {"ep_groups=0", "0"}, {"ep=one", "one"}, {"tn=128", "tile=N"},
-        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"},
+        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"}, {"binaries=1", "1"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         ck_assert_msg(moecl_override_parse(bad[i][0], &env) == MOECL_ERROR_INVALID_ARGUMENT, "'%s' accepted",

@@ -120,6 +120,7 @@ static cJSON *picked_json(const moecl_context_info *r)
     tool_json_add_string(j, "launch_class_reason", r->launch_class_reason);
     add_path(j, "kernel_dir", r->kernel_dir);
     add_path(j, "kernel_cache", r->kernel_cache);
+    tool_json_add_bool(j, "kernel_binaries", r->kernel_binaries);
     tool_json_add_bool(j, "inline_ptx", r->inline_ptx);
     tool_json_add_string(j, "inline_ptx_reason", r->inline_ptx_reason);
     add_path(j, "tune_file", r->tune_file);

@@ -2,6 +2,7 @@
  * moecl-info --json. Its fields against OpenCL's own answers, the
  * description's lines against the record, and what a failed call writes
  * (nothing). On $MOECL_DEVICE or the default device. */
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,6 +77,10 @@ START_TEST(test_describe_formats_record)
     ck_assert_msg(strstr(text, line), "no line %s", line);
     snprintf(line, sizeof(line), "kernel cache: %s\n", *info.kernel_cache ? info.kernel_cache : "off");
     ck_assert_msg(strstr(text, line), "no line %s", line);
+    ck_assert_msg(strstr(text, info.kernel_binaries ? "kernel binaries: stored in the kernel cache\n"
+                               : *info.kernel_cache ? "kernel binaries: left to the OpenCL implementation's own cache\n"
+                                                    : "kernel binaries: not stored\n"),
+                  "kernel binaries %d, kernel cache \"%s\":\n%s", info.kernel_binaries, info.kernel_cache, text);
     for (uint32_t i = 0; i < info.num_launches; i++) {
         const moecl_launch_info *l = &info.launches[i];
         snprintf(line, sizeof(line), "launch %s: %s (%s)\n", l->key_text, l->config_text, l->source);
@@ -100,7 +105,7 @@ START_TEST(test_failures_write_nothing)
     moecl_context *ctx = harness_context();
     moecl_context_info info, before;
     memset(&info, 0x5a, sizeof(info));
-    info.struct_size = sizeof(info) - 1;
+    info.struct_size = offsetof(moecl_context_info, kernel_binaries) - 1;
     memcpy(&before, &info, sizeof(info));
     ck_assert_int_eq(moecl_context_query_info(ctx, &info), MOECL_ERROR_INVALID_ARGUMENT);
     ck_assert(memcmp(&info, &before, sizeof(info)) == 0);
@@ -122,6 +127,17 @@ START_TEST(test_failures_write_nothing)
     for (size_t i = 0; i < sizeof(grown.later); i++)
         ck_assert_uint_eq(grown.later[i], 0x5a);
     ck_assert_uint_eq(grown.info.num_launches, 5);
+
+    /* A record of the first version (it ends at launches[]): filled to
+     * there, kernel_binaries left as it was, struct_size that size. */
+    memset(&info, 0x5a, sizeof(info));
+    info.struct_size = offsetof(moecl_context_info, kernel_binaries);
+    ck_assert_int_eq(moecl_context_query_info(ctx, &info), MOECL_SUCCESS);
+    ck_assert_uint_eq(info.struct_size, offsetof(moecl_context_info, kernel_binaries));
+    ck_assert_uint_eq(info.num_launches, 5);
+    unsigned char tail;
+    memcpy(&tail, &info.kernel_binaries, 1);
+    ck_assert_uint_eq(tail, 0x5a);
     moecl_context_destroy(ctx);
 }
 END_TEST

@@ -148,7 +148,8 @@ typedef struct moecl_context moecl_context;
  * The context creates its own in-order command queue. Kernels are built
  * lazily, on first use of each variant or in the _prepare calls, and kept
  * for the context's life; compiled binaries are cached on disk (see
- * MOECL_CACHE_DIR in docs/environment.md).
+ * MOECL_CACHE_DIR in docs/environment.md), except where the OpenCL
+ * implementation keeps a kernel cache of its own (pocl).
  *
  * On success *ctx receives the context, which the caller destroys with
  * moecl_context_destroy(). On failure *ctx is set to NULL and
@@ -253,6 +254,10 @@ typedef struct moecl_context_info {
     uint32_t tune_keys_read;     /**< configurations read from it at context creation */
     uint32_t num_launches;       /**< entries of launches[] filled */
     moecl_launch_info launches[MOECL_CONTEXT_INFO_MAX_LAUNCHES]; /**< representative shapes */
+    /* The first version of the record ends here. */
+    bool kernel_binaries;        /**< compiled binaries are stored in kernel_cache and loaded from it; false
+                                      where caching is off or the OpenCL implementation keeps a kernel
+                                      cache of its own (pocl), which serves later processes instead */
 } moecl_context_info;
 
 /** Fill *info with the description of ctx. info->struct_size must be set
@@ -268,7 +273,8 @@ MOECL_API moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_
  *  (for people: scripts read the record, or `moecl-info --json`): platform,
  *  device, driver, device type, vendor, compute units, local memory,
  *  maximum work-group size, the launch class and why, whether the NVIDIA
- *  inline PTX paths are built, the kernel cache directory, the device's
+ *  inline PTX paths are built, the kernel cache directory and whether it
+ *  holds compiled binaries, the device's
  *  tune file, and for representative shapes the launch configuration and
  *  where it came from. Writes at most size bytes including the terminating
  *  NUL (like snprintf) and returns the length the whole text needs; for a
