@@ -121,10 +121,10 @@ moecl_status moecl_context_query_info(const moecl_context *ctx, moecl_context_in
         return moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory describing the context");
     describe(ctx, r);
     /* A larger caller record keeps its newer fields' bytes as they were, a
-     * smaller one gets the fields it has. */
+     * smaller one gets the fields it has; struct_size says what was filled. */
     const size_t size = info->struct_size < sizeof(*r) ? info->struct_size : sizeof(*r);
     memcpy(info, r, size);
-    info->struct_size = size < sizeof(*r) ? first : size;
+    info->struct_size = size;
     free(r);
     return MOECL_SUCCESS;
 }
