@@ -80,6 +80,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <moecl/version.h>
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -123,7 +125,10 @@ typedef enum moecl_status {
  *  Thread-safe. */
 MOECL_API const char *moecl_status_string(moecl_status status);
 
-/** The library version, "MAJOR.MINOR.PATCH". Static string. */
+/** The library version, "MAJOR.MINOR.PATCH". Static string. The headers'
+ *  version is MOECL_VERSION_STRING (moecl/version.h): the two differ when a
+ *  program runs with another release of the library than it was built
+ *  with. */
 MOECL_API const char *moecl_version(void);
 
 /* ---------------------------------------------------------------------- */

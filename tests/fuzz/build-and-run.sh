@@ -32,13 +32,18 @@ fi
 
 mkdir -p "$out/corpus" "$out/artifacts" "$out/kernel-cache"
 version=$(sed -n "s/^ *version : '\([0-9.]*\)'.*/\1/p" meson.build | head -n 1)
+# moecl/version.h, as include/moecl/meson.build makes it.
+mkdir -p "$out/moecl"
+IFS=. read -r major minor patch <<<"$version"
+sed -e "s/@MAJOR@/$major/" -e "s/@MINOR@/$((10#$minor))/" -e "s/@PATCH@/$((10#$patch))/" -e "s/@VERSION@/$version/" \
+    include/moecl/version.h.in > "$out/moecl/version.h"
 # Every kernel source, as cl/meson.build embeds them.
 python3 cl/embed.py "$out/embedded_kernels.c" cl/layout.h cl/*.cl
 
 flags=(-std=c11 -g -O1 -Wall -Wextra -Werror -fno-omit-frame-pointer
        -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all
        -DCL_TARGET_OPENCL_VERSION=120 -D_GNU_SOURCE
-       -DMOECL_BUILDING_LIBRARY "-DMOECL_VERSION_STRING=\"$version\""
+       -DMOECL_BUILDING_LIBRARY
        -Iinclude -Isrc -Itests -I"$out")
 echo "build-and-run.sh: building $out/fuzz_routing with $cc"
 "$cc" "${flags[@]}" -o "$out/fuzz_routing" \

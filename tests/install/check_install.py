@@ -16,8 +16,18 @@ WORKDIR/root --no-rebuild`), then checks:
    hand;
  - the same consumer linked with the installed libmoecl.a and
    `pkg-config --static --libs` (Libs.private complete), without libmoecl.so;
- - each installed tool answers --help with exit status 0.
-Exit 0 when all holds, 1 otherwise."""
+ - each installed tool answers --help with exit status 0;
+ - the README's smallest program (README.md, "Install and link") built
+   with moecl.pc's flags prints what the README shows;
+ - the CMake package (<libdir>/cmake/moecl): a CMake project outside the
+   tree (tests/install/cmake/CMakeLists.txt, CMAKE_PREFIX_PATH at the
+   staging tree) finds moecl by version, refuses a version it is not, and
+   builds the README's program and the consumer against moecl::moecl and
+   moecl::moecl_static; each runs as above, the shared ones loading the
+   installed libmoecl.so, the static ones without it. The consumer checks
+   the version macros against moecl_version() and VERSION.
+Exit 0 when all holds, 1 otherwise, 77 (skip) when all but the CMake checks
+hold and there is no cmake (--cmake none)."""
 import argparse
 import os
 import re
@@ -37,6 +47,33 @@ def run(cmd, env=None, check=True, quiet=False):
     return r
 
 
+def readme_app(path):
+    """The README's smallest program and the lines it shows it prints: the
+    first ```c block after "The smallest program" in "Install and link",
+    and the ```text block after it (the fresh-Debian check reads the same)."""
+    text = open(path, encoding='utf-8').read()
+    m = re.search(r'^## Install and link[ \t]*\n(.*?)(?=^## |\Z)', text, re.M | re.S)
+    if not m:
+        raise SystemExit('FAIL: README.md has no section "## Install and link"')
+    sec = m.group(1)
+    sec = sec[sec.find('The smallest program'):]
+    c = re.search(r'^```c[ \t]*\n(.*?)^```', sec, re.M | re.S)
+    if not c:
+        raise SystemExit('FAIL: README.md: no ```c block after "The smallest program"')
+    out = re.search(r'^```text[ \t]*\n(.*?)^```', sec[c.end():], re.M | re.S)
+    if not out:
+        raise SystemExit('FAIL: README.md: no ```text block after the smallest program')
+    return c.group(1), out.group(1)
+
+
+def check_app(exe, env, expected, what, bad):
+    r = run([exe], env=env, check=False)
+    if r.returncode != 0:
+        bad.append('%s: exit status %d' % (what, r.returncode))
+    elif r.stdout != expected:
+        bad.append('%s printed %r; the README shows %r' % (what, r.stdout, expected))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--meson', required=True)
@@ -54,6 +91,9 @@ def main():
     ap.add_argument('--consumer', required=True)
     ap.add_argument('--pkg-config', default='pkg-config')
     ap.add_argument('--readelf', default='readelf')
+    ap.add_argument('--readme', required=True)
+    ap.add_argument('--cmake-project', required=True, help='the CMake consumer project folder')
+    ap.add_argument('--cmake', default='none', help='the cmake program, or none')
     ap.add_argument('cc', nargs='+', help='-- C compiler command')
     a = ap.parse_args()
 
@@ -71,6 +111,7 @@ def main():
     bad = []
     expect = [os.path.join(incdir, 'moecl', h) for h in a.header]
     expect.append(os.path.join(libdir, 'pkgconfig', 'moecl.pc'))
+    expect += [os.path.join(libdir, 'cmake', 'moecl', n) for n in ('moeclConfig.cmake', 'moeclConfigVersion.cmake')]
     if shared:
         expect += [os.path.join(libdir, n) for n in
                    ('libmoecl.so.' + a.version, 'libmoecl.so.' + a.soversion, 'libmoecl.so')]
@@ -148,11 +189,50 @@ def main():
                 r = run([os.path.join(bindir, t), '--help'], env=env, check=False, quiet=True)
                 if r.returncode != 0 or 'usage' not in r.stdout:
                     bad.append('installed %s --help: exit status %d' % (t, r.returncode))
+    app, app_out = readme_app(a.readme)
+    app_c = os.path.join(a.workdir, 'app.c')
+    with open(app_c, 'w') as f:
+        f.write(app)
+    renv = dict(env, LD_LIBRARY_PATH=libdir + os.pathsep + env.get('LD_LIBRARY_PATH', ''))
+    if shared:
+        exe = os.path.join(a.workdir, 'app')
+        run(a.cc + warn + cflags + [app_c, '-o', exe] + run(pc + ['--libs', 'moecl'], env=env).stdout.split())
+        check_app(exe, renv, app_out, 'the README\'s program linked with pkg-config', bad)
     if bad:
         print('\n'.join('FAIL: ' + b for b in bad))
         return 1
-    print('ok: installed tree complete, pkg-config consumer (shared%s) routes as expected'
-          % (' and static' if static else '') if shared else 'ok: installed tree complete, static consumer routes as expected')
+    if a.cmake == 'none':
+        print('no cmake: the CMake package was installed but not tried as a consumer would; skipped')
+        return 77
+    cbuild = os.path.join(a.workdir, 'cmake-build')
+    cmake_env = dict(renv, CC=a.cc[0])
+    r = run([a.cmake, '-S', a.cmake_project, '-B', cbuild, '-DCMAKE_PREFIX_PATH=' + root + a.prefix,
+             '-DMOECL_VERSION=' + a.version, '-DAPP_C=' + app_c, '-DCONSUMER_C=' + os.path.abspath(a.consumer),
+             '-DCMAKE_BUILD_TYPE=Release'], env=cmake_env, check=False)
+    if r.returncode != 0:
+        bad.append('the CMake project does not configure against the installed package')
+    elif run([a.cmake, '--build', cbuild], env=cmake_env, check=False).returncode != 0:
+        bad.append('the CMake project does not build against the installed package')
+    else:
+        targets = (['shared'] if shared else []) + (['static'] if static else [])
+        for kind in targets:
+            for prog in ('app', 'consumer'):
+                exe = os.path.join(cbuild, '%s-%s' % (prog, kind))
+                ldd = run(['ldd', exe], env=renv).stdout
+                m = re.search(r'libmoecl\.so\.(\S+) => (\S+)', ldd)
+                if kind == 'shared' and (not m or os.path.dirname(m.group(2)) != libdir):
+                    bad.append('%s (CMake, moecl::moecl) does not load libmoecl.so from %s' % (exe, libdir))
+                if kind == 'static' and m:
+                    bad.append('%s (CMake, moecl::moecl_static) loads libmoecl.so' % exe)
+            check_app(os.path.join(cbuild, 'app-' + kind), renv, app_out,
+                      'the README\'s program built with CMake (%s)' % kind, bad)
+            if run([os.path.join(cbuild, 'consumer-' + kind), a.version], env=renv, check=False).returncode != 0:
+                bad.append('the consumer built with CMake (%s) failed' % kind)
+    if bad:
+        print('\n'.join('FAIL: ' + b for b in bad))
+        return 1
+    print('ok: installed tree complete; pkg-config and CMake consumers (%s) route as expected'
+          % ' and '.join((['shared'] if shared else []) + (['static'] if static else [])))
     return 0
 
 

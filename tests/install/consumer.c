@@ -3,8 +3,8 @@
  * or a meson subproject. It routes four tokens over eight experts, top 2,
  * with the softmax of the seed op, and compares with ids and weights worked
  * out by hand. Usage: consumer [EXPECTED_VERSION]. Exit status 0 when the
- * version (if given), the ids, the weights and a validation error are as
- * expected, 1 otherwise. */
+ * version (if given) and the version macros, the ids, the weights and a
+ * validation error are as expected, 1 otherwise. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,12 +15,31 @@
 #define E 8
 #define K 2
 
+/* The version macros of moecl/version.h agree with one another, with
+ * moecl_version() and with EXPECTED_VERSION (meson.build's). */
+static int check_version_macros(const char *expected)
+{
+    char text[32];
+    snprintf(text, sizeof(text), "%d.%d.%d", MOECL_VERSION_MAJOR, MOECL_VERSION_MINOR, MOECL_VERSION_PATCH);
+    if (strcmp(text, MOECL_VERSION_STRING) != 0 || strcmp(MOECL_VERSION_STRING, moecl_version()) != 0 ||
+        (expected && strcmp(MOECL_VERSION_STRING, expected) != 0) ||
+        MOECL_VERSION_NUMBER != MOECL_VERSION_MAJOR * 10000 + MOECL_VERSION_MINOR * 100 + MOECL_VERSION_PATCH ||
+        MOECL_VERSION_OF(0, 1, 0) != 100 || MOECL_VERSION_NUMBER < MOECL_VERSION_OF(0, 1, 0)) {
+        fprintf(stderr, "consumer: version macros %s (%s, number %d) against moecl_version() %s, expected %s\n",
+                MOECL_VERSION_STRING, text, MOECL_VERSION_NUMBER, moecl_version(), expected ? expected : "-");
+        return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(moecl_version(), argv[1]) != 0) {
         fprintf(stderr, "consumer: moecl_version() is %s, expected %s\n", moecl_version(), argv[1]);
         return 1;
     }
+    if (check_version_macros(argc > 1 ? argv[1] : NULL))
+        return 1;
     moecl_context *ctx = NULL;
     moecl_status st = moecl_context_create(NULL, &ctx);
     if (st != MOECL_SUCCESS) {

@@ -91,7 +91,7 @@ def run_c(i, body, expected, a, failures):
     with open(src, 'w') as f:
         f.write(body)
     libdir = os.path.dirname(os.path.abspath(a.library))
-    cmd = a.cc + ['-std=c11', '-Wall', '-Wextra', '-Werror', '-I', a.include, src, a.library,
+    cmd = a.cc + ['-std=c11', '-Wall', '-Wextra', '-Werror'] + ['-I' + d for d in a.include] + [src, a.library,
                   '-lOpenCL', '-lm', '-pthread', '-Wl,-rpath,' + libdir, '-o', exe]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -207,7 +207,8 @@ def run_sh(i, section, body, a, failures):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument('--readme', required=True)
-    ap.add_argument('--include', required=True, help='the folder holding moecl/moecl.h')
+    ap.add_argument('--include', required=True, action='append',
+                    help='a folder holding moecl/moecl.h or moecl/version.h (given once for each)')
     ap.add_argument('--library', required=True, help='the built libmoecl.so (or .a)')
     ap.add_argument('--build-root', required=True, help='the build tree the shell examples call build/')
     ap.add_argument('--python-package', required=True, help='the folder holding the Python package moecl')
