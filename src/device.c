@@ -207,12 +207,44 @@ static bool is_gpu_like(cl_device_type t)
     return (t & (CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR)) != 0;
 }
 
-static int find_first(const device_entry *e, unsigned n, bool gpu)
+static bool is_kind(const device_entry *e, bool gpu)
+{
+    return gpu ? is_gpu_like(e->type) : (e->type & CL_DEVICE_TYPE_CPU) != 0;
+}
+
+/* The nth device of a kind (GPU or accelerator, or CPU) in moecl-info's
+ * order, all platforms together: "gpu:N", one per MPI rank of a host. */
+static int find_nth(const device_entry *e, unsigned n, bool gpu, unsigned nth)
 {
     for (unsigned i = 0; i < n; i++)
-        if (gpu ? is_gpu_like(e[i].type) : (e[i].type & CL_DEVICE_TYPE_CPU) != 0)
+        if (is_kind(&e[i], gpu) && nth-- == 0)
             return (int)i;
     return -1;
+}
+
+static int find_first(const device_entry *e, unsigned n, bool gpu)
+{
+    return find_nth(e, n, gpu, 0);
+}
+
+/* "gpu:N" or "cpu:N": the kind and N (decimal digits only, no sign or
+ * space). *malformed when the text starts so but does not parse: such a
+ * selector is an error, never a substring to match. */
+static bool parse_kind_index(const char *s, bool *gpu, unsigned *nth, bool *malformed)
+{
+    *malformed = false;
+    if (strncasecmp(s, "gpu:", 4) != 0 && strncasecmp(s, "cpu:", 4) != 0)
+        return false;
+    *gpu = tolower((unsigned char)s[0]) == 'g';
+    const char *digits = s + 4;
+    char *end = NULL;
+    const unsigned long v = isdigit((unsigned char)digits[0]) ? strtoul(digits, &end, 10) : 0;
+    if (!end || *end != '\0' || v > 1000) {
+        *malformed = true;
+        return false;
+    }
+    *nth = (unsigned)v;
+    return true;
 }
 
 static bool parse_index_pair(const char *s, unsigned *p, unsigned *d)
@@ -256,8 +288,16 @@ moecl_status moecl_device_select(const char *selector, cl_platform_id *platform,
     } else if (strcasecmp(selector, "cpu") == 0) {
         found = find_first(entries, n, false);
     } else {
-        unsigned p, d;
-        if (parse_index_pair(selector, &p, &d)) {
+        unsigned p, d, nth;
+        bool gpu, malformed;
+        if (parse_kind_index(selector, &gpu, &nth, &malformed)) {
+            found = find_nth(entries, n, gpu, nth);
+        } else if (malformed) {
+            return moecl_fail(NULL, MOECL_ERROR_NO_DEVICE,
+                              "the selector \"%s\" (from %s) is not \"gpu:N\" or \"cpu:N\" with N a device "
+                              "number from 0",
+                              selector, source);
+        } else if (parse_index_pair(selector, &p, &d)) {
             for (unsigned i = 0; i < n; i++)
                 if (entries[i].platform_index == p && entries[i].device_index == d)
                     found = (int)i;
@@ -279,7 +319,8 @@ moecl_status moecl_device_select(const char *selector, cl_platform_id *platform,
         }
         return moecl_fail(NULL, MOECL_ERROR_NO_DEVICE,
                           "no OpenCL device matches the selector \"%s\" (from %s); selectors are "
-                          "\"gpu\", \"cpu\", \"P:D\" or a substring of \"platform / device\"; devices here: %s",
+                          "\"gpu\", \"cpu\", \"gpu:N\", \"cpu:N\", \"P:D\" or a substring of "
+                          "\"platform / device\"; devices here: %s",
                           selector, source, list);
     }
     *platform = entries[found].platform;

@@ -1,7 +1,7 @@
 /* Device selection and the context: selectors (none, MOECL_DEVICE, "gpu",
- * "cpu", "P:D", platform and device names in any case), the message that
- * lists the devices when none matches, the context's accessors and
- * moecl_context_describe, and no OpenCL platform at all (a child process,
+ * "cpu", "gpu:N", "cpu:N", "P:D", platform and device names in any case),
+ * the message that lists the devices when none matches, the context's
+ * accessors and moecl_context_describe, and no OpenCL platform at all (a child process,
  * `test_device --probe-create`, with an empty ICD directory: it needs fresh
  * OpenCL loader state). */
 #include "runtime_common.h"
@@ -61,7 +61,10 @@ START_TEST(test_device_selection)
     ck_assert_uint_ge(np, 1);
     cl_device_id dev00;
     ck_assert_int_eq(clGetDeviceIDs(platforms[0], CL_DEVICE_TYPE_ALL, 1, &dev00, NULL), CL_SUCCESS);
-    cl_device_id first_cpu = NULL, first_gpu = NULL;
+    /* Every device of every platform in order: all_gpus (GPUs and
+     * accelerators) and all_cpus, as "gpu:N" and "cpu:N" number them. */
+    cl_device_id all_gpus[256], all_cpus[256];
+    unsigned num_gpus = 0, num_cpus = 0;
     for (cl_uint p = 0; p < np; p++) {
         cl_device_id devs[64];
         cl_uint nd = 0;
@@ -69,12 +72,13 @@ START_TEST(test_device_selection)
             continue;
         for (cl_uint i = 0; i < nd && i < 64; i++) {
             cl_device_type t = device_type(devs[i]);
-            if (!first_cpu && (t & CL_DEVICE_TYPE_CPU))
-                first_cpu = devs[i];
-            if (!first_gpu && (t & (CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR)))
-                first_gpu = devs[i];
+            if ((t & CL_DEVICE_TYPE_CPU) && num_cpus < 256)
+                all_cpus[num_cpus++] = devs[i];
+            if ((t & (CL_DEVICE_TYPE_GPU | CL_DEVICE_TYPE_ACCELERATOR)) && num_gpus < 256)
+                all_gpus[num_gpus++] = devs[i];
         }
     }
+    cl_device_id first_cpu = num_cpus ? all_cpus[0] : NULL, first_gpu = num_gpus ? all_gpus[0] : NULL;
 
     /* No selector, no MOECL_DEVICE: the first GPU or accelerator, else the
      * first CPU. */
@@ -96,6 +100,31 @@ START_TEST(test_device_selection)
         moecl_context_destroy(ctx);
     } else {
         expect_no_device("cpu", NULL);
+    }
+
+    /* "gpu:N" and "cpu:N": the Nth device of the kind, all platforms
+     * together; one past the last is no device; malformed ones are errors
+     * (not substrings). */
+    for (int kind = 0; kind < 2; kind++) {
+        const bool gpu = kind == 0;
+        const unsigned count = gpu ? num_gpus : num_cpus;
+        for (unsigned i = 0; i < count; i++) {
+            char sel[16];
+            snprintf(sel, sizeof(sel), "%s:%u", gpu ? "GPU" : "cpu", i);
+            moecl_context *c = expect_device(sel, gpu ? all_gpus[i] : all_cpus[i]);
+            moecl_context_destroy(c);
+        }
+        char past[16];
+        snprintf(past, sizeof(past), "%s:%u", gpu ? "gpu" : "cpu", count);
+        expect_no_device(past, past);
+    }
+    static const char *const malformed[] = {"gpu:", "cpu:x", "gpu:-1", "gpu: 0", "cpu:0 ", "gpu:1x", "cpu:99999"};
+    for (size_t i = 0; i < sizeof(malformed) / sizeof(malformed[0]); i++) {
+        moecl_context *c = CTX_SENTINEL;
+        ck_assert_int_eq(moecl_context_create(malformed[i], &c), MOECL_ERROR_NO_DEVICE);
+        ck_assert_ptr_null(c);
+        ck_assert_msg(strstr(moecl_context_error(NULL), "is not \"gpu:N\" or \"cpu:N\"") != NULL,
+                      "selector \"%s\": %s", malformed[i], moecl_context_error(NULL));
     }
 
     expect_no_device("9:9", "9:9");

@@ -146,6 +146,12 @@ typedef struct moecl_context moecl_context;
  *                  platform that has one, else the first CPU device;
  *   "gpu"       -> the first GPU or accelerator device;
  *   "cpu"       -> the first CPU device;
+ *   "gpu:N", "cpu:N" -> the GPU or accelerator (CPU) device numbered N
+ *                  from 0 in moecl-info's order, every platform's
+ *                  together ("gpu:0" is "gpu"): a rank per GPU of a host
+ *                  selects "gpu:<local rank>"; a text that starts with
+ *                  "gpu:" or "cpu:" and is not followed by digits alone
+ *                  is an error, never a substring;
  *   "P:D"       -> device D of platform P (indices from 0, as moecl-info
  *                  lists them);
  *   other text  -> the first device whose "platform name / device name"
