@@ -66,6 +66,16 @@ def readme_app(path):
     return c.group(1), out.group(1)
 
 
+def ldd(exe, env):
+    return run(['ldd', exe], env=env).stdout
+
+
+def loads_installed(exe, env, libdir, soversion):
+    """Whether exe loads libmoecl.so.SOVERSION from libdir."""
+    m = re.search(r'libmoecl\.so\.(\S+) => (\S+)', ldd(exe, env))
+    return bool(m) and m.group(1) == soversion and os.path.dirname(m.group(2)) == libdir
+
+
 def check_app(exe, env, expected, what, bad):
     r = run([exe], env=env, check=False)
     if r.returncode != 0:
@@ -159,15 +169,17 @@ def main():
         bad.append('pkg-config --modversion moecl is %s, expected %s' % (modversion, a.version))
     cflags = run(pc + ['--cflags', 'moecl'], env=env).stdout.split()
     warn = ['-std=c99', '-Wall', '-Wextra', '-Werror']
+    renv = dict(env, LD_LIBRARY_PATH=libdir + os.pathsep + env.get('LD_LIBRARY_PATH', ''))
+    app, app_out = readme_app(a.readme)
+    app_c = os.path.join(a.workdir, 'app.c')
+    with open(app_c, 'w') as f:
+        f.write(app)
 
     if shared:
         libs = run(pc + ['--libs', 'moecl'], env=env).stdout.split()
         exe = os.path.join(a.workdir, 'consumer')
         run(a.cc + warn + cflags + [a.consumer, '-o', exe] + libs)
-        renv = dict(env, LD_LIBRARY_PATH=libdir + os.pathsep + env.get('LD_LIBRARY_PATH', ''))
-        ldd = run(['ldd', exe], env=renv).stdout
-        m = re.search(r'libmoecl\.so\.(\S+) => (\S+)', ldd)
-        if not m or m.group(1) != a.soversion or os.path.dirname(m.group(2)) != libdir:
+        if not loads_installed(exe, renv, libdir, a.soversion):
             bad.append('the consumer does not load libmoecl.so.%s from %s' % (a.soversion, libdir))
         if run([exe, a.version], env=renv, check=False).returncode != 0:
             bad.append('the consumer linked with the installed libmoecl.so failed')
@@ -175,12 +187,15 @@ def main():
             r = run([os.path.join(bindir, t), '--help'], env=renv, check=False, quiet=True)
             if r.returncode != 0 or 'usage' not in r.stdout:
                 bad.append('installed %s --help: exit status %d' % (t, r.returncode))
+        exe = os.path.join(a.workdir, 'app')
+        run(a.cc + warn + cflags + [app_c, '-o', exe] + libs)
+        check_app(exe, renv, app_out, 'the README\'s program linked with pkg-config', bad)
     if static:
         libs = run(pc + ['--static', '--libs', 'moecl'], env=env).stdout.split()
         libs = [x for x in libs if x != '-lmoecl']
         exe = os.path.join(a.workdir, 'consumer-static')
         run(a.cc + warn + cflags + [a.consumer, os.path.join(libdir, 'libmoecl.a'), '-o', exe] + libs)
-        if 'libmoecl' in run(['ldd', exe], env=env).stdout:
+        if 'libmoecl' in ldd(exe, env):
             bad.append('the consumer linked with libmoecl.a still loads libmoecl.so')
         if run([exe, a.version], env=env, check=False).returncode != 0:
             bad.append('the consumer linked with the installed libmoecl.a failed')
@@ -189,15 +204,6 @@ def main():
                 r = run([os.path.join(bindir, t), '--help'], env=env, check=False, quiet=True)
                 if r.returncode != 0 or 'usage' not in r.stdout:
                     bad.append('installed %s --help: exit status %d' % (t, r.returncode))
-    app, app_out = readme_app(a.readme)
-    app_c = os.path.join(a.workdir, 'app.c')
-    with open(app_c, 'w') as f:
-        f.write(app)
-    renv = dict(env, LD_LIBRARY_PATH=libdir + os.pathsep + env.get('LD_LIBRARY_PATH', ''))
-    if shared:
-        exe = os.path.join(a.workdir, 'app')
-        run(a.cc + warn + cflags + [app_c, '-o', exe] + run(pc + ['--libs', 'moecl'], env=env).stdout.split())
-        check_app(exe, renv, app_out, 'the README\'s program linked with pkg-config', bad)
     if bad:
         print('\n'.join('FAIL: ' + b for b in bad))
         return 1
@@ -218,11 +224,9 @@ def main():
         for kind in targets:
             for prog in ('app', 'consumer'):
                 exe = os.path.join(cbuild, '%s-%s' % (prog, kind))
-                ldd = run(['ldd', exe], env=renv).stdout
-                m = re.search(r'libmoecl\.so\.(\S+) => (\S+)', ldd)
-                if kind == 'shared' and (not m or os.path.dirname(m.group(2)) != libdir):
+                if kind == 'shared' and not loads_installed(exe, renv, libdir, a.soversion):
                     bad.append('%s (CMake, moecl::moecl) does not load libmoecl.so from %s' % (exe, libdir))
-                if kind == 'static' and m:
+                if kind == 'static' and 'libmoecl' in ldd(exe, renv):
                     bad.append('%s (CMake, moecl::moecl_static) loads libmoecl.so' % exe)
             check_app(os.path.join(cbuild, 'app-' + kind), renv, app_out,
                       'the README\'s program built with CMake (%s)' % kind, bad)
