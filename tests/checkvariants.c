@@ -697,12 +697,16 @@ typedef struct gr_shape {
 } gr_shape;
 
 /* The smallest request; odd sizes (every tile's edges); a router's gating
- * (the kernels that hold whole rows of g); the largest. */
+ * (the kernels that hold whole rows of g); the most experts and the
+ * largest top_k. The last at hidden 1024, not a model's 4096: its time is
+ * H * E in every one of some 40 variants (on pocl about 45 of this op's
+ * 120 CPU seconds at 4096), and the op suite checks hidden 4096 with the
+ * kernels each launch class picks. */
 static const gr_shape gr_shapes[] = {
     {1, 1, 1, MOECL_F16, false, false},
     {203, 130, 8, MOECL_BF16, false, false},
     {256, 64, 6, MOECL_BF16, true, false},
-    {4096, 4096, 64, MOECL_BF16, false, true},
+    {1024, 4096, 64, MOECL_BF16, false, true},
 };
 
 static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)

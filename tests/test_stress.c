@@ -25,13 +25,17 @@ extern char **environ;
 /* The calls run in worker threads, so they record failures in a
  * harness_error and use the harness_try_* helpers: no Check assertion. */
 
-/* A random top-k gating descriptor among a few model shapes. */
+/* A random top-k gating descriptor among a few model shapes, each in one
+ * dtype: every dtype still appears, and the calls share about 60 kernel
+ * variants, so that the threads race over first builds and cache hits
+ * alike (compiles are most of this suite's time on a CPU driver). */
 static moecl_topk_gating_desc random_topk_desc(harness_rng *rng, uint32_t tokens)
 {
-    static const uint32_t shapes[][2] = {{8, 2}, {64, 6}, {128, 8}, {256, 8}, {60, 4}};
+    static const uint32_t shapes[][3] = {
+        {8, 2, MOECL_F32}, {64, 6, MOECL_F16}, {128, 8, MOECL_BF16}, {256, 8, MOECL_F32}, {60, 4, MOECL_BF16}};
     const uint32_t *s = shapes[harness_rand_u32(rng) % 5];
     moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens, s[0], s[1]);
-    d.gating_dtype = (moecl_dtype)(harness_rand_u32(rng) % 3);
+    d.gating_dtype = (moecl_dtype)s[2];
     d.scoring = (harness_rand_u32(rng) & 1) ? MOECL_SCORING_SIGMOID : MOECL_SCORING_SOFTMAX;
     d.renormalize = (harness_rand_u32(rng) & 1) != 0;
     if (s[0] == 256 && (harness_rand_u32(rng) & 1)) {
