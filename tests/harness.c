@@ -397,6 +397,8 @@ bool harness_quick(void)
     return args.quick || env_flag("MOECL_TEST_QUICK");
 }
 
+bool harness_quick_skips(unsigned parity) { return harness_quick() && (parity & 1u); }
+
 bool harness_valgrind(void)
 {
     return env_flag("MOECL_TEST_VALGRIND");

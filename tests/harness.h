@@ -122,6 +122,12 @@ void harness_override_with(const char *words);
  * and the sanitizer build, which can only set the environment): the op
  * suites leave out their largest grids. */
 bool harness_quick(void);
+/* Whether a quick run leaves out a combination of a loop over several
+ * factors: the one whose `parity` (the sum of its factors' level numbers)
+ * is odd. Of two-level factors that keeps every level of each and every
+ * pair of levels of any two; with the configuration's number in the sum,
+ * successive configurations keep opposite halves. Full runs keep all. */
+bool harness_quick_skips(unsigned parity);
 
 /* MOECL_TEST_VALGRIND set and not "0" (the valgrind setup). Under
  * valgrind pocl is another device (valgrind's CPU is a Haswell to it, not

@@ -209,6 +209,8 @@ START_TEST(test_options)
         for (int scoring = 0; scoring < 2; scoring++)
             for (int bias = 0; bias < 2; bias++)
                 for (int renorm = 0; renorm < 2; renorm++) {
+                    if (harness_quick_skips((unsigned)(s + scoring + bias + renorm)))
+                        continue;
                     moecl_topk_gating_desc d = moecl_topk_gating_desc_init(129 + i, shapes[s][0], shapes[s][1]);
                     d.scoring = (moecl_scoring)scoring;
                     d.renormalize = renorm;
@@ -249,6 +251,8 @@ START_TEST(test_groups)
         for (int gs = 0; gs < 2; gs++)
             for (int scoring = 0; scoring < 2; scoring++)
                 for (int bias = 0; bias < 2; bias++) {
+                    if (harness_quick_skips((unsigned)(c + gs + scoring + bias)))
+                        continue;
                     moecl_topk_gating_desc d = group_case(configs[c], i, gs, scoring);
                     random_case(ctx, &d, bias, 5000 + i, false);
                     i++;
@@ -289,6 +293,10 @@ START_TEST(test_scorings_weightings)
     for (size_t s = 0; s < COUNT(shapes); s++)
         for (int scoring = 0; scoring < 4; scoring++)
             for (int weighting = 0; weighting < 3; weighting++) {
+                /* Quick: every scoring with every weighting still, at one
+                 * shape or two (the parity alternates with the shape). */
+                if (harness_quick_skips((unsigned)(s + scoring + weighting)))
+                    continue;
                 moecl_topk_gating_desc d = moecl_topk_gating_desc_init(17 + i * 7, shapes[s][0], shapes[s][1]);
                 d.scoring = (moecl_scoring)scoring;
                 d.weighting = (moecl_weighting)weighting;
@@ -569,6 +577,8 @@ START_TEST(test_group_fill_random)
         for (int gs = 0; gs < 2; gs++)
             for (int scoring = 0; scoring < 2; scoring++)
                 for (int bias = 0; bias < 2; bias++) {
+                    if (harness_quick_skips((unsigned)(c + gs + scoring + bias)))
+                        continue;
                     moecl_topk_gating_desc d = group_case(configs[c], i, gs, scoring);
                     d.group_fill = MOECL_GROUP_FILL_ZERO;
                     d.gating_dtype = (moecl_dtype)(i % 3);
@@ -1160,7 +1170,9 @@ int main(int argc, char **argv)
     tcase_add_test(random, test_renormalize_floor_random);
     tcase_add_test(random, test_crowded_rows);
     /* --quick (and the valgrind setup): without the large shapes and
-     * the grid of ~90 kernel variants. */
+     * the grid of ~90 kernel variants, and with half the combinations of
+     * the options, groups, scorings and zero-fill tests
+     * (harness_quick_skips). */
     if (!harness_quick()) {
         tcase_add_test(random, test_deepseek_v3);
         tcase_add_test(random, test_seed_shapes);
