@@ -460,11 +460,16 @@ typedef struct topk_shape {
     bool large; /* left out with --small */
 } topk_shape;
 
-/* The smallest request; an odd expert count with sqrt(softplus) and a
- * floor; DeepSeek-V3's grouped selection; the largest request. */
+/* The smallest request; softmax weights without renormalising, which
+ * carry the team's sum over the whole row (100 experts: teams of 16 and
+ * more have lanes part full and lanes empty); an odd expert count with
+ * sqrt(softplus) and a floor; DeepSeek-V3's grouped selection; the
+ * largest request. */
 static const topk_shape topk_shapes[] = {
     {1, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_F32, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, false, false, false,
      1.0f, false},
+    {100, 4, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_F32, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, false, false,
+     false, 1.0f, false},
     {160, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_BF16, MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SOFTMAX_CHOSEN, true,
      true, false, true, 1.0f, false},
     {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_F16, MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, true, true, false,
