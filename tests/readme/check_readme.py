@@ -117,7 +117,7 @@ def python_with_numpy():
 
 
 def run_python(i, body, expected, a, failures):
-    if not a.library.endswith('.so') and '.so.' not in os.path.basename(a.library):
+    if a.static_only:
         # The package loads the shared library with ctypes.
         print('skipped: Python block %d: this build has no shared library (default_library=static)' % i)
         return
@@ -213,9 +213,10 @@ def main():
     ap.add_argument('--readme', required=True)
     ap.add_argument('--include', required=True, action='append',
                     help='a folder holding moecl/moecl.h or moecl/version.h (given once for each)')
-    ap.add_argument('--library', required=True,
-                    help='the built libmoecl.so (or .a, where only the static library is built: the Python '
-                    'blocks are then skipped)')
+    ap.add_argument('--library', required=True, help='the built libmoecl.so (or .a, with --static-only)')
+    ap.add_argument('--static-only', action='store_true',
+                    help='the build has no shared library: --library is libmoecl.a, and the Python blocks, '
+                    'whose package loads the shared one, are skipped')
     ap.add_argument('--build-root', required=True, help='the build tree the shell examples call build/')
     ap.add_argument('--python-package', required=True, help='the folder holding the Python package moecl')
     ap.add_argument('--workdir', required=True)
