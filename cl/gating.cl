@@ -13,6 +13,7 @@
  *   GROUP_SCORE                0 max, 1 sum of the top two
  *   RENORMALIZE                divide the weights by their sum when > 0
  *   RENORM_FLOOR               (absent: none) divide by max(sum, floor)
+ *   RENORM_EPS                 (absent: none) divide by sum + eps
  *   GROUP_FILL                 0 (absent): dropped groups never selected;
  *                              1: their selection score is 0.0 (below)
  *   TEAM, ROWS, EPT            launch shape (common.cl)
@@ -139,8 +140,11 @@ static inline float group_acc_score(const group_acc *a)
  * weights sit in private memory in one kernel and local in the other.
  * moecl's rule divides by a sum > 0 only; with RENORM_FLOOR (llama.cpp's
  * clamp) a sum below the floor divides by the floor. A NaN sum divides
- * by 1 either way. */
-#ifdef RENORM_FLOOR
+ * by 1 either way. With RENORM_EPS the divisor is the models' `sum + eps`
+ * as it stands, NaN included. */
+#if defined(RENORM_EPS)
+#define RENORM_DIVISOR(s) ((s) + RENORM_EPS)
+#elif defined(RENORM_FLOOR)
 #define RENORM_DIVISOR(s) ((s) >= RENORM_FLOOR ? (s) : isnan(s) ? 1.0f : RENORM_FLOOR)
 #else
 #define RENORM_DIVISOR(s) ((s) > 0.0f ? (s) : 1.0f)

@@ -20,7 +20,7 @@ moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, 
     d.hidden_dtype = MOECL_F32;
     d.precision = MOECL_PRECISION_FP32;
     d.gating = (moecl_gating){MOECL_SCORING_RAW, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0, MOECL_GROUP_SCORE_MAX,
-                              MOECL_GROUP_FILL_NEG_INF, false, 0.0f, 1.0f};
+                              MOECL_GROUP_FILL_NEG_INF, false, 0.0f, 1.0f, 0.0f};
     return d;
 }
 
@@ -58,6 +58,7 @@ moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_de
     t.group_fill = g->group_fill;
     t.renormalize = g->renormalize;
     t.renormalize_floor = g->renormalize_floor;
+    t.renormalize_eps = g->renormalize_eps;
     t.routed_scaling_factor = g->routed_scaling_factor;
     return t;
 }

@@ -567,7 +567,7 @@ void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t si
 /* A request packed into two words (the op's fields, each op packs its
  * own) and the generation of moecl_launch_force it was resolved under. */
 typedef struct moecl_plan_key {
-    uint64_t a, b;
+    uint64_t a, b, c;
     unsigned gen;
 } moecl_plan_key;
 
@@ -603,7 +603,7 @@ moecl_status moecl_plans_create(moecl_plans **plans);
 void moecl_plans_destroy(moecl_plans *plans);
 /* The key of a request of op packed into a (62 bits) and b, under op's
  * current moecl_launch_force generation. */
-moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b);
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c);
 /* The plan of key: found without a lock, else built by build(request) and
  * kept until the context is destroyed. */
 moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl_plan_build build,

@@ -136,7 +136,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 /* Keyed by the launch class alone: the device facts are the context's. */
 moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
 {
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, 0);
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, 0, 0);
     return moecl_plan_get(ctx, &key, build_plan, NULL, plan);
 }
 

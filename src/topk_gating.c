@@ -25,6 +25,7 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.renormalize_floor = 0.0f;
     d.group_fill = MOECL_GROUP_FILL_NEG_INF;
     d.weighting = MOECL_WEIGHTS_SCORE;
+    d.renormalize_eps = 0.0f;
     return d;
 }
 
@@ -66,9 +67,14 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
         return INVALID("routed_scaling_factor is %g; it must be finite", (double)d->routed_scaling_factor);
     /* Subnormal floors are refused: a device without denormals would
      * flush one to 0 and divide as moecl's rule does, another not. */
-    const float rf = d->renormalize_floor;
+    const float rf = d->renormalize_floor, re = d->renormalize_eps;
     if (!(rf == 0.0f || (isfinite(rf) && rf >= FLT_MIN)))
         return INVALID("renormalize_floor is %g; it must be 0 or a finite float >= FLT_MIN (2^-126)", (double)rf);
+    if (!(re == 0.0f || (isfinite(re) && re >= FLT_MIN)))
+        return INVALID("renormalize_eps is %g; it must be 0 or a finite float >= FLT_MIN (2^-126)", (double)re);
+    if (rf != 0.0f && re != 0.0f)
+        return INVALID("renormalize_floor (%g) and renormalize_eps (%g) are both set; at most one may be", (double)rf,
+                       (double)re);
     if ((unsigned)d->group_fill > MOECL_GROUP_FILL_ZERO)
         return INVALID("group_fill is %d; it must be MOECL_GROUP_FILL_NEG_INF or MOECL_GROUP_FILL_ZERO",
                        (int)d->group_fill);

@@ -66,6 +66,13 @@ static uint32_t get_floor(const moecl_gating_source *s)
         memcpy(&bits, &s->desc->renormalize_floor, sizeof(bits));
     return bits;
 }
+static uint32_t get_eps(const moecl_gating_source *s)
+{
+    uint32_t bits = 0;
+    if (s->desc->renormalize && s->desc->renormalize_eps > 0.0f)
+        memcpy(&bits, &s->desc->renormalize_eps, sizeof(bits));
+    return bits;
+}
 static uint32_t get_group_fill(const moecl_gating_source *s)
 {
     return s->groups && s->desc->group_fill == MOECL_GROUP_FILL_ZERO;
@@ -90,6 +97,7 @@ static const param gating_params[] = {
      .get = get_group_fill},
     {PARAM("WEIGHTING", "weighting", 2, false, 0, 0, MOECL_WEIGHTS_SIGMOID_CHOSEN), .names = weighting_names,
      .get = get_weighting},
+    {PARAM("RENORM_EPS", "eps", 32, false, 0, 0, UINT32_MAX), .format = FORMAT_FLOAT, .get = get_eps},
 };
 #define NUM_GATING_PARAMS (sizeof(gating_params) / sizeof(gating_params[0]))
 _Static_assert(NUM_GATING_PARAMS <= MOECL_GATING_MAX_PARAMS, "moecl_variant_values holds the gating block");
@@ -211,15 +219,15 @@ void moecl_variant_gating(moecl_variant_values *v, const moecl_gating_source *so
 moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_op *op, const moecl_variant_values *v)
 {
     /* moecl_plan_key_of keeps 62 bits of the first word: the fields fill
-     * those in order, then the second word, one split where it falls. */
-    uint64_t words[2] = {0, 0};
-    const unsigned width[2] = {62, 64};
+     * those in order, then the next words, one split where it falls. */
+    uint64_t words[3] = {0, 0, 0};
+    const unsigned width[3] = {62, 64, 64};
     unsigned word = 0, at = 0;
-    for (unsigned i = 0; i < count_of(op) && word < 2; i++) {
+    for (unsigned i = 0; i < count_of(op) && word < 3; i++) {
         uint32_t value;
         const param *p = param_at(op, v, i, &value);
         uint64_t bits = p->key_bits < 32 ? value & ((1u << p->key_bits) - 1) : value;
-        for (unsigned left = p->key_bits; left > 0 && word < 2;) {
+        for (unsigned left = p->key_bits; left > 0 && word < 3;) {
             const unsigned take = left < width[word] - at ? left : width[word] - at;
             words[word] |= (bits & ((1ull << take) - 1)) << at;
             bits >>= take;
@@ -231,7 +239,7 @@ moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_o
             }
         }
     }
-    return moecl_plan_key_of(ctx, op->op, words[0], words[1]);
+    return moecl_plan_key_of(ctx, op->op, words[0], words[1], words[2]);
 }
 
 /* Appends printf-formatted text at *used, as far as size allows. */
@@ -329,5 +337,5 @@ const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_
         if (values && carried(v, kernel, p, value) && (value < p->min || value > p->max))
             return p->name;
     }
-    return bits > 126 ? "the packed key (126 bits)" : NULL;
+    return bits > 190 ? "the packed key (190 bits)" : NULL;
 }

@@ -722,7 +722,7 @@ static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
     if (s->router) {
         d.alpha = 1.0f;
         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
-                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f, 1e-20f};
     }
     return d;
 }
@@ -1183,7 +1183,7 @@ static const moecl_plan *ep_plan(moecl_context *ctx)
     moecl_status st = moecl_ep_layout_prepare(ctx, &d);
     if (st != MOECL_SUCCESS)
         die("the layout's kernels", ctx, st);
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0);
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0);
     return moecl_plan_find(ctx, &key);
 }
 

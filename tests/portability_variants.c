@@ -455,7 +455,7 @@ int main(int argc, char **argv)
                     if (conv == 0)
                         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, grouped ? 8 : 0,
                                                   grouped ? 4 : 0, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF,
-                                                  true, 0.0f, 2.5f};
+                                                  true, 0.0f, 2.5f, 1e-20f};
                     else
                         d.gating.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
                     moecl_router_defines(&info, &d, conv == 0, conv == 1, defines, sizeof(defines), &kernel);

@@ -505,6 +505,10 @@ static bool gating_desc_valid(const moecl_topk_gating_desc *d)
         return false;
     if (!(d->renormalize_floor == 0.0f || (isfinite(d->renormalize_floor) && d->renormalize_floor >= FLT_MIN)))
         return false;
+    if (!(d->renormalize_eps == 0.0f || (isfinite(d->renormalize_eps) && d->renormalize_eps >= FLT_MIN)))
+        return false;
+    if (d->renormalize_floor != 0.0f && d->renormalize_eps != 0.0f)
+        return false;
     return isfinite(d->routed_scaling_factor);
 }
 
@@ -852,11 +856,14 @@ static void gating_row_compute(const void *gating, const float *bias, uint32_t r
 }
 
 /* Step 5's divisor of the sum S of the chosen scores: 1 without
- * renormalize; with it S when S > 0 (moecl's rule, renormalize_floor 0) or
+ * renormalize; with it S + eps (an eps > 0, the models' rule, NaN
+ * included), S when S > 0 (moecl's rule, renormalize_floor 0) or
  * max(S, floor) (a floor > 0, llama.cpp's clamp); 1 for a NaN S, and for
  * S = 0 without a floor. */
 static double weights_divisor(const moecl_topk_gating_desc *d, double sum)
 {
+    if (d->renormalize && d->renormalize_eps > 0.0f)
+        return sum + (double)d->renormalize_eps;
     if (!d->renormalize || isnan(sum))
         return 1.0;
     const double fl = (double)d->renormalize_floor;
@@ -1405,6 +1412,7 @@ static moecl_topk_gating_desc grounded_gating(const moecl_grounded_router_desc *
     t.group_fill = d->gating.group_fill;
     t.renormalize = d->gating.renormalize;
     t.renormalize_floor = d->gating.renormalize_floor;
+    t.renormalize_eps = d->gating.renormalize_eps;
     t.routed_scaling_factor = d->gating.routed_scaling_factor;
     return t;
 }

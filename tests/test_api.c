@@ -118,6 +118,7 @@ START_TEST(test_desc_init)
         ck_assert_msg(d.routed_scaling_factor == 1.0f, "routed_scaling_factor is %g",
                       (double)d.routed_scaling_factor);
         ck_assert_msg(d.renormalize_floor == 0.0f, "renormalize_floor is %g", (double)d.renormalize_floor);
+        ck_assert_msg(d.renormalize_eps == 0.0f, "renormalize_eps is %g", (double)d.renormalize_eps);
         ck_assert_int_eq(d.group_fill, MOECL_GROUP_FILL_NEG_INF);
     }
 }
@@ -180,6 +181,14 @@ static bool bad_desc(int i, moecl_topk_gating_desc *d, const char **field, const
         CASE(29, "scoring -1", "scoring", d->scoring = (moecl_scoring)-1)
         CASE(30, "weighting 3", "weighting", d->weighting = (moecl_weighting)3)
         CASE(31, "weighting -1", "weighting", d->weighting = (moecl_weighting)-1)
+        CASE(32, "renormalize_eps NaN", "renormalize_eps", d->renormalize = true; d->renormalize_eps = NAN)
+        CASE(33, "renormalize_eps +inf", "renormalize_eps", d->renormalize = true; d->renormalize_eps = INFINITY)
+        CASE(34, "renormalize_eps -1e-20", "renormalize_eps", d->renormalize = true; d->renormalize_eps = -1e-20f)
+        CASE(35, "renormalize_eps subnormal", "renormalize_eps", d->renormalize = true;
+             d->renormalize_eps = 0x1p-140f)
+        CASE(36, "renormalize_eps NaN without renormalize", "renormalize_eps", d->renormalize_eps = NAN)
+        CASE(37, "renormalize_floor and renormalize_eps", "renormalize_floor (6.10352e-05) and renormalize_eps",
+             d->renormalize = true; d->renormalize_floor = 6.103515625e-5f; d->renormalize_eps = 1e-20f)
     default:
         return false;
     }
@@ -240,22 +249,26 @@ START_TEST(test_invalid_desc)
         ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d (%s)", lbl, (int)st, moecl_status_string(st));
         rt_assert_error_names(ctx, field, lbl);
     }
-    ck_assert_int_eq(cases, 32);
+    ck_assert_int_eq(cases, 38);
 
     /* The base descriptor itself is valid (so the cases above fail for the
      * field they change, not for something they share). */
     d = moecl_topk_gating_desc_init(BAD_T, EA, KA);
     ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
-    /* The edges of the floor that are valid: FLT_MIN, -0 (a zero), and a
-     * floor without renormalize. */
-    d.renormalize = true;
-    d.renormalize_floor = FLT_MIN;
-    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
-    d.renormalize_floor = -0.0f;
-    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
-    d.renormalize = false;
-    d.renormalize_floor = 6.103515625e-5f;
-    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    /* The edges of the floor and of the epsilon that are valid: FLT_MIN,
+     * -0 (a zero), and one without renormalize. */
+    for (int eps = 0; eps < 2; eps++) {
+        float *value = eps ? &d.renormalize_eps : &d.renormalize_floor;
+        d.renormalize = true;
+        *value = FLT_MIN;
+        ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+        *value = -0.0f;
+        ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+        d.renormalize = false;
+        *value = eps ? 1e-20f : 6.103515625e-5f;
+        ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+        *value = 0.0f;
+    }
 
     harness_release(g);
     harness_release(b);

@@ -331,6 +331,8 @@ START_TEST(test_invalid)
     BAD("group_fill", d->gating.group_fill = (moecl_group_fill)2);
     BAD("routed_scaling_factor", d->gating.routed_scaling_factor = NAN);
     BAD("renormalize_floor", (d->gating.renormalize = true, d->gating.renormalize_floor = 0x1p-140f));
+    BAD("renormalize_eps", (d->gating.renormalize = true, d->gating.renormalize_eps = -1.0f));
+    BAD("renormalize_eps", (d->gating.renormalize_floor = 1.0f, d->gating.renormalize_eps = 1e-20f));
 #undef BAD
     float hidden[4 * 8] = {0}, ground[16 * 8] = {0}, logits[4 * 16] = {0};
     float pairs[4 * 2 * 2 + 1];
@@ -415,10 +417,11 @@ static void describe_router(const moecl_grounded_router_desc *d, bool bias, bool
     const moecl_gating *g = &d->gating;
     snprintf(buf, size,
              "T=%u H=%u E=%u k=%u alpha=%g dtype=%d scoring=%d weighting=%d groups=%u/%u gs=%d fill=%d renorm=%d "
-             "floor=%g factor=%g%s%s",
+             "floor=%g eps=%g factor=%g%s%s",
              d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
              (int)g->scoring, (int)g->weighting, g->num_expert_groups, g->topk_group, (int)g->group_score,
-             (int)g->group_fill, (int)g->renormalize, (double)g->renormalize_floor, (double)g->routed_scaling_factor,
+             (int)g->group_fill, (int)g->renormalize, (double)g->renormalize_floor, (double)g->renormalize_eps,
+             (double)g->routed_scaling_factor,
              bias ? " bias" : "", logits ? "" : " no-logits");
 }
 
@@ -538,11 +541,11 @@ START_TEST(test_mma_gatings)
         d.precision = v == 3 ? MOECL_PRECISION_3XTF32 : MOECL_PRECISION_TF32;
         d.top_k = 8;
         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
-                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f, 1e-20f};
         router_case(ctx, &d, true, v % 2 == 1, v == 0, 950 + v);
         d.top_k = 6;
         d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0,
-                                  MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, v % 2 == 0, 0.0f, 1.5f};
+                                  MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, v % 2 == 0, 0.0f, 1.5f, 0.0f};
         router_case(ctx, &d, v != 1, v % 2 == 0, v == 2, 960 + v);
     }
     moecl_context_destroy(ctx);
@@ -586,11 +589,11 @@ START_TEST(test_router_deepseek)
         d.hidden_dtype = (moecl_dtype)dt;
         d.top_k = 8;
         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
-                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f, 1e-20f};
         router_case(ctx, &d, true, false, dt == 0, 900 + dt);
         d.top_k = 6;
         d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, 0, 0, MOECL_GROUP_SCORE_MAX,
-                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 1.5f};
+                                  MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 1.5f, 0.0f};
         router_case(ctx, &d, true, false, dt == 0, 910 + dt);
     }
     moecl_context_destroy(ctx);

@@ -256,11 +256,12 @@ static void route_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint
 {
     char what[256];
     snprintf(what, sizeof(what),
-             "T=%u E=%u k=%u groups=%u/%u dtype=%d scoring=%d gscore=%d fill=%d renorm=%d floor=%g scale=%g "
+             "T=%u E=%u k=%u groups=%u/%u dtype=%d scoring=%d gscore=%d fill=%d renorm=%d floor=%g eps=%g scale=%g "
              "bias=%d block=%u logits=%d",
              d->num_tokens, d->num_experts, d->top_k, d->num_expert_groups, d->topk_group, (int)d->gating_dtype,
              (int)d->scoring, (int)d->group_score, (int)d->group_fill, (int)d->renormalize,
-             (double)d->renormalize_floor, (double)d->routed_scaling_factor, (int)with_bias, block, (int)kind);
+             (double)d->renormalize_floor, (double)d->renormalize_eps, (double)d->routed_scaling_factor, (int)with_bias,
+             block, (int)kind);
     harness_rng rng = harness_rng_for(stream);
     void *gating = make_logits(&rng, d, kind);
     float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts)
@@ -297,17 +298,20 @@ START_TEST(test_conventions)
         moecl_group_score gscore;
         moecl_group_fill fill;
         bool renorm, bias;
-        float floor, scale;
+        float floor, scale, eps;
     } conv;
     static const conv convs[] = {
-        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, false, 0, 1},
-        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, true, true, 0, 2.5f},
+        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, false, 0, 1, 0},
+        {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, true, true, 0, 2.5f, 0},
         {256, 8, 8, 4, MOECL_SCORING_SIGMOID, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, true, 0,
-         2.5f},
-        {160, 6, 8, 3, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, false, false, 0, 1},
+         2.5f, 0},
+        {160, 6, 8, 3, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, false, false, 0, 1, 0},
         {64, 4, 0, 0, MOECL_SCORING_SIGMOID, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, true, false,
-         6.103515625e-5f, 1},
-        {8, 2, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, true, 0, 0.5f},
+         6.103515625e-5f, 1, 0},
+        {8, 2, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_NEG_INF, false, true, 0, 0.5f, 0},
+        /* DeepSeek-V3 as its model code renormalises: sum + 1e-20 */
+        {256, 8, 8, 4, MOECL_SCORING_SIGMOID, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_ZERO, true, true, 0, 2.5f,
+         1e-20f},
     };
     static const moecl_dtype dtypes[] = {MOECL_F32, MOECL_F16, MOECL_BF16};
     static const uint32_t blocks[] = {64, 16, 128, 1};
@@ -325,6 +329,7 @@ START_TEST(test_conventions)
             d.group_fill = v->fill;
             d.renormalize = v->renorm;
             d.renormalize_floor = v->floor;
+            d.renormalize_eps = v->eps;
             d.routed_scaling_factor = v->scale;
             d.gating_dtype = dtypes[t];
             route_case(ctx, &d, blocks[i % COUNT(blocks)], v->bias, LOGITS_NORMAL, 100 + i);

@@ -16,12 +16,12 @@ static void describe(const moecl_topk_gating_desc *d, bool bias, char *buf, size
 {
     static const char *const scorings[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw"};
     static const char *const weightings[] = {"", " w=softmax-chosen", " w=sigmoid-chosen"};
-    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s%s groups=%u/%u %s%s%s factor=%g floor=%g", d->num_tokens,
+    snprintf(buf, size, "T=%u E=%u k=%u %s %s%s%s groups=%u/%u %s%s%s factor=%g floor=%g eps=%g", d->num_tokens,
              d->num_experts, d->top_k, dtype_name(d->gating_dtype), scorings[(unsigned)d->scoring % 4],
              weightings[(unsigned)d->weighting % 3], bias ? " bias" : "", d->num_expert_groups,
              d->topk_group, d->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum",
              d->group_fill == MOECL_GROUP_FILL_ZERO ? " fill-zero" : "", d->renormalize ? " renormalize" : "",
-             (double)d->routed_scaling_factor, (double)d->renormalize_floor);
+             (double)d->routed_scaling_factor, (double)d->renormalize_floor, (double)d->renormalize_eps);
 }
 
 /* Run desc on the given inputs through the host path or the device path
@@ -592,22 +592,22 @@ START_TEST(test_group_fill_random)
 }
 END_TEST
 
-/* The floor on random rows: sigmoid logits around -14, so the chosen sums
- * fall on both sides of llama.cpp's 2^-14; other floors (FLT_MIN, 0.5,
- * 1) with softmax, bias and groups. */
-START_TEST(test_renormalize_floor_random)
+/* Renormalised random rows with each value of a floor (eps false) or an
+ * epsilon (eps true): sigmoid logits around -14, so the chosen sums fall
+ * near 2^-14 and 1e-6, both sides; softmax, a bias, DeepSeek-V3's groups
+ * with both fills, every dtype. */
+static void renormalize_random(const float *values, size_t n, bool eps, unsigned seed)
 {
     moecl_context *ctx = harness_context();
-    static const float floors[] = {6.103515625e-5f, 0x1p-126f, 0.5f, 1.0f};
     static const uint32_t shapes[][2] = {{128, 8}, {60, 2}, {256, 8}};
     unsigned i = 0;
-    for (size_t f = 0; f < COUNT(floors); f++)
+    for (size_t f = 0; f < n; f++)
         for (size_t s = 0; s < COUNT(shapes); s++)
             for (int scoring = 0; scoring < 2; scoring++) {
                 moecl_topk_gating_desc d = moecl_topk_gating_desc_init(129 + i, shapes[s][0], shapes[s][1]);
                 d.scoring = (moecl_scoring)scoring;
                 d.renormalize = true;
-                d.renormalize_floor = floors[f];
+                *(eps ? &d.renormalize_eps : &d.renormalize_floor) = values[f];
                 d.routed_scaling_factor = i % 3 == 1 ? 2.5f : 1.0f;
                 d.gating_dtype = (moecl_dtype)(i % 3);
                 if (shapes[s][0] == 256) {
@@ -617,10 +617,60 @@ START_TEST(test_renormalize_floor_random)
                     d.group_fill = (moecl_group_fill)(i % 2);
                 }
                 const bool sig = scoring == MOECL_SCORING_SIGMOID;
-                random_case_scaled(ctx, &d, sig ? -14.0f : 0.0f, 2.0f, i % 2 ? 0.05f : 0.0f, 13000 + i, i % 2 == 0);
+                random_case_scaled(ctx, &d, sig ? -14.0f : 0.0f, 2.0f, i % 2 ? 0.05f : 0.0f, seed + i, i % 2 == 0);
                 i++;
             }
     moecl_context_destroy(ctx);
+}
+
+/* llama.cpp's floor 2^-14 and others (FLT_MIN, 0.5, 1). */
+START_TEST(test_renormalize_floor_random)
+{
+    static const float floors[] = {6.103515625e-5f, 0x1p-126f, 0.5f, 1.0f};
+    renormalize_random(floors, COUNT(floors), false, 13000);
+}
+END_TEST
+
+/* The models' epsilon, fixed rows: LFM2's 1e-6 beside a chosen sum of
+ * about 8e-6 (sigmoid of -12 and -13), where S + eps and S give weights
+ * 12 % apart; DeepSeek-V3's 1e-20 beside a plain sum; a sum of exactly 0
+ * (sigmoid of -200 is 0 in fp32), whose weights are 0 / eps = 0; a NaN
+ * sum, which makes every weight NaN as `w / (sum + eps)` does; and the
+ * epsilon ignored without renormalize. */
+START_TEST(test_renormalize_eps_examples)
+{
+    moecl_context *ctx = harness_context();
+    const double s12 = 1.0 / (1.0 + exp(12.0)), s13 = 1.0 / (1.0 + exp(13.0));
+    const double p0 = 0.5, p1 = 1.0 / (1.0 + exp(1.0));
+    const float tiny[4] = {-12, -13, -14, -15}, plain[4] = {0, -1, -2, -3}, zero[4] = {-200, -200, -200, -200};
+    const float nan_row[2] = {NAN, 0};
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 4, 2);
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.renormalize = true;
+    d.renormalize_eps = 1e-6f;
+    const double e6 = (double)1e-6f;
+    const double se = s12 + s13 + e6;
+    expect_row(ctx, &d, tiny, NULL, (const int32_t[]){0, 1}, (const double[]){s12 / se, s13 / se},
+               "sum 8e-6, eps 1e-6");
+    d.renormalize_eps = 1e-20f;
+    expect_row(ctx, &d, plain, NULL, (const int32_t[]){0, 1}, (const double[]){p0 / (p0 + p1), p1 / (p0 + p1)},
+               "plain sum, eps 1e-20");
+    expect_row(ctx, &d, zero, NULL, (const int32_t[]){0, 1}, (const double[]){0, 0}, "sum 0, eps 1e-20");
+    moecl_topk_gating_desc dn = d;
+    dn.num_experts = 2;
+    expect_row(ctx, &dn, nan_row, NULL, (const int32_t[]){1, 0}, (const double[]){NAN, NAN}, "NaN sum, eps 1e-20");
+    d.renormalize = false;
+    d.renormalize_eps = 1e-6f;
+    expect_row(ctx, &d, tiny, NULL, (const int32_t[]){0, 1}, (const double[]){s12, s13}, "eps without renormalize");
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* LFM2's epsilon 1e-6 and DeepSeek-V3's 1e-20. */
+START_TEST(test_renormalize_eps_random)
+{
+    static const float epss[] = {1e-6f, 1e-20f};
+    renormalize_random(epss, COUNT(epss), true, 13500);
 }
 END_TEST
 
@@ -703,7 +753,8 @@ static bool fill_special_row(harness_rng *rng, int kind, float *row, uint32_t e_
 }
 
 /* grouped: 0 none, 1 groups with the -inf fill, 2 with the zero fill (and
- * renormalised with llama.cpp's floor). */
+ * renormalised with llama.cpp's floor), 3 with the -inf fill renormalised
+ * by sum + 1e-20 (DeepSeek-V3's epsilon). */
 START_TEST(test_special_rows)
 {
     moecl_context *ctx = harness_context();
@@ -711,11 +762,12 @@ START_TEST(test_special_rows)
     unsigned i = 0;
     for (size_t s = 0; s < COUNT(shapes); s++)
         for (int scoring = 0; scoring < 4; scoring++)
-            for (int grouped = 0; grouped < 3; grouped++) {
+            for (int grouped = 0; grouped < 4; grouped++) {
                 const uint32_t e_count = shapes[s][0];
                 if (grouped && e_count % 8 != 0)
                     continue;
-                harness_rng rng = harness_rng_for(7000 + i);
+                /* The eps cases count apart, so the others keep their inputs. */
+                harness_rng rng = harness_rng_for((grouped == 3 ? 7500 : 7000) + i);
                 moecl_topk_gating_desc d = moecl_topk_gating_desc_init(ROW_KINDS * 3, e_count, shapes[s][1]);
                 d.scoring = (moecl_scoring)scoring;
                 d.weighting = (moecl_weighting)(i % 3);
@@ -728,6 +780,10 @@ START_TEST(test_special_rows)
                     d.group_fill = MOECL_GROUP_FILL_ZERO;
                     d.renormalize = true;
                     d.renormalize_floor = 6.103515625e-5f;
+                }
+                if (grouped == 3) {
+                    d.renormalize = true;
+                    d.renormalize_eps = 1e-20f;
                 }
                 d.gating_dtype = (moecl_dtype)(i % 3);
                 float *row = malloc(e_count * sizeof(float));
@@ -762,7 +818,7 @@ START_TEST(test_special_rows)
                 free(ref_w);
                 free(ids);
                 free(ref_ids);
-                i++;
+                i += grouped != 3;
             }
     moecl_context_destroy(ctx);
 }
@@ -1159,6 +1215,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_llama4);
     tcase_add_test(tc, test_seed_zero_fill);
     tcase_add_test(tc, test_renormalize_floor_examples);
+    tcase_add_test(tc, test_renormalize_eps_examples);
     TCase *options = tcase_create("options");
     tcase_set_timeout(options, 1200);
     tcase_add_test(options, test_options);
@@ -1168,6 +1225,7 @@ int main(int argc, char **argv)
     tcase_set_timeout(random, 1200);
     tcase_add_test(random, test_group_fill_random);
     tcase_add_test(random, test_renormalize_floor_random);
+    tcase_add_test(random, test_renormalize_eps_random);
     tcase_add_test(random, test_crowded_rows);
     /* --quick (and the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants, and with half the combinations of

@@ -909,7 +909,7 @@ static int default_cases(bench_case *out, bool quick)
         g->grounded.hidden_dtype = MOECL_BF16;
         g->grounded.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE,       8, 4,
                                             MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f,
-                                            2.5f};
+                                            2.5f,                     0.0f};
     }
     /* The grounded router through to dispatch (block 64): decode sizes and
      * the seed shape. */

@@ -50,8 +50,8 @@ typedef struct options {
     moecl_group_fill group_fill;
     moecl_scoring scoring;
     bool renormalize, bf16, json, progress, no_progress, all_experts;
-    float scale, alpha, renormalize_floor;
-    bool scale_set, alpha_set, scoring_set, group_score_set, group_fill_set, floor_set;
+    float scale, alpha, renormalize_floor, renormalize_eps;
+    bool scale_set, alpha_set, scoring_set, group_score_set, group_fill_set, floor_set, eps_set;
     long long chunk_rows; /* 0: about 64 MiB of input per chunk */
 } options;
 
@@ -89,6 +89,8 @@ static void usage(FILE *f)
             "  --renormalize-floor F   divide by max(sum, F) instead: 0 or at least 2^-126 (llama.cpp:\n"
             "                          6.103515625e-5; default 0, moecl's rule: a sum of 0 divides by 1)\n"
             "                          (topk, with --renormalize)\n"
+            "  --renormalize-eps F     divide by sum + F instead: 0 or at least 2^-126 (DeepSeek-V3: 1e-20;\n"
+            "                          not with --renormalize-floor) (topk, with --renormalize)\n"
             "  --scale F               routed scaling factor, applied last (topk; default 1)\n"
             "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
             "  --experts E             the expert count, 1..4096 (align; required)\n"
@@ -226,8 +228,8 @@ static struct option longopts[] = {
     VALUE("weights"), VALUE("ids"), VALUE("pairs"), VALUE("expert-counts"), VALUE("sorted-token-ids"),
     VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
     VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
-    VALUE("group-fill"), VALUE("renormalize-floor"), VALUE("scoring"), VALUE("scale"), VALUE("alpha"),
-    VALUE("chunk-rows"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
+    VALUE("group-fill"), VALUE("renormalize-floor"), VALUE("renormalize-eps"), VALUE("scoring"), VALUE("scale"),
+    VALUE("alpha"), VALUE("chunk-rows"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
 };
 #undef FLAG
 #undef VALUE
@@ -325,18 +327,20 @@ static int parse_args(int argc, char **argv, options *o)
                 o->group_fill = MOECL_GROUP_FILL_ZERO;
             else
                 return bad_usage("--group-fill is neg-inf or zero, not '%s'", v);
-        } else if (!strcmp(a, "--renormalize-floor")) {
-            if (parse_float(a, v, &o->renormalize_floor) >= 0)
+        } else if (!strcmp(a, "--renormalize-floor") || !strcmp(a, "--renormalize-eps")) {
+            const bool eps = !strcmp(a, "--renormalize-eps");
+            float *f = eps ? &o->renormalize_eps : &o->renormalize_floor;
+            if (parse_float(a, v, f) >= 0)
                 return 2;
             /* The library's rule, said here with the value's own words. */
-            if (o->renormalize_floor < 0.0f || (o->renormalize_floor > 0.0f && o->renormalize_floor < FLT_MIN))
-                return bad_usage(o->renormalize_floor < 0.0f
-                                     ? "--renormalize-floor is 0 or at least 2^-126 (1.17549435e-38, the smallest "
-                                       "normal float), not '%s'"
-                                     : "--renormalize-floor is 0 or at least 2^-126 (1.17549435e-38, the smallest "
-                                       "normal float), not '%s', a subnormal float",
-                                 v);
-            o->floor_set = true;
+            if (*f < 0.0f || (*f > 0.0f && *f < FLT_MIN)) {
+                char rule[160];
+                snprintf(rule, sizeof(rule),
+                         "%s is 0 or at least 2^-126 (1.17549435e-38, the smallest normal float), not '%%s'%s", a,
+                         *f < 0.0f ? "" : ", a subnormal float");
+                return bad_usage(rule, v);
+            }
+            *(eps ? &o->eps_set : &o->floor_set) = true;
         } else if (!strcmp(a, "--scoring")) {
             o->scoring_set = true;
             if (!strcmp(v, "softmax"))
@@ -362,7 +366,8 @@ static int parse_args(int argc, char **argv, options *o)
     if (o->demo) {
         if (optind < argc || o->logits || o->hidden || o->ground || o->bias || o->ids_in || o->op || o->top_k ||
             o->groups || o->topk_group || o->experts || o->block_size || o->group_score_set || o->group_fill_set ||
-            o->scoring_set || o->renormalize || o->floor_set || o->scale_set || o->alpha_set || o->bf16 || o->json ||
+            o->scoring_set || o->renormalize || o->floor_set || o->eps_set || o->scale_set || o->alpha_set || o->bf16 ||
+            o->json ||
             o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts)
             return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
         for (int i = 0; i < NUM_OUT; i++)
@@ -380,7 +385,7 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--op align needs --ids-in and --experts");
         if (o->logits || o->hidden || o->ground || o->bias || o->top_k || o->groups || o->topk_group ||
             o->group_score_set || o->group_fill_set || o->scoring_set || o->renormalize || o->floor_set ||
-            o->scale_set || o->alpha_set || o->bf16)
+            o->eps_set || o->scale_set || o->alpha_set || o->bf16)
             return bad_usage("%s", "--op align reads --ids-in only: no logits, hidden states, ground rows, bias, "
                                    "--top-k (the ids file's width) or routing options");
         for (int i = 0; i < FIRST_DISPATCH_OUT; i++)
@@ -404,13 +409,18 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--group-fill needs --groups and --topk-group");
         if (o->floor_set && !o->renormalize)
             return bad_usage("%s", "--renormalize-floor needs --renormalize");
+        if (o->eps_set && !o->renormalize)
+            return bad_usage("%s", "--renormalize-eps needs --renormalize");
+        if (o->eps_set && o->floor_set && o->renormalize_eps > 0.0f && o->renormalize_floor > 0.0f)
+            return bad_usage("%s", "--renormalize-floor and --renormalize-eps are two rules; give one");
     } else if (o->op == OP_GROUNDED) {
         if (!o->hidden || !o->ground)
             return bad_usage("%s", "--op grounded needs --hidden, --logits and --ground");
         if (o->bias || o->groups || o->topk_group || o->group_score_set || o->group_fill_set || o->scoring_set ||
-            o->renormalize || o->floor_set || o->scale_set)
+            o->renormalize || o->floor_set || o->eps_set || o->scale_set)
             return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --group-fill, --scoring, "
-                                   "--renormalize, --renormalize-floor and --scale belong to --op topk");
+                                   "--renormalize, --renormalize-floor, --renormalize-eps and --scale belong to "
+                                   "--op topk");
     }
     for (int a = 0; a < NUM_OUT; a++)
         for (int b = a + 1; b < NUM_OUT; b++)
@@ -650,6 +660,7 @@ static bool print_json(const summary *s, const options *o, const moecl_topk_gati
         tool_json_add_string(j, "group_fill", t->group_fill == MOECL_GROUP_FILL_ZERO ? "zero" : "neg-inf");
         tool_json_add_bool(j, "renormalize", t->renormalize);
         tool_json_add_number(j, "renormalize_floor", float_value(t->renormalize_floor));
+        tool_json_add_number(j, "renormalize_eps", float_value(t->renormalize_eps));
         tool_json_add_number(j, "scale", float_value(t->routed_scaling_factor));
     } else if (o->op == OP_GROUNDED) {
         tool_json_add_number(j, "hidden", g->hidden_dim);
@@ -937,6 +948,7 @@ int main(int argc, char **argv)
         td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
         td.group_fill = o.group_fill;
         td.renormalize_floor = o.renormalize_floor;
+        td.renormalize_eps = o.renormalize_eps;
     } else if (o.op == OP_GROUNDED) {
         const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
         moecl_dtype lt, gt;
@@ -1276,7 +1288,11 @@ int main(int argc, char **argv)
                                                                                       : ", groups (max)")
                                       : "",
                  td.num_expert_groups && td.group_fill == MOECL_GROUP_FILL_ZERO ? ", zero fill" : "",
-                 td.renormalize ? ", renormalize" : "", td.renormalize && td.renormalize_floor > 0.0f ? " (floored)" : "",
+                 td.renormalize ? ", renormalize" : "",
+                 !td.renormalize                  ? ""
+                 : td.renormalize_floor > 0.0f    ? " (floored)"
+                 : td.renormalize_eps > 0.0f      ? " (sum + eps)"
+                                                  : "",
                  td.routed_scaling_factor != 1.0f ? ", scaled" : "");
     else
         snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "

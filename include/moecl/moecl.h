@@ -394,7 +394,8 @@ typedef struct moecl_buffer {
  *   routed_scaling_factor finite;
  *   renormalize_floor 0, or a normal float (>= FLT_MIN) and finite, whether
  *   or not renormalize is set (a subnormal floor could be flushed to 0 by
- *   one device and not another).
+ *   one device and not another);
+ *   renormalize_eps likewise, and at most one of the two nonzero.
  */
 typedef struct moecl_topk_gating_desc {
     uint32_t num_tokens;        /**< rows of the gating logits */
@@ -422,6 +423,13 @@ typedef struct moecl_topk_gating_desc {
     /** What the chosen experts weigh: MOECL_WEIGHTS_SCORE (the default)
      *  keeps moecl's results from before this field existed. */
     moecl_weighting weighting;
+    /** With renormalize, an epsilon added to the sum. 0 (the default):
+     *  the rule of renormalize_floor. > 0: divide by the fp32 sum S + eps
+     *  whatever S is, as the models that write `sum + eps` do (DeepSeek-V3,
+     *  GLM-4.5, Kimi K2: 1e-20; LFM2: 1e-6); a NaN S makes the weights NaN,
+     *  as it does there. renormalize_floor must then be 0. Ignored without
+     *  renormalize. */
+    float renormalize_eps;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
@@ -579,6 +587,7 @@ typedef struct moecl_gating {
     bool renormalize;              /**< divide the weights by their sum */
     float renormalize_floor;       /**< with renormalize, the smallest divisor (0: moecl's rule) */
     float routed_scaling_factor;   /**< applied to the weights last */
+    float renormalize_eps;         /**< with renormalize, divide by sum + eps (0: the floor's rule) */
 } moecl_gating;
 
 /**

@@ -348,7 +348,7 @@ class Context:
     def _topk_desc(self, g: T.Tensor, tokens: int, experts: int, k: int, dtype: Optional[str],
                    groups: Optional[int], topk_group: Optional[int], scoring: str, group_score: str,
                    group_fill: str, renormalize: bool, scale: float, renormalize_floor: float,
-                   weighting: str = "score") -> ctypes.Structure:
+                   weighting: str = "score", renormalize_eps: float = 0.0) -> ctypes.Structure:
         """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
         fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
                       topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
@@ -357,7 +357,7 @@ class Context:
                       group_score=_enum("group_score", group_score, _lib.GROUP_SCORES),
                       group_fill=_enum("group_fill", group_fill, _lib.GROUP_FILLS),
                       renormalize=bool(renormalize), routed_scaling_factor=float(scale),
-                      renormalize_floor=float(renormalize_floor),
+                      renormalize_floor=float(renormalize_floor), renormalize_eps=float(renormalize_eps),
                       weighting=_enum("weighting", weighting, _lib.WEIGHTINGS))
         # desc_init first: fields a later moecl adds keep their defaults.
         desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
@@ -369,7 +369,8 @@ class Context:
     def topk_gating(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
                     groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                     renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
-                    group_fill: str = "neg_inf", weighting: str = "score", dtype: Optional[str] = None,
+                    renormalize_eps: float = 0.0, group_fill: str = "neg_inf", weighting: str = "score",
+                    dtype: Optional[str] = None,
                     counts: bool = False, out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
@@ -385,6 +386,9 @@ class Context:
             renormalize: divide the k weights by their sum.
             scale: routed_scaling_factor, applied to the weights last.
             renormalize_floor: with renormalize, the smallest divisor (0: moecl's rule).
+            renormalize_eps: with renormalize, divide by sum + eps instead
+                (DeepSeek-V3: 1e-20; 0: the floor's rule); exclusive with
+                renormalize_floor.
             group_fill: what dropped groups' experts become, "neg_inf" or "zero".
             weighting: what the chosen weigh: "score" (their unbiased score),
                 "softmax_chosen" (a softmax over their logits) or
@@ -422,7 +426,7 @@ class Context:
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
-                             renormalize, scale, renormalize_floor, weighting)
+                             renormalize, scale, renormalize_floor, weighting, renormalize_eps)
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -453,7 +457,7 @@ class Context:
 
         gating: the gating options by their Python names (scoring,
         weighting, groups, topk_group, group_score, group_fill,
-        renormalize, scale, renormalize_floor, precision); absent ones keep
+        renormalize, scale, renormalize_floor, renormalize_eps, precision); absent ones keep
         desc_init's defaults (the seed's gating: scoring "raw", weighting
         "softmax_chosen"), except that a scoring given without a weighting
         weighs the chosen by their score, as topk_gating does, so that
@@ -475,6 +479,7 @@ class Context:
             "renormalize": lambda v: ("renormalize", bool(v)),
             "scale": lambda v: ("routed_scaling_factor", float(v)),
             "renormalize_floor": lambda v: ("renormalize_floor", float(v)),
+            "renormalize_eps": lambda v: ("renormalize_eps", float(v)),
         }
         if "precision" in g:
             desc.precision = _enum("precision", g.pop("precision"), _lib.PRECISIONS)
@@ -495,8 +500,8 @@ class Context:
         g = router_logits + alpha * hidden @ ground.T; by default its top_k
         largest per token and a softmax over the chosen values; gating
         options (keywords: scoring, weighting, groups, topk_group,
-        group_score, group_fill, renormalize, scale, renormalize_floor, as
-        for topk_gating; precision "fp32", "tf32" or "3xtf32") route g as
+        group_score, group_fill, renormalize, scale, renormalize_floor,
+        renormalize_eps, as for topk_gating; precision "fp32", "tf32" or "3xtf32") route g as
         top-k gating routes its logits. A scoring given without a weighting
         takes topk_gating's weighting="score": scoring="softmax" gives the
         weights topk_gating(g, scoring="softmax") gives. Without a scoring,
@@ -550,8 +555,8 @@ class Context:
         the gating options (keywords as for grounded_router) with an
         optional correction bias: DeepSeek-V3 is scoring="sigmoid",
         weighting="score", bias=e_score_correction_bias, groups=8,
-        topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5,
-        top_k=8. Without scoring and weighting, the grounded router's
+        topk_group=4, group_score="top2_sum", renormalize=True,
+        renormalize_eps=1e-20, scale=2.5, top_k=8. Without scoring and weighting, the grounded router's
         gating: top-k of g, then a softmax over the chosen values
         (scoring="raw", weighting="softmax_chosen"). A scoring given without
         a weighting weighs the chosen by their score, as topk_gating does:
@@ -683,8 +688,9 @@ class Context:
     def route_dispatch(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
                        groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                        renormalize: bool = False, scale: float = 1.0, *, block_size: int = 64,
-                       renormalize_floor: float = 0.0, group_fill: str = "neg_inf", dtype: Optional[str] = None,
-                       slot_positions: bool = True, num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
+                       renormalize_floor: float = 0.0, renormalize_eps: float = 0.0, group_fill: str = "neg_inf",
+                       dtype: Optional[str] = None, slot_positions: bool = True, num_invalid: bool = True,
+                       out: Optional[Dict[str, Any]] = None,
                        queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
         """Top-k gating through to dispatch in one call (moecl_route_dispatch;
         docs/routing.md, "Routing through to dispatch"): exactly what
@@ -693,7 +699,8 @@ class Context:
 
         Args:
             logits, top_k, scoring, bias, groups, topk_group, group_score,
-            renormalize, scale, renormalize_floor, group_fill, dtype: as for topk_gating.
+            renormalize, scale, renormalize_floor, renormalize_eps, group_fill, dtype: as for
+            topk_gating.
             block_size: as for moe_align.
             slot_positions, num_invalid: compute these optional outputs.
             out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
@@ -707,7 +714,8 @@ class Context:
         return self._dispatch(
             "route_dispatch",
             lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
-                                     group_fill, renormalize, scale, renormalize_floor),
+                                     group_fill, renormalize, scale, renormalize_floor,
+                                     renormalize_eps=renormalize_eps),
             [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for)
 
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,

@@ -55,6 +55,7 @@ class TopkGatingDesc(ctypes.Structure):
         ("renormalize_floor", ctypes.c_float),
         ("group_fill", c_int),
         ("weighting", c_int),
+        ("renormalize_eps", ctypes.c_float),
     ]
 
 
@@ -71,6 +72,7 @@ class Gating(ctypes.Structure):
         ("renormalize", ctypes.c_bool),
         ("renormalize_floor", ctypes.c_float),
         ("routed_scaling_factor", ctypes.c_float),
+        ("renormalize_eps", ctypes.c_float),
     ]
 
 

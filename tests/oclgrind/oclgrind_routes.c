@@ -637,7 +637,7 @@ static void router_one(const run_def *run, moecl_context *ctx, const grounded_ca
     d.hidden_dtype = dtype;
     const bool grouped = d.num_experts % 4 == 0 && d.top_k <= d.num_experts / 2;
     d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, grouped ? 4 : 0, grouped ? 2 : 0,
-                              MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f};
+                              MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f, 1e-20f};
     snprintf(current, sizeof(current), "%s T=%u H=%u E=%u k=%u %s", run->name, d.num_tokens, d.hidden_dim,
              d.num_experts, d.top_k, dtype_name(dtype));
     if (!selected() || left_out_by_uninit("the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "

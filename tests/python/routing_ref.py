@@ -88,12 +88,15 @@ def topk_row(x: np.ndarray, k: int, scoring: str = "softmax", bias: Optional[np.
     return score, np.where(eligible, s, -np.inf), eligible, ids
 
 
-def topk_weights(score: np.ndarray, ids: np.ndarray, renormalize: bool, floor: float, scale: float) -> np.ndarray:
-    """Step 5 for the given ids."""
+def topk_weights(score: np.ndarray, ids: np.ndarray, renormalize: bool, floor: float, scale: float,
+                 eps: float = 0.0) -> np.ndarray:
+    """Step 5 for the given ids (eps > 0: the models' sum + eps, NaN included)."""
     w = score[ids]
     if renormalize:
         total = w.sum()
-        if not np.isnan(total):
+        if eps > 0:
+            w = w / (total + eps)
+        elif not np.isnan(total):
             if floor > 0:
                 w = w / max(total, floor)
             elif total > 0:

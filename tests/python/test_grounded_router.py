@@ -67,16 +67,19 @@ def test_ties_nan_and_inf(ctx):
     check_grounded(None, weights, ids, h.astype(np.float64), r.astype(np.float64), g.astype(np.float64), 1.0, 3)
 
 
-def test_router_deepseek_v3(ctx, rng):
+@pytest.mark.parametrize("eps", [0.0, 1e-20])
+def test_router_deepseek_v3(ctx, rng, eps):
     """moecl_router as DeepSeek-V3's router (hidden @ W_gate.T, no router
     logits): sigmoid, a bias, 8 groups keeping 4 by the top-two sum, top 8,
-    renormalised, factor 2.5; against routing_ref on g in float64."""
+    renormalised (by the sum, or by sum + 1e-20 as the model's code does),
+    factor 2.5; against routing_ref on g in float64."""
     tokens, hidden, experts, k = 9, 48, 64, 8
     h = rng.standard_normal((tokens, hidden)).astype(np.float32) / np.sqrt(hidden)
     gw = rng.standard_normal((experts, hidden)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
     weights, ids = ctx.router(h, gw, top_k=k, bias=bias, scoring="sigmoid", weighting="score", groups=8,
-                              topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5)
+                              topk_group=4, group_score="top2_sum", renormalize=True, scale=2.5,
+                              renormalize_eps=eps)
     assert weights.shape == ids.shape == (tokens, k)
     for t in range(tokens):
         g, _, _, g_tol = ref.grounded_row(h[t].astype(np.float64), np.zeros(experts), gw.astype(np.float64), 1.0, k)
@@ -88,7 +91,7 @@ def test_router_deepseek_v3(ctx, rng):
         # 2.5 / D (dv_j + v_j sum dv / D), dv the scores' bound (section 4).
         v, dv = score[ids[t]], tol[ids[t]]
         atol = 2.5e-5 + (2.5 / v.sum() * (dv + v * dv.sum() / v.sum())).max()
-        ref.check_weights(weights[t].astype(np.float64), ref.topk_weights(score, ids[t], True, 0.0, 2.5), atol,
+        ref.check_weights(weights[t].astype(np.float64), ref.topk_weights(score, ids[t], True, 0.0, 2.5, eps), atol,
                           "token %d" % t)
 
 

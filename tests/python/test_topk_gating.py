@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import moecl
+
 import routing_ref as ref
 from routing_ref import to_bf16_bits
 
@@ -28,7 +30,7 @@ def make_logits(rng, tokens, experts, dtype):
 
 
 def check_topk(weights, ids, x, k, scoring="softmax", bias=None, groups=0, topk_group=0, group_score="max",
-               group_fill="neg_inf", renormalize=False, floor=0.0, scale=1.0):
+               group_fill="neg_inf", renormalize=False, floor=0.0, scale=1.0, eps=0.0):
     """Every row of (weights, ids) against the reference, as section 4 allows."""
     assert weights.dtype == np.float32 and ids.dtype == np.int32
     assert weights.shape == ids.shape == (x.shape[0], k)
@@ -39,7 +41,7 @@ def check_topk(weights, ids, x, k, scoring="softmax", bias=None, groups=0, topk_
         if bias is not None:
             tol = tol + ref.U * np.abs(np.nan_to_num(key, posinf=0, neginf=0)) + ref.TAU
         ref.check_ids(ids[t], key, eligible, ref_ids, tol, "row %d" % t)
-        want = ref.topk_weights(score, ids[t], renormalize, floor, scale)
+        want = ref.topk_weights(score, ids[t], renormalize, floor, scale, eps)
         ref.check_weights(weights[t].astype(np.float64), want, 1e-5 * max(1.0, abs(scale)), "row %d" % t)
 
 
@@ -48,6 +50,9 @@ CASES = [
     dict(scoring="sigmoid"),
     dict(renormalize=True),
     dict(renormalize=True, floor=6.103515625e-5, scoring="sigmoid"),
+    dict(renormalize=True, eps=1e-6, scoring="sigmoid"),
+    dict(groups=8, topk_group=4, group_score="top2_sum", bias=True, scoring="sigmoid", renormalize=True, eps=1e-20,
+         scale=2.5),
     dict(scale=2.5, bias=True, scoring="sigmoid"),
     dict(groups=8, topk_group=4, group_score="max"),
     dict(groups=8, topk_group=3, group_score="top2_sum", bias=True, scoring="sigmoid", renormalize=True, scale=-1.5),
@@ -65,11 +70,11 @@ def test_random(ctx, rng, dtype, case):
     opts = dict(scoring=case.get("scoring", "softmax"), groups=case.get("groups"), topk_group=case.get("topk_group"),
                 group_score=case.get("group_score", "max"), renormalize=case.get("renormalize", False),
                 scale=case.get("scale", 1.0), renormalize_floor=case.get("floor", 0.0),
-                group_fill=case.get("group_fill", "neg_inf"))
+                renormalize_eps=case.get("eps", 0.0), group_fill=case.get("group_fill", "neg_inf"))
     w, ids = ctx.topk_gating(a, top_k=k, bias=bias, dtype="bf16" if dtype == "bf16" else None, **opts)
     check_topk(w, ids, x, k, opts["scoring"], None if bias is None else bias.astype(np.float64),
                opts["groups"] or 0, opts["topk_group"] or 0, opts["group_score"], opts["group_fill"],
-               opts["renormalize"], opts["renormalize_floor"], opts["scale"])
+               opts["renormalize"], opts["renormalize_floor"], opts["scale"], opts["renormalize_eps"])
 
 
 @pytest.mark.skipif(ml_dtypes is None, reason="ml_dtypes is not installed")
@@ -159,6 +164,24 @@ def test_renormalize_zero_sum(ctx):
     w, ids = ctx.topk_gating(x, top_k=2, scoring="sigmoid", renormalize=True, renormalize_floor=0.5)
     assert ids[0, 0] == 3
     np.testing.assert_allclose(w[0, 0], 1 / (1 + np.exp(10.0)) / 0.5, rtol=1e-5)
+
+
+def test_renormalize_eps(ctx):
+    # LFM2's 1e-6 beside a chosen sum near 8e-6: sum + eps, not the sum;
+    # a zero sum gives 0 / eps = 0; a NaN sum gives NaN weights.
+    x = np.full((2, 16), -200.0, np.float32)
+    x[0, 2], x[0, 7] = -12, -13
+    w, ids = ctx.topk_gating(x, top_k=2, scoring="sigmoid", renormalize=True, renormalize_eps=1e-6)
+    s = 1 / (1 + np.exp([12.0, 13.0]))
+    np.testing.assert_array_equal(ids[0], [2, 7])
+    np.testing.assert_allclose(w[0], s / (s.sum() + np.float32(1e-6)), rtol=1e-5)
+    np.testing.assert_array_equal(w[1], 0)
+    w, ids = ctx.topk_gating(np.array([[np.nan, 0]], np.float32), top_k=2, scoring="sigmoid", renormalize=True,
+                             renormalize_eps=1e-20)
+    np.testing.assert_array_equal(ids[0], [1, 0])
+    assert np.isnan(w[0]).all()
+    with pytest.raises(moecl.InvalidArgumentError, match="renormalize_eps"):
+        ctx.topk_gating(x, top_k=2, renormalize=True, renormalize_eps=1e-20, renormalize_floor=1e-3)
 
 
 def test_no_tokens(ctx):

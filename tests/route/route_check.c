@@ -153,7 +153,7 @@ int main(int argc, char **argv)
     long long want_post = -1, want_invalid = -1;
     bool any_dispatch = false;
     bool renormalize = false, bf16 = false;
-    float scale = 1.0f, alpha = 1.0f, renormalize_floor = 0.0f;
+    float scale = 1.0f, alpha = 1.0f, renormalize_floor = 0.0f, renormalize_eps = 0.0f;
     moecl_scoring scoring = MOECL_SCORING_SOFTMAX;
     moecl_group_score group_score = MOECL_GROUP_SCORE_MAX;
     moecl_group_fill group_fill = MOECL_GROUP_FILL_NEG_INF;
@@ -214,6 +214,8 @@ int main(int argc, char **argv)
             group_fill = !strcmp(v, "zero") ? MOECL_GROUP_FILL_ZERO : MOECL_GROUP_FILL_NEG_INF;
         else if (!strcmp(a, "--renormalize-floor"))
             renormalize_floor = strtof(v, NULL);
+        else if (!strcmp(a, "--renormalize-eps"))
+            renormalize_eps = strtof(v, NULL);
         else if (!strcmp(a, "--scoring"))
             scoring = !strcmp(v, "sigmoid") ? MOECL_SCORING_SIGMOID : MOECL_SCORING_SOFTMAX;
         else if (!strcmp(a, "--scale"))
@@ -309,6 +311,7 @@ int main(int argc, char **argv)
         d.routed_scaling_factor = scale;
         d.group_fill = group_fill;
         d.renormalize_floor = renormalize_floor;
+        d.renormalize_eps = renormalize_eps;
         /* The op needs both weights and ids; rebuild them from the pairs. */
         if (!w || !id) {
             if (!p)

@@ -239,8 +239,9 @@ def case_topk_softmax_groups_max(c):
 def case_topk_conventions(c):
     """The peers' conventions: the seed's zero fill of dropped groups with a
     bias wide enough that kept experts select below 0 (so the fill shows on
-    ordinary rows), and llama.cpp's renormalisation floor on sigmoid logits
-    around -14 (chosen sums on both sides of 2^-14); --json reports both."""
+    ordinary rows), llama.cpp's renormalisation floor on sigmoid logits
+    around -14 (chosen sums on both sides of 2^-14) and LFM2's epsilon
+    (1e-6) on the same; --json reports them."""
     t, e, k = 300, 64, 6
     lg = write_npy(c.path("logits.npy"), [x - 14.0 for x in randn(c.rng, t * e)], (t, e))
     bias = write_npy(c.path("bias.npy"), randn(c.rng, e, 0.5), (e,))
@@ -254,6 +255,11 @@ def case_topk_conventions(c):
     s = json.loads(p.stdout)
     if s["group_fill"] != "zero" or abs(s["renormalize_floor"] - 6.103515625e-5) > 1e-12:
         raise Failure("JSON summary does not report the fill and the floor: %r" % s)
+    _, p = c.route_and_check([lg, "--scoring", "sigmoid", "--renormalize", "--renormalize-eps", "1e-6",
+                              "--top-k", str(k), "--json"], k, t)
+    s = json.loads(p.stdout)
+    if abs(s["renormalize_eps"] - 1e-6) > 1e-12 or s["renormalize_floor"] != 0:
+        raise Failure("JSON summary does not report the epsilon: %r" % s)
 
 
 def case_topk_sigmoid(c):
@@ -651,7 +657,9 @@ def case_usage(c):
                  [lg, "--alpha", "1"], [lg, "--group-fill", "zero"],
                  [lg, "--groups", "4", "--topk-group", "2", "--group-fill", "nan"],
                  [lg, "--renormalize-floor", "1e-3"], [lg, "--renormalize", "--renormalize-floor", "-1"],
-                 [lg, "--renormalize", "--renormalize-floor", "1e-40"]):
+                 [lg, "--renormalize", "--renormalize-floor", "1e-40"], [lg, "--renormalize-eps", "1e-20"],
+                 [lg, "--renormalize", "--renormalize-eps", "-1"], [lg, "--renormalize", "--renormalize-eps", "1e-40"],
+                 [lg, "--renormalize", "--renormalize-eps", "1e-20", "--renormalize-floor", "1e-3"]):
         c.expect_failure(argv, ["moecl-route"], rc=2)
     same = c.path("same.npy")
     c.expect_failure([lg, "--weights", same, "--ids", same], [same], rc=2, outputs=False)
