@@ -603,6 +603,140 @@ START_TEST(test_zero_tokens)
 }
 END_TEST
 
+/* ---------------------------------------------------------------------- */
+/* Named presets                                                          */
+/* ---------------------------------------------------------------------- */
+
+/* The names the header promises, in its order. */
+static const char *const preset_names[] = {"mixtral", "qwen3-moe",  "qwen3-next", "deepseek-v2", "deepseek-v3",
+                                           "deepseek-v4", "llama4",   "gpt-oss",    "glm-4.5",     "kimi-k2",
+                                           "minimax-m2", "gemma4",    "olmoe"};
+#define NUM_PRESET_NAMES (sizeof(preset_names) / sizeof(preset_names[0]))
+
+START_TEST(test_preset_names)
+{
+    size_t n = 0;
+    while (moecl_preset_name(n))
+        n++;
+    ck_assert_uint_eq(n, NUM_PRESET_NAMES);
+    for (size_t i = 0; i < n; i++) {
+        ck_assert_str_eq(moecl_preset_name(i), preset_names[i]);
+        ck_assert_ptr_eq(moecl_preset_name(i), moecl_preset_name(i)); /* static */
+        for (const char *c = preset_names[i]; *c; c++)
+            ck_assert_msg((*c >= 'a' && *c <= 'z') || (*c >= '0' && *c <= '9') || *c == '-' || *c == '.',
+                          "preset name \"%s\"", preset_names[i]);
+    }
+    ck_assert_ptr_null(moecl_preset_name(n + 1));
+    ck_assert_ptr_null(moecl_preset_name((size_t)-1));
+}
+END_TEST
+
+/* A failed preset call: the status, the context-less message naming what,
+ * and both descriptors byte for byte as they were. */
+static void assert_preset_fails(const char *family, bool null_desc, const char *what)
+{
+    moecl_topk_gating_desc t;
+    moecl_grounded_router_desc g;
+    memset(&t, 0xA5, sizeof(t));
+    memset(&g, 0xA5, sizeof(g));
+    moecl_topk_gating_desc t0 = t;
+    moecl_grounded_router_desc g0 = g;
+    rt_reset_null_error();
+    moecl_status st = moecl_topk_gating_desc_preset(family, 3, null_desc ? NULL : &t);
+    ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "topk preset \"%s\": status %d", family ? family : "(NULL)",
+                  (int)st);
+    rt_assert_error_names(NULL, what, "moecl_topk_gating_desc_preset");
+    ck_assert_msg(!memcmp(&t, &t0, sizeof(t)), "topk preset \"%s\": desc written", family ? family : "(NULL)");
+    rt_reset_null_error();
+    st = moecl_grounded_router_desc_preset(family, 3, null_desc ? NULL : &g);
+    ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "router preset \"%s\": status %d", family ? family : "(NULL)",
+                  (int)st);
+    rt_assert_error_names(NULL, what, "moecl_grounded_router_desc_preset");
+    ck_assert_msg(!memcmp(&g, &g0, sizeof(g)), "router preset \"%s\": desc written", family ? family : "(NULL)");
+}
+
+START_TEST(test_preset_invalid)
+{
+    /* An unknown name lists every preset; near misses are not guessed. */
+    static const char *const unknown[] = {"", "DeepSeek-V3", "deepseek_v3", "deepseek-v3 ", "deepseek", "mixtral2",
+                                          "glm-4.5x", "llama-4"};
+    for (size_t i = 0; i < sizeof(unknown) / sizeof(unknown[0]); i++) {
+        assert_preset_fails(unknown[i], false, "preset");
+        for (size_t j = 0; j < NUM_PRESET_NAMES; j++)
+            rt_assert_error_names(NULL, preset_names[j], unknown[i]);
+    }
+    assert_preset_fails(NULL, false, "family");
+    assert_preset_fails("mixtral", true, "desc");
+}
+END_TEST
+
+/* Every preset is a descriptor the library accepts: a host call on two
+ * tokens of random logits (and of random hidden states through the router)
+ * succeeds, with distinct ids in range. The presets' routing itself is
+ * checked against each family's model in tests/python/test_presets.py. */
+START_TEST(test_preset_descriptors_run)
+{
+    moecl_context *ctx = harness_context();
+    harness_rng rng = harness_rng_for(33);
+    enum { T = 2 };
+    for (size_t i = 0; moecl_preset_name(i); i++) {
+        const char *name = moecl_preset_name(i);
+        moecl_topk_gating_desc d;
+        ck_assert_int_eq(moecl_topk_gating_desc_preset(name, T, &d), MOECL_SUCCESS);
+        ck_assert_uint_eq(d.num_tokens, T);
+        ck_assert_int_eq(d.gating_dtype, MOECL_F32);
+        ck_assert_msg(d.renormalize_floor == 0.0f, "%s: renormalize_floor %g", name, (double)d.renormalize_floor);
+        const uint32_t e = d.num_experts, k = d.top_k;
+        float *logits = harness_random_tensor(&rng, MOECL_F32, (size_t)T * e, 2.0f);
+        float *bias = harness_random_tensor(&rng, MOECL_F32, e, 0.1f);
+        float w[T * 64];
+        int32_t ids[T * 64];
+        ck_assert(logits && bias && k <= 64);
+        moecl_status st = moecl_topk_gating_host(ctx, &d, logits, bias, w, ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", name, moecl_status_string(st), moecl_context_error(ctx));
+        for (uint32_t t = 0; t < T; t++)
+            for (uint32_t j = 0; j < k; j++) {
+                int32_t id = ids[t * k + j];
+                ck_assert_msg(id >= 0 && (uint32_t)id < e, "%s: id %d", name, id);
+                for (uint32_t j2 = 0; j2 < j; j2++)
+                    ck_assert_msg(ids[t * k + j2] != id, "%s: id %d twice", name, id);
+                ck_assert_msg(isfinite(w[t * k + j]), "%s: weight %g", name, (double)w[t * k + j]);
+            }
+
+        /* The router's preset: the same fields, and a run from hidden states. */
+        moecl_grounded_router_desc g;
+        ck_assert_int_eq(moecl_grounded_router_desc_preset(name, T, &g), MOECL_SUCCESS);
+        ck_assert_uint_eq(g.num_tokens, T);
+        ck_assert_uint_eq(g.num_experts, e);
+        ck_assert_uint_eq(g.top_k, k);
+        ck_assert(g.alpha == 1.0f && g.hidden_dtype == MOECL_F32 && g.precision == MOECL_PRECISION_FP32);
+        ck_assert(g.hidden_dim >= 1024 && g.hidden_dim <= 8192);
+        ck_assert_int_eq(g.gating.scoring, d.scoring);
+        ck_assert_int_eq(g.gating.weighting, d.weighting);
+        ck_assert_uint_eq(g.gating.num_expert_groups, d.num_expert_groups);
+        ck_assert_uint_eq(g.gating.topk_group, d.topk_group);
+        ck_assert_int_eq(g.gating.group_score, d.group_score);
+        ck_assert_int_eq(g.gating.group_fill, d.group_fill);
+        ck_assert(g.gating.renormalize == d.renormalize);
+        ck_assert(g.gating.renormalize_floor == d.renormalize_floor);
+        ck_assert(g.gating.routed_scaling_factor == d.routed_scaling_factor);
+        float *hidden = harness_random_tensor(&rng, MOECL_F32, (size_t)T * g.hidden_dim, 1.0f);
+        float *ground = harness_random_tensor(&rng, MOECL_F32, (size_t)e * g.hidden_dim, 0.03f);
+        ck_assert(hidden && ground);
+        st = moecl_router_host(ctx, &g, hidden, NULL, ground, bias, w, ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s router: %s: %s", name, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        for (uint32_t s = 0; s < T * k; s++)
+            ck_assert_msg(ids[s] >= 0 && (uint32_t)ids[s] < e, "%s router: id %d", name, ids[s]);
+        free(hidden);
+        free(ground);
+        free(logits);
+        free(bias);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, NULL);
@@ -616,5 +750,10 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_null_arguments);
     tcase_add_test(tc, test_invalid_buffers);
     tcase_add_test(tc, test_zero_tokens);
+
+    tc = rt_tcase(s, "presets", false);
+    tcase_add_test(tc, test_preset_names);
+    tcase_add_test(tc, test_preset_invalid);
+    tcase_add_test(tc, test_preset_descriptors_run);
     return harness_run(s);
 }

@@ -42,6 +42,7 @@ typedef struct options {
     const char *out[NUM_OUT];
     const char *device;
     const char *demo; /* --demo DIR */
+    const char *preset; /* --preset NAME */
     long top_k; /* 0: the default */
     long groups, topk_group;
     long experts;    /* --op align */
@@ -75,6 +76,15 @@ static void usage(FILE *f)
             "            ids outside [0, E) are skipped and counted (num_invalid)\n"
             "Options:\n"
             "  --op topk|grounded|align          the op (default topk)\n"
+            "  --preset NAME           a model family's routing, as moecl_topk_gating_desc_preset() gives it\n"
+            "                          (topk): its top_k, scoring, weighting, groups, renormalisation and\n"
+            "                          scale; the logits must have its expert count. It takes no routing\n"
+            "                          option beside it (--top-k, --scoring, --groups, --topk-group,\n"
+            "                          --group-score, --group-fill, --renormalize, --renormalize-floor,\n"
+            "                          --scale: a bad usage, whatever their order); a family with a\n"
+            "                          correction bias takes it as --bias. The names: mixtral, qwen3-moe,\n"
+            "                          qwen3-next, deepseek-v2, deepseek-v3, deepseek-v4, llama4, gpt-oss,\n"
+            "                          glm-4.5, kimi-k2, minimax-m2, gemma4, olmoe\n"
             "  --top-k N, --topk N     experts per token (default 8 for topk, at most the experts;\n"
             "                          2 for grounded, as the grounded-router task moecl started from)\n"
             "  --scoring softmax|sigmoid         (topk; default softmax)\n"
@@ -229,7 +239,7 @@ static struct option longopts[] = {
     VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
     VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
     VALUE("group-fill"), VALUE("renormalize-floor"), VALUE("renormalize-eps"), VALUE("scoring"), VALUE("scale"),
-    VALUE("alpha"), VALUE("chunk-rows"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
+    VALUE("alpha"), VALUE("chunk-rows"), VALUE("preset"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
 };
 #undef FLAG
 #undef VALUE
@@ -296,6 +306,11 @@ static int parse_args(int argc, char **argv, options *o)
             o->device = v;
         } else if (!strcmp(a, "--demo")) {
             o->demo = v;
+        } else if (!strcmp(a, "--preset")) {
+            moecl_topk_gating_desc d;
+            if (moecl_topk_gating_desc_preset(v, 0, &d) != MOECL_SUCCESS)
+                return bad_usage("--preset: %s", moecl_context_error(NULL));
+            o->preset = v;
         } else if (!strcmp(a, "--top-k")) {
             if (!parse_long(v, 1, 64, &o->top_k))
                 return bad_usage("--top-k is 1..64, not '%s'", v);
@@ -367,8 +382,7 @@ static int parse_args(int argc, char **argv, options *o)
         if (optind < argc || o->logits || o->hidden || o->ground || o->bias || o->ids_in || o->op || o->top_k ||
             o->groups || o->topk_group || o->experts || o->block_size || o->group_score_set || o->group_fill_set ||
             o->scoring_set || o->renormalize || o->floor_set || o->eps_set || o->scale_set || o->alpha_set || o->bf16 ||
-            o->json ||
-            o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts)
+            o->json || o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts || o->preset)
             return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
         for (int i = 0; i < NUM_OUT; i++)
             if (o->out[i])
@@ -385,7 +399,7 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--op align needs --ids-in and --experts");
         if (o->logits || o->hidden || o->ground || o->bias || o->top_k || o->groups || o->topk_group ||
             o->group_score_set || o->group_fill_set || o->scoring_set || o->renormalize || o->floor_set ||
-            o->eps_set || o->scale_set || o->alpha_set || o->bf16)
+            o->eps_set || o->scale_set || o->alpha_set || o->bf16 || o->preset)
             return bad_usage("%s", "--op align reads --ids-in only: no logits, hidden states, ground rows, bias, "
                                    "--top-k (the ids file's width) or routing options");
         for (int i = 0; i < FIRST_DISPATCH_OUT; i++)
@@ -413,14 +427,34 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--renormalize-eps needs --renormalize");
         if (o->eps_set && o->floor_set && o->renormalize_eps > 0.0f && o->renormalize_floor > 0.0f)
             return bad_usage("%s", "--renormalize-floor and --renormalize-eps are two rules; give one");
+        /* A preset is the whole routing: an option beside it would leave
+         * which of the two was meant to the order of the words. */
+        const char *conflict = !o->preset           ? NULL
+                               : o->top_k           ? "--top-k"
+                               : o->scoring_set     ? "--scoring"
+                               : o->groups          ? "--groups"
+                               : o->topk_group      ? "--topk-group"
+                               : o->group_score_set ? "--group-score"
+                               : o->group_fill_set  ? "--group-fill"
+                               : o->renormalize     ? "--renormalize"
+                               : o->floor_set       ? "--renormalize-floor"
+                               : o->eps_set         ? "--renormalize-eps"
+                               : o->scale_set       ? "--scale"
+                                                    : NULL;
+        if (conflict) {
+            fprintf(stderr, "moecl-route: --preset %s sets the routing; %s beside it is refused\n", o->preset,
+                    conflict);
+            try_help(stderr);
+            return 2;
+        }
     } else if (o->op == OP_GROUNDED) {
         if (!o->hidden || !o->ground)
             return bad_usage("%s", "--op grounded needs --hidden, --logits and --ground");
         if (o->bias || o->groups || o->topk_group || o->group_score_set || o->group_fill_set || o->scoring_set ||
-            o->renormalize || o->floor_set || o->eps_set || o->scale_set)
+            o->renormalize || o->floor_set || o->eps_set || o->scale_set || o->preset)
             return bad_usage("%s", "--bias, --groups, --topk-group, --group-score, --group-fill, --scoring, "
-                                   "--renormalize, --renormalize-floor, --renormalize-eps and --scale belong to "
-                                   "--op topk");
+                                   "--renormalize, --renormalize-floor, --renormalize-eps, --scale and --preset "
+                                   "belong to --op topk");
     }
     for (int a = 0; a < NUM_OUT; a++)
         for (int b = a + 1; b < NUM_OUT; b++)
@@ -641,6 +675,21 @@ static double float_value(float f)
     return f;
 }
 
+static const char *scoring_name(moecl_scoring s)
+{
+    return s == MOECL_SCORING_SIGMOID        ? "sigmoid"
+           : s == MOECL_SCORING_SQRTSOFTPLUS ? "sqrtsoftplus"
+           : s == MOECL_SCORING_RAW          ? "raw"
+                                             : "softmax";
+}
+
+static const char *weighting_name(moecl_weighting w)
+{
+    return w == MOECL_WEIGHTS_SOFTMAX_CHOSEN   ? "softmax-chosen"
+           : w == MOECL_WEIGHTS_SIGMOID_CHOSEN ? "sigmoid-chosen"
+                                               : "score";
+}
+
 /* One JSON object: what ran, where and how long, and the load. */
 static bool print_json(const summary *s, const options *o, const moecl_topk_gating_desc *t,
                        const moecl_grounded_router_desc *g, moecl_dtype dtype)
@@ -652,7 +701,9 @@ static bool print_json(const summary *s, const options *o, const moecl_topk_gati
     tool_json_add_number(j, "experts", s->experts);
     tool_json_add_number(j, "top_k", s->top_k);
     if (o->op == OP_TOPK) {
-        tool_json_add_string(j, "scoring", t->scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax");
+        cJSON_AddItemToObject(j, "preset", o->preset ? cJSON_CreateString(o->preset) : cJSON_CreateNull());
+        tool_json_add_string(j, "scoring", scoring_name(t->scoring));
+        tool_json_add_string(j, "weighting", weighting_name(t->weighting));
         tool_json_add_bool(j, "bias", o->bias);
         tool_json_add_number(j, "groups", t->num_expert_groups);
         tool_json_add_number(j, "topk_group", t->topk_group);
@@ -937,18 +988,30 @@ int main(int argc, char **argv)
                 goto file_error;
             }
         }
-        top_k = o.top_k ? (uint32_t)o.top_k : experts < 8 ? experts : 8;
-        td = moecl_topk_gating_desc_init((uint32_t)tokens, experts, top_k);
+        if (o.preset) {
+            moecl_topk_gating_desc_preset(o.preset, (uint32_t)tokens, &td); /* the name was checked */
+            if (td.num_experts != experts) {
+                fprintf(stderr, "moecl-route: --preset %s routes %u experts; %s has %u\nTry "
+                                "'moecl-route --help'.\n", o.preset, td.num_experts, l->path, experts);
+                for (int i = 0; i < NUM_IN; i++)
+                    npy_close(&in[i]);
+                return 2;
+            }
+            top_k = td.top_k;
+        } else {
+            top_k = o.top_k ? (uint32_t)o.top_k : experts < 8 ? experts : 8;
+            td = moecl_topk_gating_desc_init((uint32_t)tokens, experts, top_k);
+            td.scoring = o.scoring;
+            td.num_expert_groups = (uint32_t)o.groups;
+            td.topk_group = (uint32_t)o.topk_group;
+            td.group_score = o.group_score;
+            td.renormalize = o.renormalize;
+            td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
+            td.group_fill = o.group_fill;
+            td.renormalize_floor = o.renormalize_floor;
+            td.renormalize_eps = o.renormalize_eps;
+        }
         td.gating_dtype = dtype;
-        td.scoring = o.scoring;
-        td.num_expert_groups = (uint32_t)o.groups;
-        td.topk_group = (uint32_t)o.topk_group;
-        td.group_score = o.group_score;
-        td.renormalize = o.renormalize;
-        td.routed_scaling_factor = o.scale_set ? o.scale : 1.0f;
-        td.group_fill = o.group_fill;
-        td.renormalize_floor = o.renormalize_floor;
-        td.renormalize_eps = o.renormalize_eps;
     } else if (o.op == OP_GROUNDED) {
         const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
         moecl_dtype lt, gt;
@@ -1281,9 +1344,11 @@ int main(int argc, char **argv)
         snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts%s", o.ids_in,
                  (unsigned long long)tokens, top_k, experts, ids_i64 ? ", int64 ids read as int32" : "");
     else if (o.op == OP_TOPK)
-        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s",
+        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s%s%s%s%s%s",
                  o.logits, (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
-                 td.scoring == MOECL_SCORING_SIGMOID ? "sigmoid" : "softmax", o.bias ? ", bias" : "",
+                 o.preset ? "preset " : "", o.preset ? o.preset : "", o.preset ? ": " : "", scoring_name(td.scoring),
+                 td.weighting != MOECL_WEIGHTS_SCORE ? ", weights " : "",
+                 td.weighting != MOECL_WEIGHTS_SCORE ? weighting_name(td.weighting) : "", o.bias ? ", bias" : "",
                  td.num_expert_groups ? (td.group_score == MOECL_GROUP_SCORE_TOP2_SUM ? ", groups (top2sum)"
                                                                                       : ", groups (max)")
                                       : "",

@@ -684,6 +684,81 @@ MOECL_API moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounde
                                          int32_t *topk_ids);
 
 /* ---------------------------------------------------------------------- */
+/* Named presets (docs/routing.md, section 10)                             */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * Fill *desc with the routing convention and the shape of a model family's
+ * flagship checkpoint: num_experts, top_k and the gating fields, from the
+ * checkpoint's config.json and the routing of Hugging Face transformers'
+ * modeling file for it (docs/routing.md, section 10, cites each). The other
+ * fields are moecl_topk_gating_desc_init()'s: num_tokens as given,
+ * gating_dtype MOECL_F32 (set it to the logits' type), renormalize_floor 0.
+ * eps is renormalize_eps: those models divide by the sum + 1e-20.
+ * Every preset is a valid descriptor. Names are matched exactly
+ * (lower case, hyphens); moecl_preset_name() lists them. The presets:
+ *
+ * | family        | E   | k  | scoring      | weighting      | groups (G, Kg, score, fill) | renormalize | factor | eps   |
+ * |---------------|-----|----|--------------|----------------|-----------------------------|-------------|--------|-------|
+ * | "mixtral"     | 8   | 2  | SOFTMAX      | SCORE          | none                        | yes         | 1      | 0     |
+ * | "qwen3-moe"   | 128 | 8  | SOFTMAX      | SCORE          | none                        | yes         | 1      | 0     |
+ * | "qwen3-next"  | 512 | 10 | SOFTMAX      | SCORE          | none                        | yes         | 1      | 0     |
+ * | "deepseek-v2" | 160 | 6  | SOFTMAX      | SCORE          | 8, 3, MAX, ZERO             | no          | 16     | 0     |
+ * | "deepseek-v3" | 256 | 8  | SIGMOID      | SCORE          | 8, 4, TOP2_SUM, ZERO        | yes         | 2.5    | 1e-20 |
+ * | "deepseek-v4" | 384 | 6  | SQRTSOFTPLUS | SCORE          | none                        | yes         | 2.5    | 1e-20 |
+ * | "llama4"      | 128 | 1  | RAW          | SIGMOID_CHOSEN | none                        | no          | 1      | 0     |
+ * | "gpt-oss"     | 128 | 4  | RAW          | SOFTMAX_CHOSEN | none                        | no          | 1      | 0     |
+ * | "glm-4.5"     | 160 | 8  | SIGMOID      | SCORE          | none                        | yes         | 2.5    | 1e-20 |
+ * | "kimi-k2"     | 384 | 8  | SIGMOID      | SCORE          | none                        | yes         | 2.827  | 1e-20 |
+ * | "minimax-m2"  | 256 | 8  | SIGMOID      | SCORE          | none                        | yes         | 1      | 0     |
+ * | "gemma4"      | 128 | 8  | SOFTMAX      | SCORE          | none                        | yes         | 1      | 0     |
+ * | "olmoe"       | 64  | 8  | SOFTMAX      | SCORE          | none                        | no          | 1      | 0     |
+ *
+ * "none": num_expert_groups and topk_group 0, group_score MAX, group_fill
+ * NEG_INF (ignored without groups). DeepSeek-V3, DeepSeek-V4, GLM-4.5,
+ * Kimi K2 and MiniMax-M2 select with their e_score_correction_bias: pass
+ * it as the call's bias. What a preset does not hold (a shared expert, a
+ * per-expert scale, hash layers, the gate's rounding to bf16) is listed
+ * in docs/routing.md, section 10.
+ *
+ * @param family     the preset's name, e.g. "deepseek-v3"
+ * @param num_tokens the descriptor's num_tokens
+ * @param desc       receives the descriptor; unchanged on failure
+ * @return MOECL_SUCCESS, or MOECL_ERROR_INVALID_ARGUMENT for a NULL family
+ *         or desc or a name that is no preset; then
+ *         moecl_context_error(NULL) says which, for an unknown name with
+ *         every preset's name. Thread-safe.
+ */
+MOECL_API moecl_status moecl_topk_gating_desc_preset(const char *family, uint32_t num_tokens,
+                                                     moecl_topk_gating_desc *desc);
+
+/**
+ * The same preset for the router from hidden states (moecl_router(),
+ * moecl_grounded_router()): *desc becomes
+ * moecl_grounded_router_desc_init(num_tokens, H, E, 1.0f) with top_k k and
+ * gating the preset's fields (the table of
+ * moecl_topk_gating_desc_preset(), field for field: moecl_gating holds the
+ * same names), where H is the checkpoint's hidden_size: mixtral 4096,
+ * qwen3-moe 4096, qwen3-next 2048, deepseek-v2 5120, deepseek-v3 7168,
+ * deepseek-v4 7168, llama4 5120, gpt-oss 2880, glm-4.5 5120, kimi-k2 7168,
+ * minimax-m2 3072, gemma4 2816, olmoe 2048. alpha 1 makes g the gate's
+ * product, expert_ground the gate's weight [E][H]; hidden_dtype is MOECL_F32
+ * (set it to the tensors' type) and precision MOECL_PRECISION_FP32.
+ *
+ * @param family     the preset's name
+ * @param num_tokens the descriptor's num_tokens
+ * @param desc       receives the descriptor; unchanged on failure
+ * @return as moecl_topk_gating_desc_preset(). Thread-safe.
+ */
+MOECL_API moecl_status moecl_grounded_router_desc_preset(const char *family, uint32_t num_tokens,
+                                                         moecl_grounded_router_desc *desc);
+
+/** The name of preset i (from 0), a static string, or NULL for i past the
+ *  last: `for (size_t i = 0; moecl_preset_name(i); i++)` lists them, in the
+ *  order of moecl_topk_gating_desc_preset()'s table. Thread-safe. */
+MOECL_API const char *moecl_preset_name(size_t i);
+
+/* ---------------------------------------------------------------------- */
 /* Dispatch: moe_align (docs/routing.md, "Dispatch: moe_align")            */
 /* ---------------------------------------------------------------------- */
 

@@ -15,8 +15,8 @@ package's own, else the libdir of ``pkg-config moecl``, else
 ``ctypes.util.find_library("moecl")``; an OSError lists what was tried.
 """
 
-from ._context import (Context, EpLayoutResult, MoeAlignResult, RouteDispatchResult, library, status_string,
-                       version)
+from ._context import (Context, EpLayoutResult, MoeAlignResult, RouteDispatchResult, library, preset, preset_names,
+                       preset_shape, status_string, version)
 from ._errors import (BuildError, Error, InvalidArgumentError, NoDeviceError, OpenCLError, OutOfMemoryError,
                       UnsupportedError)
 from ._tensors import BufferView
@@ -27,5 +27,5 @@ library()
 __all__ = [
     "BufferView", "BuildError", "Context", "EpLayoutResult", "Error", "InvalidArgumentError", "MoeAlignResult",
     "NoDeviceError", "OpenCLError", "OutOfMemoryError", "RouteDispatchResult", "UnsupportedError", "__version__",
-    "library", "status_string", "version",
+    "library", "preset", "preset_names", "preset_shape", "status_string", "version",
 ]

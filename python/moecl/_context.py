@@ -689,8 +689,8 @@ class Context:
                        groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                        renormalize: bool = False, scale: float = 1.0, *, block_size: int = 64,
                        renormalize_floor: float = 0.0, renormalize_eps: float = 0.0, group_fill: str = "neg_inf",
-                       dtype: Optional[str] = None, slot_positions: bool = True, num_invalid: bool = True,
-                       out: Optional[Dict[str, Any]] = None,
+                       weighting: str = "score", dtype: Optional[str] = None, slot_positions: bool = True,
+                       num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
                        queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
         """Top-k gating through to dispatch in one call (moecl_route_dispatch;
         docs/routing.md, "Routing through to dispatch"): exactly what
@@ -699,8 +699,8 @@ class Context:
 
         Args:
             logits, top_k, scoring, bias, groups, topk_group, group_score,
-            renormalize, scale, renormalize_floor, renormalize_eps, group_fill, dtype: as for
-            topk_gating.
+            renormalize, scale, renormalize_floor, renormalize_eps, group_fill, weighting, dtype: as
+            for topk_gating.
             block_size: as for moe_align.
             slot_positions, num_invalid: compute these optional outputs.
             out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
@@ -714,8 +714,8 @@ class Context:
         return self._dispatch(
             "route_dispatch",
             lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
-                                     group_fill, renormalize, scale, renormalize_floor,
-                                     renormalize_eps=renormalize_eps),
+                                     group_fill, renormalize, scale, renormalize_floor, weighting,
+                                     renormalize_eps),
             [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for)
 
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,
@@ -741,6 +741,69 @@ class Context:
         return self._dispatch("grounded_route_dispatch", lambda on: on._grounded_desc(h, experts, k, alpha, dtype),
                               [h, r, w], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind,
                               queue, wait_for)
+
+
+def _key(names: Dict[str, int], value: int) -> str:
+    """The Python name of an enum value of moecl.h."""
+    return next(n for n, v in names.items() if v == value)
+
+
+def preset_names() -> Tuple[str, ...]:
+    """The names of the presets (moecl_preset_name()), in the C table's order."""
+    lib = library()
+    names = []
+    while True:
+        name = lib.moecl_preset_name(len(names))
+        if name is None:
+            return tuple(names)
+        names.append(name.decode())
+
+
+def _preset_desc(name: str, which: str) -> ctypes.Structure:
+    """The C library's descriptor of preset name: "topk_gating" or "grounded_router"."""
+    if not isinstance(name, str):
+        raise TypeError("preset name must be a str, not %s" % type(name).__name__)
+    lib = library()
+    desc = _lib.TopkGatingDesc() if which == "topk_gating" else _lib.GroundedRouterDesc()
+    status = getattr(lib, "moecl_%s_desc_preset" % which)(name.encode(), 0, ctypes.byref(desc))
+    if status != 0:
+        raise error_class(status)(status, lib.moecl_status_string(status).decode(),
+                                  lib.moecl_context_error(None).decode(errors="replace"))
+    return desc
+
+
+def preset(name: str) -> Dict[str, Any]:
+    """The routing convention of a model family's flagship checkpoint, as
+    the keyword arguments of Context.topk_gating (docs/routing.md, section 10).
+
+    From the C library's table (moecl_topk_gating_desc_preset()): top_k,
+    scoring, weighting, groups, topk_group, group_score, group_fill,
+    renormalize, renormalize_floor, renormalize_eps and scale. The same keywords serve
+    Context.router, grounded_router and route_dispatch::
+
+        w, ids = ctx.topk_gating(logits, bias=correction_bias, **moecl.preset("deepseek-v3"))
+
+    The logits must have the family's expert count (preset_shape()); a
+    family that selects with a correction bias takes it as bias.
+
+    Raises:
+        TypeError: name is not a str.
+        moecl.InvalidArgumentError: name is no preset; the message lists them.
+    """
+    d = _preset_desc(name, "topk_gating")
+    return dict(top_k=d.top_k, scoring=_key(_lib.SCORINGS, d.scoring), weighting=_key(_lib.WEIGHTINGS, d.weighting),
+                groups=d.num_expert_groups or None, topk_group=d.topk_group or None,
+                group_score=_key(_lib.GROUP_SCORES, d.group_score), group_fill=_key(_lib.GROUP_FILLS, d.group_fill),
+                renormalize=bool(d.renormalize), renormalize_floor=float(d.renormalize_floor),
+                renormalize_eps=float(d.renormalize_eps), scale=float(d.routed_scaling_factor))
+
+
+def preset_shape(name: str) -> Tuple[int, int]:
+    """(num_experts, hidden_size) of a preset's checkpoint
+    (moecl_grounded_router_desc_preset()): the logits' width, and the
+    hidden states' width for Context.router. Raises as preset()."""
+    d = _preset_desc(name, "grounded_router")
+    return d.num_experts, d.hidden_dim
 
 
 def version() -> str:

@@ -177,6 +177,9 @@ _SIGNATURES = {
     "moecl_grounded_route_dispatch": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [Buffer] * 11 +
                                       [cl_uint, _events, _event_out]),
     "moecl_grounded_route_dispatch_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [c_void_p] * 11),
+    "moecl_topk_gating_desc_preset": (c_int, [ctypes.c_char_p, c_uint32, _P(TopkGatingDesc)]),
+    "moecl_grounded_router_desc_preset": (c_int, [ctypes.c_char_p, c_uint32, _P(GroundedRouterDesc)]),
+    "moecl_preset_name": (ctypes.c_char_p, [c_size_t]),
 }
 
 
