@@ -48,6 +48,31 @@
 
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
+/* Before step 1, the router's logit as the model has it (the grounded
+ * router's defines; top-k gating sets neither): LOGIT_ROUND 2 rounds it to
+ * bf16, 1 to f16 (to nearest, ties to even, as a bf16 or f16 gate GEMM
+ * writes it), then SOFTCAP caps it, SOFTCAP * tanh(x / SOFTCAP). */
+#ifndef LOGIT_ROUND
+#define LOGIT_ROUND 0
+#endif
+static inline float logit_of(float x)
+{
+#if LOGIT_ROUND == 2
+    /* NaN kept (a carry could make it inf); the carry of a tie's odd half
+     * rounds up, an even one down. */
+    const uint u = as_uint(x);
+    x = isnan(x) ? x : as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u);
+#elif LOGIT_ROUND == 1
+    ushort h;
+    vstore_half_rte(x, 0, (half *)&h);
+    x = vload_half(0, (const half *)&h);
+#endif
+#ifdef SOFTCAP
+    x = SOFTCAP * tanh(x / SOFTCAP);
+#endif
+    return x;
+}
+
 /* Step 1, the score: softmax takes the row's max over the non-NaN logits
  * and the sum of exp(x - max); NaN and inf propagate as IEEE arithmetic
  * makes them (any NaN or +inf logit makes the whole row NaN). Each kernel

@@ -10,6 +10,10 @@
  *   IN_DTYPE                            dtype of token_hidden and expert_ground
  *   HAS_LOGITS                          (absent: 1) router_logits is read;
  *                                       0: g = alpha * dot (moecl_router)
+ *   LOGITS_ROW                          (absent: 0) router_logits is one
+ *                                       row for every token (a gate bias)
+ *   LOGIT_ROUND, SOFTCAP                g as the model has it (cl/gating.cl,
+ *                                       logit_of)
  *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
@@ -38,13 +42,20 @@
 #ifndef HAS_LOGITS
 #define HAS_LOGITS 1
 #endif
+#ifndef LOGITS_ROW
+#define LOGITS_ROW 0
+#endif
 /* g from the dot product: the router logit plus alpha times it, or alpha
  * times it alone. */
 #if HAS_LOGITS
-#define G_OF(logit, dot) ((logit) + alpha * (dot))
-#define LOGIT_AT(t, e) logits[(size_t)(t)*NUM_EXPERTS + (e)]
+#define G_OF(logit, dot) logit_of((logit) + alpha * (dot))
+#if LOGITS_ROW
+#define LOGIT_AT(t, e) logits[(e)]
 #else
-#define G_OF(logit, dot) (alpha * (dot))
+#define LOGIT_AT(t, e) logits[(size_t)(t)*NUM_EXPERTS + (e)]
+#endif
+#else
+#define G_OF(logit, dot) logit_of(alpha * (dot))
 #define LOGIT_AT(t, e) 0.0f
 #endif
 /* The tiled kernel's running top-k is right only where the selection is

@@ -1,5 +1,6 @@
 /* Grounded router, host side: validation, the kernel variant a request
  * needs, argument binding and one enqueue; and the blocking host path. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -40,10 +41,22 @@ moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grou
         return INVALID("hidden_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->hidden_dtype);
     if ((unsigned)d->precision > MOECL_PRECISION_3XTF32)
         return INVALID("precision is %d; it must be MOECL_PRECISION_FP32, _TF32 or _3XTF32", (int)d->precision);
+    if ((unsigned)d->logits_dtype > MOECL_BF16)
+        return INVALID("logits_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->logits_dtype);
+    /* A subnormal cap is refused as the renormalisation floor is: a device
+     * without denormals would divide by 0. */
+    if (!(d->logit_softcap == 0.0f || (isfinite(d->logit_softcap) && d->logit_softcap >= FLT_MIN)))
+        return INVALID("logit_softcap is %g; it must be 0 or a finite float >= FLT_MIN (2^-126)",
+                       (double)d->logit_softcap);
     /* The gating fields: top-k gating's rules and messages. */
     const moecl_topk_gating_desc gating = moecl_grounded_gating_desc(d);
     return moecl_topk_gating_validate(ctx, &gating);
 #undef INVALID
+}
+
+uint64_t moecl_grounded_logit_rows(const moecl_grounded_router_desc *d)
+{
+    return d->router_logits_row ? 1 : d->num_tokens;
 }
 
 moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d)
@@ -403,6 +416,10 @@ static moecl_variant_values values_of(const grounded_request *r, const grounded_
     p[MOECL_GROUNDED_HAS_LOGITS] = !r->no_logits;
     p[MOECL_GROUNDED_PRECISION] = (uint32_t)d->precision;
     p[MOECL_GROUNDED_ROUTE_DISPATCH] = r->dispatch;
+    p[MOECL_GROUNDED_LOGIT_ROUND] = (uint32_t)d->logits_dtype;
+    const float cap = d->logit_softcap > 0.0f ? d->logit_softcap : 0.0f; /* -0: none, as 0 */
+    memcpy(&p[MOECL_GROUNDED_SOFTCAP], &cap, sizeof(cap));
+    p[MOECL_GROUNDED_LOGITS_ROW] = d->router_logits_row && !r->no_logits;
     if (s) {
         p[MOECL_GROUNDED_KERNEL] = (uint32_t)s->kind;
         p[MOECL_GROUNDED_TM] = s->tm;
@@ -557,8 +574,8 @@ void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl
 {
     const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->hidden_dtype);
-    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, e * 4,
-                                         t * k * 8,       t * k * 4, t * k * 4};
+    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, moecl_grounded_logit_rows(d) * e * 4, e * h * in_size, e * 4,
+                                         t * k * 8,       t * k * 4,                              t * k * 4};
     for (int i = 0; i < NUM_BUFFERS; i++) {
         const size_t elem = i == HIDDEN || i == GROUND ? in_size : 4;
         const bool required = i == HIDDEN || i == GROUND || (i == LOGITS && logits_required) ||
@@ -669,7 +686,8 @@ static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_d
     bound_buffers b;
     memset(&b, 0, sizeof(b));
     b.router = router;
-    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, t * e * 4, e * h * in_size, e * 4, t * k * 8, t * k * 4, t * k * 4};
+    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, moecl_grounded_logit_rows(desc) * e * 4, e * h * in_size, e * 4,
+                                       t * k * 8,       t * k * 4, t * k * 4};
     cl_event ran = NULL;
     for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++) {
         const bool input = i < PAIRS;

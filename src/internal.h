@@ -723,6 +723,8 @@ size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, uns
 /* The gating fields of a grounded router descriptor as a top-k gating
  * descriptor (its validation and messages). */
 moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d);
+/* The rows of router_logits: 1 where it is one row for every token. */
+uint64_t moecl_grounded_logit_rows(const moecl_grounded_router_desc *d);
 
 /* The whole call after the op's own validation: find the plan (on a miss,
  * validate the checked buffers and build it), then with no tokens only the
@@ -795,6 +797,9 @@ enum {
     MOECL_GROUNDED_MMA_KW,
     MOECL_GROUNDED_ROUTE_DISPATCH,
     MOECL_GROUNDED_FUSED_WG,
+    MOECL_GROUNDED_LOGIT_ROUND,
+    MOECL_GROUNDED_SOFTCAP,
+    MOECL_GROUNDED_LOGITS_ROW,
     MOECL_GROUNDED_PARAMS
 };
 

@@ -305,7 +305,7 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     } else {
         const uint64_t h = s->grounded->hidden_dim, in_size = moecl_dtype_size(s->grounded->hidden_dtype);
         in_bytes[0] = t * h * in_size;
-        in_bytes[1] = t * e * 4;
+        in_bytes[1] = moecl_grounded_logit_rows(s->grounded) * e * 4;
         in_bytes[2] = e * h * in_size;
     }
     const char *missing = NULL;

@@ -160,6 +160,10 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
                                        .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM)},
     [MOECL_GROUNDED_FUSED_WG] = {PARAM("FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX),
                                  .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM), .with = WITH(MOECL_GROUNDED_ROUTE_DISPATCH)},
+    /* g's rounding, cap and one-row logits: cl/gating.cl's logit_of */
+    [MOECL_GROUNDED_LOGIT_ROUND] = {PARAM("LOGIT_ROUND", "round", 2, false, 0, 0, MOECL_BF16), .names = dtype_names},
+    [MOECL_GROUNDED_SOFTCAP] = {PARAM("SOFTCAP", "softcap", 32, false, 0, 0, UINT32_MAX), .format = FORMAT_FLOAT},
+    [MOECL_GROUNDED_LOGITS_ROW] = {PARAM("LOGITS_ROW", "logits_row", 1, false, 0, 0, 1)},
 };
 #undef TILED
 #undef MMA

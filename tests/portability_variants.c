@@ -456,13 +456,19 @@ int main(int argc, char **argv)
                         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, grouped ? 8 : 0,
                                                   grouped ? 4 : 0, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF,
                                                   true, 0.0f, 2.5f, 1e-20f};
-                    else
+                    else {
+                        /* with g as a bf16 or f16 model has it: rounded,
+                         * capped, one row of logits (a gate bias) */
                         d.gating.weighting = MOECL_WEIGHTS_SIGMOID_CHOSEN;
+                        d.logits_dtype = i % 2 ? MOECL_F16 : MOECL_BF16;
+                        d.logit_softcap = i % 3 == 0 ? 30.0f : 0.0f;
+                        d.router_logits_row = i % 2 == 1;
+                    }
                     moecl_router_defines(&info, &d, conv == 0, conv == 1, defines, sizeof(defines), &kernel);
                     snprintf(description, sizeof(description), "router H=%u E=%u k=%u %s %s [%s]", s->hidden,
                              s->experts, s->k, dtype_names[s->dtype],
                              conv == 0 ? (grouped ? "deepseek-v3 8/4 bias no-logits" : "sigmoid bias no-logits")
-                                       : "llama4 raw sigmoid-chosen",
+                                       : "llama4 raw sigmoid-chosen, rounded logits",
                              c->name);
                     emit(t, "grounded_router.cl", options, defines, kernel, description);
                 }

@@ -1422,7 +1422,8 @@ static bool grounded_desc_valid(const moecl_grounded_router_desc *d)
     if (!(d && d->hidden_dim >= 1 && d->hidden_dim <= 65536 && d->num_experts >= 1 && d->num_experts <= 4096 &&
           d->top_k >= 1 && d->top_k <= d->num_experts && d->top_k <= MAX_TOP_K && isfinite(d->alpha) &&
           (d->hidden_dtype == MOECL_F32 || d->hidden_dtype == MOECL_F16 || d->hidden_dtype == MOECL_BF16) &&
-          (unsigned)d->precision <= MOECL_PRECISION_3XTF32))
+          (unsigned)d->precision <= MOECL_PRECISION_3XTF32 && (unsigned)d->logits_dtype <= MOECL_BF16 &&
+          (d->logit_softcap == 0.0f || (isfinite(d->logit_softcap) && d->logit_softcap >= FLT_MIN))))
         return false;
     const moecl_topk_gating_desc t = grounded_gating(d);
     return gating_desc_valid(&t);
@@ -1496,6 +1497,56 @@ static void precision_terms(const moecl_grounded_router_desc *d, double *rel, do
  *   flushed subnormal products or partial sums: < 2^-126 each, 2H of them
  *   scaled by |alpha|, and 2^-126 for each of the last multiply and add.
  */
+/* Token row's router logit of expert e (the one row where it is shared). */
+static double router_logit(const moecl_grounded_router_desc *d, const float *logits, uint32_t row, uint32_t e)
+{
+    if (!logits)
+        return 0.0;
+    return (double)logits[(d->router_logits_row ? 0 : (size_t)row * d->num_experts) + e];
+}
+
+/* x rounded to the p-bit significand of a type whose normal numbers start
+ * at 2^emin and whose finite numbers end below `over` (to nearest, ties to
+ * even; beyond: infinity). */
+static double round_to_bits(double x, int p, int emin, double over)
+{
+    if (!isfinite(x) || x == 0.0)
+        return x;
+    int e;
+    frexp(x, &e); /* |x| in [2^(e-1), 2^e) */
+    const int q = (e - 1 < emin ? emin : e - 1) - (p - 1);
+    const double y = ldexp(nearbyint(ldexp(x, -q)), q);
+    return fabs(y) >= over ? copysign(INFINITY, x) : y;
+}
+
+/*
+ * g as the model has it (cl/gating.cl, logit_of): rounded to bf16 (8-bit
+ * significand) or f16 (11 bits, normal from 2^-14, infinite from 65520),
+ * then capped, c tanh(g / c). The device rounds its own fp32 g, within err
+ * of the reference's: the two rounded values differ by at most err plus
+ * one unit of the type at |g| + err. The cap moves g by at most what moves
+ * its argument (tanh' <= 1), and adds its own fp32 error: tanh's few ulp
+ * and the divide and multiply (8 eps of the result), and the divide's
+ * rounding carried through, at most u c.
+ */
+static void grounded_logit_of(const moecl_grounded_router_desc *d, double *g, double *err)
+{
+    if (d->logits_dtype != MOECL_F32 && !isnan(*g)) {
+        const bool bf16 = d->logits_dtype == MOECL_BF16;
+        const int p = bf16 ? 8 : 11, emin = bf16 ? -126 : -14;
+        const double over = bf16 ? ldexp(2.0 - ldexp(1.0, -8), 127) : 65520.0;
+        int e;
+        frexp(fabs(*g) + *err, &e);
+        *err += ldexp(1.0, (e - 1 < emin ? emin : e - 1) - (p - 1));
+        *g = round_to_bits(*g, p, emin, over);
+    }
+    if (d->logit_softcap > 0.0f) {
+        const double c = (double)d->logit_softcap;
+        *g = c * tanh(*g / c);
+        *err += 8.0 * EPS32 * fabs(*g) + U32 * c;
+    }
+}
+
 static void grounded_logits(const void *hidden, const float *logits, const void *ground, uint32_t row,
                             grounded_row *r)
 {
@@ -1513,9 +1564,11 @@ static void grounded_logits(const void *hidden, const float *logits, const void 
             dot += p;
             mag += fabs(p);
         }
-        double g = (logits ? (double)logits[(size_t)row * r->E + e] : 0.0) + alpha * dot;
+        double g = router_logit(d, logits, row, e) + alpha * dot;
+        double err = gam * fabs(alpha) * mag + U32 * fabs(g) + (2.0 * r->H * fabs(alpha) + 2.0) * TINY32;
+        grounded_logit_of(d, &g, &err);
         r->g[e] = g;
-        r->err[e] = gam * fabs(alpha) * mag + U32 * fabs(g) + (2.0 * r->H * fabs(alpha) + 2.0) * TINY32;
+        r->err[e] = err;
     }
 }
 
@@ -1527,7 +1580,7 @@ static bool grounded_same_input(const void *ctx, uint32_t a, uint32_t b)
     const moecl_grounded_router_desc *d = r->desc;
     if (r->g[a] != r->g[b]) /* only equal float64 values come from equal inputs: a cheap filter */
         return false;
-    if (r->logits && r->logits[(size_t)r->row * r->E + a] != r->logits[(size_t)r->row * r->E + b])
+    if (router_logit(d, r->logits, r->row, a) != router_logit(d, r->logits, r->row, b))
         return false;
     for (uint32_t i = 0; i < r->H; i++)
         if (ref_load(d->hidden_dtype, r->ground, (size_t)a * r->H + i) !=

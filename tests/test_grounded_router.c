@@ -298,7 +298,7 @@ START_TEST(test_invalid)
     struct {
         const char *field;
         moecl_grounded_router_desc d;
-    } cases[24];
+    } cases[28];
     int n = 0;
 #define BAD(name, stmt)                                                                                                \
     do {                                                                                                               \
@@ -333,6 +333,10 @@ START_TEST(test_invalid)
     BAD("renormalize_floor", (d->gating.renormalize = true, d->gating.renormalize_floor = 0x1p-140f));
     BAD("renormalize_eps", (d->gating.renormalize = true, d->gating.renormalize_eps = -1.0f));
     BAD("renormalize_eps", (d->gating.renormalize_floor = 1.0f, d->gating.renormalize_eps = 1e-20f));
+    BAD("logits_dtype", d->logits_dtype = (moecl_dtype)3);
+    BAD("logit_softcap", d->logit_softcap = -30.0f);
+    BAD("logit_softcap", d->logit_softcap = NAN);
+    BAD("logit_softcap", d->logit_softcap = 0x1p-140f);
 #undef BAD
     float hidden[4 * 8] = {0}, ground[16 * 8] = {0}, logits[4 * 16] = {0};
     float pairs[4 * 2 * 2 + 1];
@@ -417,12 +421,12 @@ static void describe_router(const moecl_grounded_router_desc *d, bool bias, bool
     const moecl_gating *g = &d->gating;
     snprintf(buf, size,
              "T=%u H=%u E=%u k=%u alpha=%g dtype=%d scoring=%d weighting=%d groups=%u/%u gs=%d fill=%d renorm=%d "
-             "floor=%g eps=%g factor=%g%s%s",
+             "floor=%g eps=%g factor=%g round=%d softcap=%g%s%s",
              d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
              (int)g->scoring, (int)g->weighting, g->num_expert_groups, g->topk_group, (int)g->group_score,
              (int)g->group_fill, (int)g->renormalize, (double)g->renormalize_floor, (double)g->renormalize_eps,
-             (double)g->routed_scaling_factor,
-             bias ? " bias" : "", logits ? "" : " no-logits");
+             (double)g->routed_scaling_factor, (int)d->logits_dtype, (double)d->logit_softcap,
+             bias ? " bias" : "", !logits ? " no-logits" : d->router_logits_row ? " logits-row" : "");
 }
 
 /* moecl_router on the host path or the device path (offsets, poison, one
@@ -547,6 +551,11 @@ START_TEST(test_mma_gatings)
         d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0,
                                   MOECL_GROUP_SCORE_MAX, MOECL_GROUP_FILL_ZERO, v % 2 == 0, 0.0f, 1.5f, 0.0f};
         router_case(ctx, &d, v != 1, v % 2 == 0, v == 2, 960 + v);
+        /* g as a bf16 or f16 model has it: rounded, capped, a gate bias row. */
+        d.logits_dtype = v % 2 ? MOECL_F16 : MOECL_BF16;
+        d.logit_softcap = v < 2 ? 4.0f : 0.0f;
+        d.router_logits_row = true;
+        router_case(ctx, &d, v % 2 == 0, true, v == 1, 970 + v);
     }
     moecl_context_destroy(ctx);
 }
@@ -595,6 +604,94 @@ START_TEST(test_router_deepseek)
         d.gating = (moecl_gating){MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, 0, 0, MOECL_GROUP_SCORE_MAX,
                                   MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 1.5f, 0.0f};
         router_case(ctx, &d, true, false, dt == 0, 910 + dt);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The logits as the model has them: g rounded to bf16 or f16, capped,
+ * the router logits one shared row (a gate bias), alone and together,
+ * with every scoring, groups and the tiled kernel's shapes (a hundred
+ * tokens and more), logits large enough that f16 rounds coarsely. */
+START_TEST(test_router_model_logits)
+{
+    moecl_context *ctx = harness_context();
+    /* hidden, experts, top_k, groups, topk_group, tokens */
+    static const uint32_t shapes[][6] = {{64, 16, 4, 0, 0, 21}, {40, 60, 6, 4, 2, 33}, {96, 256, 8, 8, 4, 130}};
+    static const moecl_dtype rounds[] = {MOECL_F32, MOECL_BF16, MOECL_F16};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (size_t r = 0; r < COUNT(rounds); r++)
+            for (int capped = 0; capped < 2; capped++, i++) {
+                if (harness_quick_skips((unsigned)(s + r + (size_t)capped)))
+                    continue;
+                const uint32_t *sh = shapes[s];
+                moecl_grounded_router_desc d = moecl_grounded_router_desc_init(sh[5], sh[0], sh[1], 4.0f);
+                d.top_k = sh[2];
+                d.hidden_dtype = (moecl_dtype)(i % 3);
+                d.gating.scoring = (moecl_scoring)(i % 4);
+                d.gating.weighting = (moecl_weighting)(i % 3);
+                d.gating.num_expert_groups = i % 2 ? sh[3] : 0;
+                d.gating.topk_group = i % 2 ? sh[4] : 0;
+                d.gating.renormalize = i % 3 == 0;
+                d.logits_dtype = rounds[r];
+                d.logit_softcap = capped ? (i % 2 ? 3.0f : 30.0f) : 0.0f;
+                d.router_logits_row = i % 4 < 2;
+                router_case(ctx, &d, i % 2 == 1, i % 5 != 4, i % 3 == 2, 1700 + i);
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Fixed rows (g = the router logits, alpha 0): 1 + 2^-7 - 2^-12 rounds to
+ * nearest 1 + 2^-7 in bf16 and in f16 (truncated, it would not), so the
+ * rounded g tie and go to the lower index, where fp32 chooses 1 + 2^-7
+ * first; 70000 is infinite in f16; the cap
+ * 30 tanh(g / 30) brings 100 and 50 close; one shared row routes every
+ * token alike. */
+START_TEST(test_router_model_logits_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const float logits[3 * 4] = {1.007568359375f, 1.0078125f, 0.5f, -1.0f, 100.0f, 50.0f, 0.0f, -50.0f,
+                                        70000.0f, 2.0f, 1.0f, 0.0f};
+    float hidden[3 * 4] = {0}, ground[4 * 4] = {0};
+    grounded_inputs in = {hidden, ground, (float *)logits};
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(3, 4, 4, 0.0f);
+    float w[3 * 2 + 1];
+    int32_t ids[3 * 2 + 1];
+    static const moecl_dtype rounds[] = {MOECL_F32, MOECL_BF16, MOECL_F16};
+    for (size_t r = 0; r < COUNT(rounds); r++)
+        for (int path = 0; path < 2; path++) {
+            d.logits_dtype = rounds[r];
+            run_router(ctx, &d, &in, NULL, path == 1, w, ids);
+            const int first = rounds[r] == MOECL_F32 ? 1 : 0;
+            ck_assert_msg(ids[0] == first && ids[1] == 1 - first, "round %d: ids [%d, %d]", (int)rounds[r], ids[0],
+                          ids[1]);
+            if (rounds[r] != MOECL_F32)
+                ck_assert_msg(w[0] == 0.5f && w[1] == 0.5f, "round %d: tied weights %g %g", (int)rounds[r],
+                              (double)w[0], (double)w[1]);
+            /* softmax over [inf, 2] is [NaN, NaN] (inf - inf); finite in
+             * fp32 and bf16 it is [1, 0]. */
+            ck_assert_msg(rounds[r] == MOECL_F16 ? isnan(w[4]) : w[4] == 1.0f, "round %d: 70000's weight %g",
+                          (int)rounds[r], (double)w[4]);
+        }
+    d.logits_dtype = MOECL_F32;
+    d.logit_softcap = 30.0f;
+    const double c100 = 30.0 * tanh(100.0 / 30.0), c50 = 30.0 * tanh(50.0 / 30.0);
+    for (int path = 0; path < 2; path++) {
+        run_router(ctx, &d, &in, NULL, path == 1, w, ids);
+        const double w0 = 1.0 / (1.0 + exp(c50 - c100));
+        ck_assert_msg(ids[2] == 0 && ids[3] == 1 && fabs(w[2] - w0) < 1e-5 && fabs(w[3] - (1.0 - w0)) < 1e-5,
+                      "softcap 30: ids [%d, %d] weights %g %g, want %g %g", ids[2], ids[3], (double)w[2],
+                      (double)w[3], w0, 1.0 - w0);
+    }
+    d.logit_softcap = 0.0f;
+    d.router_logits_row = true;
+    for (int path = 0; path < 2; path++) {
+        run_router(ctx, &d, &in, NULL, path == 1, w, ids);
+        for (int t = 0; t < 3; t++)
+            ck_assert_msg(ids[2 * t] == 1 && ids[2 * t + 1] == 0, "one row: token %d ids [%d, %d]", t, ids[2 * t],
+                          ids[2 * t + 1]);
     }
     moecl_context_destroy(ctx);
 }
@@ -659,6 +756,8 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_router_llama4_and_ties);
     tcase_add_test(tc, test_router_gatings);
     tcase_add_test(tc, test_router_deepseek);
+    tcase_add_test(tc, test_router_model_logits);
+    tcase_add_test(tc, test_router_model_logits_rows);
     /* --quick: without the grid and the dtype sweep. */
     if (!harness_quick()) {
         tcase_add_test(tc, test_topk_alpha_dtypes);

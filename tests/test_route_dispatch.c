@@ -664,8 +664,9 @@ static void grounded_case(moecl_context *ctx, const moecl_grounded_router_desc *
                           uint64_t stream)
 {
     char what[200];
-    snprintf(what, sizeof(what), "grounded T=%u H=%u E=%u k=%u alpha=%g dtype=%d block=%u ties=%d", d->num_tokens,
-             d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, block, (int)ties);
+    snprintf(what, sizeof(what), "grounded T=%u H=%u E=%u k=%u alpha=%g dtype=%d round=%d softcap=%g row=%d block=%u "
+             "ties=%d", d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
+             (int)d->logits_dtype, (double)d->logit_softcap, (int)d->router_logits_row, block, (int)ties);
     harness_rng rng = harness_rng_for(stream);
     grounded_in in = grounded_inputs(&rng, d, ties);
     outs want, got;
@@ -728,6 +729,27 @@ START_TEST(test_grounded_shapes)
             d.top_k = g->k;
             d.hidden_dtype = g->dtype;
             grounded_case(ctx, &d, g->block, false, 600 + 2 * i + t);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* g as a bf16 or f16 model has it (rounded, capped, one shared row of
+ * router logits) through both paths, decode-sized (the one kernel where
+ * the class allows) and past it. */
+START_TEST(test_grounded_model_logits)
+{
+    moecl_context *ctx = harness_context();
+    static const moecl_dtype rounds[] = {MOECL_BF16, MOECL_F16, MOECL_F32};
+    for (size_t r = 0; r < COUNT(rounds); r++)
+        for (int t = 0; t < 2; t++) {
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(t ? 129 : 7, 64, 32, 2.0f);
+            d.top_k = 4;
+            d.hidden_dtype = (moecl_dtype)((r + (size_t)t) % 3);
+            d.logits_dtype = rounds[r];
+            d.logit_softcap = t ? 2.0f : 0.0f;
+            d.router_logits_row = r != 1;
+            grounded_case(ctx, &d, 16, false, 650 + 2 * r + (size_t)t);
         }
     moecl_context_destroy(ctx);
 }
@@ -860,6 +882,7 @@ int main(int argc, char **argv)
     tcase_add_test(grounded, test_grounded_sizes);
     tcase_add_test(grounded, test_grounded_shapes);
     tcase_add_test(grounded, test_grounded_ties);
+    tcase_add_test(grounded, test_grounded_model_logits);
     tcase_add_test(grounded, test_grounded_out_of_order);
     tcase_add_test(grounded, test_grounded_bad_input);
     suite_add_tcase(s, grounded);

@@ -593,9 +593,11 @@ typedef struct moecl_gating {
 /**
  * What to compute. Valid requests: num_tokens >= 0, 1 <= hidden_dim <=
  * 65536, 1 <= num_experts <= 4096, 1 <= top_k <= min(num_experts, 64),
- * alpha finite, hidden_dtype and precision one of their enum values, and
- * gating's fields valid as moecl_topk_gating_desc's (the same rules and
- * messages).
+ * alpha finite, hidden_dtype, precision and logits_dtype one of their enum
+ * values, logit_softcap 0 or a finite float >= FLT_MIN, and gating's
+ * fields valid as moecl_topk_gating_desc's (the same rules and messages).
+ * The order on g: router_logits + alpha * hidden @ ground^T, the rounding
+ * to logits_dtype, the softcap, then the gating.
  */
 typedef struct moecl_grounded_router_desc {
     uint32_t num_tokens;  /**< rows of token_hidden and router_logits */
@@ -611,6 +613,19 @@ typedef struct moecl_grounded_router_desc {
      *  (MOECL_WEIGHTS_SOFTMAX_CHOSEN), no groups, no renormalisation,
      *  factor 1. */
     moecl_gating gating;
+    /** g rounded to this type (to nearest, ties to even) before the
+     *  gating, as a bf16 or f16 checkpoint's gate GEMM writes its output:
+     *  MOECL_F32 (the default) keeps the fp32 g, MOECL_BF16 or MOECL_F16
+     *  round it (f16: beyond 65504 to infinity). */
+    moecl_dtype logits_dtype;
+    /** > 0: g becomes logit_softcap * tanh(g / logit_softcap) after the
+     *  rounding, before the gating (a logit cap). 0 (the default): none. */
+    float logit_softcap;
+    /** router_logits is one row, float[num_experts], added to every
+     *  token's g: the gate's bias of a router GEMM (GPT-OSS). false (the
+     *  default): float[num_tokens][num_experts], a row per token. Ignored
+     *  where router_logits is absent (moecl_router). */
+    bool router_logits_row;
 } moecl_grounded_router_desc;
 
 /** The seed reference op: top_k 2, f32 hidden states, fp32 products and

@@ -446,10 +446,17 @@ class Context:
         """The grounded router's inputs checked: hidden, router_logits, ground, tokens, experts, top_k."""
         h = T.check("hidden", hidden, (None, None), T.input_dtypes(dtype), kind)
         tokens, hidden_dim = h.shape
-        r = T.check("router_logits", router_logits, (tokens, None), [T.F32], kind)
-        experts = r.shape[1]
+        r = Context._router_logits(router_logits, tokens, None, kind)
+        experts = r.shape[-1]
         w = T.check("ground", ground, (experts, hidden_dim), [h.dtype], kind)
         return h, r, w, tokens, experts, _uint("top_k", top_k)
+
+    @staticmethod
+    def _router_logits(router_logits: Any, tokens: int, experts: Optional[int], kind: str) -> T.Tensor:
+        """router_logits checked: float32 [tokens, experts], or [experts], one
+        row added to every token's g (a gate's bias)."""
+        row = len(getattr(router_logits, "shape", ())) == 1
+        return T.check("router_logits", router_logits, (experts,) if row else (tokens, experts), [T.F32], kind)
 
     def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float, dtype: Optional[str],
                        gating: Optional[Dict[str, Any]] = None) -> ctypes.Structure:
@@ -457,7 +464,9 @@ class Context:
 
         gating: the gating options by their Python names (scoring,
         weighting, groups, topk_group, group_score, group_fill,
-        renormalize, scale, renormalize_floor, renormalize_eps, precision); absent ones keep
+        renormalize, scale, renormalize_floor, renormalize_eps, precision,
+        logits_dtype, logit_softcap; _logits_row, router_logits' being one
+        row, from its shape); absent ones keep
         desc_init's defaults (the seed's gating: scoring "raw", weighting
         "softmax_chosen"), except that a scoring given without a weighting
         weighs the chosen by their score, as topk_gating does, so that
@@ -483,6 +492,12 @@ class Context:
         }
         if "precision" in g:
             desc.precision = _enum("precision", g.pop("precision"), _lib.PRECISIONS)
+        if "logits_dtype" in g:
+            desc.logits_dtype = _enum("logits_dtype", g.pop("logits_dtype"), _lib.DTYPES)
+        if "logit_softcap" in g:
+            desc.logit_softcap = float(g.pop("logit_softcap"))
+        # From router_logits' shape, never a keyword of the caller's.
+        desc.router_logits_row = bool(g.pop("_logits_row", False))
         for name, value in g.items():
             if name not in convert:
                 raise TypeError("unknown gating option %r" % (name,))
@@ -501,15 +516,19 @@ class Context:
         largest per token and a softmax over the chosen values; gating
         options (keywords: scoring, weighting, groups, topk_group,
         group_score, group_fill, renormalize, scale, renormalize_floor,
-        renormalize_eps, as for topk_gating; precision "fp32", "tf32" or "3xtf32") route g as
-        top-k gating routes its logits. A scoring given without a weighting
+        renormalize_eps, as for topk_gating; precision "fp32", "tf32" or
+        "3xtf32"; logits_dtype "bf16" or "f16" rounds g to that type first,
+        as a bf16 or f16 checkpoint's gate GEMM writes it; logit_softcap c
+        > 0 makes it c * tanh(g / c)) route g as top-k gating routes its
+        logits. A scoring given without a weighting
         takes topk_gating's weighting="score": scoring="softmax" gives the
         weights topk_gating(g, scoring="softmax") gives. Without a scoring,
         the seed's gating stays (scoring="raw", weighting="softmax_chosen").
 
         Args:
             hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
-            router_logits: float32 [tokens, experts].
+            router_logits: float32 [tokens, experts], or [experts]: one row
+                added to every token's g (a gate's bias, GPT-OSS).
             ground: [experts, hidden_dim], of hidden's dtype.
             top_k: experts chosen per token.
             alpha: weight of the hidden @ ground.T term.
@@ -538,7 +557,7 @@ class Context:
 
         self._check_wait(kind, wait_for)
         on = self._on(queue)
-        desc = on._grounded_desc(h, experts, k, alpha, dtype, gating)
+        desc = on._grounded_desc(h, experts, k, alpha, dtype, dict(gating, _logits_row=len(r.shape) == 1))
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, outputs, kind, q)
@@ -568,7 +587,8 @@ class Context:
         Args:
             hidden: [tokens, hidden_dim], float32, float16 or bfloat16 (see dtype).
             ground: [experts, hidden_dim] of hidden's dtype (the gate's weight).
-            router_logits: float32 [tokens, experts] added to g, or None.
+            router_logits: float32 [tokens, experts] added to g, or
+                [experts] added to every token's (a gate's bias), or None.
             bias: float32 [experts] for selection only, or None.
             out, queue, wait_for, dtype: as for topk_gating.
 
@@ -582,8 +602,7 @@ class Context:
         tokens, hidden_dim = h.shape
         w = T.check("ground", ground, (None, hidden_dim), [h.dtype], kind)
         experts = w.shape[0]
-        r = None if router_logits is None else T.check("router_logits", router_logits, (tokens, experts), [T.F32],
-                                                       kind)
+        r = None if router_logits is None else self._router_logits(router_logits, tokens, experts, kind)
         b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
         k = _uint("top_k", top_k)
         specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
@@ -591,7 +610,8 @@ class Context:
 
         self._check_wait(kind, wait_for)
         on = self._on(queue)
-        desc = on._grounded_desc(h, experts, k, alpha, dtype, gating)
+        desc = on._grounded_desc(h, experts, k, alpha, dtype,
+                                 dict(gating, _logits_row=r is not None and len(r.shape) == 1))
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, ("weights", "ids"), kind, q)
@@ -738,7 +758,8 @@ class Context:
         out = dict(out or {})
         kind = T.kind_of([hidden, router_logits, ground, *out.values()])
         h, r, w, tokens, experts, k = self._grounded_inputs(hidden, router_logits, ground, top_k, dtype, kind)
-        return self._dispatch("grounded_route_dispatch", lambda on: on._grounded_desc(h, experts, k, alpha, dtype),
+        row = {"_logits_row": len(r.shape) == 1}
+        return self._dispatch("grounded_route_dispatch", lambda on: on._grounded_desc(h, experts, k, alpha, dtype, row),
                               [h, r, w], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind,
                               queue, wait_for)
 

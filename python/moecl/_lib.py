@@ -88,6 +88,9 @@ class GroundedRouterDesc(ctypes.Structure):
         ("hidden_dtype", c_int),
         ("precision", c_int),
         ("gating", Gating),
+        ("logits_dtype", c_int),
+        ("logit_softcap", ctypes.c_float),
+        ("router_logits_row", ctypes.c_bool),
     ]
 
 

@@ -6,8 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import moecl
+
 import routing_ref as ref
 from routing_ref import to_bf16_bits
+
+try:
+    import ml_dtypes
+except ImportError:  # bf16 checks need it; the rest run without
+    ml_dtypes = None
 
 
 def convert(x, dtype):
@@ -116,3 +123,48 @@ def test_llama4_row(ctx):
         ctx.router(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32), weighting="softmax")
     with pytest.raises(TypeError):
         ctx.router(np.ones((1, 4), np.float32), np.ones((8, 4), np.float32), top_k=2, colour="red")
+
+
+@pytest.mark.parametrize("logits_dtype", ["f32", "bf16", "f16"])
+def test_router_rounds_g(ctx, logits_dtype):
+    """g = 1 + j 2^-16 for expert j (a gate bias row over a zero GEMM): fp32
+    keeps them apart and chooses the last experts; bf16 and f16 round
+    every one to 1.0 (their spacing at 1 is 2^-7 and 2^-10), which ties
+    them: the lowest ids, equal weights. The bias row as [experts] gives
+    what the same row given to every token gives."""
+    tokens, hidden, experts, k = 3, 8, 16, 4
+    h = np.ones((tokens, hidden), np.float32)
+    w_gate = np.zeros((experts, hidden), np.float32)
+    row = (1 + np.arange(experts) * 2.0 ** -16).astype(np.float32)
+    w, ids = ctx.router(h, w_gate, top_k=k, router_logits=row, scoring="softmax", weighting="softmax_chosen",
+                        logits_dtype=logits_dtype)
+    w2, ids2 = ctx.router(h, w_gate, top_k=k, router_logits=np.tile(row, (tokens, 1)), scoring="softmax",
+                          weighting="softmax_chosen", logits_dtype=logits_dtype)
+    np.testing.assert_array_equal(ids, ids2)
+    np.testing.assert_array_equal(w, w2)
+    if ml_dtypes is not None and logits_dtype == "bf16":
+        np.testing.assert_array_equal(row.astype(ml_dtypes.bfloat16).astype(np.float32), 1.0)
+    want = np.arange(k) if logits_dtype != "f32" else np.arange(experts - 1, experts - 1 - k, -1)
+    for t in range(tokens):
+        np.testing.assert_array_equal(ids[t], want)
+    if logits_dtype != "f32":
+        np.testing.assert_array_equal(w, 1.0 / k)
+
+
+def test_router_softcap(ctx, rng):
+    """logit_softcap c: the gating sees c tanh(g / c); against float64."""
+    tokens, hidden, experts, k, c = 6, 24, 32, 4, 5.0
+    h = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    w_gate = (3 * rng.standard_normal((experts, hidden))).astype(np.float32)
+    w, ids = ctx.router(h, w_gate, top_k=k, scoring="sigmoid", renormalize=True, logit_softcap=c)
+    g = c * np.tanh(h.astype(np.float64) @ w_gate.T.astype(np.float64) / c)
+    s = 1 / (1 + np.exp(-g))
+    for t in range(tokens):
+        chosen = s[t, ids[t]]
+        np.testing.assert_allclose(w[t], chosen / chosen.sum(), atol=1e-5)
+        # every chosen expert ranks at least as high as every other, within fp32
+        assert s[t, ids[t]].min() >= np.delete(s[t], ids[t]).max() - 1e-5
+    with pytest.raises(moecl.InvalidArgumentError, match="logit_softcap"):
+        ctx.router(h, w_gate, top_k=k, logit_softcap=-1.0)
+    with pytest.raises(TypeError, match="_logits_row|router_logits_row"):
+        ctx.router(h, w_gate, top_k=k, router_logits_row=True)
