@@ -45,6 +45,11 @@
 #ifndef WEIGHTING
 #define WEIGHTING 0
 #endif
+/* CPU_DEVICE (set by the host for CPU devices): the rows kernels' softmax
+ * fast path is only taken there (cl/topk_gating.cl says why). */
+#ifndef CPU_DEVICE
+#define CPU_DEVICE 0
+#endif
 
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
@@ -222,6 +227,115 @@ static inline void chosen_weights_of(float *w, uint k)
 #define BLOCK LAYOUT_ROWS_BLOCK
 #define BLOCKS LAYOUT_ROWS_BLOCKS(NUM_EXPERTS)
 
+/* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
+static inline float8 load_block(__global const in_t *x, uint e0, float pad)
+{
+    if (e0 + BLOCK <= NUM_EXPERTS)
+        return load_in8(x, e0);
+    float t[BLOCK];
+    for (uint l = 0; l < BLOCK; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
+    return vload8(0, t);
+}
+
+/* ---- The CPU fast path's softmax (cl/topk_gating.cl, topk_rows_softmax;
+ * replayed by cl/replay.cl): the row's max and sum and the chosen scores,
+ * one definition each, so that replayed weights are the same bits. ---- */
+#if SCORING == 0 && WEIGHTING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
+#define ROWS_FAST 1
+#define V16 16
+#define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
+#define TOPK16 ((TOPK + V16 - 1) / V16 * V16)
+#define PAIRS16 ((BLOCKS16 + 1) / 2)
+
+/* exp(x) for x <= 0 (or NaN), within about 1 ulp: Cody-Waite reduction by
+ * ln 2 and Cephes' degree-6 polynomial, the power of two built in the
+ * exponent bits. Below -88 it returns 0 (the true value is under 2^-126);
+ * -inf gives 0 and NaN gives NaN. One definition for the lanes and for
+ * one value, so both give the same bits. */
+#define DEFINE_EXP_NONPOS(name, F, I, AS_F, AS_I)                                                  \
+    static inline F name(F x)                                                                      \
+    {                                                                                              \
+        const F xc = x < -88.0f ? (F)(-88.0f) : x; /* NaN stays */                                 \
+        const F t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */           \
+        const F n = t - 12582912.0f;                                                               \
+        const I ni = AS_I(t) - 0x4B400000;                                                         \
+        F r = fma(n, (F)(-0.693359375f), xc);                                                      \
+        r = fma(n, (F)(2.12194440e-4f), r);                                                        \
+        F p = (F)(1.9875691500e-4f);                                                               \
+        p = fma(p, r, (F)(1.3981999507e-3f));                                                      \
+        p = fma(p, r, (F)(8.3334519073e-3f));                                                      \
+        p = fma(p, r, (F)(4.1665795894e-2f));                                                      \
+        p = fma(p, r, (F)(1.6666665459e-1f));                                                      \
+        p = fma(p, r, (F)(5.0000001201e-1f));                                                      \
+        const F y = fma(p, r * r, r) + 1.0f;                                                       \
+        return y * AS_F((ni + 127) << 23); /* n = -127: times 0 */                                 \
+    }
+DEFINE_EXP_NONPOS(exp_nonpos16, float16, int16, as_float16, as_int16)
+DEFINE_EXP_NONPOS(exp_nonpos, float, int, as_float, as_int)
+
+/* Elements e0..e0+15 of x; lanes past the row get pad. */
+static inline float16 load_block16(__global const in_t *x, uint e0, float pad)
+{
+    if (e0 + V16 <= NUM_EXPERTS)
+        return (float16)(load_in8(x, e0), load_in8(x, e0 + 8));
+    float t[V16];
+    for (uint l = 0; l < V16; l++)
+        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
+    return vload16(0, t);
+}
+
+static inline float hmax16(float16 v)
+{
+    float8 a = v.lo > v.hi ? v.lo : v.hi;
+    float4 b = a.lo > a.hi ? a.lo : a.hi;
+    float2 c = b.lo > b.hi ? b.lo : b.hi;
+    return c.x > c.y ? c.x : c.y;
+}
+
+/* Pass 1: each lane's largest logit (padding -inf); their max is the row's. */
+static inline float16 fast_lane_max(__global const in_t *x)
+{
+    float16 lane_max = (float16)(-INFINITY);
+    for (uint b = 0; b < BLOCKS16; b++) {
+        const float16 v = load_block16(x, b * V16, -INFINITY);
+        lane_max = v > lane_max ? v : lane_max;
+    }
+    return lane_max;
+}
+
+/* Pass 2, pair p of blocks: their logits (padding -inf) and exp(x - max),
+ * added to the lanes' sums in acc. */
+static inline void fast_sum_pair(__global const in_t *x, uint p, float row_max, float16 *acc, float16 *v0,
+                                 float16 *v1, float16 *p0, float16 *p1)
+{
+    const uint e0 = 2 * p * V16, e1 = e0 + V16;
+    *v0 = load_block16(x, e0, -INFINITY);
+    *v1 = load_block16(x, e1, -INFINITY);
+    *p0 = exp_nonpos16(*v0 - row_max);
+    *p1 = exp_nonpos16(*v1 - row_max);
+    *acc += *p0;
+    *acc += *p1;
+}
+
+/* The row's sum from the lanes' sums, in a fixed order. */
+static inline float fast_row_sum(float16 acc)
+{
+    const float8 s8 = acc.lo + acc.hi;
+    const float4 s4 = s8.lo + s8.hi;
+    return (s4.s0 + s4.s1) + (s4.s2 + s4.s3);
+}
+
+/* Step 5: the scores exp(x - max) / sum of the chosen logits
+ * chosen_x[TOPK16] (past TOPK: -inf), into weights[TOPK16]. */
+static inline void fast_chosen_scores(const float *chosen_x, float row_max, float row_sum, float *weights)
+{
+    for (uint j = 0; j < TOPK16; j += V16)
+        vstore16(exp_nonpos16(vload16(0, chosen_x + j) - row_max) / row_sum, 0, weights + j);
+}
+#endif
+
+
 static inline float8 load_bias_block(__global const float *bias, uint e0)
 {
 #if HAS_BIAS
@@ -263,6 +377,21 @@ static inline uint block_max_of(uint8 rank)
     return max(m2.x, m2.y);
 }
 
+/* Step 1 for the elementwise scorings, a block at a time (the replay
+ * scores the chosen experts' blocks alone with it: the same bits). */
+static inline float8 rows_elementwise_scores(float8 logit)
+{
+#if SCORING == 1
+    return 1.0f / (1.0f + exp(-logit));
+#else
+    float t[BLOCK];
+    vstore8(logit, 0, t);
+    for (uint l = 0; l < BLOCK; l++)
+        t[l] = elementwise_score(t[l]);
+    return vload8(0, t);
+#endif
+}
+
 /* Step 1: the row's scores from its logits (padding lanes 0). Softmax:
  * the row's max (padding left out), then exp(x - max) once per element,
  * kept, and their sum (padding adds nothing); the sum's order is fixed,
@@ -283,17 +412,9 @@ static inline void rows_scores(const float8 *logit, float8 *score)
     const float row_sum = ((sum8.s0 + sum8.s1) + (sum8.s2 + sum8.s3)) + ((sum8.s4 + sum8.s5) + (sum8.s6 + sum8.s7));
     for (uint b = 0; b < BLOCKS; b++)
         score[b] = score[b] / row_sum;
-#elif SCORING == 1
-    for (uint b = 0; b < BLOCKS; b++)
-        score[b] = 1.0f / (1.0f + exp(-logit[b]));
 #else
-    for (uint b = 0; b < BLOCKS; b++) {
-        float t[BLOCK];
-        vstore8(logit[b], 0, t);
-        for (uint l = 0; l < BLOCK; l++)
-            t[l] = elementwise_score(t[l]);
-        score[b] = vload8(0, t);
-    }
+    for (uint b = 0; b < BLOCKS; b++)
+        score[b] = rows_elementwise_scores(logit[b]);
 #endif
 }
 
@@ -457,6 +578,19 @@ static inline void rows_pipeline(const float8 *logit, __global const float *bias
 }
 
 #else
+/* The row in registers: element e = i * TEAM + lane, so each load
+ * instruction of the team reads consecutive addresses. EPT, the elements
+ * per work-item (NUM_EXPERTS / TEAM rounded up), comes from the host, so
+ * that common.cl's team_topk sees it. */
+static inline void team_load_row(__global const in_t *x, bool active, uint lane, float *value)
+{
+    UNROLL
+    for (uint i = 0; i < EPT; i++) {
+        const uint e = i * TEAM + lane;
+        value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
+    }
+}
+
 /* GROUP_PARTS: lanes that score one group together (a power of two, so
  * that a group's parts are neighbouring lanes). */
 #define GROUP_PARTS LAYOUT_GROUP_PARTS(TEAM, NUM_GROUPS)

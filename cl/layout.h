@@ -197,6 +197,18 @@ typedef struct layout_topk_args {
 } layout_topk_args;
 typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 48 ? 1 : -1];
 
+/* The replay kernels (cl/replay.cl): offsets in elements of gating, of
+ * the ids (the given topk_ids, or hash routing's input_ids), of the hash
+ * table, of topk_weights and of the written topk_ids (hash routing), then
+ * the tokens, the hash table's rows and the factor; one argument. */
+typedef struct layout_replay_args {
+    LAYOUT_U64 gating_off, ids_off, table_off, weights_off, out_ids_off;
+    LAYOUT_U32 num_tokens, vocab_size;
+    float scaling_factor;
+    LAYOUT_U32 unused;
+} layout_replay_args;
+typedef char layout_replay_args_size_check[sizeof(layout_replay_args) == 56 ? 1 : -1];
+
 /* moecl_route_dispatch's kernel (topk_gating_team built with
  * ROUTE_DISPATCH): moe_align's offsets (in elements) and scalars, one
  * argument as above. */

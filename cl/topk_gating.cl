@@ -48,17 +48,6 @@
 /* One work-item per row (CPU devices).                                    */
 /* ---------------------------------------------------------------------- */
 
-/* Elements e0..e0+7 of x as floats; lanes past the row get pad. */
-static inline float8 load_block(__global const in_t *x, uint e0, float pad)
-{
-    if (e0 + BLOCK <= NUM_EXPERTS)
-        return load_in8(x, e0);
-    float t[BLOCK];
-    for (uint l = 0; l < BLOCK; l++)
-        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
-    return vload8(0, t);
-}
-
 /* ---- Fast path: softmax, no bias, no groups (the seed's routing). ------ */
 /* The order of exp(x - max) / sum is the order of the logits (exp is
  * monotonic, and a rounded tie of two distinct scores is a near-tie the
@@ -74,42 +63,7 @@ static inline float8 load_block(__global const in_t *x, uint e0, float pad)
  * Intel's CPU runtime; the H200 gives wrong ids with it (f32, f16 and
  * bf16 rows of 60 and 64 experts; cause not found), so other devices
  * take the generic loop below. */
-#ifndef CPU_DEVICE
-#define CPU_DEVICE 0
-#endif
-#if SCORING == 0 && WEIGHTING == 0 && !HAS_BIAS && NUM_GROUPS == 0 && CPU_DEVICE
-#define ROWS_FAST 1
-#define V16 16
-#define BLOCKS16 ((NUM_EXPERTS + V16 - 1) / V16)
-#define TOPK16 ((TOPK + V16 - 1) / V16 * V16)
-#define PAIRS16 ((BLOCKS16 + 1) / 2)
-
-/* exp(x) for x <= 0 (or NaN), within about 1 ulp: Cody-Waite reduction by
- * ln 2 and Cephes' degree-6 polynomial, the power of two built in the
- * exponent bits. Below -88 it returns 0 (the true value is under 2^-126);
- * -inf gives 0 and NaN gives NaN. One definition for the lanes and for
- * one value, so both give the same bits. */
-#define DEFINE_EXP_NONPOS(name, F, I, AS_F, AS_I)                                                  \
-    static inline F name(F x)                                                                      \
-    {                                                                                              \
-        const F xc = x < -88.0f ? (F)(-88.0f) : x; /* NaN stays */                                 \
-        const F t = xc * 1.44269504088896341f + 12582912.0f; /* round to an integer n */           \
-        const F n = t - 12582912.0f;                                                               \
-        const I ni = AS_I(t) - 0x4B400000;                                                         \
-        F r = fma(n, (F)(-0.693359375f), xc);                                                      \
-        r = fma(n, (F)(2.12194440e-4f), r);                                                        \
-        F p = (F)(1.9875691500e-4f);                                                               \
-        p = fma(p, r, (F)(1.3981999507e-3f));                                                      \
-        p = fma(p, r, (F)(8.3334519073e-3f));                                                      \
-        p = fma(p, r, (F)(4.1665795894e-2f));                                                      \
-        p = fma(p, r, (F)(1.6666665459e-1f));                                                      \
-        p = fma(p, r, (F)(5.0000001201e-1f));                                                      \
-        const F y = fma(p, r * r, r) + 1.0f;                                                       \
-        return y * AS_F((ni + 127) << 23); /* n = -127: times 0 */                                 \
-    }
-DEFINE_EXP_NONPOS(exp_nonpos16, float16, int16, as_float16, as_int16)
-DEFINE_EXP_NONPOS(exp_nonpos, float, int, as_float, as_int)
-
+#if ROWS_FAST
 /* The value a logit ranks by: itself, or -inf where its score is 0 (p, its
  * exp(x - max), underflowed). Monotone, so the floors below carry over. */
 static inline float16 rank_logit16(float16 v, float16 p)
@@ -120,25 +74,6 @@ static inline float16 rank_logit16(float16 v, float16 p)
 static inline float rank_logit(float v, float row_max)
 {
     return exp_nonpos(v - row_max) == 0.0f ? -INFINITY : v;
-}
-
-/* Elements e0..e0+15 of x; lanes past the row get pad. */
-static inline float16 load_block16(__global const in_t *x, uint e0, float pad)
-{
-    if (e0 + V16 <= NUM_EXPERTS)
-        return (float16)(load_in8(x, e0), load_in8(x, e0 + 8));
-    float t[V16];
-    for (uint l = 0; l < V16; l++)
-        t[l] = e0 + l < NUM_EXPERTS ? LOAD_IN(x, e0 + l) : pad;
-    return vload16(0, t);
-}
-
-static inline float hmax16(float16 v)
-{
-    float8 a = v.lo > v.hi ? v.lo : v.hi;
-    float4 b = a.lo > a.hi ? a.lo : a.hi;
-    float2 c = b.lo > b.hi ? b.lo : b.hi;
-    return c.x > c.y ? c.x : c.y;
 }
 
 static inline float hmin16(float16 v)
@@ -187,11 +122,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
     const uint16 lane = (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
     /* Pass 1: each lane's largest logit (padding -inf), the row's max. */
-    float16 lane_max = (float16)(-INFINITY);
-    for (uint b = 0; b < BLOCKS16; b++) {
-        const float16 v = load_block16(x, b * V16, -INFINITY);
-        lane_max = v > lane_max ? v : lane_max;
-    }
+    const float16 lane_max = fast_lane_max(x);
     const float row_max = hmax16(lane_max);
 
     /* A floor for the k-th largest logit: the k-th largest lane maximum
@@ -215,11 +146,8 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
     uint pair_bits[PAIRS16 + 1];
     for (uint p = 0; p < PAIRS16; p++) {
         const uint e0 = 2 * p * V16, e1 = e0 + V16;
-        const float16 v0 = load_block16(x, e0, -INFINITY);
-        const float16 v1 = load_block16(x, e1, -INFINITY);
-        const float16 p0 = exp_nonpos16(v0 - row_max), p1 = exp_nonpos16(v1 - row_max);
-        acc += p0;
-        acc += p1;
+        float16 v0, v1, p0, p1;
+        fast_sum_pair(x, p, row_max, &acc, &v0, &v1, &p0, &p1);
         int16 hit0 = rank_logit16(v0, p0) >= floor_x, hit1 = rank_logit16(v1, p1) >= floor_x;
         if (e1 + V16 > NUM_EXPERTS) {
             hit0 &= as_int16(lane + e0 < (uint16)(NUM_EXPERTS));
@@ -247,9 +175,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
         }
     }
     rank_candidates(cand_x, min(count, (uint)V16), floor_x, row_max);
-    const float8 s8 = acc.lo + acc.hi;
-    const float4 s4 = s8.lo + s8.hi;
-    const float row_sum = (s4.s0 + s4.s1) + (s4.s2 + s4.s3);
+    const float row_sum = fast_row_sum(acc);
 
     /* The chosen logits and experts, in output order. */
     float chosen_x[TOPK16 + 1]; /* slot TOPK (or TOPK16) takes the places past k */
@@ -312,8 +238,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 
     /* Step 5: weights exp(x - max) / sum of the chosen. */
     float weights[TOPK16];
-    for (uint j = 0; j < TOPK16; j += V16)
-        vstore16(exp_nonpos16(vload16(0, chosen_x + j) - row_max) / row_sum, 0, weights + j);
+    fast_chosen_scores(chosen_x, row_max, row_sum, weights);
     float divisor;
     WEIGHTS_DIVISOR(divisor, weights, TOPK);
     for (uint j = 0; j < TOPK; j++) {
@@ -369,19 +294,6 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 /* ---------------------------------------------------------------------- */
 /* A team of TEAM work-items per row, ROWS rows per work-group (GPUs).      */
 /* ---------------------------------------------------------------------- */
-
-/* The row in registers: element e = i * TEAM + lane, so each load
- * instruction of the team reads consecutive addresses. EPT, the elements
- * per work-item (NUM_EXPERTS / TEAM rounded up), comes from the host, so
- * that common.cl's team_topk sees it. */
-static inline void team_load_row(__global const in_t *x, bool active, uint lane, float *value)
-{
-    UNROLL
-    for (uint i = 0; i < EPT; i++) {
-        const uint e = i * TEAM + lane;
-        value[i] = (active && e < NUM_EXPERTS) ? LOAD_IN(x, e) : 0.0f;
-    }
-}
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,

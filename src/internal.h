@@ -350,6 +350,7 @@ typedef enum moecl_program_kind {
     MOECL_PROGRAM_ROUTE_DISPATCH = 3, /* top-k gating's and moe_align's sources */
     MOECL_PROGRAM_EP_LAYOUT = 4,      /* moe_align's source and ep_layout.cl */
     MOECL_PROGRAM_GROUNDED_DISPATCH = 5, /* the grounded router's and moe_align's sources */
+    MOECL_PROGRAM_REPLAY = 6,            /* gating.cl and replay.cl: moecl_topk_weights, moecl_hash_routing */
 } moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);
@@ -518,6 +519,16 @@ moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded
  * MOECL_ERROR_UNSUPPORTED where that configuration is another kernel. */
 moecl_status moecl_grounded_router_route_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                               const struct moecl_plan **plan);
+struct moecl_kernel_arg;
+/* The replay variant of a valid desc (src/replay.c; mode 1: given ids, 2:
+ * hash routing): top-k gating's variant and launch shape for desc without
+ * a bias (cl/replay.cl), built on first use. _launch enqueues it over the
+ * tokens with args (moecl_plan_launch). */
+moecl_status moecl_topk_gating_replay_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,
+                                           const struct moecl_plan **plan);
+moecl_status moecl_topk_gating_replay_launch(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,
+                                             const struct moecl_kernel_arg *args, cl_uint num_args, cl_uint num_wait,
+                                             const cl_event *wait, cl_event *done);
 /* The grounded router's descriptor checks (its messages). */
 moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grounded_router_desc *desc);
 /* The descriptor checks of moecl_topk_gating() and moecl_moe_align()
@@ -762,6 +773,7 @@ enum {
     MOECL_TOPK_CPU_DEVICE,
     MOECL_TOPK_ROUTE_DISPATCH,
     MOECL_TOPK_FUSED_WG,
+    MOECL_TOPK_REPLAY,
     MOECL_TOPK_PARAMS
 };
 

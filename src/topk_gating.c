@@ -103,6 +103,7 @@ typedef struct topk_request {
     bool has_bias, has_counts;
     bool has_dispatch; /* moecl_route_dispatch's kernel: moe_align after the rows (team kernel only) */
     unsigned groups, topk_group;
+    unsigned replay; /* cl/replay.cl's kernel (src/replay.c): 1 given ids, 2 hash routing; 0 top-k */
 } topk_request;
 
 /* Local memory the team kernel needs for `rows` rows (cl/layout.h), for
@@ -180,7 +181,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, false, d->num_expert_groups, d->topk_group};
+    topk_request r = {d, has_bias, has_counts, false, d->num_expert_groups, d->topk_group, 0};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -200,6 +201,7 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_HAS_COUNTS] = r->has_counts;
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
+    v.param[MOECL_TOPK_REPLAY] = r->replay;
     if (s) {
         v.param[MOECL_TOPK_TEAM] = s->team;
         v.param[MOECL_TOPK_ROWS] = s->rows;
@@ -280,13 +282,15 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     }
     char defines[512];
     defines_of(&ctx->info, r, &shape, defines, sizeof(defines));
-    moecl_status st =
-        moecl_variant_get(ctx, r->has_dispatch ? MOECL_PROGRAM_ROUTE_DISPATCH : MOECL_PROGRAM_TOPK_GATING, defines,
-                          shape.kernel_name, &plan->variants[0]);
+    const moecl_program_kind kind = r->replay         ? MOECL_PROGRAM_REPLAY
+                                    : r->has_dispatch ? MOECL_PROGRAM_ROUTE_DISPATCH
+                                                      : MOECL_PROGRAM_TOPK_GATING;
+    const char *kernel_name = !r->replay ? shape.kernel_name : shape.team > 1 ? "replay_team" : "replay_rows";
+    moecl_status st = moecl_variant_get(ctx, kind, defines, kernel_name, &plan->variants[0]);
     if (st != MOECL_SUCCESS)
         return st;
     plan->num_kernels = 1;
-    plan->kernel_names[0] = shape.kernel_name;
+    plan->kernel_names[0] = kernel_name;
     plan->limits[0] = moecl_variant_work_group_limit(plan->variants[0]);
     /* The rows kernel (one work-item a row, no required work-group size)
      * runs in work-groups of any size: it takes the kernel's limit where
@@ -320,6 +324,32 @@ moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_g
     topk_request r = request_of(desc, has_bias, false);
     r.has_dispatch = true;
     return plan_of(ctx, &r, plan);
+}
+
+/* The replay variant: top-k gating's without a bias (the bias steers
+ * selection only) and with its group limit kept, so that the launch shape,
+ * and with it softmax's sum, is the one top-k gating runs (cl/replay.cl). */
+static topk_request replay_request_of(const moecl_topk_gating_desc *d, unsigned mode)
+{
+    topk_request r = request_of(d, false, false);
+    r.replay = mode;
+    return r;
+}
+
+moecl_status moecl_topk_gating_replay_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,
+                                           const moecl_plan **plan)
+{
+    const topk_request r = replay_request_of(desc, mode);
+    return plan_of(ctx, &r, plan);
+}
+
+moecl_status moecl_topk_gating_replay_launch(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,
+                                             const moecl_kernel_arg *args, cl_uint num_args, cl_uint num_wait,
+                                             const cl_event *wait, cl_event *done)
+{
+    const topk_request r = replay_request_of(desc, mode);
+    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, args, num_args, desc->num_tokens, NULL, 0, 0, NULL};
+    return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
 moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc)

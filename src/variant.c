@@ -119,6 +119,8 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
                                    .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM)},
     [MOECL_TOPK_FUSED_WG] = {PARAM("FUSED_WG", "fused_wg", 0, false, 1, 1, UINT32_MAX),
                              .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM), .with = WITH(MOECL_TOPK_ROUTE_DISPATCH)},
+    /* cl/replay.cl's program (src/replay.c): 1 given ids, 2 hash routing */
+    [MOECL_TOPK_REPLAY] = {PARAM("REPLAY", "replay", 2, false, 0, 0, 2)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

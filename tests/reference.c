@@ -1385,6 +1385,110 @@ int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating
 }
 
 /* ====================================================================== */
+/* Routing replay (routing.md, section 11): the weights of given ids       */
+/* ====================================================================== */
+
+/* Row t's scores (step 1 alone: replay selects nothing, so an expert
+ * weighs its score), and the ids of the row that are experts, compacted
+ * into valid[] with their positions in pos[]; returns their count. */
+static uint32_t replay_row(const void *gating, const int32_t *ids, uint32_t t, gating_row *r, int32_t *valid,
+                           uint32_t *pos)
+{
+    gating_scores(gating, t, r);
+    memcpy(r->wscore, r->score, r->E * sizeof(double));
+    uint32_t n = 0;
+    for (uint32_t j = 0; j < r->desc->top_k; j++) {
+        const int32_t id = ids[(size_t)t * r->desc->top_k + j];
+        if (id >= 0 && (uint32_t)id < r->E) {
+            valid[n] = id;
+            pos[n++] = j;
+        }
+    }
+    return n;
+}
+
+void ref_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, const int32_t *topk_ids,
+                      float *topk_weights)
+{
+    if (!desc || desc->num_tokens == 0 || !gating_desc_valid(desc))
+        return;
+    const size_t k = desc->top_k;
+    gating_row r;
+    if (!gating_row_alloc(&r, desc)) {
+        for (size_t i = 0; i < (size_t)desc->num_tokens * k; i++)
+            topk_weights[i] = NAN;
+        return;
+    }
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        int32_t valid[MAX_TOP_K];
+        uint32_t pos[MAX_TOP_K];
+        double w[MAX_TOP_K];
+        const uint32_t n = replay_row(gating, topk_ids, t, &r, valid, pos);
+        moecl_topk_gating_desc part = *desc;
+        part.top_k = n;
+        for (size_t j = 0; j < k; j++)
+            topk_weights[t * k + j] = 0.0f;
+        if (n)
+            chosen_weights(&part, desc->weighting, r.wscore, r.x, valid, w);
+        for (uint32_t i = 0; i < n; i++)
+            topk_weights[t * k + pos[i]] = (float)w[i];
+    }
+    gating_row_free(&r);
+}
+
+int ref_check_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, const int32_t *topk_ids,
+                           const float *topk_weights, char *msg, size_t msg_size)
+{
+    if (msg_size)
+        msg[0] = '\0';
+    if (!desc || !gating_desc_valid(desc)) {
+        put_msg(msg, msg_size, "invalid descriptor");
+        return 1;
+    }
+    if (desc->num_tokens == 0)
+        return 0;
+    gating_row r;
+    if (!gating_row_alloc(&r, desc)) {
+        put_msg(msg, msg_size, "out of memory");
+        return 1;
+    }
+    const size_t k = desc->top_k;
+    int bad = 0;
+    for (uint32_t t = 0; t < desc->num_tokens; t++) {
+        int32_t valid[MAX_TOP_K];
+        uint32_t pos[MAX_TOP_K];
+        float got[MAX_TOP_K];
+        const uint32_t n = replay_row(gating, topk_ids, t, &r, valid, pos);
+        bool ok = true;
+        for (size_t j = 0, i = 0; j < k && ok; j++) {
+            if (i < n && pos[i] == j) {
+                got[i++] = topk_weights[t * k + j];
+            } else if (topk_weights[t * k + j] != 0.0f) {
+                if (!bad)
+                    put_msg(msg, msg_size, "row %u pos %u: weight %.9g for id %d, which is no expert: want 0",
+                            (unsigned)t, (unsigned)j, (double)topk_weights[t * k + j], (int)topk_ids[t * k + j]);
+                ok = false;
+            }
+        }
+        if (ok && n) {
+            moecl_topk_gating_desc part = *desc;
+            part.top_k = n;
+            r.desc = &part;
+            r.k = n;
+            char row_msg[512];
+            ok = check_gating_weights(&r, t, valid, got, row_msg, sizeof row_msg);
+            if (!ok && !bad)
+                put_msg(msg, msg_size, "%s%s", row_msg, n < k ? " (slots that are no expert left out)" : "");
+            r.desc = desc;
+            r.k = desc->top_k;
+        }
+        bad += !ok;
+    }
+    gating_row_free(&r);
+    return bad;
+}
+
+/* ====================================================================== */
 /* Grounded router (routing.md, section 2)                                 */
 /* ====================================================================== */
 

@@ -34,6 +34,17 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 
+/* moecl_topk_weights in float64 (docs/routing.md section 11): the
+ * weights desc's convention gives the ids topk_ids ([num_tokens][top_k];
+ * an id outside [0, num_experts) weighs 0 and is left out). */
+void ref_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, const int32_t *topk_ids,
+                      float *topk_weights);
+/* Compare a device's replayed weights with the reference, as
+ * ref_check_topk_gating compares weights (the same tolerances); the slots
+ * that hold no expert must be exactly 0. Returns the number of bad rows,
+ * the first problem in msg. */
+int ref_check_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, const int32_t *topk_ids,
+                           const float *topk_weights, char *msg, size_t msg_size);
 /* moecl_router in float64: the grounded router's g (router_logits may be
  * NULL: g = alpha * hidden @ ground^T) through desc->gating's pipeline
  * with an optional bias (any output may be NULL). */

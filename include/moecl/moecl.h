@@ -552,6 +552,97 @@ MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, co
 MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 
 /* ---------------------------------------------------------------------- */
+/* Routing replay and hash routing (docs/routing.md, section 11)           */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * The weights top-k gating's convention gives ids chosen elsewhere: routing
+ * replay, for a trainer that must reuse the experts an inference engine
+ * chose (Megatron-Core's `precomputed_indices`, FlashInfer's precomputed
+ * routing modes). For each token t and slot j, with e = topk_ids[t][j],
+ * topk_weights[t][j] is what moecl_topk_gating() writes for expert e had
+ * it chosen e in slot j: step 1's score of the row (scoring), the
+ * weighting (the score, a softmax over the row's k given logits, or their
+ * sigmoid), renormalize with renormalize_floor or renormalize_eps over the
+ * k slots in order, and routed_scaling_factor. Given the ids
+ * moecl_topk_gating() chose from the same logits, on the same context, the
+ * weights are its weights bit for bit, except in two cases:
+ *   - group_fill MOECL_GROUP_FILL_ZERO without a bias, where top-k gating
+ *     weighs an expert of a dropped group 0: replay selects nothing and
+ *     keeps no group, so such an expert weighs its score;
+ *   - a softmax scoring with MOECL_WEIGHTS_SCORE and no groups on a CPU
+ *     device, where top-k gating with a bias sums the row in another
+ *     order than without: replay gives the bits of the call without one
+ *     (with one, values within docs/routing.md section 4's bounds).
+ * An id outside [0, num_experts) (a runtime's -1 of a padding slot) weighs
+ * 0 and is left out of the renormalisation sum and of the softmax over the
+ * chosen logits; the ids need not be distinct (a repeated id weighs as
+ * often as it comes).
+ *
+ * desc: num_tokens, num_experts, top_k, gating_dtype, scoring, weighting,
+ * renormalize, renormalize_floor, renormalize_eps and
+ * routed_scaling_factor are used; num_expert_groups, topk_group,
+ * group_score and group_fill steer selection only and are ignored (but
+ * validated as for moecl_topk_gating(), and they pick the same launch).
+ * The correction bias has no place: it steers selection only.
+ *
+ *   gating        [num_tokens][num_experts] of desc->gating_dtype
+ *   topk_ids      int32_t[num_tokens][top_k], input
+ *   topk_weights  float[num_tokens][top_k], output
+ *
+ * Asynchronous, one kernel (cl/replay.cl) after the `num_wait` events of
+ * `wait`; `done`, if non-NULL, receives its event (a marker for
+ * num_tokens 0). Errors: as moecl_topk_gating() (the same descriptor
+ * checks and messages, a missing or short buffer, ...); on any failure
+ * nothing is enqueued and no output byte changes.
+ */
+MOECL_API moecl_status moecl_topk_weights(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                          moecl_buffer gating, moecl_buffer topk_ids, moecl_buffer topk_weights,
+                                          cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience of moecl_topk_weights() on host memory: copies in,
+ *  runs, copies out. gating, topk_ids and topk_weights may be NULL only
+ *  when num_tokens is 0. Same validation as moecl_topk_weights(); a
+ *  failure leaves topk_weights as "What a failed call leaves" states. */
+MOECL_API moecl_status moecl_topk_weights_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                               const void *gating, const int32_t *topk_ids, float *topk_weights);
+
+/**
+ * Hash routing (DeepSeek-V4's first MoE layers, its `DeepseekV4HashRouter`):
+ * the experts of token t are tid2eid[input_ids[t]][0 .. top_k), a fixed
+ * table of token ids, and their weights are moecl_topk_weights()'s for
+ * those ids under desc (DeepSeek-V4: moecl_topk_gating_desc_preset(
+ * "deepseek-v4", ...): sqrt(softplus) scores, divided by their sum +
+ * 1e-20, times 2.5). One kernel: the ids are gathered, then replayed.
+ *
+ *   gating        [num_tokens][num_experts] of desc->gating_dtype
+ *   input_ids     int32_t[num_tokens], input: the tokens' ids
+ *   tid2eid       int32_t[vocab_size][top_k], input: the table
+ *   topk_weights  float[num_tokens][top_k], output
+ *   topk_ids      int32_t[num_tokens][top_k], output: the table's rows
+ *
+ * An input id outside [0, vocab_size), which the host cannot see in
+ * device memory, is not read from the table: its row's ids are -1 and its
+ * weights 0. A table entry outside [0, num_experts) is written as it is,
+ * with weight 0, and left out of the sum, as moecl_topk_weights() treats
+ * such an id. vocab_size must be 1 ..= INT32_MAX. Asynchronous, one
+ * kernel; events and errors as moecl_topk_weights() (also for an input_ids
+ * or tid2eid buffer that is missing or too small, and vocab_size 0).
+ */
+MOECL_API moecl_status moecl_hash_routing(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                          moecl_buffer gating, moecl_buffer input_ids, moecl_buffer tid2eid,
+                                          uint32_t vocab_size, moecl_buffer topk_weights, moecl_buffer topk_ids,
+                                          cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience of moecl_hash_routing() on host memory: copies in,
+ *  runs, copies out. tid2eid is required; gating, input_ids, topk_weights
+ *  and topk_ids may be NULL only when num_tokens is 0. Same validation as
+ *  moecl_hash_routing(). */
+MOECL_API moecl_status moecl_hash_routing_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                               const void *gating, const int32_t *input_ids, const int32_t *tid2eid,
+                                               uint32_t vocab_size, float *topk_weights, int32_t *topk_ids);
+
+/* ---------------------------------------------------------------------- */
 /* Grounded router (docs/routing.md, section 3)                            */
 /* ---------------------------------------------------------------------- */
 

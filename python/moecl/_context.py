@@ -23,6 +23,12 @@ def library() -> ctypes.CDLL:
     return _lib_handle
 
 
+def _same_width(name: str, width: int, top_k: Optional[int]) -> None:
+    """top_k, where given, is the width of the ids' tensor."""
+    if top_k is not None and top_k != width:
+        raise ValueError("top_k is %d but %s has %d columns" % (top_k, name, width))
+
+
 def _uint(name: str, v: Any) -> int:
     """An int for a uint32_t field; the C library checks its range."""
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
@@ -232,14 +238,14 @@ class Context:
         self._check(getattr(self._lib, "moecl_%s_prepare" % name)(ctx, ctypes.byref(desc)), ctx)
 
     def _run(self, name: str, desc: ctypes.Structure, tensors: Sequence[Optional[T.Tensor]], kind: str,
-             wait_for: Optional[Sequence[Any]], scalars: Sequence[int] = ()) -> Any:
+             wait_for: Optional[Sequence[Any]], scalars: Sequence[int] = (), scalars_at: int = 0) -> Any:
         """Call moecl_<name>_host (HOST) or moecl_<name> (DEVICE), with the
-        scalars after desc; the event, or None."""
+        scalars after desc and the first scalars_at tensors; the event, or None."""
         ctx = self._ptr()
         if kind == T.HOST:
             fn = getattr(self._lib, "moecl_%s_host" % name)
-            self._check(fn(ctx, ctypes.byref(desc), *scalars,
-                           *[None if t is None else t.host.ctypes.data for t in tensors]), ctx)
+            ptrs = [None if t is None else t.host.ctypes.data for t in tensors]
+            self._check(fn(ctx, ctypes.byref(desc), *ptrs[:scalars_at], *scalars, *ptrs[scalars_at:]), ctx)
             return None
         import pyopencl as cl
 
@@ -248,7 +254,8 @@ class Context:
         bufs = [_lib.Buffer(None, 0) if t is None else _lib.Buffer(t.mem, t.offset) for t in tensors]
         done = _lib.cl_handle()
         fn = getattr(self._lib, "moecl_%s" % name)
-        self._check(fn(ctx, ctypes.byref(desc), *scalars, *bufs, len(events), wait, ctypes.byref(done)), ctx)
+        self._check(fn(ctx, ctypes.byref(desc), *bufs[:scalars_at], *scalars, *bufs[scalars_at:], len(events), wait,
+                       ctypes.byref(done)), ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
 
     @staticmethod
@@ -348,7 +355,7 @@ class Context:
     def _topk_desc(self, g: T.Tensor, tokens: int, experts: int, k: int, dtype: Optional[str],
                    groups: Optional[int], topk_group: Optional[int], scoring: str, group_score: str,
                    group_fill: str, renormalize: bool, scale: float, renormalize_floor: float,
-                   weighting: str = "score", renormalize_eps: float = 0.0) -> ctypes.Structure:
+                   weighting: str = "score", renormalize_eps: float = 0.0, prepare: bool = True) -> ctypes.Structure:
         """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
         fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
                       topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
@@ -363,7 +370,8 @@ class Context:
         desc = self._lib.moecl_topk_gating_desc_init(tokens, experts, k)
         for name, value in fields.items():
             setattr(desc, name, value)
-        self._prepare("topk_gating", desc)
+        if prepare:
+            self._prepare("topk_gating", desc)
         return desc
 
     def topk_gating(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
@@ -434,6 +442,97 @@ class Context:
         tensors = [g, b, o["weights"], o["ids"]] + ([o["counts"]] if counts else [])
         event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
         result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
+        return result + (event,) if kind == T.DEVICE else result
+
+    # ------------------------------------------------------------------
+    # Routing replay and hash routing
+    # ------------------------------------------------------------------
+
+    def topk_weights(self, logits: Any, ids: Any, scoring: str = "softmax", renormalize: bool = False,
+                     scale: float = 1.0, *, groups: Optional[int] = None, topk_group: Optional[int] = None,
+                     group_score: str = "max", renormalize_floor: float = 0.0, renormalize_eps: float = 0.0,
+                     group_fill: str = "neg_inf", weighting: str = "score", dtype: Optional[str] = None,
+                     top_k: Optional[int] = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                     wait_for: Optional[Sequence[Any]] = None) -> Any:
+        """Routing replay (docs/routing.md, section 11): the weights the
+        convention gives ids chosen elsewhere.
+
+        Args:
+            logits: float32, float16 or bfloat16 [tokens, experts].
+            ids: int32 [tokens, top_k]; an id outside [0, experts) (-1 of a
+                padding slot) weighs 0 and is left out of the renormalisation.
+            scoring, renormalize, scale, renormalize_floor, renormalize_eps,
+                weighting, dtype: as for topk_gating.
+            groups, topk_group, group_score, group_fill: accepted (so that
+                moecl.preset()'s keywords pass) and validated; they steer
+                selection only, and replay selects nothing.
+            top_k: None, or the ids' width (moecl.preset()'s keyword).
+            out: {"weights": array} to write; queue, wait_for: as for topk_gating.
+
+        Returns:
+            weights float32 [tokens, top_k] (bit for bit topk_gating's for
+            the ids it chose, section 11 says where not), then, for device
+            tensors, the call's pyopencl.Event.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([logits, ids, *out.values()])
+        g = T.check("logits", logits, (None, None), T.input_dtypes(dtype), kind)
+        tokens, experts = g.shape
+        i = T.check("ids", ids, (tokens, None), [T.I32], kind)
+        k = i.shape[1]
+        _same_width("ids", k, top_k)
+        specs = {"weights": ((tokens, k), T.F32)}
+        given = T.outputs(specs, out, kind)
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
+                             renormalize, scale, renormalize_floor, weighting, renormalize_eps, prepare=False)
+        o = self._outputs(specs, given, ("weights",), kind, on.queue if kind == T.DEVICE else None)
+        event = on._run("topk_weights", desc, [g, i, o["weights"]], kind, wait_for)
+        weights = o["weights"].obj  # type: ignore[union-attr]
+        return (weights, event) if kind == T.DEVICE else weights
+
+    def hash_routing(self, logits: Any, input_ids: Any, tid2eid: Any, scoring: str = "sqrtsoftplus",
+                     renormalize: bool = True, scale: float = 1.0, *, groups: Optional[int] = None,
+                     topk_group: Optional[int] = None, group_score: str = "max", renormalize_floor: float = 0.0,
+                     renormalize_eps: float = 0.0, group_fill: str = "neg_inf", weighting: str = "score",
+                     dtype: Optional[str] = None, top_k: Optional[int] = None, out: Optional[Dict[str, Any]] = None,
+                     queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
+        """Hash routing (DeepSeek-V4's hash layers, docs/routing.md section
+        11): the experts of token t are tid2eid[input_ids[t]], weighted as
+        topk_weights weighs them. DeepSeek-V4: **moecl.preset("deepseek-v4")
+        (top_k, if given, must be the table's width).
+
+        Args:
+            logits: float32, float16 or bfloat16 [tokens, experts].
+            input_ids: int32 [tokens]; an id outside [0, vocab) gives ids -1
+                and weights 0 for its token.
+            tid2eid: int32 [vocab, top_k], the table (transformers keeps it
+                as int64: convert with .astype(np.int32)).
+            the other keywords: as for topk_weights.
+
+        Returns:
+            (weights float32 [tokens, top_k], ids int32 [tokens, top_k]),
+            then, for device tensors, the call's pyopencl.Event.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([logits, input_ids, tid2eid, *out.values()])
+        g = T.check("logits", logits, (None, None), T.input_dtypes(dtype), kind)
+        tokens, experts = g.shape
+        n = T.check("input_ids", input_ids, (tokens,), [T.I32], kind)
+        table = T.check("tid2eid", tid2eid, (None, None), [T.I32], kind)
+        vocab, k = table.shape
+        _same_width("tid2eid", k, top_k)
+        specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
+        given = T.outputs(specs, out, kind)
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
+                             renormalize, scale, renormalize_floor, weighting, renormalize_eps, prepare=False)
+        o = self._outputs(specs, given, ("weights", "ids"), kind, on.queue if kind == T.DEVICE else None)
+        event = on._run("hash_routing", desc, [g, n, table, o["weights"], o["ids"]], kind, wait_for,
+                        scalars=[_uint("vocab", vocab)], scalars_at=3)
+        result = (o["weights"].obj, o["ids"].obj)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 
     # ------------------------------------------------------------------
