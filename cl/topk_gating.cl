@@ -3,6 +3,9 @@
  * defines (the shape, SCORING, WEIGHTING, HAS_BIAS, groups,
  * renormalisation) and these:
  *   HAS_COUNTS                 also count the chosen ids per expert (below)
+ *   HAS_LOAD                   also add them to a load counter (below)
+ *   HAS_VALID                  rows at or past a count read from memory
+ *                              are padding (below)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
@@ -16,24 +19,92 @@
 #ifndef HAS_COUNTS
 #define HAS_COUNTS 0
 #endif
+/* HAS_LOAD (moecl_topk_gating_ex's expert_load): likewise a histogram,
+ * which the host does not zero: every call adds its ids to it. */
+#ifndef HAS_LOAD
+#define HAS_LOAD 0
+#endif
 #if HAS_COUNTS
 #define COUNTS_PARAM __global int *counts,
 #define COUNTS_AT(args) (counts + (args).counts_off)
-#define COUNTS_PARAMS , __global int *counts
-#define COUNTS_ARGS , counts
-#define COUNT_ID(id)                                                                               \
-    do {                                                                                           \
-        const uint id_ = (uint)(id);                                                               \
-        if (id_ < NUM_EXPERTS)                                                                     \
-            atomic_inc(counts + id_);                                                 \
-    } while (0)
+#define COUNTS_PARAMS_ , __global int *counts
+#define COUNTS_ARGS_ , counts
+#define COUNT_INTO_COUNTS(e) atomic_inc(counts + (e))
 #else
 #define COUNTS_PARAM
 #define COUNTS_AT(args) ((__global int *)0)
-#define COUNTS_PARAMS
-#define COUNTS_ARGS
-#define COUNT_ID(id) ((void)0)
+#define COUNTS_PARAMS_
+#define COUNTS_ARGS_
+#define COUNT_INTO_COUNTS(e) ((void)0)
 #endif
+#if HAS_LOAD
+#define LOAD_PARAM __global int *load,
+#define LOAD_PARAMS_ , __global int *load
+#define LOAD_ARGS_ , load
+#define COUNT_INTO_LOAD(e) atomic_inc(load + (e))
+#else
+#define LOAD_PARAM
+#define LOAD_PARAMS_
+#define LOAD_ARGS_
+#define COUNT_INTO_LOAD(e) ((void)0)
+#endif
+#define COUNTS_PARAMS COUNTS_PARAMS_ LOAD_PARAMS_
+#define COUNTS_ARGS COUNTS_ARGS_ LOAD_ARGS_
+#define COUNT_ID(id)                                                                               \
+    do {                                                                                           \
+        const uint id_ = (uint)(id);                                                               \
+        if (id_ < NUM_EXPERTS) {                                                                   \
+            COUNT_INTO_COUNTS(id_);                                                                \
+            COUNT_INTO_LOAD(id_);                                                                  \
+        }                                                                                          \
+    } while (0)
+/* The histograms' pointers at their offsets, in a kernel. */
+#define COUNTS_AT_OFFSETS(args)                                                                    \
+    do {                                                                                           \
+        if (HAS_COUNTS)                                                                            \
+            COUNTS_SET(args);                                                                      \
+        if (HAS_LOAD)                                                                              \
+            LOAD_SET(args);                                                                        \
+    } while (0)
+#if HAS_COUNTS
+#define COUNTS_SET(args) (counts = COUNTS_AT(args))
+#else
+#define COUNTS_SET(args) ((void)0)
+#endif
+#if HAS_LOAD
+#define LOAD_SET(args) (load = load + (args).load_off)
+#else
+#define LOAD_SET(args) ((void)0)
+#endif
+
+/* HAS_VALID (moecl_topk_gating_ex's num_valid_tokens): the rows that are
+ * tokens, an int read from memory (a runtime replays one enqueued shape
+ * for any batch up to it); the rows past it are padding: ids -1, weights
+ * 0, counted nowhere. */
+#ifndef HAS_VALID
+#define HAS_VALID 0
+#endif
+#if HAS_VALID
+#define VALID_PARAM __global const int *num_valid,
+static inline uint valid_rows(__global const int *num_valid, ulong off, uint num_tokens)
+{
+    const int n = num_valid[off];
+    return n <= 0 ? 0u : min((uint)n, num_tokens);
+}
+#define VALID_ROWS(args) valid_rows(num_valid, (args).valid_off, (args).num_tokens)
+#else
+#define VALID_PARAM
+#define VALID_ROWS(args) ((args).num_tokens)
+#endif
+
+/* A padding row's outputs, slots j0, j0 + step, ... */
+static inline void write_padding(__global float *w_out, __global int *id_out, uint j0, uint step)
+{
+    for (uint j = j0; j < TOPK; j += step) {
+        w_out[j] = 0.0f;
+        id_out[j] = -1;
+    }
+}
 /* The bias is an argument only where there is one (as the counts are):
  * every argument costs an enqueue (cl/layout.h, layout_topk_args). */
 #if HAS_BIAS
@@ -270,7 +341,7 @@ static inline void topk_rows_generic(__global const in_t *x, __global const floa
 #endif
 
 __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global float *topk_weights,
-                               __global int *topk_ids, COUNTS_PARAM layout_topk_args args)
+                               __global int *topk_ids, COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args)
 {
     const uint row = (uint)get_global_id(0);
     if (row >= args.num_tokens)
@@ -280,9 +351,11 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
     /* The fast path counts the ids from its registers: topk_ids may be
      * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
     __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
-#if HAS_COUNTS
-    counts = COUNTS_AT(args);
-#endif
+    if (HAS_VALID && row >= VALID_ROWS(args)) {
+        write_padding(w_out, id_out, 0, 1);
+        return;
+    }
+    COUNTS_AT_OFFSETS(args);
 #if ROWS_FAST
     topk_rows_softmax(x, w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #else
@@ -297,7 +370,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,
-                 COUNTS_PARAM layout_topk_args args DISPATCH_PARAMS)
+                 COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args DISPATCH_PARAMS)
 {
     DISPATCH_LOCALS;
     TEAM_GATING_LOCALS;
@@ -305,16 +378,20 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_we
     const uint r = get_local_id(0) / TEAM;
     const uint row = get_group_id(0) * ROWS + r;
     const bool active = row < args.num_tokens;
-    __global const in_t *x = gating + args.gating_off + (size_t)(active ? row : 0) * NUM_EXPERTS;
-#if HAS_COUNTS
-    counts = COUNTS_AT(args);
-#endif
+    /* A padding row is routed as an absent one (every lane takes part in
+     * the pipeline's barriers) and written apart. */
+    const bool token = active && (!HAS_VALID || row < VALID_ROWS(args));
+    __global const in_t *x = gating + args.gating_off + (size_t)(token ? row : 0) * NUM_EXPERTS;
+    COUNTS_AT_OFFSETS(args);
 
     float value[EPT];
-    team_load_row(x, active, lane, value);
+    team_load_row(x, token, lane, value);
     float weights[TOPK];
-    TEAM_GATING(value, active, lane, r, BIAS_AT(args), args.scaling_factor, weights);
-    if (active) {
+    TEAM_GATING(value, token, lane, r, BIAS_AT(args), args.scaling_factor, weights);
+    if (active && !token)
+        write_padding(topk_weights + args.weights_off + (size_t)row * TOPK,
+                      topk_ids + args.ids_off + (size_t)row * TOPK, lane, TEAM);
+    if (token) {
         __global float *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
         __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
         for (uint j = lane; j < TOPK; j += TEAM) {

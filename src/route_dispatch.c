@@ -192,9 +192,12 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
     r->checks[1] = (moecl_buffer_check){"bias", e * 4, b[1].offset, 4, false};
     r->checks[2] = (moecl_buffer_check){"topk_weights", t * k * 4, s->weights.offset, 4, true};
     r->checks[3] = (moecl_buffer_check){"topk_ids", t * k * 4, s->ids.offset, 4, true};
-    r->scalars = (layout_topk_args){b[0].offset / in_size, b[1].offset / 4,   s->weights.offset / 4,
-                                    s->ids.offset / 4,     0,                  d->num_tokens,
-                                    d->routed_scaling_factor};
+    r->scalars = (layout_topk_args){.gating_off = b[0].offset / in_size,
+                                    .bias_off = b[1].offset / 4,
+                                    .weights_off = s->weights.offset / 4,
+                                    .ids_off = s->ids.offset / 4,
+                                    .num_tokens = d->num_tokens,
+                                    .scaling_factor = d->routed_scaling_factor};
     args[n++] = MOECL_ARG_CHECKED(b[0].mem, &r->checks[0]);
     if (b[1].mem)
         args[n++] = MOECL_ARG_CHECKED(b[1].mem, &r->checks[1]);

@@ -1,6 +1,7 @@
 /* Top-k gating, host side: validation, the kernel variant a request needs,
  * argument binding and one enqueue; and the blocking host-memory path. */
 #include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdio.h>
 #include <string.h>
@@ -101,6 +102,7 @@ typedef struct topk_shape {
 typedef struct topk_request {
     const moecl_topk_gating_desc *desc;
     bool has_bias, has_counts;
+    bool has_load, has_valid; /* moecl_topk_gating_ex's expert_load, num_valid_tokens */
     bool has_dispatch; /* moecl_route_dispatch's kernel: moe_align after the rows (team kernel only) */
     unsigned groups, topk_group;
     unsigned replay; /* cl/replay.cl's kernel (src/replay.c): 1 given ids, 2 hash routing; 0 top-k */
@@ -181,7 +183,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, false, d->num_expert_groups, d->topk_group, 0};
+    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -199,6 +201,8 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_TOPK] = d->top_k;
     v.param[MOECL_TOPK_IN_DTYPE] = (uint32_t)d->gating_dtype;
     v.param[MOECL_TOPK_HAS_COUNTS] = r->has_counts;
+    v.param[MOECL_TOPK_HAS_LOAD] = r->has_load;
+    v.param[MOECL_TOPK_HAS_VALID] = r->has_valid;
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
@@ -368,55 +372,77 @@ moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gati
     return st;
 }
 
-/* The buffers of a call, and whether binding validates them (the caller's
- * buffers; the host path's own need no check). */
+/* The tensors of a call (moecl_topk_gating_tensors' fields; every entry
+ * point comes through here), and whether binding validates them (the
+ * caller's buffers; the host path's own need no check). */
 typedef struct topk_buffers {
-    moecl_buffer gating, bias, weights, ids, counts;
-    bool has_counts, check;
+    moecl_buffer gating, bias, weights, ids, counts, load, valid;
+    bool check;
+    bool need_counts; /* moecl_topk_gating_with_counts: expert_counts is required */
 } topk_buffers;
 
 /* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
- * kernel waits on that. */
+ * kernel waits on that; the load counter is not. */
 static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, const topk_buffers *b,
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->gating_dtype);
-    const moecl_buffer_check checks[5] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
+    const moecl_buffer_check checks[7] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
                                           {"bias", e * 4, b->bias.offset, 4, false},
                                           {"topk_weights", t * k * 4, b->weights.offset, 4, true},
                                           {"topk_ids", t * k * 4, b->ids.offset, 4, true},
-                                          {"expert_counts", e * 4, b->counts.offset, 4, true}};
+                                          {"expert_counts", e * 4, b->counts.offset, 4, true},
+                                          {"expert_load", e * 4, b->load.offset, 4, true},
+                                          {"num_valid_tokens", 4, b->valid.offset, 4, true}};
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
-     * scalars are one argument, and the bias and counts arguments only
+     * scalars are one argument, and the optional tensors arguments only
      * where the request has them (cl/topk_gating.cl, cl/layout.h). */
-    const layout_topk_args scalars = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
-                                      b->ids.offset / 4, b->counts.offset / 4, d->num_tokens,
-                                      d->routed_scaling_factor};
-    moecl_kernel_arg args[6];
+    const layout_topk_args scalars = {.gating_off = b->gating.offset / in_size,
+                                      .bias_off = b->bias.offset / 4,
+                                      .weights_off = b->weights.offset / 4,
+                                      .ids_off = b->ids.offset / 4,
+                                      .counts_off = b->counts.offset / 4,
+                                      .load_off = b->load.offset / 4,
+                                      .valid_off = b->valid.offset / 4,
+                                      .num_tokens = d->num_tokens,
+                                      .scaling_factor = d->routed_scaling_factor};
+    const moecl_buffer *const order[7] = {&b->gating, &b->bias, &b->weights, &b->ids,
+                                          &b->counts, &b->load, &b->valid};
+    moecl_kernel_arg args[8];
     cl_uint n = 0;
-    args[n++] = MOECL_ARG_CHECKED(b->gating.mem, c ? &c[0] : NULL);
-    if (b->bias.mem)
-        args[n++] = MOECL_ARG_CHECKED(b->bias.mem, c ? &c[1] : NULL);
-    args[n++] = MOECL_ARG_CHECKED(b->weights.mem, c ? &c[2] : NULL);
-    args[n++] = MOECL_ARG_CHECKED(b->ids.mem, c ? &c[3] : NULL);
-    if (b->has_counts)
-        args[n++] = MOECL_ARG_CHECKED(b->counts.mem, c ? &c[4] : NULL);
+    for (int i = 0; i < 7; i++)
+        if (order[i]->mem || i == 0 || i == 2 || i == 3 || (i == 4 && b->need_counts)) /* required: as they are */
+            args[n++] = MOECL_ARG_CHECKED(order[i]->mem, c ? &c[i] : NULL);
     args[n++] = MOECL_ARG(scalars);
-    const bool has_counts = b->has_counts;
-    const topk_request r = request_of(d, b->bias.mem != NULL, has_counts);
+    topk_request r = request_of(d, b->bias.mem != NULL, b->counts.mem != NULL || b->need_counts);
+    r.has_load = b->load.mem != NULL;
+    r.has_valid = b->valid.mem != NULL;
     const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
                                     d->num_tokens,   b->counts.mem, b->counts.offset, e * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
-/* The device-buffer call; expert_counts.mem == NULL (with has_counts
- * false) is the plain entry point. */
-static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
-                                  moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids,
-                                  bool has_counts, moecl_buffer expert_counts, cl_uint num_wait, const cl_event *wait,
-                                  cl_event *done)
+/* The first version of moecl_topk_gating_tensors and of the host form. */
+#define TENSORS_V1 (offsetof(moecl_topk_gating_tensors, num_valid_tokens) + sizeof(moecl_buffer))
+#define HOST_TENSORS_V1 (offsetof(moecl_topk_gating_host_tensors, num_valid_tokens) + sizeof(int32_t *))
+
+/* The size fields of a tensors record: one this moecl knows. */
+static moecl_status check_struct_size(moecl_context *ctx, const void *t, size_t size, size_t v1, size_t known)
+{
+    if (!t)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
+    if (size < v1 || size > known)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "tensors->struct_size is %zu; this moecl takes %zu to %zu (set it to sizeof the record)",
+                          size, v1, known);
+    return MOECL_SUCCESS;
+}
+
+/* The device-buffer call of every entry point. */
+static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, const topk_buffers *b,
+                                  cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
@@ -425,17 +451,15 @@ static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_de
         return st;
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
-    const topk_buffers b = {gating,     bias, topk_weights, topk_ids, has_counts ? expert_counts : (moecl_buffer){NULL, 0},
-                            has_counts, true};
-    return launch(ctx, desc, &b, num_wait, wait, done);
+    return launch(ctx, desc, b, num_wait, wait, done);
 }
 
 moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc *desc, moecl_buffer gating,
                                moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
                                const cl_event *wait, cl_event *done)
 {
-    return gating_device(ctx, desc, gating, bias, topk_weights, topk_ids, false, (moecl_buffer){NULL, 0}, num_wait,
-                         wait, done);
+    const topk_buffers b = {gating, bias, topk_weights, topk_ids, {NULL, 0}, {NULL, 0}, {NULL, 0}, true, false};
+    return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
 moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_gating_desc *desc,
@@ -443,74 +467,100 @@ moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_
                                            moecl_buffer topk_ids, moecl_buffer expert_counts, cl_uint num_wait,
                                            const cl_event *wait, cl_event *done)
 {
-    return gating_device(ctx, desc, gating, bias, topk_weights, topk_ids, true, expert_counts, num_wait, wait, done);
+    const topk_buffers b = {gating, bias, topk_weights, topk_ids, expert_counts, {NULL, 0}, {NULL, 0}, true, true};
+    return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
-/* The host-memory call; has_counts false is the plain entry point. */
-static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
-                                const float *bias, float *topk_weights, int32_t *topk_ids, bool has_counts,
-                                int32_t *expert_counts)
+moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                  const moecl_topk_gating_tensors *tensors, cl_uint num_wait, const cl_event *wait,
+                                  cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = check_struct_size(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
+                                        sizeof(moecl_topk_gating_tensors));
+    if (st != MOECL_SUCCESS)
+        return st;
+    const moecl_topk_gating_tensors *t = tensors;
+    const topk_buffers b = {t->gating,        t->bias,        t->topk_weights,     t->topk_ids,
+                            t->expert_counts, t->expert_load, t->num_valid_tokens, true, false};
+    return gating_device(ctx, desc, &b, num_wait, wait, done);
+}
+
+/* The host-memory call of every entry point: the library's own buffers,
+ * filled from and read back into the caller's memory (expert_load both:
+ * the call adds to it). */
+static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                const moecl_topk_gating_host_tensors *h, bool need_counts)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    if (desc->num_tokens > 0 && (!gating || !topk_weights || !topk_ids))
+    if (desc->num_tokens > 0 && (!h->gating || !h->topk_weights || !h->topk_ids))
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL",
-                          !gating ? "gating" : !topk_weights ? "topk_weights" : "topk_ids");
-    if (has_counts && !expert_counts)
+                          !h->gating ? "gating" : !h->topk_weights ? "topk_weights" : "topk_ids");
+    if (need_counts && !h->expert_counts)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "expert_counts is NULL");
     const moecl_plan *p;
-    if ((st = moecl_topk_gating_plan(ctx, desc, bias != NULL, has_counts, &p)) != MOECL_SUCCESS)
+    topk_request r = request_of(desc, h->bias != NULL, h->expert_counts != NULL);
+    r.has_load = h->expert_load != NULL;
+    r.has_valid = h->num_valid_tokens != NULL;
+    if ((st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
     (void)p; /* built before the buffers are made: a build failure costs no copy */
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
     if (desc->num_tokens == 0) {
-        if (has_counts)
-            memset(expert_counts, 0, e * 4);
+        if (h->expert_counts)
+            memset(h->expert_counts, 0, e * 4);
         return MOECL_SUCCESS;
     }
-    cl_mem in = NULL, b = NULL, w = NULL, ids = NULL, counts = NULL;
+    enum { GATING, BIAS, LOAD, VALID, WEIGHTS, IDS, COUNTS, NUM };
+    const void *const from[NUM] = {h->gating, h->bias, h->expert_load, h->num_valid_tokens, NULL, NULL, NULL};
+    void *const to[NUM] = {NULL, NULL, h->expert_load, NULL, h->topk_weights, h->topk_ids, h->expert_counts};
+    static const char *const names[NUM] = {"gating",   "bias",         "expert_load",  "num_valid_tokens",
+                                           "topk_weights", "topk_ids", "expert_counts"};
+    const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype), e * 4, e * 4, 4, t * k * 4, t * k * 4,
+                               e * 4};
+    cl_mem mems[NUM] = {NULL};
+    for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++)
+        if (from[i] || to[i])
+            st = moecl_host_buffer(ctx, names[i],
+                                   !to[i] ? CL_MEM_READ_ONLY : from[i] ? CL_MEM_READ_WRITE : CL_MEM_WRITE_ONLY,
+                                   sizes[i], from[i], &mems[i]);
     cl_event ran = NULL;
-    if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * moecl_dtype_size(desc->gating_dtype), gating,
-                                &in)) == MOECL_SUCCESS &&
-        (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * 4, bias, &b)) == MOECL_SUCCESS) &&
-        (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
-        (!has_counts ||
-         (st = moecl_host_buffer(ctx, "expert_counts", CL_MEM_READ_WRITE, e * 4, NULL, &counts)) == MOECL_SUCCESS) &&
-        (st = launch(ctx, desc, &(topk_buffers){{in, 0}, {b, 0}, {w, 0}, {ids, 0}, {counts, 0}, has_counts, false}, 0, NULL,
-                      &ran)) == MOECL_SUCCESS) {
-        const cl_mem mems[3] = {w, ids, counts};
-        const size_t sizes[3] = {t * k * 4, t * k * 4, e * 4};
-        void *const hosts[3] = {topk_weights, topk_ids, expert_counts};
-        st = moecl_read_back(ctx, ran, has_counts ? 3 : 2, mems, sizes, hosts);
+    if (st == MOECL_SUCCESS) {
+        const topk_buffers b = {{mems[GATING], 0}, {mems[BIAS], 0}, {mems[WEIGHTS], 0}, {mems[IDS], 0},
+                                {mems[COUNTS], 0}, {mems[LOAD], 0}, {mems[VALID], 0},   false, false};
+        st = launch(ctx, desc, &b, 0, NULL, &ran);
     }
-    if (ran)
-        clReleaseEvent(ran);
-    if (in)
-        clReleaseMemObject(in);
-    if (b)
-        clReleaseMemObject(b);
-    if (w)
-        clReleaseMemObject(w);
-    if (ids)
-        clReleaseMemObject(ids);
-    if (counts)
-        clReleaseMemObject(counts);
-    return st;
+    /* Read back the outputs: expert_load with them, from LOAD on. */
+    return moecl_host_call_end(ctx, st, ran, mems, NUM, LOAD, sizes + LOAD, to);
 }
 
 moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
                                     const float *bias, float *topk_weights, int32_t *topk_ids)
 {
-    return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, false, NULL);
+    const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, NULL, NULL, NULL};
+    return gating_host(ctx, desc, &h, false);
 }
 
 moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
                                                 const void *gating, const float *bias, float *topk_weights,
                                                 int32_t *topk_ids, int32_t *expert_counts)
 {
-    return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, true, expert_counts);
+    const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, expert_counts, NULL,
+                                              NULL};
+    return gating_host(ctx, desc, &h, true);
+}
+
+moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                       const moecl_topk_gating_host_tensors *tensors)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    const moecl_status st = check_struct_size(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
+                                              sizeof(moecl_topk_gating_host_tensors));
+    return st != MOECL_SUCCESS ? st : gating_host(ctx, desc, tensors, false);
 }

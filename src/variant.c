@@ -121,6 +121,8 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
                              .kernels = KERNEL_BIT(MOECL_KERNEL_TEAM), .with = WITH(MOECL_TOPK_ROUTE_DISPATCH)},
     /* cl/replay.cl's program (src/replay.c): 1 given ids, 2 hash routing */
     [MOECL_TOPK_REPLAY] = {PARAM("REPLAY", "replay", 2, false, 0, 0, 2)},
+    [MOECL_TOPK_HAS_LOAD] = {PARAM("HAS_LOAD", "load", 1, false, 0, 0, 1)},
+    [MOECL_TOPK_HAS_VALID] = {PARAM("HAS_VALID", "valid", 1, false, 0, 0, 1)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

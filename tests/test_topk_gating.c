@@ -674,6 +674,180 @@ START_TEST(test_renormalize_eps_random)
 }
 END_TEST
 
+/* moecl_topk_gating_ex's tensors: rows past num_valid_tokens, the load
+ * counter and the counts. One call, device or host path, with n valid
+ * rows (n may be negative or past the rows) and the load counter holding
+ * load0; checks the outputs against the plain call's on the same inputs. */
+static void ex_case(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias, int n,
+                    bool device_path, const float *plain_w, const int32_t *plain_ids, const int32_t *load0)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, e = d->num_experts;
+    const size_t in_bytes = (size_t)d->num_tokens * e * ref_dtype_size(d->gating_dtype);
+    float *w = malloc(nk * 4 + 4);
+    int32_t *ids = malloc(nk * 4 + 4), *counts = malloc(e * 4 + 4), *load = malloc(e * 4 + 4);
+    memset(w, HARNESS_POISON, nk * 4 + 4);
+    memset(ids, HARNESS_POISON, nk * 4 + 4);
+    memset(counts, HARNESS_POISON, e * 4 + 4);
+    memcpy(load, load0, e * 4);
+    char what[320];
+    describe(d, bias != NULL, what, sizeof(what));
+    snprintf(what + strlen(what), sizeof(what) - strlen(what), " valid=%d %s path", n, device_path ? "device" : "host");
+    moecl_status st;
+    if (!device_path) {
+        const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, w, ids, counts, load, &n};
+        st = moecl_topk_gating_ex_host(ctx, d, &h);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        moecl_topk_gating_tensors t;
+        memset(&t, 0, sizeof(t));
+        t.struct_size = sizeof(t);
+        t.gating = harness_buffer(ctx, in_bytes, 256, gating);
+        t.bias = bias ? harness_buffer(ctx, e * 4, 12, bias) : (moecl_buffer){NULL, 0};
+        t.topk_weights = harness_buffer(ctx, nk * 4, 8, NULL);
+        t.topk_ids = harness_buffer(ctx, nk * 4, 4, NULL);
+        t.expert_counts = harness_buffer(ctx, e * 4, 20, NULL);
+        t.expert_load = harness_buffer(ctx, e * 4, 36, load0);
+        t.num_valid_tokens = harness_buffer(ctx, 4, 44, &n);
+        cl_event done = NULL;
+        st = moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        harness_read_topk(ctx, t.topk_weights, t.topk_ids, nk, w, ids, what);
+        harness_read(ctx, t.expert_counts, e * 4, counts);
+        harness_read(ctx, t.expert_load, e * 4, load);
+        moecl_buffer *all[] = {&t.gating, &t.bias, &t.topk_weights, &t.topk_ids, &t.expert_counts, &t.expert_load,
+                               &t.num_valid_tokens};
+        for (size_t i = 0; i < COUNT(all); i++)
+            harness_release(*all[i]);
+    }
+    const uint32_t valid = n <= 0 ? 0 : (uint32_t)n < d->num_tokens ? (uint32_t)n : d->num_tokens;
+    int32_t *hist = calloc(e, 4);
+    for (size_t i = 0; i < nk; i++) {
+        const bool token = i / d->top_k < valid;
+        const float want_w = token ? plain_w[i] : 0.0f;
+        ck_assert_msg(ids[i] == (token ? plain_ids[i] : -1) && memcmp(&w[i], &want_w, 4) == 0,
+                      "%s: slot %zu (row %zu): id %d weight %.9g, want %d %.9g", what, i, i / d->top_k, ids[i],
+                      (double)w[i], token ? plain_ids[i] : -1, (double)want_w);
+        if (token)
+            hist[plain_ids[i]]++;
+    }
+    for (size_t x = 0; x < e; x++)
+        ck_assert_msg(counts[x] == hist[x] && load[x] == load0[x] + hist[x],
+                      "%s: expert %zu: counts %d load %d, want %d and %d + %d", what, x, counts[x], load[x], hist[x],
+                      load0[x], hist[x]);
+    free(hist);
+    free(w);
+    free(ids);
+    free(counts);
+    free(load);
+}
+
+/* The tensors of moecl_topk_gating_ex on random rows: every valid count
+ * from none to past the rows, on both paths, the rows and team kernels
+ * (the launch classes), softmax, sigmoid with DeepSeek-V3's groups and a
+ * bias, every dtype; the padding rows' ids -1, weights 0, counted
+ * nowhere; the valid rows bit for bit the plain call's; the load counter
+ * added to, the counts overwritten. */
+START_TEST(test_ex_tensors)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{128, 8}, {256, 8}, {60, 2}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++, i++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(37, shapes[s][0], shapes[s][1]);
+        d.gating_dtype = (moecl_dtype)(i % 3);
+        if (shapes[s][0] == 256) {
+            d.scoring = MOECL_SCORING_SIGMOID;
+            d.num_expert_groups = 8;
+            d.topk_group = 4;
+            d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+            d.renormalize = true;
+            d.renormalize_eps = 1e-20f;
+            d.routed_scaling_factor = 2.5f;
+        }
+        harness_rng rng = harness_rng_for(14000 + i);
+        const size_t e = d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+        void *gating = harness_random_tensor(&rng, d.gating_dtype, (size_t)d.num_tokens * e, 2.0f);
+        float *bias = shapes[s][0] == 256 ? harness_random_tensor(&rng, MOECL_F32, e, 0.1f) : NULL;
+        int32_t *load0 = malloc(e * 4);
+        for (size_t x = 0; x < e; x++)
+            load0[x] = (int32_t)(harness_rand_u32(&rng) % 1000);
+        float *plain_w = malloc(nk * 4 + 4);
+        int32_t *plain_ids = malloc(nk * 4 + 4);
+        run(ctx, &d, gating, bias, true, plain_w, plain_ids);
+        check(&d, gating, bias, plain_w, plain_ids);
+        static const int valid[] = {-3, 0, 1, 19, 36, 37, 1000};
+        for (size_t v = 0; v < COUNT(valid); v++)
+            for (int path = 0; path < 2; path++)
+                if (!harness_quick_skips((unsigned)(v + (size_t)path + s)))
+                    ex_case(ctx, &d, gating, bias, valid[v], path == 1, plain_w, plain_ids, load0);
+        free(gating);
+        free(bias);
+        free(load0);
+        free(plain_w);
+        free(plain_ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The calling thread's error detail names what. */
+static void assert_error_names(moecl_context *ctx, const char *what, const char *label)
+{
+    ck_assert_msg(strstr(moecl_context_error(ctx), what) != NULL, "%s: the error \"%s\" does not name %s", label,
+                  moecl_context_error(ctx), what);
+}
+
+/* moecl_topk_gating_ex's own checks: the record, the new tensors' sizes;
+ * nothing written on failure. */
+START_TEST(test_ex_invalid)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(4, 16, 2);
+    float logits[4 * 16] = {0};
+    moecl_topk_gating_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.gating = harness_buffer(ctx, sizeof(logits), 0, logits);
+    t.topk_weights = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
+    t.topk_ids = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
+    const int32_t load0[16] = {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7};
+    t.expert_load = harness_buffer(ctx, sizeof(load0), 0, load0);
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, NULL, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "tensors", "NULL tensors");
+    moecl_topk_gating_tensors bad = t;
+    bad.struct_size = sizeof(t) - 1;
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "struct_size", "short record");
+    bad.struct_size = sizeof(t) + 8;
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    bad = t;
+    bad.num_valid_tokens = harness_buffer(ctx, 4, 2, NULL); /* misaligned */
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "num_valid_tokens", "misaligned num_valid_tokens");
+    harness_release(bad.num_valid_tokens);
+    bad = t;
+    cl_int err;
+    bad.expert_load = (moecl_buffer){clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 15 * 4, NULL, &err),
+                                     0}; /* one int short */
+    ck_assert_ptr_nonnull(bad.expert_load.mem);
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "expert_load", "short expert_load");
+    harness_release(bad.expert_load);
+    int32_t load[16];
+    harness_read(ctx, t.expert_load, sizeof(load), load);
+    ck_assert_int_eq(memcmp(load, load0, sizeof(load)), 0);
+    const moecl_topk_gating_host_tensors h = {sizeof(h) - 4, logits, NULL, NULL, NULL, NULL, NULL, NULL};
+    ck_assert_int_eq(moecl_topk_gating_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "struct_size", "short host record");
+    moecl_buffer *all[] = {&t.gating, &t.topk_weights, &t.topk_ids, &t.expert_load};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(*all[i]);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Rows of exact ties, NaN, infinities and huge values. Where the inputs tie
  * exactly the ids must equal the reference's exactly (lower index first);
  * elsewhere the checker's rules apply. */
@@ -1216,6 +1390,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_seed_zero_fill);
     tcase_add_test(tc, test_renormalize_floor_examples);
     tcase_add_test(tc, test_renormalize_eps_examples);
+    tcase_add_test(tc, test_ex_invalid);
     TCase *options = tcase_create("options");
     tcase_set_timeout(options, 1200);
     tcase_add_test(options, test_options);
@@ -1226,6 +1401,7 @@ int main(int argc, char **argv)
     tcase_add_test(random, test_group_fill_random);
     tcase_add_test(random, test_renormalize_floor_random);
     tcase_add_test(random, test_renormalize_eps_random);
+    tcase_add_test(random, test_ex_tensors);
     tcase_add_test(random, test_crowded_rows);
     /* --quick (and the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants, and with half the combinations of

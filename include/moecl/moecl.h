@@ -551,6 +551,81 @@ MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, co
  *  of moecl_topk_gating_with_counts() are not built here. */
 MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 
+/**
+ * The tensors of moecl_topk_gating_ex(), by name: moecl_topk_gating()'s
+ * four and optional ones that only that call takes. Zero the record, set
+ * struct_size to sizeof(moecl_topk_gating_tensors), then the tensors: an
+ * absent one has mem NULL. A later moecl may append fields; a caller's
+ * struct_size tells it which this record holds.
+ */
+typedef struct moecl_topk_gating_tensors {
+    size_t struct_size;          /**< sizeof(moecl_topk_gating_tensors) */
+    moecl_buffer gating;         /**< [num_tokens][num_experts] of gating_dtype, required */
+    moecl_buffer bias;           /**< float[num_experts], or absent */
+    moecl_buffer topk_weights;   /**< float[num_tokens][top_k], output, required */
+    moecl_buffer topk_ids;       /**< int32_t[num_tokens][top_k], output, required */
+    /** int32_t[num_experts], output, or absent: overwritten with the
+     *  number of (token, slot) pairs routed to each expert, as
+     *  moecl_topk_gating_with_counts() does (a fill, then the kernel). */
+    moecl_buffer expert_counts;
+    /** int32_t[num_experts], or absent: a load counter. The call adds the
+     *  number of (token, slot) pairs it routes to each expert to the
+     *  buffer's entries, in the same launch, and never zeroes it: a
+     *  runtime keeps one per layer across calls for its load balancer
+     *  (vLLM's and SGLang's expert-load statistics) and resets it itself.
+     *  int32 sums wrap after 2^31 - 1. */
+    moecl_buffer expert_load;
+    /** int32_t[1], or absent: the number n of rows that are tokens, read
+     *  by the kernel when it runs, so that one enqueued call serves any
+     *  batch up to num_tokens (a runtime replaying a captured graph or a
+     *  command buffer for a padded batch: vLLM's is_padding, SGLang's
+     *  num_token_non_padded). Rows t >= n (every row when n <= 0; none
+     *  when n >= num_tokens) are padding: ids -1 and weights 0, counted
+     *  in neither expert_counts nor expert_load; moecl_moe_align() and
+     *  moecl_ep_layout() skip such ids as invalid. */
+    moecl_buffer num_valid_tokens;
+} moecl_topk_gating_tensors;
+
+/**
+ * Top-k gating with the optional tensors of moecl_topk_gating_tensors:
+ * moecl_topk_gating() when only its four are given, and
+ * moecl_topk_gating_with_counts() when expert_counts is given too, bit for
+ * bit. Asynchronous; the commands, events and errors are those
+ * moecl_topk_gating_with_counts() states where expert_counts is given
+ * (a fill, then the kernel) and moecl_topk_gating()'s otherwise; also
+ * MOECL_ERROR_INVALID_ARGUMENT for a NULL tensors, a struct_size this
+ * moecl does not know, and expert_load or num_valid_tokens too small,
+ * misaligned or of another context. A failed call leaves expert_load
+ * unchanged, unless the kernel's enqueue fails after the counts' fill
+ * (then as moecl_topk_gating_with_counts() says, and expert_load is
+ * unchanged too).
+ */
+MOECL_API moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                            const moecl_topk_gating_tensors *tensors, cl_uint num_wait,
+                                            const cl_event *wait, cl_event *done);
+
+/** The host-memory tensors of moecl_topk_gating_ex_host(), as
+ *  moecl_topk_gating_tensors's; an absent one is NULL. */
+typedef struct moecl_topk_gating_host_tensors {
+    size_t struct_size;               /**< sizeof(moecl_topk_gating_host_tensors) */
+    const void *gating;               /**< required (may be NULL when num_tokens is 0) */
+    const float *bias;                /**< or NULL */
+    float *topk_weights;              /**< output, required (as gating) */
+    int32_t *topk_ids;                /**< output, required (as gating) */
+    int32_t *expert_counts;           /**< output, or NULL */
+    int32_t *expert_load;             /**< read, added to and written back, or NULL */
+    const int32_t *num_valid_tokens;  /**< one int32, or NULL */
+} moecl_topk_gating_host_tensors;
+
+/** Blocking convenience of moecl_topk_gating_ex() on host memory: copies
+ *  in (expert_load too), runs, copies out (expert_load too). Same
+ *  validation. As for the other _host calls, a failed enqueue leaves
+ *  every host output unchanged; only a failed copy back may have written
+ *  them. With num_tokens 0, expert_counts is zeroed and expert_load
+ *  unchanged. */
+MOECL_API moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                 const moecl_topk_gating_host_tensors *tensors);
+
 /* ---------------------------------------------------------------------- */
 /* Routing replay and hash routing (docs/routing.md, section 11)           */
 /* ---------------------------------------------------------------------- */
