@@ -26,6 +26,9 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.group_fill = MOECL_GROUP_FILL_NEG_INF;
     d.weighting = MOECL_WEIGHTS_SCORE;
     d.renormalize_eps = 0.0f;
+    d.weights_dtype = MOECL_F32;
+    d.ids_dtype = MOECL_I32;
+    d.bias_dtype = MOECL_F32;
     return d;
 }
 
@@ -78,6 +81,12 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
     if ((unsigned)d->group_fill > MOECL_GROUP_FILL_ZERO)
         return INVALID("group_fill is %d; it must be MOECL_GROUP_FILL_NEG_INF or MOECL_GROUP_FILL_ZERO",
                        (int)d->group_fill);
+    if ((unsigned)d->weights_dtype > MOECL_BF16)
+        return INVALID("weights_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->weights_dtype);
+    if ((unsigned)d->ids_dtype > MOECL_I64)
+        return INVALID("ids_dtype is %d; it must be MOECL_I32 or MOECL_I64", (int)d->ids_dtype);
+    if ((unsigned)d->bias_dtype > MOECL_BF16)
+        return INVALID("bias_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->bias_dtype);
     return MOECL_SUCCESS;
 #undef INVALID
 }
@@ -381,19 +390,20 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
-    const size_t in_size = moecl_dtype_size(d->gating_dtype);
+    const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
+    const size_t w_size = moecl_dtype_size(d->weights_dtype), id_size = moecl_index_size(d->ids_dtype);
     const moecl_buffer_check checks[5] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
-                                          {"bias", e * 4, b->bias.offset, 4, false},
-                                          {"topk_weights", t * k * 4, b->weights.offset, 4, true},
-                                          {"topk_ids", t * k * 4, b->ids.offset, 4, true},
+                                          {"bias", e * bias_size, b->bias.offset, bias_size, false},
+                                          {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
+                                          {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
                                           {"expert_counts", e * 4, b->counts.offset, 4, true}};
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
      * scalars are one argument, and the bias and counts arguments only
      * where the request has them (cl/topk_gating.cl, cl/layout.h). */
-    const layout_topk_args scalars = {b->gating.offset / in_size, b->bias.offset / 4, b->weights.offset / 4,
-                                      b->ids.offset / 4, b->counts.offset / 4, d->num_tokens,
-                                      d->routed_scaling_factor};
+    const layout_topk_args scalars = {b->gating.offset / in_size, b->bias.offset / bias_size,
+                                      b->weights.offset / w_size, b->ids.offset / id_size, b->counts.offset / 4,
+                                      d->num_tokens, d->routed_scaling_factor};
     moecl_kernel_arg args[6];
     cl_uint n = 0;
     args[n++] = MOECL_ARG_CHECKED(b->gating.mem, c ? &c[0] : NULL);
@@ -448,7 +458,7 @@ moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_
 
 /* The host-memory call; has_counts false is the plain entry point. */
 static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
-                                const float *bias, float *topk_weights, int32_t *topk_ids, bool has_counts,
+                                const void *bias, void *topk_weights, void *topk_ids, bool has_counts,
                                 int32_t *expert_counts)
 {
     if (!ctx)
@@ -466,6 +476,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
         return st;
     (void)p; /* built before the buffers are made: a build failure costs no copy */
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
+    const size_t w_bytes = t * k * moecl_dtype_size(desc->weights_dtype);
+    const size_t id_bytes = t * k * moecl_index_size(desc->ids_dtype);
     if (desc->num_tokens == 0) {
         if (has_counts)
             memset(expert_counts, 0, e * 4);
@@ -475,15 +487,16 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     cl_event ran = NULL;
     if ((st = moecl_host_buffer(ctx, "gating", CL_MEM_READ_ONLY, t * e * moecl_dtype_size(desc->gating_dtype), gating,
                                 &in)) == MOECL_SUCCESS &&
-        (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * 4, bias, &b)) == MOECL_SUCCESS) &&
-        (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &w)) == MOECL_SUCCESS &&
-        (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, t * k * 4, NULL, &ids)) == MOECL_SUCCESS &&
+        (!bias || (st = moecl_host_buffer(ctx, "bias", CL_MEM_READ_ONLY, e * moecl_dtype_size(desc->bias_dtype), bias,
+                                          &b)) == MOECL_SUCCESS) &&
+        (st = moecl_host_buffer(ctx, "topk_weights", CL_MEM_WRITE_ONLY, w_bytes, NULL, &w)) == MOECL_SUCCESS &&
+        (st = moecl_host_buffer(ctx, "topk_ids", CL_MEM_WRITE_ONLY, id_bytes, NULL, &ids)) == MOECL_SUCCESS &&
         (!has_counts ||
          (st = moecl_host_buffer(ctx, "expert_counts", CL_MEM_READ_WRITE, e * 4, NULL, &counts)) == MOECL_SUCCESS) &&
         (st = launch(ctx, desc, &(topk_buffers){{in, 0}, {b, 0}, {w, 0}, {ids, 0}, {counts, 0}, has_counts, false}, 0, NULL,
                       &ran)) == MOECL_SUCCESS) {
         const cl_mem mems[3] = {w, ids, counts};
-        const size_t sizes[3] = {t * k * 4, t * k * 4, e * 4};
+        const size_t sizes[3] = {w_bytes, id_bytes, e * 4};
         void *const hosts[3] = {topk_weights, topk_ids, expert_counts};
         st = moecl_read_back(ctx, ran, has_counts ? 3 : 2, mems, sizes, hosts);
     }
@@ -503,14 +516,14 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
 }
 
 moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
-                                    const float *bias, float *topk_weights, int32_t *topk_ids)
+                                    const void *bias, void *topk_weights, void *topk_ids)
 {
     return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, false, NULL);
 }
 
 moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
-                                                const void *gating, const float *bias, float *topk_weights,
-                                                int32_t *topk_ids, int32_t *expert_counts)
+                                                const void *gating, const void *bias, void *topk_weights,
+                                                void *topk_ids, int32_t *expert_counts)
 {
     return gating_host(ctx, desc, gating, bias, topk_weights, topk_ids, true, expert_counts);
 }
