@@ -518,6 +518,12 @@ START_TEST(test_invalid_buffers)
                                                    &post, NULL, NULL),
                          MOECL_ERROR_INVALID_ARGUMENT);
         rt_assert_error_names(ctx, "ids_dtype", "route dispatch with int64 ids");
+        /* Replay writes f32 weights: bf16 is refused by name. */
+        rt_reset_error(ctx);
+        dt.ids_dtype = MOECL_I32;
+        ck_assert_int_eq(moecl_topk_weights_host(ctx, &dt, hg, (const int32_t *)hi, (float *)hw),
+                         MOECL_ERROR_INVALID_ARGUMENT);
+        rt_assert_error_names(ctx, "weights_dtype", "replay with bf16 weights");
         clReleaseMemObject(ids8);
         clReleaseMemObject(w2);
         clReleaseMemObject(b2);

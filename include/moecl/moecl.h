@@ -610,6 +610,8 @@ MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl
  * group_score and group_fill steer selection only and are ignored (but
  * validated as for moecl_topk_gating(), and they pick the same launch).
  * The correction bias has no place: it steers selection only.
+ * weights_dtype must be MOECL_F32 and ids_dtype MOECL_I32 (bias_dtype is
+ * ignored); others give MOECL_ERROR_INVALID_ARGUMENT.
  *
  *   gating        [num_tokens][num_experts] of desc->gating_dtype
  *   topk_ids      int32_t[num_tokens][top_k], input
