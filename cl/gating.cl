@@ -16,6 +16,9 @@
  *   RENORM_EPS                 (absent: none) divide by sum + eps
  *   GROUP_FILL                 0 (absent): dropped groups never selected;
  *                              1: their selection score is 0.0 (below)
+ *   WEIGHTS_DTYPE, IDS_DTYPE,  (absent: 0) the element types of the
+ *   BIAS_DTYPE                 weights and ids the kernel stores and of
+ *                              the bias it loads (below)
  *   TEAM, ROWS, EPT            launch shape (common.cl)
  * Two layouts: TEAM == 1, one work-item per row with the row in private
  * float8 blocks (rows_pipeline); TEAM > 1, the row in the registers of
@@ -49,6 +52,66 @@
  * fast path is only taken there (cl/topk_gating.cl says why). */
 #ifndef CPU_DEVICE
 #define CPU_DEVICE 0
+#endif
+#ifndef WEIGHTS_DTYPE
+#define WEIGHTS_DTYPE 0
+#endif
+#ifndef IDS_DTYPE
+#define IDS_DTYPE 0
+#endif
+#ifndef BIAS_DTYPE
+#define BIAS_DTYPE 0
+#endif
+
+/* The types of the outputs and the bias (moecl_dtype, moecl_index_dtype):
+ * weight_t and STORE_WEIGHT(p, i, w), ids_t and STORE_ID(p, i, id),
+ * bias_t and LOAD_BIAS(p, i). 16-bit values travel as ushort words, as the
+ * inputs do (cl/common.cl): no cl_khr_fp16. Both roundings are to nearest
+ * even in integer or core-library operations, so every device stores the
+ * same bits for the same f32 weight. */
+#if WEIGHTS_DTYPE == 0
+typedef float weight_t;
+#define STORE_WEIGHT(p, i, w) ((p)[i] = (w))
+#elif WEIGHTS_DTYPE == 1
+typedef ushort weight_t;
+/* NaN stays NaN; beyond the f16 range becomes inf (rounding, not a clamp). */
+#define STORE_WEIGHT(p, i, w) vstore_half_rte((w), (i), (__global half *)(p))
+#elif WEIGHTS_DTYPE == 2
+typedef ushort weight_t;
+/* bf16 of f: the upper half of its bits rounded to nearest even, which
+ * carries into the exponent as it should (up to inf); a NaN keeps its sign
+ * and upper payload and is made quiet, since rounding could carry it into
+ * inf. Integer tests only: isnan can fold away under relaxed math. */
+static inline ushort bf16_of_float(float f)
+{
+    const uint u = as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (ushort)((u >> 16) | 0x0040u);
+    return (ushort)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#define STORE_WEIGHT(p, i, w) ((p)[i] = bf16_of_float(w))
+#else
+#error "WEIGHTS_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
+#endif
+#if IDS_DTYPE == 0
+typedef int ids_t;
+#elif IDS_DTYPE == 1
+typedef long ids_t;
+#else
+#error "IDS_DTYPE must be 0 (int32) or 1 (int64)"
+#endif
+#define STORE_ID(p, i, id) ((p)[i] = (ids_t)(id))
+#if BIAS_DTYPE == 0
+typedef float bias_t;
+#define LOAD_BIAS(p, i) ((p)[i])
+#elif BIAS_DTYPE == 1
+typedef ushort bias_t;
+#define LOAD_BIAS(p, i) vload_half((i), (__global const half *)(p))
+#elif BIAS_DTYPE == 2
+typedef ushort bias_t;
+#define LOAD_BIAS(p, i) as_float((uint)(p)[i] << 16)
+#else
+#error "BIAS_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
 #endif
 
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
@@ -106,10 +169,10 @@ static inline float elementwise_score(float x)
 }
 
 /* Step 2: selection score. */
-static inline float selection_score(float score, __global const float *bias, uint e)
+static inline float selection_score(float score, __global const bias_t *bias, uint e)
 {
 #if HAS_BIAS
-    return score + bias[e];
+    return score + LOAD_BIAS(bias, e);
 #else
     return score;
 #endif
@@ -336,14 +399,16 @@ static inline void fast_chosen_scores(const float *chosen_x, float row_max, floa
 #endif
 
 
-static inline float8 load_bias_block(__global const float *bias, uint e0)
+static inline float8 load_bias_block(__global const bias_t *bias, uint e0)
 {
 #if HAS_BIAS
+#if BIAS_DTYPE == 0
     if (e0 + BLOCK <= NUM_EXPERTS)
         return vload8(0, bias + e0);
+#endif
     float t[BLOCK];
     for (uint l = 0; l < BLOCK; l++)
-        t[l] = e0 + l < NUM_EXPERTS ? bias[e0 + l] : 0.0f;
+        t[l] = e0 + l < NUM_EXPERTS ? LOAD_BIAS(bias, e0 + l) : 0.0f;
     return vload8(0, t);
 #else
     (void)bias;
@@ -419,7 +484,7 @@ static inline void rows_scores(const float8 *logit, float8 *score)
 }
 
 /* Step 2: selection ranks (padding: RANK_NONE), and each block's largest. */
-static inline void rows_selection_ranks(const float8 *score, __global const float *bias, uint8 *rank,
+static inline void rows_selection_ranks(const float8 *score, __global const bias_t *bias, uint8 *rank,
                                         uint *block_max)
 {
     for (uint b = 0; b < BLOCKS; b++) {
@@ -433,7 +498,7 @@ static inline void rows_selection_ranks(const float8 *score, __global const floa
  * key goes to group_key[g]; the result is the TOPK_GROUP-th largest key:
  * keys are unique, so a group is kept exactly when its key is at least
  * that. */
-static inline ulong rows_group_limit(const float8 *score, __global const float *bias, ulong *group_key)
+static inline ulong rows_group_limit(const float8 *score, __global const bias_t *bias, ulong *group_key)
 {
     group_acc accs[NUM_GROUPS];
     for (uint g = 0; g < NUM_GROUPS; g++)
@@ -552,7 +617,7 @@ static inline void rows_final(const ulong *keys, float *weights, float scaling_f
 
 /* Steps 1-5 on a row of logits in private blocks (padding lanes 0): the
  * row's final weights and ids, in slot order, for the kernel to write. */
-static inline void rows_pipeline(const float8 *logit, __global const float *bias, float scaling_factor,
+static inline void rows_pipeline(const float8 *logit, __global const bias_t *bias, float scaling_factor,
                                  float *weights, uint *ids)
 {
     float8 score[BLOCKS];
@@ -648,7 +713,7 @@ static inline void team_score_terms(const float *value, uint lane, __local float
  * groups the selection scores also go to the row's local copy for step 3;
  * inactive rows store NaN (no score) there, so that step 3, which every
  * row runs for its barriers, reads no unwritten local memory. */
-static inline void team_selection_ranks(const float *value, bool active, uint lane, __global const float *bias,
+static inline void team_selection_ranks(const float *value, bool active, uint lane, __global const bias_t *bias,
                                         float row_max, float sum_term, uint *rank, __local float *selection)
 {
     UNROLL

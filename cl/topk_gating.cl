@@ -98,21 +98,26 @@ static inline uint valid_rows(__global const int *num_valid, ulong off, uint num
 #endif
 
 /* A padding row's outputs, slots j0, j0 + step, ... */
-static inline void write_padding(__global float *w_out, __global int *id_out, uint j0, uint step)
+static inline void write_padding(__global weight_t *w_out, __global ids_t *id_out, uint j0, uint step)
 {
     for (uint j = j0; j < TOPK; j += step) {
-        w_out[j] = 0.0f;
-        id_out[j] = -1;
+        STORE_WEIGHT(w_out, j, 0.0f);
+        STORE_ID(id_out, j, -1);
     }
 }
 /* The bias is an argument only where there is one (as the counts are):
  * every argument costs an enqueue (cl/layout.h, layout_topk_args). */
 #if HAS_BIAS
-#define BIAS_PARAM __global const float *bias,
+#define BIAS_PARAM __global const bias_t *bias,
 #define BIAS_AT(args) (bias + (args).bias_off)
 #else
 #define BIAS_PARAM
-#define BIAS_AT(args) ((__global const float *)0)
+#define BIAS_AT(args) ((__global const bias_t *)0)
+#endif
+/* The dispatch epilogue (cl/moe_align.cl) reads the ids as int32; the host
+ * refuses other ids there. */
+#if defined(ROUTE_DISPATCH) && ROUTE_DISPATCH && IDS_DTYPE != 0
+#error "ROUTE_DISPATCH needs IDS_DTYPE 0 (int32 ids)"
 #endif
 #if TEAM == 1
 /* ---------------------------------------------------------------------- */
@@ -186,7 +191,7 @@ __constant uint lane_bit16[16] = {1u << 0,  1u << 1,  1u << 2,  1u << 3,  1u << 
                                   1u << 6,  1u << 7,  1u << 8,  1u << 9,  1u << 10, 1u << 11,
                                   1u << 12, 1u << 13, 1u << 14, 1u << 15};
 
-static inline void topk_rows_softmax(__global const in_t *x, __global float *w_out, __global int *id_out,
+static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *w_out, __global ids_t *id_out,
                               float scaling_factor COUNTS_PARAMS)
 {
     const uint16 lane_bits = vload16(0, lane_bit16);
@@ -313,8 +318,8 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
     float divisor;
     WEIGHTS_DIVISOR(divisor, weights, TOPK);
     for (uint j = 0; j < TOPK; j++) {
-        w_out[j] = weights[j] / divisor * scaling_factor;
-        id_out[j] = (int)chosen_e[j];
+        STORE_WEIGHT(w_out, j, weights[j] / divisor * scaling_factor);
+        STORE_ID(id_out, j, chosen_e[j]);
         COUNT_ID(chosen_e[j]);
     }
 }
@@ -323,8 +328,8 @@ static inline void topk_rows_softmax(__global const in_t *x, __global float *w_o
 #if !ROWS_FAST
 /* The generic loop, cl/gating.cl's rows_pipeline: every scoring,
  * weighting, bias and grouping. */
-static inline void topk_rows_generic(__global const in_t *x, __global const float *bias, __global float *w_out,
-                                     __global int *id_out, float scaling_factor COUNTS_PARAMS)
+static inline void topk_rows_generic(__global const in_t *x, __global const bias_t *bias, __global weight_t *w_out,
+                                     __global ids_t *id_out, float scaling_factor COUNTS_PARAMS)
 {
     float8 logit[BLOCKS];
     for (uint b = 0; b < BLOCKS; b++)
@@ -333,24 +338,24 @@ static inline void topk_rows_generic(__global const in_t *x, __global const floa
     uint ids[TOPK];
     rows_pipeline(logit, bias, scaling_factor, weights, ids);
     for (uint j = 0; j < TOPK; j++) {
-        w_out[j] = weights[j];
-        id_out[j] = (int)ids[j];
+        STORE_WEIGHT(w_out, j, weights[j]);
+        STORE_ID(id_out, j, ids[j]);
         COUNT_ID(ids[j]);
     }
 }
 #endif
 
-__kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global float *topk_weights,
-                               __global int *topk_ids, COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args)
+__kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global weight_t *topk_weights,
+                               __global ids_t *topk_ids, COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args)
 {
     const uint row = (uint)get_global_id(0);
     if (row >= args.num_tokens)
         return;
     __global const in_t *x = gating + args.gating_off + (size_t)row * NUM_EXPERTS;
-    __global float *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
+    __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
     /* The fast path counts the ids from its registers: topk_ids may be
      * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
-    __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+    __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
     if (HAS_VALID && row >= VALID_ROWS(args)) {
         write_padding(w_out, id_out, 0, 1);
         return;
@@ -369,7 +374,7 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 /* ---------------------------------------------------------------------- */
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
-topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_weights, __global int *topk_ids,
+topk_gating_team(__global const in_t *gating, BIAS_PARAM __global weight_t *topk_weights, __global ids_t *topk_ids,
                  COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args DISPATCH_PARAMS)
 {
     DISPATCH_LOCALS;
@@ -392,11 +397,11 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global float *topk_we
         write_padding(topk_weights + args.weights_off + (size_t)row * TOPK,
                       topk_ids + args.ids_off + (size_t)row * TOPK, lane, TEAM);
     if (token) {
-        __global float *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
-        __global int *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+        __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
+        __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
         for (uint j = lane; j < TOPK; j += TEAM) {
-            w_out[j] = weights[j];
-            id_out[j] = (int)GATE_IDS(r)[j];
+            STORE_WEIGHT(w_out, j, weights[j]);
+            STORE_ID(id_out, j, GATE_IDS(r)[j]);
             COUNT_ID(GATE_IDS(r)[j]);
         }
     }

@@ -28,6 +28,12 @@ static moecl_status validate(moecl_context *ctx, const moecl_topk_gating_desc *d
     if (st == MOECL_SUCCESS && mode == MODE_HASH && (vocab_size < 1 || vocab_size > INT32_MAX))
         st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "vocab_size is %u; it must be in 1..INT32_MAX",
                         (unsigned)vocab_size);
+    /* cl/replay.cl stores f32 weights and int32 ids only. */
+    if (st == MOECL_SUCCESS && (desc->weights_dtype != MOECL_F32 || desc->ids_dtype != MOECL_I32))
+        st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                        "weights_dtype is %d and ids_dtype %d; replay and hash routing write f32 weights "
+                        "(MOECL_F32) and int32 ids (MOECL_I32)",
+                        (int)desc->weights_dtype, (int)desc->ids_dtype);
     return st;
 }
 

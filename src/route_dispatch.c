@@ -41,6 +41,12 @@ static uint32_t step_experts(const route_step *s)
     return s->is_grounded ? s->grounded->num_experts : s->topk->num_experts;
 }
 
+/* The element size of topk_weights. */
+static size_t step_weights_size(const route_step *s)
+{
+    return s->is_grounded ? 4 : moecl_dtype_size(s->topk->weights_dtype);
+}
+
 /* The context and both descriptors' checks; *align receives moe_align's
  * descriptor. */
 static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t block_size, moecl_moe_align_desc *align)
@@ -51,6 +57,12 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
         s->is_grounded ? moecl_grounded_router_validate(ctx, s->grounded) : moecl_topk_gating_validate(ctx, s->topk);
     if (st != MOECL_SUCCESS)
         return st;
+    /* moe_align reads int32 ids, in both paths. */
+    if (!s->is_grounded && s->topk->ids_dtype != MOECL_I32)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "ids_dtype is %d; route dispatch writes int32 ids (MOECL_I32), which moe_align reads: "
+                          "call moecl_topk_gating() for int64 ids",
+                          (int)s->topk->ids_dtype);
     *align = moecl_moe_align_desc_init(step_tokens(s), step_top_k(s), step_experts(s), block_size);
     return moecl_moe_align_validate(ctx, align);
 }
@@ -62,8 +74,9 @@ static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_alig
                                         const dispatch_buffers *b)
 {
     const uint64_t slots = (uint64_t)d->num_tokens * d->top_k * 4, max_padded = moecl_moe_align_max_padded(d);
+    const size_t w_size = step_weights_size(s);
     moecl_status st;
-    if ((st = moecl_check_buffer(ctx, "topk_weights", s->weights, slots, 4, true)) ||
+    if ((st = moecl_check_buffer(ctx, "topk_weights", s->weights, slots / 4 * w_size, w_size, true)) ||
         (st = moecl_check_buffer(ctx, "topk_ids", s->ids, slots, 4, true)) ||
         (st = moecl_check_buffer(ctx, "expert_counts", b->counts, (uint64_t)d->num_experts * 4, 4, true)) ||
         (st = moecl_check_buffer(ctx, "sorted_token_ids", b->sorted, max_padded * 4, 4, true)) ||
@@ -186,15 +199,16 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
     }
     const moecl_topk_gating_desc *d = s->topk;
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
-    const size_t in_size = moecl_dtype_size(d->gating_dtype);
+    const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
+    const size_t w_size = moecl_dtype_size(d->weights_dtype);
     const moecl_buffer *b = s->in;
     r->checks[0] = (moecl_buffer_check){"gating", t * e * in_size, b[0].offset, in_size, true};
-    r->checks[1] = (moecl_buffer_check){"bias", e * 4, b[1].offset, 4, false};
-    r->checks[2] = (moecl_buffer_check){"topk_weights", t * k * 4, s->weights.offset, 4, true};
+    r->checks[1] = (moecl_buffer_check){"bias", e * bias_size, b[1].offset, bias_size, false};
+    r->checks[2] = (moecl_buffer_check){"topk_weights", t * k * w_size, s->weights.offset, w_size, true};
     r->checks[3] = (moecl_buffer_check){"topk_ids", t * k * 4, s->ids.offset, 4, true};
     r->scalars = (layout_topk_args){.gating_off = b[0].offset / in_size,
-                                    .bias_off = b[1].offset / 4,
-                                    .weights_off = s->weights.offset / 4,
+                                    .bias_off = b[1].offset / bias_size,
+                                    .weights_off = s->weights.offset / w_size,
                                     .ids_off = s->ids.offset / 4,
                                     .num_tokens = d->num_tokens,
                                     .scaling_factor = d->routed_scaling_factor};
@@ -281,7 +295,7 @@ static moecl_status route_dispatch(moecl_context *ctx, const route_step *s, uint
 /* Either function on host memory: the inputs' pointers (in the order of
  * route_step's in), the outputs', in a blocking call. */
 typedef struct host_outputs {
-    float *weights;
+    void *weights;
     int32_t *ids, *counts, *sorted, *blocks, *post, *slots, *invalid;
 } host_outputs;
 
@@ -304,7 +318,7 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     uint64_t in_bytes[3] = {0, 0, 0};
     if (!s->is_grounded) {
         in_bytes[0] = t * e * moecl_dtype_size(s->topk->gating_dtype);
-        in_bytes[1] = in[1] ? e * 4 : 0;
+        in_bytes[1] = in[1] ? e * moecl_dtype_size(s->topk->bias_dtype) : 0;
     } else {
         const uint64_t h = s->grounded->hidden_dim, in_size = moecl_dtype_size(s->grounded->hidden_dtype);
         in_bytes[0] = t * h * in_size;
@@ -331,7 +345,8 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
         return st;
     /* At least 4 bytes: OpenCL refuses empty buffers. */
-    const uint64_t bytes[NUM] = {in_bytes[0], in_bytes[1], in_bytes[2], slots, slots, e * 4, max_padded * 4,
+    const uint64_t bytes[NUM] = {in_bytes[0], in_bytes[1], in_bytes[2], slots / 4 * step_weights_size(s), slots, e * 4,
+                                 max_padded * 4,
                                  max_padded / block_size * 4, 4, slots, 4};
     void *outputs[NUM] = {NULL,      NULL,      NULL,   tokens ? o->weights : NULL, tokens ? o->ids : NULL, o->counts,
                           o->sorted, o->blocks, o->post, tokens ? o->slots : NULL,  o->invalid};
@@ -382,7 +397,7 @@ moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_de
 }
 
 moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
-                                       const void *gating, const float *bias, float *topk_weights, int32_t *topk_ids,
+                                       const void *gating, const void *bias, void *topk_weights, int32_t *topk_ids,
                                        int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
                                        int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
 {

@@ -27,6 +27,9 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.group_fill = MOECL_GROUP_FILL_NEG_INF;
     d.weighting = MOECL_WEIGHTS_SCORE;
     d.renormalize_eps = 0.0f;
+    d.weights_dtype = MOECL_F32;
+    d.ids_dtype = MOECL_I32;
+    d.bias_dtype = MOECL_F32;
     return d;
 }
 
@@ -79,6 +82,12 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
     if ((unsigned)d->group_fill > MOECL_GROUP_FILL_ZERO)
         return INVALID("group_fill is %d; it must be MOECL_GROUP_FILL_NEG_INF or MOECL_GROUP_FILL_ZERO",
                        (int)d->group_fill);
+    if ((unsigned)d->weights_dtype > MOECL_BF16)
+        return INVALID("weights_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->weights_dtype);
+    if ((unsigned)d->ids_dtype > MOECL_I64)
+        return INVALID("ids_dtype is %d; it must be MOECL_I32 or MOECL_I64", (int)d->ids_dtype);
+    if ((unsigned)d->bias_dtype > MOECL_BF16)
+        return INVALID("bias_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->bias_dtype);
     return MOECL_SUCCESS;
 #undef INVALID
 }
@@ -387,11 +396,12 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
-    const size_t in_size = moecl_dtype_size(d->gating_dtype);
+    const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
+    const size_t w_size = moecl_dtype_size(d->weights_dtype), id_size = moecl_index_size(d->ids_dtype);
     const moecl_buffer_check checks[7] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
-                                          {"bias", e * 4, b->bias.offset, 4, false},
-                                          {"topk_weights", t * k * 4, b->weights.offset, 4, true},
-                                          {"topk_ids", t * k * 4, b->ids.offset, 4, true},
+                                          {"bias", e * bias_size, b->bias.offset, bias_size, false},
+                                          {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
+                                          {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
                                           {"expert_counts", e * 4, b->counts.offset, 4, true},
                                           {"expert_load", e * 4, b->load.offset, 4, true},
                                           {"num_valid_tokens", 4, b->valid.offset, 4, true}};
@@ -400,9 +410,9 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
      * scalars are one argument, and the optional tensors arguments only
      * where the request has them (cl/topk_gating.cl, cl/layout.h). */
     const layout_topk_args scalars = {.gating_off = b->gating.offset / in_size,
-                                      .bias_off = b->bias.offset / 4,
-                                      .weights_off = b->weights.offset / 4,
-                                      .ids_off = b->ids.offset / 4,
+                                      .bias_off = b->bias.offset / bias_size,
+                                      .weights_off = b->weights.offset / w_size,
+                                      .ids_off = b->ids.offset / id_size,
                                       .counts_off = b->counts.offset / 4,
                                       .load_off = b->load.offset / 4,
                                       .valid_off = b->valid.offset / 4,
@@ -511,6 +521,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
         return st;
     (void)p; /* built before the buffers are made: a build failure costs no copy */
     const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
+    const size_t w_bytes = t * k * moecl_dtype_size(desc->weights_dtype);
+    const size_t id_bytes = t * k * moecl_index_size(desc->ids_dtype);
     if (desc->num_tokens == 0) {
         if (h->expert_counts)
             memset(h->expert_counts, 0, e * 4);
@@ -521,8 +533,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     void *const to[NUM] = {NULL, NULL, h->expert_load, NULL, h->topk_weights, h->topk_ids, h->expert_counts};
     static const char *const names[NUM] = {"gating",   "bias",         "expert_load",  "num_valid_tokens",
                                            "topk_weights", "topk_ids", "expert_counts"};
-    const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype), e * 4, e * 4, 4, t * k * 4, t * k * 4,
-                               e * 4};
+    const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype), e * moecl_dtype_size(desc->bias_dtype),
+                               e * 4, 4, w_bytes, id_bytes, e * 4};
     cl_mem mems[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++)
         if (from[i] || to[i])
@@ -540,15 +552,15 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
 }
 
 moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
-                                    const float *bias, float *topk_weights, int32_t *topk_ids)
+                                    const void *bias, void *topk_weights, void *topk_ids)
 {
     const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, NULL, NULL, NULL};
     return gating_host(ctx, desc, &h, false);
 }
 
 moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
-                                                const void *gating, const float *bias, float *topk_weights,
-                                                int32_t *topk_ids, int32_t *expert_counts)
+                                                const void *gating, const void *bias, void *topk_weights,
+                                                void *topk_ids, int32_t *expert_counts)
 {
     const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, expert_counts, NULL,
                                               NULL};

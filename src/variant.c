@@ -41,6 +41,7 @@ typedef struct param {
 #define WITH(p) ((p) + 1u)
 
 static const char *const dtype_names[] = {"f32", "f16", "bf16", NULL};
+static const char *const index_names[] = {"i32", "i64", NULL};
 static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", NULL};
 static const char *const scoring_names[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw", NULL};
 static const char *const weighting_names[] = {"score", "softmax-chosen", "sigmoid-chosen", NULL};
@@ -78,6 +79,13 @@ static uint32_t get_group_fill(const moecl_gating_source *s)
     return s->groups && s->desc->group_fill == MOECL_GROUP_FILL_ZERO;
 }
 static uint32_t get_weighting(const moecl_gating_source *s) { return (uint32_t)s->desc->weighting; }
+static uint32_t get_weights_dtype(const moecl_gating_source *s) { return (uint32_t)s->desc->weights_dtype; }
+static uint32_t get_ids_dtype(const moecl_gating_source *s) { return (uint32_t)s->desc->ids_dtype; }
+/* Without a bias its type is nothing to the kernel. */
+static uint32_t get_bias_dtype(const moecl_gating_source *s)
+{
+    return s->has_bias ? (uint32_t)s->desc->bias_dtype : 0;
+}
 
 /* cl/gating.cl's parameters, read by every kernel of both programs.
  * Adding a gating option is a row here (its value from the source) and
@@ -98,6 +106,9 @@ static const param gating_params[] = {
     {PARAM("WEIGHTING", "weighting", 2, false, 0, 0, MOECL_WEIGHTS_SIGMOID_CHOSEN), .names = weighting_names,
      .get = get_weighting},
     {PARAM("RENORM_EPS", "eps", 32, false, 0, 0, UINT32_MAX), .format = FORMAT_FLOAT, .get = get_eps},
+    {PARAM("WEIGHTS_DTYPE", "weights", 2, false, 0, 0, MOECL_BF16), .names = dtype_names, .get = get_weights_dtype},
+    {PARAM("IDS_DTYPE", "ids", 1, false, 0, 0, MOECL_I64), .names = index_names, .get = get_ids_dtype},
+    {PARAM("BIAS_DTYPE", "bias_dtype", 2, false, 0, 0, MOECL_BF16), .names = dtype_names, .get = get_bias_dtype},
 };
 #define NUM_GATING_PARAMS (sizeof(gating_params) / sizeof(gating_params[0]))
 _Static_assert(NUM_GATING_PARAMS <= MOECL_GATING_MAX_PARAMS, "moecl_variant_values holds the gating block");

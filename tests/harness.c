@@ -215,16 +215,19 @@ void harness_release(moecl_buffer buf)
 
 /* The device path of harness_try_topk: outputs read back whole, so that a
  * write outside a tensor shows. */
-static bool topk_device(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
-                        float *w, int32_t *ids, size_t offset, harness_error *e)
+static bool topk_device(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const void *bias,
+                        void *w, void *ids, size_t offset, harness_error *e)
 {
     const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
-    const size_t obytes = (size_t)d->num_tokens * d->top_k * 4, total = offset + obytes + HARNESS_SLACK;
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    const size_t obytes[2] = {nk * ref_dtype_size(d->weights_dtype), nk * (d->ids_dtype == MOECL_I64 ? 8 : 4)};
+    const size_t total = offset + nk * 8 + HARNESS_SLACK;
     moecl_buffer bg = harness_try_buffer(ctx, gbytes, offset, gating, e);
-    moecl_buffer bb = bias && bg.mem ? harness_try_buffer(ctx, (size_t)d->num_experts * 4, offset, bias, e)
+    moecl_buffer bb = bias && bg.mem ? harness_try_buffer(ctx, (size_t)d->num_experts * ref_dtype_size(d->bias_dtype),
+                                                          offset, bias, e)
                                      : (moecl_buffer){NULL, 0};
-    moecl_buffer bw = bg.mem ? harness_try_buffer(ctx, obytes, offset, NULL, e) : (moecl_buffer){NULL, 0};
-    moecl_buffer bi = bw.mem ? harness_try_buffer(ctx, obytes, offset, NULL, e) : (moecl_buffer){NULL, 0};
+    moecl_buffer bw = bg.mem ? harness_try_buffer(ctx, obytes[0], offset, NULL, e) : (moecl_buffer){NULL, 0};
+    moecl_buffer bi = bw.mem ? harness_try_buffer(ctx, obytes[1], offset, NULL, e) : (moecl_buffer){NULL, 0};
     unsigned char *all = malloc(total);
     cl_event done = NULL;
     bool ok = false;
@@ -251,16 +254,17 @@ static bool topk_device(moecl_context *ctx, const moecl_topk_gating_desc *d, con
     void *dst[2] = {w, ids};
     for (int i = 0; i < 2; i++) {
         const char *name = i ? "topk_ids" : "topk_weights";
-        if (!harness_try_read(ctx, (moecl_buffer){outs[i].mem, 0}, total, all, e))
+        const size_t size = offset + obytes[i] + HARNESS_SLACK;
+        if (!harness_try_read(ctx, (moecl_buffer){outs[i].mem, 0}, size, all, e))
             goto out;
         size_t before = harness_first_unpoisoned(all, offset);
-        size_t after = harness_first_unpoisoned(all + offset + obytes, HARNESS_SLACK);
+        size_t after = harness_first_unpoisoned(all + offset + obytes[i], HARNESS_SLACK);
         if (before != offset || after != HARNESS_SLACK) {
             harness_fail(e, "%s: a byte outside the tensor changed (%s it, offset %zu)", name,
                          before != offset ? "before" : "after", offset);
             goto out;
         }
-        memcpy(dst[i], all + offset, obytes);
+        memcpy(dst[i], all + offset, obytes[i]);
     }
     ok = true;
 out:
@@ -285,12 +289,13 @@ bool harness_try_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harne
      * can name the shape. */
     harness_error local = {0};
     void *gating = harness_try_random_tensor(rng, d->gating_dtype, t * d->num_experts, 2.0f, &local);
-    /* Bias of the size of a typical softmax score, so it changes picks. */
-    float *bias = with_bias ? harness_try_random_tensor(rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts,
-                                                        &local)
-                            : NULL;
-    float *w = harness_poisoned(n * 4);
-    int32_t *ids = harness_poisoned(n * 4);
+    /* Bias of the size of a typical softmax score, so it changes picks;
+     * outputs and bias of desc's types. */
+    void *bias = with_bias ? harness_try_random_tensor(rng, d->bias_dtype, d->num_experts,
+                                                       2.0f / (float)d->num_experts, &local)
+                           : NULL;
+    void *w = harness_poisoned(n * 8);
+    void *ids = harness_poisoned(n * 8);
     bool ok = false;
     if (!gating || (with_bias && !bias) || !w || !ids) {
         harness_fail(&local, "out of host memory");
@@ -303,7 +308,7 @@ bool harness_try_topk(moecl_context *ctx, const moecl_topk_gating_desc *d, harne
     }
     if (ok) {
         char detail[600] = "";
-        int rows = ref_check_topk_gating(d, gating, bias, w, ids, detail, sizeof(detail));
+        int rows = ref_check_topk_gating_typed(d, gating, bias, w, ids, detail, sizeof(detail));
         ok = rows == 0 || harness_fail(&local, "%d bad rows: %s", rows, detail);
     }
     if (!ok)

@@ -402,6 +402,28 @@ int main(int argc, char **argv)
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
             }
 
+            /* The output and bias dtypes (STORE_WEIGHT, STORE_ID,
+             * LOAD_BIAS of cl/gating.cl): on the convention specs, f16 or
+             * bf16 weights, int64 ids and an f16 or bf16 bias, each named
+             * in the defines only where set. */
+            for (size_t i = 0; i < sizeof(convention_specs) / sizeof(convention_specs[0]); i++) {
+                const topk_spec *s = &topk_specs[convention_specs[i]];
+                moecl_topk_gating_desc d = topk_desc_of(s);
+                moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
+                if (strstr(defines, "WEIGHTS_DTYPE") || strstr(defines, "IDS_DTYPE") || strstr(defines, "BIAS_DTYPE")) {
+                    fprintf(stderr, "portability_variants: a default variant names a dtype: %s\n", defines);
+                    exit(1);
+                }
+                d.weights_dtype = i % 2 ? MOECL_BF16 : MOECL_F16;
+                d.ids_dtype = MOECL_I64;
+                d.bias_dtype = i % 2 ? MOECL_F16 : MOECL_BF16;
+                moecl_topk_gating_defines(&info, &d, s->bias, false, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "topk_gating E=%u k=%u %s weights %s ids i64%s%s [%s]",
+                         s->experts, s->k, dtype_names[s->dtype], dtype_names[d.weights_dtype],
+                         s->bias ? " bias " : "", s->bias ? dtype_names[d.bias_dtype] : "", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
+            }
+
             /* moecl_topk_gating_with_counts: the counting variant of a few
              * specs (and moecl_route_dispatch's), so that each kernel (rows, with and without the
              * softmax fast path; team, plain and grouped) compiles with

@@ -1178,10 +1178,22 @@ static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_
     double xtol[MAX_TOP_K] = {0};
     if (r->xerr)
         x_error_tolerance(r, ids, divisor, xtol);
+    /* A narrow weights_dtype rounds the f32 weight once more, to nearest:
+     * half an ulp, 2^-8 (bf16) or 2^-11 (f16) of it relative; past the
+     * type's largest finite value (plus half an ulp) it is +-inf. */
+    const double out_rel = d->weights_dtype == MOECL_BF16 ? 0x1p-8 : d->weights_dtype == MOECL_F16 ? 0x1p-11 : 0.0;
+    const double out_max = d->weights_dtype == MOECL_BF16 ? 0x1.ff8p127 : d->weights_dtype == MOECL_F16 ? 65520.0
+                                                                                                        : INFINITY;
     for (uint32_t j = 0; j < r->k; j++) {
         double w = (double)got[j];
-        bool ok = tiny ? (w >= fmin(0.0, factor) - tol && w <= fmax(0.0, factor) + tol)
-                       : weight_ok(w, want[j], tol + rel * fabs(want[j]) + xtol[j]);
+        const double wtol = tol + rel * fabs(want[j]) + xtol[j];
+        const double otol = out_rel * (fabs(want[j]) + wtol);
+        const double lo = fmin(0.0, factor) * (1.0 + out_rel) - tol, hi = fmax(0.0, factor) * (1.0 + out_rel) + tol;
+        bool ok = tiny ? (w >= lo && w <= hi) : weight_ok(w, want[j], wtol + otol);
+        /* An overflow of the narrow type: the sign of the weight, and a
+         * weight that may round past the type's range. */
+        if (!ok && !tiny && isinf(w) && !isinf(want[j]) && isfinite(out_max))
+            ok = (w > 0) == (want[j] > 0) && fabs(want[j]) + wtol + otol >= out_max;
         if (!ok) {
             put_msg(msg, size,
                     "row %u pos %u: weight %.9g for id %d but reference %.9g (score %.9g, weighing %.9g, %s "
@@ -1382,6 +1394,68 @@ int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating
     }
     gating_row_free(&r);
     return bad;
+}
+
+/* The typed outputs widened: weights to float (exact), ids to int32, an
+ * int64 id outside the int32 range to INT32_MIN (out of range, so the
+ * check names it). */
+int ref_check_topk_gating_typed(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
+                                const void *topk_weights, const void *topk_ids, char *msg, size_t msg_size)
+{
+    if (msg && msg_size)
+        msg[0] = '\0';
+    if (!desc || desc->num_tokens == 0)
+        return ref_check_topk_gating(desc, gating, NULL, NULL, NULL, msg, msg_size);
+    const size_t nk = (size_t)desc->num_tokens * desc->top_k, e = desc->num_experts;
+    float *w = topk_weights ? malloc(nk * sizeof(float)) : NULL;
+    int32_t *ids = topk_ids ? malloc(nk * sizeof(int32_t)) : NULL;
+    float *b = bias ? malloc(e * sizeof(float)) : NULL;
+    if ((topk_weights && !w) || (topk_ids && !ids) || (bias && !b)) {
+        free(w);
+        free(ids);
+        free(b);
+        put_msg(msg, msg_size, "ref_check_topk_gating_typed: out of memory");
+        return -1;
+    }
+    for (size_t i = 0; w && i < nk; i++)
+        w[i] = ref_load(desc->weights_dtype, topk_weights, i);
+    for (size_t i = 0; ids && i < nk; i++) {
+        if (desc->ids_dtype == MOECL_I64) {
+            int64_t v;
+            memcpy(&v, (const char *)topk_ids + i * 8, 8);
+            ids[i] = v >= INT32_MIN && v <= INT32_MAX ? (int32_t)v : INT32_MIN;
+        } else {
+            memcpy(&ids[i], (const char *)topk_ids + i * 4, 4);
+        }
+    }
+    for (size_t i = 0; b && i < e; i++)
+        b[i] = ref_load(desc->bias_dtype, bias, i);
+    const int bad = ref_check_topk_gating(desc, gating, b, w, ids, msg, msg_size);
+    free(w);
+    free(ids);
+    free(b);
+    return bad;
+}
+
+bool ref_same_rounding(moecl_dtype dtype, float f32_weight, const void *narrow, size_t index)
+{
+    uint16_t got;
+    switch (dtype) {
+    case MOECL_BF16:
+        memcpy(&got, (const char *)narrow + index * 2, 2);
+        return got == ref_float_to_bf16(f32_weight);
+    case MOECL_F16:
+        memcpy(&got, (const char *)narrow + index * 2, 2);
+        /* A NaN's payload is the device's (vstore_half_rte): NaN is enough. */
+        if (isnan(f32_weight))
+            return (got & 0x7c00u) == 0x7c00u && (got & 0x3ffu) != 0;
+        return got == ref_float_to_half(f32_weight);
+    default: {
+        float f;
+        memcpy(&f, (const char *)narrow + index * 4, 4);
+        return memcmp(&f, &f32_weight, 4) == 0;
+    }
+    }
 }
 
 /* ====================================================================== */

@@ -7,6 +7,7 @@
 #ifndef MOECL_TESTS_REFERENCE_H
 #define MOECL_TESTS_REFERENCE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -45,6 +46,18 @@ void ref_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, co
  * the first problem in msg. */
 int ref_check_topk_weights(const moecl_topk_gating_desc *desc, const void *gating, const int32_t *topk_ids,
                            const float *topk_weights, char *msg, size_t msg_size);
+/* ref_check_topk_gating on the outputs and bias in desc's types
+ * (weights_dtype, ids_dtype, bias_dtype): widened exactly, the weights
+ * within the rounding to weights_dtype too (an overflow of it may be
+ * +-inf); an int64 id outside the int32 range is a bad id. */
+int ref_check_topk_gating_typed(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
+                                const void *topk_weights, const void *topk_ids, char *msg, size_t msg_size);
+
+/* Whether element index of narrow (weights of dtype) holds exactly the
+ * host's rounding of f32_weight (ref_float_to_bf16, ref_float_to_half:
+ * nearest even; for f16 any NaN where f32_weight is NaN). */
+bool ref_same_rounding(moecl_dtype dtype, float f32_weight, const void *narrow, size_t index);
+
 /* moecl_router in float64: the grounded router's g (router_logits may be
  * NULL: g = alpha * hidden @ ground^T) through desc->gating's pipeline
  * with an optional bias (any output may be NULL). */

@@ -120,6 +120,9 @@ START_TEST(test_desc_init)
         ck_assert_msg(d.renormalize_floor == 0.0f, "renormalize_floor is %g", (double)d.renormalize_floor);
         ck_assert_msg(d.renormalize_eps == 0.0f, "renormalize_eps is %g", (double)d.renormalize_eps);
         ck_assert_int_eq(d.group_fill, MOECL_GROUP_FILL_NEG_INF);
+        ck_assert_int_eq(d.weights_dtype, MOECL_F32);
+        ck_assert_int_eq(d.ids_dtype, MOECL_I32);
+        ck_assert_int_eq(d.bias_dtype, MOECL_F32);
     }
 }
 END_TEST
@@ -189,6 +192,12 @@ static bool bad_desc(int i, moecl_topk_gating_desc *d, const char **field, const
         CASE(36, "renormalize_eps NaN without renormalize", "renormalize_eps", d->renormalize_eps = NAN)
         CASE(37, "renormalize_floor and renormalize_eps", "renormalize_floor (6.10352e-05) and renormalize_eps",
              d->renormalize = true; d->renormalize_floor = 6.103515625e-5f; d->renormalize_eps = 1e-20f)
+        CASE(38, "weights_dtype 3", "weights_dtype", d->weights_dtype = (moecl_dtype)3)
+        CASE(39, "weights_dtype -1", "weights_dtype", d->weights_dtype = (moecl_dtype)-1)
+        CASE(40, "ids_dtype 2", "ids_dtype", d->ids_dtype = (moecl_index_dtype)2)
+        CASE(41, "ids_dtype -1", "ids_dtype", d->ids_dtype = (moecl_index_dtype)-1)
+        CASE(42, "bias_dtype 3", "bias_dtype", d->bias_dtype = (moecl_dtype)3)
+        CASE(43, "bias_dtype -1 without a bias", "bias_dtype", d->bias_dtype = (moecl_dtype)-1)
     default:
         return false;
     }
@@ -249,7 +258,7 @@ START_TEST(test_invalid_desc)
         ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d (%s)", lbl, (int)st, moecl_status_string(st));
         rt_assert_error_names(ctx, field, lbl);
     }
-    ck_assert_int_eq(cases, 38);
+    ck_assert_int_eq(cases, 44);
 
     /* The base descriptor itself is valid (so the cases above fail for the
      * field they change, not for something they share). */
@@ -461,6 +470,63 @@ START_TEST(test_invalid_buffers)
         rt_assert_error_names(ctx, "gating", "f16 gating at byte offset 3");
         ck_assert(done == DONE_SENTINEL);
         clReleaseMemObject(gh);
+    }
+
+    /* Wider and narrower outputs: sizes and offsets in their own element
+     * sizes. int64 ids need 8 bytes an id and an offset that is a multiple
+     * of 8; bf16 weights and a bf16 bias 2 bytes and an even offset. */
+    {
+        moecl_topk_gating_desc dt = d;
+        dt.ids_dtype = MOECL_I64;
+        dt.weights_dtype = MOECL_BF16;
+        dt.bias_dtype = MOECL_BF16;
+        cl_mem ids8 = poison_mem(c, T * KA * 8 + 64), w2 = poison_mem(c, T * KA * 2 + 64);
+        cl_mem b2 = poison_mem(c, EA * 2 + 64);
+        const struct {
+            moecl_buffer bias, w, ids;
+            const char *name, *label;
+        } cases[] = {
+            {{b2, 0}, {w2, 0}, {valid[3], 0}, "topk_ids", "int64 ids in a buffer sized for int32"},
+            {{b2, 0}, {w2, 0}, {ids8, 4}, "topk_ids", "int64 ids at byte offset 4"},
+            {{b2, 0}, {w2, 1}, {ids8, 0}, "topk_weights", "bf16 weights at byte offset 1"},
+            {{b2, 0}, {w2, T * KA * 2 + 2}, {ids8, 0}, "topk_weights", "bf16 weights past the end"},
+            {{b2, 3}, {w2, 0}, {ids8, 0}, "bias", "bf16 bias at byte offset 3"},
+            {{b2, 66}, {w2, 0}, {ids8, 0}, "bias", "bf16 bias past the end"},
+        };
+        for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+            rt_reset_error(ctx);
+            cl_event done = DONE_SENTINEL;
+            moecl_status st = moecl_topk_gating(ctx, &dt, (moecl_buffer){valid[0], 0}, cases[i].bias, cases[i].w,
+                                                cases[i].ids, 0, NULL, &done);
+            ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d", cases[i].label, (int)st);
+            rt_assert_error_names(ctx, cases[i].name, cases[i].label);
+            ck_assert(done == DONE_SENTINEL);
+            rt_assert_mem_poison(q, ids8, "topk_ids", cases[i].label);
+            rt_assert_mem_poison(q, w2, "topk_weights", cases[i].label);
+        }
+        /* The same buffers at valid offsets serve. */
+        ck_assert_int_eq(moecl_topk_gating(ctx, &dt, (moecl_buffer){valid[0], 0}, (moecl_buffer){b2, 2},
+                                           (moecl_buffer){w2, 2}, (moecl_buffer){ids8, 8}, 0, NULL, NULL),
+                         MOECL_SUCCESS);
+        ck_assert_int_eq(clFinish(q), CL_SUCCESS);
+        /* moecl_route_dispatch reads int32 ids: int64 is refused by name. */
+        rt_reset_error(ctx);
+        int32_t counts[EA], sorted[4096], blocks[4096], post;
+        uint16_t hw[T * KA];
+        int64_t hi[T * KA];
+        ck_assert_int_eq(moecl_route_dispatch_host(ctx, &dt, 16, hg, NULL, hw, (int32_t *)hi, counts, sorted, blocks,
+                                                   &post, NULL, NULL),
+                         MOECL_ERROR_INVALID_ARGUMENT);
+        rt_assert_error_names(ctx, "ids_dtype", "route dispatch with int64 ids");
+        /* Replay writes f32 weights: bf16 is refused by name. */
+        rt_reset_error(ctx);
+        dt.ids_dtype = MOECL_I32;
+        ck_assert_int_eq(moecl_topk_weights_host(ctx, &dt, hg, (const int32_t *)hi, (float *)hw),
+                         MOECL_ERROR_INVALID_ARGUMENT);
+        rt_assert_error_names(ctx, "weights_dtype", "replay with bf16 weights");
+        clReleaseMemObject(ids8);
+        clReleaseMemObject(w2);
+        clReleaseMemObject(b2);
     }
 
     /* Wait lists: num_wait > 0 with wait NULL; a NULL event; an event of

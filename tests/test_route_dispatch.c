@@ -29,10 +29,10 @@ typedef struct shape {
 
 /* The outputs of one call, with one poisoned element past each end. */
 typedef struct outs {
-    float *weights;
+    void *weights; /* of wsize bytes an element (room for 4 each) */
     int32_t *ids, *counts, *sorted, *blocks, *slots;
     int32_t post, invalid;
-    size_t n_slots, experts, max_padded, num_blocks;
+    size_t n_slots, experts, max_padded, num_blocks, wsize;
     shape sh;
     uint32_t block;
 } outs;
@@ -53,6 +53,7 @@ static void outs_alloc(shape d, uint32_t block, outs *o)
     o->experts = d.experts;
     o->max_padded = (size_t)moecl_moe_align_max_padded(&a);
     o->num_blocks = o->max_padded / block;
+    o->wsize = 4;
     o->weights = harness_poisoned((o->n_slots + 1) * 4);
     o->ids = harness_poisoned((o->n_slots + 1) * 4);
     o->counts = harness_poisoned((o->experts + 1) * 4);
@@ -62,6 +63,13 @@ static void outs_alloc(shape d, uint32_t block, outs *o)
     memset(&o->post, HARNESS_POISON, 4);
     memset(&o->invalid, HARNESS_POISON, 4);
     ck_assert(o->weights && o->ids && o->counts && o->sorted && o->blocks && o->slots);
+}
+
+/* outs_alloc for top-k's routing of d: weights of d's weights_dtype. */
+static void outs_alloc_topk(const moecl_topk_gating_desc *d, uint32_t block, outs *o)
+{
+    outs_alloc(topk_shape(d), block, o);
+    o->wsize = ref_dtype_size(d->weights_dtype);
 }
 
 static void outs_free(outs *o)
@@ -85,7 +93,7 @@ static bufs bufs_outputs(moecl_context *ctx, const outs *o)
 {
     bufs b;
     memset(&b, 0, sizeof(b));
-    b.weights = harness_buffer(ctx, o->n_slots * 4, 12, NULL);
+    b.weights = harness_buffer(ctx, o->n_slots * o->wsize, 12, NULL);
     b.ids = harness_buffer(ctx, o->n_slots * 4, 256 + 4, NULL);
     b.counts = harness_buffer(ctx, o->experts * 4, 4, NULL);
     b.sorted = harness_buffer(ctx, o->max_padded * 4, 60, NULL);
@@ -97,12 +105,12 @@ static bufs bufs_outputs(moecl_context *ctx, const outs *o)
 }
 
 static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const outs *o, const void *gating,
-                      const float *bias)
+                      const void *bias)
 {
     const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
     bufs b = bufs_outputs(ctx, o);
     b.gating = harness_buffer(ctx, gbytes, 8, gating);
-    b.bias = bias ? harness_buffer(ctx, o->experts * 4, 4, bias) : (moecl_buffer){NULL, 0};
+    b.bias = bias ? harness_buffer(ctx, o->experts * ref_dtype_size(d->bias_dtype), 4, bias) : (moecl_buffer){NULL, 0};
     return b;
 }
 
@@ -110,7 +118,7 @@ static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const
  * poison. */
 static void bufs_read(moecl_context *ctx, const bufs *b, outs *o, const char *what)
 {
-    harness_read(ctx, b->weights, (o->n_slots + 1) * 4, o->weights);
+    harness_read(ctx, b->weights, o->n_slots * o->wsize + 4, o->weights);
     harness_read(ctx, b->ids, (o->n_slots + 1) * 4, o->ids);
     harness_read(ctx, b->counts, (o->experts + 1) * 4, o->counts);
     harness_read(ctx, b->sorted, (o->max_padded + 1) * 4, o->sorted);
@@ -119,7 +127,8 @@ static void bufs_read(moecl_context *ctx, const bufs *b, outs *o, const char *wh
     harness_read(ctx, b->slots, (o->n_slots + 1) * 4, o->slots);
     harness_read(ctx, b->invalid, 4, &o->invalid);
     const uint32_t poison = 0xFFFFFFFFu;
-    ck_assert_msg(!memcmp(&o->weights[o->n_slots], &poison, 4) && !memcmp(&o->ids[o->n_slots], &poison, 4) &&
+    ck_assert_msg(!memcmp((char *)o->weights + o->n_slots * o->wsize, &poison, 4) &&
+                      !memcmp(&o->ids[o->n_slots], &poison, 4) &&
                       !memcmp(&o->counts[o->experts], &poison, 4) && !memcmp(&o->sorted[o->max_padded], &poison, 4) &&
                       !memcmp(&o->blocks[o->num_blocks], &poison, 4) && !memcmp(&o->slots[o->n_slots], &poison, 4),
                   "%s: wrote past the end of an output", what);
@@ -145,7 +154,7 @@ static void wait_done(cl_event before, cl_event done)
 /* The call under test, on device buffers (after a marker it must wait on)
  * or on host memory. */
 static void run_route(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const void *gating,
-                      const float *bias, bool device_path, outs *o, const char *what)
+                      const void *bias, bool device_path, outs *o, const char *what)
 {
     moecl_status st;
     if (!device_path) {
@@ -182,7 +191,7 @@ static void run_align_after(moecl_context *ctx, bufs *b, outs *o, cl_event route
 
 /* The two calls it stands for, on device buffers. */
 static void run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating,
-                         const float *bias, outs *o, const char *what)
+                         const void *bias, outs *o, const char *what)
 {
     bufs b = bufs_make(ctx, d, o, gating, bias);
     cl_event routed = NULL;
@@ -194,7 +203,8 @@ static void run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, co
 static void assert_same(const outs *x, const outs *y, const char *what)
 {
     const size_t n = x->n_slots * 4;
-    ck_assert_msg(!memcmp(x->weights, y->weights, n), "%s: topk_weights differ from the two calls'", what);
+    ck_assert_msg(!memcmp(x->weights, y->weights, x->n_slots * x->wsize), "%s: topk_weights differ from the two calls'",
+                  what);
     ck_assert_msg(!memcmp(x->ids, y->ids, n), "%s: topk_ids differ from the two calls'", what);
     ck_assert_msg(!memcmp(x->counts, y->counts, x->experts * 4), "%s: expert_counts differ", what);
     ck_assert_msg(!memcmp(x->sorted, y->sorted, x->max_padded * 4), "%s: sorted_token_ids differ", what);
@@ -218,12 +228,12 @@ static void check_dispatch_reference(const outs *o, const char *what)
 
 /* Against the reference: the top-k result as the top-k suite bounds it,
  * the dispatch exactly for the ids the device chose, no invalid slot. */
-static void check_reference(const moecl_topk_gating_desc *d, const void *gating, const float *bias, const outs *o,
+static void check_reference(const moecl_topk_gating_desc *d, const void *gating, const void *bias, const outs *o,
                             const char *what)
 {
     char msg[600] = "";
     if (d->num_tokens > 0) {
-        const int rows = ref_check_topk_gating(d, gating, bias, o->weights, o->ids, msg, sizeof(msg));
+        const int rows = ref_check_topk_gating_typed(d, gating, bias, o->weights, o->ids, msg, sizeof(msg));
         ck_assert_msg(rows == 0, "%s: %d bad top-k rows: %s", what, rows, msg);
     }
     check_dispatch_reference(o, what);
@@ -257,22 +267,22 @@ static void route_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint
     char what[256];
     snprintf(what, sizeof(what),
              "T=%u E=%u k=%u groups=%u/%u dtype=%d scoring=%d gscore=%d fill=%d renorm=%d floor=%g eps=%g scale=%g "
-             "bias=%d block=%u logits=%d",
+             "bias=%d block=%u logits=%d weights=%d bias_dtype=%d",
              d->num_tokens, d->num_experts, d->top_k, d->num_expert_groups, d->topk_group, (int)d->gating_dtype,
              (int)d->scoring, (int)d->group_score, (int)d->group_fill, (int)d->renormalize,
              (double)d->renormalize_floor, (double)d->renormalize_eps, (double)d->routed_scaling_factor, (int)with_bias,
-             block, (int)kind);
+             block, (int)kind, (int)d->weights_dtype, (int)d->bias_dtype);
     harness_rng rng = harness_rng_for(stream);
     void *gating = make_logits(&rng, d, kind);
-    float *bias = with_bias ? harness_random_tensor(&rng, MOECL_F32, d->num_experts, 2.0f / (float)d->num_experts)
-                            : NULL;
+    void *bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 2.0f / (float)d->num_experts)
+                           : NULL;
     outs want, got;
-    outs_alloc(topk_shape(d), block, &want);
-    outs_alloc(topk_shape(d), block, &got);
+    outs_alloc_topk(d, block, &want);
+    outs_alloc_topk(d, block, &got);
     run_separate(ctx, d, gating, bias, &want, what);
     for (int path = 0; path < 2; path++) {
         outs_free(&got);
-        outs_alloc(topk_shape(d), block, &got);
+        outs_alloc_topk(d, block, &got);
         run_route(ctx, d, block, gating, bias, path == 1, &got, what);
         if (d->num_tokens == 0) {
             /* No top-k output is written. */
@@ -370,6 +380,35 @@ START_TEST(test_ties_nonfinite)
             d.gating_dtype = kind == LOGITS_TIES ? MOECL_BF16 : MOECL_F32;
             route_case(ctx, &d, 16, s == 1, (enum logits)kind, 300 + kind * 2 + s);
         }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* DeepSeek-V3's routing with every weights_dtype and every bias (none,
+ * f32, f16, bf16) at a decode size (the one kernel on the GPU class) and
+ * past the one kernel's limit (the two calls): the same bits as top-k
+ * then moe_align, the reference's weights within the rounding. Exact
+ * ties and NaN / inf logits with 16-bit weights and a bf16 bias. int64
+ * ids are refused (test_bad_input). */
+START_TEST(test_out_dtypes)
+{
+    moecl_context *ctx = harness_context();
+    unsigned i = 0;
+    for (int wt = 0; wt < 3; wt++)
+        for (int bt = -1; bt < 3; bt++, i++) {
+            moecl_topk_gating_desc d;
+            ck_assert_int_eq(moecl_topk_gating_desc_preset("deepseek-v3", i % 2 ? 7 : 641, &d), MOECL_SUCCESS);
+            d.weights_dtype = (moecl_dtype)wt;
+            d.bias_dtype = bt < 0 ? MOECL_F32 : (moecl_dtype)bt;
+            d.gating_dtype = (moecl_dtype)(i % 3);
+            route_case(ctx, &d, 16, bt >= 0, LOGITS_NORMAL, 500 + i);
+        }
+    for (int kind = LOGITS_TIES; kind <= LOGITS_NONFINITE; kind++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(65, 32, 4);
+        d.weights_dtype = kind == LOGITS_TIES ? MOECL_BF16 : MOECL_F16;
+        d.bias_dtype = MOECL_BF16;
+        route_case(ctx, &d, 16, true, (enum logits)kind, 520 + kind);
+    }
     moecl_context_destroy(ctx);
 }
 END_TEST
@@ -507,7 +546,7 @@ START_TEST(test_bad_input)
     outs_alloc(topk_shape(&good), block, &o);
     bufs b = bufs_make(ctx, &good, &o, gating, NULL);
     /* Each descriptor field out of range, then block_size. */
-    moecl_topk_gating_desc bad[12];
+    moecl_topk_gating_desc bad[16];
     for (size_t i = 0; i < COUNT(bad); i++)
         bad[i] = good;
     bad[0].num_experts = 0;
@@ -523,6 +562,10 @@ START_TEST(test_bad_input)
     bad[9].routed_scaling_factor = NAN;
     bad[10].renormalize_floor = 1e-40f;
     bad[11].group_fill = (moecl_group_fill)2;
+    bad[12].weights_dtype = (moecl_dtype)3;
+    bad[13].ids_dtype = (moecl_index_dtype)2;
+    bad[14].bias_dtype = (moecl_dtype)3;
+    bad[15].ids_dtype = MOECL_I64; /* valid for top-k, not here: moe_align reads int32 ids */
     char what[64];
     for (size_t i = 0; i < COUNT(bad); i++) {
         snprintf(what, sizeof(what), "descriptor case %zu", i);
@@ -874,6 +917,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_ties_nonfinite);
     tcase_add_test(tc, test_out_of_order);
     tcase_add_test(tc, test_bad_input);
+    tcase_add_test(tc, test_out_dtypes);
     suite_add_tcase(s, tc);
     /* The grounded router's, a case of its own so that a run can take it
      * alone (--case grounded). */

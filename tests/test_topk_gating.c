@@ -25,40 +25,15 @@ static void describe(const moecl_topk_gating_desc *d, bool bias, char *buf, size
 }
 
 /* Run desc on the given inputs through the host path or the device path
- * (with non-zero offsets), outputs poisoned first; returns the outputs. */
+ * (with non-zero offsets), outputs poisoned first; returns the outputs
+ * (run_typed, below, for f32 weights and int32 ids). */
+static void run_typed(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const void *bias,
+                      bool device_path, void *w, void *ids, size_t tail);
+
 static void run(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
                 bool device_path, float *w, int32_t *ids)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k;
-    const size_t in_bytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
-    memset(w, HARNESS_POISON, nk * sizeof(float) + 4);
-    memset(ids, HARNESS_POISON, nk * sizeof(int32_t) + 4);
-    char what[256];
-    describe(d, bias != NULL, what, sizeof(what));
-    moecl_status st;
-    if (!device_path) {
-        st = moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
-        ck_assert_msg(st == MOECL_SUCCESS, "host path %s: %s: %s", what, moecl_status_string(st),
-                      moecl_context_error(ctx));
-        return;
-    }
-    moecl_buffer in = harness_buffer(ctx, in_bytes, 256, gating);
-    moecl_buffer b = bias ? harness_buffer(ctx, d->num_experts * sizeof(float), 12, bias) : (moecl_buffer){NULL, 0};
-    moecl_buffer wb = harness_buffer(ctx, nk * sizeof(float), 4096 + 8, NULL);
-    moecl_buffer ib = harness_buffer(ctx, nk * sizeof(int32_t), 4, NULL);
-    cl_event done = NULL;
-    st = moecl_topk_gating(ctx, d, in, b, wb, ib, 0, NULL, &done);
-    ck_assert_msg(st == MOECL_SUCCESS, "device path %s: %s: %s", what, moecl_status_string(st),
-                  moecl_context_error(ctx));
-    ck_assert_ptr_nonnull(done);
-    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
-    clReleaseEvent(done);
-    /* One element past each output too: it must still be poison. */
-    harness_read_topk(ctx, wb, ib, nk, w, ids, what);
-    harness_release(in);
-    harness_release(b);
-    harness_release(wb);
-    harness_release(ib);
+    run_typed(ctx, d, gating, bias, device_path, w, ids, 4);
 }
 
 /* Check a result with the reference's rules (near-ties allowed). */
@@ -1309,6 +1284,301 @@ START_TEST(test_with_counts_invalid)
 }
 END_TEST
 
+/* ---- Output and bias dtypes (weights_dtype, ids_dtype, bias_dtype) ---- */
+
+static size_t weight_size(const moecl_topk_gating_desc *d) { return ref_dtype_size(d->weights_dtype); }
+static size_t id_size(const moecl_topk_gating_desc *d) { return d->ids_dtype == MOECL_I64 ? 8 : 4; }
+
+static void describe_typed(const moecl_topk_gating_desc *d, bool bias, char *buf, size_t size)
+{
+    char base[256];
+    describe(d, bias, base, sizeof(base));
+    snprintf(buf, size, "%s weights=%s ids=%s bias_dtype=%s", base, dtype_name(d->weights_dtype),
+             d->ids_dtype == MOECL_I64 ? "i64" : "i32", dtype_name(d->bias_dtype));
+}
+
+/* tail bytes past the end of p, which must still be poison. */
+static void assert_tail(const void *p, size_t bytes, size_t tail, const char *out, const char *what)
+{
+    ck_assert_msg(harness_first_unpoisoned((const char *)p + bytes, tail) == tail,
+                  "%s: %s: wrote past its last element", what, out);
+}
+
+/* run() for desc's output and bias types: w and ids hold nk elements of
+ * theirs plus tail bytes, which stay poison (both paths); on the device
+ * path the outputs sit at offsets that are a multiple of their element
+ * size and not of 8 (2- and 4-byte types) or 16. */
+static void run_typed(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const void *bias,
+                      bool device_path, void *w, void *ids, size_t tail)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, wb_n = nk * weight_size(d), ib_n = nk * id_size(d);
+    const size_t in_bytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
+    memset(w, HARNESS_POISON, wb_n + tail);
+    memset(ids, HARNESS_POISON, ib_n + tail);
+    char what[384];
+    describe_typed(d, bias != NULL, what, sizeof(what));
+    moecl_status st;
+    if (!device_path) {
+        st = moecl_topk_gating_host(ctx, d, gating, bias, w, ids);
+        ck_assert_msg(st == MOECL_SUCCESS, "host path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+    } else {
+        moecl_buffer in = harness_buffer(ctx, in_bytes, 256, gating);
+        const size_t bias_bytes = d->num_experts * ref_dtype_size(d->bias_dtype);
+        moecl_buffer b = bias ? harness_buffer(ctx, bias_bytes, 3 * ref_dtype_size(d->bias_dtype), bias)
+                              : (moecl_buffer){NULL, 0};
+        moecl_buffer wb = harness_buffer(ctx, wb_n, 4096 + 2 * weight_size(d), NULL);
+        moecl_buffer ib = harness_buffer(ctx, ib_n, id_size(d), NULL);
+        cl_event done = NULL;
+        st = moecl_topk_gating(ctx, d, in, b, wb, ib, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "device path %s: %s: %s", what, moecl_status_string(st),
+                      moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        harness_read(ctx, wb, wb_n + tail, w);
+        harness_read(ctx, ib, ib_n + tail, ids);
+        harness_release(in);
+        harness_release(b);
+        harness_release(wb);
+        harness_release(ib);
+    }
+    assert_tail(w, wb_n, tail, "topk_weights", what);
+    assert_tail(ids, ib_n, tail, "topk_ids", what);
+}
+
+/* desc's typed outputs against the reference, and against the host's
+ * rounding of the f32 outputs of the same call with f32 weights and int32
+ * ids: the same ids, each weight the nearest-even rounding of the f32 one
+ * bit for bit (NaN a NaN). Both paths. */
+static void typed_case(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const void *bias)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    moecl_topk_gating_desc plain = *d;
+    plain.weights_dtype = MOECL_F32;
+    plain.ids_dtype = MOECL_I32;
+    float *w32 = malloc(nk * 4 + 8);
+    int32_t *ids32 = malloc(nk * 4 + 8);
+    void *w = malloc(nk * 8 + 8), *ids = malloc(nk * 8 + 8);
+    ck_assert(w32 && ids32 && w && ids);
+    char what[384], msg[600] = "";
+    describe_typed(d, bias != NULL, what, sizeof(what));
+    for (int path = 0; path < 2; path++) {
+        run_typed(ctx, &plain, gating, bias, path == 1, w32, ids32, 8);
+        run_typed(ctx, d, gating, bias, path == 1, w, ids, 8);
+        const int bad = ref_check_topk_gating_typed(d, gating, bias, w, ids, msg, sizeof(msg));
+        ck_assert_msg(bad == 0, "%s (%s path): %d bad rows; first: %s", what, path ? "device" : "host", bad, msg);
+        for (size_t i = 0; i < nk; i++) {
+            int64_t id = 0;
+            if (d->ids_dtype == MOECL_I64)
+                memcpy(&id, (const char *)ids + i * 8, 8);
+            else
+                id = ((const int32_t *)ids)[i];
+            ck_assert_msg(id == ids32[i], "%s (%s path): slot %zu id %lld, with int32 f32 outputs %d", what,
+                          path ? "device" : "host", i, (long long)id, ids32[i]);
+            ck_assert_msg(ref_same_rounding(d->weights_dtype, w32[i], w, i),
+                          "%s (%s path): slot %zu weight %.9g is not the host's rounding of the f32 weight %.9g",
+                          what, path ? "device" : "host", i, (double)ref_load(d->weights_dtype, w, i),
+                          (double)w32[i]);
+        }
+    }
+    free(w32);
+    free(ids32);
+    free(w);
+    free(ids);
+}
+
+/* Every combination of weights_dtype, ids_dtype and bias (none, f32, f16,
+ * bf16) on fresh random rows: sigmoid with groups and renormalised
+ * (DeepSeek-V3's gating, the bias of its size) and softmax (the CPU fast
+ * path where there is no bias), with a routed_scaling_factor whose
+ * products are not representable in 16 bits. */
+START_TEST(test_out_dtypes_random)
+{
+    moecl_context *ctx = harness_context();
+    unsigned i = 0;
+    for (int wt = 0; wt < 3; wt++)
+        for (int it = 0; it < 2; it++)
+            for (int bt = -1; bt < 3; bt++, i++) {
+                harness_rng rng = harness_rng_for(9100 + i);
+                const bool sig = i % 2 == 0;
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(37 + i % 5, sig ? 64 : 100, sig ? 8 : 6);
+                d.weights_dtype = (moecl_dtype)wt;
+                d.ids_dtype = (moecl_index_dtype)it;
+                d.bias_dtype = bt < 0 ? MOECL_F32 : (moecl_dtype)bt;
+                d.gating_dtype = (moecl_dtype)(i % 3);
+                d.routed_scaling_factor = 2.5f;
+                if (sig) {
+                    d.scoring = MOECL_SCORING_SIGMOID;
+                    d.num_expert_groups = 8;
+                    d.topk_group = 4;
+                    d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+                    d.renormalize = true;
+                }
+                const size_t n = (size_t)d.num_tokens * d.num_experts;
+                void *gating = malloc(n * 4);
+                for (size_t j = 0; j < n; j++)
+                    harness_store(d.gating_dtype, gating, j, 2.0f * harness_randn(&rng));
+                void *bias = NULL;
+                if (bt >= 0) {
+                    bias = malloc(d.num_experts * 4);
+                    for (uint32_t e = 0; e < d.num_experts; e++)
+                        harness_store(d.bias_dtype, bias, e, (sig ? 0.3f : 0.05f) * harness_randn(&rng));
+                }
+                typed_case(ctx, &d, gating, bias);
+                free(gating);
+                free(bias);
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The special rows (NaN, inf, ties, underflow) with 16-bit weights and
+ * int64 ids: a NaN weight stays a NaN, exact ties keep the reference's
+ * ids. */
+START_TEST(test_out_dtypes_special_rows)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][2] = {{7, 6}, {64, 8}, {257, 16}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int wt = 1; wt < 3; wt++)
+            for (int scoring = 0; scoring < 2; scoring++, i++) {
+                harness_rng rng = harness_rng_for(9300 + i);
+                const uint32_t e_count = shapes[s][0];
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(ROW_KINDS * 2, e_count, shapes[s][1]);
+                d.scoring = (moecl_scoring)scoring;
+                d.weights_dtype = (moecl_dtype)wt;
+                d.ids_dtype = (moecl_index_dtype)(i % 2);
+                d.renormalize = i % 3 == 0;
+                float *row = malloc(e_count * sizeof(float));
+                float *gating = malloc((size_t)d.num_tokens * e_count * 4);
+                for (uint32_t t = 0; t < d.num_tokens; t++) {
+                    fill_special_row(&rng, (int)(t % ROW_KINDS), row, e_count);
+                    memcpy(gating + (size_t)t * e_count, row, e_count * 4);
+                }
+                typed_case(ctx, &d, gating, NULL);
+                free(row);
+                free(gating);
+            }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Explicit values: f16 weights past 65504 (routed_scaling_factor 1e6)
+ * are +-inf, 65504 itself stays; ties round to even; a NaN weight is a
+ * quiet NaN in bf16 and a NaN in f16; 1/3 rounds to nearest. */
+START_TEST(test_out_dtypes_examples)
+{
+    moecl_context *ctx = harness_context();
+    /* k = 1 softmax renormalised: the weight is factor, or NaN for the NaN row. */
+    static const float rows[3][4] = {{1.0f, 2.0f, 3.0f, 4.0f}, {NAN, 0.0f, 1.0f, 2.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    /* ... and exact ties of each rounding (to even: down, then up): 1 +
+     * 2^-8 and 1 + 3 * 2^-8 for bf16, 1 + 2^-11 and 1 + 3 * 2^-11 for f16. */
+    static const float factors[] = {1e6f,         -1e6f,        65504.0f,          65519.0f,         65520.0f,
+                                    1.00390625f, 1.01171875f, 1.00048828125f, -1.00146484375f};
+    for (size_t f = 0; f < COUNT(factors); f++)
+        for (int wt = 1; wt < 3; wt++)
+            for (int path = 0; path < 2; path++) {
+                moecl_topk_gating_desc d = moecl_topk_gating_desc_init(3, 4, 1);
+                d.weights_dtype = (moecl_dtype)wt;
+                d.ids_dtype = MOECL_I64;
+                d.routed_scaling_factor = factors[f];
+                d.renormalize = true;
+                uint16_t w[3 + 4];
+                int64_t ids[3 + 1];
+                run_typed(ctx, &d, rows, NULL, path == 1, w, ids, 8);
+                const double want = (double)factors[f];
+                const float got = ref_load(d.weights_dtype, w, 0);
+                if (wt == MOECL_F16 && fabs(want) >= 65520.0)
+                    ck_assert_msg(isinf(got) && (got > 0) == (want > 0), "f16 weight %g * 1 is %g, not inf",
+                                  want, (double)got);
+                else
+                    ck_assert_msg(got == ref_load(d.weights_dtype, (uint16_t[]){wt == MOECL_F16
+                                                                                    ? ref_float_to_half(factors[f])
+                                                                                    : ref_float_to_bf16(factors[f])},
+                                                  0),
+                                  "%s weight of factor %g: %g", dtype_name(d.weights_dtype), want, (double)got);
+                ck_assert_msg(ids[0] == 3 && ids[2] == 0, "ids %lld %lld", (long long)ids[0], (long long)ids[2]);
+                ck_assert_msg(isnan(ref_load(d.weights_dtype, w, 1)), "%s: the NaN row's weight is %g",
+                              dtype_name(d.weights_dtype), (double)ref_load(d.weights_dtype, w, 1));
+                if (wt == MOECL_BF16)
+                    ck_assert_msg((w[1] & 0x7fc0u) == 0x7fc0u, "bf16 NaN %#x is not quiet", w[1]);
+            }
+    /* 1/3 (softmax of three equal logits, k = 3): bf16 0x3eab, f16 0x3555. */
+    static const float thirds[3] = {0.0f, 0.0f, 0.0f};
+    for (int wt = 1; wt < 3; wt++)
+        for (int path = 0; path < 2; path++) {
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 3, 3);
+            d.weights_dtype = (moecl_dtype)wt;
+            uint16_t w[3 + 4];
+            int32_t ids[3 + 2];
+            run_typed(ctx, &d, thirds, NULL, path == 1, w, ids, 8);
+            for (int j = 0; j < 3; j++)
+                ck_assert_msg(w[j] == (wt == MOECL_BF16 ? 0x3eab : 0x3555) && ids[j] == j, "%s 1/3: %#x id %d",
+                              dtype_name(d.weights_dtype), w[j], ids[j]);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The counting entry points and _prepare with bf16 weights, int64 ids and
+ * a bf16 bias: the counts equal the ids' histogram, the outputs pass the
+ * reference, nothing past the outputs changes. */
+START_TEST(test_out_dtypes_counts)
+{
+    moecl_context *ctx = harness_context();
+    harness_rng rng = harness_rng_for(9500);
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(0, 64, 8);
+    d.scoring = MOECL_SCORING_SIGMOID;
+    d.weights_dtype = MOECL_BF16;
+    d.ids_dtype = MOECL_I64;
+    d.bias_dtype = MOECL_BF16;
+    ck_assert_int_eq(moecl_topk_gating_prepare(ctx, &d), MOECL_SUCCESS);
+    d.num_tokens = 129;
+    const size_t nk = (size_t)d.num_tokens * d.top_k, n = (size_t)d.num_tokens * d.num_experts;
+    void *gating = harness_random_tensor(&rng, MOECL_F32, n, 2.0f);
+    void *bias = harness_random_tensor(&rng, MOECL_BF16, d.num_experts, 0.1f);
+    uint16_t *w = harness_poisoned(nk * 2 + 8);
+    int64_t *ids = harness_poisoned(nk * 8 + 8);
+    int32_t *counts = harness_poisoned(d.num_experts * 4 + 8), *ids32 = malloc(nk * 4);
+    for (int path = 0; path < 2; path++) {
+        memset(w, HARNESS_POISON, nk * 2 + 8);
+        memset(ids, HARNESS_POISON, nk * 8 + 8);
+        if (path == 0) {
+            ck_assert_int_eq(moecl_topk_gating_with_counts_host(ctx, &d, gating, bias, w, ids, counts),
+                             MOECL_SUCCESS);
+        } else {
+            moecl_buffer in = harness_buffer(ctx, n * 4, 0, gating), b = harness_buffer(ctx, d.num_experts * 2, 2, bias);
+            moecl_buffer wb = harness_buffer(ctx, nk * 2, 6, NULL), ib = harness_buffer(ctx, nk * 8, 8, NULL);
+            moecl_buffer cb = harness_buffer(ctx, d.num_experts * 4, 4, NULL);
+            ck_assert_int_eq(moecl_topk_gating_with_counts(ctx, &d, in, b, wb, ib, cb, 0, NULL, NULL), MOECL_SUCCESS);
+            harness_read(ctx, wb, nk * 2 + 8, w);
+            harness_read(ctx, ib, nk * 8 + 8, ids);
+            harness_read(ctx, cb, d.num_experts * 4, counts);
+            harness_release(in);
+            harness_release(b);
+            harness_release(wb);
+            harness_release(ib);
+            harness_release(cb);
+        }
+        assert_tail(w, nk * 2, 8, "topk_weights", "with_counts bf16/i64");
+        assert_tail(ids, nk * 8, 8, "topk_ids", "with_counts bf16/i64");
+        char msg[600] = "";
+        ck_assert_msg(ref_check_topk_gating_typed(&d, gating, bias, w, ids, msg, sizeof(msg)) == 0, "%s", msg);
+        for (size_t i = 0; i < nk; i++)
+            ids32[i] = (int32_t)ids[i];
+        check_counts(&d, ids32, counts, "with_counts bf16/i64");
+    }
+    free(gating);
+    free(bias);
+    free(w);
+    free(ids);
+    free(counts);
+    free(ids32);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* The checker itself must reject a wrong answer: poisoned outputs, a wrong
  * id, a wrong weight. Guards against a test that cannot fail. */
 START_TEST(test_checker_rejects)
@@ -1375,7 +1645,7 @@ int main(int argc, char **argv)
 {
     harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("topk_gating");
-    /* Three test cases, so that a run can take one (--case NAME): the quick
+    /* Four test cases, so that a run can take one (--case NAME): the quick
      * suite runs each as a process of its own, in parallel. */
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
@@ -1413,8 +1683,15 @@ int main(int argc, char **argv)
         tcase_add_test(random, test_dtypes_and_tokens);
         tcase_add_test(random, test_grid);
     }
+    TCase *dtypes = tcase_create("dtypes");
+    tcase_set_timeout(dtypes, 1200);
+    tcase_add_test(dtypes, test_out_dtypes_examples);
+    tcase_add_test(dtypes, test_out_dtypes_special_rows);
+    tcase_add_test(dtypes, test_out_dtypes_counts);
+    tcase_add_test(dtypes, test_out_dtypes_random);
     suite_add_tcase(s, tc);
     suite_add_tcase(s, options);
+    suite_add_tcase(s, dtypes);
     suite_add_tcase(s, random);
     return harness_run(s);
 }

@@ -307,6 +307,13 @@ typedef enum moecl_dtype {
     MOECL_BF16 = 2, /**< bfloat16: the upper 16 bits of a binary32 */
 } moecl_dtype;
 
+/** Element type of an expert-id output (docs/routing.md, section 2,
+ *  "Output and bias dtypes"). */
+typedef enum moecl_index_dtype {
+    MOECL_I32 = 0, /**< int32_t: vLLM's and SGLang's default */
+    MOECL_I64 = 1, /**< int64_t: PyTorch's topk, DeepEP */
+} moecl_index_dtype;
+
 /** Scoring function: what a token is routed by, before any correction
  *  bias (docs/routing.md, section 2, step 1). */
 typedef enum moecl_scoring {
@@ -395,7 +402,9 @@ typedef struct moecl_buffer {
  *   renormalize_floor 0, or a normal float (>= FLT_MIN) and finite, whether
  *   or not renormalize is set (a subnormal floor could be flushed to 0 by
  *   one device and not another);
- *   renormalize_eps likewise, and at most one of the two nonzero.
+ *   renormalize_eps likewise, and at most one of the two nonzero;
+ *   weights_dtype and bias_dtype moecl_dtype values, ids_dtype a
+ *   moecl_index_dtype value.
  */
 typedef struct moecl_topk_gating_desc {
     uint32_t num_tokens;        /**< rows of the gating logits */
@@ -430,12 +439,27 @@ typedef struct moecl_topk_gating_desc {
      *  as it does there. renormalize_floor must then be 0. Ignored without
      *  renormalize. */
     float renormalize_eps;
+    /** Element type of topk_weights: MOECL_F32 (the default), or MOECL_F16
+     *  or MOECL_BF16 (FlashInfer's bf16 weights). The weights are computed
+     *  in f32 as always and rounded to nearest even once, as they are
+     *  stored: the same bits on every device. NaN stays NaN (a quiet one),
+     *  +-inf stays +-inf, and a finite weight beyond the type's range
+     *  (f16: >= 65520 in magnitude) becomes +-inf. */
+    moecl_dtype weights_dtype;
+    /** Element type of topk_ids: MOECL_I32 (the default) or MOECL_I64
+     *  (PyTorch's topk, DeepEP). moecl_route_dispatch() takes MOECL_I32
+     *  only (its moe_align part reads int32 ids). */
+    moecl_index_dtype ids_dtype;
+    /** Element type of the correction bias, when there is one: MOECL_F32
+     *  (the default), MOECL_F16 or MOECL_BF16 (FlashInfer's and aiter's
+     *  bf16 e_score_correction_bias), widened to f32 exactly on load. */
+    moecl_dtype bias_dtype;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
  *  MOECL_GROUP_SCORE_MAX, no renormalisation, factor 1; renormalize_floor
  *  0 and MOECL_GROUP_FILL_NEG_INF, moecl's behaviour before those fields
- *  existed. The seed reference fills dropped groups with 0.0: a caller
+ *  existed; f32 weights, int32 ids and an f32 bias. The seed reference fills dropped groups with 0.0: a caller
  *  that sets its groups reproduces it at every input with
  *  group_fill = MOECL_GROUP_FILL_ZERO. */
 MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts,
@@ -450,9 +474,9 @@ MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens
  * variant builds its kernel unless _prepare did).
  *
  *   gating        [num_tokens][num_experts] of desc->gating_dtype
- *   bias          float[num_experts], or absent (mem == NULL)
- *   topk_weights  float[num_tokens][top_k]
- *   topk_ids      int32_t[num_tokens][top_k]
+ *   bias          [num_experts] of desc->bias_dtype, or absent (mem == NULL)
+ *   topk_weights  [num_tokens][top_k] of desc->weights_dtype
+ *   topk_ids      [num_tokens][top_k] of desc->ids_dtype (int32_t or int64_t)
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing buffer, a buffer too small for the shape, an
@@ -468,11 +492,12 @@ MOECL_API moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_ga
                                          cl_uint num_wait, const cl_event *wait, cl_event *done);
 
 /** Blocking convenience on host memory: copies in, runs, copies out. bias
- *  may be NULL. topk_weights and topk_ids are required. Same validation as
- *  moecl_topk_gating. */
+ *  may be NULL. topk_weights and topk_ids are required. The tensors have
+ *  the types desc names (a float bias, float weights and int32_t ids by
+ *  default). Same validation as moecl_topk_gating. */
 MOECL_API moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
-                                              const void *gating, const float *bias, float *topk_weights,
-                                              int32_t *topk_ids);
+                                              const void *gating, const void *bias, void *topk_weights,
+                                              void *topk_ids);
 
 /**
  * Top-k gating on device buffers that also counts, in the same launch, the
@@ -492,9 +517,9 @@ MOECL_API moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_to
  * @param ctx           the context
  * @param desc          what to compute, as for moecl_topk_gating()
  * @param gating        [num_tokens][num_experts] of desc->gating_dtype
- * @param bias          float[num_experts], or absent (mem == NULL)
- * @param topk_weights  float[num_tokens][top_k], output
- * @param topk_ids      int32_t[num_tokens][top_k], output
+ * @param bias          [num_experts] of desc->bias_dtype, or absent (mem == NULL)
+ * @param topk_weights  [num_tokens][top_k] of desc->weights_dtype, output
+ * @param topk_ids      [num_tokens][top_k] of desc->ids_dtype, output
  * @param expert_counts int32_t[num_experts], output, required: overwritten
  *                      with the number of (token, slot) pairs routed to
  *                      each expert (all zeros when num_tokens is 0)
@@ -531,18 +556,18 @@ MOECL_API moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const m
  * @param desc          what to compute, as for moecl_topk_gating()
  * @param gating        [num_tokens][num_experts] of desc->gating_dtype
  *                      (may be NULL only when num_tokens is 0)
- * @param bias          float[num_experts], or NULL
- * @param topk_weights  float[num_tokens][top_k], output (may be NULL only
- *                      when num_tokens is 0)
- * @param topk_ids      int32_t[num_tokens][top_k], output (may be NULL
- *                      only when num_tokens is 0)
+ * @param bias          [num_experts] of desc->bias_dtype, or NULL
+ * @param topk_weights  [num_tokens][top_k] of desc->weights_dtype, output
+ *                      (may be NULL only when num_tokens is 0)
+ * @param topk_ids      [num_tokens][top_k] of desc->ids_dtype, output (may
+ *                      be NULL only when num_tokens is 0)
  * @param expert_counts int32_t[num_experts], output, required: the number
  *                      of (token, slot) pairs routed to each expert
  * @return MOECL_SUCCESS or an error as moecl_topk_gating_with_counts().
  */
 MOECL_API moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
-                                                          const void *gating, const float *bias,
-                                                          float *topk_weights, int32_t *topk_ids,
+                                                          const void *gating, const void *bias,
+                                                          void *topk_weights, void *topk_ids,
                                                           int32_t *expert_counts);
 
 /** Build (or load from the disk cache) the kernel variant that desc needs,
@@ -561,9 +586,9 @@ MOECL_API moecl_status moecl_topk_gating_prepare(moecl_context *ctx, const moecl
 typedef struct moecl_topk_gating_tensors {
     size_t struct_size;          /**< sizeof(moecl_topk_gating_tensors) */
     moecl_buffer gating;         /**< [num_tokens][num_experts] of gating_dtype, required */
-    moecl_buffer bias;           /**< float[num_experts], or absent */
-    moecl_buffer topk_weights;   /**< float[num_tokens][top_k], output, required */
-    moecl_buffer topk_ids;       /**< int32_t[num_tokens][top_k], output, required */
+    moecl_buffer bias;           /**< [num_experts] of bias_dtype, or absent */
+    moecl_buffer topk_weights;   /**< [num_tokens][top_k] of weights_dtype, output, required */
+    moecl_buffer topk_ids;       /**< [num_tokens][top_k] of ids_dtype, output, required */
     /** int32_t[num_experts], output, or absent: overwritten with the
      *  number of (token, slot) pairs routed to each expert, as
      *  moecl_topk_gating_with_counts() does (a fill, then the kernel). */
@@ -608,10 +633,10 @@ MOECL_API moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk
  *  moecl_topk_gating_tensors's; an absent one is NULL. */
 typedef struct moecl_topk_gating_host_tensors {
     size_t struct_size;               /**< sizeof(moecl_topk_gating_host_tensors) */
-    const void *gating;               /**< required (may be NULL when num_tokens is 0) */
-    const float *bias;                /**< or NULL */
-    float *topk_weights;              /**< output, required (as gating) */
-    int32_t *topk_ids;                /**< output, required (as gating) */
+    const void *gating;               /**< of gating_dtype, required (may be NULL when num_tokens is 0) */
+    const void *bias;                 /**< of bias_dtype, or NULL */
+    void *topk_weights;               /**< of weights_dtype, output, required (as gating) */
+    void *topk_ids;                   /**< of ids_dtype, output, required (as gating) */
     int32_t *expert_counts;           /**< output, or NULL */
     int32_t *expert_load;             /**< read, added to and written back, or NULL */
     const int32_t *num_valid_tokens;  /**< one int32, or NULL */
@@ -660,6 +685,8 @@ MOECL_API moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl
  * group_score and group_fill steer selection only and are ignored (but
  * validated as for moecl_topk_gating(), and they pick the same launch).
  * The correction bias has no place: it steers selection only.
+ * weights_dtype must be MOECL_F32 and ids_dtype MOECL_I32 (bias_dtype is
+ * ignored); others give MOECL_ERROR_INVALID_ARGUMENT.
  *
  *   gating        [num_tokens][num_experts] of desc->gating_dtype
  *   topk_ids      int32_t[num_tokens][top_k], input
@@ -1265,7 +1292,9 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  *                                          so num_invalid is 0
  *
  * Every convention of top-k gating is accepted (desc as for
- * moecl_topk_gating()); block_size as moecl_moe_align_desc's, and
+ * moecl_topk_gating(), with any weights_dtype and bias_dtype; ids_dtype
+ * must be MOECL_I32, which moe_align reads, else
+ * MOECL_ERROR_INVALID_ARGUMENT); block_size as moecl_moe_align_desc's, and
  * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
  * num_tokens == 0 writes moe_align's empty result and no top-k output.
  *
@@ -1324,8 +1353,8 @@ MOECL_API moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk
  *  host output unchanged; only a failed copy back may have written them
  *  (see "What a failed call leaves" above). */
 MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
-                                                 uint32_t block_size, const void *gating, const float *bias,
-                                                 float *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
+                                                 uint32_t block_size, const void *gating, const void *bias,
+                                                 void *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
                                                  int32_t *sorted_token_ids, int32_t *block_expert_ids,
                                                  int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                                  int32_t *num_invalid);

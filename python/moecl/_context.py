@@ -85,7 +85,7 @@ class RouteDispatchResult(NamedTuple):
     the call's pyopencl.Event on the device path, None on the NumPy path.
     """
 
-    topk_weights: Any            #: float32 [num_tokens, top_k]
+    topk_weights: Any            #: float32 (or weights_dtype) [num_tokens, top_k]
     topk_ids: Any                #: int32 [num_tokens, top_k]
     expert_counts: Any           #: int32 [num_experts]
     sorted_token_ids: Any        #: int32 [max_padded]
@@ -344,20 +344,31 @@ class Context:
     # ------------------------------------------------------------------
 
     @staticmethod
-    def _topk_inputs(logits: Any, bias: Any, top_k: int, dtype: Optional[str],
-                     kind: str) -> Tuple[T.Tensor, Optional[T.Tensor], int, int, int]:
+    def _topk_inputs(logits: Any, bias: Any, top_k: int, dtype: Optional[str], kind: str,
+                     bias_dtype: Optional[str] = None) -> Tuple[T.Tensor, Optional[T.Tensor], int, int, int]:
         """Top-k gating's inputs checked: logits, bias, tokens, experts, top_k."""
         g = T.check("logits", logits, (None, None), T.input_dtypes(dtype), kind)
         tokens, experts = g.shape
-        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
+        b = None if bias is None else T.check("bias", bias, (experts,), T.input_dtypes(bias_dtype), kind)
         return g, b, tokens, experts, _uint("top_k", top_k)
+
+    @staticmethod
+    def _topk_out_specs(tokens: int, k: int, weights_dtype: str, ids_dtype: str,
+                        kind: str) -> Tuple[Tuple[Tuple[int, int], np.dtype], Tuple[Tuple[int, int], np.dtype]]:
+        """The weights' and ids' (shape, dtype) for the names weights_dtype and ids_dtype."""
+        return ((tokens, k), T.weights_dtype(weights_dtype, kind)), ((tokens, k), T.ids_dtype(ids_dtype))
 
     def _topk_desc(self, g: T.Tensor, tokens: int, experts: int, k: int, dtype: Optional[str],
                    groups: Optional[int], topk_group: Optional[int], scoring: str, group_score: str,
                    group_fill: str, renormalize: bool, scale: float, renormalize_floor: float,
-                   weighting: str = "score", renormalize_eps: float = 0.0, prepare: bool = True) -> ctypes.Structure:
+                   weighting: str = "score", renormalize_eps: float = 0.0, b: Optional[T.Tensor] = None,
+                   bias_dtype: Optional[str] = None, weights_dtype: str = "f32", ids_dtype: str = "int32",
+                   prepare: bool = True) -> ctypes.Structure:
         """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
-        fields = dict(num_expert_groups=_uint("groups", 0 if groups is None else groups),
+        fields = dict(weights_dtype=_enum("weights_dtype", weights_dtype, _lib.DTYPES),
+                      ids_dtype=_enum("ids_dtype", ids_dtype, _lib.INDEX_DTYPES),
+                      bias_dtype=_lib.DTYPES[T.input_dtypes(bias_dtype)[b.dtype]] if b is not None else 0,
+                      num_expert_groups=_uint("groups", 0 if groups is None else groups),
                       topk_group=_uint("topk_group", 0 if topk_group is None else topk_group),
                       gating_dtype=_lib.DTYPES[T.input_dtypes(dtype)[g.dtype]],
                       scoring=_enum("scoring", scoring, _lib.SCORINGS),
@@ -378,8 +389,8 @@ class Context:
                     groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                     renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
                     renormalize_eps: float = 0.0, group_fill: str = "neg_inf", weighting: str = "score",
-                    dtype: Optional[str] = None,
-                    counts: bool = False, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                    dtype: Optional[str] = None, bias_dtype: Optional[str] = None, weights_dtype: str = "f32",
+                    ids_dtype: str = "int32", counts: bool = False, out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
 
@@ -387,7 +398,8 @@ class Context:
             logits: float32, float16 or bfloat16 [tokens, experts] (see dtype).
             top_k: experts chosen per token.
             scoring: "softmax", "sigmoid", "sqrtsoftplus" or "raw" (the logit itself).
-            bias: float32 [experts] added to the scores for selection only, or None.
+            bias: [experts] added to the scores for selection only, or None:
+                float32, float16 or bfloat16 (see bias_dtype).
             groups, topk_group: group-limited selection (num_expert_groups
                 and topk_group), or None for none.
             group_score: "max" or "top2_sum".
@@ -403,6 +415,13 @@ class Context:
                 "sigmoid_chosen" (the sigmoid of their logits, Llama 4).
             dtype: None (from the array), "f32", "f16", or "bf16" (for
                 ml_dtypes.bfloat16 or raw uint16 arrays).
+            bias_dtype: the bias's type, as dtype is the logits'.
+            weights_dtype: "f32", "f16" (float16) or "bf16" (FlashInfer's):
+                the weights rounded to nearest even once, as they are
+                stored; bf16 arrays are ml_dtypes.bfloat16 on the host
+                where ml_dtypes is installed, else (and on the device)
+                uint16 arrays of the bits.
+            ids_dtype: "int32" or "int64" (PyTorch's topk, DeepEP).
             counts: also return expert_counts int32 [experts], the number
                 of slots routed to each expert.
             out: output arrays to write, by name ("weights", "ids", "counts").
@@ -413,9 +432,9 @@ class Context:
             wait_for: device tensors only: pyopencl.Events to wait on.
 
         Returns:
-            (weights float32 [tokens, top_k], ids int32 [tokens, top_k]),
-            then counts if asked for, then, for device tensors, the
-            call's pyopencl.Event.
+            (weights [tokens, top_k] of weights_dtype, ids [tokens, top_k]
+            of ids_dtype), then counts if asked for, then, for device
+            tensors, the call's pyopencl.Event.
 
         Raises:
             TypeError, ValueError: a tensor of the wrong kind, dtype, shape
@@ -425,8 +444,9 @@ class Context:
         """
         out = dict(out or {})
         kind = T.kind_of([logits, bias, *out.values()])
-        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind)
-        specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32), "counts": ((experts,), T.I32)}
+        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
+        w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
+        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
         given = T.outputs(specs, out, kind)
         if given["counts"] is not None and not counts:
             raise ValueError('out["counts"] given without counts=True')
@@ -434,7 +454,8 @@ class Context:
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
-                             renormalize, scale, renormalize_floor, weighting, renormalize_eps)
+                             renormalize, scale, renormalize_floor, weighting, renormalize_eps, b, bias_dtype,
+                             weights_dtype, ids_dtype)
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -786,11 +807,13 @@ class Context:
 
     def _dispatch(self, name: str, desc_of: Any, inputs: Sequence[Optional[T.Tensor]], tokens: int, k: int,
                   experts: int, block_size: int, slot_positions: bool, num_invalid: bool,
-                  out: Dict[str, Any], kind: str, queue: Any, wait_for: Optional[Sequence[Any]]) -> RouteDispatchResult:
+                  out: Dict[str, Any], kind: str, queue: Any, wait_for: Optional[Sequence[Any]],
+                  weights_dtype: str = "f32", ids_dtype: str = "int32") -> RouteDispatchResult:
         """The two route dispatch calls' common steps: the outputs checked,
         desc_of(context) building the routing's descriptor, the call."""
         block = _uint("block_size", block_size)
-        specs = {"topk_weights": ((tokens, k), T.F32), "topk_ids": ((tokens, k), T.I32),
+        w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
+        specs = {"topk_weights": w_spec, "topk_ids": ids_spec,
                  **self._align_specs(tokens, k, experts, block)}
         given = T.outputs(specs, out, kind)
         wanted = ["topk_weights", "topk_ids"] + self._align_wanted(specs, given, slot_positions, num_invalid)
@@ -808,7 +831,8 @@ class Context:
                        groups: Optional[int] = None, topk_group: Optional[int] = None, group_score: str = "max",
                        renormalize: bool = False, scale: float = 1.0, *, block_size: int = 64,
                        renormalize_floor: float = 0.0, renormalize_eps: float = 0.0, group_fill: str = "neg_inf",
-                       weighting: str = "score", dtype: Optional[str] = None, slot_positions: bool = True,
+                       weighting: str = "score", dtype: Optional[str] = None, bias_dtype: Optional[str] = None,
+                       weights_dtype: str = "f32", ids_dtype: str = "int32", slot_positions: bool = True,
                        num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
                        queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
         """Top-k gating through to dispatch in one call (moecl_route_dispatch;
@@ -818,8 +842,10 @@ class Context:
 
         Args:
             logits, top_k, scoring, bias, groups, topk_group, group_score,
-            renormalize, scale, renormalize_floor, renormalize_eps, group_fill, weighting, dtype: as
-            for topk_gating.
+            renormalize, scale, renormalize_floor, renormalize_eps, group_fill, weighting, dtype,
+            bias_dtype, weights_dtype: as for topk_gating.
+            ids_dtype: "int32" only (moe_align reads int32 ids); "int64"
+                raises moecl.InvalidArgumentError.
             block_size: as for moe_align.
             slot_positions, num_invalid: compute these optional outputs.
             out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
@@ -829,13 +855,14 @@ class Context:
         """
         out = dict(out or {})
         kind = T.kind_of([logits, bias, *out.values()])
-        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind)
+        g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
         return self._dispatch(
             "route_dispatch",
             lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
                                      group_fill, renormalize, scale, renormalize_floor, weighting,
-                                     renormalize_eps),
-            [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for)
+                                     renormalize_eps, b, bias_dtype, weights_dtype, ids_dtype),
+            [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for,
+            weights_dtype, ids_dtype)
 
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,
                                 alpha: float = 1.0, *, block_size: int = 64, dtype: Optional[str] = None,

@@ -56,6 +56,9 @@ class TopkGatingDesc(ctypes.Structure):
         ("group_fill", c_int),
         ("weighting", c_int),
         ("renormalize_eps", ctypes.c_float),
+        ("weights_dtype", c_int),
+        ("ids_dtype", c_int),
+        ("bias_dtype", c_int),
     ]
 
 
@@ -120,6 +123,7 @@ class MoeAlignDesc(ctypes.Structure):
 
 # The enums of moecl.h, by the names the Python API uses.
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
+INDEX_DTYPES = {"int32": 0, "int64": 1}
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "raw": 3}
 WEIGHTINGS = {"score": 0, "softmax_chosen": 1, "sigmoid_chosen": 2}
 PRECISIONS = {"fp32": 0, "tf32": 1, "3xtf32": 2}

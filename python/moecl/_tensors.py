@@ -20,6 +20,7 @@ DEVICE = "device"
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
 I32 = np.dtype(np.int32)
+I64 = np.dtype(np.int64)
 U16 = np.dtype(np.uint16)
 
 
@@ -52,6 +53,32 @@ def input_dtypes(dtype: Optional[str]) -> Dict[np.dtype, str]:
     if dtype == "bf16":
         return {U16: "bf16", **({bf16: "bf16"} if bf16 is not None else {})}
     raise ValueError('dtype must be None, "f32", "f16" or "bf16", not %r' % (dtype,))
+
+
+def weights_dtype(name: str, kind: str) -> np.dtype:
+    """The NumPy dtype of weights moecl writes as name ("f32", "f16", "bf16").
+
+    bf16 weights are ml_dtypes.bfloat16 arrays on the host where ml_dtypes
+    is installed, else (and on the device, where pyopencl has no bfloat16)
+    uint16 arrays of their bits, the upper halves of float32s.
+    """
+    if name == "f32":
+        return F32
+    if name == "f16":
+        return F16
+    if name == "bf16":
+        bf16 = bfloat16()
+        return bf16 if bf16 is not None and kind == HOST else U16
+    raise ValueError('weights_dtype must be "f32", "f16" or "bf16", not %r' % (name,))
+
+
+def ids_dtype(name: str) -> np.dtype:
+    """The NumPy dtype of ids moecl writes as name ("int32", "int64")."""
+    if name == "int32":
+        return I32
+    if name == "int64":
+        return I64
+    raise ValueError('ids_dtype must be "int32" or "int64", not %r' % (name,))
 
 
 class BufferView:

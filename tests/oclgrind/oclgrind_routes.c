@@ -430,6 +430,13 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     d.renormalize = c->renormalize;
     d.routed_scaling_factor = c->factor;
     d.gating_dtype = dtype;
+    /* The f16 and bf16 runs without counts also write weights of their
+     * dtype and read a bias of it, and the bf16 ones int64 ids: the typed
+     * stores and loads of cl/gating.cl. */
+    if (dtype != MOECL_F32 && !c->counts) {
+        d.weights_dtype = d.bias_dtype = dtype;
+        d.ids_dtype = dtype == MOECL_BF16 ? MOECL_I64 : MOECL_I32;
+    }
     snprintf(current, sizeof(current), "%s T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g", run->name,
              d.num_tokens, d.num_experts, d.top_k, dtype_name(dtype),
              c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->groups,
@@ -463,21 +470,26 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
 
     const size_t nk = (size_t)d.num_tokens * d.top_k;
     void *gating = special_rows(dtype, d.num_tokens, d.num_experts, shift);
-    float *bias = NULL;
+    void *bias = NULL;
     if (c->bias) {
         bias = xmalloc(d.num_experts * sizeof(float));
-        for (uint32_t e = 0; e < d.num_experts; e++)
-            bias[e] = randn() * 0.05f;
+        for (uint32_t e = 0; e < d.num_experts; e++) {
+            const float v = randn() * 0.05f;
+            if (d.bias_dtype == MOECL_F32)
+                ((float *)bias)[e] = v;
+            else
+                ((uint16_t *)bias)[e] = d.bias_dtype == MOECL_F16 ? ref_float_to_half(v) : ref_float_to_bf16(v);
+        }
     }
-    float *w = xmalloc(nk * sizeof(float));
-    int32_t *ids = xmalloc(nk * sizeof(int32_t));
+    void *w = xmalloc(nk * 8);
+    void *ids = xmalloc(nk * 8);
     int32_t *counts = xmalloc(d.num_experts * sizeof(int32_t));
     /* Through _host, whose buffers are exactly the tensors (the outputs
      * CL_MEM_WRITE_ONLY); _with_counts also through device buffers at
      * offsets. */
     for (int path = 0; path < (c->counts ? 2 : 1); path++) {
-        memset(w, 0xff, nk * sizeof(float));
-        memset(ids, 0xff, nk * sizeof(int32_t));
+        memset(w, 0xff, nk * 8);
+        memset(ids, 0xff, nk * 8);
         memset(counts, 0xff, d.num_experts * sizeof(int32_t));
         moecl_status st;
         if (!c->counts)
@@ -492,13 +504,13 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
             continue;
         }
         char msg[512] = "";
-        const int bad = ref_check_topk_gating(&d, gating, bias, w, ids, msg, sizeof(msg));
+        const int bad = ref_check_topk_gating_typed(&d, gating, bias, w, ids, msg, sizeof(msg));
         if (bad)
             fail("%d bad rows%s; first: %s", bad, how, msg);
         for (uint32_t e = 0; c->counts && e < d.num_experts; e++) {
             int32_t want = 0;
             for (size_t i = 0; i < nk; i++)
-                want += ids[i] == (int32_t)e;
+                want += ((const int32_t *)ids)[i] == (int32_t)e;
             if (counts[e] != want) {
                 fail("expert_counts[%u] is %d%s, the ids hold %d", e, counts[e], how, want);
                 break;
