@@ -55,6 +55,15 @@
 /* A lane's private row: EPT logits and EPT ranks. */
 #define LAYOUT_TOPK_TEAM_PRIVATE_BYTES(ept) ((4 + 4) * (ept))
 
+/* ---- replay_team (cl/replay.cl): top-k gating's team and rows ---------- */
+
+/* One row's local memory: the softmax's float slots (softmax scores
+ * weighed as such, without shuffles) and the row's values and ids. Less
+ * than top-k gating's row of the same shape, whose launch check (the
+ * launch shape is its) therefore admits the replay kernel too. */
+#define LAYOUT_REPLAY_TEAM_LOCAL_BYTES(team, rows, k, softmax, shuffle) \
+    ((rows) * (((shuffle) || !(softmax) ? 0 : 4 * (team)) + (4 + 4) * (k)))
+
 /* ---- topk_gating_rows: one work-item per row ------------------------- */
 
 /* The generic loop keeps the row as blocks of eight: scores (float8),

@@ -557,6 +557,10 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
  * configuration is the rows kernel, which has no such variant. */
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                      char *buf, size_t size, const char **kernel_name);
+/* The same for moecl_topk_weights (mode 1) and moecl_hash_routing (mode
+ * 2): cl/replay.cl's kernel (MOECL_PROGRAM_REPLAY). */
+void moecl_topk_gating_replay_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, unsigned mode,
+                                      char *buf, size_t size, const char **kernel_name);
 /* The same for moecl_router (weights and ids; a bias or not, router
  * logits or not). */
 void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc, bool has_bias,

@@ -247,6 +247,12 @@ moecl_launch_source moecl_topk_gating_launch(const moecl_context *ctx, const moe
     return resolve(ctx, &ctx->info, &r, config, &shape);
 }
 
+/* The kernel of request r in shape s: cl/replay.cl's for a replay. */
+static const char *kernel_name_of(const topk_request *r, const topk_shape *s)
+{
+    return !r->replay ? s->kernel_name : s->team > 1 ? "replay_team" : "replay_rows";
+}
+
 /* The -D defines of the variant of request r in shape s. */
 static void defines_of(const moecl_device_info *info, const topk_request *r, const topk_shape *s, char *defines,
                        size_t size)
@@ -298,7 +304,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     const moecl_program_kind kind = r->replay         ? MOECL_PROGRAM_REPLAY
                                     : r->has_dispatch ? MOECL_PROGRAM_ROUTE_DISPATCH
                                                       : MOECL_PROGRAM_TOPK_GATING;
-    const char *kernel_name = !r->replay ? shape.kernel_name : shape.team > 1 ? "replay_team" : "replay_rows";
+    const char *kernel_name = kernel_name_of(r, &shape);
     moecl_status st = moecl_variant_get(ctx, kind, defines, kernel_name, &plan->variants[0]);
     if (st != MOECL_SUCCESS)
         return st;
@@ -354,6 +360,17 @@ moecl_status moecl_topk_gating_replay_plan(moecl_context *ctx, const moecl_topk_
 {
     const topk_request r = replay_request_of(desc, mode);
     return plan_of(ctx, &r, plan);
+}
+
+void moecl_topk_gating_replay_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, unsigned mode,
+                                      char *buf, size_t size, const char **kernel_name)
+{
+    const topk_request r = replay_request_of(desc, mode);
+    moecl_launch_config config;
+    topk_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(info, &r, &shape, buf, size);
+    *kernel_name = kernel_name_of(&r, &shape);
 }
 
 moecl_status moecl_topk_gating_replay_launch(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,

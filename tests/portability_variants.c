@@ -7,13 +7,15 @@
  * team top-k method; for each specialisation in the lists below, the
  * library's own functions give the build options and -D defines the
  * runtime would pass there (moecl_build_options,
- * moecl_topk_gating_defines, moecl_grounded_router_defines: the code path
- * of the ops' prepare). The program text is moecl_program_source's, so
+ * moecl_topk_gating_defines, moecl_topk_gating_replay_defines,
+ * moecl_grounded_router_defines: the code path of the ops' prepare). The program text is moecl_program_source's, so
  * MOECL_KERNEL_DIR applies as at run time.
  *
  * Usage: portability_variants OUTDIR
  * Writes OUTDIR/topk_gating.cl, OUTDIR/grounded_router.cl,
- * OUTDIR/moe_align.cl, OUTDIR/route_dispatch.cl and OUTDIR/grounded_dispatch.cl (the program texts) and OUTDIR/manifest.tsv, one
+ * OUTDIR/moe_align.cl, OUTDIR/route_dispatch.cl, OUTDIR/ep_layout.cl,
+ * OUTDIR/grounded_dispatch.cl and OUTDIR/replay.cl (the program texts)
+ * and OUTDIR/manifest.tsv, one
  * compile per line, identical ones (same compiler, target, program and
  * options) once:
  *   compiler  target  device-config  program-file  kernel-name(s)  options  description
@@ -161,6 +163,24 @@ static const size_t counts_specs[] = {0, 2, 5, 11};
  * kernel at E=7 (the floor only: no groups). */
 static const size_t convention_specs[] = {1, 3, 5, 9};
 
+/* The replay kernels' conventions (cl/replay.cl), on the convention specs
+ * in turn: each scoring with a weighting (softmax and raw only with the
+ * weightings of the chosen), and each renormalisation rule (none, the
+ * floor, renormalize_eps). */
+typedef struct replay_convention {
+    moecl_scoring scoring;
+    moecl_weighting weighting;
+    bool renormalize;
+    float floor, eps;
+} replay_convention;
+
+static const replay_convention replay_conventions[] = {
+    {MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, true, 0.0f, 1e-20f},
+    {MOECL_SCORING_RAW, MOECL_WEIGHTS_SOFTMAX_CHOSEN, true, 6.103515625e-5f, 0.0f},
+    {MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SIGMOID_CHOSEN, false, 0.0f, 0.0f},
+    {MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SOFTMAX_CHOSEN, true, 0.0f, 1e-20f},
+};
+
 #undef NONE
 #undef MAX8
 #undef TOP2
@@ -189,6 +209,7 @@ static const grounded_spec mma_f32_specs[] = {{4096, 256, 8, MOECL_F32, 1}, {100
 static const moecl_precision mma_f32_precisions[] = {MOECL_PRECISION_TF32, MOECL_PRECISION_3XTF32};
 
 static const char *const dtype_names[] = {"f32", "f16", "bf16"};
+static const char *const scoring_names[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw"};
 
 /* ---- output ---- */
 
@@ -276,6 +297,31 @@ static void write_program(const char *dir, moecl_program_kind kind, const char *
     free(text);
 }
 
+/* moecl_topk_weights (given ids) and moecl_hash_routing (ids from the
+ * table) for descriptor d: cl/replay.cl's kernel, whose shape is the one
+ * top-k gating runs for d (what names the spec in words). */
+static void emit_replay(const target *t, const char *options, const config *c, const moecl_device_info *info,
+                        const moecl_topk_gating_desc *d, const char *what)
+{
+    for (unsigned mode = 1; mode <= 2; mode++) {
+        char defines[512], description[512], renorm[64] = "";
+        const char *kernel;
+        moecl_topk_gating_replay_defines(info, d, mode, defines, sizeof(defines), &kernel);
+        if (!strstr(defines, mode == 1 ? " -DREPLAY=1" : " -DREPLAY=2")) {
+            fprintf(stderr, "portability_variants: the replay defines do not name REPLAY=%u: %s\n", mode, defines);
+            exit(1);
+        }
+        if (d->renormalize)
+            snprintf(renorm, sizeof(renorm), " renormalize%s%s", d->renormalize_floor > 0.0f ? " floor 2^-14" : "",
+                     d->renormalize_eps > 0.0f ? " eps 1e-20" : "");
+        snprintf(description, sizeof(description), "%s E=%u k=%u %s %s weighting %d%s groups=%u/%u %s[%s]",
+                 mode == 1 ? "replay" : "hash_routing", d->num_experts, d->top_k, dtype_names[d->gating_dtype],
+                 scoring_names[d->scoring], (int)d->weighting, renorm, d->num_expert_groups, d->topk_group, what,
+                 c->name);
+        emit(t, "replay.cl", options, defines, kernel, description);
+    }
+}
+
 /* A grounded router specialisation at a precision, and
  * moecl_grounded_route_dispatch's one kernel (the team kernel with
  * moe_align's steps after its rows) where the rule gives the team kernel
@@ -322,6 +368,7 @@ int main(int argc, char **argv)
     write_program(dir, MOECL_PROGRAM_ROUTE_DISPATCH, "route_dispatch.cl");
     write_program(dir, MOECL_PROGRAM_EP_LAYOUT, "ep_layout.cl");
     write_program(dir, MOECL_PROGRAM_GROUNDED_DISPATCH, "grounded_dispatch.cl");
+    write_program(dir, MOECL_PROGRAM_REPLAY, "replay.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
     manifest = fopen(path, "w");
@@ -455,6 +502,36 @@ int main(int argc, char **argv)
                              s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none", c->name);
                     emit(t, "route_dispatch.cl", options, defines, kernel, description);
                 }
+            }
+
+            /* Replay and hash routing: every top-k spec (the bias has no
+             * place: it steers selection only), the conventions on the
+             * convention specs, and DeepSeek-V4's preset (384 experts top
+             * 6, sqrt(softplus), renormalize_eps), whose hash layers are
+             * what hash routing serves, in f32 and bf16. */
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(topk_specs) / sizeof(topk_specs[0]); i++) {
+                const moecl_topk_gating_desc d = topk_desc_of(&topk_specs[i]);
+                emit_replay(t, options, c, &info, &d, "");
+            }
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(convention_specs) / sizeof(convention_specs[0]);
+                 i++) {
+                const replay_convention *rc = &replay_conventions[i];
+                moecl_topk_gating_desc d = topk_desc_of(&topk_specs[convention_specs[i]]);
+                d.scoring = rc->scoring;
+                d.weighting = rc->weighting;
+                d.renormalize = rc->renormalize;
+                d.renormalize_floor = rc->floor;
+                d.renormalize_eps = rc->eps;
+                emit_replay(t, options, c, &info, &d, "");
+            }
+            for (int dt = 0; !grounded_only(c) && dt < 2; dt++) {
+                moecl_topk_gating_desc d;
+                if (moecl_topk_gating_desc_preset("deepseek-v4", 1, &d) != MOECL_SUCCESS) {
+                    fprintf(stderr, "portability_variants: no deepseek-v4 preset\n");
+                    exit(1);
+                }
+                d.gating_dtype = dt ? MOECL_BF16 : MOECL_F32;
+                emit_replay(t, options, c, &info, &d, "deepseek-v4 ");
             }
 
             for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++)

@@ -82,7 +82,7 @@ static size_t num_variants;
 static const char *const layout_defines[] = {"SCORING", "NUM_EXPERTS", "TOPK", "NUM_GROUPS", "TEAM", "ROWS", "EPT",
                                              "TEAM_SHUFFLE", "HIDDEN_DIM", "KERNEL", "TM", "TN",
                                              "TK", "MT", "NT", "WG", "SCAN_WG", "ONE_WG", "WARP_MATCH",
-                                             "MOECL_PTX", "CPU_DEVICE", "ROUTE_DISPATCH", "FUSED_WG"};
+                                             "MOECL_PTX", "CPU_DEVICE", "ROUTE_DISPATCH", "FUSED_WG", "WEIGHTING"};
 
 static char *layout_key(const char *kernels, const char *options)
 {
@@ -160,6 +160,7 @@ static void load_variants(void)
                   : strcmp(field[3], "route_dispatch.cl") == 0  ? MOECL_PROGRAM_ROUTE_DISPATCH
                   : strcmp(field[3], "grounded_dispatch.cl") == 0 ? MOECL_PROGRAM_GROUNDED_DISPATCH
                   : strcmp(field[3], "ep_layout.cl") == 0         ? MOECL_PROGRAM_EP_LAYOUT
+                  : strcmp(field[3], "replay.cl") == 0            ? MOECL_PROGRAM_REPLAY
                                                                 : MOECL_PROGRAM_MOE_ALIGN;
         v->kernels = strdup(field[4]);
         v->defines = strdup(defines + 1);
@@ -197,6 +198,14 @@ static described describe(const char *kernel, const char *d, bool ptx)
         r.private_bytes = LAYOUT_TOPK_TEAM_PRIVATE_BYTES(D("EPT"));
         r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 +
                    (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
+    } else if (strcmp(kernel, "replay_team") == 0) {
+        const bool softmax = D("SCORING") == 0 && D("WEIGHTING") == 0;
+        r.local = LAYOUT_REPLAY_TEAM_LOCAL_BYTES(D("TEAM"), D("ROWS"), D("TOPK"), softmax, shuffle);
+        r.arrays = (shuffle || !softmax ? 0 : 1) + 2;
+    } else if (strcmp(kernel, "replay_rows") == 0) {
+        /* No local memory, and no private array cl/layout.h describes
+         * (for a softmax, the row's logits and scores as blocks: fewer
+         * than top-k's rows kernel keeps for the same row). */
     } else if (strcmp(kernel, "topk_gating_rows") == 0) {
         r.private_bytes = LAYOUT_TOPK_ROWS_PRIVATE_BYTES(D("NUM_EXPERTS"), D("TOPK"), D("NUM_GROUPS"));
     } else if (strcmp(kernel, "grounded_router_team") == 0) {

@@ -38,8 +38,16 @@
 
 /* OP_GROUNDED_ROUTE: moecl_grounded_route_dispatch, the grounded desc with
  * the align desc's block_size. OP_ROUTER: moecl_router on the grounded
- * desc, without router logits, with a bias where `bias` is set. */
-typedef enum op_kind { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER } op_kind;
+ * desc, without router logits, with a bias where `bias` is set.
+ * OP_REPLAY: moecl_topk_weights on the topk desc, given distinct ids;
+ * OP_HASH: moecl_hash_routing on the topk desc, a table of HASH_VOCAB
+ * token ids. */
+typedef enum op_kind {
+    OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH
+} op_kind;
+
+/* DeepSeek-V4's vocabulary (its hash layers' tid2eid rows). */
+#define HASH_VOCAB 129280u
 
 typedef struct bench_case {
     const char *label;
@@ -205,14 +213,31 @@ typedef struct case_buffers {
     float *host_bias;
 } case_buffers;
 
+/* Whether the case's op takes the topk desc: top-k gating, replay, hash
+ * routing. */
+static bool topk_desc_op(const bench_case *c)
+{
+    return c->op == OP_TOPK || c->op == OP_REPLAY || c->op == OP_HASH;
+}
+
+/* Replay's given ids or hash routing's token ids. */
+static size_t replay_ids_bytes(const bench_case *c)
+{
+    return (size_t)c->topk.num_tokens * (c->op == OP_REPLAY ? c->topk.top_k : 1) * 4;
+}
+
 static size_t input_bytes(const bench_case *c)
 {
     if (c->op == OP_ALIGN)
         return (size_t)c->align.num_tokens * c->align.top_k * 4;
     if (c->op == OP_EP)
         return (size_t)c->ep.num_tokens * c->ep.top_k * 4;
-    if (c->op == OP_TOPK)
-        return (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
+    if (topk_desc_op(c)) {
+        /* hash routing also reads a table row (top_k ids) a token */
+        const size_t gating = (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
+        const size_t rows = c->op == OP_HASH ? (size_t)c->topk.num_tokens * c->topk.top_k * 4 : 0;
+        return gating + (c->op == OP_TOPK ? 0 : replay_ids_bytes(c)) + rows;
+    }
     const moecl_grounded_router_desc *d = &c->grounded;
     size_t s = ref_dtype_size(d->hidden_dtype);
     const size_t logits = c->op == OP_ROUTER ? 0 : (size_t)d->num_tokens * d->num_experts * 4;
@@ -270,6 +295,48 @@ static void ep_tables(cl_context cl, const moecl_ep_layout_desc *d, case_buffers
     }
 }
 
+/* Replay's and hash routing's ids, in tables[0] (and host_tables[0]):
+ * top_k distinct experts a token (replay), or a token id a token (hash
+ * routing), whose table, top_k distinct experts a row, is tables[1]. */
+static void replay_tables(cl_context cl, const bench_case *c, uint64_t *seed, case_buffers *b)
+{
+    const uint32_t e = c->topk.num_experts, k = c->topk.top_k;
+    const size_t rows = c->op == OP_REPLAY ? c->topk.num_tokens : HASH_VOCAB;
+    int32_t *ids = malloc(rows * k * 4 + 4);
+    for (size_t r = 0; r < rows; r++)
+        for (size_t j = 0; j < k; j++) {
+            bool again;
+            do {
+                *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+                ids[r * k + j] = (int32_t)((*seed >> 33) % e);
+                again = false;
+                for (size_t i = 0; i < j; i++)
+                    again |= ids[r * k + i] == ids[r * k + j];
+            } while (again);
+        }
+    if (c->op == OP_REPLAY) {
+        b->host_tables[0] = ids;
+        b->tables[0] = tool_make_buffer("moecl-bench", cl, rows * k * 4, ids);
+        return;
+    }
+    int32_t *tokens = malloc((size_t)c->topk.num_tokens * 4 + 4);
+    for (size_t t = 0; t < c->topk.num_tokens; t++) {
+        *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+        tokens[t] = (int32_t)((*seed >> 33) % HASH_VOCAB);
+    }
+    b->host_tables[0] = tokens;
+    b->tables[0] = tool_make_buffer("moecl-bench", cl, replay_ids_bytes(c), tokens);
+    b->host_tables[1] = ids;
+    b->tables[1] = tool_make_buffer("moecl-bench", cl, rows * k * 4, ids);
+}
+
+/* The routing's (token, slot) pairs. */
+static size_t routed_slots(const bench_case *c)
+{
+    return topk_desc_op(c) ? (size_t)c->topk.num_tokens * c->topk.top_k
+                           : (size_t)c->grounded.num_tokens * c->grounded.top_k;
+}
+
 static size_t output_bytes(const bench_case *c)
 {
     size_t sizes[7];
@@ -279,14 +346,9 @@ static size_t output_bytes(const bench_case *c)
         return (size_t)c->grounded.num_tokens * c->grounded.top_k * 8 + align_sizes(&c->align, sizes);
     if (c->op == OP_EP)
         return ep_sizes(&c->ep, sizes);
-    return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k * 8 : (size_t)c->grounded.num_tokens * c->grounded.top_k * 8;
-}
-
-/* The routing's (token, slot) pairs. */
-static size_t routed_slots(const bench_case *c)
-{
-    return c->op == OP_TOPK ? (size_t)c->topk.num_tokens * c->topk.top_k
-                            : (size_t)c->grounded.num_tokens * c->grounded.top_k;
+    if (c->op == OP_REPLAY)
+        return (size_t)c->topk.num_tokens * c->topk.top_k * 4; /* the weights only */
+    return routed_slots(c) * 8;
 }
 
 static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_logits logits, case_buffers *b)
@@ -324,10 +386,11 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
                 b->host_in = ids;
             else
                 free(ids);
-        } else if (c->op == OP_TOPK) {
+        } else if (topk_desc_op(c)) {
             const moecl_topk_gating_desc *d = &c->topk;
             void *g = tool_logits_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, logits);
-            b->in[s] = tool_make_buffer("moecl-bench", cl, input_bytes(c), g);
+            b->in[s] = tool_make_buffer("moecl-bench", cl,
+                                        (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype), g);
             if (s == 0)
                 b->host_in = g;
             else
@@ -385,6 +448,8 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
         for (int i = 0; i < 6; i++)
             b->dispatch[i] = tool_make_buffer("moecl-bench", cl, sizes[i], NULL);
     }
+    if (c->op == OP_REPLAY || c->op == OP_HASH)
+        replay_tables(cl, c, &seed, b);
     size_t nk = routed_slots(c);
     b->out1 = tool_make_buffer("moecl-bench", cl, nk * 8, NULL); /* weights, or pairs */
     b->out2 = tool_make_buffer("moecl-bench", cl, nk * 4, NULL); /* ids */
@@ -440,6 +505,13 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
             (moecl_buffer){d[0], 0}, (moecl_buffer){d[1], 0}, (moecl_buffer){d[2], 0}, (moecl_buffer){d[3], 0},
             (moecl_buffer){d[4], 0}, (moecl_buffer){d[5], 0}, after ? 1 : 0, after ? &after : NULL, done);
     }
+    if (c->op == OP_REPLAY)
+        return moecl_topk_weights(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->tables[0], 0},
+                                  (moecl_buffer){b->out1, 0}, after ? 1 : 0, after ? &after : NULL, done);
+    if (c->op == OP_HASH)
+        return moecl_hash_routing(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->tables[0], 0},
+                                  (moecl_buffer){b->tables[1], 0}, HASH_VOCAB, (moecl_buffer){b->out1, 0},
+                                  (moecl_buffer){b->out2, 0}, after ? 1 : 0, after ? &after : NULL, done);
     moecl_buffer bias = {b->bias, 0};
     if (c->op == OP_TOPK)
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
@@ -560,6 +632,29 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
         bad = ref_check_topk_gating(&c->topk, b->host_in, b->host_bias, w, ids, r->check_msg, sizeof(r->check_msg));
+    } else if (c->op == OP_REPLAY || c->op == OP_HASH) {
+        /* The weights against the reference on the ids weighed: the given
+         * ones, or the table's rows, which hash routing must return. */
+        clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
+        bad = 0;
+        if (c->op == OP_REPLAY) {
+            memcpy(ids, b->host_tables[0], nk * 4);
+        } else {
+            const size_t k = c->topk.top_k;
+            int32_t *got = malloc(nk * 4 + 4);
+            clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, got, 0, NULL, NULL);
+            for (size_t i = 0; i < nk; i++)
+                ids[i] = b->host_tables[1][(size_t)b->host_tables[0][i / k] * k + i % k];
+            for (size_t i = 0; i < nk && !bad; i++)
+                if (got[i] != ids[i]) {
+                    snprintf(r->check_msg, sizeof(r->check_msg), "row %zu slot %zu: id %d, the table holds %d",
+                             i / k, i % k, (int)got[i], (int)ids[i]);
+                    bad = 1;
+                }
+            free(got);
+        }
+        if (!bad)
+            bad = ref_check_topk_weights(&c->topk, b->host_in, ids, w, r->check_msg, sizeof(r->check_msg));
     } else if (c->op == OP_ROUTER) {
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
@@ -614,6 +709,18 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     } else if (c->op == OP_TOPK) {
         if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)))
             die(c->label, prof, st);
+    } else if (c->op == OP_REPLAY || c->op == OP_HASH) {
+        /* No _prepare: a call of no tokens builds the kernel, nothing else. */
+        moecl_topk_gating_desc none = c->topk;
+        none.num_tokens = 0;
+        for (int i = 0; i < 2; i++) {
+            moecl_context *ctx = i ? plain : prof;
+            st = c->op == OP_REPLAY ? moecl_topk_weights_host(ctx, &none, NULL, NULL, NULL)
+                                    : moecl_hash_routing_host(ctx, &none, NULL, NULL, b.host_tables[1], HASH_VOCAB,
+                                                              NULL, NULL);
+            if (st != MOECL_SUCCESS)
+                die(c->label, ctx, st);
+        }
     } else if ((st = moecl_grounded_router_prepare(prof, &c->grounded)) ||
                (st = moecl_grounded_router_prepare(plain, &c->grounded)) ||
                (c->op == OP_GROUNDED_ROUTE && ((st = moecl_moe_align_prepare(prof, &c->align)) ||
@@ -840,6 +947,23 @@ static int default_cases(bench_case *out, bool quick)
         c->topk = moecl_topk_gating_desc_init(8192, 128, 8);
         c->topk.gating_dtype = (moecl_dtype)dt;
     }
+    /* Routing replay and hash routing (moecl_topk_weights,
+     * moecl_hash_routing): the seed's softmax at a decode and a prefill
+     * size, and DeepSeek-V4's preset (384 experts, top 6, sqrt(softplus),
+     * renormalised with eps, factor 2.5), whose hash layers route so; the
+     * prefill sizes only without --quick. */
+    static const unsigned replay_tokens[] = {1, 4083};
+    for (int op = 0; op < 2; op++)
+        for (int v4 = 0; v4 < 2; v4++)
+            for (int i = 0; i < (quick ? 1 : 2); i++) {
+                bench_case *c = &out[n++];
+                memset(c, 0, sizeof(*c));
+                c->label = op ? (v4 ? "hash dsv4" : "hash") : (v4 ? "replay dsv4" : "replay");
+                c->op = op ? OP_HASH : OP_REPLAY;
+                c->topk = moecl_topk_gating_desc_init(replay_tokens[i], 128, 8);
+                if (v4 && moecl_topk_gating_desc_preset("deepseek-v4", replay_tokens[i], &c->topk) != MOECL_SUCCESS)
+                    die("the deepseek-v4 preset", NULL, MOECL_ERROR_INVALID_ARGUMENT);
+            }
     /* moe_align after the routing of the seed shapes: top_k 8, block 64. */
     for (size_t i = 0; i < sizeof(seed) / sizeof(seed[0]); i++) {
         bench_case *c = &out[n++];
@@ -933,7 +1057,7 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
     else if (c->op == OP_EP)
         snprintf(buf, size, "%ux%u k%u r%u p%u", c->ep.num_tokens, c->ep.num_experts, c->ep.top_k, c->ep.num_ranks,
                  c->ep.num_physical);
-    else if (c->op == OP_TOPK)
+    else if (topk_desc_op(c))
         snprintf(buf, size, "%ux%u k%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k);
     else if (c->op == OP_GROUNDED_ROUTE)
         snprintf(buf, size, "%ux%ux%u k%u b%u", c->grounded.num_tokens, c->grounded.hidden_dim,
@@ -1159,9 +1283,17 @@ static bool case_selected(const bench_case *c, const options *o)
     return false;
 }
 
+/* The case's dtype as the CSV and JSON give it: 3 for the ids (i32). */
+static int case_dtype(const bench_case *c)
+{
+    return c->op == OP_ALIGN || c->op == OP_EP ? 3
+           : topk_desc_op(c)                   ? (int)c->topk.gating_dtype
+                                               : (int)c->grounded.hidden_dtype;
+}
+
 static const char *dtype_name(const bench_case *c)
 {
-    moecl_dtype dt = c->op == OP_TOPK ? c->topk.gating_dtype : c->grounded.hidden_dtype;
+    moecl_dtype dt = topk_desc_op(c) ? c->topk.gating_dtype : c->grounded.hidden_dtype;
     return c->op == OP_ALIGN || c->op == OP_EP ? "i32" : dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16";
 }
 
@@ -1173,7 +1305,7 @@ static cJSON *case_json(const bench_case *c, const bench_result *r)
     char shape[64], hash[17];
     shape_text(c, shape, sizeof(shape));
     snprintf(hash, sizeof(hash), "%016llx", (unsigned long long)r->ids_hash);
-    const int dt = c->op == OP_ALIGN || c->op == OP_EP ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+    const int dt = case_dtype(c);
     cJSON *j = cJSON_CreateObject();
     const struct {
         const char *name;
@@ -1420,7 +1552,7 @@ int main(int argc, char **argv)
         const bench_result *r = &results[i];
         char shape[64];
         shape_text(c, shape, sizeof(shape));
-        int dt = c->op == OP_ALIGN || c->op == OP_EP ? 3 : c->op == OP_TOPK ? (int)c->topk.gating_dtype : (int)c->grounded.hidden_dtype;
+        int dt = case_dtype(c);
         if (list)
             cJSON_AddItemToArray(list, case_json(c, r));
         if (cf)

@@ -174,7 +174,7 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 /* ---- runs ---- */
 
-typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER } op_kind;
+typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY } op_kind;
 
 typedef struct run_def {
     const char *name;
@@ -285,6 +285,13 @@ static const run_def runs[] = {
      * kernel (gpu). */
     {"router-cpu", OP_ROUTER, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"router-gpu", OP_ROUTER, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    /* moecl_topk_weights and moecl_hash_routing (cl/replay.cl): top-k
+     * gating's launch, so the rows kernel (cpu), the rule's team kernel or
+     * for up to 8 experts the rows kernel (gpu), and a small team with
+     * few rows a work-group (padding rows in the last one). */
+    {"replay-cpu", OP_REPLAY, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"replay-gpu", OP_REPLAY, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"replay-team4-rows4", OP_REPLAY, "gpu", NULL, true, {MOECL_KERNEL_TEAM, 4, 4, 0, {0}}, false, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -303,7 +310,7 @@ static moecl_launch_config expected_launch(const run_def *run, uint32_t experts)
         return run->force;
     if (strcmp(run->launch_class, "cpu") == 0)
         return (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}};
-    if (run->op == OP_TOPK)
+    if (run->op == OP_TOPK || run->op == OP_REPLAY)
         return experts <= 8 ? (moecl_launch_config){MOECL_KERNEL_ROWS, 1, 0, 0, {0}}
                             : (moecl_launch_config){MOECL_KERNEL_TEAM, 0, 0, 0, {0}};
     if (experts <= 64)
@@ -692,6 +699,163 @@ static void run_router(moecl_context *ctx, const run_def *run)
 {
     for (size_t i = 0; i < COUNT(grounded_cases); i++)
         router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3));
+}
+
+/* ---- routing replay and hash routing ---- */
+
+typedef struct replay_case {
+    uint32_t experts, top_k, groups, topk_group;
+    moecl_scoring scoring;
+    moecl_weighting weighting;
+    bool renormalize;
+    float floor, eps, factor;
+    bool every_shape; /* also in the forced team run */
+    bool big;         /* 3 tokens (the others: TOPK_TOKENS) */
+} replay_case;
+
+#define FLOOR_2_14 6.103515625e-5f
+static const replay_case replay_cases[] = {
+    /* softmax scores, no groups: the rows kernel's fast path on CPU devices */
+    {5, 2, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, 0.0f, 0.0f, 1.0f, true, false},
+    {17, 3, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, true, 0.0f, 1e-20f, 2.5f, true, false},
+    /* the generic paths, each weighting and renormalisation rule */
+    {24, 6, 0, 0, MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, true, FLOOR_2_14, 0.0f, 2.5f, true, false},
+    {32, 6, 8, 3, MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, true, 0.0f, 1e-20f, 1.5f, true, false},
+    {40, 8, 0, 0, MOECL_SCORING_RAW, MOECL_WEIGHTS_SOFTMAX_CHOSEN, false, 0.0f, 0.0f, 1.0f, false, false},
+    {64, 4, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SIGMOID_CHOSEN, true, 0.0f, 0.0f, 1.0f, false, false},
+    /* the seed's shape, and DeepSeek-V4's hash layers (its preset, below) */
+    {128, 8, 0, 0, MOECL_SCORING_SOFTMAX, MOECL_WEIGHTS_SCORE, false, 0.0f, 0.0f, 1.0f, false, true},
+    {384, 6, 0, 0, MOECL_SCORING_SQRTSOFTPLUS, MOECL_WEIGHTS_SCORE, true, 0.0f, 0.0f, 0.0f, false, true},
+};
+#undef FLOOR_2_14
+
+/* Hash routing's table rows: a small vocabulary, so that tokens repeat. */
+#define REPLAY_VOCAB 13
+
+/* Mode 1: moecl_topk_weights on given ids (valid ones, repeats, ids that
+ * are no expert); mode 2: moecl_hash_routing, its ids from a table with
+ * entries that are no expert, for token ids inside and outside the
+ * vocabulary. Through _host (device_path false) or device buffers at
+ * offsets, tight at the end. The weights are judged by the reference on
+ * the ids the kernel weighed; hash routing's ids must be the table's. */
+static void replay_one(moecl_context *ctx, const run_def *run, const replay_case *c, int mode, moecl_dtype dtype,
+                       unsigned shift, bool device_path)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->big ? 3 : TOPK_TOKENS, c->experts, c->top_k);
+    if (c->experts == 384) {
+        if (moecl_topk_gating_desc_preset("deepseek-v4", d.num_tokens, &d) != MOECL_SUCCESS) {
+            fail("no deepseek-v4 preset: %s", moecl_context_error(NULL));
+            return;
+        }
+    } else {
+        d.num_expert_groups = c->groups;
+        d.topk_group = c->topk_group;
+        d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+        d.scoring = c->scoring;
+        d.weighting = c->weighting;
+        d.renormalize = c->renormalize;
+        d.renormalize_floor = c->floor;
+        d.renormalize_eps = c->eps;
+        d.routed_scaling_factor = c->factor;
+    }
+    d.gating_dtype = dtype;
+    snprintf(current, sizeof(current), "%s %s T=%u E=%u k=%u %s scoring=%d weighting=%d groups=%u/%u%s%s%s "
+             "factor=%g%s", run->name, mode == 1 ? "replay" : "hash", d.num_tokens, d.num_experts, d.top_k,
+             dtype_name(dtype), (int)d.scoring, (int)d.weighting, d.num_expert_groups, d.topk_group,
+             d.renormalize ? " renormalize" : "", d.renormalize_floor > 0.0f ? " floor" : "",
+             d.renormalize_eps > 0.0f ? " eps" : "", (double)d.routed_scaling_factor,
+             device_path ? " (device buffers)" : "");
+    if (!selected())
+        return;
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_topk_gating_launch(ctx, &d, &key, &config);
+    check_launch(run, d.num_experts, config);
+    /* cl/gating.cl's ROWS_FAST: the rows kernel's 16-lane softmax */
+    const bool rows_fast = config.kernel == MOECL_KERNEL_ROWS && d.scoring == MOECL_SCORING_SOFTMAX &&
+                           d.weighting == MOECL_WEIGHTS_SCORE && !d.num_expert_groups;
+    if (left_out_by_uninit(rows_fast ? "the fast path's 16-lane vectors break --uninitialized (tool_bugs: "
+                                       "shuffle16_uninitialized, shuffle_undef_crash)"
+                                     : NULL))
+        return;
+
+    const uint32_t t = d.num_tokens, e = d.num_experts, k = d.top_k;
+    const size_t nk = (size_t)t * k;
+    void *gating = special_rows(dtype, t, e, shift);
+    int32_t *ids = xmalloc(nk * 4), *table = xmalloc((size_t)REPLAY_VOCAB * k * 4), *tokens = xmalloc(t * 4);
+    const int32_t bad_ids[] = {-1, (int32_t)e, INT32_MAX, INT32_MIN};
+    /* Mostly experts; a repeat of the slot before and an id that is no
+     * expert now and then. */
+    int32_t *const fill = mode == 1 ? ids : table;
+    const size_t fill_n = mode == 1 ? nk : (size_t)REPLAY_VOCAB * k;
+    for (size_t i = 0; i < fill_n; i++) {
+        const uint32_t pick = (uint32_t)(splitmix() % 8);
+        fill[i] = pick == 0 ? bad_ids[splitmix() % COUNT(bad_ids)]
+                  : pick == 1 && i % k ? fill[i - 1]
+                                       : (int32_t)(splitmix() % e);
+    }
+    for (uint32_t r = 0; r < t; r++)
+        tokens[r] = r == 1 ? -1 : r == 2 ? REPLAY_VOCAB : (int32_t)(splitmix() % REPLAY_VOCAB);
+    if (mode == 2)
+        for (uint32_t r = 0; r < t; r++)
+            for (uint32_t j = 0; j < k; j++)
+                ids[(size_t)r * k + j] = (uint32_t)tokens[r] < REPLAY_VOCAB ? table[(size_t)tokens[r] * k + j] : -1;
+
+    float *w = xmalloc(nk * 4);
+    int32_t *out_ids = xmalloc(nk * 4);
+    memset(w, 0xff, nk * 4);
+    memset(out_ids, 0xff, nk * 4);
+    moecl_status st;
+    if (!device_path) {
+        st = mode == 1 ? moecl_topk_weights_host(ctx, &d, gating, ids, w)
+                       : moecl_hash_routing_host(ctx, &d, gating, tokens, table, REPLAY_VOCAB, w, out_ids);
+    } else {
+        moecl_buffer in = tight_buffer(ctx, 64, (size_t)t * e * ref_dtype_size(dtype), gating);
+        moecl_buffer ib = mode == 1 ? tight_buffer(ctx, 12, nk * 4, ids) : tight_buffer(ctx, 12, t * 4, tokens);
+        moecl_buffer tb = tight_buffer(ctx, 8, (size_t)REPLAY_VOCAB * k * 4, table);
+        moecl_buffer wb = tight_buffer(ctx, 4, nk * 4, NULL);
+        moecl_buffer ob = tight_buffer(ctx, 16, nk * 4, NULL);
+        cl_event done = NULL;
+        st = mode == 1 ? moecl_topk_weights(ctx, &d, in, ib, wb, 0, NULL, &done)
+                       : moecl_hash_routing(ctx, &d, in, ib, tb, REPLAY_VOCAB, wb, ob, 0, NULL, &done);
+        if (done) {
+            clWaitForEvents(1, &done);
+            clReleaseEvent(done);
+        }
+        read_back(ctx, wb, nk * 4, w);
+        read_back(ctx, ob, nk * 4, out_ids);
+        clReleaseMemObject(in.mem);
+        clReleaseMemObject(ib.mem);
+        clReleaseMemObject(tb.mem);
+    }
+    char msg[512] = "";
+    if (st != MOECL_SUCCESS) {
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        for (size_t i = 0; mode == 2 && i < nk; i++)
+            if (out_ids[i] != ids[i]) {
+                fail("row %zu slot %zu: id %d, the table holds %d", i / k, i % k, out_ids[i], ids[i]);
+                break;
+            }
+        const int bad = ref_check_topk_weights(&d, gating, ids, w, msg, sizeof(msg));
+        if (bad)
+            fail("%d bad rows; first: %s", bad, msg);
+    }
+    void *all[] = {gating, ids, table, tokens, w, out_ids};
+    for (size_t i = 0; i < COUNT(all); i++)
+        free(all[i]);
+}
+
+static void run_replay(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(replay_cases); i++) {
+        if (!run->all_cases && !replay_cases[i].every_shape)
+            continue;
+        /* the dtypes and the two paths in turn, each in both modes */
+        for (int mode = 1; mode <= 2; mode++)
+            replay_one(ctx, run, &replay_cases[i], mode, (moecl_dtype)((i + (size_t)mode) % 3), (unsigned)(i + mode),
+                       (i + (size_t)mode) % 2 == 1);
+    }
 }
 
 /* Chunks of 1024 are the rows kernel's alone; the other kernels walk the
@@ -1145,7 +1309,9 @@ static int run_one(const run_def *run)
     clGetDeviceInfo(moecl_context_device(ctx), CL_DEVICE_NAME, sizeof(device), device, NULL);
     fprintf(stderr, "run %s on %s\n", run->name, device);
     if (run->forced)
-        moecl_launch_force(ctx, run->op == OP_TOPK ? MOECL_OP_TOPK_GATING : MOECL_OP_GROUNDED_ROUTER, &run->force);
+        moecl_launch_force(ctx, run->op == OP_TOPK || run->op == OP_REPLAY ? MOECL_OP_TOPK_GATING
+                                                                            : MOECL_OP_GROUNDED_ROUTER,
+                           &run->force);
     if (run->op == OP_TOPK)
         run_topk(ctx, run);
     else if (run->op == OP_GROUNDED)
@@ -1158,6 +1324,8 @@ static int run_one(const run_def *run)
         run_route(ctx, run);
     else if (run->op == OP_ROUTER)
         run_router(ctx, run);
+    else if (run->op == OP_REPLAY)
+        run_replay(ctx, run);
     else
         run_grounded_route(ctx, run);
     moecl_context_destroy(ctx);
