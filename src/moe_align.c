@@ -400,22 +400,15 @@ static align_sizes sizes_of(const moecl_moe_align_desc *d)
                          max_padded / d->block_size * 4, (uint64_t)d->num_global_experts * 4};
 }
 
-/* A tensors struct: struct_size covers this moecl's first version (which
- * ends at expert_map) and anything past what this moecl knows is zero, so
- * that a field of a later moecl is refused rather than ignored. */
-static moecl_status check_struct(moecl_context *ctx, const char *name, const void *t, size_t struct_size,
-                                 size_t known)
+/* A tensors record's size: one this moecl knows, as for
+ * moecl_topk_gating_ex (its first version, which ends at expert_map, is
+ * today's whole record). */
+static moecl_status check_struct(moecl_context *ctx, size_t struct_size, size_t known)
 {
-    if (struct_size < known)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s->struct_size is %zu; it must be at least %zu",
-                          name, struct_size, known);
-    const unsigned char *bytes = t;
-    for (size_t i = known; i < struct_size; i++)
-        if (bytes[i])
-            return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                              "%s->struct_size is %zu and byte %zu is set: a field this moecl (whose struct has "
-                              "%zu bytes) does not know",
-                              name, struct_size, i, known);
+    if (struct_size != known)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "tensors->struct_size is %zu; this moecl takes %zu (set it to sizeof the record)",
+                          struct_size, known);
     return MOECL_SUCCESS;
 }
 
@@ -443,7 +436,7 @@ moecl_status moecl_moe_align_ex(moecl_context *ctx, const moecl_moe_align_desc *
         return st;
     if (!t)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
-    if ((st = check_struct(ctx, "tensors", t, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
         (st = check_map(ctx, desc, t->expert_map.mem != NULL)) != MOECL_SUCCESS)
         return st;
     const align_sizes z = sizes_of(desc);
@@ -499,7 +492,7 @@ moecl_status moecl_moe_align_ex_host(moecl_context *ctx, const moecl_moe_align_d
         return st;
     if (!t)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
-    if ((st = check_struct(ctx, "tensors", t, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
         (st = check_map(ctx, desc, t->expert_map != NULL)) != MOECL_SUCCESS)
         return st;
     const align_sizes z = sizes_of(desc);

@@ -1097,10 +1097,10 @@ MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_
                                             int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                             int32_t *num_invalid);
 
-/** The buffers of moecl_moe_align_ex(), by name. Set struct_size to
- *  sizeof(moecl_moe_align_tensors) and every buffer not passed to
- *  {NULL, 0}: a later moecl may add fields after the last, and reads
- *  those past struct_size as absent. */
+/** The buffers of moecl_moe_align_ex(), by name. Zero the record, set
+ *  struct_size to sizeof(moecl_moe_align_tensors), then the buffers: an
+ *  absent one has mem NULL. A later moecl may append fields; a caller's
+ *  struct_size tells it which this record holds. */
 typedef struct moecl_moe_align_tensors {
     size_t struct_size;                  /**< sizeof(moecl_moe_align_tensors) */
     moecl_buffer topk_ids;               /**< int32_t[num_tokens][top_k], input */
@@ -1145,11 +1145,9 @@ typedef struct moecl_moe_align_tensors {
  * failed call leaves are moecl_moe_align()'s.
  *
  * Errors: those of moecl_moe_align(), and MOECL_ERROR_INVALID_ARGUMENT
- * for a NULL tensors, a struct_size below sizeof(moecl_moe_align_tensors)
- * of this moecl's first version (it ends at expert_map), a larger
- * struct_size whose bytes past this moecl's struct are not all zero (a
- * field this moecl does not know, refused rather than ignored), an
- * expert_map without num_global_experts or num_global_experts without an
+ * for a NULL tensors, a struct_size this moecl does not know (today's
+ * record, which ends at expert_map, is its first version), an expert_map
+ * without num_global_experts or num_global_experts without an
  * expert_map, an expert_map smaller than num_global_experts entries.
  * Nothing is enqueued and no output byte changes for any of them.
  */
