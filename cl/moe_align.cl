@@ -33,8 +33,10 @@
  *
  * Build-time defines: WG (work-items of the count and scatter work-groups;
  * 1 on CPUs, where each chunk is then a plain loop), SCAN_WG (the scan's
- * work-group) and ONE_WG (the one-group kernel's work-group). Everything
- * else is a kernel argument. OpenCL C 1.2 with no extensions: local
+ * work-group), ONE_WG (the one-group kernel's work-group) and HAS_MAP
+ * (expert parallelism: the kernels that read ids take three more
+ * arguments, MAP_KERNEL_PARAMS, and map each id where they read it;
+ * column_of says how). Everything else is a kernel argument. OpenCL C 1.2 with no extensions: local
  * atomic_inc on uint is core since 1.1. Sizes fit in int32 (the host
  * validates num_tokens * top_k + E * (block_size - 1) <= INT32_MAX), so
  * uint arithmetic does not wrap. */
@@ -78,27 +80,65 @@
  * trip to memory a step. */
 #define LOAD_BATCH 8
 
-/* The column of a slot's id: its expert, or E for an id outside [0, E). */
-static inline uint column_of(int id, uint num_experts)
+#ifndef HAS_MAP
+#define HAS_MAP 0
+#endif
+/* HAS_MAP: the global-to-local expert map (int32[num_global], a local
+ * expert or -1) follows every function that maps ids, as MAP_PARAM, and
+ * every kernel that reads ids, as MAP_KERNEL_PARAMS (MAP_SETUP applies its
+ * offset). Without it they are empty, so those variants are unchanged. */
+#if HAS_MAP
+#define MAP_PARAM , __global const int *expert_map, uint num_global
+#define MAP_ARG , expert_map, num_global
+#define MAP_KERNEL_PARAMS , __global const int *expert_map_base, ulong map_off, uint num_global
+#define MAP_SETUP __global const int *expert_map = expert_map_base + map_off
+/* Whether a column is counted: all but a remote expert's (E + 1). */
+#define COUNTED(e, num_experts) ((e) <= (num_experts))
+#else
+#define MAP_PARAM
+#define MAP_ARG
+#define MAP_KERNEL_PARAMS
+#define MAP_SETUP
+#define COUNTED(e, num_experts) 1
+#endif
+
+/* The column of a slot's id: its expert, or E for an id outside [0, E).
+ * With the map, the id is global: E where it is outside [0, num_global)
+ * or its map entry is neither -1 nor a local expert (both counted in
+ * num_invalid), E + 1 where the entry is -1 (another rank's expert:
+ * skipped, not counted; the same column as a tile's slots past the end,
+ * which no slot has either), else the entry. */
+static inline uint column_of(int id, uint num_experts MAP_PARAM)
 {
+#if HAS_MAP
+    if (id < 0 || (uint)id >= num_global)
+        return num_experts;
+    id = expert_map[id];
+    if (id == -1)
+        return num_experts + 1;
+#endif
     return id >= 0 && (uint)id < num_experts ? (uint)id : num_experts;
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void moe_align_count(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
-                     __global uint *matrix, __local uint *hist)
+                     __global uint *matrix, __local uint *hist MAP_KERNEL_PARAMS)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
     ids += ids_off;
+    MAP_SETUP;
     for (uint e = lid; e < cols; e += WG)
         hist[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = c * chunk, end = min(begin + chunk, num_slots);
     for (uint s = begin + lid; s < end; s += WG) {
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
+        if (!COUNTED(e, num_experts))
+            continue;
 #if WG == 1
-        hist[column_of(ids[s], num_experts)]++;
+        hist[e]++;
 #else
-        atomic_inc(&hist[column_of(ids[s], num_experts)]);
+        atomic_inc(&hist[e]);
 #endif
     }
     barrier(CLK_LOCAL_MEM_FENCE);
@@ -234,10 +274,11 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
                        __global const uint *matrix, ulong starts_off, __global int *sorted,
                        ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots,
                        uint block_size, uint max_padded, uint num_blocks, __global int *blocks, ulong blocks_off,
-                       __local uint *run)
+                       __local uint *run MAP_KERNEL_PARAMS)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), cols = num_experts + 1;
     ids += ids_off;
+    MAP_SETUP;
     __global const uint *row = matrix + (size_t)c * cols, *expert_start = matrix + starts_off;
     /* Padding positions (the sentinel num_slots) and blocks, spread over
      * every work-item of the launch: a launch of its own would cost the
@@ -261,7 +302,7 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
     const uint begin = c * chunk, end = min(begin + chunk, num_slots);
 #if WG == 1
     for (uint s = begin; s < end; s++) {
-        const uint e = column_of(ids[s], num_experts);
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
         int pos = -1;
         if (e < num_experts) {
             pos = (int)run[e]++;
@@ -275,7 +316,7 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
     for (uint base = begin; base < end; base += WG) {
         const uint s = base + lid;
         /* Past the end: a column no slot has. */
-        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        const uint e = s < end ? column_of(ids[s], num_experts MAP_ARG) : num_experts + 1;
         place_tile(s, e, s < end, lid, tile, run, num_experts, sorted, sorted_off, slot_positions, slot_off,
                    has_slots);
     }
@@ -359,8 +400,9 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
                          __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
                          __global int *post_padded, ulong post_off, __global int *slot_positions, ulong slot_off,
                          uint has_slots, __global int *num_invalid, ulong invalid_off, uint has_invalid,
-                         __local uint *tot, __local uint *start, __local ushort *slot_cols)
+                         __local uint *tot, __local uint *start, __local ushort *slot_cols MAP_KERNEL_PARAMS)
 {
+    MAP_SETUP;
     __local uint part[ONE_WG];
 #if !WARP_MATCH
     __local uint tile[ONE_WG];
@@ -371,8 +413,9 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
         tot[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint s = lid; s < num_slots; s += ONE_WG) {
-        const uint e = column_of(ids[s], num_experts);
-        atomic_inc(&tot[e]);
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
+        if (COUNTED(e, num_experts))
+            atomic_inc(&tot[e]);
 #if WARP_MATCH
         slot_cols[s] = (ushort)e; /* the placing warp reads them from here */
 #endif
@@ -415,7 +458,7 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     }
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint slot = lid; slot < num_slots; slot += ONE_WG) {
-        const uint e = column_of(ids[slot], num_experts);
+        const uint e = column_of(ids[slot], num_experts MAP_ARG);
         int pos = -1;
         if (e < num_experts) {
             pos = (int)(start[e] + slot_cols[slot]);
@@ -428,7 +471,7 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
     for (uint base = 0; base < num_slots; base += ONE_WG) {
         const uint slot = base + lid;
         /* Past the end: a column no slot has. */
-        const uint e = slot < num_slots ? column_of(ids[slot], num_experts) : num_experts + 1;
+        const uint e = slot < num_slots ? column_of(ids[slot], num_experts MAP_ARG) : num_experts + 1;
         place_tile(slot, e, slot < num_slots, lid, tile, tot, num_experts, sorted, sorted_off, slot_positions,
                    slot_off, has_slots);
     }
@@ -503,7 +546,8 @@ static inline uint shared_load(__global const uint *p)
  * slot's column goes there too, so that the last work-group reads it by
  * an atomic rather than another work-group's plain store. */
 static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
-                              __local uint *run, __local uint *tile, __global uint *ranks, __global uint *columns)
+                              __local uint *run, __local uint *tile, __global uint *ranks,
+                              __global uint *columns MAP_PARAM)
 {
 #if FUSED_WG == 1
     /* One work-item: the counts only; the last work-group walks every
@@ -512,16 +556,20 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
     (void)tile;
     (void)ranks;
     (void)columns;
-    for (uint s = begin; s < end; s++)
-        run[column_of(ids[s], num_experts)]++;
+    for (uint s = begin; s < end; s++) {
+        const uint col = column_of(ids[s], num_experts MAP_ARG);
+        if (COUNTED(col, num_experts))
+            run[col]++;
+    }
 #else
     for (uint at = begin; at < end; at += FUSED_WG) {
         const uint s = at + lid;
         /* Past the end: a column no slot has. */
-        const uint e = s < end ? column_of(ids[s], num_experts) : num_experts + 1;
+        const uint e = s < end ? column_of(ids[s], num_experts MAP_ARG) : num_experts + 1;
         const uint rank = tile_rank(e, lid, tile);
         if (s < end) {
-            shared_store(&ranks[s], run[e] + rank);
+            /* A remote expert's slot has no run (and no position). */
+            shared_store(&ranks[s], COUNTED(e, num_experts) ? run[e] + rank : 0u);
             if (columns)
                 shared_store(&columns[s], e);
         }
@@ -582,7 +630,8 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global const uint *columns, __global int *sorted,
-                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off,
+                             uint has_slots MAP_PARAM)
 {
     (void)chunk;
     (void)lid;
@@ -590,7 +639,7 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
     (void)ranks;
     (void)columns;
     for (uint s = 0; s < num_slots; s++) {
-        const uint e = column_of(ids[s], num_experts);
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
         int pos = -1;
         if (e < num_experts) {
             pos = (int)start[e]++;
@@ -606,7 +655,8 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
                              __global const uint *ranks, __global const uint *columns, __global int *sorted,
-                             ulong sorted_off, __global int *slot_positions, ulong slot_off, uint has_slots)
+                             ulong sorted_off, __global int *slot_positions, ulong slot_off,
+                             uint has_slots MAP_PARAM)
 {
     const uint cols = num_experts + 1;
     for (uint s0 = lid; s0 < num_slots; s0 += FUSED_WG * LOAD_BATCH) {
@@ -615,7 +665,7 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
         for (uint j = 0; j < LOAD_BATCH; j++) {
             const uint s = s0 + j * FUSED_WG;
             const bool in = s < num_slots;
-            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts);
+            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts MAP_ARG);
             rank[j] = in ? shared_load(&ranks[s]) : 0u;
         }
         UNROLL
@@ -643,7 +693,7 @@ static inline void fused_align(__global const int *ids, uint num_slots, uint num
                                __global int *post_padded, ulong post_off, __global int *slot_positions,
                                ulong slot_off, uint has_slots, __global int *num_invalid, ulong invalid_off,
                                uint has_invalid, __local uint *run, __local uint *start, __local uint *part,
-                               __local uint *flag, __local uint *tile, bool store_columns)
+                               __local uint *flag, __local uint *tile, bool store_columns MAP_PARAM)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
     /* As moecl_moe_align_max_padded (kernel arguments are at most
@@ -657,7 +707,7 @@ static inline void fused_align(__global const int *ids, uint num_slots, uint num
         run[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
-    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, columns);
+    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, columns MAP_ARG);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint e = lid; e < cols; e += FUSED_WG)
         shared_store(&matrix[(size_t)c * cols + e], run[e]);
@@ -674,7 +724,7 @@ static inline void fused_align(__global const int *ids, uint num_slots, uint num
         pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
                        sorted, sorted_off, blocks, blocks_off);
         place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, columns, sorted, sorted_off,
-                  slot_positions, slot_off, has_slots);
+                  slot_positions, slot_off, has_slots MAP_ARG);
     }
 }
 
@@ -684,8 +734,9 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
                      __global int *counts, ulong counts_off, __global int *sorted, ulong sorted_off,
                      __global int *blocks, ulong blocks_off, __global int *post_padded, ulong post_off,
                      __global int *slot_positions, ulong slot_off, uint has_slots, __global int *num_invalid,
-                     ulong invalid_off, uint has_invalid, __local uint *run, __local uint *start)
+                     ulong invalid_off, uint has_invalid, __local uint *run, __local uint *start MAP_KERNEL_PARAMS)
 {
+    MAP_SETUP;
     __local uint part[FUSED_WG];
     __local uint flag;
 #if FUSED_WG > 1
@@ -695,5 +746,5 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
 #endif
     fused_align(ids + ids_off, num_slots, num_experts, chunk, block_size, scratch, counts, counts_off, sorted,
                 sorted_off, blocks, blocks_off, post_padded, post_off, slot_positions, slot_off, has_slots,
-                num_invalid, invalid_off, has_invalid, run, start, part, &flag, tile, false);
+                num_invalid, invalid_off, has_invalid, run, start, part, &flag, tile, false MAP_ARG);
 }

@@ -573,6 +573,8 @@ void moecl_grounded_router_route_defines(const moecl_device_info *info, const mo
 /* The -D defines of moe_align's program on a device described by info,
  * and its kernels' names, comma-separated (for the portability suite). */
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
+/* The same for the program of the calls with an expert map (HAS_MAP). */
+void moecl_moe_align_map_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
 /* The same for the expert-parallel layout's program (moe_align's defines
  * and the fused kernel's work-group). */
 void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);

@@ -1,7 +1,10 @@
 /* moe_align, host side: validation, the launch shape, the choice of path
  * (one work-group for small routings on GPUs, the fused kernel, or three
  * chained launches; cl/moe_align.cl says what each kernel does), the
- * scratch buffer, and the blocking host-memory path. */
+ * scratch buffer, and the blocking host-memory path. A call with an
+ * expert map runs the same paths on the program built with HAS_MAP, its
+ * kernels taking the map's three arguments last. */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -91,27 +94,39 @@ enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, FUSED_KERNEL
 static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_scatter",
                                                       "moe_align_one_group", "moe_align_fused"};
 
-static void defines_of(const align_shape *s, char *buf, size_t size)
+/* Without the map, exactly the defines of the kernels before it. */
+static void defines_of(const align_shape *s, bool has_map, char *buf, size_t size)
 {
-    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u -DFUSED_WG=%u -DWARP_MATCH=%d", s->wg, s->scan_wg,
-             s->one_wg, s->fused_wg, s->warp_match);
+    snprintf(buf, size, "-DWG=%u -DSCAN_WG=%u -DONE_WG=%u -DFUSED_WG=%u -DWARP_MATCH=%d%s", s->wg, s->scan_wg,
+             s->one_wg, s->fused_wg, s->warp_match, has_map ? " -DHAS_MAP=1" : "");
 }
+
+static const char *const all_kernel_names =
+    "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group,moe_align_fused";
 
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
 {
     const align_shape s = shape_of(info);
-    defines_of(&s, buf, size);
-    *kernel_names_out = "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group,moe_align_fused";
+    defines_of(&s, false, buf, size);
+    *kernel_names_out = all_kernel_names;
+}
+
+void moecl_moe_align_map_defines(const moecl_device_info *info, char *buf, size_t size,
+                                 const char **kernel_names_out)
+{
+    const align_shape s = shape_of(info);
+    defines_of(&s, true, buf, size);
+    *kernel_names_out = all_kernel_names;
 }
 
 /* The plan (moecl_plan_build): one program of five kernels, which the
- * registry shares between them. */
+ * registry shares between them; request points to whether it has the
+ * map. */
 static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
 {
-    (void)request;
-    char defines[128];
+    char defines[160];
     const align_shape s = shape_of(&ctx->info);
-    defines_of(&s, defines, sizeof(defines));
+    defines_of(&s, *(const bool *)request, defines, sizeof(defines));
     for (int i = 0; i < NUM_KERNELS; i++) {
         moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_MOE_ALIGN, defines, kernel_names[i], &p->variants[i]);
         if (st != MOECL_SUCCESS)
@@ -133,11 +148,18 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     return MOECL_SUCCESS;
 }
 
-/* Keyed by the launch class alone: the device facts are the context's. */
+/* Keyed by the launch class and the map: the device facts are the
+ * context's. */
+static moecl_status align_plan(moecl_context *ctx, bool has_map, const moecl_plan **plan)
+{
+    const moecl_plan_key key =
+        moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, has_map, 0);
+    return moecl_plan_get(ctx, &key, build_plan, &has_map, plan);
+}
+
 moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
 {
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, 0, 0);
-    return moecl_plan_get(ctx, &key, build_plan, NULL, plan);
+    return align_plan(ctx, false, plan);
 }
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per
@@ -216,18 +238,24 @@ moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_d
     if (st != MOECL_SUCCESS)
         return st;
     const moecl_plan *p;
-    return moecl_moe_align_plan(ctx, &p);
+    return align_plan(ctx, desc->num_global_experts > 0, &p);
 }
 
 /* ---- enqueue ---- */
 
+/* The buffers, and the map's length (0: no map, and map unused). */
 typedef struct align_args {
-    moecl_mem_at ids, counts, sorted, blocks, post, slots, invalid;
+    moecl_mem_at ids, counts, sorted, blocks, post, slots, invalid, map;
+    cl_uint num_global;
 } align_args;
 
 #define ARG(v) MOECL_ARG(v)
 #define MEM(m) MOECL_ARG_MEM(m)
 #define LOCAL(bytes) MOECL_ARG_LOCAL(bytes)
+/* The map's arguments (MAP_KERNEL_PARAMS), last in every argument list
+ * that has them; NARGS counts them only where the call has a map. */
+#define MAP_ARGS(a) MEM((a)->map.mem), ARG((a)->map.off), ARG((a)->num_global)
+#define NARGS(args, a) ((cl_uint)(sizeof(args) / sizeof((args)[0])) - ((a)->num_global ? 0 : 3))
 
 /* Small routings: everything in one work-group, one launch, no scratch. */
 static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
@@ -243,9 +271,8 @@ static moecl_status enqueue_one_group(moecl_context *ctx, const moecl_moe_align_
         MEM(a->sorted.mem),  ARG(a->sorted.off),  MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),
         ARG(a->post.off),    MEM(a->slots.mem),   ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem),
         ARG(a->invalid.off), ARG(has_invalid),    LOCAL(cols_bytes), LOCAL(cols_bytes),
-        LOCAL(slot_cols_bytes(p, slots))};
-    moecl_step one = {ONE_GROUP_KERNEL, args, (cl_uint)(sizeof(args) / sizeof(args[0])), p->one_wg, p->one_wg,
-                      NULL, 0, 0, NULL, NULL};
+        LOCAL(slot_cols_bytes(p, slots)), MAP_ARGS(a)};
+    moecl_step one = {ONE_GROUP_KERNEL, args, NARGS(args, a), p->one_wg, p->one_wg, NULL, 0, 0, NULL, NULL};
     return moecl_plan_run(ctx, p, &one, 1, num_wait, wait, done);
 }
 
@@ -293,13 +320,13 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc
         ARG(block),         MEM(scratch),        MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->sorted.mem),
         ARG(a->sorted.off), MEM(a->blocks.mem),  ARG(a->blocks.off),  MEM(a->post.mem),    ARG(a->post.off),
         MEM(a->slots.mem),  ARG(a->slots.off),   ARG(has_slots),      MEM(a->invalid.mem), ARG(a->invalid.off),
-        ARG(has_invalid),   LOCAL(cols_bytes),   LOCAL(cols_bytes)};
+        ARG(has_invalid),   LOCAL(cols_bytes),   LOCAL(cols_bytes),   MAP_ARGS(a)};
     moecl_step steps[2];
     int n = 0;
     if (!reused || !ctx->scratch_ticket_zero)
         steps[n++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the moe_align ticket", NULL};
-    steps[n++] = (moecl_step){FUSED_KERNEL,           args, (cl_uint)(sizeof(args) / sizeof(args[0])),
-                              (size_t)groups * p->fused_wg, p->fused_wg, NULL, 0, 0, NULL, NULL};
+    steps[n++] = (moecl_step){FUSED_KERNEL, args, NARGS(args, a), (size_t)groups * p->fused_wg, p->fused_wg,
+                              NULL,         0,    0,              NULL, NULL};
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (reused)
         ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
@@ -331,26 +358,27 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         return st;
     const cl_ulong starts_off = matrix_words;
     const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
-    const moecl_kernel_arg count_args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots), ARG(experts),
-                                           ARG(chunk),      MEM(scratch),    LOCAL(moecl_layout_moe_align_cols(experts))};
+    const moecl_kernel_arg count_args[] = {MEM(a->ids.mem), ARG(a->ids.off), ARG(slots),
+                                           ARG(experts),    ARG(chunk),      MEM(scratch),
+                                           LOCAL(moecl_layout_moe_align_cols(experts)), MAP_ARGS(a)};
     const moecl_kernel_arg scan_args[] = {MEM(scratch),        ARG(chunks),         ARG(experts),     ARG(block),
                                           MEM(a->counts.mem),  ARG(a->counts.off),  MEM(a->post.mem), ARG(a->post.off),
-                                          MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid), LOCAL(moecl_layout_moe_align_cols(experts))};
+                                          MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid),
+                                          LOCAL(moecl_layout_moe_align_cols(experts))};
     const moecl_kernel_arg scatter_args[] = {
         MEM(a->ids.mem),    ARG(a->ids.off),    ARG(slots),        ARG(experts),      ARG(chunk),
         MEM(scratch),       ARG(starts_off),    MEM(a->sorted.mem), ARG(a->sorted.off), MEM(a->slots.mem),
         ARG(a->slots.off),  ARG(has_slots),     ARG(block),        ARG(max_padded),   ARG(num_blocks),
-        MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(moecl_layout_moe_align_cols(experts))};
-#define STEP(k, args, groups, wg)                                                                                 \
-    ((moecl_step){k, args, (cl_uint)(sizeof(args) / sizeof(args[0])), (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, \
-                  NULL})
+        MEM(a->blocks.mem), ARG(a->blocks.off), LOCAL(moecl_layout_moe_align_cols(experts)), MAP_ARGS(a)};
+#define STEP(k, args, nargs, groups, wg)                                                                          \
+    ((moecl_step){k, args, nargs, (size_t)(groups) * (wg), (wg), NULL, 0, 0, NULL, NULL})
     moecl_step steps[3];
     int n = 0;
     if (chunks > 0)
-        steps[n++] = STEP(COUNT_KERNEL, count_args, chunks, s->wg);
-    steps[n++] = STEP(SCAN_KERNEL, scan_args, 1, s->scan_wg);
+        steps[n++] = STEP(COUNT_KERNEL, count_args, NARGS(count_args, a), chunks, s->wg);
+    steps[n++] = STEP(SCAN_KERNEL, scan_args, (cl_uint)(sizeof(scan_args) / sizeof(scan_args[0])), 1, s->scan_wg);
     /* Also with no slots: the scatter writes the padding and the blocks. */
-    steps[n++] = STEP(SCATTER_KERNEL, scatter_args, chunks ? chunks : 1, s->wg);
+    steps[n++] = STEP(SCATTER_KERNEL, scatter_args, NARGS(scatter_args, a), chunks ? chunks : 1, s->wg);
 #undef STEP
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (ctx->in_order && ctx->scratch_lock_ready)
@@ -360,16 +388,87 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
     return st;
 }
 
-/* The outputs' sizes in bytes. */
+/* The outputs' sizes in bytes, and the map's. */
 typedef struct align_sizes {
-    uint64_t ids, counts, sorted, blocks;
+    uint64_t ids, counts, sorted, blocks, map;
 } align_sizes;
 
 static align_sizes sizes_of(const moecl_moe_align_desc *d)
 {
     const uint64_t max_padded = moecl_moe_align_max_padded(d);
     return (align_sizes){(uint64_t)d->num_tokens * d->top_k * 4, (uint64_t)d->num_experts * 4, max_padded * 4,
-                         max_padded / d->block_size * 4};
+                         max_padded / d->block_size * 4, (uint64_t)d->num_global_experts * 4};
+}
+
+/* A tensors record's size: one this moecl knows, as for
+ * moecl_topk_gating_ex (its first version, which ends at expert_map, is
+ * today's whole record). */
+static moecl_status check_struct(moecl_context *ctx, size_t struct_size, size_t known)
+{
+    if (struct_size != known)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "tensors->struct_size is %zu; this moecl takes %zu (set it to sizeof the record)",
+                          struct_size, known);
+    return MOECL_SUCCESS;
+}
+
+/* A map is given exactly where desc asks for one. */
+static moecl_status check_map(moecl_context *ctx, const moecl_moe_align_desc *d, bool has_map)
+{
+    if (d->num_global_experts > 0 && !has_map)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "num_global_experts is %u but expert_map is absent (moecl_moe_align_ex takes the map)",
+                          d->num_global_experts);
+    if (d->num_global_experts == 0 && has_map)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "expert_map is given but num_global_experts is 0: set it to the map's length");
+    return MOECL_SUCCESS;
+}
+
+moecl_status moecl_moe_align_ex(moecl_context *ctx, const moecl_moe_align_desc *desc,
+                                const moecl_moe_align_tensors *t, cl_uint num_wait, const cl_event *wait,
+                                cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    moecl_status st = validate_desc(ctx, desc);
+    if (st != MOECL_SUCCESS)
+        return st;
+    if (!t)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
+    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+        (st = check_map(ctx, desc, t->expert_map.mem != NULL)) != MOECL_SUCCESS)
+        return st;
+    const align_sizes z = sizes_of(desc);
+    const bool has_map = desc->num_global_experts > 0;
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "topk_ids", t->topk_ids, z.ids, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "expert_counts", t->expert_counts, z.counts, 4, true)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "sorted_token_ids", t->sorted_token_ids, z.sorted, 4, true)) !=
+            MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "block_expert_ids", t->block_expert_ids, z.blocks, 4, true)) !=
+            MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "num_tokens_post_padded", t->num_tokens_post_padded, 4, 4, true)) !=
+            MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "slot_positions", t->slot_positions, z.ids, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "num_invalid", t->num_invalid, 4, 4, false)) != MOECL_SUCCESS ||
+        (st = moecl_check_buffer(ctx, "expert_map", t->expert_map, z.map, 4, has_map)) != MOECL_SUCCESS)
+        return st;
+    const moecl_plan *p;
+    if ((st = align_plan(ctx, has_map, &p)) != MOECL_SUCCESS)
+        return st;
+    const align_args a = {
+        {t->topk_ids.mem, t->topk_ids.offset / 4},
+        {t->expert_counts.mem, t->expert_counts.offset / 4},
+        {t->sorted_token_ids.mem, t->sorted_token_ids.offset / 4},
+        {t->block_expert_ids.mem, t->block_expert_ids.offset / 4},
+        {t->num_tokens_post_padded.mem, t->num_tokens_post_padded.offset / 4},
+        {t->slot_positions.mem, t->slot_positions.offset / 4},
+        {t->num_invalid.mem, t->num_invalid.offset / 4},
+        {t->expert_map.mem, t->expert_map.offset / 4},
+        desc->num_global_experts,
+    };
+    return enqueue(ctx, desc, p, &a, num_wait, wait, done);
 }
 
 moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *desc, moecl_buffer topk_ids,
@@ -377,83 +476,81 @@ moecl_status moecl_moe_align(moecl_context *ctx, const moecl_moe_align_desc *des
                              moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
                              moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    if (!ctx)
-        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = validate_desc(ctx, desc);
-    if (st != MOECL_SUCCESS)
-        return st;
-    const align_sizes z = sizes_of(desc);
-    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "topk_ids", topk_ids, z.ids, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "expert_counts", expert_counts, z.counts, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "sorted_token_ids", sorted_token_ids, z.sorted, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "block_expert_ids", block_expert_ids, z.blocks, 4, true)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "num_tokens_post_padded", num_tokens_post_padded, 4, 4, true)) !=
-            MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "slot_positions", slot_positions, z.ids, 4, false)) != MOECL_SUCCESS ||
-        (st = moecl_check_buffer(ctx, "num_invalid", num_invalid, 4, 4, false)) != MOECL_SUCCESS)
-        return st;
-    const moecl_plan *p;
-    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
-        return st;
-    const align_args a = {
-        {topk_ids.mem, topk_ids.offset / 4},
-        {expert_counts.mem, expert_counts.offset / 4},
-        {sorted_token_ids.mem, sorted_token_ids.offset / 4},
-        {block_expert_ids.mem, block_expert_ids.offset / 4},
-        {num_tokens_post_padded.mem, num_tokens_post_padded.offset / 4},
-        {slot_positions.mem, slot_positions.offset / 4},
-        {num_invalid.mem, num_invalid.offset / 4},
-    };
-    return enqueue(ctx, desc, p, &a, num_wait, wait, done);
+    const moecl_moe_align_tensors t = {sizeof(t),      topk_ids,       expert_counts, sorted_token_ids,
+                                       block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid,
+                                       {NULL, 0}};
+    return moecl_moe_align_ex(ctx, desc, &t, num_wait, wait, done);
 }
 
-moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc, const int32_t *topk_ids,
-                                  int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
-                                  int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
+moecl_status moecl_moe_align_ex_host(moecl_context *ctx, const moecl_moe_align_desc *desc,
+                                     const moecl_moe_align_host_tensors *t)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
+    if (!t)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
+    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+        (st = check_map(ctx, desc, t->expert_map != NULL)) != MOECL_SUCCESS)
+        return st;
     const align_sizes z = sizes_of(desc);
-    const char *missing = (!topk_ids && z.ids) ? "topk_ids"
-                          : !expert_counts     ? "expert_counts"
-                          : !sorted_token_ids && z.sorted ? "sorted_token_ids"
-                          : !block_expert_ids && z.blocks ? "block_expert_ids"
-                          : !num_tokens_post_padded       ? "num_tokens_post_padded"
-                                                          : NULL;
+    const char *missing = (!t->topk_ids && z.ids)                   ? "topk_ids"
+                          : !t->expert_counts                       ? "expert_counts"
+                          : !t->sorted_token_ids && z.sorted        ? "sorted_token_ids"
+                          : !t->block_expert_ids && z.blocks        ? "block_expert_ids"
+                          : !t->num_tokens_post_padded              ? "num_tokens_post_padded"
+                                                                    : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
+    const bool has_map = desc->num_global_experts > 0;
     const moecl_plan *p;
-    if ((st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
+    if ((st = align_plan(ctx, has_map, &p)) != MOECL_SUCCESS)
         return st;
     /* Buffers of at least 4 bytes: OpenCL refuses empty ones. */
 #define AT_LEAST_4(n) ((size_t)((n) ? (n) : 4))
-    enum { IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
+    enum { IDS, MAP, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
     cl_mem m[NUM] = {NULL};
-    const size_t sizes[NUM] = {AT_LEAST_4(z.ids), AT_LEAST_4(z.counts), AT_LEAST_4(z.sorted), AT_LEAST_4(z.blocks),
-                               4, AT_LEAST_4(z.ids), 4};
-    const char *names[NUM] = {"topk_ids", "expert_counts", "sorted_token_ids", "block_expert_ids",
+    const size_t sizes[NUM] = {AT_LEAST_4(z.ids),    AT_LEAST_4(z.map),    AT_LEAST_4(z.counts), AT_LEAST_4(z.sorted),
+                               AT_LEAST_4(z.blocks), 4,                    AT_LEAST_4(z.ids),    4};
+    const char *names[NUM] = {"topk_ids", "expert_map", "expert_counts", "sorted_token_ids", "block_expert_ids",
                               "num_tokens_post_padded", "slot_positions", "num_invalid"};
-    void *const hosts[NUM] = {NULL, expert_counts, z.sorted ? sorted_token_ids : NULL,
-                              z.blocks ? block_expert_ids : NULL, num_tokens_post_padded,
-                              z.ids ? slot_positions : NULL, num_invalid};
+    void *const hosts[NUM] = {NULL,
+                              NULL,
+                              t->expert_counts,
+                              z.sorted ? t->sorted_token_ids : NULL,
+                              z.blocks ? t->block_expert_ids : NULL,
+                              t->num_tokens_post_padded,
+                              z.ids ? t->slot_positions : NULL,
+                              t->num_invalid};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++) {
         if (i == IDS)
-            st = moecl_host_buffer(ctx, names[i], CL_MEM_READ_ONLY, sizes[i], z.ids ? topk_ids : NULL, &m[i]);
-        else if ((i != SLOTS || slot_positions) && (i != INVALID || num_invalid))
+            st = moecl_host_buffer(ctx, names[i], CL_MEM_READ_ONLY, sizes[i], z.ids ? t->topk_ids : NULL, &m[i]);
+        else if (i == MAP) {
+            if (has_map)
+                st = moecl_host_buffer(ctx, names[i], CL_MEM_READ_ONLY, sizes[i], t->expert_map, &m[i]);
+        } else if ((i != SLOTS || t->slot_positions) && (i != INVALID || t->num_invalid))
             st = moecl_host_buffer(ctx, names[i], CL_MEM_WRITE_ONLY, sizes[i], NULL, &m[i]);
     }
 #undef AT_LEAST_4
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
-        const align_args a = {{m[IDS], 0},  {m[COUNTS], 0}, {m[SORTED], 0},  {m[BLOCKS], 0},
-                              {m[POST], 0}, {m[SLOTS], 0},  {m[INVALID], 0}};
+        const align_args a = {{m[IDS], 0},   {m[COUNTS], 0}, {m[SORTED], 0},  {m[BLOCKS], 0}, {m[POST], 0},
+                              {m[SLOTS], 0}, {m[INVALID], 0}, {m[MAP], 0}, desc->num_global_experts};
         st = enqueue(ctx, desc, p, &a, 0, NULL, &ran);
     }
-    /* Every output but the input, read back where the host gave one. */
-    const size_t read_sizes[NUM - 1] = {z.counts, z.sorted, z.blocks, 4, z.ids, 4};
-    return moecl_host_call_end(ctx, st, ran, m, NUM, 1, read_sizes, hosts);
+    /* Every output, read back where the host gave one. */
+    const size_t read_sizes[NUM - COUNTS] = {z.counts, z.sorted, z.blocks, 4, z.ids, 4};
+    return moecl_host_call_end(ctx, st, ran, m, NUM, COUNTS, read_sizes, hosts);
+}
+
+moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_align_desc *desc, const int32_t *topk_ids,
+                                  int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                                  int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
+{
+    const moecl_moe_align_host_tensors t = {sizeof(t),        topk_ids,       expert_counts,
+                                            sorted_token_ids, block_expert_ids, num_tokens_post_padded,
+                                            slot_positions,   num_invalid,    NULL};
+    return moecl_moe_align_ex_host(ctx, desc, &t);
 }

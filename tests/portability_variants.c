@@ -581,6 +581,11 @@ int main(int argc, char **argv)
                 snprintf(description, sizeof(description), "moe_align [%s]",
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 emit(t, "moe_align.cl", options, defines, kernel, description);
+                /* The same program with the expert map (HAS_MAP). */
+                moecl_moe_align_map_defines(&info, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description), "moe_align expert map [%s]",
+                         c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
+                emit(t, "moe_align.cl", options, defines, kernel, description);
                 /* The layout's program: moe_align's source and defines,
                  * and the fused kernel's work-group. */
                 snprintf(description, sizeof(description), "ep_layout [%s]",

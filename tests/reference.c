@@ -1983,9 +1983,35 @@ int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void
 
 /* ---- moe_align ---- */
 
+/* The expert a slot's id is aligned to (docs/routing.md's rule, written
+ * from the spec): its local expert, REF_SKIPPED (counted in num_invalid)
+ * or REF_REMOTE (another rank's expert: not counted). */
+#define REF_SKIPPED (-1)
+#define REF_REMOTE (-2)
+static int64_t ref_align_expert(const moecl_moe_align_desc *d, const int32_t *expert_map, int32_t id)
+{
+    int64_t e = id;
+    if (d->num_global_experts) {
+        if (id < 0 || (int64_t)id >= (int64_t)d->num_global_experts)
+            return REF_SKIPPED;
+        e = expert_map[id];
+        if (e == -1)
+            return REF_REMOTE;
+    }
+    return e >= 0 && e < (int64_t)d->num_experts ? e : REF_SKIPPED;
+}
+
 void ref_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, int32_t *expert_counts,
                    int32_t *sorted_token_ids, int32_t *block_expert_ids, int32_t *num_tokens_post_padded,
                    int32_t *slot_positions, int32_t *num_invalid)
+{
+    ref_moe_align_map(d, topk_ids, NULL, expert_counts, sorted_token_ids, block_expert_ids, num_tokens_post_padded,
+                      slot_positions, num_invalid);
+}
+
+void ref_moe_align_map(const moecl_moe_align_desc *d, const int32_t *topk_ids, const int32_t *expert_map,
+                       int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                       int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
 {
     const size_t slots = (size_t)d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const size_t max_padded = (size_t)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;
@@ -1994,10 +2020,10 @@ void ref_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, int32
     for (size_t e = 0; e < experts; e++)
         expert_counts[e] = 0;
     for (size_t s = 0; s < slots; s++) {
-        const int32_t id = topk_ids[s];
-        if (id >= 0 && (size_t)id < experts)
-            expert_counts[id]++;
-        else
+        const int64_t e = ref_align_expert(d, expert_map, topk_ids[s]);
+        if (e >= 0)
+            expert_counts[e]++;
+        else if (e == REF_SKIPPED)
             invalid++;
     }
     /* Each expert's run starts where the previous padded run ends. */
@@ -2016,10 +2042,10 @@ void ref_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, int32
             block_expert_ids[p / block] = (int32_t)e;
     /* Slots in increasing order: stable within an expert. */
     for (size_t s = 0; s < slots; s++) {
-        const int32_t id = topk_ids[s];
+        const int64_t e = ref_align_expert(d, expert_map, topk_ids[s]);
         int32_t pos = -1;
-        if (id >= 0 && (size_t)id < experts) {
-            pos = (int32_t)cursor[id]++;
+        if (e >= 0) {
+            pos = (int32_t)cursor[e]++;
             sorted_token_ids[pos] = (int32_t)s;
         }
         if (slot_positions)
@@ -2050,13 +2076,22 @@ int ref_check_moe_align(const moecl_moe_align_desc *d, const int32_t *topk_ids, 
                         const int32_t *num_tokens_post_padded, const int32_t *slot_positions,
                         const int32_t *num_invalid, char *msg, size_t msg_size)
 {
+    return ref_check_moe_align_map(d, topk_ids, NULL, expert_counts, sorted_token_ids, block_expert_ids,
+                                   num_tokens_post_padded, slot_positions, num_invalid, msg, msg_size);
+}
+
+int ref_check_moe_align_map(const moecl_moe_align_desc *d, const int32_t *topk_ids, const int32_t *expert_map,
+                            const int32_t *expert_counts, const int32_t *sorted_token_ids,
+                            const int32_t *block_expert_ids, const int32_t *num_tokens_post_padded,
+                            const int32_t *slot_positions, const int32_t *num_invalid, char *msg, size_t msg_size)
+{
     const size_t slots = (size_t)d->num_tokens * d->top_k, experts = d->num_experts;
     const size_t max_padded = (size_t)moecl_moe_align_max_padded(d), num_blocks = max_padded / d->block_size;
     int32_t *counts = malloc(experts * 4), *sorted = malloc(max_padded * 4 + 4), *blocks = malloc(num_blocks * 4 + 4);
     int32_t *slot = malloc(slots * 4 + 4), post, invalid;
     if (msg_size)
         msg[0] = '\0';
-    ref_moe_align(d, topk_ids, counts, sorted, blocks, &post, slot, &invalid);
+    ref_moe_align_map(d, topk_ids, expert_map, counts, sorted, blocks, &post, slot, &invalid);
     int bad = 0;
     bad += diff_i32("num_tokens_post_padded", num_tokens_post_padded, &post, 1, msg, msg_size, bad);
     bad += diff_i32("expert_counts", expert_counts, counts, experts, msg, msg_size, bad);

@@ -100,6 +100,18 @@ int ref_check_moe_align(const moecl_moe_align_desc *desc, const int32_t *topk_id
                         const int32_t *num_tokens_post_padded, const int32_t *slot_positions,
                         const int32_t *num_invalid, char *msg, size_t msg_size);
 
+/* The same two with expert parallelism: where desc->num_global_experts is
+ * not 0, topk_ids are global ids and expert_map (that many entries) maps
+ * each to a local expert or -1 (docs/routing.md, "Expert parallelism in
+ * moe_align"); with 0, expert_map is unused and they are the two above. */
+void ref_moe_align_map(const moecl_moe_align_desc *desc, const int32_t *topk_ids, const int32_t *expert_map,
+                       int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
+                       int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid);
+int ref_check_moe_align_map(const moecl_moe_align_desc *desc, const int32_t *topk_ids, const int32_t *expert_map,
+                            const int32_t *expert_counts, const int32_t *sorted_token_ids,
+                            const int32_t *block_expert_ids, const int32_t *num_tokens_post_padded,
+                            const int32_t *slot_positions, const int32_t *num_invalid, char *msg, size_t msg_size);
+
 /* The outputs of moecl_ep_layout; NULL optional ones (token_in_rank,
  * tokens_per_rank, expert_counts) are neither written nor checked. */
 typedef struct ref_ep_layout_out {

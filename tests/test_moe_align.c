@@ -58,23 +58,31 @@ static void result_free(result *r)
 
 static void describe(const moecl_moe_align_desc *d, bool device_path, char *buf, size_t size)
 {
-    snprintf(buf, size, "T=%u k=%u E=%u block=%u %s path", d->num_tokens, d->top_k, d->num_experts, d->block_size,
-             device_path ? "device" : "host");
+    snprintf(buf, size, "T=%u k=%u E=%u block=%u G=%u %s path", d->num_tokens, d->top_k, d->num_experts,
+             d->block_size, d->num_global_experts, device_path ? "device" : "host");
 }
 
 /* Run d on ids through the host path or the device path (buffers at odd
  * offsets, after a wait-list event), outputs poisoned first; with_optional
- * asks for slot_positions and num_invalid. */
-static void run_on(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, bool device_path,
-                   bool with_optional, result *r)
+ * asks for slot_positions and num_invalid. Without a map (d's
+ * num_global_experts 0) through moecl_moe_align and moecl_moe_align_host,
+ * with one through their _ex forms, the map at an offset too. */
+static void run_on_map(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, const int32_t *map,
+                       bool device_path, bool with_optional, result *r)
 {
     char what[128];
     describe(d, device_path, what, sizeof(what));
     result_poison(d, r);
     moecl_status st;
     if (!device_path) {
-        st = moecl_moe_align_host(ctx, d, ids, r->counts, r->sorted, r->blocks, &r->post,
-                                  with_optional ? r->slots : NULL, with_optional ? &r->invalid : NULL);
+        int32_t *slots = with_optional ? r->slots : NULL, *invalid = with_optional ? &r->invalid : NULL;
+        if (d->num_global_experts) {
+            const moecl_moe_align_host_tensors t = {sizeof(t), ids,     r->counts, r->sorted, r->blocks,
+                                                    &r->post,  slots,   invalid,   map};
+            st = moecl_moe_align_ex_host(ctx, d, &t);
+        } else {
+            st = moecl_moe_align_host(ctx, d, ids, r->counts, r->sorted, r->blocks, &r->post, slots, invalid);
+        }
         ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
         return;
     }
@@ -88,9 +96,15 @@ static void run_on(moecl_context *ctx, const moecl_moe_align_desc *d, const int3
     moecl_buffer lb = with_optional ? harness_buffer(ctx, r->slots_n * 4, 4096 + 4, NULL) : none;
     moecl_buffer ib = with_optional ? harness_buffer(ctx, 4, 4, NULL) : none;
     /* A marker to wait on: the call must honour its wait list. */
+    moecl_buffer mb = d->num_global_experts ? harness_buffer(ctx, (size_t)d->num_global_experts * 4, 20, map) : none;
     cl_event before = NULL, done = NULL;
     ck_assert_int_eq(clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &before), CL_SUCCESS);
-    st = moecl_moe_align(ctx, d, in, cb, sb, bb, pb, lb, ib, 1, &before, &done);
+    if (d->num_global_experts) {
+        const moecl_moe_align_tensors t = {sizeof(t), in, cb, sb, bb, pb, lb, ib, mb};
+        st = moecl_moe_align_ex(ctx, d, &t, 1, &before, &done);
+    } else {
+        st = moecl_moe_align(ctx, d, in, cb, sb, bb, pb, lb, ib, 1, &before, &done);
+    }
     ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
     ck_assert_ptr_nonnull(done);
     ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
@@ -117,17 +131,30 @@ static void run_on(moecl_context *ctx, const moecl_moe_align_desc *d, const int3
     harness_release(pb);
     harness_release(lb);
     harness_release(ib);
+    harness_release(mb);
+}
+
+static void run_on(moecl_context *ctx, const moecl_moe_align_desc *d, const int32_t *ids, bool device_path,
+                   bool with_optional, result *r)
+{
+    run_on_map(ctx, d, ids, NULL, device_path, with_optional, r);
+}
+
+static void check_result_map(const moecl_moe_align_desc *d, const int32_t *ids, const int32_t *map,
+                             bool device_path, bool with_optional, const result *r)
+{
+    char msg[256], what[128];
+    describe(d, device_path, what, sizeof(what));
+    int bad = ref_check_moe_align_map(d, ids, map, r->counts, r->sorted, r->blocks, &r->post,
+                                      with_optional ? r->slots : NULL, with_optional ? &r->invalid : NULL, msg,
+                                      sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d elements differ; first: %s", what, bad, msg);
 }
 
 static void check_result(const moecl_moe_align_desc *d, const int32_t *ids, bool device_path, bool with_optional,
                          const result *r)
 {
-    char msg[256], what[128];
-    describe(d, device_path, what, sizeof(what));
-    int bad = ref_check_moe_align(d, ids, r->counts, r->sorted, r->blocks, &r->post,
-                                  with_optional ? r->slots : NULL, with_optional ? &r->invalid : NULL, msg,
-                                  sizeof(msg));
-    ck_assert_msg(bad == 0, "%s: %d elements differ; first: %s", what, bad, msg);
+    check_result_map(d, ids, NULL, device_path, with_optional, r);
 }
 
 /* Load kinds. */
@@ -404,6 +431,20 @@ START_TEST(test_prepare_and_chain)
 }
 END_TEST
 
+/* The six outputs (counts, sorted, blocks, post, slots, invalid) of
+ * sizes[i] bytes (at most 512) are still poison after rejected calls. */
+static void assert_poison(moecl_context *ctx, const moecl_buffer outs[6], const size_t sizes[6])
+{
+    clFinish(moecl_context_queue(ctx));
+    for (size_t i = 0; i < 6; i++) {
+        unsigned char buf[512];
+        ck_assert(sizes[i] <= sizeof(buf));
+        harness_read(ctx, outs[i], sizes[i], buf);
+        for (size_t x = 0; x < sizes[i]; x++)
+            ck_assert_msg(buf[x] == HARNESS_POISON, "output %zu byte %zu changed by a rejected call", i, x);
+    }
+}
+
 /* Every validation error: the status, a message naming the field, nothing
  * written (device buffers and host arrays keep their poison). */
 START_TEST(test_bad_input)
@@ -502,15 +543,9 @@ START_TEST(test_bad_input)
                      MOECL_ERROR_INVALID_ARGUMENT);
     ck_assert_int_eq(moecl_moe_align_prepare(NULL, &good), MOECL_ERROR_INVALID_ARGUMENT);
     /* After all that, the device outputs are untouched poison. */
-    clFinish(moecl_context_queue(ctx));
-    moecl_buffer outs[] = {c, s, b, p, l, iv};
+    const moecl_buffer outs[] = {c, s, b, p, l, iv};
     const size_t sizes[] = {8 * 4, mp * 4, nb * 4, 4, slots * 4, 4};
-    for (size_t i = 0; i < COUNT(outs); i++) {
-        unsigned char buf[512];
-        harness_read(ctx, outs[i], sizes[i], buf);
-        for (size_t x = 0; x < sizes[i]; x++)
-            ck_assert_msg(buf[x] == HARNESS_POISON, "output %zu byte %zu changed by a rejected call", i, x);
-    }
+    assert_poison(ctx, outs, sizes);
     ck_assert_uint_eq(moecl_moe_align_max_padded(NULL), 0);
     ck_assert_uint_eq(moecl_moe_align_max_padded(&good), 32 + 8 * 3);
     moecl_buffer all[] = {in, c, s, b, p, l, iv, foreign, tiny};
@@ -566,6 +601,32 @@ START_TEST(test_checker_rejects)
 }
 END_TEST
 
+/* A copy of cl/moe_align.cl with each edits[i][0] replaced by
+ * edits[i][1] (each must occur once) in a new folder dir (a mkdtemp
+ * template), for MOECL_KERNEL_DIR; file receives its path. */
+static void write_mutant(const char *const (*edits)[2], size_t n, char *dir, char *file, size_t file_size)
+{
+    const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
+    ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
+    snprintf(file, file_size, "%s/moe_align.cl", cl_dir);
+    FILE *f = fopen(file, "rb");
+    ck_assert_msg(f != NULL, "cannot read %s", file);
+    char *text = calloc(1, 1 << 20);
+    size_t len = fread(text, 1, (1 << 20) - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(harness_replace_once(&text, edits[i][0], edits[i][1]),
+                      "a mutation's anchor is not in cl/moe_align.cl: \"%s\"", edits[i][0]);
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(file, file_size, "%s/moe_align.cl", dir);
+    f = fopen(file, "wb");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, strlen(text), f);
+    fclose(f);
+    free(text);
+}
+
 /* A copy of cl/moe_align.cl whose scatter walks each chunk backwards (CPU
  * kernel) or takes each tile's slots in reverse (GPU kernel), whose
  * one-group kernel takes each tile's slots in reverse too (its NVIDIA warp
@@ -576,36 +637,20 @@ END_TEST
  * catch it. */
 START_TEST(test_mutation_caught)
 {
-    const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
-    ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
-    char path[4096];
-    snprintf(path, sizeof(path), "%s/moe_align.cl", cl_dir);
-    FILE *f = fopen(path, "rb");
-    ck_assert_msg(f != NULL, "cannot read %s", path);
-    char *text = calloc(1, 1 << 20);
-    size_t n = fread(text, 1, (1 << 20) - 1, f);
-    fclose(f);
-    text[n] = '\0';
-    ck_assert_msg(harness_replace_once(&text, "    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
-                               "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
-                               "        const uint e = column_of") &&
-                      harness_replace_once(&text, "const uint s = base + lid;", "const uint s = base + WG - 1 - lid;") &&
-                      harness_replace_once(&text, "const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;") &&
-                      harness_replace_once(&text, "    for (uint s = 0; s < num_slots; s++) {\n",
-                                   "    for (uint i = 0; i < num_slots; i++) {\n"
-                                   "        const uint s = num_slots - 1 - i;\n") &&
-                      harness_replace_once(&text, "const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;") &&
-                      harness_replace_once(&text, "slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
-                                   "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"),
-                  "the mutation's anchors are not in cl/moe_align.cl: update test_mutation_caught");
-    char dir[] = "/tmp/moecl-mutant-XXXXXX";
-    ck_assert_ptr_nonnull(mkdtemp(dir));
-    snprintf(path, sizeof(path), "%s/moe_align.cl", dir);
-    f = fopen(path, "wb");
-    ck_assert_ptr_nonnull(f);
-    fwrite(text, 1, strlen(text), f);
-    fclose(f);
-    free(text);
+    static const char *const edits[][2] = {
+        {"    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
+         "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
+         "        const uint e = column_of"},
+        {"const uint s = base + lid;", "const uint s = base + WG - 1 - lid;"},
+        {"const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;"},
+        {"    for (uint s = 0; s < num_slots; s++) {\n",
+         "    for (uint i = 0; i < num_slots; i++) {\n        const uint s = num_slots - 1 - i;\n"},
+        {"const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;"},
+        {"slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
+         "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"},
+    };
+    char dir[] = "/tmp/moecl-mutant-XXXXXX", path[4096];
+    write_mutant(edits, COUNT(edits), dir, path, sizeof(path));
     moecl_context *ctx = harness_context_with_kernel_dir(dir);
 
     moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
@@ -624,6 +669,271 @@ START_TEST(test_mutation_caught)
     moecl_context_destroy(ctx);
     remove(path);
     rmdir(dir);
+}
+END_TEST
+
+/* ---- expert parallelism: a global-to-local expert map ---- */
+
+/* Map kinds: a rank's contiguous block of experts (vLLM's EP), a
+ * scattered subset in a shuffled order, every expert remote, and a
+ * scattered map with bad entries (neither -1 nor a local expert). */
+enum map_kind { MAP_BLOCK, MAP_SCATTERED, MAP_ALL_REMOTE, MAP_BAD, NUM_MAPS };
+
+/* A map of d->num_global_experts entries onto d->num_experts local ones
+ * (rank: which block, for MAP_BLOCK). */
+static int32_t *make_map(harness_rng *rng, const moecl_moe_align_desc *d, enum map_kind kind, uint32_t rank)
+{
+    const uint32_t g = d->num_global_experts, e = d->num_experts;
+    int32_t *map = malloc((size_t)g * 4);
+    ck_assert_ptr_nonnull(map);
+    for (uint32_t x = 0; x < g; x++)
+        map[x] = kind == MAP_BLOCK && x / e == rank ? (int32_t)(x % e) : -1;
+    if (kind == MAP_SCATTERED || kind == MAP_BAD) {
+        /* Local expert l at a random global slot not yet taken. */
+        for (uint32_t l = 0; l < e && l < g; l++) {
+            uint32_t at;
+            do
+                at = harness_rand_u32(rng) % g;
+            while (map[at] != -1);
+            map[at] = (int32_t)l;
+        }
+    }
+    if (kind == MAP_BAD) {
+        static const int32_t bad[] = {-2, INT32_MIN, INT32_MAX, 0 /* E */, 1 /* E + 7 */};
+        for (uint32_t x = 0; x < g; x++)
+            if (harness_rand_u32(rng) % 5 == 0) {
+                const int32_t b = bad[harness_rand_u32(rng) % COUNT(bad)];
+                map[x] = b == 0 ? (int32_t)e : b == 1 ? (int32_t)e + 7 : b;
+            }
+    }
+    return map;
+}
+
+/* Global ids: uniform in [0, G), with padding rows of -1 and some ids
+ * outside [0, G). */
+static int32_t *make_global_ids(harness_rng *rng, const moecl_moe_align_desc *d)
+{
+    const size_t slots = (size_t)d->num_tokens * d->top_k;
+    const uint32_t g = d->num_global_experts;
+    int32_t *ids = malloc(slots * 4 + 4);
+    ck_assert_ptr_nonnull(ids);
+    static const int32_t bad[] = {-1, -3, INT32_MIN, INT32_MAX};
+    for (size_t t = 0; t < d->num_tokens; t++) {
+        const bool padding_row = harness_rand_u32(rng) % 10 == 0;
+        for (uint32_t j = 0; j < d->top_k; j++) {
+            const uint32_t r = harness_rand_u32(rng);
+            int32_t *id = &ids[t * d->top_k + j];
+            if (padding_row)
+                *id = -1;
+            else if (r % 16 == 0)
+                *id = r % 32 == 0 ? (int32_t)g : bad[(r / 32) % COUNT(bad)];
+            else
+                *id = (int32_t)(r % g);
+        }
+    }
+    return ids;
+}
+
+/* Every map kind at several shapes, host and device, on each path forced
+ * in turn (and the default choice), against the reference. */
+START_TEST(test_expert_map)
+{
+    static const char *const paths[] = {NULL, "align=fused", "align=chunked", "align=one-group"};
+    /* tokens, top_k, local experts, ranks, block */
+    static const uint32_t shapes[][5] = {{0, 2, 8, 4, 16},     {1, 8, 32, 8, 16},   {37, 4, 16, 2, 4},
+                                         {1000, 8, 32, 8, 64}, {513, 6, 160, 2, 16}, {4096, 8, 64, 4, 128},
+                                         {3000, 2, 4096, 1, 1}};
+    unsigned i = 0;
+    for (size_t path = 0; path < COUNT(paths); path++) {
+        harness_override_with(paths[path]);
+        moecl_context *ctx = harness_context();
+        for (size_t sh = 0; sh < COUNT(shapes); sh++) {
+            if (harness_quick() && shapes[sh][0] >= 3000)
+                continue;
+            moecl_moe_align_desc d = moecl_moe_align_desc_init(shapes[sh][0], shapes[sh][1], shapes[sh][2],
+                                                               shapes[sh][4]);
+            d.num_global_experts = shapes[sh][2] * shapes[sh][3];
+            result r;
+            result_alloc(&d, &r);
+            for (int kind = 0; kind < NUM_MAPS; kind++, i++) {
+                harness_rng rng = harness_rng_for(9000 + i);
+                int32_t *ids = make_global_ids(&rng, &d);
+                int32_t *map = make_map(&rng, &d, (enum map_kind)kind, harness_rand_u32(&rng) % shapes[sh][3]);
+                for (int device = 0; device < 2; device++) {
+                    const bool optional = device || i % 2 == 0;
+                    run_on_map(ctx, &d, ids, map, device, optional, &r);
+                    char what[160];
+                    describe(&d, device, what, sizeof(what));
+                    check_result_map(&d, ids, map, device, optional, &r);
+                    if (kind == MAP_ALL_REMOTE) {
+                        /* Nothing aligned; only ids outside [0, G) counted. */
+                        int32_t outside = 0;
+                        for (size_t x = 0; x < r.slots_n; x++)
+                            outside += ids[x] < 0 || ids[x] >= (int32_t)d.num_global_experts;
+                        ck_assert_msg(r.post == 0, "%s, all remote: post %d", what, r.post);
+                        if (optional)
+                            ck_assert_msg(r.invalid == outside, "%s, all remote: num_invalid %d, want %d", what,
+                                          r.invalid, outside);
+                    }
+                }
+                free(ids);
+                free(map);
+            }
+            result_free(&r);
+        }
+        moecl_context_destroy(ctx);
+    }
+    harness_override_with(NULL);
+}
+END_TEST
+
+/* The map's validation: the status, a message naming the field, nothing
+ * written. */
+START_TEST(test_expert_map_bad_input)
+{
+    moecl_context *ctx = harness_context();
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(16, 2, 8, 4);
+    d.num_global_experts = 32;
+    const size_t slots = 32, mp = (size_t)moecl_moe_align_max_padded(&d), nb = mp / 4;
+    harness_rng rng = harness_rng_for(9500);
+    int32_t *ids = make_global_ids(&rng, &d), *map = make_map(&rng, &d, MAP_BLOCK, 1);
+    moecl_buffer in = harness_buffer(ctx, slots * 4, 0, ids), c = harness_buffer(ctx, 8 * 4, 0, NULL);
+    moecl_buffer s = harness_buffer(ctx, mp * 4, 0, NULL), b = harness_buffer(ctx, nb * 4, 0, NULL);
+    moecl_buffer p = harness_buffer(ctx, 4, 0, NULL), l = harness_buffer(ctx, slots * 4, 0, NULL);
+    moecl_buffer iv = harness_buffer(ctx, 4, 0, NULL), m = harness_buffer(ctx, 32 * 4, 0, map);
+    /* Exactly one entry short (harness_buffer's slack would hide it). */
+    cl_int err;
+    moecl_buffer small = {clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 31 * 4, NULL, &err), 0};
+    ck_assert_int_eq(err, CL_SUCCESS);
+    moecl_buffer none = {NULL, 0};
+    const moecl_moe_align_tensors good = {sizeof(good), in, c, s, b, p, l, iv, m};
+    moecl_moe_align_desc no_map = d;
+    no_map.num_global_experts = 0;
+    struct {
+        moecl_moe_align_tensors t;
+        uint64_t later;
+    } big = {good, 1};
+    big.t.struct_size = sizeof(big);
+    moecl_moe_align_tensors t;
+    struct {
+        const char *label, *field;
+        const moecl_moe_align_desc *d;
+        const moecl_moe_align_tensors *t;
+        int edit; /* 0 none, 1 no map, 2 small map, 3 short struct */
+    } cases[] = {
+        {"map without num_global_experts", "num_global_experts", &no_map, &good, 0},
+        {"num_global_experts without map", "expert_map", &d, &t, 1},
+        {"map too small", "expert_map", &d, &t, 2},
+        {"struct_size too small", "struct_size", &d, &t, 3},
+        {"a struct_size this moecl does not know", "struct_size", &d, &big.t, 0},
+        {"tensors NULL", "tensors", &d, NULL, 0},
+    };
+    for (size_t x = 0; x < COUNT(cases); x++) {
+        t = good;
+        if (cases[x].edit == 1)
+            t.expert_map = none;
+        else if (cases[x].edit == 2)
+            t.expert_map = small;
+        else if (cases[x].edit == 3)
+            t.struct_size = sizeof(t) - 1;
+        const moecl_status st = moecl_moe_align_ex(ctx, cases[x].d, cases[x].t, 0, NULL, NULL);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "%s: status %d", cases[x].label, (int)st);
+        ck_assert_msg(strstr(moecl_context_error(ctx), cases[x].field) != NULL, "%s: \"%s\"", cases[x].label,
+                      moecl_context_error(ctx));
+    }
+    /* The call without the _ex form takes no map. */
+    ck_assert_int_eq(moecl_moe_align(ctx, &d, in, c, s, b, p, l, iv, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "expert_map"));
+    /* The host forms likewise, leaving the host outputs as they were. */
+    int32_t counts[8], sorted[64], blocks[16], post = -7;
+    memset(counts, HARNESS_POISON, sizeof(counts));
+    ck_assert_int_eq(moecl_moe_align_host(ctx, &d, ids, counts, sorted, blocks, &post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    moecl_moe_align_host_tensors h = {sizeof(h), ids, counts, sorted, blocks, &post, NULL, NULL, NULL};
+    ck_assert_int_eq(moecl_moe_align_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "expert_map"));
+    h.expert_map = map;
+    h.struct_size = 8;
+    ck_assert_int_eq(moecl_moe_align_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "struct_size"));
+    ck_assert_int_eq(moecl_moe_align_ex_host(ctx, &d, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_int_eq(post, -7);
+    for (size_t x = 0; x < 8; x++)
+        ck_assert_int_eq(counts[x], -1);
+    /* After all that, the device outputs are untouched poison. */
+    const moecl_buffer outs[] = {c, s, b, p, l, iv};
+    const size_t sizes[] = {8 * 4, mp * 4, nb * 4, 4, slots * 4, 4};
+    assert_poison(ctx, outs, sizes);
+    /* prepare builds the map's kernels; then the good call works. */
+    ck_assert_int_eq(moecl_moe_align_prepare(ctx, &d), MOECL_SUCCESS);
+    cl_event done = NULL;
+    ck_assert_int_eq(moecl_moe_align_ex(ctx, &d, &good, 0, NULL, &done), MOECL_SUCCESS);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    result r;
+    result_alloc(&d, &r);
+    harness_read(ctx, c, 8 * 4, r.counts);
+    harness_read(ctx, s, mp * 4, r.sorted);
+    harness_read(ctx, b, nb * 4, r.blocks);
+    harness_read(ctx, p, 4, &r.post);
+    harness_read(ctx, l, slots * 4, r.slots);
+    harness_read(ctx, iv, 4, &r.invalid);
+    check_result_map(&d, ids, map, true, true, &r);
+    result_free(&r);
+    moecl_buffer all[] = {in, c, s, b, p, l, iv, m, small};
+    for (size_t x = 0; x < COUNT(all); x++)
+        harness_release(all[x]);
+    free(ids);
+    free(map);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Copies of cl/moe_align.cl with the map's rule broken, loaded through
+ * MOECL_KERNEL_DIR, each on every path: a remote expert's slot counted as
+ * invalid; the map read at the wrong entry; invalid ids left uncounted
+ * (COUNTED, which the GPU class's fused kernel needs only for remote
+ * slots: it counts the invalid column with its tiles). The suite's check
+ * must catch each. */
+START_TEST(test_expert_map_mutation_caught)
+{
+    static const char *const mutants[][2] = {
+        {"        return num_experts + 1;\n", "        return num_experts;\n"},
+        {"    id = expert_map[id];\n", "    id = expert_map[num_global - 1 - id];\n"},
+        {"#define COUNTED(e, num_experts) ((e) <= (num_experts))",
+         "#define COUNTED(e, num_experts) ((e) < (num_experts))"},
+    };
+    static const char *const paths[] = {"align=fused", "align=chunked", "align=one-group"};
+    for (size_t mu = 0; mu < COUNT(mutants); mu++) {
+        char dir[] = "/tmp/moecl-mutant-XXXXXX", file[4096];
+        write_mutant(&mutants[mu], 1, dir, file, sizeof(file));
+        for (size_t pa = 0; pa < COUNT(paths); pa++) {
+            if (mu == 2 && pa == 0 && strstr(harness_variant(), "class=gpu"))
+                continue;
+            harness_override_with(paths[pa]);
+            moecl_context *ctx = harness_context_with_kernel_dir(dir);
+            moecl_moe_align_desc d = moecl_moe_align_desc_init(300, 4, 16, 8);
+            d.num_global_experts = 64;
+            harness_rng rng = harness_rng_for(9700 + mu);
+            int32_t *ids = make_global_ids(&rng, &d), *map = make_map(&rng, &d, MAP_SCATTERED, 0);
+            result r;
+            result_alloc(&d, &r);
+            run_on_map(ctx, &d, ids, map, true, true, &r);
+            char msg[256];
+            int bad = ref_check_moe_align_map(&d, ids, map, r.counts, r.sorted, r.blocks, &r.post, r.slots,
+                                              &r.invalid, msg, sizeof(msg));
+            ck_assert_msg(bad > 0, "map mutant %zu passed the check on %s", mu, paths[pa]);
+            fprintf(stderr, "moe_align: map mutant %zu caught on %s: %d elements differ; first: %s\n", mu, paths[pa],
+                    bad, msg);
+            result_free(&r);
+            free(ids);
+            free(map);
+            moecl_context_destroy(ctx);
+        }
+        harness_override_with(NULL);
+        remove(file);
+        rmdir(dir);
+    }
 }
 END_TEST
 
@@ -774,5 +1084,11 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_loads);
     tcase_add_test(tc, test_grid);
     suite_add_tcase(s, tc);
+    TCase *map = tcase_create("expert_map");
+    tcase_set_timeout(map, 1200);
+    tcase_add_test(map, test_expert_map_bad_input);
+    tcase_add_test(map, test_expert_map_mutation_caught);
+    tcase_add_test(map, test_expert_map);
+    suite_add_tcase(s, map);
     return harness_run(s);
 }

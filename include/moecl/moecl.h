@@ -983,10 +983,17 @@ typedef struct moecl_moe_align_desc {
     uint32_t top_k;       /**< columns of topk_ids (slots per token) */
     uint32_t num_experts; /**< ids in [0, num_experts) are routed; others are skipped */
     uint32_t block_size;  /**< each expert's run is padded to a multiple of this */
+    /** Expert parallelism: 0 (the default), ids are experts of this
+     *  call; otherwise ids are global expert ids in [0, num_global_experts)
+     *  and moecl_moe_align_ex()'s expert_map, of that many entries, maps
+     *  each to its local expert in [0, num_experts) or to -1 where the
+     *  expert is on another rank (vLLM's expert_map). Needs expert_map. */
+    uint32_t num_global_experts;
 } moecl_moe_align_desc;
 
-/** A descriptor with the four sizes; no other fields exist today, and
- *  future ones will default to today's behaviour here. */
+/** A descriptor with the four sizes and every other field at its default
+ *  (num_global_experts 0: no expert map); future fields will default to
+ *  today's behaviour here. */
 MOECL_API moecl_moe_align_desc moecl_moe_align_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t num_experts,
                                                          uint32_t block_size);
 
@@ -1026,6 +1033,9 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *                          their id is outside [0, num_experts) (a
  *                          runtime's padding rows often carry -1)
  *
+ * With an expert map (desc->num_global_experts > 0, moecl_moe_align_ex()
+ * only) the ids are global and every output above is in local ids; see
+ * moecl_moe_align_ex() for which slots are skipped and which counted.
  * Experts with no slots have an empty run and no block. The result is
  * unique (the stable order fixes it), so every device returns the same
  * bits. num_tokens == 0 writes that empty result: counts 0,
@@ -1073,6 +1083,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * moecl_context_destroy.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
+ * num_global_experts not 0 (this call takes no expert map: see
+ * moecl_moe_align_ex()),
  * NULL ctx/desc, a missing required buffer, a buffer too small, an
  * unaligned offset, a buffer of another context, num_wait > 0 with wait
  * NULL), MOECL_ERROR_BUILD, or an OpenCL error: of the scratch buffer's
@@ -1112,8 +1124,89 @@ MOECL_API moecl_status moecl_moe_align_host(moecl_context *ctx, const moecl_moe_
                                             int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                             int32_t *num_invalid);
 
+/** The buffers of moecl_moe_align_ex(), by name. Zero the record, set
+ *  struct_size to sizeof(moecl_moe_align_tensors), then the buffers: an
+ *  absent one has mem NULL. A later moecl may append fields; a caller's
+ *  struct_size tells it which this record holds. */
+typedef struct moecl_moe_align_tensors {
+    size_t struct_size;                  /**< sizeof(moecl_moe_align_tensors) */
+    moecl_buffer topk_ids;               /**< int32_t[num_tokens][top_k], input */
+    moecl_buffer expert_counts;          /**< int32_t[num_experts], output */
+    moecl_buffer sorted_token_ids;       /**< int32_t[max_padded], output */
+    moecl_buffer block_expert_ids;       /**< int32_t[max_padded / block_size], output */
+    moecl_buffer num_tokens_post_padded; /**< int32_t[1], output */
+    moecl_buffer slot_positions;         /**< int32_t[num_tokens][top_k], output, optional */
+    moecl_buffer num_invalid;            /**< int32_t[1], output, optional */
+    moecl_buffer expert_map;             /**< int32_t[num_global_experts], input; required iff
+                                              desc->num_global_experts > 0 */
+} moecl_moe_align_tensors;
+
+/**
+ * moecl_moe_align() with its buffers in a struct, and with expert
+ * parallelism: where desc->num_global_experts is G > 0, each rank aligns
+ * only the slots of its own experts (vLLM's moe_align_block_size with
+ * expert_map; aiter and vllm-xpu-kernels take the same table). topk_ids
+ * then holds global ids, and expert_map (int32_t[G], a device buffer
+ * read by the kernels) gives for global expert g its local expert
+ * expert_map[g] in [0, num_experts), or -1 where g is on another rank.
+ * A slot with global id g is:
+ *   - aligned as local expert expert_map[g] where g is in [0, G) and
+ *     expert_map[g] in [0, num_experts): expert_counts, sorted_token_ids
+ *     and block_expert_ids hold local ids, exactly the result of
+ *     moecl_moe_align() on the mapped ids;
+ *   - skipped, and not counted, where g is in [0, G) and expert_map[g] is
+ *     -1 (a remote expert: most slots of a rank under expert parallelism;
+ *     its slot_positions entry is -1);
+ *   - skipped and counted in num_invalid where g is outside [0, G)
+ *     (padding rows' -1) or expert_map[g] is neither -1 nor in
+ *     [0, num_experts) (a bad map entry, so that one shows up there).
+ * The sentinel stays num_tokens * top_k (all slots, as vLLM's) and the
+ * lengths are those of moecl_moe_align_max_padded(desc), which bound any
+ * map. G = 0 is moecl_moe_align() exactly (expert_map must be absent);
+ * moecl_moe_align() is this call with the tensors passed by name.
+ *
+ * The map is read where each id is read, by every path, in the same
+ * launches; the map's kernels are built apart from the kernels without
+ * one (a define), so calls without a map run exactly the kernels
+ * moecl_moe_align() runs. Paths, events, the scratch buffer and what a
+ * failed call leaves are moecl_moe_align()'s.
+ *
+ * Errors: those of moecl_moe_align(), and MOECL_ERROR_INVALID_ARGUMENT
+ * for a NULL tensors, a struct_size this moecl does not know (today's
+ * record, which ends at expert_map, is its first version), an expert_map
+ * without num_global_experts or num_global_experts without an
+ * expert_map, an expert_map smaller than num_global_experts entries.
+ * Nothing is enqueued and no output byte changes for any of them.
+ */
+MOECL_API moecl_status moecl_moe_align_ex(moecl_context *ctx, const moecl_moe_align_desc *desc,
+                                          const moecl_moe_align_tensors *tensors, cl_uint num_wait,
+                                          const cl_event *wait, cl_event *done);
+
+/** The host-memory arrays of moecl_moe_align_ex_host(), by name; struct_size
+ *  as in moecl_moe_align_tensors, absent arrays NULL. */
+typedef struct moecl_moe_align_host_tensors {
+    size_t struct_size;              /**< sizeof(moecl_moe_align_host_tensors) */
+    const int32_t *topk_ids;         /**< input; NULL only when num_tokens is 0 */
+    int32_t *expert_counts;          /**< output */
+    int32_t *sorted_token_ids;       /**< output; NULL only when it has no element */
+    int32_t *block_expert_ids;       /**< output; NULL only when it has no element */
+    int32_t *num_tokens_post_padded; /**< output */
+    int32_t *slot_positions;         /**< output, optional */
+    int32_t *num_invalid;            /**< output, optional */
+    const int32_t *expert_map;       /**< input; required iff desc->num_global_experts > 0 */
+} moecl_moe_align_host_tensors;
+
+/** Blocking convenience of moecl_moe_align_ex() on host memory: copies
+ *  in, runs, copies out, as moecl_moe_align_host() does (which is this
+ *  call with the arrays passed by name). Same validation as
+ *  moecl_moe_align_ex(); what a failed call leaves as
+ *  moecl_moe_align_host(). */
+MOECL_API moecl_status moecl_moe_align_ex_host(moecl_context *ctx, const moecl_moe_align_desc *desc,
+                                               const moecl_moe_align_host_tensors *tensors);
+
 /** Build (or load from the disk cache) the kernels moe_align needs, ahead
- *  of the first call. Validates desc as the call does. */
+ *  of the first call (with desc->num_global_experts > 0, the expert map's
+ *  kernels). Validates desc as the call does. */
 MOECL_API moecl_status moecl_moe_align_prepare(moecl_context *ctx, const moecl_moe_align_desc *desc);
 
 /* ---------------------------------------------------------------------- */

@@ -258,6 +258,28 @@ class Context:
                        ctypes.byref(done)), ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
 
+    def _run_ex(self, name: str, desc: ctypes.Structure, structs: Tuple[Any, Any],
+                tensors: Sequence[Optional[T.Tensor]], kind: str, wait_for: Optional[Sequence[Any]]) -> Any:
+        """Call moecl_<name>_ex_host (HOST) or moecl_<name>_ex (DEVICE) with
+        the tensors in the struct of structs (device, host), in its
+        fields' order; the event, or None."""
+        ctx = self._ptr()
+        device_struct, host_struct = structs
+        if kind == T.HOST:
+            t = host_struct(ctypes.sizeof(host_struct), *[None if x is None else x.host.ctypes.data for x in tensors])
+            self._check(getattr(self._lib, "moecl_%s_ex_host" % name)(ctx, ctypes.byref(desc), ctypes.byref(t)), ctx)
+            return None
+        import pyopencl as cl
+
+        events = list(wait_for or [])
+        wait = (_lib.cl_handle * len(events))(*[e.int_ptr for e in events]) if events else None
+        bufs = [_lib.Buffer(None, 0) if x is None else _lib.Buffer(x.mem, x.offset) for x in tensors]
+        t = device_struct(ctypes.sizeof(device_struct), *bufs)
+        done = _lib.cl_handle()
+        fn = getattr(self._lib, "moecl_%s_ex" % name)
+        self._check(fn(ctx, ctypes.byref(desc), ctypes.byref(t), len(events), wait, ctypes.byref(done)), ctx)
+        return cl.Event.from_int_ptr(done.value, retain=False)
+
     @staticmethod
     def _check_wait(kind: str, wait_for: Optional[Sequence[Any]]) -> None:
         """wait_for is for device calls only, and holds pyopencl.Events."""
@@ -763,21 +785,27 @@ class Context:
                 raise ValueError("out[%r] given with %s=False" % (name, name))
         return [n for n in specs if (n != "slot_positions" or slot_positions) and (n != "num_invalid" or num_invalid)]
 
-    def _align_desc(self, tokens: int, k: int, e: int, block: int) -> ctypes.Structure:
+    def _align_desc(self, tokens: int, k: int, e: int, block: int, num_global: int = 0) -> ctypes.Structure:
         """moecl_moe_align_desc of a call, validated by the library (and its kernels built)."""
         desc = self._lib.moecl_moe_align_desc_init(tokens, k, e, block)
+        desc.num_global_experts = num_global
         self._prepare("moe_align", desc)
         return desc
 
-    def moe_align(self, topk_ids: Any, num_experts: int, block_size: int, *, slot_positions: bool = True,
-                  num_invalid: bool = True, out: Optional[Dict[str, Any]] = None, queue: Any = None,
-                  wait_for: Optional[Sequence[Any]] = None) -> MoeAlignResult:
+    def moe_align(self, topk_ids: Any, num_experts: int, block_size: int, *, expert_map: Any = None,
+                  slot_positions: bool = True, num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
+                  queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> MoeAlignResult:
         """Sort a routing's slots by expert for grouped GEMMs (docs/routing.md, section 7).
 
         Args:
-            topk_ids: int32 [tokens, top_k]; ids outside [0, num_experts) are skipped.
-            num_experts: experts routed to.
+            topk_ids: int32 [tokens, top_k]; ids outside [0, num_experts) are skipped
+                (with expert_map: global ids, outside [0, len(expert_map)) skipped).
+            num_experts: experts routed to (with expert_map: this rank's local experts).
             block_size: each expert's run is padded to a multiple of this.
+            expert_map: int32 [num_global_experts], or None: expert parallelism (vLLM's
+                expert_map). Global expert g is local expert expert_map[g], or -1 where it
+                is on another rank: its slots are skipped and not counted in num_invalid.
+                The outputs are then in local ids.
             slot_positions, num_invalid: compute these optional outputs.
             out, queue, wait_for: as for topk_gating (names as MoeAlignResult's fields).
 
@@ -785,8 +813,11 @@ class Context:
             A MoeAlignResult.
         """
         out = dict(out or {})
-        kind = T.kind_of([topk_ids, *out.values()])
+        kind = T.kind_of([topk_ids, expert_map, *out.values()])
         ids = T.check("topk_ids", topk_ids, (None, None), [T.I32], kind)
+        emap = None if expert_map is None else T.check("expert_map", expert_map, (None,), [T.I32], kind)
+        if emap is not None and emap.shape[0] == 0:
+            raise ValueError("expert_map: expected at least one entry")
         tokens, k = ids.shape
         self._check_wait(kind, wait_for)
         e, block = _uint("num_experts", num_experts), _uint("block_size", block_size)
@@ -794,11 +825,15 @@ class Context:
         given = T.outputs(specs, out, kind)
         wanted = self._align_wanted(specs, given, slot_positions, num_invalid)
         on = self._on(queue)
-        desc = on._align_desc(tokens, k, e, block)
+        desc = on._align_desc(tokens, k, e, block, 0 if emap is None else emap.shape[0])
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, wanted, kind, q)
-        event = on._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
+        if emap is None:
+            event = on._run("moe_align", desc, [ids] + [o[n] for n in specs], kind, wait_for)
+        else:
+            event = on._run_ex("moe_align", desc, (_lib.MoeAlignTensors, _lib.MoeAlignHostTensors),
+                               [ids] + [o[n] for n in specs] + [emap], kind, wait_for)
         return MoeAlignResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------

@@ -118,7 +118,25 @@ class MoeAlignDesc(ctypes.Structure):
         ("top_k", c_uint32),
         ("num_experts", c_uint32),
         ("block_size", c_uint32),
+        ("num_global_experts", c_uint32),
     ]
+
+
+# The buffers of moecl_moe_align_ex, by name, in the struct's order.
+MOE_ALIGN_TENSORS = ("topk_ids", "expert_counts", "sorted_token_ids", "block_expert_ids", "num_tokens_post_padded",
+                     "slot_positions", "num_invalid", "expert_map")
+
+
+class MoeAlignTensors(ctypes.Structure):
+    """moecl_moe_align_tensors."""
+
+    _fields_ = [("struct_size", c_size_t)] + [(n, Buffer) for n in MOE_ALIGN_TENSORS]
+
+
+class MoeAlignHostTensors(ctypes.Structure):
+    """moecl_moe_align_host_tensors."""
+
+    _fields_ = [("struct_size", c_size_t)] + [(n, c_void_p) for n in MOE_ALIGN_TENSORS]
 
 
 # The enums of moecl.h, by the names the Python API uses.
@@ -180,6 +198,8 @@ _SIGNATURES = {
                                 Buffer, cl_uint, _events, _event_out]),
     "moecl_moe_align_host": (c_int, [_ctx, _P(MoeAlignDesc), c_void_p, c_void_p, c_void_p, c_void_p,
                                      c_void_p, c_void_p, c_void_p]),
+    "moecl_moe_align_ex": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignTensors), cl_uint, _events, _event_out]),
+    "moecl_moe_align_ex_host": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignHostTensors)]),
     "moecl_ep_layout_desc_init": (EpLayoutDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
     "moecl_ep_layout_prepare": (c_int, [_ctx, _P(EpLayoutDesc)]),
     "moecl_ep_layout": (c_int, [_ctx, _P(EpLayoutDesc)] + [Buffer] * 11 + [cl_uint, _events, _event_out]),

@@ -906,17 +906,21 @@ static void run_grounded(moecl_context *ctx, const run_def *run)
 
 typedef struct align_case {
     uint32_t tokens, top_k, experts, block;
-    int load; /* 0 uniform, 1 all on one expert, 2 with invalid ids */
+    int load;       /* 0 uniform, 1 all on one expert, 2 with invalid ids */
+    uint32_t ranks; /* an expert map over experts * ranks global ids (a scattered subset is local); 0: none */
 } align_case;
 
 static const align_case align_cases[] = {
-    {0, 2, 8, 4, 0},     /* empty */
-    {5, 2, 8, 4, 0},     /* a few slots */
-    {9, 3, 4, 1, 1},     /* one expert takes everything; block 1 */
-    {7, 4, 16, 8, 2},    /* invalid ids: -1, E, INT32_MIN, INT32_MAX */
-    {150, 2, 16, 8, 2},  /* 300 slots: more than one chunk of 256 */
-    {70, 8, 300, 16, 0}, /* more experts than a scan work-group */
-    {3, 64, 4096, 16, 2}, /* the most experts, most of them empty */
+    {0, 2, 8, 4, 0, 0},       /* empty */
+    {5, 2, 8, 4, 0, 0},       /* a few slots */
+    {9, 3, 4, 1, 1, 0},       /* one expert takes everything; block 1 */
+    {7, 4, 16, 8, 2, 0},      /* invalid ids: -1, E, INT32_MIN, INT32_MAX */
+    {150, 2, 16, 8, 2, 0},    /* 300 slots: more than one chunk of 256 */
+    {70, 8, 300, 16, 0, 0},   /* more experts than a scan work-group */
+    {3, 64, 4096, 16, 2, 0},  /* the most experts, most of them empty */
+    {5, 2, 8, 4, 2, 4},       /* expert map: a few slots, most remote */
+    {150, 2, 16, 8, 2, 2},    /* expert map: more than one chunk */
+    {70, 8, 300, 16, 2, 3},   /* expert map: more experts than a scan work-group */
 };
 
 /* Whether the run may take moe_align's fused kernel: forced, or the
@@ -932,9 +936,10 @@ static bool may_take_fused(const run_def *run)
 
 static void align_one(moecl_context *ctx, const run_def *run, const align_case *c)
 {
-    const moecl_moe_align_desc d = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, c->block);
-    snprintf(current, sizeof(current), "%s T=%u k=%u E=%u block=%u load=%d", run->name, d.num_tokens, d.top_k,
-             d.num_experts, d.block_size, c->load);
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, c->block);
+    d.num_global_experts = c->experts * c->ranks;
+    snprintf(current, sizeof(current), "%s T=%u k=%u E=%u block=%u load=%d G=%u", run->name, d.num_tokens, d.top_k,
+             d.num_experts, d.block_size, c->load, d.num_global_experts);
     if (!selected() ||
         left_out_by_uninit(may_take_fused(run) ? "the fused kernel's ticket is zeroed by clEnqueueFillBuffer and its "
                                                  "scratch words are first written by atomic_xchg (tool_bugs: "
@@ -945,31 +950,41 @@ static void align_one(moecl_context *ctx, const run_def *run, const align_case *
     const size_t max_padded = (size_t)moecl_moe_align_max_padded(&d), blocks = max_padded / d.block_size;
     int32_t *ids = xmalloc(slots * sizeof(int32_t));
     static const int32_t bad[] = {-1, INT32_MIN, INT32_MAX};
+    /* Ids over the global experts where there is a map. */
+    const uint32_t id_range = d.num_global_experts ? d.num_global_experts : d.num_experts;
     for (size_t s = 0; s < slots; s++) {
         const uint64_t r = splitmix();
-        int32_t id = (int32_t)(r % d.num_experts);
+        int32_t id = (int32_t)(r % id_range);
         if (c->load == 1)
-            id = (int32_t)(d.num_experts - 1);
+            id = (int32_t)(id_range - 1);
         else if (c->load == 2 && (r >> 32) % 5 == 0)
-            id = (r >> 40) % 4 == 3 ? (int32_t)d.num_experts : bad[(r >> 40) % 4 % 3];
+            id = (r >> 40) % 4 == 3 ? (int32_t)id_range : bad[(r >> 40) % 4 % 3];
         ids[s] = id;
     }
+    /* Local expert l at global l * ranks + (a random offset below ranks). */
+    int32_t *map = d.num_global_experts ? xmalloc((size_t)d.num_global_experts * 4) : NULL;
+    for (uint32_t g = 0; g < d.num_global_experts; g++)
+        map[g] = -1;
+    for (uint32_t l = 0; l < d.num_experts && map; l++)
+        map[l * c->ranks + splitmix() % c->ranks] = (int32_t)l;
     int32_t *counts = xmalloc(d.num_experts * 4), *sorted = xmalloc(max_padded * 4), *block_ids = xmalloc(blocks * 4);
     int32_t *positions = xmalloc(slots * 4), post = -7, invalid = -7;
     memset(sorted, 0xff, max_padded * 4);
     memset(block_ids, 0x7f, blocks * 4);
     memset(positions, 0x7f, slots * 4);
-    const moecl_status st =
-        moecl_moe_align_host(ctx, &d, ids, counts, sorted, block_ids, &post, positions, &invalid);
+    const moecl_moe_align_host_tensors t = {sizeof(t), ids,       counts,   sorted, block_ids,
+                                            &post,     positions, &invalid, map};
+    const moecl_status st = moecl_moe_align_ex_host(ctx, &d, &t);
     if (st != MOECL_SUCCESS) {
         fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
     } else {
         char msg[512] = "";
-        const int bad_count =
-            ref_check_moe_align(&d, ids, counts, sorted, block_ids, &post, positions, &invalid, msg, sizeof(msg));
+        const int bad_count = ref_check_moe_align_map(&d, ids, map, counts, sorted, block_ids, &post, positions,
+                                                      &invalid, msg, sizeof(msg));
         if (bad_count)
             fail("%d elements differ; first: %s", bad_count, msg);
     }
+    free(map);
     free(ids);
     free(counts);
     free(sorted);

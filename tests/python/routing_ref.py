@@ -159,11 +159,19 @@ def grounded_row(h: np.ndarray, r: np.ndarray, w: np.ndarray, alpha: float, k: i
     return g, ids, weights, np.nan_to_num(tol)
 
 
-def moe_align(ids: np.ndarray, num_experts: int, block_size: int) -> Tuple[np.ndarray, ...]:
-    """Section 7: (counts, sorted_token_ids, block_expert_ids, post_padded, slot_positions, num_invalid)."""
-    flat = ids.reshape(-1)
+def moe_align(ids: np.ndarray, num_experts: int, block_size: int, expert_map=None) -> Tuple[np.ndarray, ...]:
+    """Section 7: (counts, sorted_token_ids, block_expert_ids, post_padded, slot_positions, num_invalid).
+    With expert_map, ids are global: mapped to local ids, -1 entries (remote) skipped and not counted."""
+    flat = ids.reshape(-1).astype(np.int64)
     n = flat.size
     max_padded = n + num_experts * (block_size - 1)
+    remote = np.zeros(n, bool)
+    if expert_map is not None:
+        g = len(expert_map)
+        inside = (flat >= 0) & (flat < g)
+        mapped = np.where(inside, np.asarray(expert_map, np.int64)[np.clip(flat, 0, g - 1)], -1)
+        remote = inside & (mapped == -1)
+        flat = np.where(inside, mapped, -1)
     valid = (flat >= 0) & (flat < num_experts)
     counts = np.bincount(flat[valid], minlength=num_experts)
     padded = -(-counts // block_size) * block_size
@@ -181,7 +189,8 @@ def moe_align(ids: np.ndarray, num_experts: int, block_size: int) -> Tuple[np.nd
     blocks = np.full(max_padded // block_size, -1)
     for e in range(num_experts):
         blocks[start[e] // block_size:start[e + 1] // block_size] = e
-    return counts, sorted_ids, blocks, np.array([total]), positions.reshape(ids.shape), np.array([n - valid.sum()])
+    invalid = n - valid.sum() - remote.sum()
+    return counts, sorted_ids, blocks, np.array([total]), positions.reshape(ids.shape), np.array([invalid])
 
 
 def ep_layout(ids: np.ndarray, num_experts: int, num_ranks: int, l2p=None, replica_counts=None, p2r=None,

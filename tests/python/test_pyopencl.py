@@ -234,3 +234,15 @@ def test_forget_buffers_releases_the_last_calls_buffers(rng, clq):
         check_topk(w.get(), ids.get(), x.get().astype(np.float64), k, "softmax", None)
         assert refs(x) == before + 1
     assert refs(x) == before, "close() released it"
+
+
+def test_moe_align_expert_map_on_device(adopted, clq, rng):
+    # Device ids and map (the map at an offset), waiting on an event.
+    m = np.full(48, -1, np.int32)
+    m[rng.choice(48, 12, replace=False)] = rng.permutation(12)
+    ids = rng.integers(-1, 49, (40, 4)).astype(np.int32)
+    dmap = cla.to_device(clq, np.concatenate([np.full(3, 5, np.int32), m]))[3:]
+    ev = cl.enqueue_marker(clq)
+    res = adopted.moe_align(cla.to_device(clq, ids), 12, 8, expert_map=dmap, wait_for=[ev])
+    res.event.wait()
+    check_align(align_on_host(res), ids, 12, 8, m)
