@@ -412,7 +412,8 @@ class Context:
                     renormalize: bool = False, scale: float = 1.0, *, renormalize_floor: float = 0.0,
                     renormalize_eps: float = 0.0, group_fill: str = "neg_inf", weighting: str = "score",
                     dtype: Optional[str] = None, bias_dtype: Optional[str] = None, weights_dtype: str = "f32",
-                    ids_dtype: str = "int32", counts: bool = False, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                    ids_dtype: str = "int32", counts: bool = False, num_valid_tokens: Any = None,
+                    expert_load: Any = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
 
@@ -446,6 +447,12 @@ class Context:
             ids_dtype: "int32" or "int64" (PyTorch's topk, DeepEP).
             counts: also return expert_counts int32 [experts], the number
                 of slots routed to each expert.
+            num_valid_tokens: int32 [1], or None: the rows that are tokens,
+                read when the kernel runs; the rows past it are padding (ids
+                -1, weights 0, counted nowhere): one enqueued call for any
+                batch up to the logits' rows (moecl_topk_gating_ex).
+            expert_load: int32 [experts], or None: a load counter the call
+                adds its routed slots to, in place (never zeroed).
             out: output arrays to write, by name ("weights", "ids", "counts").
             queue: a pyopencl.CommandQueue to enqueue on instead of the
                 context's own (adopted with from_pyopencl on first use, and
@@ -465,8 +472,11 @@ class Context:
                 message names the field. moecl.Error: another failure.
         """
         out = dict(out or {})
-        kind = T.kind_of([logits, bias, *out.values()])
+        kind = T.kind_of([logits, bias, num_valid_tokens, expert_load, *out.values()])
         g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
+        nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
+        load = None if expert_load is None else T.check("expert_load", expert_load, (experts,), [T.I32], kind,
+                                                        output=True)
         w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
         specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
         given = T.outputs(specs, out, kind)
@@ -483,7 +493,11 @@ class Context:
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
         o = self._outputs(specs, given, wanted, kind, q)
         tensors = [g, b, o["weights"], o["ids"]] + ([o["counts"]] if counts else [])
-        event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
+        if nv is None and load is None:
+            event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
+        else:
+            event = on._run_ex("topk_gating", desc, (_lib.TopkGatingTensors, _lib.TopkGatingHostTensors),
+                               [g, b, o["weights"], o["ids"], o["counts"], load, nv], kind, wait_for)
         result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 

@@ -139,6 +139,23 @@ class MoeAlignHostTensors(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t)] + [(n, c_void_p) for n in MOE_ALIGN_TENSORS]
 
 
+# The buffers of moecl_topk_gating_ex, by name, in the struct's order.
+TOPK_GATING_TENSORS = ("gating", "bias", "topk_weights", "topk_ids", "expert_counts", "expert_load",
+                       "num_valid_tokens")
+
+
+class TopkGatingTensors(ctypes.Structure):
+    """moecl_topk_gating_tensors."""
+
+    _fields_ = [("struct_size", c_size_t)] + [(n, Buffer) for n in TOPK_GATING_TENSORS]
+
+
+class TopkGatingHostTensors(ctypes.Structure):
+    """moecl_topk_gating_host_tensors."""
+
+    _fields_ = [("struct_size", c_size_t)] + [(n, c_void_p) for n in TOPK_GATING_TENSORS]
+
+
 # The enums of moecl.h, by the names the Python API uses.
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INDEX_DTYPES = {"int32": 0, "int64": 1}
@@ -198,6 +215,9 @@ _SIGNATURES = {
                                 Buffer, cl_uint, _events, _event_out]),
     "moecl_moe_align_host": (c_int, [_ctx, _P(MoeAlignDesc), c_void_p, c_void_p, c_void_p, c_void_p,
                                      c_void_p, c_void_p, c_void_p]),
+    "moecl_topk_gating_ex": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingTensors), cl_uint, _events,
+                                     _event_out]),
+    "moecl_topk_gating_ex_host": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingHostTensors)]),
     "moecl_moe_align_ex": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignTensors), cl_uint, _events, _event_out]),
     "moecl_moe_align_ex_host": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignHostTensors)]),
     "moecl_ep_layout_desc_init": (EpLayoutDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),

@@ -246,3 +246,25 @@ def test_moe_align_expert_map_on_device(adopted, clq, rng):
     res = adopted.moe_align(cla.to_device(clq, ids), 12, 8, expert_map=dmap, wait_for=[ev])
     res.event.wait()
     check_align(align_on_host(res), ids, 12, 8, m)
+
+
+def test_topk_padded_batch_on_device(adopted, clq, rng):
+    """One call shape for any batch: num_valid_tokens is a device buffer
+    the caller rewrites between calls; expert_load accumulates on the
+    device."""
+    tokens, experts, k = 16, 32, 4
+    x = rng.standard_normal((tokens, experts)).astype(np.float32)
+    w0, ids0 = adopted.topk_gating(x, top_k=k)
+    g = cla.to_device(clq, x)
+    nv = cla.to_device(clq, np.array([0], np.int32))
+    load = cla.zeros(clq, experts, np.int32)
+    total = np.zeros(experts, np.int64)
+    for n in (3, 16, 9):
+        nv.set(np.array([n], np.int32))
+        w, ids, ev = adopted.topk_gating(g, top_k=k, num_valid_tokens=nv, expert_load=load)
+        ev.wait()
+        np.testing.assert_array_equal(ids.get()[:n], ids0[:n])
+        np.testing.assert_array_equal(w.get()[:n], w0[:n])
+        np.testing.assert_array_equal(ids.get()[n:], -1)
+        total += np.bincount(ids0[:n].ravel(), minlength=experts)
+        np.testing.assert_array_equal(load.get(), total)

@@ -210,3 +210,26 @@ def test_nan_and_inf_bias(ctx, rng):
     assert (ids[:, 0] == 11).all() and (ids[:, -3] == 4).all()
     assert (ids[:, -2] == 2).all() and (ids[:, -1] == 7).all()  # NaNs last, by index
     check_topk(w, ids, x.astype(np.float64), 16, "sigmoid", bias.astype(np.float64))
+
+
+@pytest.mark.parametrize("valid", [-2, 0, 5, 13, 40])
+def test_padded_batch_and_load(ctx, rng, valid):
+    """num_valid_tokens: the rows past it are padding (ids -1, weights 0),
+    the rows before it what the plain call gives; expert_load: every
+    call adds the routed slots' histogram to it, in place."""
+    tokens, experts, k = 13, 64, 6
+    a, x = make_logits(rng, tokens, experts, "f32")
+    w0, ids0, counts0 = ctx.topk_gating(a, top_k=k, counts=True)
+    load = rng.integers(0, 100, experts).astype(np.int32)
+    start = load.copy()
+    n = max(0, min(valid, tokens))
+    for call in (1, 2):
+        w, ids, counts = ctx.topk_gating(a, top_k=k, counts=True, num_valid_tokens=np.array([valid], np.int32),
+                                         expert_load=load)
+        np.testing.assert_array_equal(ids[:n], ids0[:n])
+        np.testing.assert_array_equal(w[:n], w0[:n])
+        np.testing.assert_array_equal(ids[n:], -1)
+        np.testing.assert_array_equal(w[n:], 0)
+        hist = np.bincount(ids0[:n].ravel(), minlength=experts)
+        np.testing.assert_array_equal(counts, hist)
+        np.testing.assert_array_equal(load, start + call * hist)
