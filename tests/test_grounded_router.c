@@ -623,7 +623,8 @@ START_TEST(test_router_model_logits)
     for (size_t s = 0; s < COUNT(shapes); s++)
         for (size_t r = 0; r < COUNT(rounds); r++)
             for (int capped = 0; capped < 2; capped++, i++) {
-                if (harness_quick_skips((unsigned)(s + r + (size_t)capped)))
+                /* quick: one case a shape, each rounding once */
+                if (harness_quick() ? r != (s + (size_t)capped) % 3 || capped != (int)(s % 2) : false)
                     continue;
                 const uint32_t *sh = shapes[s];
                 moecl_grounded_router_desc d = moecl_grounded_router_desc_init(sh[5], sh[0], sh[1], 4.0f);
