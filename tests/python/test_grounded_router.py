@@ -81,7 +81,7 @@ def test_router_deepseek_v3(ctx, rng, eps):
     renormalised (by the sum, or by sum + 1e-20 as the model's code does),
     factor 2.5; against routing_ref on g in float64."""
     tokens, hidden, experts, k = 9, 48, 64, 8
-    h = rng.standard_normal((tokens, hidden)).astype(np.float32) / np.sqrt(hidden)
+    h = (rng.standard_normal((tokens, hidden)) / np.sqrt(hidden)).astype(np.float32)  # float32 under NumPy 2 too
     gw = rng.standard_normal((experts, hidden)).astype(np.float32)
     bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
     weights, ids = ctx.router(h, gw, top_k=k, bias=bias, scoring="sigmoid", weighting="score", groups=8,
