@@ -739,7 +739,10 @@ END_TEST
 /* Every preset is a descriptor the library accepts: a host call on two
  * tokens of random logits (and of random hidden states through the router)
  * succeeds, with distinct ids in range. The presets' routing itself is
- * checked against each family's model in tests/python/test_presets.py. */
+ * checked against each family's model in tests/python/test_presets.py.
+ * Under valgrind, where every program compiles with pocl's LLVM under
+ * valgrind (harness_valgrind), the first preset's calls only: the
+ * descriptors are checked for all. */
 START_TEST(test_preset_descriptors_run)
 {
     moecl_context *ctx = harness_context();
@@ -753,14 +756,15 @@ START_TEST(test_preset_descriptors_run)
         ck_assert_int_eq(d.gating_dtype, MOECL_F32);
         ck_assert_msg(d.renormalize_floor == 0.0f, "%s: renormalize_floor %g", name, (double)d.renormalize_floor);
         const uint32_t e = d.num_experts, k = d.top_k;
+        const bool run = i == 0 || !harness_valgrind();
         float *logits = harness_random_tensor(&rng, MOECL_F32, (size_t)T * e, 2.0f);
         float *bias = harness_random_tensor(&rng, MOECL_F32, e, 0.1f);
         float w[T * 64];
         int32_t ids[T * 64];
         ck_assert(logits && bias && k <= 64);
-        moecl_status st = moecl_topk_gating_host(ctx, &d, logits, bias, w, ids);
+        moecl_status st = run ? moecl_topk_gating_host(ctx, &d, logits, bias, w, ids) : MOECL_SUCCESS;
         ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", name, moecl_status_string(st), moecl_context_error(ctx));
-        for (uint32_t t = 0; t < T; t++)
+        for (uint32_t t = 0; t < (run ? T : 0); t++)
             for (uint32_t j = 0; j < k; j++) {
                 int32_t id = ids[t * k + j];
                 ck_assert_msg(id >= 0 && (uint32_t)id < e, "%s: id %d", name, id);
@@ -786,13 +790,14 @@ START_TEST(test_preset_descriptors_run)
         ck_assert(g.gating.renormalize == d.renormalize);
         ck_assert(g.gating.renormalize_floor == d.renormalize_floor);
         ck_assert(g.gating.routed_scaling_factor == d.routed_scaling_factor);
+        ck_assert(g.gating.renormalize_eps == d.renormalize_eps);
         float *hidden = harness_random_tensor(&rng, MOECL_F32, (size_t)T * g.hidden_dim, 1.0f);
         float *ground = harness_random_tensor(&rng, MOECL_F32, (size_t)e * g.hidden_dim, 0.03f);
         ck_assert(hidden && ground);
-        st = moecl_router_host(ctx, &g, hidden, NULL, ground, bias, w, ids);
+        st = run ? moecl_router_host(ctx, &g, hidden, NULL, ground, bias, w, ids) : MOECL_SUCCESS;
         ck_assert_msg(st == MOECL_SUCCESS, "%s router: %s: %s", name, moecl_status_string(st),
                       moecl_context_error(ctx));
-        for (uint32_t s = 0; s < T * k; s++)
+        for (uint32_t s = 0; s < (run ? T * k : 0); s++)
             ck_assert_msg(ids[s] >= 0 && (uint32_t)ids[s] < e, "%s router: id %d", name, ids[s]);
         free(hidden);
         free(ground);
