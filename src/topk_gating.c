@@ -555,8 +555,11 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     cl_mem mems[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++)
         if (from[i] || to[i])
+            /* The counts are added to (atomics read them), as the load is. */
             st = moecl_host_buffer(ctx, names[i],
-                                   !to[i] ? CL_MEM_READ_ONLY : from[i] ? CL_MEM_READ_WRITE : CL_MEM_WRITE_ONLY,
+                                   !to[i]                      ? CL_MEM_READ_ONLY
+                                   : from[i] || i == COUNTS    ? CL_MEM_READ_WRITE
+                                                               : CL_MEM_WRITE_ONLY,
                                    sizes[i], from[i], &mems[i]);
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
