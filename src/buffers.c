@@ -56,6 +56,18 @@ moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, 
     return MOECL_SUCCESS;
 }
 
+moecl_status moecl_check_record(moecl_context *ctx, const void *record, size_t struct_size, size_t first,
+                                size_t known)
+{
+    if (!record)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
+    if (struct_size < first || struct_size > known)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "tensors->struct_size is %zu; this moecl takes %zu to %zu (set it to sizeof the record)",
+                          struct_size, first, known);
+    return MOECL_SUCCESS;
+}
+
 moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait)
 {
     if (num_wait > 0 && !wait)

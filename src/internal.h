@@ -877,6 +877,10 @@ moecl_status moecl_check_buffer_size(moecl_context *ctx, const char *name, moecl
 moecl_status moecl_check_buffer_fits(moecl_context *ctx, const char *name, size_t offset, uint64_t bytes,
                                      size_t elem_size, size_t size);
 moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait);
+/* A tensors record (moecl_*_tensors): present, and its struct_size one
+ * this moecl knows, from first (its first version's size) to known. */
+moecl_status moecl_check_record(moecl_context *ctx, const void *record, size_t struct_size, size_t first,
+                                size_t known);
 /* num_tokens == 0: enqueue nothing but honour the wait list and give a
  * marker event if asked. */
 moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done);

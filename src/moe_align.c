@@ -400,18 +400,6 @@ static align_sizes sizes_of(const moecl_moe_align_desc *d)
                          max_padded / d->block_size * 4, (uint64_t)d->num_global_experts * 4};
 }
 
-/* A tensors record's size: one this moecl knows, as for
- * moecl_topk_gating_ex (its first version, which ends at expert_map, is
- * today's whole record). */
-static moecl_status check_struct(moecl_context *ctx, size_t struct_size, size_t known)
-{
-    if (struct_size != known)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                          "tensors->struct_size is %zu; this moecl takes %zu (set it to sizeof the record)",
-                          struct_size, known);
-    return MOECL_SUCCESS;
-}
-
 /* A map is given exactly where desc asks for one. */
 static moecl_status check_map(moecl_context *ctx, const moecl_moe_align_desc *d, bool has_map)
 {
@@ -434,9 +422,8 @@ moecl_status moecl_moe_align_ex(moecl_context *ctx, const moecl_moe_align_desc *
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    if (!t)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
-    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+    /* Its first version, which ends at expert_map, is today's whole record. */
+    if ((st = moecl_check_record(ctx, t, t ? t->struct_size : 0, sizeof(*t), sizeof(*t))) != MOECL_SUCCESS ||
         (st = check_map(ctx, desc, t->expert_map.mem != NULL)) != MOECL_SUCCESS)
         return st;
     const align_sizes z = sizes_of(desc);
@@ -490,9 +477,8 @@ moecl_status moecl_moe_align_ex_host(moecl_context *ctx, const moecl_moe_align_d
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    if (!t)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
-    if ((st = check_struct(ctx, t->struct_size, sizeof(*t))) != MOECL_SUCCESS ||
+    /* Its first version, which ends at expert_map, is today's whole record. */
+    if ((st = moecl_check_record(ctx, t, t ? t->struct_size : 0, sizeof(*t), sizeof(*t))) != MOECL_SUCCESS ||
         (st = check_map(ctx, desc, t->expert_map != NULL)) != MOECL_SUCCESS)
         return st;
     const align_sizes z = sizes_of(desc);

@@ -455,18 +455,6 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
 #define TENSORS_V1 (offsetof(moecl_topk_gating_tensors, num_valid_tokens) + sizeof(moecl_buffer))
 #define HOST_TENSORS_V1 (offsetof(moecl_topk_gating_host_tensors, num_valid_tokens) + sizeof(int32_t *))
 
-/* The size fields of a tensors record: one this moecl knows. */
-static moecl_status check_struct_size(moecl_context *ctx, const void *t, size_t size, size_t v1, size_t known)
-{
-    if (!t)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "tensors is NULL");
-    if (size < v1 || size > known)
-        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                          "tensors->struct_size is %zu; this moecl takes %zu to %zu (set it to sizeof the record)",
-                          size, v1, known);
-    return MOECL_SUCCESS;
-}
-
 /* The device-buffer call of every entry point. */
 static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, const topk_buffers *b,
                                   cl_uint num_wait, const cl_event *wait, cl_event *done)
@@ -504,8 +492,8 @@ moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_de
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = check_struct_size(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
-                                        sizeof(moecl_topk_gating_tensors));
+    moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
+                                         sizeof(moecl_topk_gating_tensors));
     if (st != MOECL_SUCCESS)
         return st;
     const moecl_topk_gating_tensors *t = tensors;
@@ -592,7 +580,7 @@ moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl_topk_gati
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    const moecl_status st = check_struct_size(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
-                                              sizeof(moecl_topk_gating_host_tensors));
+    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
+                                               sizeof(moecl_topk_gating_host_tensors));
     return st != MOECL_SUCCESS ? st : gating_host(ctx, desc, tensors, false);
 }
