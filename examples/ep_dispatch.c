@@ -632,13 +632,22 @@ int main(int argc, char **argv)
     long tr = rows_per_token_rank, tr_sum = 0;
     MPI_Reduce(totals, sums, 5, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
     MPI_Reduce(&tr, &tr_sum, 1, MPI_LONG, MPI_SUM, 0, MPI_COMM_WORLD);
-    if (rank == 0)
+    if (rank == 0) {
+        /* Rank 0's device, so that a log says where the ranks ran. */
+        moecl_context_info *info = calloc(1, sizeof(*info));
+        if (info) {
+            info->struct_size = sizeof(*info);
+            if (!ctx || moecl_context_query_info(ctx, info) != MOECL_SUCCESS)
+                snprintf(info->device, sizeof(info->device), "none");
+        }
         printf("ep_dispatch: %d ranks, %d experts (%d physical), top %d, hidden %d: %ld tokens, %ld slot rows "
                "sent (%ld to other ranks, %ld to replicas, %ld ranks received none; one row per (token, rank) "
-               "would be %ld): %s (%ld tokens differ)\n",
+               "would be %ld): %s (%ld tokens differ); rank 0's device: %s\n",
                ranks, E, P, K, H, sums[1], sums[2], sums[3], replica_slots, sums[4], tr_sum,
                all_ok ? "ok" : all_ready ? "FAILED" : "FAILED: a rank could not route or lay out its tokens",
-               sums[0]);
+               sums[0], info ? info->device : "?");
+        free(info);
+    }
 
     free(all_counts);
     free(arrived);
