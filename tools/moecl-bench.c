@@ -1035,6 +1035,31 @@ static int default_cases(bench_case *out, bool quick)
                                             MOECL_GROUP_SCORE_TOP2_SUM, MOECL_GROUP_FILL_NEG_INF, true, 0.0f,
                                             2.5f,                     0.0f};
     }
+    /* The other families' routers from hidden states (their presets,
+     * bf16 hidden states as their checkpoints; Kimi K2 with its correction
+     * bias, GPT-OSS without its gate bias): Qwen3-MoE 4096 -> 128 top 8,
+     * Mixtral 4096 -> 8 top 2, GPT-OSS 2880 -> 128 top 4, Kimi K2 7168 ->
+     * 384 top 8. 4083 tokens only without --quick. */
+    static const struct {
+        const char *family, *label;
+        bool bias;
+    } families[] = {{"qwen3-moe", "router qwen3-moe", false},
+                    {"mixtral", "router mixtral", false},
+                    {"gpt-oss", "router gpt-oss", false},
+                    {"kimi-k2", "router kimi-k2", true}};
+    for (size_t f = 0; f < sizeof(families) / sizeof(families[0]); f++)
+        for (int i = 0; i < (quick ? 2 : 3); i++) {
+            g = &out[n];
+            memset(g, 0, sizeof(*g));
+            if (moecl_grounded_router_desc_preset(families[f].family, router_tokens[i], &g->grounded) !=
+                MOECL_SUCCESS)
+                continue; /* not reached: the names are the library's own */
+            g->label = families[f].label;
+            g->op = OP_ROUTER;
+            g->bias = families[f].bias;
+            g->grounded.hidden_dtype = MOECL_BF16;
+            n++;
+        }
     /* The grounded router through to dispatch (block 64): decode sizes and
      * the seed shape. */
     static const unsigned route_tokens[] = {1, 129, 256, 4096};
@@ -1388,7 +1413,7 @@ int main(int argc, char **argv)
     int status = parse_args(argc, argv, &o);
     if (status >= 0)
         return status;
-    bench_case cases[80];
+    bench_case cases[112];
     int n = o.host_cost ? 0 : default_cases(cases, o.quick);
     for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
         bench_case *c = &cases[n++];
