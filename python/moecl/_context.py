@@ -943,8 +943,8 @@ class Context:
     # ------------------------------------------------------------------
 
     def permute(self, hidden_states: Any, sorted_token_ids: Any, num_tokens_post_padded: Any, top_k: int, *,
-                dtype: Optional[str] = None, out_dtype: Optional[str] = None, out: Any = None, queue: Any = None,
-                wait_for: Optional[Sequence[Any]] = None) -> Any:
+                dtype: Optional[str] = None, out_dtype: Optional[str] = None, out: Optional[Dict[str, Any]] = None,
+                queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> Any:
         """Gather each slot's hidden row into moe_align's order (moecl_permute;
         docs/routing.md, "Permute and combine"): row p of the result is
         hidden_states[sorted_token_ids[p] // top_k], or 0 where the entry is
@@ -958,15 +958,16 @@ class Context:
             top_k: the routing's slots per token.
             dtype: as for topk_gating (the input's type; "bf16" also takes uint16).
             out_dtype: "f32", "f16" or "bf16" (to nearest even); None: the input's.
-            out: an array [num_padded, hidden] of out_dtype to write; rows past
-                num_tokens_post_padded keep their values. A new NumPy result has
-                0 there, a new device array whatever it held.
+            out: {"permuted": array [num_padded, hidden] of out_dtype} to write; rows
+                past num_tokens_post_padded keep their values. A new NumPy result
+                has 0 there, a new device array whatever it held.
             queue, wait_for: as for topk_gating.
 
         Returns:
-            out, then, for device tensors, the call's pyopencl.Event.
+            the permuted rows, then, for device tensors, the call's pyopencl.Event.
         """
-        kind = T.kind_of([hidden_states, sorted_token_ids, num_tokens_post_padded, out])
+        out = dict(out or {})
+        kind = T.kind_of([hidden_states, sorted_token_ids, num_tokens_post_padded, *out.values()])
         x = T.check("hidden_states", hidden_states, (None, None), T.input_dtypes(dtype), kind)
         tokens, hidden = x.shape
         ids = T.check("sorted_token_ids", sorted_token_ids, (None,), [T.I32], kind)
@@ -975,23 +976,24 @@ class Context:
         in_name = T.input_dtypes(dtype)[x.dtype]
         name = in_name if out_dtype is None else out_dtype
         out_enum = _enum("out_dtype", name, _lib.DTYPES)
-        specs = {"out": ((padded, hidden), T.weights_dtype(name, kind))}
-        given = T.outputs(specs, None if out is None else {"out": out}, kind)
+        specs = {"permuted": ((padded, hidden), T.weights_dtype(name, kind))}
+        given = T.outputs(specs, out, kind)
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = self._lib.moecl_permute_desc_init(tokens, _uint("top_k", top_k), hidden, padded)
         desc.in_dtype = _lib.DTYPES[in_name]
         desc.out_dtype = out_enum
-        o = self._outputs(specs, given, ("out",), kind, on.queue if kind == T.DEVICE else None)
-        if kind == T.HOST and given["out"] is None:
-            o["out"].host[...] = 0  # type: ignore[union-attr]
-        event = on._run("permute", desc, [x, ids, post, o["out"]], kind, wait_for)
-        result = o["out"].obj  # type: ignore[union-attr]
+        o = self._outputs(specs, given, ("permuted",), kind, on.queue if kind == T.DEVICE else None)
+        if kind == T.HOST and given["permuted"] is None:
+            o["permuted"].host[...] = 0  # type: ignore[union-attr]
+        event = on._run("permute", desc, [x, ids, post, o["permuted"]], kind, wait_for)
+        result = o["permuted"].obj  # type: ignore[union-attr]
         return (result, event) if kind == T.DEVICE else result
 
     def combine(self, expert_out: Any, topk_weights: Any, slot_positions: Any, *, shared_out: Any = None,
                 dtype: Optional[str] = None, shared_dtype: Optional[str] = None, out_dtype: str = "f32",
-                out: Any = None, queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> Any:
+                out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                wait_for: Optional[Sequence[Any]] = None) -> Any:
         """The weighted sum of each token's expert rows (moecl_combine;
         docs/routing.md, "Permute and combine"): for token t, in float32 from
         +0 and j ascending, each product and sum rounded,
@@ -1006,13 +1008,14 @@ class Context:
             shared_out: None, or a shared expert's rows [tokens, hidden], added last.
             dtype, shared_dtype: the inputs' types, as for topk_gating's dtype.
             out_dtype: "f32", "f16" or "bf16" (to nearest even).
-            out: an array [tokens, hidden] of out_dtype to write; queue,
+            out: {"combined": array [tokens, hidden] of out_dtype} to write; queue,
                 wait_for: as for topk_gating.
 
         Returns:
-            out, then, for device tensors, the call's pyopencl.Event.
+            the combined rows, then, for device tensors, the call's pyopencl.Event.
         """
-        kind = T.kind_of([expert_out, topk_weights, slot_positions, shared_out, out])
+        out = dict(out or {})
+        kind = T.kind_of([expert_out, topk_weights, slot_positions, shared_out, *out.values()])
         y = T.check("expert_out", expert_out, (None, None), T.input_dtypes(dtype), kind)
         padded, hidden = y.shape
         w = T.check("topk_weights", topk_weights, (None, None), [T.F32], kind)
@@ -1021,8 +1024,8 @@ class Context:
         sh = None if shared_out is None else T.check("shared_out", shared_out, (tokens, hidden),
                                                      T.input_dtypes(shared_dtype), kind)
         out_enum = _enum("out_dtype", out_dtype, _lib.DTYPES)
-        specs = {"out": ((tokens, hidden), T.weights_dtype(out_dtype, kind))}
-        given = T.outputs(specs, None if out is None else {"out": out}, kind)
+        specs = {"combined": ((tokens, hidden), T.weights_dtype(out_dtype, kind))}
+        given = T.outputs(specs, out, kind)
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = self._lib.moecl_combine_desc_init(tokens, k, hidden, padded)
@@ -1030,9 +1033,9 @@ class Context:
         desc.out_dtype = out_enum
         if sh is not None:
             desc.shared_dtype = _lib.DTYPES[T.input_dtypes(shared_dtype)[sh.dtype]]
-        o = self._outputs(specs, given, ("out",), kind, on.queue if kind == T.DEVICE else None)
-        event = on._run("combine", desc, [y, w, pos, sh, o["out"]], kind, wait_for)
-        result = o["out"].obj  # type: ignore[union-attr]
+        o = self._outputs(specs, given, ("combined",), kind, on.queue if kind == T.DEVICE else None)
+        event = on._run("combine", desc, [y, w, pos, sh, o["combined"]], kind, wait_for)
+        result = o["combined"].obj  # type: ignore[union-attr]
         return (result, event) if kind == T.DEVICE else result
 
 

@@ -87,7 +87,7 @@ def test_permute_keeps_rows_past_post(ctx, rng):
     x = values(rng, (9, 12), "f32")
     out = np.full((sorted_ids.size, 12), 7.0, np.float32)
     half = np.array([post[0] // 2], np.int32)
-    res = ctx.permute(x, sorted_ids, half, 2, out=out)
+    res = ctx.permute(x, sorted_ids, half, 2, out={"permuted": out})
     assert res is out
     want = permute_ref(x, sorted_ids, half, 2, "f32")
     same_bits(out[:half[0]], want[:half[0]])
@@ -123,3 +123,25 @@ def test_errors(ctx, rng):
     with pytest.raises(TypeError, match="slot_positions"):
         ctx.combine(values(rng, (sorted_ids.size, 8), "f32"), np.ones((4, 2), np.float32),
                     positions.astype(np.int64))
+
+
+def test_device_tensors_chained(ctx, rng):
+    # moe_align, then permute and combine on pyopencl Arrays, each after the
+    # one before's event: the results equal the NumPy path's.
+    cla = pytest.importorskip("pyopencl.array")
+    q = ctx.queue
+    tokens, k, experts, hidden = 30, 4, 8, 20
+    ids = rng.integers(0, experts, (tokens, k)).astype(np.int32)
+    x = values(rng, (tokens, hidden), "bf16")
+    w = rng.random((tokens, k)).astype(np.float32)
+    align = ctx.moe_align(cla.to_device(q, ids), experts, 4)
+    rows, ev = ctx.permute(cla.to_device(q, x.view(np.uint16)), align.sorted_token_ids, align.num_tokens_post_padded,
+                           k, dtype="bf16", out_dtype="f32", wait_for=[align.event])
+    out, ev = ctx.combine(rows, cla.to_device(q, w), align.slot_positions, out_dtype="bf16", wait_for=[ev])
+    ev.wait()
+    host = ctx.moe_align(ids, experts, 4)
+    want_rows = ctx.permute(x, host.sorted_token_ids, host.num_tokens_post_padded, k, out_dtype="f32")
+    n = int(host.num_tokens_post_padded[0])
+    np.testing.assert_array_equal(rows.get()[:n], want_rows[:n])
+    want = combine_ref(want_rows, w, host.slot_positions, None, "bf16")
+    same_bits(out.get().view(NP["bf16"]), want)
