@@ -14,6 +14,9 @@
  *    conventions vLLM, SGLang, TensorRT-LLM and llama.cpp route with);
  *  - grounded router: router_logits + alpha * hidden @ ground^T, top-k and a
  *    softmax over the chosen values.
+ * Around them: moe_align (the slots sorted by expert), the expert-parallel
+ * layout, and permute and combine (the rows moved into moe_align's order
+ * and back, weighted) around a runtime's expert GEMMs.
  *
  * Conventions shared by every call:
  *  - A return value of MOECL_SUCCESS (0) means the work was validated and
@@ -1618,7 +1621,7 @@ MOECL_API moecl_combine_desc moecl_combine_desc_init(uint32_t num_tokens, uint32
  *   out[t][h] = acc, rounded to out_dtype to nearest even
  * each product and each sum rounded to f32 (no fused multiply-add), so
  * the bits are the same on every device (denormals kept where the device
- * keeps them, as CPUs and NVIDIA GPUs do). A slot whose position is
+ * keeps them: CL_FP_DENORM). A slot whose position is
  * outside [0, num_padded) (moe_align's -1 for an invalid id) contributes
  * nothing, whatever its weight; a row of such slots is 0 (or shared_out).
  *
