@@ -117,11 +117,19 @@ __kernel void permute_rows(__global const pm_in_t *x, __global const int *sorted
     }
     __global const pm_in_t *src = x + a.in_off + (size_t)(slot / a.top_k) * a.hidden;
 #if IN_DTYPE == OUT_DTYPE
-    /* The same dtype: the words themselves, NaN payloads and all. */
+    /* The same dtype: the words themselves, as integers, so that no device
+     * touches a NaN's payload. */
+#if IN_DTYPE == 0
+    __global const uint *from = (__global const uint *)src;
+    __global uint *to = (__global uint *)o;
+#else
+    __global const ushort *from = src;
+    __global ushort *to = o;
+#endif
     for (uint v = lane; v < nv; v += a.tpr)
-        vstore4(vload4(v, src), v, o);
+        vstore4(vload4(v, from), v, to);
     for (uint i = nv * 4 + lane; i < a.hidden; i += a.tpr)
-        o[i] = src[i];
+        to[i] = from[i];
 #else
     for (uint v = lane; v < nv; v += a.tpr)
         PM_STORE4(OUT_DTYPE, o, v, PM_LOAD4(IN_DTYPE, src, v));
