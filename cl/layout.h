@@ -227,4 +227,21 @@ typedef struct layout_dispatch_args {
 } layout_dispatch_args;
 typedef char layout_dispatch_args_size_check[sizeof(layout_dispatch_args) == 64 ? 1 : -1];
 
+/* ---- permute and combine (cl/permute.cl), one argument each ---------- */
+
+/* Offsets in elements, then the shape: hidden columns, num_padded rows,
+ * the slots (num_tokens * top_k) or the tokens, top_k, and the launch
+ * shape: tpr work-items a row, rpg rows a work-group. */
+typedef struct layout_permute_args {
+    LAYOUT_U64 in_off, ids_off, post_off, out_off;
+    LAYOUT_U32 hidden, num_padded, num_slots, top_k, tpr, rpg;
+} layout_permute_args;
+typedef char layout_permute_args_size_check[sizeof(layout_permute_args) == 56 ? 1 : -1];
+
+typedef struct layout_combine_args {
+    LAYOUT_U64 in_off, weights_off, pos_off, shared_off, out_off;
+    LAYOUT_U32 hidden, num_padded, num_tokens, top_k, tpr, rpg;
+} layout_combine_args;
+typedef char layout_combine_args_size_check[sizeof(layout_combine_args) == 64 ? 1 : -1];
+
 #endif

@@ -351,6 +351,7 @@ typedef enum moecl_program_kind {
     MOECL_PROGRAM_EP_LAYOUT = 4,      /* moe_align's source and ep_layout.cl */
     MOECL_PROGRAM_GROUNDED_DISPATCH = 5, /* the grounded router's and moe_align's sources */
     MOECL_PROGRAM_REPLAY = 6,            /* gating.cl and replay.cl: moecl_topk_weights, moecl_hash_routing */
+    MOECL_PROGRAM_PERMUTE = 7,           /* permute.cl: moecl_permute, moecl_combine */
 } moecl_program_kind;
 
 moecl_status moecl_registry_create(moecl_registry **reg);
@@ -578,6 +579,18 @@ void moecl_moe_align_map_defines(const moecl_device_info *info, char *buf, size_
 /* The same for the expert-parallel layout's program (moe_align's defines
  * and the fused kernel's work-group). */
 void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names);
+
+/* ---- permute.c: moecl_permute and moecl_combine ---- */
+
+/* Their plans are keyed as MOECL_OP_MOE_ALIGN's (the key keeps two bits
+ * for the op) with the third word one of these, which moe_align's (0)
+ * never is. */
+enum { MOECL_PLAN_TAG_PERMUTE = 1, MOECL_PLAN_TAG_COMBINE = 2 };
+/* The -D defines of permute's (combine false) or combine's program for
+ * the dtypes (shared: the shared expert's, or -1 for none), and the
+ * kernel's name, for the portability suite and checkvariants. */
+void moecl_permute_defines(bool combine, moecl_dtype in, moecl_dtype out, int shared, char *buf, size_t size,
+                           const char **kernel_name);
 
 /* ---- plan.c: launch plans and binding a kernel's arguments ---- */
 

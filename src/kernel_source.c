@@ -17,6 +17,7 @@ static const char *const program_files[][5] = {
     [MOECL_PROGRAM_EP_LAYOUT] = {"moe_align.cl", "ep_layout.cl", NULL},
     [MOECL_PROGRAM_GROUNDED_DISPATCH] = {"common.cl", "moe_align.cl", "gating.cl", "grounded_router.cl", NULL},
     [MOECL_PROGRAM_REPLAY] = {"common.cl", "gating.cl", "replay.cl", NULL},
+    [MOECL_PROGRAM_PERMUTE] = {"permute.cl", NULL},
 };
 
 static const moecl_embedded_source *embedded(const char *name)

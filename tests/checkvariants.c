@@ -3,7 +3,8 @@
  * checkasm runs every optimised function against its C reference.
  *
  * For each op (top-k gating, the grounded router, moe_align,
- * route_dispatch with the grounded route, the expert-parallel layout) the
+ * route_dispatch with the grounded route, the expert-parallel layout,
+ * permute with combine) the
  * variants come from the library itself: the variant override's words
  * (src/override.c: class, align, ep, ep_wg, ep_groups, grounded, tile)
  * select a context's paths, and moecl_launch_force forces a configuration
@@ -1507,6 +1508,178 @@ static void check_route(tally *tl)
     }
 }
 
+/* ---- permute and combine ---- */
+
+typedef struct permute_shape {
+    uint32_t k, experts, block, hidden;
+    moecl_dtype in, out;
+    int shared; /* combine's shared rows' dtype, -1: none */
+    bool large;
+} permute_shape;
+
+/* top_k 1 to 64, hidden without and with a scalar tail (and all tail),
+ * every dtype as input and as output; f32 outputs show a sum's last bit. */
+static const permute_shape permute_shapes[] = {
+    {1, 4, 4, 7, MOECL_F32, MOECL_F32, -1, false},
+    {2, 16, 8, 64, MOECL_F16, MOECL_BF16, MOECL_F32, false},
+    {8, 64, 16, 129, MOECL_BF16, MOECL_F16, MOECL_BF16, false},
+    {8, 16, 4, 1, MOECL_BF16, MOECL_F32, MOECL_F32, false},
+    {64, 256, 4, 33, MOECL_F32, MOECL_BF16, MOECL_F16, false},
+    {8, 64, 16, 4096, MOECL_BF16, MOECL_BF16, -1, true},
+};
+
+typedef struct permute_call {
+    moecl_permute_desc pd;
+    moecl_combine_desc cd;
+    dbuf x, sorted, post, perm, y, w, pos, shared, out;
+} permute_call;
+
+static moecl_status permute_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w,
+                                cl_event *done)
+{
+    const permute_call *c = state;
+    return moecl_permute(ctx, &c->pd, at(&c->x), at(&c->sorted), at(&c->post), at(&c->perm), nw, w, done);
+}
+
+static moecl_status combine_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w,
+                                cl_event *done)
+{
+    const permute_call *c = state;
+    return moecl_combine(ctx, &c->cd, at(&c->y), at(&c->w), at(&c->pos), at(&c->shared), at(&c->out), nw, w, done);
+}
+
+/* Elements of got and want (dtype) agree: the same bits, or both NaN. */
+static bool same_values(moecl_dtype dtype, const void *got, const void *want, size_t n, size_t *first)
+{
+    const size_t z = ref_dtype_size(dtype);
+    for (size_t i = 0; i < n; i++)
+        if (memcmp((const char *)got + i * z, (const char *)want + i * z, z) != 0 &&
+            !(isnan(ref_load(dtype, got, i)) && isnan(ref_load(dtype, want, i)))) {
+            *first = i;
+            return false;
+        }
+    return true;
+}
+
+/* One case of a shape: the ids of case c through the reference moe_align,
+ * then permute of random (or adversarial) rows and combine of random
+ * expert rows, each against the reference. */
+static void permute_check_case(tally *tl, moecl_context *ctx, const variant *v, const permute_shape *s,
+                               const char *shape, case_kind c, unsigned vi, unsigned si)
+{
+    rng r = rng_for(6, vi * 16 + si, c);
+    /* Many tokens: 4096 (512 at top 64 or hidden 4096: the host's
+     * reference and buffers stay small). */
+    const uint32_t tokens = c == CASE_MANY ? (s->k > 8 || s->large ? 512 : 4096) : tokens_of(c, 1);
+    const size_t slots = (size_t)tokens * s->k, h = s->hidden;
+    const moecl_moe_align_desc ad = moecl_moe_align_desc_init(tokens, s->k, s->experts, s->block);
+    const uint32_t padded = (uint32_t)moecl_moe_align_max_padded(&ad);
+    int32_t *ids = xmalloc(slots * 4 + 4), *sorted = xmalloc((size_t)padded * 4 + 4);
+    int32_t *pos = xmalloc(slots * 4 + 4), *counts = xmalloc((size_t)s->experts * 4);
+    int32_t *blocks = xmalloc((size_t)padded / s->block * 4 + 4), post, invalid;
+    fill_ids(&r, c, ids, slots, s->experts);
+    ref_moe_align(&ad, ids, counts, sorted, blocks, &post, pos, &invalid);
+    const size_t in_z = ref_dtype_size(s->in), out_z = ref_dtype_size(s->out);
+    const size_t sh_z = s->shared >= 0 ? ref_dtype_size((moecl_dtype)s->shared) : 0;
+    void *x = xmalloc(tokens * h * in_z + 1), *y = xmalloc(padded * h * in_z + 1);
+    void *sh = xmalloc(tokens * h * (sh_z ? sh_z : 1) + 1);
+    float *w = xmalloc(slots * 4 + 4);
+    fill_rows(&r, c, s->in, x, tokens, (uint32_t)h, 1.0f, NULL);
+    fill_rows(&r, CASE_RANDOM, s->in, y, padded, (uint32_t)h, 1.0f, NULL);
+    if (sh_z)
+        fill_rows(&r, CASE_RANDOM, (moecl_dtype)s->shared, sh, tokens, (uint32_t)h, 1.0f, NULL);
+    for (size_t i = 0; i < slots; i++)
+        w[i] = (float)rand_uniform(&r);
+    const unsigned char poison = poison_of(c);
+    permute_call call;
+    call.pd = moecl_permute_desc_init(tokens, s->k, s->hidden, padded);
+    call.pd.in_dtype = s->in;
+    call.pd.out_dtype = s->out;
+    call.cd = moecl_combine_desc_init(tokens, s->k, s->hidden, padded);
+    call.cd.in_dtype = s->in;
+    call.cd.out_dtype = s->out;
+    call.cd.shared_dtype = sh_z ? (moecl_dtype)s->shared : MOECL_F32;
+    call.x = tokens ? make_buf(x, tokens * h * in_z, 0xFF) : absent;
+    call.sorted = make_buf(sorted, (size_t)padded * 4, 0xFF);
+    call.post = make_buf(&post, 4, 0xFF);
+    call.perm = make_buf(NULL, padded * h * out_z, poison);
+    call.y = make_buf(y, padded * h * in_z, 0xFF);
+    call.w = tokens ? make_buf(w, slots * 4, 0xFF) : absent;
+    call.pos = tokens ? make_buf(pos, slots * 4, 0xFF) : absent;
+    call.shared = sh_z && tokens ? make_buf(sh, tokens * h * sh_z, 0xFF) : absent;
+    call.out = tokens ? make_buf(NULL, tokens * h * out_z, poison) : absent;
+    /* What the calls must leave: the reference's rows, poison past post. */
+    unsigned char *want_perm = xmalloc(padded * h * out_z + 1), *got_perm = xmalloc(padded * h * out_z + 1);
+    unsigned char *want_out = xmalloc(tokens * h * out_z + 1), *got_out = xmalloc(tokens * h * out_z + 1);
+    memset(want_perm, poison, padded * h * out_z);
+    ref_permute(&call.pd, x, sorted, post, want_perm);
+    ref_combine(&call.cd, y, w, pos, sh_z ? sh : NULL, want_out);
+    char msg[1200] = "";
+    size_t first = 0;
+    moecl_status st = permute_run(ctx, &call, 0, NULL, NULL);
+    if (st == MOECL_SUCCESS)
+        st = combine_run(ctx, &call, 0, NULL, NULL);
+    tl->runs++;
+    if (st != MOECL_SUCCESS)
+        fail(tl, "permute", v, shape, case_names[c], "%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if (clFinish(queue) != CL_SUCCESS || !read_buf(&call.perm, got_perm, "permute's out", msg, sizeof(msg)) ||
+             !read_buf(&call.out, got_out, "combine's out", msg, sizeof(msg)))
+        fail(tl, "permute", v, shape, case_names[c], "%s", msg);
+    else if (!same_values(s->out, got_perm, want_perm, padded * h, &first))
+        fail(tl, "permute", v, shape, case_names[c], "tokens %u: permute's row %zu column %zu differs", tokens,
+             first / h, first % h);
+    else if (!same_values(s->out, got_out, want_out, tokens * h, &first))
+        fail(tl, "permute", v, shape, case_names[c], "tokens %u: combine's token %zu column %zu differs", tokens,
+             first / h, first % h);
+    if (opt.bench && c == (opt.small ? CASE_RANDOM : CASE_MANY) && !tl->variant_failed) {
+        char text[160];
+        snprintf(text, sizeof(text), "%s permute", shape);
+        bench("permute", v, text, ctx, context_for(v->override, true), permute_run, &call);
+        snprintf(text, sizeof(text), "%s combine", shape);
+        bench("permute", v, text, ctx, context_for(v->override, true), combine_run, &call);
+    }
+    dbuf *bufs[] = {&call.x, &call.sorted, &call.post, &call.perm, &call.y, &call.w, &call.pos, &call.shared,
+                    &call.out};
+    for (size_t i = 0; i < COUNT(bufs); i++)
+        release(bufs[i]);
+    void *mem[] = {ids, sorted, pos, counts, blocks, x, y, sh, w, want_perm, got_perm, want_out, got_out};
+    for (size_t i = 0; i < COUNT(mem); i++)
+        free(mem[i]);
+}
+
+static void check_permute(tally *tl)
+{
+    static const char *const paths[] = {NULL};
+    variant vs[4];
+    const int nv = path_variants(vs, 4, paths, COUNT(paths));
+    for (int vi = 0; vi < nv; vi++) {
+        const variant *v = &vs[vi];
+        if (!selected(v))
+            continue;
+        moecl_context *ctx = context_for(v->override, false);
+        tl->variant_failed = false;
+        int accepted = 0;
+        for (size_t si = 0; si < COUNT(permute_shapes); si++) {
+            const permute_shape *s = &permute_shapes[si];
+            if (opt.small && s->large)
+                continue;
+            accepted++;
+            char shape[128];
+            snprintf(shape, sizeof(shape), "k=%u E=%u block=%u hidden=%u %s->%s shared %s", s->k, s->experts,
+                     s->block, s->hidden, dtype_name(s->in), dtype_name(s->out),
+                     s->shared < 0 ? "none" : dtype_name((moecl_dtype)s->shared));
+            if (opt.list) {
+                printf("permute [%s] %s\n", v->name, shape);
+                continue;
+            }
+            for (int c = 0; c < NUM_CASES; c++)
+                if (!(c == CASE_MANY && opt.small))
+                    permute_check_case(tl, ctx, v, s, shape, (case_kind)c, (unsigned)vi, (unsigned)si);
+        }
+        finish_variant(tl, "permute", v, accepted);
+    }
+}
+
 /* ---- main ---- */
 
 typedef struct op_entry {
@@ -1520,6 +1693,7 @@ static const op_entry ops[] = {
     {"moe_align", check_align},
     {"route_dispatch", check_route},
     {"ep_layout", check_ep},
+    {"permute", check_permute},
 };
 
 static void usage(const char *argv0)
@@ -1527,7 +1701,7 @@ static void usage(const char *argv0)
     fprintf(stderr,
             "usage: %s [--seed N] [--op NAME] [--variant TEXT] [--small] [--bench] [--iterations N] [--list] "
             "[--verbose]\n"
-            "  --op: topk_gating, grounded_router, moe_align, route_dispatch, ep_layout\n"
+            "  --op: topk_gating, grounded_router, moe_align, route_dispatch, ep_layout, permute\n"
             "  --variant: the variants whose text contains TEXT (the text FAIL and --list print)\n",
             argv0);
     exit(2);

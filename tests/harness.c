@@ -133,6 +133,31 @@ bool harness_replace_once(char **text, const char *old, const char *new_text)
     return true;
 }
 
+void harness_write_mutant(const char *name, const char *const (*edits)[2], size_t n, char *dir, char *path,
+                          size_t path_size)
+{
+    const char *cl_dir = getenv("MOECL_TEST_CL_DIR");
+    ck_assert_msg(cl_dir && *cl_dir, "MOECL_TEST_CL_DIR is not set (meson sets it to the source cl/ folder)");
+    snprintf(path, path_size, "%s/%s", cl_dir, name);
+    FILE *f = fopen(path, "rb");
+    ck_assert_msg(f != NULL, "cannot read %s", path);
+    char *text = calloc(1, 1 << 20);
+    ck_assert_ptr_nonnull(text);
+    const size_t len = fread(text, 1, (1 << 20) - 1, f);
+    fclose(f);
+    text[len] = '\0';
+    for (size_t i = 0; i < n; i++)
+        ck_assert_msg(harness_replace_once(&text, edits[i][0], edits[i][1]),
+                      "a mutation's anchor is not in cl/%s exactly once: \"%s\"", name, edits[i][0]);
+    ck_assert_ptr_nonnull(mkdtemp(dir));
+    snprintf(path, path_size, "%s/%s", dir, name);
+    f = fopen(path, "wb");
+    ck_assert_ptr_nonnull(f);
+    fwrite(text, 1, strlen(text), f);
+    fclose(f);
+    free(text);
+}
+
 void *harness_poisoned(size_t n)
 {
     void *p = malloc(n ? n : 1);

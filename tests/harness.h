@@ -56,6 +56,13 @@ moecl_context *harness_context_with_kernel_dir(const char *dir);
  * *text unchanged, where it is not there exactly once): the mutants. */
 bool harness_replace_once(char **text, const char *old, const char *new_text);
 
+/* A copy of cl/name (from MOECL_TEST_CL_DIR, which meson sets) with each
+ * edits[i][0] replaced by edits[i][1] (each must occur once), written
+ * into the new folder dir (a mkdtemp template) for MOECL_KERNEL_DIR; path
+ * receives the copy's path. The suites' mutants. */
+void harness_write_mutant(const char *name, const char *const (*edits)[2], size_t n, char *dir, char *path,
+                          size_t path_size);
+
 /* 0xFF bytes: NaN weights and id -1, so unwritten elements show. */
 #define HARNESS_POISON 0xFF
 

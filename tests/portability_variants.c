@@ -369,6 +369,7 @@ int main(int argc, char **argv)
     write_program(dir, MOECL_PROGRAM_EP_LAYOUT, "ep_layout.cl");
     write_program(dir, MOECL_PROGRAM_GROUNDED_DISPATCH, "grounded_dispatch.cl");
     write_program(dir, MOECL_PROGRAM_REPLAY, "replay.cl");
+    write_program(dir, MOECL_PROGRAM_PERMUTE, "permute.cl");
     char path[4096];
     snprintf(path, sizeof(path), "%s/manifest.tsv", dir);
     manifest = fopen(path, "w");
@@ -592,6 +593,24 @@ int main(int argc, char **argv)
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 moecl_ep_layout_defines(&info, defines, sizeof(defines), &kernel);
                 emit(t, "ep_layout.cl", options, defines, kernel, description);
+                /* Permute and combine: every dtype pair, combine's shared
+                 * rows each dtype in turn; the launch shape is an
+                 * argument, so both classes build the same programs. */
+                for (int in = 0; in < 3; in++)
+                    for (int out = 0; out < 3; out++) {
+                        moecl_permute_defines(false, (moecl_dtype)in, (moecl_dtype)out, -1, defines, sizeof(defines),
+                                              &kernel);
+                        /* Without shared rows one program serves both. */
+                        snprintf(description, sizeof(description), "permute and combine %s->%s", dtype_names[in],
+                                 dtype_names[out]);
+                        emit(t, "permute.cl", options, defines, "permute_rows,combine_rows", description);
+                        const int shared = (in + out) % 3;
+                        moecl_permute_defines(true, (moecl_dtype)in, (moecl_dtype)out, shared, defines,
+                                              sizeof(defines), &kernel);
+                        snprintf(description, sizeof(description), "combine %s->%s shared %s", dtype_names[in],
+                                 dtype_names[out], shared < 0 ? "none" : dtype_names[shared]);
+                        emit(t, "permute.cl", options, defines, kernel, description);
+                    }
             }
             free(options);
         }

@@ -2230,3 +2230,88 @@ int ref_check_ep_layout(const moecl_ep_layout_desc *d, const int32_t *topk_ids, 
     free(want.expert_counts);
     return bad;
 }
+
+/* ====================================================================== */
+/* Permute and combine (docs/routing.md, "Permute and combine")            */
+/* ====================================================================== */
+
+/* Store f into element index of a dtype tensor, to nearest even. */
+static void ref_store(moecl_dtype dtype, void *data, size_t index, float f)
+{
+    unsigned char *p = data;
+    if (dtype == MOECL_F32) {
+        memcpy(p + index * 4, &f, 4);
+    } else {
+        const uint16_t h = dtype == MOECL_F16 ? ref_float_to_half(f) : ref_float_to_bf16(f);
+        memcpy(p + index * 2, &h, 2);
+    }
+}
+
+void ref_permute(const moecl_permute_desc *d, const void *hidden_states, const int32_t *sorted_token_ids,
+                 int32_t num_tokens_post_padded, void *out)
+{
+    const size_t h = d->hidden, in_size = ref_dtype_size(d->in_dtype), out_size = ref_dtype_size(d->out_dtype);
+    const size_t n = num_tokens_post_padded < 0                             ? 0
+                     : (size_t)num_tokens_post_padded < d->num_padded ? (size_t)num_tokens_post_padded
+                                                                          : d->num_padded;
+    const int64_t slots = (int64_t)d->num_tokens * d->top_k;
+    for (size_t p = 0; p < n; p++) {
+        const int64_t s = sorted_token_ids[p];
+        unsigned char *o = (unsigned char *)out + p * h * out_size;
+        if (s < 0 || s >= slots) {
+            memset(o, 0, h * out_size);
+            continue;
+        }
+        const size_t row = (size_t)s / d->top_k;
+        const unsigned char *x = (const unsigned char *)hidden_states + row * h * in_size;
+        if (d->in_dtype == d->out_dtype)
+            memcpy(o, x, h * out_size); /* the bits themselves */
+        else
+            for (size_t c = 0; c < h; c++)
+                ref_store(d->out_dtype, o, c, ref_load(d->in_dtype, x, c));
+    }
+}
+
+void ref_combine(const moecl_combine_desc *d, const void *expert_out, const float *topk_weights,
+                 const int32_t *slot_positions, const void *shared_out, void *out)
+{
+    const size_t h = d->hidden, k = d->top_k;
+    for (size_t t = 0; t < d->num_tokens; t++)
+        for (size_t c = 0; c < h; c++) {
+            /* The documented order: f32, from +0, j ascending, each
+             * product and sum rounded (volatile: no contraction). */
+            volatile float acc = 0.0f;
+            for (size_t j = 0; j < k; j++) {
+                const int32_t p = slot_positions[t * k + j];
+                if (p < 0 || (uint32_t)p >= d->num_padded)
+                    continue;
+                volatile float prod = topk_weights[t * k + j] * ref_load(d->in_dtype, expert_out, (size_t)p * h + c);
+                acc = acc + prod;
+            }
+            if (shared_out)
+                acc = acc + ref_load(d->shared_dtype, shared_out, t * h + c);
+            ref_store(d->out_dtype, out, t * h + c, acc);
+        }
+}
+
+double ref_combine_f64(const moecl_combine_desc *d, const void *expert_out, const float *topk_weights,
+                       const int32_t *slot_positions, const void *shared_out, size_t t, size_t c, double *magnitude)
+{
+    const size_t h = d->hidden, k = d->top_k;
+    double acc = 0.0, mag = 0.0;
+    for (size_t j = 0; j < k; j++) {
+        const int32_t p = slot_positions[t * k + j];
+        if (p < 0 || (uint32_t)p >= d->num_padded)
+            continue;
+        const double term = (double)topk_weights[t * k + j] * ref_load(d->in_dtype, expert_out, (size_t)p * h + c);
+        acc += term;
+        mag += fabs(term);
+    }
+    if (shared_out) {
+        const double s = ref_load(d->shared_dtype, shared_out, t * h + c);
+        acc += s;
+        mag += fabs(s);
+    }
+    *magnitude = mag;
+    return acc;
+}

@@ -133,4 +133,18 @@ int ref_check_ep_layout(const moecl_ep_layout_desc *desc, const int32_t *topk_id
                         const int32_t *replica_counts, const int32_t *physical_to_rank, const ref_ep_layout_out *got,
                         char *msg, size_t msg_size);
 
+/* Permute and combine (docs/routing.md, "Permute and combine"). ref_permute
+ * writes rows [0, min(max(post, 0), num_padded)) of out as moecl_permute
+ * does (the same dtype bit for bit, else through f32 to nearest even);
+ * ref_combine writes every row of out in the documented f32 order, which
+ * the device must match bit for bit; ref_combine_f64 is element (t, c)
+ * in float64, with the sum of the terms' magnitudes (for a bound on the
+ * f32 order's error). shared_out NULL: none. */
+void ref_permute(const moecl_permute_desc *desc, const void *hidden_states, const int32_t *sorted_token_ids,
+                 int32_t num_tokens_post_padded, void *out);
+void ref_combine(const moecl_combine_desc *desc, const void *expert_out, const float *topk_weights,
+                 const int32_t *slot_positions, const void *shared_out, void *out);
+double ref_combine_f64(const moecl_combine_desc *desc, const void *expert_out, const float *topk_weights,
+                       const int32_t *slot_positions, const void *shared_out, size_t t, size_t c, double *magnitude);
+
 #endif

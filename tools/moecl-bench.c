@@ -41,9 +41,12 @@
  * desc, without router logits, with a bias where `bias` is set.
  * OP_REPLAY: moecl_topk_weights on the topk desc, given distinct ids;
  * OP_HASH: moecl_hash_routing on the topk desc, a table of HASH_VOCAB
- * token ids. */
+ * token ids. OP_PERMUTE, OP_COMBINE: moecl_permute and moecl_combine on
+ * the moe_align output (the reference's) of a routing of the align desc,
+ * perm's hidden size and dtype (in and out alike; combine's comb the
+ * same). */
 typedef enum op_kind {
-    OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH
+    OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH, OP_PERMUTE, OP_COMBINE
 } op_kind;
 
 /* DeepSeek-V4's vocabulary (its hash layers' tid2eid rows). */
@@ -57,6 +60,8 @@ typedef struct bench_case {
     moecl_grounded_router_desc grounded;
     moecl_moe_align_desc align;
     moecl_ep_layout_desc ep; /* with replicas where ep.max_replicas > 1 */
+    moecl_permute_desc perm;
+    moecl_combine_desc comb;
     double t_sol_us, t_prod_us; /* the seed's figures, 0 if none */
 } bench_case;
 
@@ -211,7 +216,14 @@ typedef struct case_buffers {
     cl_mem dispatch[6]; /* OP_GROUNDED_ROUTE: moe_align's outputs, after weights (out1) and ids (out2) */
     void *host_in, *host_in2, *host_in3; /* set 0, for the check */
     float *host_bias;
+    /* OP_PERMUTE, OP_COMBINE: moe_align's sorted ids and slot positions
+     * (in tables[0] and tables[2], its num_tokens_post_padded in
+     * tables[1]) and the weights (combine: in out2). */
+    int32_t *host_sorted, *host_pos, post;
+    float *host_w;
 } case_buffers;
+
+static bool permute_op(const bench_case *c) { return c->op == OP_PERMUTE || c->op == OP_COMBINE; }
 
 /* Whether the case's op takes the topk desc: top-k gating, replay, hash
  * routing. */
@@ -228,6 +240,12 @@ static size_t replay_ids_bytes(const bench_case *c)
 
 static size_t input_bytes(const bench_case *c)
 {
+    /* The rows read once: permute's tokens, combine's routed rows (every
+     * slot of the bench's routings is routed). */
+    if (c->op == OP_PERMUTE)
+        return (size_t)c->perm.num_tokens * c->perm.hidden * ref_dtype_size(c->perm.in_dtype);
+    if (c->op == OP_COMBINE)
+        return (size_t)c->comb.num_tokens * c->comb.top_k * c->comb.hidden * ref_dtype_size(c->comb.in_dtype);
     if (c->op == OP_ALIGN)
         return (size_t)c->align.num_tokens * c->align.top_k * 4;
     if (c->op == OP_EP)
@@ -351,6 +369,57 @@ static size_t output_bytes(const bench_case *c)
     return routed_slots(c) * 8;
 }
 
+/* A routing of c->align (distinct uniform ids a token) through the
+ * reference moe_align, its outputs as tables, the rows (permute's hidden
+ * states, combine's expert rows) in each set, the output, and combine's
+ * weights. */
+static void permute_setup(cl_context cl, const bench_case *c, uint64_t *seed, case_buffers *b)
+{
+    const moecl_moe_align_desc *d = &c->align;
+    const size_t slots = (size_t)d->num_tokens * d->top_k, padded = (size_t)moecl_moe_align_max_padded(d);
+    int32_t *ids = malloc(slots * 4 + 4), *counts = malloc((size_t)d->num_experts * 4);
+    int32_t *blocks = malloc(padded / d->block_size * 4 + 4), invalid;
+    b->host_sorted = malloc(padded * 4 + 4);
+    b->host_pos = malloc(slots * 4 + 4);
+    for (size_t t = 0; t < d->num_tokens; t++)
+        for (size_t j = 0; j < d->top_k; j++) {
+            int32_t id;
+            bool again;
+            do {
+                *seed = *seed * 6364136223846793005ull + 1442695040888963407ull;
+                id = (int32_t)((*seed >> 33) % d->num_experts);
+                again = false;
+                for (size_t i = 0; i < j; i++)
+                    again |= ids[t * d->top_k + i] == id;
+            } while (again);
+            ids[t * d->top_k + j] = id;
+        }
+    ref_moe_align(d, ids, counts, b->host_sorted, blocks, &b->post, b->host_pos, &invalid);
+    free(ids);
+    free(counts);
+    free(blocks);
+    b->tables[0] = tool_make_buffer("moecl-bench", cl, padded * 4, b->host_sorted);
+    b->tables[1] = tool_make_buffer("moecl-bench", cl, 4, &b->post);
+    b->tables[2] = tool_make_buffer("moecl-bench", cl, slots * 4, b->host_pos);
+    const bool perm = c->op == OP_PERMUTE;
+    const moecl_dtype in = perm ? c->perm.in_dtype : c->comb.in_dtype;
+    const moecl_dtype out = perm ? c->perm.out_dtype : c->comb.out_dtype;
+    const size_t h = perm ? c->perm.hidden : c->comb.hidden, rows = perm ? d->num_tokens : padded;
+    for (int s = 0; s < b->sets; s++) {
+        void *x = tool_random_tensor(seed, in, rows * h, 1.0f);
+        b->in[s] = tool_make_buffer("moecl-bench", cl, rows * h * ref_dtype_size(in), x);
+        if (s == 0)
+            b->host_in = x;
+        else
+            free(x);
+    }
+    b->out1 = tool_make_buffer("moecl-bench", cl, (perm ? padded : d->num_tokens) * h * ref_dtype_size(out), NULL);
+    if (!perm) {
+        b->host_w = tool_random_tensor(seed, MOECL_F32, slots, 0.3f);
+        b->out2 = tool_make_buffer("moecl-bench", cl, slots * 4, b->host_w);
+    }
+}
+
 static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_logits logits, case_buffers *b)
 {
     memset(b, 0, sizeof(*b));
@@ -362,6 +431,10 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
     if (cold)
         while (b->sets < 64 && (size_t)b->sets * per_set < ((size_t)256 << 20))
             b->sets++;
+    if (permute_op(c)) {
+        permute_setup(cl, c, &seed, b);
+        return;
+    }
     for (int s = 0; s < b->sets; s++) {
         if (c->op == OP_ALIGN || c->op == OP_EP) {
             /* A routing result: distinct uniform ids per token. */
@@ -475,6 +548,9 @@ static void free_buffers(case_buffers *b)
     free(b->host_in2);
     free(b->host_in3);
     free(b->host_bias);
+    free(b->host_sorted);
+    free(b->host_pos);
+    free(b->host_w);
 }
 
 /* The case's call; with after, it waits on that event (a marker), whatever
@@ -483,6 +559,14 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
                                cl_event after, cl_event *done)
 {
     moecl_buffer none = {NULL, 0};
+    if (c->op == OP_PERMUTE)
+        return moecl_permute(ctx, &c->perm, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->tables[0], 0},
+                             (moecl_buffer){b->tables[1], 0}, (moecl_buffer){b->out1, 0}, after ? 1 : 0,
+                             after ? &after : NULL, done);
+    if (c->op == OP_COMBINE)
+        return moecl_combine(ctx, &c->comb, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->out2, 0},
+                             (moecl_buffer){b->tables[2], 0}, none, (moecl_buffer){b->out1, 0}, after ? 1 : 0,
+                             after ? &after : NULL, done);
     if (c->op == OP_EP) {
         moecl_buffer t[3];
         for (int i = 0; i < 3; i++)
@@ -588,6 +672,35 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
     clWaitForEvents(1, &ev);
     clReleaseEvent(ev);
     int bad;
+    if (permute_op(c)) {
+        /* Bit for bit against the reference (the same dtype in and out:
+         * permute copies bits; combine's order is the documented one). */
+        const bool perm = c->op == OP_PERMUTE;
+        const size_t h = perm ? c->perm.hidden : c->comb.hidden;
+        const size_t rows = perm ? (size_t)b->post : c->comb.num_tokens;
+        const size_t bytes = rows * h * ref_dtype_size(perm ? c->perm.out_dtype : c->comb.out_dtype);
+        unsigned char *got = malloc(bytes + 1), *want = malloc(bytes + 1);
+        if (bytes)
+            clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, bytes, got, 0, NULL, NULL);
+        if (perm)
+            ref_permute(&c->perm, b->host_in, b->host_sorted, b->post, want);
+        else
+            ref_combine(&c->comb, b->host_in, b->host_w, b->host_pos, NULL, want);
+        size_t i = 0;
+        while (i < bytes && got[i] == want[i])
+            i++;
+        bad = i < bytes;
+        if (bad)
+            snprintf(r->check_msg, sizeof(r->check_msg), "out: byte %zu (row %zu) differs", i,
+                     i / (bytes / rows));
+        r->ids_hash = fnv1a_ids(b->host_sorted, (size_t)b->post);
+        r->checked_ok = !bad;
+        free(got);
+        free(want);
+        free(w);
+        free(ids);
+        return;
+    }
     if (c->op == OP_EP) {
         size_t sizes[7];
         ep_sizes(&c->ep, sizes);
@@ -700,7 +813,21 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     setup_buffers(moecl_context_cl_context(prof), c, o->cold, o->logits, &b);
     moecl_status st;
     double p0 = tool_now_us();
-    if (c->op == OP_ALIGN) {
+    if (permute_op(c)) {
+        /* No _prepare: a call with nothing to do builds the kernel. */
+        moecl_permute_desc pd = c->perm;
+        moecl_combine_desc cd = c->comb;
+        pd.num_padded = 0;
+        cd.num_tokens = 0;
+        const int32_t zero = 0;
+        for (int i = 0; i < 2; i++) {
+            moecl_context *ctx = i ? plain : prof;
+            st = c->op == OP_PERMUTE ? moecl_permute_host(ctx, &pd, NULL, NULL, &zero, NULL)
+                                     : moecl_combine_host(ctx, &cd, NULL, NULL, NULL, NULL, NULL);
+            if (st != MOECL_SUCCESS)
+                die(c->label, ctx, st);
+        }
+    } else if (c->op == OP_ALIGN) {
         if ((st = moecl_moe_align_prepare(prof, &c->align)) || (st = moecl_moe_align_prepare(plain, &c->align)))
             die(c->label, prof, st);
     } else if (c->op == OP_EP) {
@@ -787,6 +914,15 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     /* (c) bytes that must move: inputs read once, outputs written once. */
     r->bytes = (double)input_bytes(c) + (double)output_bytes(c) +
                (b.bias ? (c->op == OP_TOPK ? c->topk.num_experts : c->grounded.num_experts) * 4.0 : 0.0);
+    /* permute: the ids and the rows it writes (num_tokens_post_padded of
+     * them, padding included); combine: the weights and positions and
+     * the tokens' rows. */
+    if (c->op == OP_PERMUTE)
+        r->bytes = (double)input_bytes(c) + 4.0 * ((double)moecl_moe_align_max_padded(&c->align) + 1) +
+                   (double)b.post * c->perm.hidden * ref_dtype_size(c->perm.out_dtype);
+    else if (c->op == OP_COMBINE)
+        r->bytes = (double)input_bytes(c) + 8.0 * c->comb.num_tokens * c->comb.top_k +
+                   (double)c->comb.num_tokens * c->comb.hidden * ref_dtype_size(c->comb.out_dtype);
     r->gbps = r->bytes / (r->median_us * 1e3);
     r->copy_ratio = copy_gbps > 0 ? r->gbps / copy_gbps : NAN; /* NAN: no --copy-floor */
     free_buffers(&b);
@@ -972,6 +1108,26 @@ static int default_cases(bench_case *out, bool quick)
         c->op = OP_ALIGN;
         c->align = moecl_moe_align_desc_init(seed[i].t, 8, seed[i].e, 64);
     }
+    /* Permute and combine around the expert GEMMs: 4096 tokens and one,
+     * top 8 of 256 experts, block 64 (DeepSeek-V3's routing), hidden 4096
+     * and 7168, f32 and bf16 in and out; one token only with --quick. */
+    static const unsigned pc_tokens[] = {1, 4096}, pc_hidden[] = {4096, 7168};
+    static const moecl_dtype pc_dtypes[] = {MOECL_F32, MOECL_BF16};
+    for (int op = 0; op < 2; op++)
+        for (int ti = 0; ti < (quick ? 1 : 2); ti++)
+            for (int hi = 0; hi < 2; hi++)
+                for (int di = 0; di < 2; di++) {
+                    bench_case *c = &out[n++];
+                    memset(c, 0, sizeof(*c));
+                    c->label = op ? "combine" : "permute";
+                    c->op = op ? OP_COMBINE : OP_PERMUTE;
+                    c->align = moecl_moe_align_desc_init(pc_tokens[ti], 8, 256, 64);
+                    const uint32_t padded = (uint32_t)moecl_moe_align_max_padded(&c->align);
+                    c->perm = moecl_permute_desc_init(pc_tokens[ti], 8, pc_hidden[hi], padded);
+                    c->perm.in_dtype = c->perm.out_dtype = pc_dtypes[di];
+                    c->comb = moecl_combine_desc_init(pc_tokens[ti], 8, pc_hidden[hi], padded);
+                    c->comb.in_dtype = c->comb.out_dtype = pc_dtypes[di];
+                }
     /* The expert-parallel layout after a routing of 256 experts, top_k 8:
      * 8 and 64 ranks, without replicas and with the first 32 experts
      * doubled (288 physical). */
@@ -1076,7 +1232,10 @@ static int default_cases(bench_case *out, bool quick)
 
 static void shape_text(const bench_case *c, char *buf, size_t size)
 {
-    if (c->op == OP_ALIGN)
+    if (permute_op(c))
+        snprintf(buf, size, "%ux%u k%u e%u b%u", c->align.num_tokens, c->perm.hidden, c->align.top_k,
+                 c->align.num_experts, c->align.block_size);
+    else if (c->op == OP_ALIGN)
         snprintf(buf, size, "%ux%u k%u b%u", c->align.num_tokens, c->align.num_experts, c->align.top_k,
                  c->align.block_size);
     else if (c->op == OP_EP)
@@ -1132,7 +1291,10 @@ static void usage(FILE *f)
                "call back to back (--wall-calls).\n"
                "Columns of the table (one row a case, times in microseconds):\n"
                "  op, shape   the case: T tokens x E experts kK (top_k); grounded TxHxE (H the hidden\n"
-               "              size); moe_align T x E kK bB (block size B)\n"
+               "              size); moe_align T x E kK bB (block size B); permute and combine T x H kK eE\n"
+               "              bB (the routing of T tokens, top K of E experts, block B, moe_align's\n"
+               "              order; hidden H); GB/s counts each hidden (permute) or expert row\n"
+               "              (combine) read once, the ids, and the rows written\n"
                "  dtype       the input's type (f32, f16, bf16; i32 for moe_align's ids)\n"
                "  dev_us      device time per call, median of N profiled calls; p10_us, p90_us: the\n"
                "              10th and 90th percentiles\n"
@@ -1312,13 +1474,16 @@ static bool case_selected(const bench_case *c, const options *o)
 static int case_dtype(const bench_case *c)
 {
     return c->op == OP_ALIGN || c->op == OP_EP ? 3
+           : permute_op(c)                     ? (int)c->perm.in_dtype
            : topk_desc_op(c)                   ? (int)c->topk.gating_dtype
                                                : (int)c->grounded.hidden_dtype;
 }
 
 static const char *dtype_name(const bench_case *c)
 {
-    moecl_dtype dt = topk_desc_op(c) ? c->topk.gating_dtype : c->grounded.hidden_dtype;
+    moecl_dtype dt = permute_op(c)     ? c->perm.in_dtype
+                     : topk_desc_op(c) ? c->topk.gating_dtype
+                                       : c->grounded.hidden_dtype;
     return c->op == OP_ALIGN || c->op == OP_EP ? "i32" : dt == MOECL_F32 ? "f32" : dt == MOECL_F16 ? "f16" : "bf16";
 }
 
@@ -1413,7 +1578,7 @@ int main(int argc, char **argv)
     int status = parse_args(argc, argv, &o);
     if (status >= 0)
         return status;
-    bench_case cases[112];
+    bench_case cases[128];
     int n = o.host_cost ? 0 : default_cases(cases, o.quick);
     for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
         bench_case *c = &cases[n++];

@@ -14,6 +14,9 @@
  *    conventions vLLM, SGLang, TensorRT-LLM and llama.cpp route with);
  *  - grounded router: router_logits + alpha * hidden @ ground^T, top-k and a
  *    softmax over the chosen values.
+ * Around them: moe_align (the slots sorted by expert), the expert-parallel
+ * layout, and permute and combine (the rows moved into moe_align's order
+ * and back, weighted) around a runtime's expert GEMMs.
  *
  * Conventions shared by every call:
  *  - A return value of MOECL_SUCCESS (0) means the work was validated and
@@ -1516,6 +1519,137 @@ MOECL_API moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, co
                                                           int32_t *block_expert_ids,
                                                           int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                                           int32_t *num_invalid);
+
+/* ---------------------------------------------------------------------- */
+/* Permute and combine around the expert GEMMs (docs/routing.md,           */
+/* "Permute and combine")                                                  */
+/* ---------------------------------------------------------------------- */
+
+/**
+ * What moecl_permute() gathers. sorted_token_ids holds num_padded entries
+ * (moe_align's max_padded, moecl_moe_align_max_padded(), or any capacity of
+ * the caller's); an entry s in [0, num_tokens * top_k) is slot s, whose row
+ * is hidden_states[s / top_k]; any other entry (moe_align's sentinel
+ * num_tokens * top_k, a negative value) is padding.
+ */
+typedef struct moecl_permute_desc {
+    uint32_t num_tokens;  /**< rows of hidden_states */
+    uint32_t top_k;       /**< slots per token: 1..64 */
+    uint32_t hidden;      /**< columns of hidden_states and of out: 1..1048576 */
+    uint32_t num_padded;  /**< entries of sorted_token_ids, rows of out: 0..INT32_MAX */
+    moecl_dtype in_dtype;  /**< hidden_states: f32, f16 or bf16 */
+    moecl_dtype out_dtype; /**< out: f32, f16 or bf16 (the expert GEMM's input) */
+} moecl_permute_desc;
+
+/** A descriptor with the four sizes, in_dtype and out_dtype MOECL_F32;
+ *  future fields will default to today's behaviour here. */
+MOECL_API moecl_permute_desc moecl_permute_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t hidden,
+                                                     uint32_t num_padded);
+
+/**
+ * Gather each slot's hidden row into moe_align's expert order, for the
+ * grouped expert GEMM (vLLM's moe_permute, TensorRT-LLM's
+ * expandInputRows). With n = min(max(*num_tokens_post_padded, 0),
+ * num_padded) read on the device, for every row p < n of
+ * out[num_padded][hidden]:
+ *   out[p] = hidden_states[sorted_token_ids[p] / top_k]   (a slot)
+ *   out[p] = 0                                           (padding)
+ * converted from in_dtype to out_dtype: the same dtype is copied bit for
+ * bit (NaN payloads included); f16 and bf16 widen to f32 exactly; f32 to
+ * f16 or bf16, and f16 to bf16 and back, round to nearest even (through
+ * f32), as top-k gating stores its weights. Rows p >= n are not written
+ * (vLLM leaves them too): the GEMM reads only the first n.
+ *
+ * Buffers: hidden_states [num_tokens][hidden] of in_dtype,
+ * sorted_token_ids int32 [num_padded], num_tokens_post_padded int32 [1]
+ * (moecl_moe_align()'s outputs, or the caller's in its layout), out
+ * [num_padded][hidden] of out_dtype; all required (hidden_states may be
+ * absent when num_tokens is 0). Offsets in bytes, multiples of the element
+ * size.
+ *
+ * Asynchronous: one kernel (none when num_padded is 0: a marker keeps the
+ * wait list). `done`, if non-NULL, receives its event.
+ *
+ * Errors: MOECL_ERROR_INVALID_ARGUMENT (a NULL ctx/desc, a field out of
+ * range, a missing buffer, a buffer too small, an unaligned offset, a
+ * buffer of another context, num_wait > 0 with wait NULL),
+ * MOECL_ERROR_BUILD, or an OpenCL error. One command: any failure leaves
+ * nothing enqueued and no output byte changed.
+ */
+MOECL_API moecl_status moecl_permute(moecl_context *ctx, const moecl_permute_desc *desc, moecl_buffer hidden_states,
+                                     moecl_buffer sorted_token_ids, moecl_buffer num_tokens_post_padded,
+                                     moecl_buffer out, cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience of moecl_permute() on host memory: copies in,
+ *  runs, copies back the first n rows of out (n as moecl_permute() reads
+ *  it from *num_tokens_post_padded); the others are not written.
+ *  hidden_states may be NULL when num_tokens is 0, sorted_token_ids and
+ *  out when num_padded is 0; num_tokens_post_padded is required. Same
+ *  validation as moecl_permute(). A failed enqueue leaves out unchanged;
+ *  only a failed copy back may have written it. */
+MOECL_API moecl_status moecl_permute_host(moecl_context *ctx, const moecl_permute_desc *desc,
+                                          const void *hidden_states, const int32_t *sorted_token_ids,
+                                          const int32_t *num_tokens_post_padded, void *out);
+
+/**
+ * What moecl_combine() reduces: expert_out [num_padded][hidden] in
+ * moe_align's order, back into token order.
+ */
+typedef struct moecl_combine_desc {
+    uint32_t num_tokens;  /**< rows of topk_weights, slot_positions and out */
+    uint32_t top_k;       /**< slots per token: 1..64 */
+    uint32_t hidden;      /**< columns of expert_out and out: 1..1048576 */
+    uint32_t num_padded;  /**< rows of expert_out: 0..INT32_MAX */
+    moecl_dtype in_dtype;     /**< expert_out: f32, f16 or bf16 */
+    moecl_dtype out_dtype;    /**< out: f32, f16 or bf16 */
+    moecl_dtype shared_dtype; /**< shared_out, where given: f32, f16 or bf16 */
+} moecl_combine_desc;
+
+/** A descriptor with the four sizes, every dtype MOECL_F32; future fields
+ *  will default to today's behaviour here. */
+MOECL_API moecl_combine_desc moecl_combine_desc_init(uint32_t num_tokens, uint32_t top_k, uint32_t hidden,
+                                                     uint32_t num_padded);
+
+/**
+ * The weighted sum of each token's expert outputs (vLLM's moe_unpermute
+ * and moe_sum, TensorRT-LLM's finalizeMoeRouting). For every token t and
+ * column h, in f32, starting from +0:
+ *   acc = 0
+ *   for j = 0 .. top_k - 1, where p = slot_positions[t][j] is in
+ *   [0, num_padded):  acc = acc + topk_weights[t][j] * expert_out[p][h]
+ *   with shared_out:  acc = acc + shared_out[t][h]
+ *   out[t][h] = acc, rounded to out_dtype to nearest even
+ * each product and each sum rounded to f32 (no fused multiply-add), so
+ * the bits are the same on every device (denormals kept where the device
+ * keeps them: CL_FP_DENORM). A slot whose position is
+ * outside [0, num_padded) (moe_align's -1 for an invalid id) contributes
+ * nothing, whatever its weight; a row of such slots is 0 (or shared_out).
+ *
+ * Buffers: expert_out [num_padded][hidden] of in_dtype, topk_weights f32
+ * [num_tokens][top_k], slot_positions int32 [num_tokens][top_k]
+ * (moecl_moe_align()'s), shared_out [num_tokens][hidden] of shared_dtype
+ * or absent, out [num_tokens][hidden] of out_dtype. All but shared_out
+ * required (expert_out may be absent when num_padded is 0; none is needed
+ * when num_tokens is 0).
+ *
+ * Asynchronous: one kernel (none when num_tokens is 0: a marker keeps the
+ * wait list). `done`, if non-NULL, receives its event.
+ *
+ * Errors: as moecl_permute(); one command: any failure leaves nothing
+ * enqueued and no output byte changed.
+ */
+MOECL_API moecl_status moecl_combine(moecl_context *ctx, const moecl_combine_desc *desc, moecl_buffer expert_out,
+                                     moecl_buffer topk_weights, moecl_buffer slot_positions, moecl_buffer shared_out,
+                                     moecl_buffer out, cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** Blocking convenience of moecl_combine() on host memory: copies in,
+ *  runs, copies out. shared_out may be NULL (absent); expert_out may be
+ *  NULL when num_padded is 0, the others when num_tokens is 0. Same
+ *  validation as moecl_combine(). A failed enqueue leaves out unchanged;
+ *  only a failed copy back may have written it. */
+MOECL_API moecl_status moecl_combine_host(moecl_context *ctx, const moecl_combine_desc *desc, const void *expert_out,
+                                          const float *topk_weights, const int32_t *slot_positions,
+                                          const void *shared_out, void *out);
 
 #ifdef __cplusplus
 }

@@ -938,6 +938,106 @@ class Context:
                               [h, r, w], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind,
                               queue, wait_for)
 
+    # ------------------------------------------------------------------
+    # Permute and combine around the expert GEMMs
+    # ------------------------------------------------------------------
+
+    def permute(self, hidden_states: Any, sorted_token_ids: Any, num_tokens_post_padded: Any, top_k: int, *,
+                dtype: Optional[str] = None, out_dtype: Optional[str] = None, out: Optional[Dict[str, Any]] = None,
+                queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> Any:
+        """Gather each slot's hidden row into moe_align's order (moecl_permute;
+        docs/routing.md, "Permute and combine"): row p of the result is
+        hidden_states[sorted_token_ids[p] // top_k], or 0 where the entry is
+        padding (moe_align's sentinel tokens * top_k, or any value outside
+        [0, tokens * top_k)), for p < num_tokens_post_padded[0].
+
+        Args:
+            hidden_states: float32, float16 or bfloat16 [tokens, hidden].
+            sorted_token_ids: int32 [num_padded] (moe_align's).
+            num_tokens_post_padded: int32 [1] (moe_align's): the rows written.
+            top_k: the routing's slots per token.
+            dtype: as for topk_gating (the input's type; "bf16" also takes uint16).
+            out_dtype: "f32", "f16" or "bf16" (to nearest even); None: the input's.
+            out: {"permuted": array [num_padded, hidden] of out_dtype} to write; rows
+                past num_tokens_post_padded keep their values. A new NumPy result
+                has 0 there, a new device array whatever it held.
+            queue, wait_for: as for topk_gating.
+
+        Returns:
+            the permuted rows, then, for device tensors, the call's pyopencl.Event.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([hidden_states, sorted_token_ids, num_tokens_post_padded, *out.values()])
+        x = T.check("hidden_states", hidden_states, (None, None), T.input_dtypes(dtype), kind)
+        tokens, hidden = x.shape
+        ids = T.check("sorted_token_ids", sorted_token_ids, (None,), [T.I32], kind)
+        post = T.check("num_tokens_post_padded", num_tokens_post_padded, (1,), [T.I32], kind)
+        padded = ids.shape[0]
+        in_name = T.input_dtypes(dtype)[x.dtype]
+        name = in_name if out_dtype is None else out_dtype
+        out_enum = _enum("out_dtype", name, _lib.DTYPES)
+        specs = {"permuted": ((padded, hidden), T.weights_dtype(name, kind))}
+        given = T.outputs(specs, out, kind)
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = self._lib.moecl_permute_desc_init(tokens, _uint("top_k", top_k), hidden, padded)
+        desc.in_dtype = _lib.DTYPES[in_name]
+        desc.out_dtype = out_enum
+        o = self._outputs(specs, given, ("permuted",), kind, on.queue if kind == T.DEVICE else None)
+        if kind == T.HOST and given["permuted"] is None:
+            o["permuted"].host[...] = 0  # type: ignore[union-attr]
+        event = on._run("permute", desc, [x, ids, post, o["permuted"]], kind, wait_for)
+        result = o["permuted"].obj  # type: ignore[union-attr]
+        return (result, event) if kind == T.DEVICE else result
+
+    def combine(self, expert_out: Any, topk_weights: Any, slot_positions: Any, *, shared_out: Any = None,
+                dtype: Optional[str] = None, shared_dtype: Optional[str] = None, out_dtype: str = "f32",
+                out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                wait_for: Optional[Sequence[Any]] = None) -> Any:
+        """The weighted sum of each token's expert rows (moecl_combine;
+        docs/routing.md, "Permute and combine"): for token t, in float32 from
+        +0 and j ascending, each product and sum rounded,
+        out[t] = sum_j topk_weights[t, j] * expert_out[slot_positions[t, j]]
+        over the j whose position is in [0, num_padded), then + shared_out[t].
+
+        Args:
+            expert_out: float32, float16 or bfloat16 [num_padded, hidden], in
+                moe_align's order (what the expert GEMMs wrote for permute's rows).
+            topk_weights: float32 [tokens, top_k].
+            slot_positions: int32 [tokens, top_k] (moe_align's; -1: nothing).
+            shared_out: None, or a shared expert's rows [tokens, hidden], added last.
+            dtype, shared_dtype: the inputs' types, as for topk_gating's dtype.
+            out_dtype: "f32", "f16" or "bf16" (to nearest even).
+            out: {"combined": array [tokens, hidden] of out_dtype} to write; queue,
+                wait_for: as for topk_gating.
+
+        Returns:
+            the combined rows, then, for device tensors, the call's pyopencl.Event.
+        """
+        out = dict(out or {})
+        kind = T.kind_of([expert_out, topk_weights, slot_positions, shared_out, *out.values()])
+        y = T.check("expert_out", expert_out, (None, None), T.input_dtypes(dtype), kind)
+        padded, hidden = y.shape
+        w = T.check("topk_weights", topk_weights, (None, None), [T.F32], kind)
+        tokens, k = w.shape
+        pos = T.check("slot_positions", slot_positions, (tokens, k), [T.I32], kind)
+        sh = None if shared_out is None else T.check("shared_out", shared_out, (tokens, hidden),
+                                                     T.input_dtypes(shared_dtype), kind)
+        out_enum = _enum("out_dtype", out_dtype, _lib.DTYPES)
+        specs = {"combined": ((tokens, hidden), T.weights_dtype(out_dtype, kind))}
+        given = T.outputs(specs, out, kind)
+        self._check_wait(kind, wait_for)
+        on = self._on(queue)
+        desc = self._lib.moecl_combine_desc_init(tokens, k, hidden, padded)
+        desc.in_dtype = _lib.DTYPES[T.input_dtypes(dtype)[y.dtype]]
+        desc.out_dtype = out_enum
+        if sh is not None:
+            desc.shared_dtype = _lib.DTYPES[T.input_dtypes(shared_dtype)[sh.dtype]]
+        o = self._outputs(specs, given, ("combined",), kind, on.queue if kind == T.DEVICE else None)
+        event = on._run("combine", desc, [y, w, pos, sh, o["combined"]], kind, wait_for)
+        result = o["combined"].obj  # type: ignore[union-attr]
+        return (result, event) if kind == T.DEVICE else result
+
 
 def _key(names: Dict[str, int], value: int) -> str:
     """The Python name of an enum value of moecl.h."""

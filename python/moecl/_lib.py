@@ -122,6 +122,22 @@ class MoeAlignDesc(ctypes.Structure):
     ]
 
 
+# The sizes moecl_permute_desc and moecl_combine_desc start with.
+_ROW_SIZES = [("num_tokens", c_uint32), ("top_k", c_uint32), ("hidden", c_uint32), ("num_padded", c_uint32)]
+
+
+class PermuteDesc(ctypes.Structure):
+    """moecl_permute_desc."""
+
+    _fields_ = _ROW_SIZES + [("in_dtype", c_int), ("out_dtype", c_int)]
+
+
+class CombineDesc(ctypes.Structure):
+    """moecl_combine_desc."""
+
+    _fields_ = _ROW_SIZES + [("in_dtype", c_int), ("out_dtype", c_int), ("shared_dtype", c_int)]
+
+
 # The buffers of moecl_moe_align_ex, by name, in the struct's order.
 MOE_ALIGN_TENSORS = ("topk_ids", "expert_counts", "sorted_token_ids", "block_expert_ids", "num_tokens_post_padded",
                      "slot_positions", "num_invalid", "expert_map")
@@ -233,6 +249,12 @@ _SIGNATURES = {
     "moecl_topk_gating_desc_preset": (c_int, [ctypes.c_char_p, c_uint32, _P(TopkGatingDesc)]),
     "moecl_grounded_router_desc_preset": (c_int, [ctypes.c_char_p, c_uint32, _P(GroundedRouterDesc)]),
     "moecl_preset_name": (ctypes.c_char_p, [c_size_t]),
+    "moecl_permute_desc_init": (PermuteDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
+    "moecl_permute": (c_int, [_ctx, _P(PermuteDesc)] + [Buffer] * 4 + [cl_uint, _events, _event_out]),
+    "moecl_permute_host": (c_int, [_ctx, _P(PermuteDesc)] + [c_void_p] * 4),
+    "moecl_combine_desc_init": (CombineDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
+    "moecl_combine": (c_int, [_ctx, _P(CombineDesc)] + [Buffer] * 5 + [cl_uint, _events, _event_out]),
+    "moecl_combine_host": (c_int, [_ctx, _P(CombineDesc)] + [c_void_p] * 5),
 }
 
 

@@ -174,7 +174,17 @@ static const char *dtype_name(moecl_dtype t) { return t == MOECL_F32 ? "f32" : t
 
 /* ---- runs ---- */
 
-typedef enum { OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_ROUTE, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY } op_kind;
+typedef enum {
+    OP_TOPK,
+    OP_GROUNDED,
+    OP_ALIGN,
+    OP_ROUTE,
+    OP_EP,
+    OP_GROUNDED_ROUTE,
+    OP_ROUTER,
+    OP_REPLAY,
+    OP_PERMUTE
+} op_kind;
 
 typedef struct run_def {
     const char *name;
@@ -292,6 +302,10 @@ static const run_def runs[] = {
     {"replay-cpu", OP_REPLAY, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"replay-gpu", OP_REPLAY, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"replay-team4-rows4", OP_REPLAY, "gpu", NULL, true, {MOECL_KERNEL_TEAM, 4, 4, 0, {0}}, false, false},
+    /* moecl_permute and moecl_combine (cl/permute.cl): a work-item a row
+     * (cpu), rows of a few work-items and one row of many (gpu). */
+    {"permute-cpu", OP_PERMUTE, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"permute-gpu", OP_PERMUTE, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
 };
 
 static const char *kernel_name(moecl_kernel_kind k)
@@ -998,6 +1012,98 @@ static void run_align(moecl_context *ctx, const run_def *run)
         align_one(ctx, run, &align_cases[i]);
 }
 
+/* ---- permute and combine ---- */
+
+typedef struct permute_case {
+    uint32_t tokens, top_k, experts, block, hidden;
+    moecl_dtype in, out;
+    int shared; /* combine's shared rows' dtype, -1: none */
+} permute_case;
+
+/* Padding rows and invalid ids in each; a hidden of one scalar, of a
+ * vector and a tail, and of more vectors than a GPU row's work-items. */
+static const permute_case permute_cases[] = {
+    {0, 2, 4, 4, 5, MOECL_F32, MOECL_F32, -1},
+    {5, 2, 8, 4, 1, MOECL_F16, MOECL_BF16, MOECL_F32},
+    {6, 3, 4, 2, 7, MOECL_BF16, MOECL_F32, MOECL_BF16},
+    {3, 8, 16, 4, 70, MOECL_F32, MOECL_F16, MOECL_F16},
+    {2, 2, 4, 2, 1100, MOECL_F32, MOECL_BF16, -1},
+};
+
+/* Elements of got and want (dtype) agree: the same bits, or both NaN. */
+static size_t first_difference(moecl_dtype dtype, const void *got, const void *want, size_t n)
+{
+    const size_t z = ref_dtype_size(dtype);
+    for (size_t i = 0; i < n; i++)
+        if (memcmp((const char *)got + i * z, (const char *)want + i * z, z) != 0 &&
+            !(isnan(ref_load(dtype, got, i)) && isnan(ref_load(dtype, want, i))))
+            return i;
+    return n;
+}
+
+static void permute_one(moecl_context *ctx, const run_def *run, const permute_case *c)
+{
+    snprintf(current, sizeof(current), "%s T=%u k=%u E=%u block=%u hidden=%u %s->%s shared=%s", run->name, c->tokens,
+             c->top_k, c->experts, c->block, c->hidden, dtype_name(c->in), dtype_name(c->out),
+             c->shared < 0 ? "none" : dtype_name((moecl_dtype)c->shared));
+    if (!selected())
+        return;
+    const moecl_moe_align_desc ad = moecl_moe_align_desc_init(c->tokens, c->top_k, c->experts, c->block);
+    const size_t slots = (size_t)c->tokens * c->top_k, h = c->hidden;
+    const uint32_t padded = (uint32_t)moecl_moe_align_max_padded(&ad);
+    int32_t *ids = xmalloc(slots * 4), *sorted = xmalloc((size_t)padded * 4), *pos = xmalloc(slots * 4);
+    int32_t *counts = xmalloc(c->experts * 4), *blocks = xmalloc((size_t)padded / c->block * 4), post, invalid;
+    for (size_t s = 0; s < slots; s++)
+        ids[s] = splitmix() % 5 == 0 ? -1 : (int32_t)(splitmix() % c->experts);
+    ref_moe_align(&ad, ids, counts, sorted, blocks, &post, pos, &invalid);
+    const size_t in_z = ref_dtype_size(c->in), out_z = ref_dtype_size(c->out);
+    const moecl_dtype sh_t = c->shared < 0 ? MOECL_F32 : (moecl_dtype)c->shared;
+    void *x = xmalloc(c->tokens * h * in_z), *y = xmalloc(padded * h * in_z);
+    void *sh = c->shared < 0 ? NULL : xmalloc(c->tokens * h * ref_dtype_size(sh_t) + 1);
+    float *w = xmalloc(slots * 4);
+    for (size_t i = 0; i < c->tokens * h; i++) {
+        store(c->in, x, i, randn());
+        if (sh)
+            store(sh_t, sh, i, randn());
+    }
+    for (size_t i = 0; i < padded * h; i++)
+        store(c->in, y, i, randn());
+    for (size_t i = 0; i < slots; i++)
+        w[i] = randn();
+    moecl_permute_desc pd = moecl_permute_desc_init(c->tokens, c->top_k, c->hidden, padded);
+    pd.in_dtype = c->in;
+    pd.out_dtype = c->out;
+    moecl_combine_desc cd = moecl_combine_desc_init(c->tokens, c->top_k, c->hidden, padded);
+    cd.in_dtype = c->in;
+    cd.out_dtype = c->out;
+    cd.shared_dtype = sh_t;
+    unsigned char *got = xmalloc(padded * h * out_z), *want = xmalloc(padded * h * out_z);
+    memset(got, 0xab, padded * h * out_z);
+    memset(want, 0xab, padded * h * out_z);
+    moecl_status st = moecl_permute_host(ctx, &pd, x, sorted, &post, got);
+    ref_permute(&pd, x, sorted, post, want);
+    size_t at;
+    if (st != MOECL_SUCCESS)
+        fail("permute: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if ((at = first_difference(c->out, got, want, padded * h)) < padded * h)
+        fail("permute: row %zu column %zu differs", at / h, at % h);
+    st = moecl_combine_host(ctx, &cd, y, w, pos, sh, got);
+    ref_combine(&cd, y, w, pos, sh, want);
+    if (st != MOECL_SUCCESS)
+        fail("combine: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if ((at = first_difference(c->out, got, want, c->tokens * h)) < c->tokens * h)
+        fail("combine: token %zu column %zu differs", at / h, at % h);
+    void *mem[] = {ids, sorted, pos, counts, blocks, x, y, sh, w, got, want};
+    for (size_t i = 0; i < COUNT(mem); i++)
+        free(mem[i]);
+}
+
+static void run_permute(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(permute_cases); i++)
+        permute_one(ctx, run, &permute_cases[i]);
+}
+
 /* ---- the expert-parallel dispatch layout ---- */
 
 typedef struct ep_case {
@@ -1341,6 +1447,8 @@ static int run_one(const run_def *run)
         run_router(ctx, run);
     else if (run->op == OP_REPLAY)
         run_replay(ctx, run);
+    else if (run->op == OP_PERMUTE)
+        run_permute(ctx, run);
     else
         run_grounded_route(ctx, run);
     moecl_context_destroy(ctx);
