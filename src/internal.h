@@ -795,6 +795,8 @@ enum {
     MOECL_TOPK_REPLAY,
     MOECL_TOPK_HAS_LOAD,
     MOECL_TOPK_HAS_VALID,
+    MOECL_TOPK_CAPTURE,
+    MOECL_TOPK_HAS_SCALE,
     MOECL_TOPK_PARAMS
 };
 
@@ -932,7 +934,7 @@ moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, 
 
 /* Bytes of one element of dtype. */
 static inline size_t moecl_dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
-static inline size_t moecl_index_size(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : 4; }
+static inline size_t moecl_index_size(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : t == MOECL_I16 ? 2 : 4; }
 
 /* Rounds v up to a multiple of m. */
 static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
