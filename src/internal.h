@@ -553,6 +553,12 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name);
 
+/* As moecl_topk_gating_defines, for moecl_topk_gating_ex's variant with
+ * every optional tensor (counts, load, valid count, expert_scale) and
+ * captured ids of capture_dtype. */
+void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                  moecl_index_dtype capture_dtype, char *buf, size_t size, const char **kernel_name);
+
 /* As moecl_topk_gating_defines, for moecl_route_dispatch's one kernel
  * (MOECL_PROGRAM_ROUTE_DISPATCH); *kernel_name is NULL where the rule's
  * configuration is the rows kernel, which has no such variant. */

@@ -119,6 +119,12 @@ typedef struct topk_request {
     bool has_scale;   /* moecl_topk_gating_ex's expert_scale */
 } topk_request;
 
+/* The request's capture define: 1 + the captured ids' dtype, 0 for none. */
+static unsigned capture_of(bool has_capture, moecl_index_dtype dtype)
+{
+    return has_capture ? 1u + (unsigned)dtype : 0u;
+}
+
 /* Local memory the team kernel needs for `rows` rows (cl/layout.h), for
  * either scoring and without shuffles: a bound for every variant. */
 static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigned experts, unsigned groups)
@@ -276,6 +282,19 @@ void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_g
     *kernel_name = shape.kernel_name;
 }
 
+void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                  moecl_index_dtype capture_dtype, char *buf, size_t size, const char **kernel_name)
+{
+    topk_request r = request_of(desc, has_bias, true);
+    r.has_load = r.has_valid = r.has_scale = true;
+    r.capture = capture_of(true, capture_dtype);
+    moecl_launch_config config;
+    topk_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(info, &r, &shape, buf, size);
+    *kernel_name = shape.kernel_name;
+}
+
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                      char *buf, size_t size, const char **kernel_name)
 {
@@ -425,11 +444,6 @@ static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype dt
     return MOECL_SUCCESS;
 }
 
-/* The request's capture define: 1 + the captured ids' dtype, 0 for none. */
-static unsigned capture_of(bool has_capture, moecl_index_dtype dtype)
-{
-    return has_capture ? 1u + (unsigned)dtype : 0u;
-}
 
 /* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
  * kernel waits on that; the load counter is not. */
