@@ -444,7 +444,6 @@ static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype dt
     return MOECL_SUCCESS;
 }
 
-
 /* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
  * kernel waits on that; the load counter is not. */
 static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, const topk_buffers *b,
