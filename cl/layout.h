@@ -201,10 +201,11 @@
 #endif
 typedef struct layout_topk_args {
     LAYOUT_U64 gating_off, bias_off, weights_off, ids_off, counts_off, load_off, valid_off;
+    LAYOUT_U64 captured_off, scale_off; /* moecl_topk_gating_ex's captured_ids, expert_scale */
     LAYOUT_U32 num_tokens;
     float scaling_factor;
 } layout_topk_args;
-typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 64 ? 1 : -1];
+typedef char layout_topk_args_size_check[sizeof(layout_topk_args) == 80 ? 1 : -1];
 
 /* The replay kernels (cl/replay.cl): offsets in elements of gating, of
  * the ids (the given topk_ids, or hash routing's input_ids), of the hash

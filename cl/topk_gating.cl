@@ -6,6 +6,10 @@
  *   HAS_LOAD                   also add them to a load counter (below)
  *   HAS_VALID                  rows at or past a count read from memory
  *                              are padding (below)
+ *   CAPTURE                    also write the ids to a capture buffer
+ *                              (below)
+ *   HAS_SCALE                  multiply each weight by its expert's
+ *                              scale (below)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
@@ -48,8 +52,57 @@
 #define LOAD_ARGS_
 #define COUNT_INTO_LOAD(e) ((void)0)
 #endif
-#define COUNTS_PARAMS COUNTS_PARAMS_ LOAD_PARAMS_
-#define COUNTS_ARGS COUNTS_ARGS_ LOAD_ARGS_
+/* CAPTURE (moecl_topk_gating_ex's captured_ids; absent, i.e. 0: none):
+ * the ids written a second time, as 1 int32, 2 int64 or 3 int16 (1 + the
+ * moecl_index_dtype), padding rows -1; the kernels move the pointer to
+ * their row, and the helpers below take the row's. */
+#ifndef CAPTURE
+#define CAPTURE 0
+#endif
+#if CAPTURE
+#if CAPTURE == 1
+typedef int capture_t;
+#elif CAPTURE == 2
+typedef long capture_t;
+#elif CAPTURE == 3
+typedef short capture_t;
+#else
+#error "CAPTURE must be 0 (none), 1 (int32), 2 (int64) or 3 (int16)"
+#endif
+#define CAPTURE_PARAM __global capture_t *captured,
+#define CAPTURE_PARAMS_ , __global capture_t *captured
+#define CAPTURE_ARGS_ , captured
+#define CAPTURE_ROW(args, row) (captured = captured + (args).captured_off + (size_t)(row) * TOPK)
+#define CAPTURE_ID(j, id) (captured[j] = (capture_t)(id))
+#else
+#define CAPTURE_PARAM
+#define CAPTURE_PARAMS_
+#define CAPTURE_ARGS_
+#define CAPTURE_ROW(args, row) ((void)0)
+#define CAPTURE_ID(j, id) ((void)0)
+#endif
+/* HAS_SCALE (moecl_topk_gating_ex's expert_scale; absent: none): a chosen
+ * expert's final weight, after the renormalisation and the scaling factor,
+ * times its float scale (Gemma 4's per_expert_scale), before the store's
+ * rounding. */
+#ifndef HAS_SCALE
+#define HAS_SCALE 0
+#endif
+#if HAS_SCALE
+#define SCALE_PARAM __global const float *expert_scale,
+#define SCALE_PARAMS_ , __global const float *expert_scale
+#define SCALE_ARGS_ , expert_scale
+#define SCALE_SET(args) (expert_scale = expert_scale + (args).scale_off)
+#define SCALED(w, id) ((uint)(id) < NUM_EXPERTS ? (w) * expert_scale[(uint)(id)] : (w))
+#else
+#define SCALE_PARAM
+#define SCALE_PARAMS_
+#define SCALE_ARGS_
+#define SCALE_SET(args) ((void)0)
+#define SCALED(w, id) (w)
+#endif
+#define COUNTS_PARAMS COUNTS_PARAMS_ LOAD_PARAMS_ CAPTURE_PARAMS_ SCALE_PARAMS_
+#define COUNTS_ARGS COUNTS_ARGS_ LOAD_ARGS_ CAPTURE_ARGS_ SCALE_ARGS_
 #define COUNT_ID(id)                                                                               \
     do {                                                                                           \
         const uint id_ = (uint)(id);                                                               \
@@ -97,12 +150,14 @@ static inline uint valid_rows(__global const int *num_valid, ulong off, uint num
 #define VALID_ROWS(args) ((args).num_tokens)
 #endif
 
-/* A padding row's outputs, slots j0, j0 + step, ... */
-static inline void write_padding(__global weight_t *w_out, __global ids_t *id_out, uint j0, uint step)
+/* A padding row's outputs, slots j0, j0 + step, ... (captured: the row's). */
+static inline void write_padding(__global weight_t *w_out, __global ids_t *id_out, uint j0,
+                                 uint step CAPTURE_PARAMS_)
 {
     for (uint j = j0; j < TOPK; j += step) {
         STORE_WEIGHT(w_out, j, 0.0f);
         STORE_ID(id_out, j, -1);
+        CAPTURE_ID(j, -1);
     }
 }
 /* The bias is an argument only where there is one (as the counts are):
@@ -318,8 +373,9 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
     float divisor;
     WEIGHTS_DIVISOR(divisor, weights, TOPK);
     for (uint j = 0; j < TOPK; j++) {
-        STORE_WEIGHT(w_out, j, weights[j] / divisor * scaling_factor);
+        STORE_WEIGHT(w_out, j, SCALED(weights[j] / divisor * scaling_factor, chosen_e[j]));
         STORE_ID(id_out, j, chosen_e[j]);
+        CAPTURE_ID(j, chosen_e[j]);
         COUNT_ID(chosen_e[j]);
     }
 }
@@ -338,15 +394,17 @@ static inline void topk_rows_generic(__global const in_t *x, __global const bias
     uint ids[TOPK];
     rows_pipeline(logit, bias, scaling_factor, weights, ids);
     for (uint j = 0; j < TOPK; j++) {
-        STORE_WEIGHT(w_out, j, weights[j]);
+        STORE_WEIGHT(w_out, j, SCALED(weights[j], ids[j]));
         STORE_ID(id_out, j, ids[j]);
+        CAPTURE_ID(j, ids[j]);
         COUNT_ID(ids[j]);
     }
 }
 #endif
 
 __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global weight_t *topk_weights,
-                               __global ids_t *topk_ids, COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args)
+                               __global ids_t *topk_ids, COUNTS_PARAM LOAD_PARAM VALID_PARAM CAPTURE_PARAM
+                                   SCALE_PARAM layout_topk_args args)
 {
     const uint row = (uint)get_global_id(0);
     if (row >= args.num_tokens)
@@ -356,11 +414,13 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
     /* The fast path counts the ids from its registers: topk_ids may be
      * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
     __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+    CAPTURE_ROW(args, row);
     if (HAS_VALID && row >= VALID_ROWS(args)) {
-        write_padding(w_out, id_out, 0, 1);
+        write_padding(w_out, id_out, 0, 1 CAPTURE_ARGS_);
         return;
     }
     COUNTS_AT_OFFSETS(args);
+    SCALE_SET(args);
 #if ROWS_FAST
     topk_rows_softmax(x, w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #else
@@ -375,7 +435,8 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 
 __kernel __attribute__((reqd_work_group_size(TEAM * ROWS, 1, 1))) void
 topk_gating_team(__global const in_t *gating, BIAS_PARAM __global weight_t *topk_weights, __global ids_t *topk_ids,
-                 COUNTS_PARAM LOAD_PARAM VALID_PARAM layout_topk_args args DISPATCH_PARAMS)
+                 COUNTS_PARAM LOAD_PARAM VALID_PARAM CAPTURE_PARAM SCALE_PARAM layout_topk_args args
+                     DISPATCH_PARAMS)
 {
     DISPATCH_LOCALS;
     TEAM_GATING_LOCALS;
@@ -388,6 +449,8 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global weight_t *topk
     const bool token = active && (!HAS_VALID || row < VALID_ROWS(args));
     __global const in_t *x = gating + args.gating_off + (size_t)(token ? row : 0) * NUM_EXPERTS;
     COUNTS_AT_OFFSETS(args);
+    SCALE_SET(args);
+    CAPTURE_ROW(args, row);
 
     float value[EPT];
     team_load_row(x, token, lane, value);
@@ -395,13 +458,14 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global weight_t *topk
     TEAM_GATING(value, token, lane, r, BIAS_AT(args), args.scaling_factor, weights);
     if (active && !token)
         write_padding(topk_weights + args.weights_off + (size_t)row * TOPK,
-                      topk_ids + args.ids_off + (size_t)row * TOPK, lane, TEAM);
+                      topk_ids + args.ids_off + (size_t)row * TOPK, lane, TEAM CAPTURE_ARGS_);
     if (token) {
         __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
         __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
         for (uint j = lane; j < TOPK; j += TEAM) {
-            STORE_WEIGHT(w_out, j, weights[j]);
+            STORE_WEIGHT(w_out, j, SCALED(weights[j], GATE_IDS(r)[j]));
             STORE_ID(id_out, j, GATE_IDS(r)[j]);
+            CAPTURE_ID(j, GATE_IDS(r)[j]);
             COUNT_ID(GATE_IDS(r)[j]);
         }
     }

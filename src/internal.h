@@ -553,6 +553,12 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name);
 
+/* As moecl_topk_gating_defines, for moecl_topk_gating_ex's variant with
+ * every optional tensor (counts, load, valid count, expert_scale) and
+ * captured ids of capture_dtype. */
+void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                  moecl_index_dtype capture_dtype, char *buf, size_t size, const char **kernel_name);
+
 /* As moecl_topk_gating_defines, for moecl_route_dispatch's one kernel
  * (MOECL_PROGRAM_ROUTE_DISPATCH); *kernel_name is NULL where the rule's
  * configuration is the rows kernel, which has no such variant. */
@@ -795,6 +801,8 @@ enum {
     MOECL_TOPK_REPLAY,
     MOECL_TOPK_HAS_LOAD,
     MOECL_TOPK_HAS_VALID,
+    MOECL_TOPK_CAPTURE,
+    MOECL_TOPK_HAS_SCALE,
     MOECL_TOPK_PARAMS
 };
 
@@ -932,7 +940,7 @@ moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, 
 
 /* Bytes of one element of dtype. */
 static inline size_t moecl_dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }
-static inline size_t moecl_index_size(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : 4; }
+static inline size_t moecl_index_size(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : t == MOECL_I16 ? 2 : 4; }
 
 /* Rounds v up to a multiple of m. */
 static inline size_t moecl_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }

@@ -115,7 +115,15 @@ typedef struct topk_request {
     bool has_dispatch; /* moecl_route_dispatch's kernel: moe_align after the rows (team kernel only) */
     unsigned groups, topk_group;
     unsigned replay; /* cl/replay.cl's kernel (src/replay.c): 1 given ids, 2 hash routing; 0 top-k */
+    unsigned capture; /* moecl_topk_gating_ex's captured_ids: 0 none, else 1 + captured_ids_dtype */
+    bool has_scale;   /* moecl_topk_gating_ex's expert_scale */
 } topk_request;
+
+/* The request's capture define: 1 + the captured ids' dtype, 0 for none. */
+static unsigned capture_of(bool has_capture, moecl_index_dtype dtype)
+{
+    return has_capture ? 1u + (unsigned)dtype : 0u;
+}
 
 /* Local memory the team kernel needs for `rows` rows (cl/layout.h), for
  * either scoring and without shuffles: a bound for every variant. */
@@ -192,7 +200,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0};
+    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0, 0, false};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -212,6 +220,8 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_HAS_COUNTS] = r->has_counts;
     v.param[MOECL_TOPK_HAS_LOAD] = r->has_load;
     v.param[MOECL_TOPK_HAS_VALID] = r->has_valid;
+    v.param[MOECL_TOPK_CAPTURE] = r->capture;
+    v.param[MOECL_TOPK_HAS_SCALE] = r->has_scale;
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
@@ -265,6 +275,19 @@ void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_g
                                bool has_counts, char *buf, size_t size, const char **kernel_name)
 {
     const topk_request r = request_of(desc, has_bias, has_counts);
+    moecl_launch_config config;
+    topk_shape shape;
+    resolve(NULL, info, &r, &config, &shape);
+    defines_of(info, &r, &shape, buf, size);
+    *kernel_name = shape.kernel_name;
+}
+
+void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
+                                  moecl_index_dtype capture_dtype, char *buf, size_t size, const char **kernel_name)
+{
+    topk_request r = request_of(desc, has_bias, true);
+    r.has_load = r.has_valid = r.has_scale = true;
+    r.capture = capture_of(true, capture_dtype);
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -405,7 +428,21 @@ typedef struct topk_buffers {
     moecl_buffer gating, bias, weights, ids, counts, load, valid;
     bool check;
     bool need_counts; /* moecl_topk_gating_with_counts: expert_counts is required */
+    moecl_buffer captured, scale; /* moecl_topk_gating_ex's captured_ids and expert_scale */
+    moecl_index_dtype captured_dtype;
 } topk_buffers;
+
+/* Every moecl_topk_gating_ex capture fits int16: no num_experts moecl
+ * takes exceeds its ids. */
+_Static_assert(MOECL_MAX_EXPERTS <= 32767, "MOECL_I16 captured ids hold every expert id");
+
+static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype dtype)
+{
+    if (dtype != MOECL_I16 && dtype != MOECL_I32 && dtype != MOECL_I64)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "captured_ids_dtype is %d; it must be MOECL_I16, MOECL_I32 or MOECL_I64", (int)dtype);
+    return MOECL_SUCCESS;
+}
 
 /* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
  * kernel waits on that; the load counter is not. */
@@ -415,13 +452,16 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
     const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
     const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
     const size_t w_size = moecl_dtype_size(d->weights_dtype), id_size = moecl_index_size(d->ids_dtype);
-    const moecl_buffer_check checks[7] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
+    const size_t cap_size = moecl_index_size(b->captured_dtype);
+    const moecl_buffer_check checks[9] = {{"gating", t * e * in_size, b->gating.offset, in_size, true},
                                           {"bias", e * bias_size, b->bias.offset, bias_size, false},
                                           {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
                                           {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
                                           {"expert_counts", e * 4, b->counts.offset, 4, true},
                                           {"expert_load", e * 4, b->load.offset, 4, true},
-                                          {"num_valid_tokens", 4, b->valid.offset, 4, true}};
+                                          {"num_valid_tokens", 4, b->valid.offset, 4, true},
+                                          {"captured_ids", t * k * cap_size, b->captured.offset, cap_size, true},
+                                          {"expert_scale", e * 4, b->scale.offset, 4, true}};
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
      * scalars are one argument, and the optional tensors arguments only
@@ -433,19 +473,23 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                       .counts_off = b->counts.offset / 4,
                                       .load_off = b->load.offset / 4,
                                       .valid_off = b->valid.offset / 4,
+                                      .captured_off = b->captured.offset / cap_size,
+                                      .scale_off = b->scale.offset / 4,
                                       .num_tokens = d->num_tokens,
                                       .scaling_factor = d->routed_scaling_factor};
-    const moecl_buffer *const order[7] = {&b->gating, &b->bias, &b->weights, &b->ids,
-                                          &b->counts, &b->load, &b->valid};
-    moecl_kernel_arg args[8];
+    const moecl_buffer *const order[9] = {&b->gating, &b->bias,  &b->weights,  &b->ids,  &b->counts,
+                                          &b->load,   &b->valid, &b->captured, &b->scale};
+    moecl_kernel_arg args[10];
     cl_uint n = 0;
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 9; i++)
         if (order[i]->mem || i == 0 || i == 2 || i == 3 || (i == 4 && b->need_counts)) /* required: as they are */
             args[n++] = MOECL_ARG_CHECKED(order[i]->mem, c ? &c[i] : NULL);
     args[n++] = MOECL_ARG(scalars);
     topk_request r = request_of(d, b->bias.mem != NULL, b->counts.mem != NULL || b->need_counts);
     r.has_load = b->load.mem != NULL;
     r.has_valid = b->valid.mem != NULL;
+    r.capture = capture_of(b->captured.mem != NULL, b->captured_dtype);
+    r.has_scale = b->scale.mem != NULL;
     const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
                                     d->num_tokens,   b->counts.mem, b->counts.offset, e * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
@@ -454,6 +498,28 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
 /* The first version of moecl_topk_gating_tensors and of the host form. */
 #define TENSORS_V1 (offsetof(moecl_topk_gating_tensors, num_valid_tokens) + sizeof(moecl_buffer))
 #define HOST_TENSORS_V1 (offsetof(moecl_topk_gating_host_tensors, num_valid_tokens) + sizeof(int32_t *))
+
+/* A caller's tensors record (struct_size its first field) copied into
+ * out, a record of this moecl's size v2: the sizes are its versions (one
+ * that ends inside a field would leave it half there), and the fields an
+ * earlier version lacks are absent, zero. */
+static moecl_status record_of(moecl_context *ctx, const void *record, size_t v1, size_t v2, void *out)
+{
+    size_t struct_size = 0;
+    if (record)
+        memcpy(&struct_size, record, sizeof(struct_size));
+    moecl_status st = moecl_check_record(ctx, record, struct_size, v1, v2);
+    if (st == MOECL_SUCCESS && struct_size != v1 && struct_size != v2)
+        st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                        "tensors->struct_size is %zu; this moecl takes %zu (up to num_valid_tokens) or %zu (set it "
+                        "to sizeof the record)",
+                        struct_size, v1, v2);
+    if (st == MOECL_SUCCESS) {
+        memset(out, 0, v2);
+        memcpy(out, record, struct_size);
+    }
+    return st;
+}
 
 /* The device-buffer call of every entry point. */
 static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, const topk_buffers *b,
@@ -464,6 +530,8 @@ static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_de
     moecl_status st = validate_desc(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
+    if (b->captured.mem && (st = check_capture_dtype(ctx, b->captured_dtype)) != MOECL_SUCCESS)
+        return st;
     if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
         return st;
     return launch(ctx, desc, b, num_wait, wait, done);
@@ -473,7 +541,8 @@ moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc 
                                moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
                                const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating, bias, topk_weights, topk_ids, {NULL, 0}, {NULL, 0}, {NULL, 0}, true, false};
+    const topk_buffers b = {gating,    bias,      topk_weights, topk_ids, {NULL, 0}, {NULL, 0},
+                            {NULL, 0}, true,      false,        {NULL, 0}, {NULL, 0}, MOECL_I32};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -482,7 +551,8 @@ moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_
                                            moecl_buffer topk_ids, moecl_buffer expert_counts, cl_uint num_wait,
                                            const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating, bias, topk_weights, topk_ids, expert_counts, {NULL, 0}, {NULL, 0}, true, true};
+    const topk_buffers b = {gating,    bias,      topk_weights, topk_ids, expert_counts, {NULL, 0},
+                            {NULL, 0}, true,      true,         {NULL, 0}, {NULL, 0},   MOECL_I32};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -492,13 +562,13 @@ moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_de
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
-                                         sizeof(moecl_topk_gating_tensors));
+    moecl_topk_gating_tensors t;
+    const moecl_status st = record_of(ctx, tensors, TENSORS_V1, sizeof(t), &t);
     if (st != MOECL_SUCCESS)
         return st;
-    const moecl_topk_gating_tensors *t = tensors;
-    const topk_buffers b = {t->gating,        t->bias,        t->topk_weights,     t->topk_ids,
-                            t->expert_counts, t->expert_load, t->num_valid_tokens, true, false};
+    const topk_buffers b = {t.gating,        t.bias,        t.topk_weights,     t.topk_ids,
+                            t.expert_counts, t.expert_load, t.num_valid_tokens, true,
+                            false,           t.captured_ids, t.expert_scale,    t.captured_ids_dtype};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -518,10 +588,14 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
                           !h->gating ? "gating" : !h->topk_weights ? "topk_weights" : "topk_ids");
     if (need_counts && !h->expert_counts)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "expert_counts is NULL");
+    if (h->captured_ids && (st = check_capture_dtype(ctx, h->captured_ids_dtype)) != MOECL_SUCCESS)
+        return st;
     const moecl_plan *p;
     topk_request r = request_of(desc, h->bias != NULL, h->expert_counts != NULL);
     r.has_load = h->expert_load != NULL;
     r.has_valid = h->num_valid_tokens != NULL;
+    r.capture = capture_of(h->captured_ids != NULL, h->captured_ids_dtype);
+    r.has_scale = h->expert_scale != NULL;
     if ((st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
     (void)p; /* built before the buffers are made: a build failure costs no copy */
@@ -533,13 +607,23 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
             memset(h->expert_counts, 0, e * 4);
         return MOECL_SUCCESS;
     }
-    enum { GATING, BIAS, LOAD, VALID, WEIGHTS, IDS, COUNTS, NUM };
-    const void *const from[NUM] = {h->gating, h->bias, h->expert_load, h->num_valid_tokens, NULL, NULL, NULL};
-    void *const to[NUM] = {NULL, NULL, h->expert_load, NULL, h->topk_weights, h->topk_ids, h->expert_counts};
-    static const char *const names[NUM] = {"gating",   "bias",         "expert_load",  "num_valid_tokens",
-                                           "topk_weights", "topk_ids", "expert_counts"};
-    const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype), e * moecl_dtype_size(desc->bias_dtype),
-                               e * 4, 4, w_bytes, id_bytes, e * 4};
+    enum { GATING, BIAS, SCALE, LOAD, VALID, WEIGHTS, IDS, COUNTS, CAPTURED, NUM };
+    const void *const from[NUM] = {h->gating, h->bias, h->expert_scale, h->expert_load, h->num_valid_tokens,
+                                   NULL,      NULL,    NULL,            NULL};
+    void *const to[NUM] = {NULL,          NULL,        NULL,          h->expert_load, NULL,
+                           h->topk_weights, h->topk_ids, h->expert_counts, h->captured_ids};
+    static const char *const names[NUM] = {"gating",       "bias",          "expert_scale",
+                                           "expert_load",  "num_valid_tokens", "topk_weights",
+                                           "topk_ids",     "expert_counts", "captured_ids"};
+    const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype),
+                               e * moecl_dtype_size(desc->bias_dtype),
+                               e * 4,
+                               e * 4,
+                               4,
+                               w_bytes,
+                               id_bytes,
+                               e * 4,
+                               t * k * moecl_index_size(h->captured_ids_dtype)};
     cl_mem mems[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++)
         if (from[i] || to[i])
@@ -551,8 +635,9 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
                                    sizes[i], from[i], &mems[i]);
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
-        const topk_buffers b = {{mems[GATING], 0}, {mems[BIAS], 0}, {mems[WEIGHTS], 0}, {mems[IDS], 0},
-                                {mems[COUNTS], 0}, {mems[LOAD], 0}, {mems[VALID], 0},   false, false};
+        const topk_buffers b = {{mems[GATING], 0}, {mems[BIAS], 0},  {mems[WEIGHTS], 0}, {mems[IDS], 0},
+                                {mems[COUNTS], 0}, {mems[LOAD], 0},  {mems[VALID], 0},   false,
+                                false,             {mems[CAPTURED], 0}, {mems[SCALE], 0}, h->captured_ids_dtype};
         st = launch(ctx, desc, &b, 0, NULL, &ran);
     }
     /* Read back the outputs: expert_load with them, from LOAD on. */
@@ -562,7 +647,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
 moecl_status moecl_topk_gating_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, const void *gating,
                                     const void *bias, void *topk_weights, void *topk_ids)
 {
-    const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, NULL, NULL, NULL};
+    const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, NULL, NULL, NULL,
+                                              NULL,       MOECL_I32, NULL};
     return gating_host(ctx, desc, &h, false);
 }
 
@@ -571,7 +657,7 @@ moecl_status moecl_topk_gating_with_counts_host(moecl_context *ctx, const moecl_
                                                 void *topk_ids, int32_t *expert_counts)
 {
     const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, topk_weights, topk_ids, expert_counts, NULL,
-                                              NULL};
+                                              NULL,       NULL,   MOECL_I32, NULL};
     return gating_host(ctx, desc, &h, true);
 }
 
@@ -580,7 +666,7 @@ moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl_topk_gati
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
-                                               sizeof(moecl_topk_gating_host_tensors));
-    return st != MOECL_SUCCESS ? st : gating_host(ctx, desc, tensors, false);
+    moecl_topk_gating_host_tensors h;
+    const moecl_status st = record_of(ctx, tensors, HOST_TENSORS_V1, sizeof(h), &h);
+    return st != MOECL_SUCCESS ? st : gating_host(ctx, desc, &h, false);
 }

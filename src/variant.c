@@ -42,6 +42,7 @@ typedef struct param {
 
 static const char *const dtype_names[] = {"f32", "f16", "bf16", NULL};
 static const char *const index_names[] = {"i32", "i64", NULL};
+static const char *const capture_names[] = {"none", "i32", "i64", "i16", NULL};
 static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", NULL};
 static const char *const scoring_names[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw", NULL};
 static const char *const weighting_names[] = {"score", "softmax-chosen", "sigmoid-chosen", NULL};
@@ -134,6 +135,10 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
     [MOECL_TOPK_REPLAY] = {PARAM("REPLAY", "replay", 2, false, 0, 0, 2)},
     [MOECL_TOPK_HAS_LOAD] = {PARAM("HAS_LOAD", "load", 1, false, 0, 0, 1)},
     [MOECL_TOPK_HAS_VALID] = {PARAM("HAS_VALID", "valid", 1, false, 0, 0, 1)},
+    /* moecl_topk_gating_ex's captured_ids (0 none, else 1 + its
+     * moecl_index_dtype) and expert_scale */
+    [MOECL_TOPK_CAPTURE] = {PARAM("CAPTURE", "capture", 2, false, 0, 0, 1 + MOECL_I16), .names = capture_names},
+    [MOECL_TOPK_HAS_SCALE] = {PARAM("HAS_SCALE", "scale", 1, false, 0, 0, 1)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

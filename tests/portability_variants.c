@@ -492,6 +492,17 @@ int main(int argc, char **argv)
                          s->bias ? " bias" : "", s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none",
                          c->name);
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
+                /* moecl_topk_gating_ex with every optional tensor, the
+                 * captured ids' dtype in turn. */
+                static const moecl_index_dtype captures[] = {MOECL_I16, MOECL_I32, MOECL_I64};
+                const moecl_index_dtype cap = captures[i % 3];
+                moecl_topk_gating_ex_defines(&info, &d, s->bias, cap, defines, sizeof(defines), &kernel);
+                snprintf(description, sizeof(description),
+                         "topk_gating ex (capture %s, scale, valid, load) E=%u k=%u %s %s%s groups=%s [%s]",
+                         cap == MOECL_I16 ? "i16" : cap == MOECL_I32 ? "i32" : "i64", s->experts, s->k,
+                         dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax", s->bias ? " bias" : "",
+                         s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none", c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
                 /* moecl_route_dispatch's one kernel for the same spec (the
                  * team kernel with moe_align's steps after its rows), where
                  * the rule gives it the team kernel. */

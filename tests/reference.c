@@ -480,6 +480,9 @@ typedef struct gating_row {
     const double *xerr;
     bool (*same_x)(const void *ctx, uint32_t a, uint32_t b);
     const void *same_ctx;
+    /* moecl_topk_gating_ex's expert_scale (NULL: none): each chosen
+     * expert's final weight times its scale. */
+    const float *scale;
 } gating_row;
 
 static bool gating_desc_valid(const moecl_topk_gating_desc *d)
@@ -1186,9 +1189,15 @@ static bool check_gating_weights(const gating_row *r, uint32_t row, const int32_
                                                                                                         : INFINITY;
     for (uint32_t j = 0; j < r->k; j++) {
         double w = (double)got[j];
-        const double wtol = tol + rel * fabs(want[j]) + xtol[j];
+        /* The scale multiplies the weight and its error bound (one more
+         * f32 rounding, inside WEIGHT_TOL). */
+        const double sj = r->scale && ids[j] >= 0 && (uint32_t)ids[j] < r->E ? (double)r->scale[ids[j]] : 1.0;
+        want[j] *= sj;
+        const double stol = tol * fmax(1.0, fabs(sj));
+        const double wtol = stol + (rel * fabs(want[j]) + xtol[j]) * fmax(1.0, fabs(sj));
         const double otol = out_rel * (fabs(want[j]) + wtol);
-        const double lo = fmin(0.0, factor) * (1.0 + out_rel) - tol, hi = fmax(0.0, factor) * (1.0 + out_rel) + tol;
+        const double lo = fmin(0.0, factor * sj) * (1.0 + out_rel) - stol;
+        const double hi = fmax(0.0, factor * sj) * (1.0 + out_rel) + stol;
         bool ok = tiny ? (w >= lo && w <= hi) : weight_ok(w, want[j], wtol + otol);
         /* An overflow of the narrow type: the sign of the weight, and a
          * weight that may round past the type's range. */
@@ -1372,6 +1381,13 @@ static bool check_gating_row(gating_row *r, uint32_t row, const float *weights, 
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
 {
+    return ref_check_topk_gating_scaled(desc, gating, bias, NULL, topk_weights, topk_ids, msg, msg_size);
+}
+
+int ref_check_topk_gating_scaled(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                                 const float *expert_scale, const float *topk_weights, const int32_t *topk_ids,
+                                 char *msg, size_t msg_size)
+{
     if (msg && msg_size)
         msg[0] = '\0';
     if (desc && desc->num_tokens == 0)
@@ -1385,6 +1401,7 @@ int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating
         put_msg(msg, msg_size, "ref_check_topk_gating: out of memory");
         return -1;
     }
+    r.scale = expert_scale;
     int bad = 0;
     size_t k = desc->top_k;
     for (uint32_t t = 0; t < desc->num_tokens; t++) {
@@ -1401,6 +1418,13 @@ int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating
  * check names it). */
 int ref_check_topk_gating_typed(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
                                 const void *topk_weights, const void *topk_ids, char *msg, size_t msg_size)
+{
+    return ref_check_topk_gating_typed_scaled(desc, gating, bias, NULL, topk_weights, topk_ids, msg, msg_size);
+}
+
+int ref_check_topk_gating_typed_scaled(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
+                                       const float *expert_scale, const void *topk_weights, const void *topk_ids,
+                                       char *msg, size_t msg_size)
 {
     if (msg && msg_size)
         msg[0] = '\0';
@@ -1430,7 +1454,7 @@ int ref_check_topk_gating_typed(const moecl_topk_gating_desc *desc, const void *
     }
     for (size_t i = 0; b && i < e; i++)
         b[i] = ref_load(desc->bias_dtype, bias, i);
-    const int bad = ref_check_topk_gating(desc, gating, b, w, ids, msg, msg_size);
+    const int bad = ref_check_topk_gating_scaled(desc, gating, b, expert_scale, w, ids, msg, msg_size);
     free(w);
     free(ids);
     free(b);

@@ -35,6 +35,12 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 
+/* ref_check_topk_gating with moecl_topk_gating_ex's expert_scale
+ * (float[num_experts]; NULL: none): each reference weight times its
+ * expert's scale, the tolerance with it. */
+int ref_check_topk_gating_scaled(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
+                                 const float *expert_scale, const float *topk_weights, const int32_t *topk_ids,
+                                 char *msg, size_t msg_size);
 /* moecl_topk_weights in float64 (docs/routing.md section 11): the
  * weights desc's convention gives the ids topk_ids ([num_tokens][top_k];
  * an id outside [0, num_experts) weighs 0 and is left out). */
@@ -53,6 +59,10 @@ int ref_check_topk_weights(const moecl_topk_gating_desc *desc, const void *gatin
 int ref_check_topk_gating_typed(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
                                 const void *topk_weights, const void *topk_ids, char *msg, size_t msg_size);
 
+/* The same with expert_scale, as ref_check_topk_gating_scaled. */
+int ref_check_topk_gating_typed_scaled(const moecl_topk_gating_desc *desc, const void *gating, const void *bias,
+                                       const float *expert_scale, const void *topk_weights, const void *topk_ids,
+                                       char *msg, size_t msg_size);
 /* Whether element index of narrow (weights of dtype) holds exactly the
  * host's rounding of f32_weight (ref_float_to_bf16, ref_float_to_half:
  * nearest even; for f16 any NaN where f32_weight is NaN). */

@@ -650,130 +650,74 @@ START_TEST(test_renormalize_eps_random)
 }
 END_TEST
 
-/* moecl_topk_gating_ex's tensors: rows past num_valid_tokens, the load
- * counter and the counts. One call, device or host path, with n valid
- * rows (n may be negative or past the rows) and the load counter holding
- * load0; checks the outputs against the plain call's on the same inputs. */
-static void ex_case(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias, int n,
-                    bool device_path, const float *plain_w, const int32_t *plain_ids, const int32_t *load0)
+/* The shapes of the _ex tests: softmax (the CPU fast path), sigmoid with
+ * DeepSeek-V3's groups, a bias, eps and factor, and a small one; the
+ * gating dtype by the shape. */
+#define EX_SHAPES 3
+static moecl_topk_gating_desc ex_desc(size_t s, uint32_t tokens)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k, e = d->num_experts;
-    const size_t in_bytes = (size_t)d->num_tokens * e * ref_dtype_size(d->gating_dtype);
-    float *w = malloc(nk * 4 + 4);
-    int32_t *ids = malloc(nk * 4 + 4), *counts = malloc(e * 4 + 4), *load = malloc(e * 4 + 4);
-    memset(w, HARNESS_POISON, nk * 4 + 4);
-    memset(ids, HARNESS_POISON, nk * 4 + 4);
-    memset(counts, HARNESS_POISON, e * 4 + 4);
-    memcpy(load, load0, e * 4);
-    char what[320];
-    describe(d, bias != NULL, what, sizeof(what));
-    snprintf(what + strlen(what), sizeof(what) - strlen(what), " valid=%d %s path", n, device_path ? "device" : "host");
-    moecl_status st;
-    if (!device_path) {
-        const moecl_topk_gating_host_tensors h = {sizeof(h), gating, bias, w, ids, counts, load, &n};
-        st = moecl_topk_gating_ex_host(ctx, d, &h);
-        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
-    } else {
-        moecl_topk_gating_tensors t;
-        memset(&t, 0, sizeof(t));
-        t.struct_size = sizeof(t);
-        t.gating = harness_buffer(ctx, in_bytes, 256, gating);
-        t.bias = bias ? harness_buffer(ctx, e * 4, 12, bias) : (moecl_buffer){NULL, 0};
-        t.topk_weights = harness_buffer(ctx, nk * 4, 8, NULL);
-        t.topk_ids = harness_buffer(ctx, nk * 4, 4, NULL);
-        t.expert_counts = harness_buffer(ctx, e * 4, 20, NULL);
-        t.expert_load = harness_buffer(ctx, e * 4, 36, load0);
-        t.num_valid_tokens = harness_buffer(ctx, 4, 44, &n);
-        cl_event done = NULL;
-        st = moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &done);
-        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
-        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
-        clReleaseEvent(done);
-        harness_read_topk(ctx, t.topk_weights, t.topk_ids, nk, w, ids, what);
-        harness_read(ctx, t.expert_counts, e * 4, counts);
-        harness_read(ctx, t.expert_load, e * 4, load);
-        moecl_buffer *all[] = {&t.gating, &t.bias, &t.topk_weights, &t.topk_ids, &t.expert_counts, &t.expert_load,
-                               &t.num_valid_tokens};
-        for (size_t i = 0; i < COUNT(all); i++)
-            harness_release(*all[i]);
+    static const uint32_t shapes[EX_SHAPES][2] = {{128, 8}, {256, 8}, {60, 2}};
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens, shapes[s][0], shapes[s][1]);
+    d.gating_dtype = (moecl_dtype)(s % 3);
+    if (shapes[s][0] == 256) {
+        d.scoring = MOECL_SCORING_SIGMOID;
+        d.num_expert_groups = 8;
+        d.topk_group = 4;
+        d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
+        d.renormalize = true;
+        d.renormalize_eps = 1e-20f;
+        d.routed_scaling_factor = 2.5f;
     }
-    const uint32_t valid = n <= 0 ? 0 : (uint32_t)n < d->num_tokens ? (uint32_t)n : d->num_tokens;
-    int32_t *hist = calloc(e, 4);
-    for (size_t i = 0; i < nk; i++) {
-        const bool token = i / d->top_k < valid;
-        const float want_w = token ? plain_w[i] : 0.0f;
-        ck_assert_msg(ids[i] == (token ? plain_ids[i] : -1) && memcmp(&w[i], &want_w, 4) == 0,
-                      "%s: slot %zu (row %zu): id %d weight %.9g, want %d %.9g", what, i, i / d->top_k, ids[i],
-                      (double)w[i], token ? plain_ids[i] : -1, (double)want_w);
-        if (token)
-            hist[plain_ids[i]]++;
-    }
-    for (size_t x = 0; x < e; x++)
-        ck_assert_msg(counts[x] == hist[x] && load[x] == load0[x] + hist[x],
-                      "%s: expert %zu: counts %d load %d, want %d and %d + %d", what, x, counts[x], load[x], hist[x],
-                      load0[x], hist[x]);
-    free(hist);
-    free(w);
-    free(ids);
-    free(counts);
-    free(load);
+    return d;
 }
 
-/* The tensors of moecl_topk_gating_ex on random rows: every valid count
- * from none to past the rows, on both paths, the rows and team kernels
- * (the launch classes), softmax, sigmoid with DeepSeek-V3's groups and a
- * bias, every dtype; the padding rows' ids -1, weights 0, counted
- * nowhere; the valid rows bit for bit the plain call's; the load counter
- * added to, the counts overwritten. */
-START_TEST(test_ex_tensors)
+/* Random inputs of an _ex test (a bias with groups), and the plain call's
+ * f32 weights and int32 ids on them, checked against the reference. */
+typedef struct ex_inputs {
+    void *gating;
+    float *bias;
+    float *plain_w;
+    int32_t *plain_ids;
+} ex_inputs;
+
+static ex_inputs ex_inputs_of(moecl_context *ctx, const moecl_topk_gating_desc *d, harness_rng *rng)
 {
-    moecl_context *ctx = harness_context();
-    static const uint32_t shapes[][2] = {{128, 8}, {256, 8}, {60, 2}};
-    unsigned i = 0;
-    for (size_t s = 0; s < COUNT(shapes); s++, i++) {
-        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(37, shapes[s][0], shapes[s][1]);
-        d.gating_dtype = (moecl_dtype)(i % 3);
-        if (shapes[s][0] == 256) {
-            d.scoring = MOECL_SCORING_SIGMOID;
-            d.num_expert_groups = 8;
-            d.topk_group = 4;
-            d.group_score = MOECL_GROUP_SCORE_TOP2_SUM;
-            d.renormalize = true;
-            d.renormalize_eps = 1e-20f;
-            d.routed_scaling_factor = 2.5f;
-        }
-        harness_rng rng = harness_rng_for(14000 + i);
-        const size_t e = d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
-        void *gating = harness_random_tensor(&rng, d.gating_dtype, (size_t)d.num_tokens * e, 2.0f);
-        float *bias = shapes[s][0] == 256 ? harness_random_tensor(&rng, MOECL_F32, e, 0.1f) : NULL;
-        int32_t *load0 = malloc(e * 4);
-        for (size_t x = 0; x < e; x++)
-            load0[x] = (int32_t)(harness_rand_u32(&rng) % 1000);
-        float *plain_w = malloc(nk * 4 + 4);
-        int32_t *plain_ids = malloc(nk * 4 + 4);
-        run(ctx, &d, gating, bias, true, plain_w, plain_ids);
-        check(&d, gating, bias, plain_w, plain_ids);
-        static const int valid[] = {-3, 0, 1, 19, 36, 37, 1000};
-        for (size_t v = 0; v < COUNT(valid); v++)
-            for (int path = 0; path < 2; path++)
-                /* quick: two counts a shape, one per path */
-                if (!harness_quick() || (v % 3 == s && (size_t)path == v % 2) || v == 3 + (size_t)path)
-                    ex_case(ctx, &d, gating, bias, valid[v], path == 1, plain_w, plain_ids, load0);
-        free(gating);
-        free(bias);
-        free(load0);
-        free(plain_w);
-        free(plain_ids);
-    }
-    moecl_context_destroy(ctx);
+    const size_t e = d->num_experts, nk = (size_t)d->num_tokens * d->top_k;
+    ex_inputs in = {harness_random_tensor(rng, d->gating_dtype, (size_t)d->num_tokens * e, 2.0f),
+                    d->num_expert_groups ? harness_random_tensor(rng, MOECL_F32, e, 0.1f) : NULL,
+                    malloc(nk * 4 + 4), malloc(nk * 4 + 4)};
+    ck_assert(in.gating && in.plain_w && in.plain_ids);
+    run(ctx, d, in.gating, in.bias, true, in.plain_w, in.plain_ids);
+    check(d, in.gating, in.bias, in.plain_w, in.plain_ids);
+    return in;
 }
-END_TEST
+
+static void ex_inputs_free(ex_inputs *in)
+{
+    free(in->gating);
+    free(in->bias);
+    free(in->plain_w);
+    free(in->plain_ids);
+}
 
 /* The calling thread's error detail names what. */
 static void assert_error_names(moecl_context *ctx, const char *what, const char *label)
 {
     ck_assert_msg(strstr(moecl_context_error(ctx), what) != NULL, "%s: the error \"%s\" does not name %s", label,
                   moecl_context_error(ctx), what);
+}
+
+/* A device record for 4 tokens of 16 experts, k 2: the logits and f32
+ * and int32 outputs, the other tensors absent. */
+static moecl_topk_gating_tensors small_record(moecl_context *ctx, const float logits[4 * 16])
+{
+    moecl_topk_gating_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.gating = harness_buffer(ctx, 4 * 16 * 4, 0, logits);
+    t.topk_weights = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
+    t.topk_ids = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
+    return t;
 }
 
 /* moecl_topk_gating_ex's own checks: the record, the new tensors' sizes;
@@ -783,12 +727,7 @@ START_TEST(test_ex_invalid)
     moecl_context *ctx = harness_context();
     const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(4, 16, 2);
     float logits[4 * 16] = {0};
-    moecl_topk_gating_tensors t;
-    memset(&t, 0, sizeof(t));
-    t.struct_size = sizeof(t);
-    t.gating = harness_buffer(ctx, sizeof(logits), 0, logits);
-    t.topk_weights = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
-    t.topk_ids = harness_buffer(ctx, 4 * 2 * 4, 0, NULL);
+    moecl_topk_gating_tensors t = small_record(ctx, logits);
     const int32_t load0[16] = {7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7};
     t.expert_load = harness_buffer(ctx, sizeof(load0), 0, load0);
     ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, NULL, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
@@ -815,7 +754,8 @@ START_TEST(test_ex_invalid)
     int32_t load[16];
     harness_read(ctx, t.expert_load, sizeof(load), load);
     ck_assert_int_eq(memcmp(load, load0, sizeof(load)), 0);
-    const moecl_topk_gating_host_tensors h = {sizeof(h) - 4, logits, NULL, NULL, NULL, NULL, NULL, NULL};
+    const moecl_topk_gating_host_tensors h = {sizeof(h) - 4, logits, NULL, NULL, NULL, NULL,
+                                              NULL,          NULL,   NULL, MOECL_I32, NULL};
     ck_assert_int_eq(moecl_topk_gating_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
     assert_error_names(ctx, "struct_size", "short host record");
     moecl_buffer *all[] = {&t.gating, &t.topk_weights, &t.topk_ids, &t.expert_load};
@@ -1647,6 +1587,340 @@ START_TEST(test_checker_rejects)
 }
 END_TEST
 
+/* An element of a captured_ids array of dtype, widened. */
+static int64_t captured_at(moecl_index_dtype dtype, const void *p, size_t i)
+{
+    if (dtype == MOECL_I16) {
+        int16_t v;
+        memcpy(&v, (const char *)p + i * 2, 2);
+        return v;
+    }
+    if (dtype == MOECL_I64) {
+        int64_t v;
+        memcpy(&v, (const char *)p + i * 8, 8);
+        return v;
+    }
+    int32_t v;
+    memcpy(&v, (const char *)p + i * 4, 4);
+    return v;
+}
+
+static const char *index_name(moecl_index_dtype t) { return t == MOECL_I16 ? "i16" : t == MOECL_I64 ? "i64" : "i32"; }
+
+/* A host record of the current size with the four tensors of the plain
+ * call, the others absent. */
+static moecl_topk_gating_host_tensors host_record(const void *gating, const void *bias, void *w, void *ids)
+{
+    moecl_topk_gating_host_tensors h;
+    memset(&h, 0, sizeof(h));
+    h.struct_size = sizeof(h);
+    h.gating = gating;
+    h.bias = bias;
+    h.topk_weights = w;
+    h.topk_ids = ids;
+    return h;
+}
+
+/* What one ex_case call passes beside the plain call's tensors. */
+typedef struct capture_opts {
+    const float *scale;         /* expert_scale, or NULL */
+    bool capture;               /* captured_ids given */
+    moecl_index_dtype cap_dtype;
+    const int *valid;           /* num_valid_tokens, or NULL */
+    bool counts_and_load;       /* expert_counts and expert_load given too */
+    const int32_t *load0;       /* expert_load's values before the call (NULL: 0) */
+} capture_opts;
+
+/* moecl_topk_gating_ex (device path, with offsets) or _ex_host with the
+ * optional tensors o names on d's inputs, all outputs poisoned:
+ * against the plain call's f32 weights and int32 ids on the same inputs
+ * (plain_w, plain_ids), each valid row's ids equal and captured, each
+ * weight the rounding to weights_dtype of the plain weight times its
+ * expert's scale; the valid rows against the float64 reference with the
+ * scale; padding rows id -1, weight 0, captured -1; nothing written past
+ * an output. */
+static void ex_case(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const float *bias,
+                         const capture_opts *o, bool device_path, const float *plain_w, const int32_t *plain_ids)
+{
+    const size_t nk = (size_t)d->num_tokens * d->top_k, e = d->num_experts, tail = 8;
+    const size_t wsz = ref_dtype_size(d->weights_dtype), isz = d->ids_dtype == MOECL_I64 ? 8 : 4;
+    const size_t csz = o->cap_dtype == MOECL_I16 ? 2 : o->cap_dtype == MOECL_I64 ? 8 : 4;
+    const size_t in_bytes = (size_t)d->num_tokens * e * ref_dtype_size(d->gating_dtype);
+    void *w = harness_poisoned(nk * wsz + tail), *ids = harness_poisoned(nk * isz + tail);
+    void *cap = harness_poisoned(nk * csz + tail);
+    int32_t *counts = harness_poisoned(e * 4), *load = calloc(e, 4);
+    ck_assert(w && ids && cap && counts && load);
+    if (o->load0)
+        memcpy(load, o->load0, e * 4);
+    char what[480];
+    describe_typed(d, bias != NULL, what, sizeof(what));
+    snprintf(what + strlen(what), sizeof(what) - strlen(what), "%s%s%s valid=%d%s %s path",
+             o->scale ? " expert_scale" : "", o->capture ? " captured=" : "",
+             o->capture ? index_name(o->cap_dtype) : "", o->valid ? *o->valid : -99,
+             o->counts_and_load ? " counts+load" : "", device_path ? "device" : "host");
+    moecl_status st;
+    if (!device_path) {
+        moecl_topk_gating_host_tensors h = host_record(gating, bias, w, ids);
+        h.expert_counts = o->counts_and_load ? counts : NULL;
+        h.expert_load = o->counts_and_load ? load : NULL;
+        h.num_valid_tokens = o->valid;
+        h.captured_ids = o->capture ? cap : NULL;
+        h.captured_ids_dtype = o->cap_dtype;
+        h.expert_scale = o->scale;
+        st = moecl_topk_gating_ex_host(ctx, d, &h);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        moecl_topk_gating_tensors t;
+        memset(&t, 0, sizeof(t));
+        t.struct_size = sizeof(t);
+        t.gating = harness_buffer(ctx, in_bytes, 256, gating);
+        t.bias = bias ? harness_buffer(ctx, e * 4, 12, bias) : (moecl_buffer){NULL, 0};
+        t.topk_weights = harness_buffer(ctx, nk * wsz, 2 * wsz, NULL);
+        t.topk_ids = harness_buffer(ctx, nk * isz, isz, NULL);
+        if (o->counts_and_load) {
+            t.expert_counts = harness_buffer(ctx, e * 4, 20, NULL);
+            t.expert_load = harness_buffer(ctx, e * 4, 36, load);
+        }
+        if (o->valid)
+            t.num_valid_tokens = harness_buffer(ctx, 4, 44, o->valid);
+        if (o->capture)
+            t.captured_ids = harness_buffer(ctx, nk * csz, 3 * csz, NULL);
+        t.captured_ids_dtype = o->cap_dtype;
+        if (o->scale)
+            t.expert_scale = harness_buffer(ctx, e * 4, 28, o->scale);
+        cl_event done = NULL;
+        st = moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        harness_read(ctx, t.topk_weights, nk * wsz + tail, w);
+        harness_read(ctx, t.topk_ids, nk * isz + tail, ids);
+        if (o->capture)
+            harness_read(ctx, t.captured_ids, nk * csz + tail, cap);
+        if (o->counts_and_load) {
+            harness_read(ctx, t.expert_counts, e * 4, counts);
+            harness_read(ctx, t.expert_load, e * 4, load);
+        }
+        moecl_buffer *all[] = {&t.gating,       &t.bias,          &t.topk_weights, &t.topk_ids,   &t.expert_counts,
+                               &t.expert_load, &t.num_valid_tokens, &t.captured_ids, &t.expert_scale};
+        for (size_t i = 0; i < COUNT(all); i++)
+            harness_release(*all[i]);
+    }
+    assert_tail(w, nk * wsz, tail, "topk_weights", what);
+    assert_tail(ids, nk * isz, tail, "topk_ids", what);
+    assert_tail(cap, nk * csz, tail, "captured_ids", what);
+    if (!o->capture)
+        ck_assert_msg(harness_first_unpoisoned(cap, nk * csz) == nk * csz, "%s: captured_ids written", what);
+    const int n = o->valid ? *o->valid : (int)d->num_tokens;
+    const uint32_t valid = n <= 0 ? 0 : (uint32_t)n < d->num_tokens ? (uint32_t)n : d->num_tokens;
+    int32_t *hist = calloc(e, 4);
+    for (size_t i = 0; i < nk; i++) {
+        const bool token = i / d->top_k < valid;
+        int64_t id = 0;
+        memcpy(&id, (const char *)ids + i * isz, isz);
+        if (isz == 4)
+            id = (int32_t)id;
+        const int64_t want_id = token ? plain_ids[i] : -1;
+        ck_assert_msg(id == want_id, "%s: slot %zu (row %zu): id %lld, want %lld", what, i, i / d->top_k,
+                      (long long)id, (long long)want_id);
+        if (o->capture)
+            ck_assert_msg(captured_at(o->cap_dtype, cap, i) == want_id, "%s: slot %zu: captured %lld, want %lld", what,
+                          i, (long long)captured_at(o->cap_dtype, cap, i), (long long)want_id);
+        /* f32 arithmetic, as the kernel's: the plain weight times the scale. */
+        const float want_w = !token ? 0.0f : o->scale ? plain_w[i] * o->scale[want_id] : plain_w[i];
+        ck_assert_msg(ref_same_rounding(d->weights_dtype, want_w, w, i),
+                      "%s: slot %zu (row %zu, id %lld): weight %.9g, want the rounding of %.9g", what, i,
+                      i / d->top_k, (long long)id, (double)ref_load(d->weights_dtype, w, i), (double)want_w);
+        if (token)
+            hist[want_id]++;
+    }
+    for (size_t x = 0; o->counts_and_load && x < e; x++)
+        ck_assert_msg(counts[x] == hist[x] && load[x] == (o->load0 ? o->load0[x] : 0) + hist[x],
+                      "%s: expert %zu: counts %d load %d, want %d and %d more", what, x, counts[x], load[x], hist[x],
+                      hist[x]);
+    /* The valid rows against the float64 reference, with the scale. */
+    moecl_topk_gating_desc rows = *d;
+    rows.num_tokens = valid;
+    char msg[600] = "";
+    const int bad = ref_check_topk_gating_typed_scaled(&rows, gating, bias, o->scale, w, ids, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
+    free(hist);
+    free(w);
+    free(ids);
+    free(cap);
+    free(counts);
+    free(load);
+}
+
+/* The tensors of moecl_topk_gating_ex on random rows: every valid count
+ * from none to past the rows, on both paths, the rows and team kernels
+ * (the launch classes), softmax, sigmoid with DeepSeek-V3's groups and a
+ * bias, every dtype; the padding rows' ids -1, weights 0, counted
+ * nowhere; the valid rows bit for bit the plain call's; the load counter
+ * added to, the counts overwritten. */
+START_TEST(test_ex_tensors)
+{
+    moecl_context *ctx = harness_context();
+    for (size_t s = 0; s < EX_SHAPES; s++) {
+        const moecl_topk_gating_desc d = ex_desc(s, 37);
+        harness_rng rng = harness_rng_for(14000 + s);
+        ex_inputs in = ex_inputs_of(ctx, &d, &rng);
+        int32_t *load0 = malloc(d.num_experts * 4);
+        for (size_t x = 0; x < d.num_experts; x++)
+            load0[x] = (int32_t)(harness_rand_u32(&rng) % 1000);
+        static const int valid[] = {-3, 0, 1, 19, 36, 37, 1000};
+        for (size_t v = 0; v < COUNT(valid); v++)
+            for (int path = 0; path < 2; path++)
+                /* quick: two counts a shape, one per path */
+                if (!harness_quick() || (v % 3 == s && (size_t)path == v % 2) || v == 3 + (size_t)path) {
+                    const capture_opts o = {NULL, false, MOECL_I32, &valid[v], true, load0};
+                    ex_case(ctx, &d, in.gating, in.bias, &o, path == 1, in.plain_w, in.plain_ids);
+                }
+        free(load0);
+        ex_inputs_free(&in);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* captured_ids and expert_scale on random rows: the rows and team kernels
+ * (the launch classes), softmax (the CPU fast path), sigmoid with
+ * DeepSeek-V3's groups and a bias, every captured dtype and weights
+ * dtype, with and without num_valid_tokens and the counters, both paths;
+ * scales of either sign, 0 and 1 among them. */
+START_TEST(test_ex_capture_scale)
+{
+    moecl_context *ctx = harness_context();
+    static const moecl_index_dtype caps[] = {MOECL_I16, MOECL_I32, MOECL_I64};
+    unsigned i = 0;
+    for (size_t s = 0; s < EX_SHAPES; s++) {
+        moecl_topk_gating_desc d = ex_desc(s, 29);
+        d.renormalize = s != 2;
+        harness_rng rng = harness_rng_for(15000 + s);
+        ex_inputs in = ex_inputs_of(ctx, &d, &rng);
+        const size_t e = d.num_experts;
+        float *scale = malloc(e * 4);
+        for (size_t x = 0; x < e; x++)
+            scale[x] = x % 7 == 3 ? 0.0f : x % 5 == 1 ? 1.0f : (float)(harness_rand_u32(&rng) % 4001) / 1000.0f - 1.0f;
+        static const int valid[] = {0, 17, 29};
+        for (unsigned c = 0; c < (harness_quick() ? 4u : 8u); c++, i++) {
+            moecl_topk_gating_desc dt = d;
+            dt.weights_dtype = (moecl_dtype)(i % 3);
+            dt.ids_dtype = (moecl_index_dtype)(i / 3 % 2);
+            /* c's bits: scale, capture, valid count and counters (0: both
+             * scale and capture, so that every case has one) */
+            const unsigned v = c % 4;
+            const capture_opts o = {v != 1 ? scale : NULL, v != 2, caps[(s + c) % 3],
+                                    v >= 2 ? &valid[(s + c) % 3] : NULL, v == 3 || c >= 4, NULL};
+            ex_case(ctx, &dt, in.gating, in.bias, &o, (s + c) % 2 == 1, in.plain_w, in.plain_ids);
+        }
+        free(scale);
+        ex_inputs_free(&in);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* captured_ids' and expert_scale's checks: the dtype (only where
+ * captured_ids is given), the sizes and alignment, nothing written on
+ * failure; a record of the first size (up to num_valid_tokens) is
+ * accepted and its later bytes never read, one of another size refused;
+ * the host record likewise. */
+START_TEST(test_ex_capture_invalid)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(4, 16, 2);
+    float logits[4 * 16];
+    for (int i = 0; i < 4 * 16; i++)
+        logits[i] = (float)((i * 7) % 16) * 0.25f;
+    moecl_topk_gating_tensors t = small_record(ctx, logits);
+    t.captured_ids = harness_buffer(ctx, 4 * 2 * 2, 0, NULL);
+    t.captured_ids_dtype = MOECL_I16;
+    const float scale[16] = {2.0f};
+    t.expert_scale = harness_buffer(ctx, sizeof(scale), 0, scale);
+    moecl_topk_gating_tensors bad = t;
+    bad.captured_ids_dtype = (moecl_index_dtype)5;
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "captured_ids_dtype", "bad captured_ids_dtype");
+    /* Buffers of exactly the bytes given (harness_buffer adds room). */
+    cl_int err;
+    bad = t;
+    bad.captured_ids = (moecl_buffer){clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 4 * 2 * 2, NULL,
+                                                     &err),
+                                      0};
+    ck_assert_ptr_nonnull(bad.captured_ids.mem);
+    bad.captured_ids_dtype = MOECL_I32; /* 4 * 2 int32 do not fit 16 bytes */
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "captured_ids", "short captured_ids");
+    harness_release(bad.captured_ids);
+    bad = t;
+    bad.captured_ids = harness_buffer(ctx, 4 * 2 * 2, 1, NULL); /* misaligned */
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "captured_ids", "misaligned captured_ids");
+    harness_release(bad.captured_ids);
+    bad = t;
+    bad.expert_scale =
+        (moecl_buffer){clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_ONLY, 15 * 4, NULL, &err), 0};
+    ck_assert_ptr_nonnull(bad.expert_scale.mem);
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "expert_scale", "short expert_scale");
+    harness_release(bad.expert_scale);
+    bad = t;
+    bad.struct_size = offsetof(moecl_topk_gating_tensors, captured_ids) + 8; /* inside captured_ids */
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "struct_size", "record ending inside captured_ids");
+    /* Nothing written by the failures above. */
+    unsigned char got[4 * 2 * 4];
+    harness_read(ctx, t.captured_ids, 4 * 2 * 2, got);
+    ck_assert_int_eq(harness_first_unpoisoned(got, 4 * 2 * 2), 4 * 2 * 2);
+    harness_read(ctx, t.topk_ids, sizeof(got), got);
+    ck_assert_int_eq(harness_first_unpoisoned(got, sizeof(got)), sizeof(got));
+    /* The first record's size: the later fields (garbage here) are absent. */
+    bad = t;
+    bad.struct_size = offsetof(moecl_topk_gating_tensors, captured_ids);
+    bad.captured_ids_dtype = (moecl_index_dtype)5;
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_SUCCESS);
+    ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+    harness_read(ctx, t.captured_ids, 4 * 2 * 2, got);
+    ck_assert_int_eq(harness_first_unpoisoned(got, 4 * 2 * 2), 4 * 2 * 2);
+    float w_v1[8], w_plain[8];
+    int32_t ids_v1[8], ids_plain[8];
+    harness_read(ctx, t.topk_weights, sizeof(w_v1), w_v1);
+    harness_read(ctx, t.topk_ids, sizeof(ids_v1), ids_v1);
+    ck_assert_int_eq(moecl_topk_gating_host(ctx, &d, logits, NULL, w_plain, ids_plain), MOECL_SUCCESS);
+    ck_assert_int_eq(memcmp(w_v1, w_plain, sizeof(w_v1)), 0); /* unscaled */
+    ck_assert_int_eq(memcmp(ids_v1, ids_plain, sizeof(ids_v1)), 0);
+    /* A dtype nobody reads: captured_ids absent. */
+    bad = t;
+    bad.captured_ids = (moecl_buffer){NULL, 0};
+    bad.captured_ids_dtype = (moecl_index_dtype)5;
+    ck_assert_int_eq(moecl_topk_gating_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_SUCCESS);
+    ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
+    /* The host record. */
+    float w[8];
+    int32_t ids[8];
+    int16_t cap[8];
+    memset(cap, HARNESS_POISON, sizeof(cap));
+    moecl_topk_gating_host_tensors h = host_record(logits, NULL, w, ids);
+    h.captured_ids = cap;
+    h.captured_ids_dtype = (moecl_index_dtype)-1;
+    ck_assert_int_eq(moecl_topk_gating_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "captured_ids_dtype", "bad host captured_ids_dtype");
+    ck_assert_int_eq(harness_first_unpoisoned(cap, sizeof(cap)), sizeof(cap));
+    h.struct_size = offsetof(moecl_topk_gating_host_tensors, captured_ids) + 4;
+    ck_assert_int_eq(moecl_topk_gating_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    assert_error_names(ctx, "struct_size", "host record ending inside captured_ids");
+    h.struct_size = offsetof(moecl_topk_gating_host_tensors, captured_ids);
+    ck_assert_int_eq(moecl_topk_gating_ex_host(ctx, &d, &h), MOECL_SUCCESS);
+    ck_assert_int_eq(harness_first_unpoisoned(cap, sizeof(cap)), sizeof(cap));
+    ck_assert_int_eq(memcmp(ids, ids_plain, sizeof(ids)), 0);
+    moecl_buffer *all[] = {&t.gating, &t.topk_weights, &t.topk_ids, &t.captured_ids, &t.expert_scale};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(*all[i]);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, moecl_override_set);
@@ -1667,6 +1941,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_renormalize_floor_examples);
     tcase_add_test(tc, test_renormalize_eps_examples);
     tcase_add_test(tc, test_ex_invalid);
+    tcase_add_test(tc, test_ex_capture_invalid);
     TCase *options = tcase_create("options");
     tcase_set_timeout(options, 1200);
     tcase_add_test(options, test_options);
@@ -1678,6 +1953,7 @@ int main(int argc, char **argv)
     tcase_add_test(random, test_renormalize_floor_random);
     tcase_add_test(random, test_renormalize_eps_random);
     tcase_add_test(random, test_ex_tensors);
+    tcase_add_test(random, test_ex_capture_scale);
     tcase_add_test(random, test_crowded_rows);
     /* --quick (and the valgrind setup): without the large shapes and
      * the grid of ~90 kernel variants, and with half the combinations of

@@ -315,6 +315,7 @@ typedef enum moecl_dtype {
 typedef enum moecl_index_dtype {
     MOECL_I32 = 0, /**< int32_t: vLLM's and SGLang's default */
     MOECL_I64 = 1, /**< int64_t: PyTorch's topk, DeepEP */
+    MOECL_I16 = 2, /**< int16_t: routing capture buffers */
 } moecl_index_dtype;
 
 /** Scoring function: what a token is routed by, before any correction
@@ -451,7 +452,9 @@ typedef struct moecl_topk_gating_desc {
     moecl_dtype weights_dtype;
     /** Element type of topk_ids: MOECL_I32 (the default) or MOECL_I64
      *  (PyTorch's topk, DeepEP). moecl_route_dispatch() takes MOECL_I32
-     *  only (its moe_align part reads int32 ids). */
+     *  only (its moe_align part reads int32 ids). MOECL_I16 is refused
+     *  here: topk_ids feed moecl_moe_align() and the dispatch, which read
+     *  int32; a narrow copy is moecl_topk_gating_tensors's captured_ids. */
     moecl_index_dtype ids_dtype;
     /** Element type of the correction bias, when there is one: MOECL_F32
      *  (the default), MOECL_F16 or MOECL_BF16 (FlashInfer's and aiter's
@@ -612,6 +615,26 @@ typedef struct moecl_topk_gating_tensors {
      *  in neither expert_counts nor expert_load; moecl_moe_align() and
      *  moecl_ep_layout() skip such ids as invalid. */
     moecl_buffer num_valid_tokens;
+    /** [num_tokens][top_k] of captured_ids_dtype, output, or absent:
+     *  routing capture. The call writes the ids it writes to topk_ids a
+     *  second time, here, in the same launch (padding rows -1), so that a
+     *  reinforcement-learning trainer can replay the inference engine's
+     *  routing (vLLM's and SGLang's RoutedExpertsCapturer, behind
+     *  --enable-return-routed-experts; the ids feed Megatron-Core's
+     *  routing replay or moecl_topk_weights()). A runtime points it at
+     *  its per-layer capture buffer. */
+    moecl_buffer captured_ids;
+    /** The element type of captured_ids: MOECL_I16 (which needs
+     *  num_experts <= 32767), MOECL_I32 or MOECL_I64. Read only where
+     *  captured_ids is given. */
+    moecl_index_dtype captured_ids_dtype;
+    /** float[num_experts], or absent: a per-expert scale of the weights
+     *  (Gemma 4's per_expert_scale, transformers' Gemma4TextRouter). The
+     *  final weight of a chosen expert e, after the renormalisation and
+     *  routed_scaling_factor, is multiplied by expert_scale[e] (in f32,
+     *  before the rounding to weights_dtype); padding rows stay 0. The
+     *  weights then need not sum to 1. */
+    moecl_buffer expert_scale;
 } moecl_topk_gating_tensors;
 
 /**
@@ -622,8 +645,12 @@ typedef struct moecl_topk_gating_tensors {
  * moecl_topk_gating_with_counts() states where expert_counts is given
  * (a fill, then the kernel) and moecl_topk_gating()'s otherwise; also
  * MOECL_ERROR_INVALID_ARGUMENT for a NULL tensors, a struct_size this
- * moecl does not know, and expert_load or num_valid_tokens too small,
- * misaligned or of another context. A failed call leaves expert_load
+ * moecl does not know, expert_load, num_valid_tokens, captured_ids or
+ * expert_scale too small, misaligned or of another context, a
+ * captured_ids_dtype that is not MOECL_I16, MOECL_I32 or MOECL_I64, and
+ * MOECL_I16 with num_experts above 32767. A record of an earlier size
+ * (one that ends before captured_ids) is accepted: the fields it lacks
+ * are absent. On a failure captured_ids is unchanged, as topk_ids is. A failed call leaves expert_load
  * unchanged, unless the kernel's enqueue fails after the counts' fill
  * (then as moecl_topk_gating_with_counts() says, and expert_load is
  * unchanged too).
@@ -643,6 +670,9 @@ typedef struct moecl_topk_gating_host_tensors {
     int32_t *expert_counts;           /**< output, or NULL */
     int32_t *expert_load;             /**< read, added to and written back, or NULL */
     const int32_t *num_valid_tokens;  /**< one int32, or NULL */
+    void *captured_ids;               /**< of captured_ids_dtype, output, or NULL */
+    moecl_index_dtype captured_ids_dtype; /**< as moecl_topk_gating_tensors's */
+    const float *expert_scale;        /**< [num_experts], or NULL */
 } moecl_topk_gating_host_tensors;
 
 /** Blocking convenience of moecl_topk_gating_ex() on host memory: copies

@@ -259,14 +259,17 @@ class Context:
         return cl.Event.from_int_ptr(done.value, retain=False)
 
     def _run_ex(self, name: str, desc: ctypes.Structure, structs: Tuple[Any, Any],
-                tensors: Sequence[Optional[T.Tensor]], kind: str, wait_for: Optional[Sequence[Any]]) -> Any:
+                tensors: Sequence[Optional[T.Tensor]], kind: str, wait_for: Optional[Sequence[Any]],
+                scalars: Optional[Dict[str, int]] = None) -> Any:
         """Call moecl_<name>_ex_host (HOST) or moecl_<name>_ex (DEVICE) with
-        the tensors in the struct of structs (device, host), in its
-        fields' order; the event, or None."""
+        the tensors in the struct of structs (device, host), in the order
+        of its tensor fields, and its other fields from scalars, by name;
+        the event, or None."""
         ctx = self._ptr()
         device_struct, host_struct = structs
         if kind == T.HOST:
-            t = host_struct(ctypes.sizeof(host_struct), *[None if x is None else x.host.ctypes.data for x in tensors])
+            t = host_struct(ctypes.sizeof(host_struct), **self._ex_fields(
+                host_struct, ctypes.c_void_p, [None if x is None else x.host.ctypes.data for x in tensors], scalars))
             self._check(getattr(self._lib, "moecl_%s_ex_host" % name)(ctx, ctypes.byref(desc), ctypes.byref(t)), ctx)
             return None
         import pyopencl as cl
@@ -274,11 +277,21 @@ class Context:
         events = list(wait_for or [])
         wait = (_lib.cl_handle * len(events))(*[e.int_ptr for e in events]) if events else None
         bufs = [_lib.Buffer(None, 0) if x is None else _lib.Buffer(x.mem, x.offset) for x in tensors]
-        t = device_struct(ctypes.sizeof(device_struct), *bufs)
+        t = device_struct(ctypes.sizeof(device_struct), **self._ex_fields(device_struct, _lib.Buffer, bufs, scalars))
         done = _lib.cl_handle()
         fn = getattr(self._lib, "moecl_%s_ex" % name)
         self._check(fn(ctx, ctypes.byref(desc), ctypes.byref(t), len(events), wait, ctypes.byref(done)), ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
+
+    @staticmethod
+    def _ex_fields(struct: Any, tensor_type: Any, values: Sequence[Any],
+                   scalars: Optional[Dict[str, int]]) -> Dict[str, Any]:
+        """A tensors record's fields by name: values for its tensor_type
+        fields in order, then scalars."""
+        names = [n for n, t in struct._fields_[1:] if t is tensor_type]
+        fields = dict(zip(names, values))
+        fields.update(scalars or {})
+        return fields
 
     @staticmethod
     def _check_wait(kind: str, wait_for: Optional[Sequence[Any]]) -> None:
@@ -413,7 +426,8 @@ class Context:
                     renormalize_eps: float = 0.0, group_fill: str = "neg_inf", weighting: str = "score",
                     dtype: Optional[str] = None, bias_dtype: Optional[str] = None, weights_dtype: str = "f32",
                     ids_dtype: str = "int32", counts: bool = False, num_valid_tokens: Any = None,
-                    expert_load: Any = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                    expert_load: Any = None, captured_ids: Any = None, expert_scale: Any = None,
+                    out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
 
@@ -453,6 +467,14 @@ class Context:
                 batch up to the logits' rows (moecl_topk_gating_ex).
             expert_load: int32 [experts], or None: a load counter the call
                 adds its routed slots to, in place (never zeroed).
+            captured_ids: int16, int32 or int64 [tokens, top_k], or None:
+                routing capture, written in place with the ids a second
+                time in its own dtype (padding rows -1): a per-layer
+                capture buffer, as vLLM's and SGLang's routed-experts
+                capture keeps (moecl_topk_gating_ex).
+            expert_scale: float32 [experts], or None: each chosen expert's
+                final weight times its scale, after renormalize and scale
+                (Gemma 4's per_expert_scale).
             out: output arrays to write, by name ("weights", "ids", "counts").
             queue: a pyopencl.CommandQueue to enqueue on instead of the
                 context's own (adopted with from_pyopencl on first use, and
@@ -472,11 +494,15 @@ class Context:
                 message names the field. moecl.Error: another failure.
         """
         out = dict(out or {})
-        kind = T.kind_of([logits, bias, num_valid_tokens, expert_load, *out.values()])
+        kind = T.kind_of([logits, bias, num_valid_tokens, expert_load, captured_ids, expert_scale, *out.values()])
         g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
         nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
         load = None if expert_load is None else T.check("expert_load", expert_load, (experts,), [T.I32], kind,
                                                         output=True)
+        cap = None if captured_ids is None else T.check("captured_ids", captured_ids, (tokens, k),
+                                                        [np.dtype(n) for n in _lib.CAPTURED_DTYPES], kind,
+                                                        output=True)
+        es = None if expert_scale is None else T.check("expert_scale", expert_scale, (experts,), [T.F32], kind)
         w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
         specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
         given = T.outputs(specs, out, kind)
@@ -493,11 +519,13 @@ class Context:
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
         o = self._outputs(specs, given, wanted, kind, q)
         tensors = [g, b, o["weights"], o["ids"]] + ([o["counts"]] if counts else [])
-        if nv is None and load is None:
+        if nv is None and load is None and cap is None and es is None:
             event = on._run("topk_gating_with_counts" if counts else "topk_gating", desc, tensors, kind, wait_for)
         else:
+            cap_dtype = _lib.CAPTURED_DTYPES[cap.dtype.name] if cap is not None else 0
             event = on._run_ex("topk_gating", desc, (_lib.TopkGatingTensors, _lib.TopkGatingHostTensors),
-                               [g, b, o["weights"], o["ids"], o["counts"], load, nv], kind, wait_for)
+                               [g, b, o["weights"], o["ids"], o["counts"], load, nv, cap, es], kind, wait_for,
+                               {"captured_ids_dtype": cap_dtype})
         result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 

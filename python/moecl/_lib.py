@@ -163,18 +163,22 @@ TOPK_GATING_TENSORS = ("gating", "bias", "topk_weights", "topk_ids", "expert_cou
 class TopkGatingTensors(ctypes.Structure):
     """moecl_topk_gating_tensors."""
 
-    _fields_ = [("struct_size", c_size_t)] + [(n, Buffer) for n in TOPK_GATING_TENSORS]
+    _fields_ = ([("struct_size", c_size_t)] + [(n, Buffer) for n in TOPK_GATING_TENSORS]
+                + [("captured_ids", Buffer), ("captured_ids_dtype", c_int), ("expert_scale", Buffer)])
 
 
 class TopkGatingHostTensors(ctypes.Structure):
     """moecl_topk_gating_host_tensors."""
 
-    _fields_ = [("struct_size", c_size_t)] + [(n, c_void_p) for n in TOPK_GATING_TENSORS]
+    _fields_ = ([("struct_size", c_size_t)] + [(n, c_void_p) for n in TOPK_GATING_TENSORS]
+                + [("captured_ids", c_void_p), ("captured_ids_dtype", c_int), ("expert_scale", c_void_p)])
 
 
 # The enums of moecl.h, by the names the Python API uses.
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INDEX_DTYPES = {"int32": 0, "int64": 1}
+# moecl_index_dtype of a captured_ids array, by its NumPy dtype's name.
+CAPTURED_DTYPES = {"int32": 0, "int64": 1, "int16": 2}
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "raw": 3}
 WEIGHTINGS = {"score": 0, "softmax_chosen": 1, "sigmoid_chosen": 2}
 PRECISIONS = {"fp32": 0, "tf32": 1, "3xtf32": 2}

@@ -441,6 +441,21 @@ static moecl_status topk_counts_device(moecl_context *ctx, const moecl_topk_gati
     return st;
 }
 
+/* moecl_topk_gating_ex_host with int16 captured_ids and expert_scale. */
+static moecl_status topk_capture_host(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating,
+                                      const void *bias, void *w, void *ids, int16_t *captured, const float *scale)
+{
+    const moecl_topk_gating_host_tensors h = {.struct_size = sizeof(h),
+                                              .gating = gating,
+                                              .bias = bias,
+                                              .topk_weights = w,
+                                              .topk_ids = ids,
+                                              .captured_ids = captured,
+                                              .captured_ids_dtype = MOECL_I16,
+                                              .expert_scale = scale};
+    return moecl_topk_gating_ex_host(ctx, d, &h);
+}
+
 static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c, moecl_dtype dtype, unsigned shift)
 {
     moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->big ? 3 : TOPK_TOKENS, c->experts, c->top_k);
@@ -505,29 +520,48 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     void *w = xmalloc(nk * 8);
     void *ids = xmalloc(nk * 8);
     int32_t *counts = xmalloc(d.num_experts * sizeof(int32_t));
+    int16_t *captured = xmalloc(nk * sizeof(int16_t));
+    float *scale = xmalloc(d.num_experts * sizeof(float));
+    for (uint32_t e = 0; e < d.num_experts; e++)
+        scale[e] = 0.5f + 0.25f * (float)(e % 4);
     /* Through _host, whose buffers are exactly the tensors (the outputs
      * CL_MEM_WRITE_ONLY); _with_counts also through device buffers at
-     * offsets. */
-    for (int path = 0; path < (c->counts ? 2 : 1); path++) {
+     * offsets; the cases of every shape also through _ex_host with
+     * captured_ids and expert_scale. */
+    const bool capture = !c->counts && c->every_shape;
+    for (int path = 0; path < (c->counts || capture ? 2 : 1); path++) {
         memset(w, 0xff, nk * 8);
         memset(ids, 0xff, nk * 8);
         memset(counts, 0xff, d.num_experts * sizeof(int32_t));
         moecl_status st;
-        if (!c->counts)
+        if (capture && path == 1)
+            st = topk_capture_host(ctx, &d, gating, bias, w, ids, captured, scale);
+        else if (!c->counts)
             st = moecl_topk_gating_host(ctx, &d, gating, bias, w, ids);
         else if (path == 0)
             st = moecl_topk_gating_with_counts_host(ctx, &d, gating, bias, w, ids, counts);
         else
             st = topk_counts_device(ctx, &d, gating, bias, w, ids, counts);
-        const char *how = path ? " (device buffers)" : "";
+        const char *how = !path ? "" : capture ? " (captured ids, expert scale)" : " (device buffers)";
         if (st != MOECL_SUCCESS) {
             fail("%s%s: %s", moecl_status_string(st), how, moecl_context_error(ctx));
             continue;
         }
         char msg[512] = "";
-        const int bad = ref_check_topk_gating_typed(&d, gating, bias, w, ids, msg, sizeof(msg));
+        const float *scaled = capture && path == 1 ? scale : NULL;
+        const int bad = ref_check_topk_gating_typed_scaled(&d, gating, bias, scaled, w, ids, msg, sizeof(msg));
         if (bad)
             fail("%d bad rows%s; first: %s", bad, how, msg);
+        for (size_t i = 0; scaled && i < nk; i++) {
+            int64_t id = 0;
+            memcpy(&id, (const char *)ids + i * (d.ids_dtype == MOECL_I64 ? 8 : 4), d.ids_dtype == MOECL_I64 ? 8 : 4);
+            if (d.ids_dtype != MOECL_I64)
+                id = (int32_t)id;
+            if (captured[i] != id) {
+                fail("captured_ids[%zu] is %d, topk_ids holds %lld", i, captured[i], (long long)id);
+                break;
+            }
+        }
         for (uint32_t e = 0; c->counts && e < d.num_experts; e++) {
             int32_t want = 0;
             for (size_t i = 0; i < nk; i++)
@@ -543,6 +577,8 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     free(w);
     free(ids);
     free(counts);
+    free(captured);
+    free(scale);
 }
 
 static void run_topk(moecl_context *ctx, const run_def *run)

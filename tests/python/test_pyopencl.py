@@ -268,3 +268,19 @@ def test_topk_padded_batch_on_device(adopted, clq, rng):
         np.testing.assert_array_equal(ids.get()[n:], -1)
         total += np.bincount(ids0[:n].ravel(), minlength=experts)
         np.testing.assert_array_equal(load.get(), total)
+
+
+def test_topk_capture_and_scale_on_device(adopted, clq, rng):
+    """captured_ids (int16, at an offset) and expert_scale as device
+    arrays: the ids captured, each weight the plain one times its scale."""
+    tokens, experts, k = 16, 32, 4
+    x = rng.standard_normal((tokens, experts)).astype(np.float32)
+    w0, ids0 = adopted.topk_gating(x, top_k=k, renormalize=True)
+    scale = rng.uniform(0.5, 2.0, experts).astype(np.float32)
+    cap = cla.to_device(clq, np.full((tokens + 1) * k, 7, np.int16))[k:].reshape(tokens, k)
+    w, ids, ev = adopted.topk_gating(cla.to_device(clq, x), top_k=k, renormalize=True, captured_ids=cap,
+                                     expert_scale=cla.to_device(clq, scale))
+    ev.wait()
+    np.testing.assert_array_equal(ids.get(), ids0)
+    np.testing.assert_array_equal(cap.get(), ids0)
+    np.testing.assert_array_equal(w.get(), w0 * scale[ids0])

@@ -233,3 +233,50 @@ def test_padded_batch_and_load(ctx, rng, valid):
         hist = np.bincount(ids0[:n].ravel(), minlength=experts)
         np.testing.assert_array_equal(counts, hist)
         np.testing.assert_array_equal(load, start + call * hist)
+
+
+@pytest.mark.parametrize("cap_dtype", [np.int16, np.int32, np.int64])
+@pytest.mark.parametrize("valid", [None, 0, 7])
+def test_captured_ids_and_expert_scale(ctx, rng, cap_dtype, valid):
+    """captured_ids: the ids a second time, in the array's dtype, padding
+    rows -1; expert_scale: each weight the plain call's times its expert's
+    scale in f32 (Gemma 4's per_expert_scale, after the renormalisation),
+    padding rows 0; the ids unchanged."""
+    tokens, experts, k = 13, 64, 6
+    a, x = make_logits(rng, tokens, experts, "f32")
+    w0, ids0 = ctx.topk_gating(a, top_k=k, renormalize=True)
+    check_topk(w0, ids0, x, k, renormalize=True)
+    scale = rng.uniform(-1.0, 3.0, experts).astype(np.float32)
+    scale[::9] = 0.0
+    cap = np.full((tokens, k), 0x5A5A, cap_dtype)
+    nv = None if valid is None else np.array([valid], np.int32)
+    w, ids = ctx.topk_gating(a, top_k=k, renormalize=True, captured_ids=cap, expert_scale=scale, num_valid_tokens=nv)
+    n = tokens if valid is None else valid
+    np.testing.assert_array_equal(ids[:n], ids0[:n])
+    np.testing.assert_array_equal(cap[:n], ids0[:n])
+    np.testing.assert_array_equal(w[:n], w0[:n] * scale[ids0[:n]])
+    np.testing.assert_array_equal(ids[n:], -1)
+    np.testing.assert_array_equal(cap[n:], -1)
+    np.testing.assert_array_equal(w[n:], 0)
+
+
+def test_captured_ids_alone_and_bad_arrays(ctx, rng):
+    """captured_ids without a scale leaves the weights the plain call's;
+    a capture or scale of the wrong dtype or shape is refused before any
+    call."""
+    a, _ = make_logits(rng, 5, 16, "f32")
+    w0, ids0 = ctx.topk_gating(a, top_k=2)
+    cap = np.zeros((5, 2), np.int16)
+    w, ids = ctx.topk_gating(a, top_k=2, captured_ids=cap)
+    np.testing.assert_array_equal(w, w0)
+    np.testing.assert_array_equal(cap, ids0)
+    with pytest.raises(TypeError, match="captured_ids"):
+        ctx.topk_gating(a, top_k=2, captured_ids=np.zeros((5, 2), np.float32))
+    with pytest.raises(TypeError, match="captured_ids"):
+        ctx.topk_gating(a, top_k=2, captured_ids=np.zeros((5, 2), np.uint16))
+    with pytest.raises(ValueError, match="captured_ids"):
+        ctx.topk_gating(a, top_k=2, captured_ids=np.zeros((5, 3), np.int32))
+    with pytest.raises(TypeError, match="expert_scale"):
+        ctx.topk_gating(a, top_k=2, expert_scale=np.ones(16, np.float64))
+    with pytest.raises(ValueError, match="expert_scale"):
+        ctx.topk_gating(a, top_k=2, expert_scale=np.ones(15, np.float32))
