@@ -134,6 +134,10 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
     [MOECL_TOPK_REPLAY] = {PARAM("REPLAY", "replay", 2, false, 0, 0, 2)},
     [MOECL_TOPK_HAS_LOAD] = {PARAM("HAS_LOAD", "load", 1, false, 0, 0, 1)},
     [MOECL_TOPK_HAS_VALID] = {PARAM("HAS_VALID", "valid", 1, false, 0, 0, 1)},
+    /* shared experts: their count, and their weight's bits where there are some */
+    [MOECL_TOPK_SHARED] = {PARAM("SHARED", "shared", 7, false, 0, 0, MOECL_MAX_TOPK - 1)},
+    [MOECL_TOPK_SHARED_WEIGHT] = {PARAM("SHARED_WEIGHT", "shared_weight", 32, false, 0, 0, UINT32_MAX),
+                                  .with = WITH(MOECL_TOPK_SHARED), .format = FORMAT_FLOAT},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

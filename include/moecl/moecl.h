@@ -457,6 +457,24 @@ typedef struct moecl_topk_gating_desc {
      *  (the default), MOECL_F16 or MOECL_BF16 (FlashInfer's and aiter's
      *  bf16 e_score_correction_bias), widened to f32 exactly on load. */
     moecl_dtype bias_dtype;
+    /** Shared experts appended to the routing output (docs/routing.md,
+     *  "Shared experts"; SGLang's num_fused_shared_experts). 0 (the
+     *  default): none. S > 0: every output row holds top_k + S slots, the
+     *  routed top_k as without them, then slot top_k + j (j < S) with id
+     *  num_experts + j and the weight shared_expert_weight *
+     *  routed_scaling_factor (one fp32 product). They are counted as
+     *  ordinary slots: expert_counts and expert_load then have
+     *  num_experts + S entries, and moecl_route_dispatch() aligns top_k + S
+     *  slots a token over num_experts + S experts. A padding row
+     *  (num_valid_tokens) is -1 / 0 in every slot. top_k + S <= 64.
+     *  moecl_topk_weights() and moecl_hash_routing() refuse S > 0. */
+    uint32_t num_shared_experts;
+    /** The weight of each shared slot before routed_scaling_factor:
+     *  finite; 1.0 in moecl_topk_gating_desc_init(). SGLang's fused shared
+     *  experts weigh 1 / routed_scaling_factor here (with renormalize), so
+     *  that they count once where the factor is applied. Ignored without
+     *  shared experts. */
+    float shared_expert_weight;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
