@@ -1411,6 +1411,9 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  * MOECL_ERROR_INVALID_ARGUMENT); block_size as moecl_moe_align_desc's, and
  * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
  * num_tokens == 0 writes moe_align's empty result and no top-k output.
+ * With shared experts (desc->num_shared_experts S > 0), top_k and
+ * num_experts read top_k + S and num_experts + S throughout: the rows of
+ * topk_weights and topk_ids, expert_counts, and moe_align's descriptor.
  *
  * Asynchronous. One of two paths, which moecl chooses for the size and the
  * device (docs/routing.md §8); both give the same bits:
