@@ -407,7 +407,9 @@ typedef struct moecl_buffer {
  *   one device and not another);
  *   renormalize_eps likewise, and at most one of the two nonzero;
  *   weights_dtype and bias_dtype moecl_dtype values, ids_dtype a
- *   moecl_index_dtype value.
+ *   moecl_index_dtype value;
+ *   num_shared_experts <= 64 - top_k, and shared_expert_weight finite
+ *   where num_shared_experts > 0.
  */
 typedef struct moecl_topk_gating_desc {
     uint32_t num_tokens;        /**< rows of the gating logits */
