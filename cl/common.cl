@@ -485,7 +485,7 @@ static inline void team_topk(uint *rank, const float *value, __local uint *u32_s
 #define DISPATCH_AFTER_ROWS(ids, num_tokens)                                                       \
     do {                                                                                           \
         barrier(CLK_GLOBAL_MEM_FENCE);                                                             \
-        fused_align((ids), (num_tokens) * TOPK, NUM_EXPERTS, ROWS * TOPK, dargs.block_size, scratch, \
+        fused_align((ids), (num_tokens) * ROW_SLOTS, ID_EXPERTS, ROWS * ROW_SLOTS, dargs.block_size, scratch, \
                     expert_counts, dargs.counts_off, sorted_token_ids, dargs.sorted_off, block_expert_ids, \
                     dargs.blocks_off, post_padded, dargs.post_off, slot_positions, dargs.slots_off,    \
                     dargs.has_slots, num_invalid, dargs.invalid_off, dargs.has_invalid, run, start,   \

@@ -19,6 +19,8 @@
  *   WEIGHTS_DTYPE, IDS_DTYPE,  (absent: 0) the element types of the
  *   BIAS_DTYPE                 weights and ids the kernel stores and of
  *                              the bias it loads (below)
+ *   SHARED, SHARED_WEIGHT      (absent: 0) shared experts after the routed
+ *                              slots of a row (below)
  *   TEAM, ROWS, EPT            launch shape (common.cl)
  * Two layouts: TEAM == 1, one work-item per row with the row in private
  * float8 blocks (rows_pipeline); TEAM > 1, the row in the registers of
@@ -62,6 +64,18 @@
 #ifndef BIAS_DTYPE
 #define BIAS_DTYPE 0
 #endif
+/* SHARED shared experts (docs/routing.md, "Shared experts"): an output row
+ * is ROW_SLOTS wide, the TOPK routed slots, then slot TOPK + j (j <
+ * SHARED) with id NUM_EXPERTS + j and weight SHARED_WEIGHT times the
+ * routed scaling factor; ids then range over ID_EXPERTS experts. */
+#ifndef SHARED
+#define SHARED 0
+#endif
+#ifndef SHARED_WEIGHT
+#define SHARED_WEIGHT 0.0f
+#endif
+#define ROW_SLOTS (TOPK + SHARED)
+#define ID_EXPERTS (NUM_EXPERTS + SHARED)
 
 /* The types of the outputs and the bias (moecl_dtype, moecl_index_dtype):
  * weight_t and STORE_WEIGHT(p, i, w), ids_t and STORE_ID(p, i, id),

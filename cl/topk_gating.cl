@@ -10,6 +10,8 @@
  *                              (below)
  *   HAS_SCALE                  multiply each weight by its expert's
  *                              scale (below)
+ *   SHARED, SHARED_WEIGHT      shared slots after the routed ones
+ *                              (cl/gating.cl)
  *   TEAM, ROWS                 launch shape (common.cl)
  * Two kernels: topk_gating_rows (TEAM == 1, for CPUs: one work-item per
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
@@ -106,7 +108,7 @@ typedef short capture_t;
 #define COUNT_ID(id)                                                                               \
     do {                                                                                           \
         const uint id_ = (uint)(id);                                                               \
-        if (id_ < NUM_EXPERTS) {                                                                   \
+        if (id_ < ID_EXPERTS) {                                                                    \
             COUNT_INTO_COUNTS(id_);                                                                \
             COUNT_INTO_LOAD(id_);                                                                  \
         }                                                                                          \
@@ -154,10 +156,22 @@ static inline uint valid_rows(__global const int *num_valid, ulong off, uint num
 static inline void write_padding(__global weight_t *w_out, __global ids_t *id_out, uint j0,
                                  uint step CAPTURE_PARAMS_)
 {
-    for (uint j = j0; j < TOPK; j += step) {
+    for (uint j = j0; j < ROW_SLOTS; j += step) {
         STORE_WEIGHT(w_out, j, 0.0f);
         STORE_ID(id_out, j, -1);
-        CAPTURE_ID(j, -1);
+        if (j < TOPK) /* the capture holds the routed slots only */
+            CAPTURE_ID(j, -1);
+    }
+}
+
+/* A token row's shared slots, j0, j0 + step, ... of them (cl/gating.cl). */
+static inline void write_shared(__global weight_t *w_out, __global ids_t *id_out, uint j0, uint step,
+                                float scaling_factor COUNTS_PARAMS)
+{
+    for (uint j = j0; j < SHARED; j += step) {
+        STORE_WEIGHT(w_out, TOPK + j, SHARED_WEIGHT * scaling_factor);
+        STORE_ID(id_out, TOPK + j, NUM_EXPERTS + j);
+        COUNT_ID(NUM_EXPERTS + j);
     }
 }
 /* The bias is an argument only where there is one (as the counts are):
@@ -410,10 +424,10 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
     if (row >= args.num_tokens)
         return;
     __global const in_t *x = gating + args.gating_off + (size_t)row * NUM_EXPERTS;
-    __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
+    __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * ROW_SLOTS;
     /* The fast path counts the ids from its registers: topk_ids may be
      * write-only to kernels (the _host paths create it CL_MEM_WRITE_ONLY). */
-    __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+    __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * ROW_SLOTS;
     CAPTURE_ROW(args, row);
     if (HAS_VALID && row >= VALID_ROWS(args)) {
         write_padding(w_out, id_out, 0, 1 CAPTURE_ARGS_);
@@ -426,6 +440,8 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
 #else
     topk_rows_generic(x, BIAS_AT(args), w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #endif
+    if (SHARED)
+        write_shared(w_out, id_out, 0, 1, args.scaling_factor COUNTS_ARGS);
 }
 
 #else
@@ -457,17 +473,19 @@ topk_gating_team(__global const in_t *gating, BIAS_PARAM __global weight_t *topk
     float weights[TOPK];
     TEAM_GATING(value, token, lane, r, BIAS_AT(args), args.scaling_factor, weights);
     if (active && !token)
-        write_padding(topk_weights + args.weights_off + (size_t)row * TOPK,
-                      topk_ids + args.ids_off + (size_t)row * TOPK, lane, TEAM CAPTURE_ARGS_);
+        write_padding(topk_weights + args.weights_off + (size_t)row * ROW_SLOTS,
+                      topk_ids + args.ids_off + (size_t)row * ROW_SLOTS, lane, TEAM CAPTURE_ARGS_);
     if (token) {
-        __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * TOPK;
-        __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * TOPK;
+        __global weight_t *w_out = topk_weights + args.weights_off + (size_t)row * ROW_SLOTS;
+        __global ids_t *id_out = topk_ids + args.ids_off + (size_t)row * ROW_SLOTS;
         for (uint j = lane; j < TOPK; j += TEAM) {
             STORE_WEIGHT(w_out, j, SCALED(weights[j], GATE_IDS(r)[j]));
             STORE_ID(id_out, j, GATE_IDS(r)[j]);
             CAPTURE_ID(j, GATE_IDS(r)[j]);
             COUNT_ID(GATE_IDS(r)[j]);
         }
+        if (SHARED)
+            write_shared(w_out, id_out, lane, TEAM, args.scaling_factor COUNTS_ARGS);
     }
     DISPATCH_AFTER_ROWS(topk_ids + args.ids_off, args.num_tokens);
 }

@@ -803,6 +803,8 @@ enum {
     MOECL_TOPK_HAS_VALID,
     MOECL_TOPK_CAPTURE,
     MOECL_TOPK_HAS_SCALE,
+    MOECL_TOPK_SHARED,
+    MOECL_TOPK_SHARED_WEIGHT,
     MOECL_TOPK_PARAMS
 };
 
@@ -937,6 +939,17 @@ moecl_status moecl_host_call_end(moecl_context *ctx, moecl_status st, cl_event r
 /* The range checks both ops share: 1 <= num_experts <= 4096 and
  * 1 <= top_k <= min(num_experts, 64), with messages naming the field. */
 moecl_status moecl_check_experts_topk(moecl_context *ctx, uint32_t num_experts, uint32_t top_k);
+/* A validated top-k gating request's output row (the routed top_k slots,
+ * then the shared ones) and the experts its ids range over, which the
+ * counts and moe_align's descriptor hold (moecl_topk_gating_desc). */
+static inline uint32_t moecl_topk_row_slots(const moecl_topk_gating_desc *d)
+{
+    return d->top_k + d->num_shared_experts;
+}
+static inline uint32_t moecl_topk_id_experts(const moecl_topk_gating_desc *d)
+{
+    return d->num_experts + d->num_shared_experts;
+}
 
 /* Bytes of one element of dtype. */
 static inline size_t moecl_dtype_size(moecl_dtype t) { return t == MOECL_F32 ? 4 : 2; }

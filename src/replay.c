@@ -34,6 +34,11 @@ static moecl_status validate(moecl_context *ctx, const moecl_topk_gating_desc *d
                         "weights_dtype is %d and ids_dtype %d; replay and hash routing write f32 weights "
                         "(MOECL_F32) and int32 ids (MOECL_I32)",
                         (int)desc->weights_dtype, (int)desc->ids_dtype);
+    /* Given ids carry no shared slots: a replay's rows are the routed ones. */
+    if (st == MOECL_SUCCESS && desc->num_shared_experts)
+        st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                        "num_shared_experts is %u; replay and hash routing take none (0)",
+                        (unsigned)desc->num_shared_experts);
     return st;
 }
 

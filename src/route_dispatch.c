@@ -35,8 +35,18 @@ static uint32_t step_tokens(const route_step *s)
 {
     return s->is_grounded ? s->grounded->num_tokens : s->topk->num_tokens;
 }
-static uint32_t step_top_k(const route_step *s) { return s->is_grounded ? s->grounded->top_k : s->topk->top_k; }
+/* The slots of a token and the experts the ids range over, as moe_align
+ * sees them: with top-k gating's shared experts (validated first). */
+static uint32_t step_top_k(const route_step *s)
+{
+    return s->is_grounded ? s->grounded->top_k : moecl_topk_row_slots(s->topk);
+}
 static uint32_t step_experts(const route_step *s)
+{
+    return s->is_grounded ? s->grounded->num_experts : moecl_topk_id_experts(s->topk);
+}
+/* The columns of the routing's logits. */
+static uint32_t step_logit_experts(const route_step *s)
 {
     return s->is_grounded ? s->grounded->num_experts : s->topk->num_experts;
 }
@@ -198,7 +208,7 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
         return n;
     }
     const moecl_topk_gating_desc *d = s->topk;
-    const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
+    const uint64_t t = d->num_tokens, e = d->num_experts, k = moecl_topk_row_slots(d);
     const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
     const size_t w_size = moecl_dtype_size(d->weights_dtype);
     const moecl_buffer *b = s->in;
@@ -307,7 +317,7 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     if (st != MOECL_SUCCESS)
         return st;
     enum { IN0, IN1, IN2, WEIGHTS, IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
-    const uint64_t t = step_tokens(s), e = step_experts(s), slots = t * step_top_k(s) * 4;
+    const uint64_t t = step_tokens(s), e = step_logit_experts(s), slots = t * step_top_k(s) * 4;
     const bool tokens = t > 0;
     const uint64_t max_padded = moecl_moe_align_max_padded(&align);
     /* The inputs: top-k's gating and its optional bias; the grounded
@@ -345,7 +355,8 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
         return st;
     /* At least 4 bytes: OpenCL refuses empty buffers. */
-    const uint64_t bytes[NUM] = {in_bytes[0], in_bytes[1], in_bytes[2], slots / 4 * step_weights_size(s), slots, e * 4,
+    const uint64_t bytes[NUM] = {in_bytes[0],    in_bytes[1], in_bytes[2], slots / 4 * step_weights_size(s), slots,
+                                 (uint64_t)step_experts(s) * 4,
                                  max_padded * 4,
                                  max_padded / block_size * 4, 4, slots, 4};
     void *outputs[NUM] = {NULL,      NULL,      NULL,   tokens ? o->weights : NULL, tokens ? o->ids : NULL, o->counts,

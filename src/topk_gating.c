@@ -30,6 +30,8 @@ moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t
     d.weights_dtype = MOECL_F32;
     d.ids_dtype = MOECL_I32;
     d.bias_dtype = MOECL_F32;
+    d.num_shared_experts = 0;
+    d.shared_expert_weight = 1.0f;
     return d;
 }
 
@@ -88,6 +90,11 @@ static moecl_status validate_desc(moecl_context *ctx, const moecl_topk_gating_de
         return INVALID("ids_dtype is %d; it must be MOECL_I32 or MOECL_I64", (int)d->ids_dtype);
     if ((unsigned)d->bias_dtype > MOECL_BF16)
         return INVALID("bias_dtype is %d; it must be MOECL_F32, MOECL_F16 or MOECL_BF16", (int)d->bias_dtype);
+    if (d->num_shared_experts > MOECL_MAX_TOPK - d->top_k)
+        return INVALID("num_shared_experts is %u; top_k (%u) + num_shared_experts must be at most %u",
+                       d->num_shared_experts, d->top_k, MOECL_MAX_TOPK);
+    if (d->num_shared_experts && !isfinite(d->shared_expert_weight))
+        return INVALID("shared_expert_weight is %g; it must be finite", (double)d->shared_expert_weight);
     return MOECL_SUCCESS;
 #undef INVALID
 }
@@ -225,6 +232,9 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
+    v.param[MOECL_TOPK_SHARED] = d->num_shared_experts;
+    if (d->num_shared_experts) /* else not in the key either: one plan for any weight */
+        memcpy(&v.param[MOECL_TOPK_SHARED_WEIGHT], &d->shared_expert_weight, sizeof(float));
     if (s) {
         v.param[MOECL_TOPK_TEAM] = s->team;
         v.param[MOECL_TOPK_ROWS] = s->rows;
@@ -449,7 +459,9 @@ static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype dt
 static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, const topk_buffers *b,
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
-    const uint64_t t = d->num_tokens, e = d->num_experts, k = d->top_k;
+    /* k: a row's slots; ce: the counts' experts (both with the shared ones);
+     * the capture holds the routed slots only. */
+    const uint64_t t = d->num_tokens, e = d->num_experts, k = moecl_topk_row_slots(d), ce = moecl_topk_id_experts(d);
     const size_t in_size = moecl_dtype_size(d->gating_dtype), bias_size = moecl_dtype_size(d->bias_dtype);
     const size_t w_size = moecl_dtype_size(d->weights_dtype), id_size = moecl_index_size(d->ids_dtype);
     const size_t cap_size = moecl_index_size(b->captured_dtype);
@@ -457,10 +469,10 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                           {"bias", e * bias_size, b->bias.offset, bias_size, false},
                                           {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
                                           {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
-                                          {"expert_counts", e * 4, b->counts.offset, 4, true},
-                                          {"expert_load", e * 4, b->load.offset, 4, true},
+                                          {"expert_counts", ce * 4, b->counts.offset, 4, true},
+                                          {"expert_load", ce * 4, b->load.offset, 4, true},
                                           {"num_valid_tokens", 4, b->valid.offset, 4, true},
-                                          {"captured_ids", t * k * cap_size, b->captured.offset, cap_size, true},
+                                          {"captured_ids", t * d->top_k * cap_size, b->captured.offset, cap_size, true},
                                           {"expert_scale", e * 4, b->scale.offset, 4, true}};
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
@@ -491,7 +503,7 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
     r.capture = capture_of(b->captured.mem != NULL, b->captured_dtype);
     r.has_scale = b->scale.mem != NULL;
     const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
-                                    d->num_tokens,   b->counts.mem, b->counts.offset, e * 4, "expert_counts"};
+                                    d->num_tokens,   b->counts.mem, b->counts.offset, ce * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
@@ -599,12 +611,13 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     if ((st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
     (void)p; /* built before the buffers are made: a build failure costs no copy */
-    const size_t t = desc->num_tokens, e = desc->num_experts, k = desc->top_k;
+    const size_t t = desc->num_tokens, e = desc->num_experts, k = moecl_topk_row_slots(desc);
+    const size_t ce = moecl_topk_id_experts(desc);
     const size_t w_bytes = t * k * moecl_dtype_size(desc->weights_dtype);
     const size_t id_bytes = t * k * moecl_index_size(desc->ids_dtype);
     if (desc->num_tokens == 0) {
         if (h->expert_counts)
-            memset(h->expert_counts, 0, e * 4);
+            memset(h->expert_counts, 0, ce * 4);
         return MOECL_SUCCESS;
     }
     enum { GATING, BIAS, SCALE, LOAD, VALID, WEIGHTS, IDS, COUNTS, CAPTURED, NUM };
@@ -618,12 +631,12 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     const size_t sizes[NUM] = {t * e * moecl_dtype_size(desc->gating_dtype),
                                e * moecl_dtype_size(desc->bias_dtype),
                                e * 4,
-                               e * 4,
+                               ce * 4,
                                4,
                                w_bytes,
                                id_bytes,
-                               e * 4,
-                               t * k * moecl_index_size(h->captured_ids_dtype)};
+                               ce * 4,
+                               t * desc->top_k * moecl_index_size(h->captured_ids_dtype)};
     cl_mem mems[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++)
         if (from[i] || to[i])

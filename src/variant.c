@@ -139,6 +139,10 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
      * moecl_index_dtype) and expert_scale */
     [MOECL_TOPK_CAPTURE] = {PARAM("CAPTURE", "capture", 2, false, 0, 0, 1 + MOECL_I16), .names = capture_names},
     [MOECL_TOPK_HAS_SCALE] = {PARAM("HAS_SCALE", "scale", 1, false, 0, 0, 1)},
+    /* shared experts: their count, and their weight's bits where there are some */
+    [MOECL_TOPK_SHARED] = {PARAM("SHARED", "shared", 7, false, 0, 0, MOECL_MAX_TOPK - 1)},
+    [MOECL_TOPK_SHARED_WEIGHT] = {PARAM("SHARED_WEIGHT", "shared_weight", 32, false, 0, 0, UINT32_MAX),
+                                  .with = WITH(MOECL_TOPK_SHARED), .format = FORMAT_FLOAT},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

@@ -516,6 +516,35 @@ int main(int argc, char **argv)
                 }
             }
 
+            /* Shared experts (SHARED, SHARED_WEIGHT): named in the defines
+             * only where set, with and without counts, and in
+             * moecl_route_dispatch's one kernel. */
+            for (size_t i = 0; !grounded_only(c) && i < sizeof(counts_specs) / sizeof(counts_specs[0]); i++) {
+                const topk_spec *s = &topk_specs[counts_specs[i]];
+                moecl_topk_gating_desc d = topk_desc_of(s);
+                char plain[512];
+                moecl_topk_gating_defines(&info, &d, s->bias, false, plain, sizeof(plain), &kernel);
+                d.num_shared_experts = 1 + (uint32_t)(i % 2);
+                d.shared_expert_weight = 0.4f;
+                moecl_topk_gating_defines(&info, &d, s->bias, i % 2 == 1, defines, sizeof(defines), &kernel);
+                const char *count = d.num_shared_experts == 1 ? " -DSHARED=1" : " -DSHARED=2";
+                if (strstr(plain, "SHARED") || !strstr(defines, count) || !strstr(defines, " -DSHARED_WEIGHT=")) {
+                    fprintf(stderr, "portability_variants: shared-expert defines '%s' (plain '%s')\n", defines, plain);
+                    exit(1);
+                }
+                snprintf(description, sizeof(description), "topk_gating shared %u%s E=%u k=%u %s %s%s groups=%s [%s]",
+                         d.num_shared_experts, i % 2 ? " with counts" : "", s->experts, s->k, dtype_names[s->dtype],
+                         s->scoring ? "sigmoid" : "softmax", s->bias ? " bias" : "", s->groups ? "8/4" : "none",
+                         c->name);
+                emit(t, "topk_gating.cl", options, defines, kernel, description);
+                moecl_topk_gating_route_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
+                if (kernel) {
+                    snprintf(description, sizeof(description), "route_dispatch shared %u E=%u k=%u %s [%s]",
+                             d.num_shared_experts, s->experts, s->k, dtype_names[s->dtype], c->name);
+                    emit(t, "route_dispatch.cl", options, defines, kernel, description);
+                }
+            }
+
             /* Replay and hash routing: every top-k spec (the bias has no
              * place: it steers selection only), the conventions on the
              * convention specs, and DeepSeek-V4's preset (384 experts top

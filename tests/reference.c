@@ -488,7 +488,8 @@ typedef struct gating_row {
 static bool gating_desc_valid(const moecl_topk_gating_desc *d)
 {
     if (!d || d->num_experts < 1 || d->num_experts > 4096 || d->top_k < 1 || d->top_k > d->num_experts ||
-        d->top_k > MAX_TOP_K)
+        d->top_k > MAX_TOP_K || d->num_shared_experts > MAX_TOP_K - d->top_k ||
+        (d->num_shared_experts && !isfinite(d->shared_expert_weight)))
         return false;
     if (d->num_expert_groups == 0) {
         if (d->topk_group != 0)
@@ -915,16 +916,23 @@ static double chosen_weights(const moecl_topk_gating_desc *d, moecl_weighting we
     return divisor;
 }
 
+/* A shared slot's weight: the fp32 product (the float64 product of two
+ * floats is exact, so one rounding gives it). */
+static float shared_weight(const moecl_topk_gating_desc *d)
+{
+    return (float)((double)d->shared_expert_weight * (double)d->routed_scaling_factor);
+}
+
 void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                      float *topk_weights, int32_t *topk_ids)
 {
     if (!desc || desc->num_tokens == 0 || !gating_desc_valid(desc))
         return;
-    size_t k = desc->top_k;
+    const size_t k = desc->top_k, row = k + desc->num_shared_experts;
     gating_row r;
     if (!gating_row_alloc(&r, desc)) {
         /* No way to report: poison the outputs so that any comparison fails. */
-        for (size_t i = 0; i < (size_t)desc->num_tokens * k; i++) {
+        for (size_t i = 0; i < (size_t)desc->num_tokens * row; i++) {
             if (topk_weights)
                 topk_weights[i] = NAN;
             if (topk_ids)
@@ -936,11 +944,11 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
         double w[MAX_TOP_K];
         gating_row_compute(gating, bias, t, &r);
         chosen_weights(desc, desc->weighting, r.wscore, r.x, r.ids, w);
-        for (size_t j = 0; j < k; j++) {
+        for (size_t j = 0; j < row; j++) {
             if (topk_weights)
-                topk_weights[t * k + j] = (float)w[j];
+                topk_weights[t * row + j] = j < k ? (float)w[j] : shared_weight(desc);
             if (topk_ids)
-                topk_ids[t * k + j] = r.ids[j];
+                topk_ids[t * row + j] = j < k ? r.ids[j] : (int32_t)(desc->num_experts + j - k);
         }
     }
     gating_row_free(&r);
@@ -1378,6 +1386,39 @@ static bool check_gating_row(gating_row *r, uint32_t row, const float *weights, 
     return check_gating_weights(r, row, ids, weights, msg, size);
 }
 
+/* The shared slots of rows with num_shared_experts: each row's exact ids
+ * and weight (the weight as weights_dtype rounds it, widened); the routed
+ * slots are copied into w and ids ([num_tokens][top_k]) for the check of
+ * the rows without them. Returns the bad rows. */
+static int check_shared_slots(const moecl_topk_gating_desc *d, const float *weights, const int32_t *ids, float *w,
+                              int32_t *routed_ids, char *msg, size_t size)
+{
+    const size_t k = d->top_k, row = k + d->num_shared_experts;
+    const float f32 = shared_weight(d);
+    float want = f32;
+    if (d->weights_dtype != MOECL_F32) {
+        const uint16_t narrow = d->weights_dtype == MOECL_BF16 ? ref_float_to_bf16(f32) : ref_float_to_half(f32);
+        want = ref_load(d->weights_dtype, &narrow, 0);
+    }
+    int bad = 0;
+    for (size_t t = 0; t < d->num_tokens; t++) {
+        memcpy(w + t * k, weights + t * row, k * sizeof(float));
+        memcpy(routed_ids + t * k, ids + t * row, k * sizeof(int32_t));
+        for (size_t j = k; j < row; j++) {
+            const int32_t want_id = (int32_t)(d->num_experts + j - k);
+            const float got = weights[t * row + j];
+            if (ids[t * row + j] != want_id || memcmp(&got, &want, sizeof(float)) != 0) {
+                if (!bad)
+                    put_msg(msg, size, "row %zu shared slot %zu: id %d weight %.9g, want id %d weight %.9g", t, j,
+                            ids[t * row + j], (double)got, want_id, (double)want);
+                bad++;
+                break;
+            }
+        }
+    }
+    return bad;
+}
+
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
 {
@@ -1395,6 +1436,24 @@ int ref_check_topk_gating_scaled(const moecl_topk_gating_desc *desc, const void 
     if (!gating_desc_valid(desc) || !gating || !topk_weights || !topk_ids) {
         put_msg(msg, msg_size, "ref_check_topk_gating: invalid descriptor or missing array");
         return -1;
+    }
+    if (desc->num_shared_experts) {
+        const size_t nk = (size_t)desc->num_tokens * desc->top_k;
+        float *w = malloc(nk * sizeof(float));
+        int32_t *ids = malloc(nk * sizeof(int32_t));
+        if (!w || !ids) {
+            free(w);
+            free(ids);
+            put_msg(msg, msg_size, "ref_check_topk_gating: out of memory");
+            return -1;
+        }
+        const int shared_bad = check_shared_slots(desc, topk_weights, topk_ids, w, ids, msg, msg_size);
+        moecl_topk_gating_desc routed = *desc;
+        routed.num_shared_experts = 0;
+        const int bad = ref_check_topk_gating(&routed, gating, bias, w, ids, shared_bad ? NULL : msg, msg_size);
+        free(w);
+        free(ids);
+        return bad < 0 ? bad : bad + shared_bad; /* rows bad in both count twice: enough to fail */
     }
     gating_row r;
     if (!gating_row_alloc(&r, desc)) {
@@ -1430,7 +1489,7 @@ int ref_check_topk_gating_typed_scaled(const moecl_topk_gating_desc *desc, const
         msg[0] = '\0';
     if (!desc || desc->num_tokens == 0)
         return ref_check_topk_gating(desc, gating, NULL, NULL, NULL, msg, msg_size);
-    const size_t nk = (size_t)desc->num_tokens * desc->top_k, e = desc->num_experts;
+    const size_t nk = (size_t)desc->num_tokens * (desc->top_k + desc->num_shared_experts), e = desc->num_experts;
     float *w = topk_weights ? malloc(nk * sizeof(float)) : NULL;
     int32_t *ids = topk_ids ? malloc(nk * sizeof(int32_t)) : NULL;
     float *b = bias ? malloc(e * sizeof(float)) : NULL;

@@ -21,7 +21,8 @@ uint16_t ref_float_to_bf16(float f);
 size_t ref_dtype_size(moecl_dtype dtype);
 
 /* Top-k gating in float64: writes topk_weights and topk_ids
- * ([num_tokens][top_k]). Rows are independent. */
+ * ([num_tokens][top_k + num_shared_experts]: the routed slots, then the
+ * shared ones). Rows are independent. */
 void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                      float *topk_weights, int32_t *topk_ids);
 
@@ -30,8 +31,11 @@ void ref_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, con
  * near-tie, one whose selection score differs from the reference pick's by
  * no more than the fp32 rounding bound of the two; weights within 1e-5 of
  * the reference weights of the ids actually chosen (NaN where the reference
- * is NaN). Otherwise returns the number of bad rows and writes the first
- * problem (row, position, values) into msg. */
+ * is NaN). The shared slots (num_shared_experts) must hold ids
+ * num_experts + j and exactly the fp32 product shared_expert_weight *
+ * routed_scaling_factor (rounded to weights_dtype). Otherwise returns the
+ * number of bad rows and writes the first problem (row, position, values)
+ * into msg. */
 int ref_check_topk_gating(const moecl_topk_gating_desc *desc, const void *gating, const float *bias,
                           const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 

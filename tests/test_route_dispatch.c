@@ -37,7 +37,11 @@ typedef struct outs {
     uint32_t block;
 } outs;
 
-static shape topk_shape(const moecl_topk_gating_desc *d) { return (shape){d->num_tokens, d->top_k, d->num_experts}; }
+/* Shared experts are slots and experts to moe_align. */
+static shape topk_shape(const moecl_topk_gating_desc *d)
+{
+    return (shape){d->num_tokens, d->top_k + d->num_shared_experts, d->num_experts + d->num_shared_experts};
+}
 
 static moecl_moe_align_desc align_of(shape d, uint32_t block)
 {
@@ -110,7 +114,8 @@ static bufs bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const
     const size_t gbytes = (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype);
     bufs b = bufs_outputs(ctx, o);
     b.gating = harness_buffer(ctx, gbytes, 8, gating);
-    b.bias = bias ? harness_buffer(ctx, o->experts * ref_dtype_size(d->bias_dtype), 4, bias) : (moecl_buffer){NULL, 0};
+    const size_t bias_bytes = d->num_experts * ref_dtype_size(d->bias_dtype);
+    b.bias = bias ? harness_buffer(ctx, bias_bytes, 4, bias) : (moecl_buffer){NULL, 0};
     return b;
 }
 
@@ -267,11 +272,12 @@ static void route_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint
     char what[256];
     snprintf(what, sizeof(what),
              "T=%u E=%u k=%u groups=%u/%u dtype=%d scoring=%d gscore=%d fill=%d renorm=%d floor=%g eps=%g scale=%g "
-             "bias=%d block=%u logits=%d weights=%d bias_dtype=%d",
+             "bias=%d block=%u logits=%d weights=%d bias_dtype=%d shared=%u/%g",
              d->num_tokens, d->num_experts, d->top_k, d->num_expert_groups, d->topk_group, (int)d->gating_dtype,
              (int)d->scoring, (int)d->group_score, (int)d->group_fill, (int)d->renormalize,
              (double)d->renormalize_floor, (double)d->renormalize_eps, (double)d->routed_scaling_factor, (int)with_bias,
-             block, (int)kind, (int)d->weights_dtype, (int)d->bias_dtype);
+             block, (int)kind, (int)d->weights_dtype, (int)d->bias_dtype, d->num_shared_experts,
+             (double)d->shared_expert_weight);
     harness_rng rng = harness_rng_for(stream);
     void *gating = make_logits(&rng, d, kind);
     void *bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 2.0f / (float)d->num_experts)
@@ -409,6 +415,31 @@ START_TEST(test_out_dtypes)
         d.bias_dtype = MOECL_BF16;
         route_case(ctx, &d, 16, true, (enum logits)kind, 520 + kind);
     }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Shared experts (num_shared_experts): top_k + S slots a token aligned
+ * over num_experts + S experts, the same bits as top-k then moe_align,
+ * in the one kernel (decode sizes, GPU class) and the two calls: the
+ * DeepSeek-V3 preset with SGLang's shared weight 1 / 2.5 and bf16 weights,
+ * softmax with S = 2 on exact ties. */
+START_TEST(test_shared_experts)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {7, 641};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        moecl_topk_gating_desc d;
+        ck_assert_int_eq(moecl_topk_gating_desc_preset("deepseek-v3", tokens[t], &d), MOECL_SUCCESS);
+        d.num_shared_experts = 1;
+        d.shared_expert_weight = 1.0f / d.routed_scaling_factor;
+        d.weights_dtype = t ? MOECL_BF16 : MOECL_F32;
+        route_case(ctx, &d, 16, true, LOGITS_NORMAL, 540 + t);
+    }
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(65, 32, 4);
+    d.num_shared_experts = 2;
+    d.shared_expert_weight = 0.5f;
+    route_case(ctx, &d, 16, false, LOGITS_TIES, 545);
     moecl_context_destroy(ctx);
 }
 END_TEST
@@ -920,6 +951,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_out_of_order);
     tcase_add_test(tc, test_bad_input);
     tcase_add_test(tc, test_out_dtypes);
+    tcase_add_test(tc, test_shared_experts);
     suite_add_tcase(s, tc);
     /* The grounded router's, a case of its own so that a run can take it
      * alone (--case grounded). */

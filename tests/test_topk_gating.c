@@ -1821,6 +1821,224 @@ START_TEST(test_ex_capture_scale)
 }
 END_TEST
 
+/* ---- shared experts (num_shared_experts) ---- */
+
+/* How a shared-experts call goes: the plain entry point, with_counts, or
+ * _ex with a valid-token count, the counts and a load counter. */
+enum { SHARED_PLAIN, SHARED_COUNTS, SHARED_EX, SHARED_MODES };
+
+/* Outputs of one call: typed weights and ids of rows of top_k + S slots
+ * (ids widened to int32 in ids32), and counts and load of E + S entries
+ * (one entry past them, which must stay poison). */
+typedef struct shared_out {
+    void *w, *ids;
+    int32_t *ids32, *counts, *load;
+} shared_out;
+
+/* The device tensors of a shared-experts call, at offsets: the counts
+ * where counts, the load counter (from load) and the valid count *n where
+ * load is not NULL. */
+static moecl_topk_gating_tensors shared_tensors(moecl_context *ctx, const moecl_topk_gating_desc *d,
+                                                const void *gating, const void *bias, bool counts, const int32_t *load,
+                                                const int *n)
+{
+    const size_t slots = (size_t)d->num_tokens * (d->top_k + d->num_shared_experts);
+    const size_t ce = d->num_experts + d->num_shared_experts;
+    moecl_topk_gating_tensors t = {.struct_size = sizeof(t)};
+    t.gating = harness_buffer(ctx, (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype), 256,
+                              gating);
+    if (bias)
+        t.bias = harness_buffer(ctx, d->num_experts * ref_dtype_size(d->bias_dtype), 12, bias);
+    t.topk_weights = harness_buffer(ctx, slots * weight_size(d), 8, NULL);
+    t.topk_ids = harness_buffer(ctx, slots * id_size(d), 8, NULL);
+    if (counts)
+        t.expert_counts = harness_buffer(ctx, ce * 4, 20, NULL);
+    if (load) {
+        t.expert_load = harness_buffer(ctx, ce * 4, 36, load);
+        t.num_valid_tokens = harness_buffer(ctx, 4, 44, n);
+    }
+    return t;
+}
+
+static void shared_call(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating, const void *bias,
+                        int mode, bool device, int n, const int32_t *load0, shared_out *o, const char *what)
+{
+    const size_t slots = (size_t)d->num_tokens * (d->top_k + d->num_shared_experts);
+    const size_t ce = d->num_experts + d->num_shared_experts, ws = weight_size(d), is = id_size(d);
+    memset(o->w, HARNESS_POISON, slots * ws + 8);
+    memset(o->ids, HARNESS_POISON, slots * is + 8);
+    memset(o->counts, HARNESS_POISON, ce * 4 + 4);
+    memcpy(o->load, load0, ce * 4);
+    memset(o->load + ce, HARNESS_POISON, 4);
+    const bool counts = mode != SHARED_PLAIN, ex = mode == SHARED_EX;
+    moecl_status st;
+    if (!device) {
+        const moecl_topk_gating_host_tensors h = {.struct_size = sizeof(h),
+                                                  .gating = gating,
+                                                  .bias = bias,
+                                                  .topk_weights = o->w,
+                                                  .topk_ids = o->ids,
+                                                  .expert_counts = counts ? o->counts : NULL,
+                                                  .expert_load = ex ? o->load : NULL,
+                                                  .num_valid_tokens = ex ? &n : NULL};
+        st = mode == SHARED_PLAIN    ? moecl_topk_gating_host(ctx, d, gating, bias, o->w, o->ids)
+             : mode == SHARED_COUNTS ? moecl_topk_gating_with_counts_host(ctx, d, gating, bias, o->w, o->ids, o->counts)
+                                     : moecl_topk_gating_ex_host(ctx, d, &h);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        const moecl_topk_gating_tensors t = shared_tensors(ctx, d, gating, bias, counts, ex ? o->load : NULL, &n);
+        cl_event done = NULL;
+        st = mode == SHARED_PLAIN ? moecl_topk_gating(ctx, d, t.gating, t.bias, t.topk_weights, t.topk_ids, 0, NULL,
+                                                      &done)
+             : mode == SHARED_COUNTS
+                 ? moecl_topk_gating_with_counts(ctx, d, t.gating, t.bias, t.topk_weights, t.topk_ids,
+                                                 t.expert_counts, 0, NULL, &done)
+                 : moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        harness_read(ctx, t.topk_weights, slots * ws + 8, o->w);
+        harness_read(ctx, t.topk_ids, slots * is + 8, o->ids);
+        if (counts)
+            harness_read(ctx, t.expert_counts, ce * 4 + 4, o->counts);
+        if (ex)
+            harness_read(ctx, t.expert_load, ce * 4 + 4, o->load);
+        const moecl_buffer all[] = {t.gating,        t.bias,        t.topk_weights,    t.topk_ids,
+                                    t.expert_counts, t.expert_load, t.num_valid_tokens};
+        for (size_t i = 0; i < COUNT(all); i++)
+            harness_release(all[i]);
+    }
+    assert_tail(o->w, slots * ws, 8, "topk_weights", what);
+    assert_tail(o->ids, slots * is, 8, "topk_ids", what);
+    if (counts && device)
+        assert_tail(o->counts, ce * 4, 4, "expert_counts", what);
+    if (ex && device)
+        assert_tail(o->load, ce * 4, 4, "expert_load", what);
+    for (size_t i = 0; i < slots; i++) {
+        int64_t id = 0;
+        if (d->ids_dtype == MOECL_I64)
+            memcpy(&id, (const char *)o->ids + i * 8, 8);
+        else
+            id = ((const int32_t *)o->ids)[i];
+        o->ids32[i] = id >= INT32_MIN && id <= INT32_MAX ? (int32_t)id : INT32_MIN;
+    }
+}
+
+/* d (with shared experts) on random rows through every entry point and
+ * path: the valid rows pass the reference (routed slots as it chooses,
+ * shared slots exact) and their routed slots are bit for bit those of the
+ * call without shared experts; padding rows are -1 / 0 in every slot; the
+ * counts and the load's additions are the histogram of the valid rows'
+ * ids over num_experts + S experts. */
+static void shared_case(moecl_context *ctx, const moecl_topk_gating_desc *d, bool with_bias, uint64_t stream)
+{
+    harness_rng rng = harness_rng_for(stream);
+    const size_t k = d->top_k, row = k + d->num_shared_experts, ce = d->num_experts + d->num_shared_experts;
+    const size_t slots = d->num_tokens * row, ws = weight_size(d), is = id_size(d);
+    void *gating = harness_random_tensor(&rng, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, 2.0f);
+    void *bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 0.1f) : NULL;
+    int32_t *load0 = malloc(ce * 4);
+    for (size_t x = 0; x < ce; x++)
+        load0[x] = (int32_t)(harness_rand_u32(&rng) % 1000);
+    shared_out o = {malloc(slots * 8 + 8), malloc(slots * 8 + 8), malloc(slots * 4 + 4), malloc(ce * 4 + 4),
+                    malloc(ce * 4 + 4)};
+    /* The routed slots without shared experts (device path). */
+    moecl_topk_gating_desc plain = *d;
+    plain.num_shared_experts = 0;
+    const size_t nk = d->num_tokens * k;
+    shared_out p = {malloc(nk * 8 + 8), malloc(nk * 8 + 8), malloc(nk * 4 + 4), malloc(ce * 4 + 4),
+                    malloc(ce * 4 + 4)};
+    ck_assert(o.w && o.ids && o.ids32 && o.counts && o.load && p.w && p.ids && p.ids32 && p.counts && p.load);
+    char base[400], what[480], msg[600] = "";
+    describe_typed(d, with_bias, base, sizeof(base));
+    snprintf(what, sizeof(what), "%s shared=%u weight=%g plain", base, d->num_shared_experts,
+             (double)d->shared_expert_weight);
+    shared_call(ctx, &plain, gating, bias, SHARED_PLAIN, true, 0, load0, &p, what);
+    for (int mode = 0; mode < SHARED_MODES; mode++)
+        for (int device = 0; device < 2; device++) {
+            /* valid rows: all but for _ex, which takes a count below the rows */
+            const int n = mode == SHARED_EX ? (int)(d->num_tokens * 2 / 3) : (int)d->num_tokens;
+            snprintf(what, sizeof(what), "%s shared=%u weight=%g mode %d %s path valid=%d", base,
+                     d->num_shared_experts, (double)d->shared_expert_weight, mode, device ? "device" : "host", n);
+            shared_call(ctx, d, gating, bias, mode, device == 1, n, load0, &o, what);
+            moecl_topk_gating_desc valid = *d;
+            valid.num_tokens = (uint32_t)n;
+            const int bad = ref_check_topk_gating_typed(&valid, gating, bias, o.w, o.ids, msg, sizeof(msg));
+            ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
+            int32_t *hist = calloc(ce, 4);
+            for (size_t t = 0; t < d->num_tokens; t++)
+                for (size_t j = 0; j < row; j++) {
+                    const size_t i = t * row + j;
+                    if ((int)t >= n) {
+                        const float w = ref_load(d->weights_dtype, o.w, i);
+                        ck_assert_msg(o.ids32[i] == -1 && w == 0.0f && !signbit(w),
+                                      "%s: padding row %zu slot %zu: id %d weight %g", what, t, j, o.ids32[i],
+                                      (double)w);
+                        continue;
+                    }
+                    ck_assert_msg(o.ids32[i] >= 0 && (size_t)o.ids32[i] < ce, "%s: row %zu slot %zu: id %d", what, t,
+                                  j, o.ids32[i]);
+                    hist[o.ids32[i]]++;
+                    if (j < k)
+                        ck_assert_msg(o.ids32[i] == p.ids32[t * k + j] &&
+                                          memcmp((const char *)o.w + i * ws, (const char *)p.w + (t * k + j) * ws,
+                                                 ws) == 0,
+                                      "%s: row %zu slot %zu: id %d, without shared experts %d (or the weight differs)",
+                                      what, t, j, o.ids32[i], p.ids32[t * k + j]);
+                }
+            for (size_t x = 0; mode != SHARED_PLAIN && x < ce; x++) {
+                ck_assert_msg(o.counts[x] == hist[x], "%s: expert_counts[%zu] is %d, the ids hold %d", what, x,
+                              o.counts[x], hist[x]);
+                if (mode == SHARED_EX)
+                    ck_assert_msg(o.load[x] == load0[x] + hist[x], "%s: expert_load[%zu] is %d, want %d + %d", what,
+                                  x, o.load[x], load0[x], hist[x]);
+            }
+            free(hist);
+        }
+    (void)is;
+    free(gating);
+    free(bias);
+    free(load0);
+    void *all[] = {o.w, o.ids, o.ids32, o.counts, o.load, p.w, p.ids, p.ids32, p.counts, p.load};
+    for (size_t i = 0; i < COUNT(all); i++)
+        free(all[i]);
+}
+
+/* Shared experts after the routed slots (SGLang's fused shared experts):
+ * S = 1 and 2; softmax (the CPU fast path), the DeepSeek-V3 preset (groups,
+ * zero fill, bias, renormalisation, factor 2.5; the shared weight 1 /
+ * 2.5), sigmoid renormalised with S = 2 at top_k 62 (the 64-slot bound);
+ * every weights, ids and gating dtype across the cases. */
+START_TEST(test_shared_experts)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][4] = {{128, 8, 1, 0}, {256, 8, 1, 1}, {60, 2, 2, 2}, {64, 62, 2, 2}, {7, 1, 1, 0}};
+    for (size_t s = 0; s < COUNT(shapes); s++) {
+        if (harness_quick_skips((unsigned)s) && s >= 3)
+            continue;
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(19, shapes[s][0], shapes[s][1]);
+        if (shapes[s][3] == 1) {
+            ck_assert_int_eq(moecl_topk_gating_desc_preset("deepseek-v3", 19, &d), MOECL_SUCCESS);
+            d.shared_expert_weight = 1.0f / d.routed_scaling_factor; /* SGLang's */
+            d.bias_dtype = MOECL_BF16;
+        } else {
+            d.shared_expert_weight = 0.75f;
+        }
+        d.num_shared_experts = shapes[s][2];
+        d.gating_dtype = (moecl_dtype)(s % 3);
+        d.weights_dtype = (moecl_dtype)((s + 1) % 3);
+        d.ids_dtype = s % 2 ? MOECL_I64 : MOECL_I32;
+        if (shapes[s][3] == 2) {
+            d.scoring = MOECL_SCORING_SIGMOID;
+            d.renormalize = true;
+            d.routed_scaling_factor = 1.5f;
+        }
+        shared_case(ctx, &d, shapes[s][3] == 1, 31000 + s);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* captured_ids' and expert_scale's checks: the dtype (only where
  * captured_ids is given), the sizes and alignment, nothing written on
  * failure; a record of the first size (up to num_valid_tokens) is
@@ -1921,11 +2139,42 @@ START_TEST(test_ex_capture_invalid)
 }
 END_TEST
 
+/* Bad shared-expert fields: an invalid argument naming the field, from
+ * every entry point that takes them or refuses them. */
+START_TEST(test_shared_invalid)
+{
+    moecl_context *ctx = harness_context();
+    float gating[64] = {0}, w[64];
+    int32_t ids[64], counts[120];
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, 64, 8);
+    d.num_shared_experts = 57; /* 8 + 57 > 64 */
+    moecl_status st = moecl_topk_gating_host(ctx, &d, gating, NULL, w, ids);
+    ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(moecl_context_error(ctx), "num_shared_experts") != NULL, "%s", moecl_context_error(ctx));
+    d.num_shared_experts = 56;
+    ck_assert_int_eq(moecl_topk_gating_with_counts_host(ctx, &d, gating, NULL, w, ids, counts), MOECL_SUCCESS);
+    d.num_shared_experts = 1;
+    d.shared_expert_weight = NAN;
+    st = moecl_topk_gating_host(ctx, &d, gating, NULL, w, ids);
+    ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(moecl_context_error(ctx), "shared_expert_weight") != NULL, "%s", moecl_context_error(ctx));
+    d.shared_expert_weight = 1.0f;
+    st = moecl_topk_weights_host(ctx, &d, gating, ids, w);
+    ck_assert_int_eq(st, MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(moecl_context_error(ctx), "num_shared_experts") != NULL, "%s", moecl_context_error(ctx));
+    /* A NaN weight without shared experts is not read. */
+    d.num_shared_experts = 0;
+    d.shared_expert_weight = NAN;
+    ck_assert_int_eq(moecl_topk_gating_host(ctx, &d, gating, NULL, w, ids), MOECL_SUCCESS);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("topk_gating");
-    /* Four test cases, so that a run can take one (--case NAME): the quick
+    /* Five test cases, so that a run can take one (--case NAME): the quick
      * suite runs each as a process of its own, in parallel. */
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
@@ -1971,9 +2220,14 @@ int main(int argc, char **argv)
     tcase_add_test(dtypes, test_out_dtypes_special_rows);
     tcase_add_test(dtypes, test_out_dtypes_counts);
     tcase_add_test(dtypes, test_out_dtypes_random);
+    TCase *shared = tcase_create("shared");
+    tcase_set_timeout(shared, 1200);
+    tcase_add_test(shared, test_shared_invalid);
+    tcase_add_test(shared, test_shared_experts);
     suite_add_tcase(s, tc);
     suite_add_tcase(s, options);
     suite_add_tcase(s, dtypes);
     suite_add_tcase(s, random);
+    suite_add_tcase(s, shared);
     return harness_run(s);
 }

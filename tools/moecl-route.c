@@ -54,6 +54,9 @@ typedef struct options {
     float scale, alpha, renormalize_floor, renormalize_eps;
     bool scale_set, alpha_set, scoring_set, group_score_set, group_fill_set, floor_set, eps_set;
     long long chunk_rows; /* 0: about 64 MiB of input per chunk */
+    long shared_experts;  /* --shared-experts (topk) */
+    float shared_weight;
+    bool shared_weight_set;
 } options;
 
 static void usage(FILE *f)
@@ -102,6 +105,12 @@ static void usage(FILE *f)
             "  --renormalize-eps F     divide by sum + F instead: 0 or at least 2^-126 (DeepSeek-V3: 1e-20;\n"
             "                          not with --renormalize-floor) (topk, with --renormalize)\n"
             "  --scale F               routed scaling factor, applied last (topk; default 1)\n"
+            "  --shared-experts S      S shared experts after the routed slots of every token: ids\n"
+            "                          experts + j, weight --shared-weight times the scale (SGLang's fused\n"
+            "                          shared experts); the outputs are then top_k + S wide and the\n"
+            "                          counts experts + S long (topk; also with --preset)\n"
+            "  --shared-weight F       a shared slot's weight before the scale (default 1; SGLang's:\n"
+            "                          1 / scale) (topk, with --shared-experts)\n"
             "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
             "  --experts E             the expert count, 1..4096 (align; required)\n"
             "  --block-size N          moe_align's block size, 1..1024 (default 64); given without a\n"
@@ -239,7 +248,8 @@ static struct option longopts[] = {
     VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
     VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
     VALUE("group-fill"), VALUE("renormalize-floor"), VALUE("renormalize-eps"), VALUE("scoring"), VALUE("scale"),
-    VALUE("alpha"), VALUE("chunk-rows"), VALUE("preset"), {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
+    VALUE("alpha"), VALUE("chunk-rows"), VALUE("preset"), VALUE("shared-experts"), VALUE("shared-weight"),
+    {"help", no_argument, NULL, 'h'}, {NULL, 0, NULL, 0},
 };
 #undef FLAG
 #undef VALUE
@@ -314,6 +324,13 @@ static int parse_args(int argc, char **argv, options *o)
         } else if (!strcmp(a, "--top-k")) {
             if (!parse_long(v, 1, 64, &o->top_k))
                 return bad_usage("--top-k is 1..64, not '%s'", v);
+        } else if (!strcmp(a, "--shared-experts")) {
+            if (!parse_long(v, 1, 63, &o->shared_experts))
+                return bad_usage("--shared-experts is 1..63, not '%s'", v);
+        } else if (!strcmp(a, "--shared-weight")) {
+            if (parse_float(a, v, &o->shared_weight) >= 0)
+                return 2;
+            o->shared_weight_set = true;
         } else if (!strcmp(a, "--experts")) {
             if (!parse_long(v, 1, 4096, &o->experts))
                 return bad_usage("--experts is 1..4096, not '%s'", v);
@@ -382,7 +399,8 @@ static int parse_args(int argc, char **argv, options *o)
         if (optind < argc || o->logits || o->hidden || o->ground || o->bias || o->ids_in || o->op || o->top_k ||
             o->groups || o->topk_group || o->experts || o->block_size || o->group_score_set || o->group_fill_set ||
             o->scoring_set || o->renormalize || o->floor_set || o->eps_set || o->scale_set || o->alpha_set || o->bf16 ||
-            o->json || o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts || o->preset)
+            o->json || o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts || o->preset ||
+            o->shared_experts || o->shared_weight_set)
             return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
         for (int i = 0; i < NUM_OUT; i++)
             if (o->out[i])
@@ -412,9 +430,13 @@ static int parse_args(int argc, char **argv, options *o)
     if (!o->logits && o->op != OP_ALIGN)
         return bad_usage("%s", o->op == OP_TOPK ? "no logits file (moecl-route LOGITS.npy ...)"
                                                 : "--op grounded needs --hidden, --logits and --ground");
+    if (o->op != OP_TOPK && (o->shared_experts || o->shared_weight_set))
+        return bad_usage("%s", "--shared-experts and --shared-weight belong to --op topk");
     if (o->op == OP_TOPK) {
         if (o->hidden || o->ground || o->alpha_set)
             return bad_usage("%s", "--hidden, --ground and --alpha belong to --op grounded");
+        if (o->shared_weight_set && !o->shared_experts)
+            return bad_usage("%s", "--shared-weight needs --shared-experts");
         if (!o->groups != !o->topk_group)
             return bad_usage("%s", "--groups and --topk-group come together");
         if (o->group_score_set && !o->groups)
@@ -1012,6 +1034,8 @@ int main(int argc, char **argv)
             td.renormalize_eps = o.renormalize_eps;
         }
         td.gating_dtype = dtype;
+        td.num_shared_experts = (uint32_t)o.shared_experts;
+        td.shared_expert_weight = o.shared_weight_set ? o.shared_weight : 1.0f;
     } else if (o.op == OP_GROUNDED) {
         const npy_file *h = &in[IN_HIDDEN], *l = &in[IN_LOGITS], *g = &in[IN_GROUND];
         moecl_dtype lt, gt;
@@ -1078,10 +1102,15 @@ int main(int argc, char **argv)
         top_k = (uint32_t)n->shape[1];
     }
 
+    /* From here top_k is a row's slots and id_experts the ids' range: with
+     * shared experts, top_k + S and experts + S (the logits' columns and
+     * the bias stay experts). */
+    const uint32_t id_experts = experts + td.num_shared_experts;
+    top_k += td.num_shared_experts;
     /* moe_align at the end: every position must fit in int32. */
     const bool dispatch = wants_dispatch(&o);
     const moecl_moe_align_desc ad = moecl_moe_align_desc_init(
-        (uint32_t)tokens, top_k, experts, o.block_size ? (uint32_t)o.block_size : DEFAULT_BLOCK_SIZE);
+        (uint32_t)tokens, top_k, id_experts, o.block_size ? (uint32_t)o.block_size : DEFAULT_BLOCK_SIZE);
     const uint64_t max_padded = moecl_moe_align_max_padded(&ad);
     if (dispatch && max_padded > INT32_MAX) {
         fprintf(stderr, "moecl-route: %s: moe_align with block size %u needs %llu entries of sorted_token_ids "
@@ -1089,7 +1118,7 @@ int main(int argc, char **argv)
                         "position is an int32); use a smaller --block-size or fewer tokens a file\nTry 'moecl-route "
                         "--help'.\n",
                 o.op == OP_ALIGN ? o.ids_in : o.op == OP_TOPK ? o.logits : o.hidden, ad.block_size,
-                (unsigned long long)max_padded, (unsigned long long)tokens, top_k, experts, ad.block_size - 1);
+                (unsigned long long)max_padded, (unsigned long long)tokens, top_k, id_experts, ad.block_size - 1);
         for (int i = 0; i < NUM_IN; i++)
             npy_close(&in[i]);
         return 2;
@@ -1108,7 +1137,7 @@ int main(int argc, char **argv)
     /* The device, and the options checked against the shapes. */
     summary s;
     memset(&s, 0, sizeof(s));
-    s.experts = experts;
+    s.experts = id_experts;
     s.top_k = top_k;
     s.chunk_rows = chunk;
     s.dispatch = dispatch;
@@ -1152,7 +1181,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < NUM_OUT; i++) {
         if (!out_paths[i])
             continue;
-        const uint64_t pairs_shape[3] = {tokens, top_k, 2}, counts_shape[1] = {experts},
+        const uint64_t pairs_shape[3] = {tokens, top_k, 2}, counts_shape[1] = {id_experts},
                        sorted_shape[1] = {max_padded}, blocks_shape[1] = {max_padded / ad.block_size},
                        post_shape[1] = {1};
         const uint64_t *shape = i == OUT_COUNTS   ? counts_shape
@@ -1180,7 +1209,7 @@ int main(int argc, char **argv)
     float *h_w = malloc(nk * 4 + 4), *h_pairs = malloc(nk * 8 + 4);
     int32_t *h_ids = malloc(nk * 4 + 4);
     cl_mem d_w = NULL, d_ids = NULL, d_pairs = NULL;
-    s.load = calloc(experts, sizeof(uint64_t));
+    s.load = calloc(id_experts, sizeof(uint64_t));
     /* moe_align's input (the ids of every token) and outputs, whole. */
     const size_t slots = (size_t)tokens * top_k;
     int32_t *all_ids = NULL, *counts = NULL, *sorted = NULL, *blocks = NULL, *positions = NULL;
@@ -1189,7 +1218,7 @@ int main(int argc, char **argv)
                  (unsigned long long)chunk);
         goto run_error;
     }
-    if (dispatch && (!(all_ids = malloc(slots * 4 + 4)) || !(counts = malloc((size_t)experts * 4)) ||
+    if (dispatch && (!(all_ids = malloc(slots * 4 + 4)) || !(counts = malloc((size_t)id_experts * 4)) ||
                      !(sorted = malloc((size_t)max_padded * 4 + 4)) ||
                      !(blocks = malloc((size_t)(max_padded / ad.block_size) * 4 + 4)) ||
                      (o.out[OUT_SLOTS] && !(positions = malloc(slots * 4 + 4))))) {
@@ -1325,7 +1354,7 @@ int main(int argc, char **argv)
         const double w1 = now_s();
         const void *out_data[NUM_OUT] = {[OUT_COUNTS] = counts, [OUT_SORTED] = sorted, [OUT_BLOCKS] = blocks,
                                          [OUT_SLOTS] = positions, [OUT_POST] = &s.post_padded};
-        const size_t out_bytes[NUM_OUT] = {[OUT_COUNTS] = (size_t)experts * 4, [OUT_SORTED] = (size_t)max_padded * 4,
+        const size_t out_bytes[NUM_OUT] = {[OUT_COUNTS] = (size_t)id_experts * 4, [OUT_SORTED] = (size_t)max_padded * 4,
                                            [OUT_BLOCKS] = (size_t)(max_padded / ad.block_size) * 4,
                                            [OUT_SLOTS] = slots * 4, [OUT_POST] = 4};
         for (int i = FIRST_DISPATCH_OUT; i < NUM_OUT; i++)
@@ -1344,7 +1373,8 @@ int main(int argc, char **argv)
         snprintf(what, sizeof(what), "moe_align of %s: %llu tokens x top_k %u, %u experts%s", o.ids_in,
                  (unsigned long long)tokens, top_k, experts, ids_i64 ? ", int64 ids read as int32" : "");
     else if (o.op == OP_TOPK)
-        snprintf(what, sizeof(what), "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s%s%s%s%s%s",
+        snprintf(what, sizeof(what),
+                 "topk gating of %s: %llu tokens x %u experts, %s, top_k %u, %s%s%s%s%s%s%s%s%s%s%s%s%s",
                  o.logits, (unsigned long long)tokens, experts, dtype_name(dtype), top_k,
                  o.preset ? "preset " : "", o.preset ? o.preset : "", o.preset ? ": " : "", scoring_name(td.scoring),
                  td.weighting != MOECL_WEIGHTS_SCORE ? ", weights " : "",
@@ -1358,7 +1388,8 @@ int main(int argc, char **argv)
                  : td.renormalize_floor > 0.0f    ? " (floored)"
                  : td.renormalize_eps > 0.0f      ? " (sum + eps)"
                                                   : "",
-                 td.routed_scaling_factor != 1.0f ? ", scaled" : "");
+                 td.routed_scaling_factor != 1.0f ? ", scaled" : "",
+                 td.num_shared_experts ? ", shared experts after the routed slots" : "");
     else
         snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "
                                      "alpha %g", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,

@@ -408,7 +408,9 @@ typedef struct moecl_buffer {
  *   one device and not another);
  *   renormalize_eps likewise, and at most one of the two nonzero;
  *   weights_dtype and bias_dtype moecl_dtype values, ids_dtype a
- *   moecl_index_dtype value.
+ *   moecl_index_dtype value;
+ *   num_shared_experts <= 64 - top_k, and shared_expert_weight finite
+ *   where num_shared_experts > 0.
  */
 typedef struct moecl_topk_gating_desc {
     uint32_t num_tokens;        /**< rows of the gating logits */
@@ -460,6 +462,24 @@ typedef struct moecl_topk_gating_desc {
      *  (the default), MOECL_F16 or MOECL_BF16 (FlashInfer's and aiter's
      *  bf16 e_score_correction_bias), widened to f32 exactly on load. */
     moecl_dtype bias_dtype;
+    /** Shared experts appended to the routing output (docs/routing.md,
+     *  "Shared experts"; SGLang's num_fused_shared_experts). 0 (the
+     *  default): none. S > 0: every output row holds top_k + S slots, the
+     *  routed top_k as without them, then slot top_k + j (j < S) with id
+     *  num_experts + j and the weight shared_expert_weight *
+     *  routed_scaling_factor (one fp32 product). They are counted as
+     *  ordinary slots: expert_counts and expert_load then have
+     *  num_experts + S entries, and moecl_route_dispatch() aligns top_k + S
+     *  slots a token over num_experts + S experts. A padding row
+     *  (num_valid_tokens) is -1 / 0 in every slot. top_k + S <= 64.
+     *  moecl_topk_weights() and moecl_hash_routing() refuse S > 0. */
+    uint32_t num_shared_experts;
+    /** The weight of each shared slot before routed_scaling_factor:
+     *  finite; 1.0 in moecl_topk_gating_desc_init(). SGLang's fused shared
+     *  experts weigh 1 / routed_scaling_factor here (with renormalize), so
+     *  that they count once where the factor is applied. Ignored without
+     *  shared experts. */
+    float shared_expert_weight;
 } moecl_topk_gating_desc;
 
 /** The seed reference op: softmax, f32 logits, no groups,
@@ -1423,6 +1443,9 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  * MOECL_ERROR_INVALID_ARGUMENT); block_size as moecl_moe_align_desc's, and
  * num_tokens * top_k + num_experts * (block_size - 1) <= INT32_MAX.
  * num_tokens == 0 writes moe_align's empty result and no top-k output.
+ * With shared experts (desc->num_shared_experts S > 0), top_k and
+ * num_experts read top_k + S and num_experts + S throughout: the rows of
+ * topk_weights and topk_ids, expert_counts, and moe_align's descriptor.
  *
  * Asynchronous. One of two paths, which moecl chooses for the size and the
  * device (docs/routing.md §8); both give the same bits:

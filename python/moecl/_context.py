@@ -398,9 +398,11 @@ class Context:
                    group_fill: str, renormalize: bool, scale: float, renormalize_floor: float,
                    weighting: str = "score", renormalize_eps: float = 0.0, b: Optional[T.Tensor] = None,
                    bias_dtype: Optional[str] = None, weights_dtype: str = "f32", ids_dtype: str = "int32",
-                   prepare: bool = True) -> ctypes.Structure:
-        """moecl_topk_gating_desc of a call, validated by the library (and its kernel built)."""
+                   prepare: bool = True, shared: Tuple[int, float] = (0, 1.0)) -> ctypes.Structure:
+        """moecl_topk_gating_desc of a call, validated by the library (and its kernel built);
+        shared: (num_shared_experts, shared_expert_weight)."""
         fields = dict(weights_dtype=_enum("weights_dtype", weights_dtype, _lib.DTYPES),
+                      num_shared_experts=shared[0], shared_expert_weight=float(shared[1]),
                       ids_dtype=_enum("ids_dtype", ids_dtype, _lib.INDEX_DTYPES),
                       bias_dtype=_lib.DTYPES[T.input_dtypes(bias_dtype)[b.dtype]] if b is not None else 0,
                       num_expert_groups=_uint("groups", 0 if groups is None else groups),
@@ -427,6 +429,7 @@ class Context:
                     dtype: Optional[str] = None, bias_dtype: Optional[str] = None, weights_dtype: str = "f32",
                     ids_dtype: str = "int32", counts: bool = False, num_valid_tokens: Any = None,
                     expert_load: Any = None, captured_ids: Any = None, expert_scale: Any = None,
+                    num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
                     out: Optional[Dict[str, Any]] = None, queue: Any = None,
                     wait_for: Optional[Sequence[Any]] = None) -> Tuple[Any, ...]:
         """Top-k gating (docs/routing.md, section 2) of logits [tokens, experts].
@@ -475,6 +478,13 @@ class Context:
             expert_scale: float32 [experts], or None: each chosen expert's
                 final weight times its scale, after renormalize and scale
                 (Gemma 4's per_expert_scale).
+            num_shared_experts: S shared experts appended to every row
+                after the top_k routed slots (SGLang's
+                num_fused_shared_experts): ids experts + j, weight
+                shared_expert_weight * scale. The outputs are then
+                [tokens, top_k + S], counts and expert_load [experts + S].
+            shared_expert_weight: a shared slot's weight before scale
+                (SGLang's: 1 / scale).
             out: output arrays to write, by name ("weights", "ids", "counts").
             queue: a pyopencl.CommandQueue to enqueue on instead of the
                 context's own (adopted with from_pyopencl on first use, and
@@ -496,15 +506,16 @@ class Context:
         out = dict(out or {})
         kind = T.kind_of([logits, bias, num_valid_tokens, expert_load, captured_ids, expert_scale, *out.values()])
         g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
+        s = _uint("num_shared_experts", num_shared_experts)
         nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
-        load = None if expert_load is None else T.check("expert_load", expert_load, (experts,), [T.I32], kind,
+        load = None if expert_load is None else T.check("expert_load", expert_load, (experts + s,), [T.I32], kind,
                                                         output=True)
         cap = None if captured_ids is None else T.check("captured_ids", captured_ids, (tokens, k),
                                                         [np.dtype(n) for n in _lib.CAPTURED_DTYPES], kind,
                                                         output=True)
         es = None if expert_scale is None else T.check("expert_scale", expert_scale, (experts,), [T.F32], kind)
-        w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
-        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
+        w_spec, ids_spec = self._topk_out_specs(tokens, k + s, weights_dtype, ids_dtype, kind)
+        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts + s,), T.I32)}
         given = T.outputs(specs, out, kind)
         if given["counts"] is not None and not counts:
             raise ValueError('out["counts"] given without counts=True')
@@ -513,7 +524,7 @@ class Context:
         on = self._on(queue)
         desc = on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score, group_fill,
                              renormalize, scale, renormalize_floor, weighting, renormalize_eps, b, bias_dtype,
-                             weights_dtype, ids_dtype)
+                             weights_dtype, ids_dtype, shared=(s, shared_expert_weight))
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -910,7 +921,8 @@ class Context:
                        renormalize_floor: float = 0.0, renormalize_eps: float = 0.0, group_fill: str = "neg_inf",
                        weighting: str = "score", dtype: Optional[str] = None, bias_dtype: Optional[str] = None,
                        weights_dtype: str = "f32", ids_dtype: str = "int32", slot_positions: bool = True,
-                       num_invalid: bool = True, out: Optional[Dict[str, Any]] = None,
+                       num_invalid: bool = True, num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
+                       out: Optional[Dict[str, Any]] = None,
                        queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
         """Top-k gating through to dispatch in one call (moecl_route_dispatch;
         docs/routing.md, "Routing through to dispatch"): exactly what
@@ -925,6 +937,8 @@ class Context:
                 raises moecl.InvalidArgumentError.
             block_size: as for moe_align.
             slot_positions, num_invalid: compute these optional outputs.
+            num_shared_experts, shared_expert_weight: as for topk_gating; the
+                dispatch then aligns top_k + S slots over experts + S experts.
             out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
 
         Returns:
@@ -933,12 +947,14 @@ class Context:
         out = dict(out or {})
         kind = T.kind_of([logits, bias, *out.values()])
         g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
+        s = _uint("num_shared_experts", num_shared_experts)
         return self._dispatch(
             "route_dispatch",
             lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
                                      group_fill, renormalize, scale, renormalize_floor, weighting,
-                                     renormalize_eps, b, bias_dtype, weights_dtype, ids_dtype),
-            [g, b], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind, queue, wait_for,
+                                     renormalize_eps, b, bias_dtype, weights_dtype, ids_dtype,
+                                     shared=(s, shared_expert_weight)),
+            [g, b], tokens, k + s, experts + s, block_size, slot_positions, num_invalid, out, kind, queue, wait_for,
             weights_dtype, ids_dtype)
 
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,

@@ -59,6 +59,8 @@ class TopkGatingDesc(ctypes.Structure):
         ("weights_dtype", c_int),
         ("ids_dtype", c_int),
         ("bias_dtype", c_int),
+        ("num_shared_experts", c_uint32),
+        ("shared_expert_weight", ctypes.c_float),
     ]
 
 

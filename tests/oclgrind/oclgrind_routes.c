@@ -357,31 +357,35 @@ typedef struct topk_case {
     float factor;
     bool every_shape; /* also in the team-size runs */
     bool big;         /* in one dtype only (in turn) */
+    uint32_t shared;  /* num_shared_experts, weight 0.75 */
 } topk_case;
 
 static const topk_case topk_cases[] = {
     /* softmax, no bias, no groups: the rows kernel's fast path */
-    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
-    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, false},
-    {16, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 2.5f, false, false},
-    {40, 20, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
+    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false, 0},
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, false, 0},
+    {16, 1, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 2.5f, false, false, 0},
+    {40, 20, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false, 0},
     /* the generic paths */
-    {3, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, false},
-    {24, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
-    {32, 4, 4, 2, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false},
-    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false},
-    {64, 8, 2, 1, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false},
+    {3, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, false, 0},
+    {24, 6, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false, 0},
+    {32, 4, 4, 2, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false, 0},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, true, false, 0},
+    {64, 8, 2, 1, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, false, 0},
     /* the seed's shape, DeepSeek-V2 and -V3, the largest top_k and expert
      * count (several blocks per lane, the counting top-k's rare branch on
      * the tied rows, the team kernels' tree reductions) */
-    {128, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, true},
-    {160, 6, 8, 3, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 16.0f, false, true},
-    {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, false, true},
-    {257, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, true},
-    {4096, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, true},
+    {128, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, false, true, 0},
+    {160, 6, 8, 3, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 16.0f, false, true, 0},
+    {256, 8, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, false, 2.5f, false, true, 0},
+    {257, 64, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, true, false, 1.0f, false, true, 0},
+    {4096, 8, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SIGMOID, false, false, false, 1.0f, false, true, 0},
     /* moecl_topk_gating_with_counts */
-    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, true, 1.0f, false, false},
-    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true, false},
+    {17, 3, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, true, 1.0f, false, false, 0},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true, false, 0},
+    /* shared experts after the routed slots: the fast path and the counts */
+    {5, 2, 0, 0, MOECL_GROUP_SCORE_MAX, MOECL_SCORING_SOFTMAX, false, false, false, 1.0f, true, false, 1},
+    {32, 6, 8, 3, MOECL_GROUP_SCORE_TOP2_SUM, MOECL_SCORING_SIGMOID, true, true, true, 2.5f, true, false, 2},
 };
 
 /* Tokens of each case: every kind of row, and a partial last work-group
@@ -419,13 +423,14 @@ static void read_back(moecl_context *ctx, moecl_buffer b, size_t size, void *out
 static moecl_status topk_counts_device(moecl_context *ctx, const moecl_topk_gating_desc *d, const void *gating,
                                        const float *bias, float *w, int32_t *ids, int32_t *counts)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    const size_t nk = (size_t)d->num_tokens * (d->top_k + d->num_shared_experts);
+    const size_t ce = d->num_experts + d->num_shared_experts;
     moecl_buffer in = tight_buffer(ctx, 64, (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype),
                                    gating);
     moecl_buffer b = bias ? tight_buffer(ctx, 8, d->num_experts * sizeof(float), bias) : (moecl_buffer){NULL, 0};
     moecl_buffer wb = tight_buffer(ctx, 4, nk * sizeof(float), NULL);
     moecl_buffer ib = tight_buffer(ctx, 12, nk * sizeof(int32_t), NULL);
-    moecl_buffer cb = tight_buffer(ctx, 16, d->num_experts * sizeof(int32_t), NULL);
+    moecl_buffer cb = tight_buffer(ctx, 16, ce * sizeof(int32_t), NULL);
     cl_event done = NULL;
     const moecl_status st = moecl_topk_gating_with_counts(ctx, d, in, b, wb, ib, cb, 0, NULL, &done);
     if (done) {
@@ -434,7 +439,7 @@ static moecl_status topk_counts_device(moecl_context *ctx, const moecl_topk_gati
     }
     read_back(ctx, wb, nk * sizeof(float), w);
     read_back(ctx, ib, nk * sizeof(int32_t), ids);
-    read_back(ctx, cb, d->num_experts * sizeof(int32_t), counts);
+    read_back(ctx, cb, ce * sizeof(int32_t), counts);
     clReleaseMemObject(in.mem);
     if (b.mem)
         clReleaseMemObject(b.mem);
@@ -466,6 +471,8 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     d.renormalize = c->renormalize;
     d.routed_scaling_factor = c->factor;
     d.gating_dtype = dtype;
+    d.num_shared_experts = c->shared;
+    d.shared_expert_weight = 0.75f;
     /* The f16 and bf16 runs without counts also write weights of their
      * dtype and read a bias of it, and the bf16 ones int64 ids: the typed
      * stores and loads of cl/gating.cl. */
@@ -473,11 +480,11 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
         d.weights_dtype = d.bias_dtype = dtype;
         d.ids_dtype = dtype == MOECL_BF16 ? MOECL_I64 : MOECL_I32;
     }
-    snprintf(current, sizeof(current), "%s T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g", run->name,
+    snprintf(current, sizeof(current), "%s T=%u E=%u k=%u %s %s%s groups=%u/%u %s%s%s factor=%g shared=%u", run->name,
              d.num_tokens, d.num_experts, d.top_k, dtype_name(dtype),
              c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->groups,
              c->topk_group, c->group_score == MOECL_GROUP_SCORE_MAX ? "max" : "top2sum",
-             c->renormalize ? " renormalize" : "", c->counts ? " with_counts" : "", (double)c->factor);
+             c->renormalize ? " renormalize" : "", c->counts ? " with_counts" : "", (double)c->factor, c->shared);
     if (!selected())
         return;
 
@@ -504,7 +511,8 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     if (left_out_by_uninit(unfit))
         return;
 
-    const size_t nk = (size_t)d.num_tokens * d.top_k;
+    const size_t nk = (size_t)d.num_tokens * (d.top_k + d.num_shared_experts);
+    const size_t ce = d.num_experts + d.num_shared_experts;
     void *gating = special_rows(dtype, d.num_tokens, d.num_experts, shift);
     void *bias = NULL;
     if (c->bias) {
@@ -519,7 +527,7 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     }
     void *w = xmalloc(nk * 8);
     void *ids = xmalloc(nk * 8);
-    int32_t *counts = xmalloc(d.num_experts * sizeof(int32_t));
+    int32_t *counts = xmalloc(ce * sizeof(int32_t));
     int16_t *captured = xmalloc(nk * sizeof(int16_t));
     float *scale = xmalloc(d.num_experts * sizeof(float));
     for (uint32_t e = 0; e < d.num_experts; e++)
@@ -532,7 +540,7 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
     for (int path = 0; path < (c->counts || capture ? 2 : 1); path++) {
         memset(w, 0xff, nk * 8);
         memset(ids, 0xff, nk * 8);
-        memset(counts, 0xff, d.num_experts * sizeof(int32_t));
+        memset(counts, 0xff, ce * sizeof(int32_t));
         moecl_status st;
         if (capture && path == 1)
             st = topk_capture_host(ctx, &d, gating, bias, w, ids, captured, scale);
@@ -552,9 +560,11 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
         const int bad = ref_check_topk_gating_typed_scaled(&d, gating, bias, scaled, w, ids, msg, sizeof(msg));
         if (bad)
             fail("%d bad rows%s; first: %s", bad, how, msg);
-        for (size_t i = 0; scaled && i < nk; i++) {
+        /* The capture holds the routed slots of a row, topk_ids its shared ones too. */
+        const size_t row = d.top_k + d.num_shared_experts, is = d.ids_dtype == MOECL_I64 ? 8 : 4;
+        for (size_t i = 0; scaled && i < (size_t)d.num_tokens * d.top_k; i++) {
             int64_t id = 0;
-            memcpy(&id, (const char *)ids + i * (d.ids_dtype == MOECL_I64 ? 8 : 4), d.ids_dtype == MOECL_I64 ? 8 : 4);
+            memcpy(&id, (const char *)ids + (i / d.top_k * row + i % d.top_k) * is, is);
             if (d.ids_dtype != MOECL_I64)
                 id = (int32_t)id;
             if (captured[i] != id) {
@@ -562,7 +572,7 @@ static void topk_one(moecl_context *ctx, const run_def *run, const topk_case *c,
                 break;
             }
         }
-        for (uint32_t e = 0; c->counts && e < d.num_experts; e++) {
+        for (uint32_t e = 0; c->counts && e < ce; e++) {
             int32_t want = 0;
             for (size_t i = 0; i < nk; i++)
                 want += ((const int32_t *)ids)[i] == (int32_t)e;

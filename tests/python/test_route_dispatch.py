@@ -117,3 +117,18 @@ def test_device_tensors_wait_for(ctx, rng):
     assert_same(ctx.grounded_route_dispatch(h, x, g, top_k=2, alpha=0.5, block_size=4), ghost[0], ghost[1],
                 moecl.MoeAlignResult(*ghost[2:], None))
     check_grounded(None, ghost[0], ghost[1], h.astype(np.float64), x.astype(np.float64), g.astype(np.float64), 0.5, 2)
+
+
+@pytest.mark.parametrize("tokens", [7, 641])
+def test_route_dispatch_shared_experts(ctx, rng, tokens):
+    """Shared experts through to dispatch: top_k + S slots a token aligned
+    over experts + S experts, exactly as topk_gating then moe_align."""
+    experts, k, block, shared = 128, 8, 16, 2
+    a, _ = make_logits(rng, tokens, experts, "f32")
+    opts = dict(top_k=k, scoring="sigmoid", renormalize=True, scale=2.5, num_shared_experts=shared,
+                shared_expert_weight=0.4)
+    res = ctx.route_dispatch(a, block_size=block, **opts)
+    w, ids = ctx.topk_gating(a, **opts)
+    assert res.topk_ids.shape == (tokens, k + shared)
+    assert_same(res, w, ids, ctx.moe_align(ids, experts + shared, block))
+    check_align(moecl.MoeAlignResult(*[getattr(res, n) for n in FIELDS], None), res.topk_ids, experts + shared, block)

@@ -280,3 +280,31 @@ def test_captured_ids_alone_and_bad_arrays(ctx, rng):
         ctx.topk_gating(a, top_k=2, expert_scale=np.ones(16, np.float64))
     with pytest.raises(ValueError, match="expert_scale"):
         ctx.topk_gating(a, top_k=2, expert_scale=np.ones(15, np.float32))
+
+
+@pytest.mark.parametrize("shared,weight", [(1, 0.4), (2, 0.75)])
+def test_shared_experts(ctx, rng, shared, weight):
+    """num_shared_experts: the routed slots as without them (and as the
+    reference), then ids experts + j with the weight float32(weight *
+    scale); counts and the load over experts + S entries; padding rows -1
+    / 0 in every slot."""
+    tokens, experts, k, scale = 13, 64, 6, 2.5
+    a, x = make_logits(rng, tokens, experts, "f32")
+    opts = dict(top_k=k, scoring="sigmoid", renormalize=True, scale=scale)
+    w0, ids0 = ctx.topk_gating(a, **opts)
+    w, ids, counts = ctx.topk_gating(a, counts=True, num_shared_experts=shared, shared_expert_weight=weight, **opts)
+    assert w.shape == ids.shape == (tokens, k + shared) and counts.shape == (experts + shared,)
+    np.testing.assert_array_equal(w[:, :k], w0)
+    np.testing.assert_array_equal(ids[:, :k], ids0)
+    check_topk(w[:, :k].copy(), ids[:, :k].copy(), x, k, "sigmoid", renormalize=True, scale=scale)
+    np.testing.assert_array_equal(ids[:, k:], np.broadcast_to(np.arange(experts, experts + shared), (tokens, shared)))
+    np.testing.assert_array_equal(w[:, k:], np.float32(np.float64(np.float32(weight)) * scale))
+    np.testing.assert_array_equal(counts, np.bincount(ids.ravel(), minlength=experts + shared))
+    load = np.zeros(experts + shared, np.int32)
+    w, ids = ctx.topk_gating(a, num_valid_tokens=np.array([5], np.int32), expert_load=load,
+                             num_shared_experts=shared, shared_expert_weight=weight, **opts)
+    np.testing.assert_array_equal(ids[5:], -1)
+    np.testing.assert_array_equal(w[5:], 0)
+    np.testing.assert_array_equal(load, np.bincount(ids[:5].ravel(), minlength=experts + shared))
+    with pytest.raises(moecl.InvalidArgumentError, match="num_shared_experts"):
+        ctx.topk_gating(a, top_k=k, num_shared_experts=64 - k + 1)

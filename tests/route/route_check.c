@@ -149,11 +149,11 @@ int main(int argc, char **argv)
 {
     const char *op = "topk", *logits = NULL, *hidden = NULL, *ground = NULL, *bias = NULL;
     const char *weights = NULL, *ids = NULL, *pairs = NULL, *ids_in = NULL, *dispatch[NUM_D] = {NULL};
-    long top_k = 0, groups = 0, topk_group = 0, experts_in = 0, block = 64;
+    long top_k = 0, groups = 0, topk_group = 0, experts_in = 0, block = 64, shared = 0;
     long long want_post = -1, want_invalid = -1;
     bool any_dispatch = false;
     bool renormalize = false, bf16 = false;
-    float scale = 1.0f, alpha = 1.0f, renormalize_floor = 0.0f, renormalize_eps = 0.0f;
+    float scale = 1.0f, alpha = 1.0f, renormalize_floor = 0.0f, renormalize_eps = 0.0f, shared_weight = 1.0f;
     moecl_scoring scoring = MOECL_SCORING_SOFTMAX;
     moecl_group_score group_score = MOECL_GROUP_SCORE_MAX;
     moecl_group_fill group_fill = MOECL_GROUP_FILL_NEG_INF;
@@ -222,6 +222,10 @@ int main(int argc, char **argv)
             scale = strtof(v, NULL);
         else if (!strcmp(a, "--alpha"))
             alpha = strtof(v, NULL);
+        else if (!strcmp(a, "--shared-experts"))
+            shared = atol(v);
+        else if (!strcmp(a, "--shared-weight"))
+            shared_weight = strtof(v, NULL);
         else if (strcmp(a, "--chunk-rows") && strcmp(a, "--device")) { /* moecl-route's own; ignored */
             int j = 0;
             while (j < NUM_D && strcmp(a, d_flag[j]))
@@ -282,7 +286,11 @@ int main(int argc, char **argv)
     if ((main_in->kind == NPY_U2 || main_in->kind == NPY_V2) && !bf16)
         return fail("%s: 16-bit integers without --bf16%s", main_in->path, "");
     const uint64_t tokens = nl.shape[0];
+    /* k: a row's slots, --top-k as given here (the routed ones and the
+     * shared ones after them). */
     const uint32_t experts = (uint32_t)nl.shape[1], k = (uint32_t)top_k;
+    if (shared < 0 || shared >= top_k)
+        return fail("--shared-experts: it must be below --top-k (a row's slots)%s%s", "", "");
     if ((weights && check_output(&nw, NPY_F32, tokens, k, false)) ||
         (ids && check_output(&ni, NPY_I32, tokens, k, false)) ||
         (pairs && check_output(&np, NPY_F32, tokens, k, true)))
@@ -301,7 +309,9 @@ int main(int argc, char **argv)
     char msg[512] = "";
     int bad;
     if (topk) {
-        moecl_topk_gating_desc d = moecl_topk_gating_desc_init((uint32_t)tokens, experts, k);
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init((uint32_t)tokens, experts, k - (uint32_t)shared);
+        d.num_shared_experts = (uint32_t)shared;
+        d.shared_expert_weight = shared_weight;
         d.gating_dtype = dtype;
         d.scoring = scoring;
         d.num_expert_groups = (uint32_t)groups;
@@ -345,7 +355,8 @@ int main(int argc, char **argv)
     }
     printf("route-check: %llu rows x top %u agree with the reference\n", (unsigned long long)tokens, k);
     if (any_dispatch &&
-        check_dispatch(dispatch, (uint32_t)tokens, k, experts, (uint32_t)block, id, want_post, want_invalid))
+        check_dispatch(dispatch, (uint32_t)tokens, k, experts + (uint32_t)shared, (uint32_t)block, id, want_post,
+                       want_invalid))
         return 1;
     free(l);
     free(h);

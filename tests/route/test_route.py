@@ -410,6 +410,20 @@ def case_dispatch(c):
         raise Failure("no moe_align was asked for, yet the JSON summary reports one")
 
 
+def case_topk_shared_experts(c):
+    """--shared-experts: rows of top_k + S slots (route-check takes --top-k
+    as a row's width), counts over experts + S, and the dispatch of every
+    slot. --shared-weight alone, and more slots than 64, are bad usage."""
+    t, e, k, s = 300, 64, 6, 2
+    lg = logits_file(c, "logits.npy", t, e)
+    bias = write_npy(c.path("bias.npy"), randn(c.rng, e, 0.05), (e,))
+    c.route_and_check([lg, "--bias", bias, "--scoring", "sigmoid", "--renormalize", "--scale", "2.5", "--top-k",
+                       str(k), "--shared-experts", str(s), "--shared-weight", "0.4", "--block-size", "16"], k + s, t,
+                      ("weights", "ids") + DISPATCH, experts=e + s)
+    c.expect_failure([lg, "--shared-weight", "0.5"], ["--shared-weight"], rc=2)
+    c.expect_failure([lg, "--top-k", "60", "--shared-experts", "5"], ["num_shared_experts"], rc=2)
+
+
 def case_dispatch_grounded(c):
     """The grounded router's ids (from the pairs only) through moe_align,
     in chunks of 77 rows, block size 32, and at block size 1."""
