@@ -273,10 +273,12 @@ void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_g
 }
 
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
-                                     char *buf, size_t size, const char **kernel_name)
+                                     bool has_load, bool has_valid, char *buf, size_t size, const char **kernel_name)
 {
     topk_request r = request_of(desc, has_bias, false);
     r.has_dispatch = true;
+    r.has_load = has_load;
+    r.has_valid = has_valid;
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -337,11 +339,22 @@ moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_
     return plan_of(ctx, &r, plan);
 }
 
+moecl_status moecl_topk_gating_ex_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                       bool has_load, bool has_valid, const moecl_plan **plan)
+{
+    topk_request r = request_of(desc, has_bias, false);
+    r.has_load = has_load;
+    r.has_valid = has_valid;
+    return plan_of(ctx, &r, plan);
+}
+
 moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
-                                          const moecl_plan **plan)
+                                          bool has_load, bool has_valid, const moecl_plan **plan)
 {
     topk_request r = request_of(desc, has_bias, false);
     r.has_dispatch = true;
+    r.has_load = has_load;
+    r.has_valid = has_valid;
     return plan_of(ctx, &r, plan);
 }
 
