@@ -507,9 +507,18 @@ struct moecl_plan;
 moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
                                     bool has_counts, const struct moecl_plan **plan);
 /* The plan of moecl_topk_gating_ex without counts, with expert_load and
- * num_valid_tokens or not. */
+ * num_valid_tokens or not, and the load by load_map local experts (0: by
+ * expert id). */
 moecl_status moecl_topk_gating_ex_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
-                                       bool has_load, bool has_valid, const struct moecl_plan **plan);
+                                       bool has_load, bool has_valid, uint32_t load_map,
+                                       const struct moecl_plan **plan);
+/* moecl_topk_gating_ex with expert_load by local expert: expert_map
+ * (int32[num_experts]) takes each id to its local expert, counted where
+ * in [0, num_local) (moecl_route_dispatch_ex's load with a map). The
+ * caller has validated num_local. */
+moecl_status moecl_topk_gating_ex_mapped(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                         const moecl_topk_gating_tensors *tensors, moecl_buffer expert_map,
+                                         uint32_t num_local, cl_uint num_wait, const cl_event *wait, cl_event *done);
 /* The plan of moecl_route_dispatch's one kernel for desc: the team
  * kernel of moecl_topk_gating_plan's configuration built with
  * ROUTE_DISPATCH (cl/topk_gating.cl), and HAS_LOAD, HAS_VALID where
@@ -801,6 +810,7 @@ enum {
     MOECL_TOPK_REPLAY,
     MOECL_TOPK_HAS_LOAD,
     MOECL_TOPK_HAS_VALID,
+    MOECL_TOPK_LOAD_MAP,
     MOECL_TOPK_PARAMS
 };
 

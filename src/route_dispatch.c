@@ -77,10 +77,6 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "num_local_experts is %u but expert_map is absent; it must be 0 without a map",
                           s->num_local);
-    if (has_map && s->load.mem)
-        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
-                          "expert_load with expert_map (counts by local expert) is not implemented: "
-                          "add expert_counts, which are this call's local counts, to the load instead");
     *align = moecl_moe_align_desc_init(step_tokens(s), step_top_k(s), has_map ? s->num_local : step_experts(s),
                                        block_size);
     if (has_map)
@@ -114,9 +110,9 @@ static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_alig
  * top-k's kernel). */
 static moecl_status check_ex_buffers(moecl_context *ctx, const route_step *s)
 {
-    const uint64_t e = step_experts(s);
+    const uint64_t e = step_experts(s), load = s->map.mem ? s->num_local : e;
     moecl_status st;
-    if ((st = moecl_check_buffer(ctx, "expert_load", s->load, e * 4, 4, false)) ||
+    if ((st = moecl_check_buffer(ctx, "expert_load", s->load, load * 4, 4, false)) ||
         (st = moecl_check_buffer(ctx, "num_valid_tokens", s->valid, 4, 4, false)) ||
         (st = moecl_check_buffer(ctx, "expert_map", s->map, e * 4, 4, false)))
         return st;
@@ -137,7 +133,7 @@ static moecl_status enqueue_routing(moecl_context *ctx, const route_step *s, cl_
         t.topk_ids = s->ids;
         t.expert_load = s->load;
         t.num_valid_tokens = s->valid;
-        return moecl_topk_gating_ex(ctx, s->topk, &t, num_wait, wait, done);
+        return moecl_topk_gating_ex_mapped(ctx, s->topk, &t, s->map, s->num_local, num_wait, wait, done);
     }
     return moecl_grounded_router(ctx, s->grounded, s->in[0], s->in[1], s->in[2], (moecl_buffer){NULL, 0}, s->weights,
                                  s->ids, num_wait, wait, done);
@@ -147,7 +143,8 @@ static moecl_status enqueue_routing(moecl_context *ctx, const route_step *s, cl_
 static moecl_status routing_plan(moecl_context *ctx, const route_step *s, const moecl_plan **plan)
 {
     if (!s->is_grounded)
-        return moecl_topk_gating_ex_plan(ctx, s->topk, s->has_bias, s->load.mem != NULL, s->valid.mem != NULL, plan);
+        return moecl_topk_gating_ex_plan(ctx, s->topk, s->has_bias, s->load.mem != NULL, s->valid.mem != NULL,
+                                         s->map.mem ? s->num_local : 0, plan);
     return moecl_grounded_router_plan(ctx, s->grounded, false, true, true, plan);
 }
 
@@ -422,7 +419,7 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
                                  slots,          (uint64_t)align.num_experts * 4,
                                  max_padded * 4, max_padded / block_size * 4,
                                  4,              slots,
-                                 4,              e * 4};
+                                 4,              (uint64_t)(o->map ? s->num_local : e) * 4};
     const void *const sources[NUM] = {tokens ? in[0] : NULL, tokens ? in[1] : NULL, tokens ? in[2] : NULL,
                                       o->valid, o->map, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, o->load};
     void *outputs[NUM] = {NULL,      NULL,      NULL,    NULL,      NULL,       tokens ? o->weights : NULL,

@@ -115,6 +115,7 @@ typedef struct topk_request {
     bool has_dispatch; /* moecl_route_dispatch's kernel: moe_align after the rows (team kernel only) */
     unsigned groups, topk_group;
     unsigned replay; /* cl/replay.cl's kernel (src/replay.c): 1 given ids, 2 hash routing; 0 top-k */
+    unsigned load_map; /* the load by local expert: their number (LOAD_MAP); 0 by expert id */
 } topk_request;
 
 /* Local memory the team kernel needs for `rows` rows (cl/layout.h), for
@@ -192,7 +193,7 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0};
+    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0, 0};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -212,6 +213,7 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_HAS_COUNTS] = r->has_counts;
     v.param[MOECL_TOPK_HAS_LOAD] = r->has_load;
     v.param[MOECL_TOPK_HAS_VALID] = r->has_valid;
+    v.param[MOECL_TOPK_LOAD_MAP] = r->load_map;
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
@@ -340,11 +342,12 @@ moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_
 }
 
 moecl_status moecl_topk_gating_ex_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
-                                       bool has_load, bool has_valid, const moecl_plan **plan)
+                                       bool has_load, bool has_valid, uint32_t load_map, const moecl_plan **plan)
 {
     topk_request r = request_of(desc, has_bias, false);
     r.has_load = has_load;
     r.has_valid = has_valid;
+    r.load_map = has_load ? load_map : 0;
     return plan_of(ctx, &r, plan);
 }
 
@@ -418,6 +421,8 @@ typedef struct topk_buffers {
     moecl_buffer gating, bias, weights, ids, counts, load, valid;
     bool check;
     bool need_counts; /* moecl_topk_gating_with_counts: expert_counts is required */
+    moecl_buffer map; /* moecl_route_dispatch_ex's: the load by local expert (LOAD_MAP) */
+    uint32_t num_local;
 } topk_buffers;
 
 /* Bind and enqueue (src/plan.c): the counts are zeroed first, and the
@@ -433,8 +438,10 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                           {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
                                           {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
                                           {"expert_counts", e * 4, b->counts.offset, 4, true},
-                                          {"expert_load", e * 4, b->load.offset, 4, true},
+                                          {"expert_load", (b->map.mem ? b->num_local : e) * 4, b->load.offset, 4, true},
                                           {"num_valid_tokens", 4, b->valid.offset, 4, true}};
+    const moecl_buffer_check map_check = {"expert_map", e * 4, b->map.offset, 4, true};
+    const cl_ulong map_off = b->map.offset / 4;
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
      * scalars are one argument, and the optional tensors arguments only
@@ -450,15 +457,21 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                       .scaling_factor = d->routed_scaling_factor};
     const moecl_buffer *const order[7] = {&b->gating, &b->bias, &b->weights, &b->ids,
                                           &b->counts, &b->load, &b->valid};
-    moecl_kernel_arg args[8];
+    moecl_kernel_arg args[10];
     cl_uint n = 0;
-    for (int i = 0; i < 7; i++)
+    for (int i = 0; i < 7; i++) {
         if (order[i]->mem || i == 0 || i == 2 || i == 3 || (i == 4 && b->need_counts)) /* required: as they are */
             args[n++] = MOECL_ARG_CHECKED(order[i]->mem, c ? &c[i] : NULL);
+        if (i == 5 && b->load.mem && b->map.mem) { /* LOAD_MAP's two after the load */
+            args[n++] = MOECL_ARG_CHECKED(b->map.mem, c ? &map_check : NULL);
+            args[n++] = MOECL_ARG(map_off);
+        }
+    }
     args[n++] = MOECL_ARG(scalars);
     topk_request r = request_of(d, b->bias.mem != NULL, b->counts.mem != NULL || b->need_counts);
     r.has_load = b->load.mem != NULL;
     r.has_valid = b->valid.mem != NULL;
+    r.load_map = b->load.mem && b->map.mem ? b->num_local : 0;
     const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
                                     d->num_tokens,   b->counts.mem, b->counts.offset, e * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
@@ -486,7 +499,8 @@ moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc 
                                moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
                                const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating, bias, topk_weights, topk_ids, {NULL, 0}, {NULL, 0}, {NULL, 0}, true, false};
+    const topk_buffers b = {gating, bias, topk_weights, topk_ids, {NULL, 0}, {NULL, 0}, {NULL, 0}, true, false,
+                            {NULL, 0}, 0};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -495,7 +509,8 @@ moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_
                                            moecl_buffer topk_ids, moecl_buffer expert_counts, cl_uint num_wait,
                                            const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating, bias, topk_weights, topk_ids, expert_counts, {NULL, 0}, {NULL, 0}, true, true};
+    const topk_buffers b = {gating, bias, topk_weights, topk_ids, expert_counts, {NULL, 0}, {NULL, 0}, true, true,
+                            {NULL, 0}, 0};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -511,7 +526,18 @@ moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_de
         return st;
     const moecl_topk_gating_tensors *t = tensors;
     const topk_buffers b = {t->gating,        t->bias,        t->topk_weights,     t->topk_ids,
-                            t->expert_counts, t->expert_load, t->num_valid_tokens, true, false};
+                            t->expert_counts, t->expert_load, t->num_valid_tokens, true, false,
+                            {NULL, 0},        0};
+    return gating_device(ctx, desc, &b, num_wait, wait, done);
+}
+
+moecl_status moecl_topk_gating_ex_mapped(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                         const moecl_topk_gating_tensors *t, moecl_buffer expert_map,
+                                         uint32_t num_local, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const topk_buffers b = {t->gating,        t->bias,        t->topk_weights,     t->topk_ids,
+                            t->expert_counts, t->expert_load, t->num_valid_tokens, true, false,
+                            expert_map,       num_local};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -565,7 +591,8 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
         const topk_buffers b = {{mems[GATING], 0}, {mems[BIAS], 0}, {mems[WEIGHTS], 0}, {mems[IDS], 0},
-                                {mems[COUNTS], 0}, {mems[LOAD], 0}, {mems[VALID], 0},   false, false};
+                                {mems[COUNTS], 0}, {mems[LOAD], 0}, {mems[VALID], 0},   false, false,
+                                {NULL, 0},         0};
         st = launch(ctx, desc, &b, 0, NULL, &ran);
     }
     /* Read back the outputs: expert_load with them, from LOAD on. */

@@ -134,6 +134,8 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
     [MOECL_TOPK_REPLAY] = {PARAM("REPLAY", "replay", 2, false, 0, 0, 2)},
     [MOECL_TOPK_HAS_LOAD] = {PARAM("HAS_LOAD", "load", 1, false, 0, 0, 1)},
     [MOECL_TOPK_HAS_VALID] = {PARAM("HAS_VALID", "valid", 1, false, 0, 0, 1)},
+    /* moecl_route_dispatch_ex's load by local expert: their number, 0 none */
+    [MOECL_TOPK_LOAD_MAP] = {PARAM("LOAD_MAP", "load_map", 13, false, 0, 0, MOECL_MAX_EXPERTS)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

@@ -649,6 +649,12 @@ static moecl_moe_align_desc ex_align(const moecl_topk_gating_desc *d, const ex_o
     return a;
 }
 
+/* The load counter's entries: by expert id, or by local expert with a map. */
+static size_t ex_load_len(const moecl_topk_gating_desc *d, const ex_opts *x)
+{
+    return x->has_map ? x->local : d->num_experts;
+}
+
 static void ex_outs_alloc(const moecl_topk_gating_desc *d, const ex_opts *x, uint32_t block, outs *o)
 {
     outs_alloc((shape){d->num_tokens, d->top_k, x->has_map ? x->local : d->num_experts}, block, o);
@@ -671,7 +677,7 @@ static ex_bufs ex_bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d,
     e.b.gating = harness_buffer(ctx, d->num_tokens * experts * ref_dtype_size(d->gating_dtype), 8, in->gating);
     e.b.bias = in->bias ? harness_buffer(ctx, experts * ref_dtype_size(d->bias_dtype), 4, in->bias)
                         : (moecl_buffer){NULL, 0};
-    e.load = x->has_load ? harness_buffer(ctx, experts * 4, 12, in->load) : (moecl_buffer){NULL, 0};
+    e.load = x->has_load ? harness_buffer(ctx, ex_load_len(d, x) * 4, 12, in->load) : (moecl_buffer){NULL, 0};
     e.valid = x->has_valid ? harness_buffer(ctx, 4, 20, &x->valid) : (moecl_buffer){NULL, 0};
     e.map = x->has_map ? harness_buffer(ctx, experts * 4, 36, in->map) : (moecl_buffer){NULL, 0};
     return e;
@@ -708,7 +714,9 @@ static void ex_bufs_release(ex_bufs *e)
 }
 
 /* What the call stands for: moecl_topk_gating_ex (valid count, load) then
- * moecl_moe_align_ex (map), on device buffers; *load gets the counter. */
+ * moecl_moe_align_ex (map), on device buffers; *load gets the counter.
+ * top-k's load is by expert id: with a map the load by local expert is
+ * counted here from the ids instead. */
 static void ex_run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x,
                             const ex_in *in, outs *o, int32_t *load, const char *what)
 {
@@ -720,7 +728,7 @@ static void ex_run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d,
     t.bias = e.b.bias;
     t.topk_weights = e.b.weights;
     t.topk_ids = e.b.ids;
-    t.expert_load = e.load;
+    t.expert_load = x->has_map ? (moecl_buffer){NULL, 0} : e.load;
     t.num_valid_tokens = e.valid;
     cl_event routed = NULL, done = NULL;
     moecl_status st = moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &routed);
@@ -733,8 +741,14 @@ static void ex_run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d,
                   moecl_context_error(ctx));
     wait_done(routed, done);
     bufs_read(ctx, &e.b, o, what);
-    if (x->has_load)
-        harness_read(ctx, e.load, (size_t)d->num_experts * 4, load);
+    if (x->has_load && !x->has_map)
+        harness_read(ctx, e.load, ex_load_len(d, x) * 4, load);
+    if (x->has_load && x->has_map) {
+        memcpy(load, in->load, ex_load_len(d, x) * 4);
+        for (size_t s = 0; s < o->n_slots; s++)
+            if (o->ids[s] >= 0 && (uint32_t)o->ids[s] < d->num_experts && (uint32_t)in->map[o->ids[s]] < x->local)
+                load[in->map[o->ids[s]]]++;
+    }
     ex_bufs_release(&e);
 }
 
@@ -744,10 +758,10 @@ static void ex_run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d,
 static void ex_run(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x,
                    const ex_in *in, bool device_path, outs *o, int32_t *load, const char *what)
 {
-    const size_t experts = d->num_experts;
+    const size_t loads = ex_load_len(d, x);
     if (!device_path) {
         if (x->has_load)
-            memcpy(load, in->load, experts * 4);
+            memcpy(load, in->load, loads * 4);
         for (int call = 0; call < 2; call++) {
             const moecl_route_dispatch_host_tensors h = {
                 sizeof(h),       in->gating, in->bias,        o->weights,
@@ -771,14 +785,15 @@ static void ex_run(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t
     }
     bufs_read(ctx, &e.b, o, what);
     if (x->has_load)
-        harness_read(ctx, e.load, experts * 4, load);
+        harness_read(ctx, e.load, loads * 4, load);
     ex_bufs_release(&e);
 }
 
 /* Against the float64 reference: the rows below the valid count as the
  * top-k suite bounds them, the rows past it id -1 and weight +0, the
  * dispatch exactly as ref_moe_align_map places the ids chosen, and the
- * load its start plus `calls` times the valid rows' ids. */
+ * load its start plus `calls` times the valid rows' ids (by local expert
+ * with a map: the ids the map takes into [0, local)). */
 static void ex_check_reference(const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x, const ex_in *in,
                                const outs *o, const int32_t *load, int calls, const char *what)
 {
@@ -803,10 +818,13 @@ static void ex_check_reference(const moecl_topk_gating_desc *d, uint32_t block, 
     ck_assert_msg(bad == 0, "%s: %d dispatch elements differ from the reference; first: %s", what, bad, msg);
     if (!x->has_load)
         return;
-    for (uint32_t e = 0; e < d->num_experts; e++) {
+    for (uint32_t e = 0; e < ex_load_len(d, x); e++) {
         int64_t want = 0;
-        for (size_t s = 0; s < (size_t)n * k; s++)
-            want += o->ids[s] == (int32_t)e;
+        for (size_t s = 0; s < (size_t)n * k; s++) {
+            const int32_t id = o->ids[s];
+            want += x->has_map ? id >= 0 && (uint32_t)id < d->num_experts && in->map[id] == (int32_t)e
+                               : id == (int32_t)e;
+        }
         ck_assert_msg(load[e] == in->load[e] + calls * want, "%s: expert_load[%u] is %d, want %d + %d * %lld", what,
                       e, load[e], in->load[e], calls, (long long)want);
     }
@@ -840,23 +858,24 @@ static void ex_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_
     in.bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 2.0f / (float)d->num_experts)
                         : NULL;
     in.map = x->has_map ? ex_make_map(&rng, d->num_experts, x->local) : NULL;
-    in.load = malloc((size_t)d->num_experts * 4);
-    int32_t *want_load = malloc((size_t)d->num_experts * 4), *got_load = malloc((size_t)d->num_experts * 4);
+    const size_t loads = ex_load_len(d, x);
+    in.load = malloc(loads * 4);
+    int32_t *want_load = malloc(loads * 4), *got_load = malloc(loads * 4);
     ck_assert(in.load && want_load && got_load);
-    for (uint32_t e = 0; e < d->num_experts; e++)
+    for (size_t e = 0; e < loads; e++)
         in.load[e] = (int32_t)(harness_rand_u32(&rng) % 1000);
     outs want, got;
     ex_outs_alloc(d, x, block, &want);
     ex_run_separate(ctx, d, block, x, &in, &want, want_load, what);
     ex_check_reference(d, block, x, &in, &want, want_load, 1, what);
     /* Two calls add twice what the composition added once. */
-    for (uint32_t e = 0; x->has_load && e < d->num_experts; e++)
+    for (size_t e = 0; x->has_load && e < loads; e++)
         want_load[e] += want_load[e] - in.load[e];
     for (int path = 0; path < 2; path++) {
         ex_outs_alloc(d, x, block, &got);
         ex_run(ctx, d, block, x, &in, path == 1, &got, got_load, what);
         assert_same(&got, &want, what);
-        ck_assert_msg(!x->has_load || !memcmp(got_load, want_load, (size_t)d->num_experts * 4),
+        ck_assert_msg(!x->has_load || !memcmp(got_load, want_load, loads * 4),
                       "%s: expert_load differs from two compositions'", what);
         ex_check_reference(d, block, x, &in, &got, got_load, 2, what);
         outs_free(&got);
@@ -881,8 +900,8 @@ START_TEST(test_ex)
     static const uint32_t tokens[] = {7, 129, 700};
     static const ex_opts opts[] = {
         {false, true, false, 0, 0},  {true, true, false, -1, 0}, {true, false, true, 0, 16},
-        {true, true, false, -2, 0},  {true, false, true, -3, 3}, {true, true, false, -4, 0},
-        {false, false, true, 0, 16},
+        {true, true, false, -2, 0},  {true, true, true, -3, 3},  {true, true, false, -4, 0},
+        {false, false, true, 0, 16}, {true, true, true, -1, 16}, {false, true, true, 0, 5},
     };
     unsigned i = 0;
     for (size_t t = 0; t < COUNT(tokens); t++)
@@ -910,7 +929,7 @@ START_TEST(test_ex)
     /* DeepSeek-V3's routing (groups, bias, sigmoid) with a map and a valid count. */
     moecl_topk_gating_desc d;
     ck_assert_int_eq(moecl_topk_gating_desc_preset("deepseek-v3", 33, &d), MOECL_SUCCESS);
-    const ex_opts ds = {true, false, true, 20, 32};
+    const ex_opts ds = {true, true, true, 20, 32};
     ex_case(ctx, &d, 16, true, LOGITS_NORMAL, &ds, 990);
     const ex_opts ds_load = {true, true, false, 20, 0};
     ex_case(ctx, &d, 16, true, LOGITS_TIES, &ds_load, 991);
@@ -934,13 +953,14 @@ START_TEST(test_ex_bad_input)
     ex_bufs e = ex_bufs_make(ctx, &good, &x, &o, &in);
     harness_release(e.load);
     e.load = harness_buffer(ctx, 64 * 4, 12, NULL); /* poisoned: must stay so */
-    moecl_route_dispatch_tensors base = ex_tensors(&e, &x);
-    base.expert_load = (moecl_buffer){NULL, 0};
+    const moecl_route_dispatch_tensors base = ex_tensors(&e, &x);
     moecl_buffer small = {NULL, 0};
     cl_int err;
     small.mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 2, NULL, &err);
     ck_assert_int_eq(err, CL_SUCCESS);
-    enum { CASES = 11 };
+    /* Room for the 8 local experts' load, not for the 64 experts'. */
+    moecl_buffer load8 = harness_buffer(ctx, 8 * 4, 0, NULL);
+    enum { CASES = 12 };
     for (int c = 0; c < CASES; c++) {
         moecl_route_dispatch_tensors t = base;
         const char *what = "";
@@ -953,26 +973,22 @@ START_TEST(test_ex_bad_input)
         case 5: t.num_local_experts = 4097; what = "num_local_experts 4097"; break;
         case 6: t.expert_map = small; what = "expert_map too small"; break;
         case 7: t.num_valid_tokens.offset += 2; what = "num_valid_tokens misaligned"; break;
-        case 8: t.expert_map = (moecl_buffer){NULL, 0}; t.num_local_experts = 0; t.expert_load = small;
-                what = "expert_load too small"; break;
+        case 8: t.expert_load = small; what = "expert_load too small for the local experts"; break;
         case 9: t.num_valid_tokens = small; what = "num_valid_tokens too small"; break;
+        case 10: t.expert_map = (moecl_buffer){NULL, 0}; t.num_local_experts = 0; t.expert_load = load8;
+                 what = "expert_load too small for the experts"; break;
         default: t.expert_map.offset += 1; what = "expert_map misaligned"; break;
         }
         expect_invalid(ctx, moecl_route_dispatch_ex(ctx, &good, block, &t, 0, NULL, NULL), &e.b, &o, what);
     }
     expect_invalid(ctx, moecl_route_dispatch_ex(ctx, &good, block, NULL, 0, NULL, NULL), &e.b, &o, "tensors NULL");
-    /* The load with a map is refused as unsupported, before anything runs. */
-    moecl_route_dispatch_tensors t = base;
-    t.expert_load = e.load;
-    ck_assert_int_eq(moecl_route_dispatch_ex(ctx, &good, block, &t, 0, NULL, NULL), MOECL_ERROR_UNSUPPORTED);
-    expect_invalid(ctx, MOECL_ERROR_INVALID_ARGUMENT, &e.b, &o, "load with a map"); /* outputs unchanged */
-    int32_t load[65];
+    int32_t load[64];
     harness_read(ctx, e.load, 64 * 4, load);
     ck_assert(harness_first_unpoisoned(load, 64 * 4) == 64 * 4);
-    /* The host form: struct_size, the map and its count, and the load with a map. */
+    /* The host form: struct_size, the map and its count, a required output. */
     for (int c = 0; c < 5; c++) {
         moecl_route_dispatch_host_tensors h = {sizeof(h), in.gating, NULL,     o.weights,  o.ids,   o.counts,
-                                               o.sorted,  o.blocks,  &o.post,  o.slots,    &o.invalid, NULL,
+                                               o.sorted,  o.blocks,  &o.post,  o.slots,    &o.invalid, in.load,
                                                &x.valid,  in.map,    x.local};
         if (c == 0)
             h.struct_size = 8;
@@ -983,9 +999,9 @@ START_TEST(test_ex_bad_input)
         else if (c == 3)
             h.expert_counts = NULL;
         else
-            h.expert_load = in.load;
+            h.num_local_experts = 4097;
         const moecl_status st = moecl_route_dispatch_ex_host(ctx, &good, block, &h);
-        ck_assert_msg(st == (c == 4 ? MOECL_ERROR_UNSUPPORTED : MOECL_ERROR_INVALID_ARGUMENT), "host case %d: %s", c,
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "host case %d: %s", c,
                       moecl_status_string(st));
     }
     ck_assert_int_eq(moecl_route_dispatch_ex_host(ctx, &good, block, NULL), MOECL_ERROR_INVALID_ARGUMENT);
@@ -994,6 +1010,7 @@ START_TEST(test_ex_bad_input)
     for (int i = 0; i < 64; i++)
         ck_assert_int_eq(in.load[i], 0);
     harness_release(small);
+    harness_release(load8);
     ex_bufs_release(&e);
     outs_free(&o);
     free(in.gating);

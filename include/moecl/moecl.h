@@ -1513,24 +1513,26 @@ typedef struct moecl_route_dispatch_tensors {
  * num_valid_tokens, and expert_load where there is no expert_map) followed
  * by moecl_moe_align_ex() (with expert_map and num_global_experts =
  * desc->num_experts, num_experts = num_local_experts where a map is given)
- * on those topk_ids.
+ * on those topk_ids; with both expert_map and expert_load, the load gains
+ * for each local expert l the slots whose id g has expert_map[g] == l
+ * (the local part of expert_counts, added).
  *
  * Paths: as moecl_route_dispatch()'s. num_valid_tokens and expert_load
- * without a map are read and added in the one kernel (kernel variants of
- * their own, so calls without them run moecl_route_dispatch()'s kernels);
- * a call with expert_map always takes the two calls' path, whose
- * moe_align reads the map in its own launches.
+ * are read and added by the routing kernel, in the one kernel where that
+ * path serves the call (kernel variants of their own, so calls without
+ * them run moecl_route_dispatch()'s kernels); a call with expert_map
+ * always takes the two calls' path: moe_align reads the map in its own
+ * launches, and top-k's kernel reads it for a load counter.
  *
  * Errors: those of moecl_route_dispatch(), and MOECL_ERROR_INVALID_ARGUMENT
  * for a NULL tensors, a struct_size this moecl does not know, an expert_map
  * without num_local_experts or num_local_experts without an expert_map, a
  * num_local_experts moe_align refuses, and expert_load, num_valid_tokens or
- * expert_map too small, misaligned or of another context;
- * MOECL_ERROR_UNSUPPORTED for expert_load together with expert_map (the
- * physical counts are not implemented). Nothing is enqueued and no output
- * byte (expert_load included) changes for any of them. What a later
- * failure leaves is as moecl_route_dispatch() states; expert_load is then
- * unspecified on the two calls' path once top-k's kernel has run.
+ * expert_map too small, misaligned or of another context. Nothing is
+ * enqueued and no output byte (expert_load included) changes for any of
+ * them. What a later failure leaves is as moecl_route_dispatch() states;
+ * expert_load is then unspecified on the two calls' path once top-k's
+ * kernel has run.
  */
 MOECL_API moecl_status moecl_route_dispatch_ex(moecl_context *ctx, const moecl_topk_gating_desc *desc,
                                                uint32_t block_size, const moecl_route_dispatch_tensors *tensors,
