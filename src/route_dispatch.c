@@ -73,6 +73,9 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
     if (has_map && s->num_local == 0)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "expert_map is given but num_local_experts is 0: set it to this rank's expert count");
+    if (has_map && s->num_local > MOECL_MAX_EXPERTS)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "num_local_experts is %u; it must be in 1..%u",
+                          s->num_local, MOECL_MAX_EXPERTS);
     if (!has_map && s->num_local != 0)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "num_local_experts is %u but expert_map is absent; it must be 0 without a map",
