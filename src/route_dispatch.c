@@ -7,7 +7,10 @@
  * cl/moe_align.cl); otherwise the routing call, then moe_align on its
  * topk_ids, enqueued back to back. Everything either way could refuse is
  * checked before the first enqueue, so bad input changes no output. The
- * two functions share every step but the routing's (route_step). */
+ * two functions share every step but the routing's (route_step).
+ * moecl_route_dispatch_ex adds top-k's valid count and load counter (in
+ * the routing kernel, either path) and moe_align's expert map (the two
+ * calls only); moecl_route_dispatch is it without them. */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

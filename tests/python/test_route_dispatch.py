@@ -149,9 +149,10 @@ def ex_check(ctx, a, x, k, block, res, n, load0, load, m, local, calls):
 
 
 # Valid counts mid-batch, 0, all and past the batch; with and without a
-# map over 16 local experts; 7 and 129 tokens (the one kernel without a
-# map where the class runs the team kernel) and 700 (past it).
-@pytest.mark.parametrize("tokens", [7, 129, 700])
+# map over 16 local experts; 0 tokens (the load unchanged), 7 and 129
+# (the one kernel without a map where the class runs the team kernel) and
+# 700 (past it).
+@pytest.mark.parametrize("tokens", [0, 7, 129, 700])
 @pytest.mark.parametrize("valid", ["mid", 0, "all", "past"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["no map", "map"])
 def test_route_dispatch_ex(ctx, rng, tokens, valid, mapped):
