@@ -4,6 +4,7 @@
  * renormalisation) and these:
  *   HAS_COUNTS                 also count the chosen ids per expert (below)
  *   HAS_LOAD                   also add them to a load counter (below)
+ *   LOAD_MAP                   the load counter is by local expert (below)
  *   HAS_VALID                  rows at or past a count read from memory
  *                              are padding (below)
  *   CAPTURE                    also write the ids to a capture buffer
@@ -43,7 +44,26 @@
 #define COUNTS_ARGS_
 #define COUNT_INTO_COUNTS(e) ((void)0)
 #endif
-#if HAS_LOAD
+/* LOAD_MAP (moecl_route_dispatch_ex's expert_load with expert_map): the
+ * number of local experts L; absent, 0, the load is by expert id. With it
+ * the kernels take the global-to-local map (int[NUM_EXPERTS]) and its
+ * offset in elements after the load, and add each id to load[map[id]]
+ * where that is in [0, L): a rank's counts of its own experts, as
+ * moe_align's with the map counts them. */
+#ifndef LOAD_MAP
+#define LOAD_MAP 0
+#endif
+#if HAS_LOAD && LOAD_MAP
+#define LOAD_PARAM __global int *load, __global const int *load_map, ulong load_map_off,
+#define LOAD_PARAMS_ , __global int *load, __global const int *load_map
+#define LOAD_ARGS_ , load, load_map
+#define COUNT_INTO_LOAD(e)                                                                         \
+    do {                                                                                           \
+        const uint local_ = (uint)load_map[e];                                                     \
+        if (local_ < LOAD_MAP)                                                                     \
+            atomic_inc(load + local_);                                                             \
+    } while (0)
+#elif HAS_LOAD
 #define LOAD_PARAM __global int *load,
 #define LOAD_PARAMS_ , __global int *load
 #define LOAD_ARGS_ , load
@@ -126,7 +146,9 @@ typedef short capture_t;
 #else
 #define COUNTS_SET(args) ((void)0)
 #endif
-#if HAS_LOAD
+#if HAS_LOAD && LOAD_MAP
+#define LOAD_SET(args) (load = load + (args).load_off, load_map = load_map + load_map_off)
+#elif HAS_LOAD
 #define LOAD_SET(args) (load = load + (args).load_off)
 #else
 #define LOAD_SET(args) ((void)0)

@@ -142,7 +142,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 static moecl_status plan_of(moecl_context *ctx, const moecl_plan **plan)
 {
     const moecl_plan *align;
-    moecl_status st = moecl_moe_align_plan(ctx, &align);
+    moecl_status st = moecl_moe_align_plan(ctx, false, &align);
     if (st != MOECL_SUCCESS)
         return st;
     const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0);

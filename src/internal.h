@@ -506,12 +506,26 @@ moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const
 struct moecl_plan;
 moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
                                     bool has_counts, const struct moecl_plan **plan);
+/* The plan of moecl_topk_gating_ex without counts, with expert_load and
+ * num_valid_tokens or not, and the load by load_map local experts (0: by
+ * expert id). */
+moecl_status moecl_topk_gating_ex_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                       bool has_load, bool has_valid, uint32_t load_map,
+                                       const struct moecl_plan **plan);
+/* moecl_topk_gating_ex with expert_load by local expert: expert_map
+ * (int32[num_experts]) takes each id to its local expert, counted where
+ * in [0, num_local) (moecl_route_dispatch_ex's load with a map). The
+ * caller has validated num_local. */
+moecl_status moecl_topk_gating_ex_mapped(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                         const moecl_topk_gating_tensors *tensors, moecl_buffer expert_map,
+                                         uint32_t num_local, cl_uint num_wait, const cl_event *wait, cl_event *done);
 /* The plan of moecl_route_dispatch's one kernel for desc: the team
  * kernel of moecl_topk_gating_plan's configuration built with
- * ROUTE_DISPATCH (cl/topk_gating.cl); MOECL_ERROR_UNSUPPORTED where that
- * configuration is the rows kernel. */
+ * ROUTE_DISPATCH (cl/topk_gating.cl), and HAS_LOAD, HAS_VALID where
+ * moecl_route_dispatch_ex has expert_load, num_valid_tokens;
+ * MOECL_ERROR_UNSUPPORTED where that configuration is the rows kernel. */
 moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
-                                          const struct moecl_plan **plan);
+                                          bool has_load, bool has_valid, const struct moecl_plan **plan);
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const struct moecl_plan **plan);
 /* The plan of moecl_grounded_route_dispatch's one kernel for desc: the
@@ -536,7 +550,8 @@ moecl_status moecl_grounded_router_validate(moecl_context *ctx, const moecl_grou
  * (their messages), for moecl_route_dispatch(), which runs both. */
 moecl_status moecl_topk_gating_validate(moecl_context *ctx, const moecl_topk_gating_desc *desc);
 moecl_status moecl_moe_align_validate(moecl_context *ctx, const moecl_moe_align_desc *desc);
-moecl_status moecl_moe_align_plan(moecl_context *ctx, const struct moecl_plan **plan);
+/* moe_align's plan, with the expert map's kernels (HAS_MAP) or without. */
+moecl_status moecl_moe_align_plan(moecl_context *ctx, bool has_map, const struct moecl_plan **plan);
 
 /* The -D defines (into buf) and the kernel name of the variant that serves
  * a valid desc on a device described by info, by the rule computed from
@@ -563,7 +578,7 @@ void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_top
  * (MOECL_PROGRAM_ROUTE_DISPATCH); *kernel_name is NULL where the rule's
  * configuration is the rows kernel, which has no such variant. */
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
-                                     char *buf, size_t size, const char **kernel_name);
+                                     bool has_load, bool has_valid, char *buf, size_t size, const char **kernel_name);
 /* The same for moecl_topk_weights (mode 1) and moecl_hash_routing (mode
  * 2): cl/replay.cl's kernel (MOECL_PROGRAM_REPLAY). */
 void moecl_topk_gating_replay_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, unsigned mode,
@@ -805,6 +820,7 @@ enum {
     MOECL_TOPK_HAS_SCALE,
     MOECL_TOPK_SHARED,
     MOECL_TOPK_SHARED_WEIGHT,
+    MOECL_TOPK_LOAD_MAP,
     MOECL_TOPK_PARAMS
 };
 
@@ -924,7 +940,7 @@ moecl_status moecl_host_buffer(moecl_context *ctx, const char *name, cl_mem_flag
 /* Read count outputs of a host-path call back into host memory (entries
  * with hosts[i] NULL are skipped) once the kernel event ran completes, and
  * wait for them. */
-#define MOECL_MAX_READ_BACK 8
+#define MOECL_MAX_READ_BACK 9 /* moecl_route_dispatch_ex_host: its eight outputs and expert_load */
 moecl_status moecl_read_back(moecl_context *ctx, cl_event ran, cl_uint count, const cl_mem *mems,
                              const size_t *sizes, void *const *hosts);
 

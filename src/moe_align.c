@@ -157,9 +157,9 @@ static moecl_status align_plan(moecl_context *ctx, bool has_map, const moecl_pla
     return moecl_plan_get(ctx, &key, build_plan, &has_map, plan);
 }
 
-moecl_status moecl_moe_align_plan(moecl_context *ctx, const moecl_plan **plan)
+moecl_status moecl_moe_align_plan(moecl_context *ctx, bool has_map, const moecl_plan **plan)
 {
-    return align_plan(ctx, false, plan);
+    return align_plan(ctx, has_map, plan);
 }
 
 /* Local bytes of the one-group kernel's slot_cols argument: a ushort per

@@ -7,7 +7,12 @@
  * cl/moe_align.cl); otherwise the routing call, then moe_align on its
  * topk_ids, enqueued back to back. Everything either way could refuse is
  * checked before the first enqueue, so bad input changes no output. The
- * two functions share every step but the routing's (route_step). */
+ * two functions share every step but the routing's (route_step).
+ * moecl_route_dispatch_ex adds top-k's valid count and load counter (in
+ * the routing kernel, either path) and moe_align's expert map (the two
+ * calls only); moecl_route_dispatch is it without them. */
+#include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "internal.h"
@@ -24,6 +29,10 @@ typedef struct route_step {
     const moecl_grounded_router_desc *grounded;
     moecl_buffer in[3];
     moecl_buffer weights, ids;
+    /* moecl_route_dispatch_ex's (top-k only): absent ones have mem NULL;
+     * num_local 0 without a map. */
+    moecl_buffer load, valid, map;
+    uint32_t num_local;
 } route_step;
 
 /* moe_align's outputs. */
@@ -73,7 +82,27 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
                           "ids_dtype is %d; route dispatch writes int32 ids (MOECL_I32), which moe_align reads: "
                           "call moecl_topk_gating() for int64 ids",
                           (int)s->topk->ids_dtype);
-    *align = moecl_moe_align_desc_init(step_tokens(s), step_top_k(s), step_experts(s), block_size);
+    const bool has_map = s->map.mem != NULL;
+    /* The map is over the routed experts, which a shared slot's id is not. */
+    if (has_map && !s->is_grounded && s->topk->num_shared_experts)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "num_shared_experts is %u with an expert_map; the map covers the routed experts only: "
+                          "append shared experts without a map",
+                          s->topk->num_shared_experts);
+    if (has_map && s->num_local == 0)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "expert_map is given but num_local_experts is 0: set it to this rank's expert count");
+    if (has_map && s->num_local > MOECL_MAX_EXPERTS)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "num_local_experts is %u; it must be in 1..%u",
+                          s->num_local, MOECL_MAX_EXPERTS);
+    if (!has_map && s->num_local != 0)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "num_local_experts is %u but expert_map is absent; it must be 0 without a map",
+                          s->num_local);
+    *align = moecl_moe_align_desc_init(step_tokens(s), step_top_k(s), has_map ? s->num_local : step_experts(s),
+                                       block_size);
+    if (has_map)
+        align->num_global_experts = step_experts(s);
     return moecl_moe_align_validate(ctx, align);
 }
 
@@ -98,12 +127,36 @@ static moecl_status check_align_buffers(moecl_context *ctx, const moecl_moe_alig
     return MOECL_SUCCESS;
 }
 
+/* moecl_route_dispatch_ex's own tensors, which either path reads: checked
+ * before anything is enqueued (moe_align would check the map only after
+ * top-k's kernel). */
+static moecl_status check_ex_buffers(moecl_context *ctx, const route_step *s)
+{
+    const uint64_t e = step_experts(s), load = s->map.mem ? s->num_local : e;
+    moecl_status st;
+    if ((st = moecl_check_buffer(ctx, "expert_load", s->load, load * 4, 4, false)) ||
+        (st = moecl_check_buffer(ctx, "num_valid_tokens", s->valid, 4, 4, false)) ||
+        (st = moecl_check_buffer(ctx, "expert_map", s->map, e * 4, 4, false)))
+        return st;
+    return MOECL_SUCCESS;
+}
+
 /* The routing call alone (the two calls' first). */
 static moecl_status enqueue_routing(moecl_context *ctx, const route_step *s, cl_uint num_wait, const cl_event *wait,
                                     cl_event *done)
 {
-    if (!s->is_grounded)
-        return moecl_topk_gating(ctx, s->topk, s->in[0], s->in[1], s->weights, s->ids, num_wait, wait, done);
+    if (!s->is_grounded) {
+        moecl_topk_gating_tensors t;
+        memset(&t, 0, sizeof(t));
+        t.struct_size = sizeof(t);
+        t.gating = s->in[0];
+        t.bias = s->in[1];
+        t.topk_weights = s->weights;
+        t.topk_ids = s->ids;
+        t.expert_load = s->load;
+        t.num_valid_tokens = s->valid;
+        return moecl_topk_gating_ex_mapped(ctx, s->topk, &t, s->map, s->num_local, num_wait, wait, done);
+    }
     return moecl_grounded_router(ctx, s->grounded, s->in[0], s->in[1], s->in[2], (moecl_buffer){NULL, 0}, s->weights,
                                  s->ids, num_wait, wait, done);
 }
@@ -112,7 +165,8 @@ static moecl_status enqueue_routing(moecl_context *ctx, const route_step *s, cl_
 static moecl_status routing_plan(moecl_context *ctx, const route_step *s, const moecl_plan **plan)
 {
     if (!s->is_grounded)
-        return moecl_topk_gating_plan(ctx, s->topk, s->has_bias, false, plan);
+        return moecl_topk_gating_ex_plan(ctx, s->topk, s->has_bias, s->load.mem != NULL, s->valid.mem != NULL,
+                                         s->map.mem ? s->num_local : 0, plan);
     return moecl_grounded_router_plan(ctx, s->grounded, false, true, true, plan);
 }
 
@@ -124,15 +178,16 @@ static moecl_status enqueue(moecl_context *ctx, const route_step *s, const moecl
                             const dispatch_buffers *b, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const moecl_plan *p;
-    moecl_status st = moecl_moe_align_plan(ctx, &p);
+    moecl_status st = moecl_moe_align_plan(ctx, s->map.mem != NULL, &p);
     if (st != MOECL_SUCCESS)
         return st;
     cl_event routed = NULL;
     st = enqueue_routing(ctx, s, num_wait, wait, ctx->in_order ? NULL : &routed);
     if (st != MOECL_SUCCESS)
         return st;
-    st = moecl_moe_align(ctx, align, s->ids, b->counts, b->sorted, b->blocks, b->post, b->slots, b->invalid,
-                         routed ? 1 : 0, routed ? &routed : NULL, done);
+    const moecl_moe_align_tensors t = {sizeof(t), s->ids,  b->counts,  b->sorted, b->blocks,
+                                       b->post,   b->slots, b->invalid, s->map};
+    st = moecl_moe_align_ex(ctx, align, &t, routed ? 1 : 0, routed ? &routed : NULL, done);
     if (st != MOECL_SUCCESS) {
         if (routed)
             clWaitForEvents(1, &routed);
@@ -168,10 +223,14 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
     const moecl_align_path forced = ctx->info.env.align_path;
     const uint64_t cap = ctx->params.value[forced == MOECL_ALIGN_FUSED ? MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS
                                                                       : MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS];
-    if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED)
+    /* The map is read by moe_align's kernels only (HAS_MAP), not by the
+     * epilogue: a mapped call takes the two calls. */
+    if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED || s->map.mem)
         return MOECL_SUCCESS;
     const moecl_plan *p;
-    moecl_status st = routing_plan(ctx, s, &p);
+    /* The configuration, which the optional tensors do not change. */
+    moecl_status st = s->is_grounded ? moecl_grounded_router_plan(ctx, s->grounded, false, true, true, &p)
+                                     : moecl_topk_gating_plan(ctx, s->topk, s->has_bias, false, &p);
     if (st != MOECL_SUCCESS || p->config.kernel != MOECL_KERNEL_TEAM)
         return st;
     const unsigned team = p->config.team, rows = p->config.rows, wg = team * rows;
@@ -179,7 +238,8 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
     if (local + 1024 > ctx->info.local_mem_size)
         return MOECL_SUCCESS;
     st = s->is_grounded ? moecl_grounded_router_route_plan(ctx, s->grounded, &p)
-                        : moecl_topk_gating_route_plan(ctx, s->topk, s->has_bias, &p);
+                        : moecl_topk_gating_route_plan(ctx, s->topk, s->has_bias, s->load.mem != NULL,
+                                                     s->valid.mem != NULL, &p);
     if (st != MOECL_SUCCESS)
         return st;
     if (p->limits[0] && p->limits[0] < p->local)
@@ -191,7 +251,7 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
 /* The routing kernel's own arguments in the one kernel, and what they
  * point to. */
 typedef struct routing_args {
-    moecl_buffer_check checks[4];
+    moecl_buffer_check checks[6];
     layout_topk_args scalars;
     moecl_grounded_binding grounded;
 } routing_args;
@@ -216,10 +276,14 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
     r->checks[1] = (moecl_buffer_check){"bias", e * bias_size, b[1].offset, bias_size, false};
     r->checks[2] = (moecl_buffer_check){"topk_weights", t * k * w_size, s->weights.offset, w_size, true};
     r->checks[3] = (moecl_buffer_check){"topk_ids", t * k * 4, s->ids.offset, 4, true};
+    r->checks[4] = (moecl_buffer_check){"expert_load", e * 4, s->load.offset, 4, false};
+    r->checks[5] = (moecl_buffer_check){"num_valid_tokens", 4, s->valid.offset, 4, false};
     r->scalars = (layout_topk_args){.gating_off = b[0].offset / in_size,
                                     .bias_off = b[1].offset / bias_size,
                                     .weights_off = s->weights.offset / w_size,
                                     .ids_off = s->ids.offset / 4,
+                                    .load_off = s->load.offset / 4,
+                                    .valid_off = s->valid.offset / 4,
                                     .num_tokens = d->num_tokens,
                                     .scaling_factor = d->routed_scaling_factor};
     args[n++] = MOECL_ARG_CHECKED(b[0].mem, &r->checks[0]);
@@ -227,6 +291,11 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
         args[n++] = MOECL_ARG_CHECKED(b[1].mem, &r->checks[1]);
     args[n++] = MOECL_ARG_CHECKED(s->weights.mem, &r->checks[2]);
     args[n++] = MOECL_ARG_CHECKED(s->ids.mem, &r->checks[3]);
+    /* cl/topk_gating.cl's LOAD_PARAM, VALID_PARAM: arguments only where given. */
+    if (s->load.mem)
+        args[n++] = MOECL_ARG_CHECKED(s->load.mem, &r->checks[4]);
+    if (s->valid.mem)
+        args[n++] = MOECL_ARG_CHECKED(s->valid.mem, &r->checks[5]);
     args[n++] = MOECL_ARG(r->scalars);
     return n;
 }
@@ -290,7 +359,8 @@ static moecl_status route_dispatch(moecl_context *ctx, const route_step *s, uint
     moecl_status st = validate(ctx, s, block_size, &align);
     if (st != MOECL_SUCCESS)
         return st;
-    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS)
+    if ((st = moecl_check_wait_list(ctx, num_wait, wait)) != MOECL_SUCCESS ||
+        (st = check_ex_buffers(ctx, s)) != MOECL_SUCCESS)
         return st;
     const moecl_plan *one;
     if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
@@ -303,20 +373,29 @@ static moecl_status route_dispatch(moecl_context *ctx, const route_step *s, uint
 }
 
 /* Either function on host memory: the inputs' pointers (in the order of
- * route_step's in), the outputs', in a blocking call. */
+ * route_step's in), the outputs', and moecl_route_dispatch_ex's, in a
+ * blocking call. */
 typedef struct host_outputs {
     void *weights;
     int32_t *ids, *counts, *sorted, *blocks, *post, *slots, *invalid;
+    int32_t *load; /* copied in and back: the call adds to it */
+    const int32_t *valid, *map;
 } host_outputs;
 
 static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint32_t block_size,
                                         const void *const in[3], const host_outputs *o)
 {
+    /* Only presence matters to the checks and plans before the buffers
+     * exist: a placeholder stands for each given host array. */
+    cl_mem given = (cl_mem)(uintptr_t)1;
+    s->load = (moecl_buffer){o->load ? given : NULL, 0};
+    s->valid = (moecl_buffer){o->valid ? given : NULL, 0};
+    s->map = (moecl_buffer){o->map ? given : NULL, 0};
     moecl_moe_align_desc align;
     moecl_status st = validate(ctx, s, block_size, &align);
     if (st != MOECL_SUCCESS)
         return st;
-    enum { IN0, IN1, IN2, WEIGHTS, IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, NUM };
+    enum { IN0, IN1, IN2, VALID, MAP, WEIGHTS, IDS, COUNTS, SORTED, BLOCKS, POST, SLOTS, INVALID, LOAD, NUM };
     const uint64_t t = step_tokens(s), e = step_logit_experts(s), slots = t * step_top_k(s) * 4;
     const bool tokens = t > 0;
     const uint64_t max_padded = moecl_moe_align_max_padded(&align);
@@ -350,32 +429,42 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
     const moecl_plan *p, *one;
-    if ((st = routing_plan(ctx, s, &p)) != MOECL_SUCCESS || (st = moecl_moe_align_plan(ctx, &p)) != MOECL_SUCCESS)
+    if ((st = routing_plan(ctx, s, &p)) != MOECL_SUCCESS ||
+        (st = moecl_moe_align_plan(ctx, o->map != NULL, &p)) != MOECL_SUCCESS)
         return st; /* built before the buffers are made: a build failure costs no copy */
     if ((st = one_kernel_plan(ctx, s, &one)) != MOECL_SUCCESS)
         return st;
     /* At least 4 bytes: OpenCL refuses empty buffers. */
-    const uint64_t bytes[NUM] = {in_bytes[0],    in_bytes[1], in_bytes[2], slots / 4 * step_weights_size(s), slots,
-                                 (uint64_t)step_experts(s) * 4,
-                                 max_padded * 4,
-                                 max_padded / block_size * 4, 4, slots, 4};
-    void *outputs[NUM] = {NULL,      NULL,      NULL,   tokens ? o->weights : NULL, tokens ? o->ids : NULL, o->counts,
-                          o->sorted, o->blocks, o->post, tokens ? o->slots : NULL,  o->invalid};
+    const uint64_t bytes[NUM] = {in_bytes[0],    in_bytes[1],
+                                 in_bytes[2],    4,
+                                 e * 4,          slots / 4 * step_weights_size(s),
+                                 slots,          (uint64_t)align.num_experts * 4,
+                                 max_padded * 4, max_padded / block_size * 4,
+                                 4,              slots,
+                                 4,              (uint64_t)(o->map ? s->num_local : step_experts(s)) * 4};
+    const void *const sources[NUM] = {tokens ? in[0] : NULL, tokens ? in[1] : NULL, tokens ? in[2] : NULL,
+                                      o->valid, o->map, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, o->load};
+    void *outputs[NUM] = {NULL,      NULL,      NULL,    NULL,      NULL,       tokens ? o->weights : NULL,
+                          tokens ? o->ids : NULL, o->counts, o->sorted, o->blocks, o->post, tokens ? o->slots : NULL,
+                          o->invalid, o->load};
     for (int i = 0; i < NUM; i++)
         if (!bytes[i])
             outputs[i] = NULL; /* nothing to read (and sorted_token_ids may be NULL then) */
-    static const char *const out_names[NUM] = {NULL, NULL, NULL, "topk_weights", "topk_ids", "expert_counts",
-                                               "sorted_token_ids", "block_expert_ids", "num_tokens_post_padded",
-                                               "slot_positions", "num_invalid"};
+    static const char *const names[NUM] = {NULL, NULL, NULL, "num_valid_tokens", "expert_map", "topk_weights",
+                                           "topk_ids", "expert_counts", "sorted_token_ids", "block_expert_ids",
+                                           "num_tokens_post_padded", "slot_positions", "num_invalid", "expert_load"};
     cl_mem m[NUM] = {NULL};
     for (int i = 0; i < NUM && st == MOECL_SUCCESS; i++) {
-        const bool input = i <= IN2;
-        const bool wanted = input ? in_names[i] && (s->is_grounded || i == IN0 || in[i])
-                                  : (i != SLOTS || o->slots) && (i != INVALID || o->invalid);
+        const bool input = i < WEIGHTS;
+        const bool wanted = i <= IN2 ? in_names[i] && (s->is_grounded || i == IN0 || in[i])
+                            : i == VALID ? o->valid != NULL
+                            : i == MAP   ? o->map != NULL
+                            : i == LOAD  ? o->load != NULL
+                                         : (i != SLOTS || o->slots) && (i != INVALID || o->invalid);
         if (wanted)
-            st = moecl_host_buffer(ctx, input ? in_names[i] : out_names[i],
+            st = moecl_host_buffer(ctx, i <= IN2 ? in_names[i] : names[i],
                                    input ? CL_MEM_READ_ONLY : CL_MEM_READ_WRITE, (size_t)(bytes[i] ? bytes[i] : 4),
-                                   input && tokens ? in[i] : NULL, &m[i]);
+                                   sources[i], &m[i]);
     }
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
@@ -383,6 +472,9 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
             s->in[i] = (moecl_buffer){m[i], 0};
         s->weights = (moecl_buffer){m[WEIGHTS], 0};
         s->ids = (moecl_buffer){m[IDS], 0};
+        s->load = (moecl_buffer){m[LOAD], 0};
+        s->valid = (moecl_buffer){m[VALID], 0};
+        s->map = (moecl_buffer){m[MAP], 0};
         const dispatch_buffers b = {{m[COUNTS], 0}, {m[SORTED], 0}, {m[BLOCKS], 0},
                                     {m[POST], 0},   {m[SLOTS], 0},  {m[INVALID], 0}};
         st = one ? enqueue_one_kernel(ctx, s, block_size, one, &b, 0, NULL, &ran)
@@ -394,6 +486,36 @@ static moecl_status route_dispatch_host(moecl_context *ctx, route_step *s, uint3
     return moecl_host_call_end(ctx, st, ran, m, NUM, WEIGHTS, sizes, outputs);
 }
 
+/* The first version of the tensors records: each ends at num_local_experts. */
+#define TENSORS_V1 (offsetof(moecl_route_dispatch_tensors, num_local_experts) + sizeof(uint32_t))
+#define HOST_TENSORS_V1 (offsetof(moecl_route_dispatch_host_tensors, num_local_experts) + sizeof(uint32_t))
+
+/* The checks before a record is read: ctx, then the record's own. */
+static moecl_status check_record(moecl_context *ctx, const void *record, size_t struct_size, size_t first,
+                                 size_t known)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    return moecl_check_record(ctx, record, struct_size, first, known);
+}
+
+moecl_status moecl_route_dispatch_ex(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
+                                     const moecl_route_dispatch_tensors *tensors, cl_uint num_wait,
+                                     const cl_event *wait, cl_event *done)
+{
+    const moecl_status st = check_record(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
+                                         sizeof(moecl_route_dispatch_tensors));
+    if (st != MOECL_SUCCESS)
+        return st;
+    const moecl_route_dispatch_tensors *t = tensors;
+    const route_step s = {false,           t->bias.mem != NULL, desc,       NULL, {t->gating, t->bias, {NULL, 0}},
+                          t->topk_weights, t->topk_ids,         t->expert_load, t->num_valid_tokens, t->expert_map,
+                          t->num_local_experts};
+    const dispatch_buffers b = {t->expert_counts,          t->sorted_token_ids, t->block_expert_ids,
+                                t->num_tokens_post_padded, t->slot_positions,   t->num_invalid};
+    return route_dispatch(ctx, &s, block_size, &b, num_wait, wait, done);
+}
+
 moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
                                   moecl_buffer gating, moecl_buffer bias, moecl_buffer topk_weights,
                                   moecl_buffer topk_ids, moecl_buffer expert_counts, moecl_buffer sorted_token_ids,
@@ -401,10 +523,36 @@ moecl_status moecl_route_dispatch(moecl_context *ctx, const moecl_topk_gating_de
                                   moecl_buffer slot_positions, moecl_buffer num_invalid, cl_uint num_wait,
                                   const cl_event *wait, cl_event *done)
 {
-    const route_step s = {false, bias.mem != NULL, desc, NULL, {gating, bias, {NULL, 0}}, topk_weights, topk_ids};
-    const dispatch_buffers b = {expert_counts,          sorted_token_ids, block_expert_ids,
-                                num_tokens_post_padded, slot_positions,   num_invalid};
-    return route_dispatch(ctx, &s, block_size, &b, num_wait, wait, done);
+    const moecl_route_dispatch_tensors t = {.struct_size = sizeof(t),
+                                            .gating = gating,
+                                            .bias = bias,
+                                            .topk_weights = topk_weights,
+                                            .topk_ids = topk_ids,
+                                            .expert_counts = expert_counts,
+                                            .sorted_token_ids = sorted_token_ids,
+                                            .block_expert_ids = block_expert_ids,
+                                            .num_tokens_post_padded = num_tokens_post_padded,
+                                            .slot_positions = slot_positions,
+                                            .num_invalid = num_invalid};
+    return moecl_route_dispatch_ex(ctx, desc, block_size, &t, num_wait, wait, done);
+}
+
+moecl_status moecl_route_dispatch_ex_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
+                                          const moecl_route_dispatch_host_tensors *tensors)
+{
+    const moecl_status st = check_record(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
+                                         sizeof(moecl_route_dispatch_host_tensors));
+    if (st != MOECL_SUCCESS)
+        return st;
+    const moecl_route_dispatch_host_tensors *h = tensors;
+    route_step s = {false, h->bias != NULL, desc, NULL, {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0},
+                    {NULL, 0}, {NULL, 0}, {NULL, 0}, h->num_local_experts};
+    const void *const in[3] = {h->gating, h->bias, NULL};
+    const host_outputs o = {h->topk_weights,     h->topk_ids,         h->expert_counts,
+                            h->sorted_token_ids, h->block_expert_ids, h->num_tokens_post_padded,
+                            h->slot_positions,   h->num_invalid,      h->expert_load,
+                            h->num_valid_tokens, h->expert_map};
+    return route_dispatch_host(ctx, &s, block_size, in, &o);
 }
 
 moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gating_desc *desc, uint32_t block_size,
@@ -412,11 +560,12 @@ moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl_topk_gati
                                        int32_t *expert_counts, int32_t *sorted_token_ids, int32_t *block_expert_ids,
                                        int32_t *num_tokens_post_padded, int32_t *slot_positions, int32_t *num_invalid)
 {
-    route_step s = {false, bias != NULL, desc, NULL, {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0}};
-    const void *const in[3] = {gating, bias, NULL};
-    const host_outputs o = {topk_weights,     topk_ids,  expert_counts,  sorted_token_ids,
-                            block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid};
-    return route_dispatch_host(ctx, &s, block_size, in, &o);
+    const moecl_route_dispatch_host_tensors h = {sizeof(h),        gating,           bias,
+                                                 topk_weights,     topk_ids,         expert_counts,
+                                                 sorted_token_ids, block_expert_ids, num_tokens_post_padded,
+                                                 slot_positions,   num_invalid,      NULL,
+                                                 NULL,             NULL,             0};
+    return moecl_route_dispatch_ex_host(ctx, desc, block_size, &h);
 }
 
 moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -428,7 +577,8 @@ moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const moecl_groun
                                            moecl_buffer num_invalid, cl_uint num_wait, const cl_event *wait,
                                            cl_event *done)
 {
-    const route_step s = {true, false, NULL, desc, {token_hidden, router_logits, expert_ground}, topk_weights, topk_ids};
+    const route_step s = {true,     false,     NULL,      desc,      {token_hidden, router_logits, expert_ground},
+                          topk_weights, topk_ids, {NULL, 0}, {NULL, 0}, {NULL, 0}, 0};
     const dispatch_buffers b = {expert_counts,          sorted_token_ids, block_expert_ids,
                                 num_tokens_post_padded, slot_positions,   num_invalid};
     return route_dispatch(ctx, &s, block_size, &b, num_wait, wait, done);
@@ -442,9 +592,11 @@ moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, const moecl_
                                                 int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                                 int32_t *num_invalid)
 {
-    route_step s = {true, false, NULL, desc, {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0}};
+    route_step s = {true,      false,     NULL,      desc,      {{NULL, 0}, {NULL, 0}, {NULL, 0}}, {NULL, 0}, {NULL, 0},
+                    {NULL, 0}, {NULL, 0}, {NULL, 0}, 0};
     const void *const in[3] = {token_hidden, router_logits, expert_ground};
     const host_outputs o = {topk_weights,     topk_ids,  expert_counts,  sorted_token_ids,
-                            block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid};
+                            block_expert_ids, num_tokens_post_padded, slot_positions, num_invalid,
+                            NULL,             NULL,      NULL};
     return route_dispatch_host(ctx, &s, block_size, in, &o);
 }

@@ -124,6 +124,7 @@ typedef struct topk_request {
     unsigned replay; /* cl/replay.cl's kernel (src/replay.c): 1 given ids, 2 hash routing; 0 top-k */
     unsigned capture; /* moecl_topk_gating_ex's captured_ids: 0 none, else 1 + captured_ids_dtype */
     bool has_scale;   /* moecl_topk_gating_ex's expert_scale */
+    unsigned load_map; /* the load by local expert: their number (LOAD_MAP); 0 by expert id */
 } topk_request;
 
 /* The request's capture define: 1 + the captured ids' dtype, 0 for none. */
@@ -207,7 +208,8 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
  * exact 0 of a higher index). */
 static topk_request request_of(const moecl_topk_gating_desc *d, bool has_bias, bool has_counts)
 {
-    topk_request r = {d, has_bias, has_counts, false, false, false, d->num_expert_groups, d->topk_group, 0, 0, false};
+    topk_request r = {.desc = d, .has_bias = has_bias, .has_counts = has_counts,
+                      .groups = d->num_expert_groups, .topk_group = d->topk_group};
     if (r.groups && (r.topk_group == r.groups ||
                      (d->num_experts / r.groups == 1 && d->group_fill != MOECL_GROUP_FILL_ZERO)))
         r.groups = r.topk_group = 0;
@@ -229,6 +231,7 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_HAS_VALID] = r->has_valid;
     v.param[MOECL_TOPK_CAPTURE] = r->capture;
     v.param[MOECL_TOPK_HAS_SCALE] = r->has_scale;
+    v.param[MOECL_TOPK_LOAD_MAP] = r->load_map;
     v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
@@ -306,10 +309,12 @@ void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_top
 }
 
 void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
-                                     char *buf, size_t size, const char **kernel_name)
+                                     bool has_load, bool has_valid, char *buf, size_t size, const char **kernel_name)
 {
     topk_request r = request_of(desc, has_bias, false);
     r.has_dispatch = true;
+    r.has_load = has_load;
+    r.has_valid = has_valid;
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -370,11 +375,23 @@ moecl_status moecl_topk_gating_plan(moecl_context *ctx, const moecl_topk_gating_
     return plan_of(ctx, &r, plan);
 }
 
+moecl_status moecl_topk_gating_ex_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
+                                       bool has_load, bool has_valid, uint32_t load_map, const moecl_plan **plan)
+{
+    topk_request r = request_of(desc, has_bias, false);
+    r.has_load = has_load;
+    r.has_valid = has_valid;
+    r.load_map = has_load ? load_map : 0;
+    return plan_of(ctx, &r, plan);
+}
+
 moecl_status moecl_topk_gating_route_plan(moecl_context *ctx, const moecl_topk_gating_desc *desc, bool has_bias,
-                                          const moecl_plan **plan)
+                                          bool has_load, bool has_valid, const moecl_plan **plan)
 {
     topk_request r = request_of(desc, has_bias, false);
     r.has_dispatch = true;
+    r.has_load = has_load;
+    r.has_valid = has_valid;
     return plan_of(ctx, &r, plan);
 }
 
@@ -440,6 +457,8 @@ typedef struct topk_buffers {
     bool need_counts; /* moecl_topk_gating_with_counts: expert_counts is required */
     moecl_buffer captured, scale; /* moecl_topk_gating_ex's captured_ids and expert_scale */
     moecl_index_dtype captured_dtype;
+    moecl_buffer map; /* moecl_route_dispatch_ex's: the load by local expert (LOAD_MAP) */
+    uint32_t num_local;
 } topk_buffers;
 
 /* Every moecl_topk_gating_ex capture fits int16: no num_experts moecl
@@ -470,10 +489,12 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                           {"topk_weights", t * k * w_size, b->weights.offset, w_size, true},
                                           {"topk_ids", t * k * id_size, b->ids.offset, id_size, true},
                                           {"expert_counts", ce * 4, b->counts.offset, 4, true},
-                                          {"expert_load", ce * 4, b->load.offset, 4, true},
+                                          {"expert_load", (b->map.mem ? b->num_local : ce) * 4, b->load.offset, 4, true},
                                           {"num_valid_tokens", 4, b->valid.offset, 4, true},
                                           {"captured_ids", t * d->top_k * cap_size, b->captured.offset, cap_size, true},
                                           {"expert_scale", e * 4, b->scale.offset, 4, true}};
+    const moecl_buffer_check map_check = {"expert_map", e * 4, b->map.offset, 4, true};
+    const cl_ulong map_off = b->map.offset / 4;
     const moecl_buffer_check *c = b->check ? checks : NULL;
     /* Offsets travel in elements: the kernels index typed pointers. The
      * scalars are one argument, and the optional tensors arguments only
@@ -491,17 +512,23 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
                                       .scaling_factor = d->routed_scaling_factor};
     const moecl_buffer *const order[9] = {&b->gating, &b->bias,  &b->weights,  &b->ids,  &b->counts,
                                           &b->load,   &b->valid, &b->captured, &b->scale};
-    moecl_kernel_arg args[10];
+    moecl_kernel_arg args[12];
     cl_uint n = 0;
-    for (int i = 0; i < 9; i++)
+    for (int i = 0; i < 9; i++) {
         if (order[i]->mem || i == 0 || i == 2 || i == 3 || (i == 4 && b->need_counts)) /* required: as they are */
             args[n++] = MOECL_ARG_CHECKED(order[i]->mem, c ? &c[i] : NULL);
+        if (i == 5 && b->load.mem && b->map.mem) { /* LOAD_MAP's two after the load */
+            args[n++] = MOECL_ARG_CHECKED(b->map.mem, c ? &map_check : NULL);
+            args[n++] = MOECL_ARG(map_off);
+        }
+    }
     args[n++] = MOECL_ARG(scalars);
     topk_request r = request_of(d, b->bias.mem != NULL, b->counts.mem != NULL || b->need_counts);
     r.has_load = b->load.mem != NULL;
     r.has_valid = b->valid.mem != NULL;
     r.capture = capture_of(b->captured.mem != NULL, b->captured_dtype);
     r.has_scale = b->scale.mem != NULL;
+    r.load_map = b->load.mem && b->map.mem ? b->num_local : 0;
     const moecl_launch_call call = {key_of(ctx, &r), build_plan,    &r,      args,           n,
                                     d->num_tokens,   b->counts.mem, b->counts.offset, ce * 4, "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
@@ -553,8 +580,7 @@ moecl_status moecl_topk_gating(moecl_context *ctx, const moecl_topk_gating_desc 
                                moecl_buffer bias, moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait,
                                const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating,    bias,      topk_weights, topk_ids, {NULL, 0}, {NULL, 0},
-                            {NULL, 0}, true,      false,        {NULL, 0}, {NULL, 0}, MOECL_I32};
+    const topk_buffers b = {.gating = gating, .bias = bias, .weights = topk_weights, .ids = topk_ids, .check = true};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -563,8 +589,13 @@ moecl_status moecl_topk_gating_with_counts(moecl_context *ctx, const moecl_topk_
                                            moecl_buffer topk_ids, moecl_buffer expert_counts, cl_uint num_wait,
                                            const cl_event *wait, cl_event *done)
 {
-    const topk_buffers b = {gating,    bias,      topk_weights, topk_ids, expert_counts, {NULL, 0},
-                            {NULL, 0}, true,      true,         {NULL, 0}, {NULL, 0},   MOECL_I32};
+    const topk_buffers b = {.gating = gating,
+                            .bias = bias,
+                            .weights = topk_weights,
+                            .ids = topk_ids,
+                            .counts = expert_counts,
+                            .check = true,
+                            .need_counts = true};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -580,7 +611,19 @@ moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_de
         return st;
     const topk_buffers b = {t.gating,        t.bias,        t.topk_weights,     t.topk_ids,
                             t.expert_counts, t.expert_load, t.num_valid_tokens, true,
-                            false,           t.captured_ids, t.expert_scale,    t.captured_ids_dtype};
+                            false,           t.captured_ids, t.expert_scale,    t.captured_ids_dtype,
+                            {NULL, 0},       0};
+    return gating_device(ctx, desc, &b, num_wait, wait, done);
+}
+
+moecl_status moecl_topk_gating_ex_mapped(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                         const moecl_topk_gating_tensors *t, moecl_buffer expert_map,
+                                         uint32_t num_local, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const topk_buffers b = {t->gating,        t->bias,         t->topk_weights,  t->topk_ids,
+                            t->expert_counts, t->expert_load,  t->num_valid_tokens, true,
+                            false,            t->captured_ids, t->expert_scale,  t->captured_ids_dtype,
+                            expert_map,       num_local};
     return gating_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -648,9 +691,10 @@ static moecl_status gating_host(moecl_context *ctx, const moecl_topk_gating_desc
                                    sizes[i], from[i], &mems[i]);
     cl_event ran = NULL;
     if (st == MOECL_SUCCESS) {
-        const topk_buffers b = {{mems[GATING], 0}, {mems[BIAS], 0},  {mems[WEIGHTS], 0}, {mems[IDS], 0},
-                                {mems[COUNTS], 0}, {mems[LOAD], 0},  {mems[VALID], 0},   false,
-                                false,             {mems[CAPTURED], 0}, {mems[SCALE], 0}, h->captured_ids_dtype};
+        const topk_buffers b = {{mems[GATING], 0},   {mems[BIAS], 0},  {mems[WEIGHTS], 0}, {mems[IDS], 0},
+                                {mems[COUNTS], 0},   {mems[LOAD], 0},  {mems[VALID], 0},   false,
+                                false,               {mems[CAPTURED], 0}, {mems[SCALE], 0}, h->captured_ids_dtype,
+                                {NULL, 0},           0};
         st = launch(ctx, desc, &b, 0, NULL, &ran);
     }
     /* Read back the outputs: expert_load with them, from LOAD on. */

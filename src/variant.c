@@ -143,6 +143,8 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
     [MOECL_TOPK_SHARED] = {PARAM("SHARED", "shared", 7, false, 0, 0, MOECL_MAX_TOPK - 1)},
     [MOECL_TOPK_SHARED_WEIGHT] = {PARAM("SHARED_WEIGHT", "shared_weight", 32, false, 0, 0, UINT32_MAX),
                                   .with = WITH(MOECL_TOPK_SHARED), .format = FORMAT_FLOAT},
+    /* moecl_route_dispatch_ex's load by local expert: their number, 0 none */
+    [MOECL_TOPK_LOAD_MAP] = {PARAM("LOAD_MAP", "load_map", 13, false, 0, 0, MOECL_MAX_EXPERTS)},
 };
 
 /* ---- cl/grounded_router.cl (and moecl_grounded_route_dispatch's) ---- */

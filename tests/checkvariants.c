@@ -1056,7 +1056,7 @@ static bool align_verify(const moecl_moe_align_desc *d, const int32_t *ids, cons
 static const moecl_plan *align_plan(moecl_context *ctx)
 {
     const moecl_plan *p;
-    moecl_status st = moecl_moe_align_plan(ctx, &p);
+    moecl_status st = moecl_moe_align_plan(ctx, false, &p);
     if (st != MOECL_SUCCESS)
         die("moe_align's kernels", ctx, st);
     return p;

@@ -506,11 +506,15 @@ int main(int argc, char **argv)
                 /* moecl_route_dispatch's one kernel for the same spec (the
                  * team kernel with moe_align's steps after its rows), where
                  * the rule gives it the team kernel. */
-                moecl_topk_gating_route_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
-                if (kernel) {
-                    snprintf(description, sizeof(description), "route_dispatch E=%u k=%u %s %s%s groups=%s [%s]",
+                /* moecl_route_dispatch_ex's load counter and valid count
+                 * too, on the specs without a bias. */
+                for (int ex = 0; ex < (s->bias ? 1 : 2); ex++) {
+                    moecl_topk_gating_route_defines(&info, &d, s->bias, ex, ex, defines, sizeof(defines), &kernel);
+                    if (!kernel)
+                        continue;
+                    snprintf(description, sizeof(description), "route_dispatch E=%u k=%u %s %s%s%s groups=%s [%s]",
                              s->experts, s->k, dtype_names[s->dtype], s->scoring ? "sigmoid" : "softmax",
-                             s->bias ? " bias" : "",
+                             s->bias ? " bias" : "", ex ? " load valid" : "",
                              s->groups ? (s->group_score ? "8/4 top2-sum" : "8/4 max") : "none", c->name);
                     emit(t, "route_dispatch.cl", options, defines, kernel, description);
                 }
@@ -537,7 +541,7 @@ int main(int argc, char **argv)
                          s->scoring ? "sigmoid" : "softmax", s->bias ? " bias" : "", s->groups ? "8/4" : "none",
                          c->name);
                 emit(t, "topk_gating.cl", options, defines, kernel, description);
-                moecl_topk_gating_route_defines(&info, &d, s->bias, defines, sizeof(defines), &kernel);
+                moecl_topk_gating_route_defines(&info, &d, s->bias, false, false, defines, sizeof(defines), &kernel);
                 if (kernel) {
                     snprintf(description, sizeof(description), "route_dispatch shared %u E=%u k=%u %s [%s]",
                              d.num_shared_experts, s->experts, s->k, dtype_names[s->dtype], c->name);

@@ -12,6 +12,7 @@
  * followed by moecl_moe_align (the router's reference bounds its weights
  * and fixes its ids). */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -653,6 +654,403 @@ START_TEST(test_bad_input)
 }
 END_TEST
 
+/* ---- moecl_route_dispatch_ex ------------------------------------------ */
+
+/* The optional tensors of a case: a valid count (or none), a load counter,
+ * a global-to-local map over `local` experts. */
+typedef struct ex_opts {
+    bool has_valid, has_load, has_map;
+    int32_t valid;
+    uint32_t local;
+} ex_opts;
+
+/* The inputs of a case: logits, a bias or none, a map (each global expert
+ * local or -1), a load counter's starting values. */
+typedef struct ex_in {
+    void *gating, *bias;
+    int32_t *map, *load;
+} ex_in;
+
+/* moe_align's view of an ex call: the local experts and the map's length. */
+static moecl_moe_align_desc ex_align(const moecl_topk_gating_desc *d, const ex_opts *x, uint32_t block)
+{
+    moecl_moe_align_desc a = moecl_moe_align_desc_init(d->num_tokens, d->top_k, x->has_map ? x->local : d->num_experts,
+                                                       block);
+    a.num_global_experts = x->has_map ? d->num_experts : 0;
+    return a;
+}
+
+/* The load counter's entries: by expert id, or by local expert with a map. */
+static size_t ex_load_len(const moecl_topk_gating_desc *d, const ex_opts *x)
+{
+    return x->has_map ? x->local : d->num_experts;
+}
+
+static void ex_outs_alloc(const moecl_topk_gating_desc *d, const ex_opts *x, uint32_t block, outs *o)
+{
+    outs_alloc((shape){d->num_tokens, d->top_k, x->has_map ? x->local : d->num_experts}, block, o);
+    o->wsize = ref_dtype_size(d->weights_dtype);
+}
+
+/* Device buffers of an ex call: outs' outputs at their offsets, the
+ * inputs, and the optional tensors at offsets of their own. */
+typedef struct ex_bufs {
+    bufs b;
+    moecl_buffer load, valid, map;
+} ex_bufs;
+
+static ex_bufs ex_bufs_make(moecl_context *ctx, const moecl_topk_gating_desc *d, const ex_opts *x, const outs *o,
+                            const ex_in *in)
+{
+    ex_bufs e;
+    e.b = bufs_outputs(ctx, o);
+    const size_t experts = d->num_experts;
+    e.b.gating = harness_buffer(ctx, d->num_tokens * experts * ref_dtype_size(d->gating_dtype), 8, in->gating);
+    e.b.bias = in->bias ? harness_buffer(ctx, experts * ref_dtype_size(d->bias_dtype), 4, in->bias)
+                        : (moecl_buffer){NULL, 0};
+    e.load = x->has_load ? harness_buffer(ctx, ex_load_len(d, x) * 4, 12, in->load) : (moecl_buffer){NULL, 0};
+    e.valid = x->has_valid ? harness_buffer(ctx, 4, 20, &x->valid) : (moecl_buffer){NULL, 0};
+    e.map = x->has_map ? harness_buffer(ctx, experts * 4, 36, in->map) : (moecl_buffer){NULL, 0};
+    return e;
+}
+
+static moecl_route_dispatch_tensors ex_tensors(const ex_bufs *e, const ex_opts *x)
+{
+    moecl_route_dispatch_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.gating = e->b.gating;
+    t.bias = e->b.bias;
+    t.topk_weights = e->b.weights;
+    t.topk_ids = e->b.ids;
+    t.expert_counts = e->b.counts;
+    t.sorted_token_ids = e->b.sorted;
+    t.block_expert_ids = e->b.blocks;
+    t.num_tokens_post_padded = e->b.post;
+    t.slot_positions = e->b.slots;
+    t.num_invalid = e->b.invalid;
+    t.expert_load = e->load;
+    t.num_valid_tokens = e->valid;
+    t.expert_map = e->map;
+    t.num_local_experts = x->has_map ? x->local : 0;
+    return t;
+}
+
+static void ex_bufs_release(ex_bufs *e)
+{
+    bufs_release(&e->b);
+    harness_release(e->load);
+    harness_release(e->valid);
+    harness_release(e->map);
+}
+
+/* What the call stands for: moecl_topk_gating_ex (valid count, load) then
+ * moecl_moe_align_ex (map), on device buffers; *load gets the counter.
+ * top-k's load is by expert id: with a map the load by local expert is
+ * counted here from the ids instead. */
+static void ex_run_separate(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x,
+                            const ex_in *in, outs *o, int32_t *load, const char *what)
+{
+    ex_bufs e = ex_bufs_make(ctx, d, x, o, in);
+    moecl_topk_gating_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.gating = e.b.gating;
+    t.bias = e.b.bias;
+    t.topk_weights = e.b.weights;
+    t.topk_ids = e.b.ids;
+    t.expert_load = x->has_map ? (moecl_buffer){NULL, 0} : e.load;
+    t.num_valid_tokens = e.valid;
+    cl_event routed = NULL, done = NULL;
+    moecl_status st = moecl_topk_gating_ex(ctx, d, &t, 0, NULL, &routed);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: top-k ex: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    const moecl_moe_align_desc a = ex_align(d, x, block);
+    const moecl_moe_align_tensors at = {sizeof(at), e.b.ids,   e.b.counts, e.b.sorted, e.b.blocks,
+                                        e.b.post,   e.b.slots, e.b.invalid, e.map};
+    st = moecl_moe_align_ex(ctx, &a, &at, 1, &routed, &done);
+    ck_assert_msg(st == MOECL_SUCCESS, "%s: moe_align ex: %s: %s", what, moecl_status_string(st),
+                  moecl_context_error(ctx));
+    wait_done(routed, done);
+    bufs_read(ctx, &e.b, o, what);
+    if (x->has_load && !x->has_map)
+        harness_read(ctx, e.load, ex_load_len(d, x) * 4, load);
+    if (x->has_load && x->has_map) {
+        memcpy(load, in->load, ex_load_len(d, x) * 4);
+        for (size_t s = 0; s < o->n_slots; s++)
+            if (o->ids[s] >= 0 && (uint32_t)o->ids[s] < d->num_experts && (uint32_t)in->map[o->ids[s]] < x->local)
+                load[in->map[o->ids[s]]]++;
+    }
+    ex_bufs_release(&e);
+}
+
+/* The call under test, twice on the same buffers (the second must write
+ * the same outputs and add to the load again): on device buffers after a
+ * marker it must wait on, or on host memory. */
+static void ex_run(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x,
+                   const ex_in *in, bool device_path, outs *o, int32_t *load, const char *what)
+{
+    const size_t loads = ex_load_len(d, x);
+    if (!device_path) {
+        if (x->has_load)
+            memcpy(load, in->load, loads * 4);
+        for (int call = 0; call < 2; call++) {
+            const moecl_route_dispatch_host_tensors h = {
+                sizeof(h),       in->gating, in->bias,        o->weights,
+                o->ids,          o->counts,  o->sorted,       o->blocks,
+                &o->post,        o->slots,   &o->invalid,     x->has_load ? load : NULL,
+                x->has_valid ? &x->valid : NULL, x->has_map ? in->map : NULL, x->has_map ? x->local : 0};
+            const moecl_status st = moecl_route_dispatch_ex_host(ctx, d, block, &h);
+            ck_assert_msg(st == MOECL_SUCCESS, "%s: host: %s: %s", what, moecl_status_string(st),
+                          moecl_context_error(ctx));
+        }
+        return;
+    }
+    ex_bufs e = ex_bufs_make(ctx, d, x, o, in);
+    const moecl_route_dispatch_tensors t = ex_tensors(&e, x);
+    for (int call = 0; call < 2; call++) {
+        cl_event before = NULL, done = NULL;
+        ck_assert_int_eq(clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &before), CL_SUCCESS);
+        const moecl_status st = moecl_route_dispatch_ex(ctx, d, block, &t, 1, &before, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        wait_done(before, done);
+    }
+    bufs_read(ctx, &e.b, o, what);
+    if (x->has_load)
+        harness_read(ctx, e.load, loads * 4, load);
+    ex_bufs_release(&e);
+}
+
+/* Against the float64 reference: the rows below the valid count as the
+ * top-k suite bounds them, the rows past it id -1 and weight +0, the
+ * dispatch exactly as ref_moe_align_map places the ids chosen, and the
+ * load its start plus `calls` times the valid rows' ids (by local expert
+ * with a map: the ids the map takes into [0, local)). */
+static void ex_check_reference(const moecl_topk_gating_desc *d, uint32_t block, const ex_opts *x, const ex_in *in,
+                               const outs *o, const int32_t *load, int calls, const char *what)
+{
+    const uint32_t t = d->num_tokens, k = d->top_k;
+    const uint32_t n = !x->has_valid ? t : x->valid <= 0 ? 0 : (uint32_t)x->valid < t ? (uint32_t)x->valid : t;
+    char msg[600] = "";
+    if (n > 0) {
+        moecl_topk_gating_desc dn = *d;
+        dn.num_tokens = n;
+        const int rows = ref_check_topk_gating_typed(&dn, in->gating, in->bias, o->weights, o->ids, msg, sizeof(msg));
+        ck_assert_msg(rows == 0, "%s: %d bad top-k rows: %s", what, rows, msg);
+    }
+    for (size_t s = (size_t)n * k; s < (size_t)t * k; s++) {
+        ck_assert_msg(o->ids[s] == -1, "%s: padding slot %zu has id %d", what, s, o->ids[s]);
+        for (size_t b = 0; b < o->wsize; b++)
+            ck_assert_msg(((const unsigned char *)o->weights)[s * o->wsize + b] == 0, "%s: padding slot %zu's weight",
+                          what, s);
+    }
+    const moecl_moe_align_desc a = ex_align(d, x, block);
+    const int bad = ref_check_moe_align_map(&a, t ? o->ids : NULL, x->has_map ? in->map : NULL, o->counts, o->sorted,
+                                            o->blocks, &o->post, o->slots, &o->invalid, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d dispatch elements differ from the reference; first: %s", what, bad, msg);
+    if (!x->has_load)
+        return;
+    for (uint32_t e = 0; e < ex_load_len(d, x); e++) {
+        int64_t want = 0;
+        for (size_t s = 0; s < (size_t)n * k; s++) {
+            const int32_t id = o->ids[s];
+            want += x->has_map ? id >= 0 && (uint32_t)id < d->num_experts && in->map[id] == (int32_t)e
+                               : id == (int32_t)e;
+        }
+        ck_assert_msg(load[e] == in->load[e] + calls * want, "%s: expert_load[%u] is %d, want %d + %d * %lld", what,
+                      e, load[e], in->load[e], calls, (long long)want);
+    }
+}
+
+/* A map over d's experts: about half local (each local expert at least
+ * once where there are enough), the rest -1. */
+static int32_t *ex_make_map(harness_rng *rng, uint32_t experts, uint32_t local)
+{
+    int32_t *map = malloc(experts * 4);
+    ck_assert_ptr_nonnull(map);
+    for (uint32_t g = 0; g < experts; g++) {
+        const uint32_t r = harness_rand_u32(rng);
+        map[g] = r % 2 ? -1 : (int32_t)(g / 2 < local ? g / 2 : r % local);
+    }
+    return map;
+}
+
+static void ex_case(moecl_context *ctx, const moecl_topk_gating_desc *d, uint32_t block, bool with_bias,
+                    enum logits kind, const ex_opts *x, uint64_t stream)
+{
+    char what[256];
+    snprintf(what, sizeof(what),
+             "ex T=%u E=%u k=%u dtype=%d weights=%d scoring=%d bias=%d block=%u logits=%d valid=%s%d load=%d map=%d "
+             "local=%u", d->num_tokens, d->num_experts, d->top_k, (int)d->gating_dtype, (int)d->weights_dtype,
+             (int)d->scoring, (int)with_bias, block, (int)kind, x->has_valid ? "" : "absent/", x->valid,
+             (int)x->has_load, (int)x->has_map, x->local);
+    harness_rng rng = harness_rng_for(stream);
+    ex_in in;
+    in.gating = make_logits(&rng, d, kind);
+    in.bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 2.0f / (float)d->num_experts)
+                        : NULL;
+    in.map = x->has_map ? ex_make_map(&rng, d->num_experts, x->local) : NULL;
+    const size_t loads = ex_load_len(d, x);
+    in.load = malloc(loads * 4);
+    int32_t *want_load = malloc(loads * 4), *got_load = malloc(loads * 4);
+    ck_assert(in.load && want_load && got_load);
+    for (size_t e = 0; e < loads; e++)
+        in.load[e] = (int32_t)(harness_rand_u32(&rng) % 1000);
+    outs want, got;
+    ex_outs_alloc(d, x, block, &want);
+    ex_run_separate(ctx, d, block, x, &in, &want, want_load, what);
+    ex_check_reference(d, block, x, &in, &want, want_load, 1, what);
+    /* Two calls add twice what the composition added once. */
+    for (size_t e = 0; x->has_load && e < loads; e++)
+        want_load[e] += want_load[e] - in.load[e];
+    for (int path = 0; path < 2; path++) {
+        ex_outs_alloc(d, x, block, &got);
+        ex_run(ctx, d, block, x, &in, path == 1, &got, got_load, what);
+        assert_same(&got, &want, what);
+        ck_assert_msg(!x->has_load || !memcmp(got_load, want_load, loads * 4),
+                      "%s: expert_load differs from two compositions'", what);
+        ex_check_reference(d, block, x, &in, &got, got_load, 2, what);
+        outs_free(&got);
+    }
+    outs_free(&want);
+    free(in.gating);
+    free(in.bias);
+    free(in.map);
+    free(in.load);
+    free(want_load);
+    free(got_load);
+}
+
+/* Valid counts 0, mid-batch, num_tokens and past it, negative and absent;
+ * a load counter over two calls; maps with -1 entries over 16 or 3 local
+ * experts; normal logits, exact ties and NaN / inf rows; every gating and
+ * weights dtype; 7 and 129 tokens (the one kernel on the GPU class, the
+ * map's calls the two calls) and 700 at top_k 8 (past the one kernel). */
+START_TEST(test_ex)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {7, 129, 700};
+    static const ex_opts opts[] = {
+        {false, true, false, 0, 0},  {true, true, false, -1, 0}, {true, false, true, 0, 16},
+        {true, true, false, -2, 0},  {true, true, true, -3, 3},  {true, true, false, -4, 0},
+        {false, false, true, 0, 16}, {true, true, true, -1, 16}, {false, true, true, 0, 5},
+    };
+    unsigned i = 0;
+    for (size_t t = 0; t < COUNT(tokens); t++)
+        for (size_t o = 0; o < COUNT(opts); o++, i++) {
+            if (harness_quick_skips(i))
+                continue;
+            ex_opts x = opts[o];
+            /* -1: mid-batch; -2: num_tokens; -4: past it; 0 and -3 as they are. */
+            x.valid = x.valid == -1 ? (int32_t)(tokens[t] / 2 + 1)
+                      : x.valid == -2 ? (int32_t)tokens[t]
+                      : x.valid == -4 ? (int32_t)tokens[t] + 5
+                                      : x.valid;
+            moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], i % 2 ? 64 : 128, i % 3 ? 8 : 4);
+            d.gating_dtype = (moecl_dtype)(i % 3);
+            d.weights_dtype = (moecl_dtype)((i / 3) % 3);
+            /* NaN rows of 16-bit logits: the one kernel's NaN weights and
+             * top-k's kernel's differ in their sign bit (moecl_route_dispatch's
+             * too), so NaN rows come in f32 logits here. */
+            if (i % 3 == LOGITS_NONFINITE)
+                d.gating_dtype = MOECL_F32;
+            d.scoring = i % 4 == 3 ? MOECL_SCORING_SIGMOID : MOECL_SCORING_SOFTMAX;
+            d.renormalize = i % 4 == 3;
+            ex_case(ctx, &d, i % 2 ? 16 : 64, i % 5 == 1, (enum logits)(i % 3), &x, 900 + i);
+        }
+    /* DeepSeek-V3's routing (groups, bias, sigmoid) with a map and a valid count. */
+    moecl_topk_gating_desc d;
+    ck_assert_int_eq(moecl_topk_gating_desc_preset("deepseek-v3", 33, &d), MOECL_SUCCESS);
+    const ex_opts ds = {true, true, true, 20, 32};
+    ex_case(ctx, &d, 16, true, LOGITS_NORMAL, &ds, 990);
+    const ex_opts ds_load = {true, true, false, 20, 0};
+    ex_case(ctx, &d, 16, true, LOGITS_TIES, &ds_load, 991);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* moecl_route_dispatch_ex's own validation, on both entry points: the
+ * call fails and no output byte (nor the load) changes. */
+START_TEST(test_ex_bad_input)
+{
+    moecl_context *ctx = harness_context();
+    const moecl_topk_gating_desc good = *bad_input_desc();
+    const uint32_t block = BAD_INPUT_BLOCK;
+    harness_rng rng = harness_rng_for(950);
+    ex_in in = {harness_random_tensor(&rng, MOECL_F32, 16 * 64, 2.0f), NULL, ex_make_map(&rng, 64, 8),
+                calloc(64, 4)};
+    const ex_opts x = {true, true, true, 9, 8};
+    outs o;
+    ex_outs_alloc(&good, &x, block, &o);
+    ex_bufs e = ex_bufs_make(ctx, &good, &x, &o, &in);
+    harness_release(e.load);
+    e.load = harness_buffer(ctx, 64 * 4, 12, NULL); /* poisoned: must stay so */
+    const moecl_route_dispatch_tensors base = ex_tensors(&e, &x);
+    moecl_buffer small = {NULL, 0};
+    cl_int err;
+    small.mem = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_READ_WRITE, 2, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    /* Room for the 8 local experts' load, not for the 64 experts'. */
+    moecl_buffer load8 = harness_buffer(ctx, 8 * 4, 0, NULL);
+    enum { CASES = 12 };
+    for (int c = 0; c < CASES; c++) {
+        moecl_route_dispatch_tensors t = base;
+        const char *what = "";
+        switch (c) {
+        case 0: t.struct_size = 0; what = "struct_size 0"; break;
+        case 1: t.struct_size = sizeof(t) + 8; what = "struct_size too big"; break;
+        case 2: t.struct_size = offsetof(moecl_route_dispatch_tensors, expert_map); what = "struct_size short"; break;
+        case 3: t.num_local_experts = 0; what = "map without num_local_experts"; break;
+        case 4: t.expert_map = (moecl_buffer){NULL, 0}; what = "num_local_experts without a map"; break;
+        case 5: t.num_local_experts = 4097; what = "num_local_experts 4097"; break;
+        case 6: t.expert_map = small; what = "expert_map too small"; break;
+        case 7: t.num_valid_tokens.offset += 2; what = "num_valid_tokens misaligned"; break;
+        case 8: t.expert_load = small; what = "expert_load too small for the local experts"; break;
+        case 9: t.num_valid_tokens = small; what = "num_valid_tokens too small"; break;
+        case 10: t.expert_map = (moecl_buffer){NULL, 0}; t.num_local_experts = 0; t.expert_load = load8;
+                 what = "expert_load too small for the experts"; break;
+        default: t.expert_map.offset += 1; what = "expert_map misaligned"; break;
+        }
+        expect_invalid(ctx, moecl_route_dispatch_ex(ctx, &good, block, &t, 0, NULL, NULL), &e.b, &o, what);
+    }
+    expect_invalid(ctx, moecl_route_dispatch_ex(ctx, &good, block, NULL, 0, NULL, NULL), &e.b, &o, "tensors NULL");
+    int32_t load[64];
+    harness_read(ctx, e.load, 64 * 4, load);
+    ck_assert(harness_first_unpoisoned(load, 64 * 4) == 64 * 4);
+    /* The host form: struct_size, the map and its count, a required output. */
+    for (int c = 0; c < 5; c++) {
+        moecl_route_dispatch_host_tensors h = {sizeof(h), in.gating, NULL,     o.weights,  o.ids,   o.counts,
+                                               o.sorted,  o.blocks,  &o.post,  o.slots,    &o.invalid, in.load,
+                                               &x.valid,  in.map,    x.local};
+        if (c == 0)
+            h.struct_size = 8;
+        else if (c == 1)
+            h.num_local_experts = 0;
+        else if (c == 2)
+            h.expert_map = NULL;
+        else if (c == 3)
+            h.expert_counts = NULL;
+        else
+            h.num_local_experts = 4097;
+        const moecl_status st = moecl_route_dispatch_ex_host(ctx, &good, block, &h);
+        ck_assert_msg(st == MOECL_ERROR_INVALID_ARGUMENT, "host case %d: %s", c,
+                      moecl_status_string(st));
+    }
+    ck_assert_int_eq(moecl_route_dispatch_ex_host(ctx, &good, block, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert(harness_first_unpoisoned(o.weights, o.n_slots * 4) == o.n_slots * 4);
+    ck_assert(harness_first_unpoisoned(o.counts, o.experts * 4) == o.experts * 4);
+    for (int i = 0; i < 64; i++)
+        ck_assert_int_eq(in.load[i], 0);
+    harness_release(small);
+    harness_release(load8);
+    ex_bufs_release(&e);
+    outs_free(&o);
+    free(in.gating);
+    free(in.map);
+    free(in.load);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* ---- moecl_grounded_route_dispatch ----------------------------------- */
 
 static shape grounded_shape(const moecl_grounded_router_desc *d)
@@ -953,6 +1351,12 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_out_dtypes);
     tcase_add_test(tc, test_shared_experts);
     suite_add_tcase(s, tc);
+    /* moecl_route_dispatch_ex's optional tensors (--case ex). */
+    TCase *ex = tcase_create("ex");
+    tcase_set_timeout(ex, 1200);
+    tcase_add_test(ex, test_ex);
+    tcase_add_test(ex, test_ex_bad_input);
+    suite_add_tcase(s, ex);
     /* The grounded router's, a case of its own so that a run can take it
      * alone (--case grounded). */
     TCase *grounded = tcase_create("grounded");

@@ -39,6 +39,7 @@ static const char *const out_flag[NUM_OUT] = {"--weights",          "--ids",    
 typedef struct options {
     op_kind op;
     const char *logits, *hidden, *ground, *bias, *ids_in;
+    const char *expert_map; /* --expert-map FILE.npy */
     const char *out[NUM_OUT];
     const char *device;
     const char *demo; /* --demo DIR */
@@ -115,6 +116,12 @@ static void usage(FILE *f)
             "  --experts E             the expert count, 1..4096 (align; required)\n"
             "  --block-size N          moe_align's block size, 1..1024 (default 64); given without a\n"
             "                          dispatch output, the summary still reports the padding\n"
+            "  --expert-map FILE.npy   int32 [G]: expert parallelism in moe_align (vLLM's expert_map):\n"
+            "                          global expert g is this rank's local expert map[g], or -1 (on\n"
+            "                          another rank); only local slots are aligned, by local expert.\n"
+            "                          topk, grounded: G is the experts, the local ones 0..max(map);\n"
+            "                          align: --experts is the local ones, the ids global in [0, G).\n"
+            "                          Needs a dispatch output, --block-size or --op align\n"
             "  --bf16                  '<u2' and '|V2' arrays hold bfloat16 bit patterns (without it\n"
             "                          they are refused: a uint16 array is not a float)\n"
             "  --device SEL            gpu, cpu, P:D or a name substring (default $MOECL_DEVICE, else\n"
@@ -244,6 +251,7 @@ static void try_help(FILE *f) { fprintf(f, "Try 'moecl-route --help'.\n"); }
 static struct option longopts[] = {
     FLAG("renormalize"), FLAG("bf16"), FLAG("json"), FLAG("progress"), FLAG("no-progress"), FLAG("all-experts"),
     VALUE("op"), VALUE("topk"), VALUE("demo"), VALUE("logits"), VALUE("hidden"), VALUE("ground"), VALUE("bias"), VALUE("ids-in"),
+    VALUE("expert-map"),
     VALUE("weights"), VALUE("ids"), VALUE("pairs"), VALUE("expert-counts"), VALUE("sorted-token-ids"),
     VALUE("block-expert-ids"), VALUE("slot-positions"), VALUE("post-padded"), VALUE("device"), VALUE("top-k"),
     VALUE("experts"), VALUE("block-size"), VALUE("groups"), VALUE("topk-group"), VALUE("group-score"),
@@ -310,6 +318,8 @@ static int parse_args(int argc, char **argv, options *o)
             o->bias = v;
         } else if (!strcmp(a, "--ids-in")) {
             o->ids_in = v;
+        } else if (!strcmp(a, "--expert-map")) {
+            o->expert_map = v;
         } else if (out_option(a) >= 0) {
             o->out[out_option(a)] = v;
         } else if (!strcmp(a, "--device")) {
@@ -400,7 +410,7 @@ static int parse_args(int argc, char **argv, options *o)
             o->groups || o->topk_group || o->experts || o->block_size || o->group_score_set || o->group_fill_set ||
             o->scoring_set || o->renormalize || o->floor_set || o->eps_set || o->scale_set || o->alpha_set || o->bf16 ||
             o->json || o->device || o->chunk_rows || o->progress || o->no_progress || o->all_experts || o->preset ||
-            o->shared_experts || o->shared_weight_set)
+            o->shared_experts || o->shared_weight_set || o->expert_map)
             return bad_usage("%s", "--demo DIR writes example inputs and takes no other option");
         for (int i = 0; i < NUM_OUT; i++)
             if (o->out[i])
@@ -437,6 +447,9 @@ static int parse_args(int argc, char **argv, options *o)
             return bad_usage("%s", "--hidden, --ground and --alpha belong to --op grounded");
         if (o->shared_weight_set && !o->shared_experts)
             return bad_usage("%s", "--shared-weight needs --shared-experts");
+        if (o->shared_experts && o->expert_map)
+            return bad_usage("%s", "--shared-experts and --expert-map do not go together: the map covers the "
+                                   "routed experts only");
         if (!o->groups != !o->topk_group)
             return bad_usage("%s", "--groups and --topk-group come together");
         if (o->group_score_set && !o->groups)
@@ -478,6 +491,8 @@ static int parse_args(int argc, char **argv, options *o)
                                    "--renormalize, --renormalize-floor, --renormalize-eps, --scale and --preset "
                                    "belong to --op topk");
     }
+    if (o->expert_map && !wants_dispatch(o))
+        return bad_usage("%s", "--expert-map is moe_align's: it needs a dispatch output, --block-size or --op align");
     for (int a = 0; a < NUM_OUT; a++)
         for (int b = a + 1; b < NUM_OUT; b++)
             if (o->out[a] && o->out[b] && !strcmp(o->out[a], o->out[b]))
@@ -952,11 +967,47 @@ static int write_demo(const char *dir)
 
 /* ---- main ---- */
 
-enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, IN_IDS, NUM_IN };
+enum { IN_LOGITS, IN_HIDDEN, IN_GROUND, IN_BIAS, IN_IDS, IN_MAP, NUM_IN };
+
+/* --expert-map: int32 [G], read whole into *map. With --op align, G is
+ * the ids' range and `experts` (--experts) the local ones; otherwise G
+ * must be the routed experts and the local ones are 0..max(map). 0, or -1
+ * with a message. */
+static int read_expert_map(npy_file *n, op_kind op, uint32_t experts, int32_t **map, uint32_t *num_global,
+                           uint32_t *num_local, char *err, size_t size)
+{
+    if (n->ndim != 1 || n->kind != NPY_I32 || n->shape[0] < 1 || n->shape[0] > 4096) {
+        snprintf(err, size, "%s: the expert map must be int32 ('<i4') of shape [G], 1 <= G <= 4096", n->path);
+        return -1;
+    }
+    const uint32_t g = (uint32_t)n->shape[0];
+    if (op != OP_ALIGN && g != experts) {
+        snprintf(err, size, "%s: the expert map has %u entries; it must have one per routed expert (%u)", n->path, g,
+                 experts);
+        return -1;
+    }
+    if (!(*map = malloc((size_t)g * 4))) {
+        snprintf(err, size, "%s: out of host memory", n->path);
+        return -1;
+    }
+    if (npy_read_rows(n, *map, g, err, size))
+        return -1;
+    int32_t top = -1;
+    for (uint32_t i = 0; i < g; i++)
+        top = (*map)[i] > top ? (*map)[i] : top;
+    if (op != OP_ALIGN && top < 0) {
+        snprintf(err, size, "%s: the expert map has no local expert (every entry is negative)", n->path);
+        return -1;
+    }
+    *num_global = g;
+    *num_local = op == OP_ALIGN ? experts : (uint32_t)top + 1;
+    return 0;
+}
 
 int main(int argc, char **argv)
 {
     options o;
+    int32_t *emap = NULL; /* --expert-map's entries */
     int rc = parse_args(argc, argv, &o);
     if (rc >= 0)
         return rc;
@@ -968,7 +1019,7 @@ int main(int argc, char **argv)
         return fail_run(err);
     npy_file in[NUM_IN];
     memset(in, 0, sizeof(in));
-    const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias, o.ids_in};
+    const char *paths[NUM_IN] = {o.logits, o.hidden, o.ground, o.bias, o.ids_in, o.expert_map};
     for (int i = 0; i < NUM_IN; i++)
         if (paths[i] && npy_open(&in[i], paths[i], err, sizeof(err)))
             goto file_error;
@@ -1107,10 +1158,20 @@ int main(int argc, char **argv)
      * the bias stay experts). */
     const uint32_t id_experts = experts + td.num_shared_experts;
     top_k += td.num_shared_experts;
+    /* With --expert-map, moe_align runs over the local experts; the load
+     * summary stays over the ids' range. */
+    uint32_t num_global = 0, align_experts = id_experts, routed_experts = id_experts;
+    if (o.expert_map && read_expert_map(&in[IN_MAP], o.op, experts, &emap, &num_global, &align_experts, err,
+                                        sizeof(err)))
+        goto file_error;
+    if (o.op == OP_ALIGN && emap)
+        routed_experts = num_global;
+
     /* moe_align at the end: every position must fit in int32. */
     const bool dispatch = wants_dispatch(&o);
-    const moecl_moe_align_desc ad = moecl_moe_align_desc_init(
-        (uint32_t)tokens, top_k, id_experts, o.block_size ? (uint32_t)o.block_size : DEFAULT_BLOCK_SIZE);
+    moecl_moe_align_desc ad = moecl_moe_align_desc_init(
+        (uint32_t)tokens, top_k, align_experts, o.block_size ? (uint32_t)o.block_size : DEFAULT_BLOCK_SIZE);
+    ad.num_global_experts = num_global;
     const uint64_t max_padded = moecl_moe_align_max_padded(&ad);
     if (dispatch && max_padded > INT32_MAX) {
         fprintf(stderr, "moecl-route: %s: moe_align with block size %u needs %llu entries of sorted_token_ids "
@@ -1118,7 +1179,7 @@ int main(int argc, char **argv)
                         "position is an int32); use a smaller --block-size or fewer tokens a file\nTry 'moecl-route "
                         "--help'.\n",
                 o.op == OP_ALIGN ? o.ids_in : o.op == OP_TOPK ? o.logits : o.hidden, ad.block_size,
-                (unsigned long long)max_padded, (unsigned long long)tokens, top_k, id_experts, ad.block_size - 1);
+                (unsigned long long)max_padded, (unsigned long long)tokens, top_k, align_experts, ad.block_size - 1);
         for (int i = 0; i < NUM_IN; i++)
             npy_close(&in[i]);
         return 2;
@@ -1137,7 +1198,7 @@ int main(int argc, char **argv)
     /* The device, and the options checked against the shapes. */
     summary s;
     memset(&s, 0, sizeof(s));
-    s.experts = id_experts;
+    s.experts = routed_experts;
     s.top_k = top_k;
     s.chunk_rows = chunk;
     s.dispatch = dispatch;
@@ -1181,7 +1242,7 @@ int main(int argc, char **argv)
     for (int i = 0; i < NUM_OUT; i++) {
         if (!out_paths[i])
             continue;
-        const uint64_t pairs_shape[3] = {tokens, top_k, 2}, counts_shape[1] = {id_experts},
+        const uint64_t pairs_shape[3] = {tokens, top_k, 2}, counts_shape[1] = {align_experts},
                        sorted_shape[1] = {max_padded}, blocks_shape[1] = {max_padded / ad.block_size},
                        post_shape[1] = {1};
         const uint64_t *shape = i == OUT_COUNTS   ? counts_shape
@@ -1209,7 +1270,7 @@ int main(int argc, char **argv)
     float *h_w = malloc(nk * 4 + 4), *h_pairs = malloc(nk * 8 + 4);
     int32_t *h_ids = malloc(nk * 4 + 4);
     cl_mem d_w = NULL, d_ids = NULL, d_pairs = NULL;
-    s.load = calloc(id_experts, sizeof(uint64_t));
+    s.load = calloc(s.experts, sizeof(uint64_t));
     /* moe_align's input (the ids of every token) and outputs, whole. */
     const size_t slots = (size_t)tokens * top_k;
     int32_t *all_ids = NULL, *counts = NULL, *sorted = NULL, *blocks = NULL, *positions = NULL;
@@ -1218,7 +1279,7 @@ int main(int argc, char **argv)
                  (unsigned long long)chunk);
         goto run_error;
     }
-    if (dispatch && (!(all_ids = malloc(slots * 4 + 4)) || !(counts = malloc((size_t)id_experts * 4)) ||
+    if (dispatch && (!(all_ids = malloc(slots * 4 + 4)) || !(counts = malloc((size_t)align_experts * 4)) ||
                      !(sorted = malloc((size_t)max_padded * 4 + 4)) ||
                      !(blocks = malloc((size_t)(max_padded / ad.block_size) * 4 + 4)) ||
                      (o.out[OUT_SLOTS] && !(positions = malloc(slots * 4 + 4))))) {
@@ -1344,8 +1405,9 @@ int main(int argc, char **argv)
         fprintf(stderr, "\r%70s\r", "");
     if (dispatch) {
         const double a0 = now_s();
-        st = moecl_moe_align_host(ctx, &ad, all_ids, counts, sorted, blocks, &s.post_padded, positions,
-                                  &s.num_invalid);
+        const moecl_moe_align_host_tensors at = {sizeof(at), all_ids,   counts,         sorted, blocks,
+                                                 &s.post_padded, positions, &s.num_invalid, emap};
+        st = moecl_moe_align_ex_host(ctx, &ad, &at);
         s.align_s = now_s() - a0;
         if (st != MOECL_SUCCESS) {
             snprintf(err, sizeof(err), "moe_align failed: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
@@ -1354,7 +1416,7 @@ int main(int argc, char **argv)
         const double w1 = now_s();
         const void *out_data[NUM_OUT] = {[OUT_COUNTS] = counts, [OUT_SORTED] = sorted, [OUT_BLOCKS] = blocks,
                                          [OUT_SLOTS] = positions, [OUT_POST] = &s.post_padded};
-        const size_t out_bytes[NUM_OUT] = {[OUT_COUNTS] = (size_t)id_experts * 4, [OUT_SORTED] = (size_t)max_padded * 4,
+        const size_t out_bytes[NUM_OUT] = {[OUT_COUNTS] = (size_t)align_experts * 4, [OUT_SORTED] = (size_t)max_padded * 4,
                                            [OUT_BLOCKS] = (size_t)(max_padded / ad.block_size) * 4,
                                            [OUT_SLOTS] = slots * 4, [OUT_POST] = 4};
         for (int i = FIRST_DISPATCH_OUT; i < NUM_OUT; i++)
@@ -1426,6 +1488,7 @@ cleanup:
     free(blocks);
     free(positions);
     free(s.load);
+    free(emap);
     moecl_context_destroy(ctx);
     for (int i = 0; i < NUM_IN; i++)
         npy_close(&in[i]);
@@ -1434,6 +1497,7 @@ cleanup:
 ctx_error:
     moecl_context_destroy(ctx);
 file_error:
+    free(emap);
     for (int i = 0; i < NUM_IN; i++)
         npy_close(&in[i]);
     return fail_run(err);

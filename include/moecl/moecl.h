@@ -1509,6 +1509,119 @@ MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl
                                                  int32_t *num_invalid);
 
 /**
+ * The tensors of moecl_route_dispatch_ex(), by name: moecl_route_dispatch()'s
+ * ten buffers, then the optional tensors of the padded batches, the load
+ * statistics and expert parallelism. Zero the record, set struct_size to
+ * sizeof(moecl_route_dispatch_tensors), then the tensors: an absent one
+ * has mem NULL. A later moecl may append fields; a caller's struct_size
+ * tells it which this record holds (today's, which ends at
+ * num_local_experts, is the first version).
+ */
+typedef struct moecl_route_dispatch_tensors {
+    size_t struct_size;                  /**< sizeof(moecl_route_dispatch_tensors) */
+    moecl_buffer gating;                 /**< as moecl_route_dispatch()'s, required */
+    moecl_buffer bias;                   /**< as moecl_route_dispatch()'s, or absent */
+    moecl_buffer topk_weights;           /**< output, required */
+    moecl_buffer topk_ids;               /**< int32_t, output, required; global ids with expert_map */
+    moecl_buffer expert_counts;          /**< output, required: int32_t[num_experts], or
+                                              int32_t[num_local_experts] with expert_map */
+    moecl_buffer sorted_token_ids;       /**< output, required */
+    moecl_buffer block_expert_ids;       /**< output, required */
+    moecl_buffer num_tokens_post_padded; /**< output, required */
+    moecl_buffer slot_positions;         /**< output, or absent */
+    moecl_buffer num_invalid;            /**< output, or absent */
+    /** int32_t[num_experts] (int32_t[num_local_experts] with expert_map),
+     *  or absent: a load counter the call adds its routed slots to and
+     *  never zeroes, as moecl_topk_gating_ex()'s expert_load (vLLM's and
+     *  SGLang's expert-load statistics for their load balancers). Without
+     *  expert_map it is indexed by expert id; with expert_map (vLLM's
+     *  physical counts after the map) by local expert, counting only the
+     *  slots of this rank's experts. Padding rows are counted nowhere. */
+    moecl_buffer expert_load;
+    /** int32_t[1], or absent: the number n of rows that are tokens, read
+     *  by the kernels when they run, as moecl_topk_gating_ex()'s
+     *  num_valid_tokens (vLLM's is_padding, SGLang's num_token_non_padded):
+     *  rows t >= n get ids -1 and weights 0, and the alignment skips their
+     *  slots as moecl_moe_align() skips -1 ids (they count in num_invalid,
+     *  as there, and nowhere else). */
+    moecl_buffer num_valid_tokens;
+    /** int32_t[num_experts], or absent: the global-to-local expert map of
+     *  moecl_moe_align_ex() (vLLM's expert_map): desc->num_experts is the
+     *  global count G the gating runs over and the map's length, topk_ids
+     *  holds global ids, and the alignment runs over num_local_experts
+     *  local experts exactly as moecl_moe_align_ex() with
+     *  num_global_experts = G does on those ids. */
+    moecl_buffer expert_map;
+    /** With expert_map: the local experts of this rank, 1..4096 (moe_align's
+     *  num_experts). Must be 0 without expert_map. */
+    uint32_t num_local_experts;
+} moecl_route_dispatch_tensors;
+
+/**
+ * moecl_route_dispatch() with its buffers in a struct and the optional
+ * tensors of moecl_route_dispatch_tensors: given only moecl_route_dispatch()'s
+ * buffers it writes exactly what that call writes, bit for bit
+ * (moecl_route_dispatch() is this call with the buffers passed by name).
+ * Otherwise its outputs are exactly those of moecl_topk_gating_ex() (with
+ * num_valid_tokens, and expert_load where there is no expert_map) followed
+ * by moecl_moe_align_ex() (with expert_map and num_global_experts =
+ * desc->num_experts, num_experts = num_local_experts where a map is given)
+ * on those topk_ids; with both expert_map and expert_load, the load gains
+ * for each local expert l the slots whose id g has expert_map[g] == l
+ * (the local part of expert_counts, added).
+ *
+ * Paths: as moecl_route_dispatch()'s. num_valid_tokens and expert_load
+ * are read and added by the routing kernel, in the one kernel where that
+ * path serves the call (kernel variants of their own, so calls without
+ * them run moecl_route_dispatch()'s kernels); a call with expert_map
+ * always takes the two calls' path: moe_align reads the map in its own
+ * launches, and top-k's kernel reads it for a load counter.
+ *
+ * Errors: those of moecl_route_dispatch(), and MOECL_ERROR_INVALID_ARGUMENT
+ * for a NULL tensors, a struct_size this moecl does not know, an expert_map
+ * without num_local_experts or num_local_experts without an expert_map, a
+ * num_local_experts moe_align refuses, and expert_load, num_valid_tokens or
+ * expert_map too small, misaligned or of another context. Nothing is
+ * enqueued and no output byte (expert_load included) changes for any of
+ * them. What a later failure leaves is as moecl_route_dispatch() states;
+ * expert_load is then unspecified on the two calls' path once top-k's
+ * kernel has run.
+ */
+MOECL_API moecl_status moecl_route_dispatch_ex(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                               uint32_t block_size, const moecl_route_dispatch_tensors *tensors,
+                                               cl_uint num_wait, const cl_event *wait, cl_event *done);
+
+/** The host-memory arrays of moecl_route_dispatch_ex_host(), by name, as
+ *  moecl_route_dispatch_tensors's; an absent one is NULL. */
+typedef struct moecl_route_dispatch_host_tensors {
+    size_t struct_size;              /**< sizeof(moecl_route_dispatch_host_tensors) */
+    const void *gating;              /**< required (may be NULL when num_tokens is 0) */
+    const void *bias;                /**< or NULL */
+    void *topk_weights;              /**< output, required (as gating) */
+    int32_t *topk_ids;               /**< output, required (as gating) */
+    int32_t *expert_counts;          /**< output, required */
+    int32_t *sorted_token_ids;       /**< output; NULL only when it has no element */
+    int32_t *block_expert_ids;       /**< output; NULL only when it has no element */
+    int32_t *num_tokens_post_padded; /**< output, required */
+    int32_t *slot_positions;         /**< output, or NULL */
+    int32_t *num_invalid;            /**< output, or NULL */
+    int32_t *expert_load;            /**< read, added to and written back, or NULL */
+    const int32_t *num_valid_tokens; /**< one int32, or NULL */
+    const int32_t *expert_map;       /**< int32_t[num_experts], or NULL */
+    uint32_t num_local_experts;      /**< as moecl_route_dispatch_tensors's */
+} moecl_route_dispatch_host_tensors;
+
+/** Blocking convenience of moecl_route_dispatch_ex() on host memory: copies
+ *  in (expert_load too), runs, copies out (expert_load too), as
+ *  moecl_route_dispatch_host() does (which is this call with the arrays
+ *  passed by name). Same validation as moecl_route_dispatch_ex(); what a
+ *  failed call leaves as moecl_route_dispatch_host(). With num_tokens 0,
+ *  expert_load is unchanged. */
+MOECL_API moecl_status moecl_route_dispatch_ex_host(moecl_context *ctx, const moecl_topk_gating_desc *desc,
+                                                    uint32_t block_size,
+                                                    const moecl_route_dispatch_host_tensors *tensors);
+
+/**
  * The grounded router (moecl_grounded_router()) through to dispatch
  * (moecl_moe_align()) in one call: for desc's tokens, the top_k experts of
  * g = router_logits + alpha * token_hidden @ expert_ground^T with their

@@ -260,27 +260,29 @@ class Context:
 
     def _run_ex(self, name: str, desc: ctypes.Structure, structs: Tuple[Any, Any],
                 tensors: Sequence[Optional[T.Tensor]], kind: str, wait_for: Optional[Sequence[Any]],
-                scalars: Optional[Dict[str, int]] = None) -> Any:
+                fields: Optional[Dict[str, int]] = None, scalars: Sequence[int] = ()) -> Any:
         """Call moecl_<name>_ex_host (HOST) or moecl_<name>_ex (DEVICE) with
-        the tensors in the struct of structs (device, host), in the order
-        of its tensor fields, and its other fields from scalars, by name;
-        the event, or None."""
+        the scalars after desc, then the tensors in the struct of structs
+        (device, host), in the order of its tensor fields, and its other
+        fields from fields, by name; the event, or None."""
         ctx = self._ptr()
         device_struct, host_struct = structs
         if kind == T.HOST:
             t = host_struct(ctypes.sizeof(host_struct), **self._ex_fields(
-                host_struct, ctypes.c_void_p, [None if x is None else x.host.ctypes.data for x in tensors], scalars))
-            self._check(getattr(self._lib, "moecl_%s_ex_host" % name)(ctx, ctypes.byref(desc), ctypes.byref(t)), ctx)
+                host_struct, ctypes.c_void_p, [None if x is None else x.host.ctypes.data for x in tensors], fields))
+            self._check(getattr(self._lib, "moecl_%s_ex_host" % name)(ctx, ctypes.byref(desc), *scalars,
+                                                                      ctypes.byref(t)), ctx)
             return None
         import pyopencl as cl
 
         events = list(wait_for or [])
         wait = (_lib.cl_handle * len(events))(*[e.int_ptr for e in events]) if events else None
         bufs = [_lib.Buffer(None, 0) if x is None else _lib.Buffer(x.mem, x.offset) for x in tensors]
-        t = device_struct(ctypes.sizeof(device_struct), **self._ex_fields(device_struct, _lib.Buffer, bufs, scalars))
+        t = device_struct(ctypes.sizeof(device_struct), **self._ex_fields(device_struct, _lib.Buffer, bufs, fields))
         done = _lib.cl_handle()
         fn = getattr(self._lib, "moecl_%s_ex" % name)
-        self._check(fn(ctx, ctypes.byref(desc), ctypes.byref(t), len(events), wait, ctypes.byref(done)), ctx)
+        self._check(fn(ctx, ctypes.byref(desc), *scalars, ctypes.byref(t), len(events), wait, ctypes.byref(done)),
+                    ctx)
         return cl.Event.from_int_ptr(done.value, retain=False)
 
     @staticmethod
@@ -896,23 +898,35 @@ class Context:
     def _dispatch(self, name: str, desc_of: Any, inputs: Sequence[Optional[T.Tensor]], tokens: int, k: int,
                   experts: int, block_size: int, slot_positions: bool, num_invalid: bool,
                   out: Dict[str, Any], kind: str, queue: Any, wait_for: Optional[Sequence[Any]],
-                  weights_dtype: str = "f32", ids_dtype: str = "int32") -> RouteDispatchResult:
+                  weights_dtype: str = "f32", ids_dtype: str = "int32",
+                  ex: Optional[Tuple[Optional[T.Tensor], Optional[T.Tensor], Optional[T.Tensor], int]] = None
+                  ) -> RouteDispatchResult:
         """The two route dispatch calls' common steps: the outputs checked,
-        desc_of(context) building the routing's descriptor, the call."""
+        desc_of(context) building the routing's descriptor, the call; ex:
+        moecl_route_dispatch_ex's num_valid_tokens, expert_load, expert_map
+        and num_local_experts (the alignment's experts with a map)."""
         block = _uint("block_size", block_size)
+        emap = ex[2] if ex else None
+        align_experts = ex[3] if emap is not None else experts  # type: ignore[index]
         w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
         specs = {"topk_weights": w_spec, "topk_ids": ids_spec,
-                 **self._align_specs(tokens, k, experts, block)}
+                 **self._align_specs(tokens, k, align_experts, block)}
         given = T.outputs(specs, out, kind)
         wanted = ["topk_weights", "topk_ids"] + self._align_wanted(specs, given, slot_positions, num_invalid)
         self._check_wait(kind, wait_for)
         on = self._on(queue)
         desc = desc_of(on)
-        on._align_desc(tokens, k, experts, block)
+        if emap is None:  # with a map, the call's own checks name num_local_experts
+            on._align_desc(tokens, k, experts, block)
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, wanted, kind, q)
-        event = on._run(name, desc, list(inputs) + [o[n] for n in specs], kind, wait_for, scalars=[block])
+        tensors = list(inputs) + [o[n] for n in specs]
+        if ex is None or all(x is None for x in ex[:3]):
+            event = on._run(name, desc, tensors, kind, wait_for, scalars=[block])
+        else:
+            event = on._run_ex(name, desc, (_lib.RouteDispatchTensors, _lib.RouteDispatchHostTensors),
+                               tensors + [ex[1], ex[0], emap], kind, wait_for, {"num_local_experts": ex[3]}, [block])
         return RouteDispatchResult(*[None if o[n] is None else o[n].obj for n in specs], event)  # type: ignore[union-attr]
 
     def route_dispatch(self, logits: Any, top_k: int = 8, scoring: str = "softmax", bias: Any = None,
@@ -922,12 +936,16 @@ class Context:
                        weighting: str = "score", dtype: Optional[str] = None, bias_dtype: Optional[str] = None,
                        weights_dtype: str = "f32", ids_dtype: str = "int32", slot_positions: bool = True,
                        num_invalid: bool = True, num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
+                       num_valid_tokens: Any = None, expert_load: Any = None,
+                       expert_map: Any = None, num_local_experts: Optional[int] = None,
                        out: Optional[Dict[str, Any]] = None,
                        queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
-        """Top-k gating through to dispatch in one call (moecl_route_dispatch;
-        docs/routing.md, "Routing through to dispatch"): exactly what
-        topk_gating followed by moe_align(ids, experts, block_size) returns,
-        in one launch for decode-sized batches where the device allows.
+        """Top-k gating through to dispatch in one call (moecl_route_dispatch,
+        moecl_route_dispatch_ex; docs/routing.md, "Routing through to
+        dispatch"): exactly what topk_gating(num_valid_tokens=,
+        expert_load=) followed by moe_align(ids, experts, block_size,
+        expert_map=) returns, in one launch for decode-sized batches where
+        the device allows.
 
         Args:
             logits, top_k, scoring, bias, groups, topk_group, group_score,
@@ -939,15 +957,36 @@ class Context:
             slot_positions, num_invalid: compute these optional outputs.
             num_shared_experts, shared_expert_weight: as for topk_gating; the
                 dispatch then aligns top_k + S slots over experts + S experts.
+            num_valid_tokens: int32 [1], or None: as for topk_gating; the
+                padding rows' slots (id -1) are skipped by the alignment and
+                counted in num_invalid, as moe_align counts -1 ids.
+            expert_load: int32 [experts] (int32 [num_local_experts] with
+                expert_map), or None: a load counter the call adds its
+                routed slots to, in place (by local expert with a map,
+                counting only this rank's slots).
+            expert_map: int32 [experts], or None: expert parallelism as for
+                moe_align (vLLM's expert_map): the ids stay global, the
+                alignment is over num_local_experts local experts.
+            num_local_experts: this rank's experts; required with expert_map,
+                None without.
             out, queue, wait_for: as for topk_gating (names as RouteDispatchResult's fields).
 
         Returns:
-            A RouteDispatchResult.
+            A RouteDispatchResult (expert_counts has num_local_experts
+            entries with expert_map).
         """
         out = dict(out or {})
-        kind = T.kind_of([logits, bias, *out.values()])
+        kind = T.kind_of([logits, bias, num_valid_tokens, expert_load, expert_map, *out.values()])
         g, b, tokens, experts, k = self._topk_inputs(logits, bias, top_k, dtype, kind, bias_dtype)
         s = _uint("num_shared_experts", num_shared_experts)
+        if (expert_map is None) != (num_local_experts is None):
+            raise ValueError("expert_map and num_local_experts go together: give both or neither")
+        local = 0 if num_local_experts is None else _uint("num_local_experts", num_local_experts)
+        nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
+        emap = None if expert_map is None else T.check("expert_map", expert_map, (experts,), [T.I32], kind)
+        load = None if expert_load is None else T.check("expert_load", expert_load,
+                                                        (local if emap is not None else experts + s,), [T.I32], kind,
+                                                        output=True)
         return self._dispatch(
             "route_dispatch",
             lambda on: on._topk_desc(g, tokens, experts, k, dtype, groups, topk_group, scoring, group_score,
@@ -955,7 +994,7 @@ class Context:
                                      renormalize_eps, b, bias_dtype, weights_dtype, ids_dtype,
                                      shared=(s, shared_expert_weight)),
             [g, b], tokens, k + s, experts + s, block_size, slot_positions, num_invalid, out, kind, queue, wait_for,
-            weights_dtype, ids_dtype)
+            weights_dtype, ids_dtype, (nv, load, emap, local))
 
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,
                                 alpha: float = 1.0, *, block_size: int = 64, dtype: Optional[str] = None,

@@ -176,6 +176,27 @@ class TopkGatingHostTensors(ctypes.Structure):
                 + [("captured_ids", c_void_p), ("captured_ids_dtype", c_int), ("expert_scale", c_void_p)])
 
 
+# The buffers of moecl_route_dispatch_ex, by name, in the struct's order; the
+# struct ends with num_local_experts.
+ROUTE_DISPATCH_TENSORS = ("gating", "bias", "topk_weights", "topk_ids", "expert_counts", "sorted_token_ids",
+                          "block_expert_ids", "num_tokens_post_padded", "slot_positions", "num_invalid",
+                          "expert_load", "num_valid_tokens", "expert_map")
+
+
+class RouteDispatchTensors(ctypes.Structure):
+    """moecl_route_dispatch_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, Buffer) for n in ROUTE_DISPATCH_TENSORS] +
+                [("num_local_experts", c_uint32)])
+
+
+class RouteDispatchHostTensors(ctypes.Structure):
+    """moecl_route_dispatch_host_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, c_void_p) for n in ROUTE_DISPATCH_TENSORS] +
+                [("num_local_experts", c_uint32)])
+
+
 # The enums of moecl.h, by the names the Python API uses.
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INDEX_DTYPES = {"int32": 0, "int64": 1}
@@ -249,6 +270,9 @@ _SIGNATURES = {
     "moecl_route_dispatch": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [Buffer] * 10 +
                              [cl_uint, _events, _event_out]),
     "moecl_route_dispatch_host": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32] + [c_void_p] * 10),
+    "moecl_route_dispatch_ex": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32, _P(RouteDispatchTensors), cl_uint,
+                                        _events, _event_out]),
+    "moecl_route_dispatch_ex_host": (c_int, [_ctx, _P(TopkGatingDesc), c_uint32, _P(RouteDispatchHostTensors)]),
     "moecl_grounded_route_dispatch": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [Buffer] * 11 +
                                       [cl_uint, _events, _event_out]),
     "moecl_grounded_route_dispatch_host": (c_int, [_ctx, _P(GroundedRouterDesc), c_uint32] + [c_void_p] * 11),

@@ -183,7 +183,8 @@ typedef enum {
     OP_GROUNDED_ROUTE,
     OP_ROUTER,
     OP_REPLAY,
-    OP_PERMUTE
+    OP_PERMUTE,
+    OP_ROUTE_EX
 } op_kind;
 
 typedef struct run_def {
@@ -277,6 +278,11 @@ static const run_def runs[] = {
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
     {"route-cpu", OP_ROUTE, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"route-gpu", OP_ROUTE, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    /* moecl_route_dispatch_ex: a valid count and a load counter (the one
+     * kernel's HAS_VALID, HAS_LOAD in the GPU class), and on every other
+     * case an expert map (the two calls: LOAD_MAP, moe_align's HAS_MAP). */
+    {"route-ex-cpu", OP_ROUTE_EX, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"route-ex-gpu", OP_ROUTE_EX, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     /* The expert-parallel layout: its default paths (the CPU class's three
      * kernels, the GPU class's fused kernel), the three kernels in the GPU
      * class, and the fused kernel in the CPU class and with its wait off. */
@@ -1321,6 +1327,22 @@ static void route_outs_free(route_outs *o)
     free(o->positions);
 }
 
+/* Whether --skip-rows-fast leaves case c out: top-k's rows kernel would
+ * take its fast path. */
+static bool route_skips_rows_fast(moecl_context *ctx, const moecl_topk_gating_desc *d, const route_case *c)
+{
+    moecl_launch_key key;
+    moecl_launch_config config;
+    moecl_topk_gating_launch(ctx, d, &key, &config);
+    if (skip_rows_fast && config.kernel == MOECL_KERNEL_ROWS && c->scoring == MOECL_SCORING_SOFTMAX && !c->bias &&
+        !c->groups) {
+        skipped("the rows kernel's fast path is wrong under oclgrind's optimised build (tool_bugs: "
+                "zext_bool_vector)");
+        return true;
+    }
+    return false;
+}
+
 /* moecl_route_dispatch on device buffers at offsets (tight at the end),
  * judged by the top-k reference and, exactly, by the moe_align reference
  * on the ids chosen. */
@@ -1336,17 +1358,8 @@ static void route_one(moecl_context *ctx, const run_def *run, const route_case *
     snprintf(current, sizeof(current), "%s T=%u E=%u k=%u groups=%u/%u %s%s block=%u", run->name, d.num_tokens,
              d.num_experts, d.top_k, c->groups, c->topk_group,
              c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->block);
-    if (!selected())
+    if (!selected() || route_skips_rows_fast(ctx, &d, c))
         return;
-    moecl_launch_key key;
-    moecl_launch_config config;
-    moecl_topk_gating_launch(ctx, &d, &key, &config);
-    if (skip_rows_fast && config.kernel == MOECL_KERNEL_ROWS && c->scoring == MOECL_SCORING_SOFTMAX && !c->bias &&
-        !c->groups) {
-        skipped("the rows kernel's fast path is wrong under oclgrind's optimised build (tool_bugs: "
-                "zext_bool_vector)");
-        return;
-    }
     if (left_out_by_uninit("moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
                            "atomic_unwritten_uninitialized)"))
         return;
@@ -1385,6 +1398,103 @@ static void run_route(moecl_context *ctx, const run_def *run)
 {
     for (size_t i = 0; i < COUNT(route_cases); i++)
         route_one(ctx, run, &route_cases[i]);
+}
+
+/* moecl_route_dispatch_ex on route_one's cases: the rows from half the
+ * tokens on are padding, a load counter from 0; with `mapped`, the even
+ * experts are local (expert 2l is local l), the odd ones remote. Judged
+ * by the top-k reference on the tokens, the padding's -1 and 0, the
+ * moe_align reference with the map exactly, and the load's counts. */
+static void route_ex_one(moecl_context *ctx, const run_def *run, const route_case *c, bool mapped)
+{
+    moecl_topk_gating_desc d = moecl_topk_gating_desc_init(c->tokens, c->experts, c->top_k);
+    d.num_expert_groups = c->groups;
+    d.topk_group = c->topk_group;
+    d.scoring = c->scoring;
+    d.renormalize = c->bias;
+    d.group_score = c->groups ? MOECL_GROUP_SCORE_TOP2_SUM : MOECL_GROUP_SCORE_MAX;
+    const uint32_t e = d.num_experts, local = mapped ? (e + 1) / 2 : 0, loads = mapped ? local : e;
+    const int32_t valid = (int32_t)(c->tokens / 2);
+    moecl_moe_align_desc a = moecl_moe_align_desc_init(c->tokens, c->top_k, mapped ? local : e, c->block);
+    a.num_global_experts = mapped ? e : 0;
+    snprintf(current, sizeof(current), "%s T=%u valid=%d E=%u k=%u groups=%u/%u %s%s block=%u%s", run->name,
+             d.num_tokens, valid, e, d.top_k, c->groups, c->topk_group,
+             c->scoring == MOECL_SCORING_SOFTMAX ? "softmax" : "sigmoid", c->bias ? " bias" : "", c->block,
+             mapped ? " mapped" : "");
+    if (!selected() || route_skips_rows_fast(ctx, &d, c))
+        return;
+    if (left_out_by_uninit("moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
+                           "atomic_unwritten_uninitialized)"))
+        return;
+    const size_t nk = (size_t)d.num_tokens * d.top_k;
+    void *gating = special_rows(MOECL_F32, d.num_tokens, e, 0);
+    float *bias = NULL;
+    if (c->bias) {
+        bias = xmalloc(e * sizeof(float));
+        for (uint32_t x = 0; x < e; x++)
+            bias[x] = randn() * 0.05f;
+    }
+    int32_t *map = xmalloc(e * 4), *load = xmalloc(loads * 4 + 4), *zeros = xmalloc(loads * 4 + 4);
+    for (uint32_t g = 0; g < e; g++)
+        map[g] = g % 2 ? -1 : (int32_t)(g / 2);
+    memset(zeros, 0, loads * 4 + 4);
+    route_outs o;
+    route_outs_make(ctx, &a, &o);
+    moecl_route_dispatch_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.gating = tight_buffer(ctx, 64, AT_LEAST_4(nk / d.top_k * e * 4), gating);
+    t.bias = bias ? tight_buffer(ctx, 8, e * 4, bias) : (moecl_buffer){NULL, 0};
+    moecl_buffer *outs[8] = {&t.topk_weights,     &t.topk_ids,
+                             &t.expert_counts,    &t.sorted_token_ids,
+                             &t.block_expert_ids, &t.num_tokens_post_padded,
+                             &t.slot_positions,   &t.num_invalid};
+    for (int i = 0; i < 8; i++)
+        *outs[i] = o.b[i];
+    t.expert_load = tight_buffer(ctx, 4, loads * 4, zeros);
+    t.num_valid_tokens = tight_buffer(ctx, 12, 4, &valid);
+    t.expert_map = mapped ? tight_buffer(ctx, 16, e * 4, map) : (moecl_buffer){NULL, 0};
+    t.num_local_experts = local;
+    cl_event done = NULL;
+    const moecl_status st = moecl_route_dispatch_ex(ctx, &d, c->block, &t, 0, NULL, &done);
+    route_outs_read(ctx, &o, done);
+    read_back(ctx, t.expert_load, loads * 4, load); /* and releases it */
+    moecl_buffer *ins[] = {&t.gating, &t.bias, &t.num_valid_tokens, &t.expert_map};
+    for (size_t i = 0; i < COUNT(ins); i++)
+        if (ins[i]->mem)
+            clReleaseMemObject(ins[i]->mem);
+    moecl_topk_gating_desc dv = d;
+    dv.num_tokens = (uint32_t)valid;
+    char msg[512] = "";
+    size_t pad = (size_t)valid * d.top_k;
+    while (pad < nk && o.ids[pad] == -1 && o.w[pad] == 0.0f)
+        pad++;
+    for (uint32_t l = 0; l < loads; l++)
+        for (size_t s = 0; s < (size_t)valid * d.top_k; s++)
+            zeros[l] += mapped ? o.ids[s] >= 0 && map[o.ids[s]] == (int32_t)l : o.ids[s] == (int32_t)l;
+    if (st != MOECL_SUCCESS)
+        fail("%s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if (valid && ref_check_topk_gating(&dv, gating, bias, o.w, o.ids, msg, sizeof(msg)))
+        fail("top-k: %s", msg);
+    else if (pad != nk)
+        fail("padding slot %zu: id %d weight %g", pad, o.ids[pad], (double)o.w[pad]);
+    else if (ref_check_moe_align_map(&a, o.ids, mapped ? map : NULL, o.counts, o.sorted, o.block_ids, &o.post,
+                                     o.positions, &o.invalid, msg, sizeof(msg)))
+        fail("dispatch: %s", msg);
+    else if (memcmp(load, zeros, loads * 4))
+        fail("expert_load differs from the valid rows' counts");
+    free(gating);
+    free(bias);
+    free(map);
+    free(load);
+    free(zeros);
+    route_outs_free(&o);
+}
+
+static void run_route_ex(moecl_context *ctx, const run_def *run)
+{
+    for (size_t i = 0; i < COUNT(route_cases); i++)
+        route_ex_one(ctx, run, &route_cases[i], i % 2 == 1);
 }
 
 /* moecl_grounded_route_dispatch as route_one runs moecl_route_dispatch,
@@ -1489,6 +1599,8 @@ static int run_one(const run_def *run)
         run_ep(ctx, run);
     else if (run->op == OP_ROUTE)
         run_route(ctx, run);
+    else if (run->op == OP_ROUTE_EX)
+        run_route_ex(ctx, run);
     else if (run->op == OP_ROUTER)
         run_router(ctx, run);
     else if (run->op == OP_REPLAY)

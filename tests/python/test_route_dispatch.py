@@ -132,3 +132,92 @@ def test_route_dispatch_shared_experts(ctx, rng, tokens):
     assert res.topk_ids.shape == (tokens, k + shared)
     assert_same(res, w, ids, ctx.moe_align(ids, experts + shared, block))
     check_align(moecl.MoeAlignResult(*[getattr(res, n) for n in FIELDS], None), res.topk_ids, experts + shared, block)
+
+
+def local_map(rng, experts, local):
+    """A global-to-local map: about half the experts local, the rest -1."""
+    m = rng.integers(0, local, experts).astype(np.int32)
+    m[rng.random(experts) < 0.5] = -1
+    return m
+
+
+def ex_check(ctx, a, x, k, block, res, n, load0, load, m, local, calls):
+    """route_dispatch's ex outputs: the two calls they stand for bit for
+    bit, the top-k reference on the n tokens, -1 and 0 past them, the
+    alignment reference (with the map), the load added calls times."""
+    tokens, experts = x.shape
+    nv = np.array([n], np.int32)
+    w, ids = ctx.topk_gating(a, top_k=k, num_valid_tokens=nv)
+    assert_same(res, w, ids, ctx.moe_align(ids, local if m is not None else experts, block, expert_map=m))
+    v = max(0, min(n, tokens))
+    if v:
+        check_topk(res.topk_weights[:v], res.topk_ids[:v], x[:v], k, "softmax", None, 0, 0, "max", "neg_inf", False,
+                   0.0, 1.0)
+    assert (res.topk_ids[v:] == -1).all() and (res.topk_weights[v:] == 0).all()
+    check_align(moecl.MoeAlignResult(*[getattr(res, name) for name in FIELDS], None), res.topk_ids,
+                local if m is not None else experts, block, m)
+    routed = res.topk_ids[:v].ravel()
+    if m is not None:
+        routed = m[routed]
+        routed = routed[(routed >= 0) & (routed < local)]
+    np.testing.assert_array_equal(load, load0 + calls * np.bincount(routed, minlength=load0.size), err_msg="load")
+
+
+# Valid counts mid-batch, 0, all and past the batch; with and without a
+# map over 16 local experts; 0 tokens (the load unchanged), 7 and 129
+# (the one kernel without a map where the class runs the team kernel) and
+# 700 (past it).
+@pytest.mark.parametrize("tokens", [0, 7, 129, 700])
+@pytest.mark.parametrize("valid", ["mid", 0, "all", "past"])
+@pytest.mark.parametrize("mapped", [False, True], ids=["no map", "map"])
+def test_route_dispatch_ex(ctx, rng, tokens, valid, mapped):
+    experts, k, block, local = 64, 8, 16, 16
+    n = {"mid": tokens // 2 + 1, "all": tokens, "past": tokens + 3}.get(valid, valid)
+    a, x = make_logits(rng, tokens, experts, "f32")
+    m = local_map(rng, experts, local) if mapped else None
+    load0 = rng.integers(0, 100, local if mapped else experts).astype(np.int32)
+    load = load0.copy()
+    opts = dict(top_k=k, block_size=block, num_valid_tokens=np.array([n], np.int32), expert_load=load,
+                expert_map=m, num_local_experts=local if mapped else None)
+    res = ctx.route_dispatch(a, **opts)
+    assert res.expert_counts.shape == (local if mapped else experts,)
+    ex_check(ctx, a, x, k, block, res, n, load0, load, m, local, 1)
+    again = ctx.route_dispatch(a, **opts)
+    ex_check(ctx, a, x, k, block, again, n, load0, load, m, local, 2)
+
+
+def test_route_dispatch_ex_device(ctx, rng):
+    cla = pytest.importorskip("pyopencl.array")
+    q = ctx.queue
+    tokens, experts, k, block, local = 40, 32, 4, 8, 8
+    a, x = make_logits(rng, tokens, experts, "f32")
+    m = local_map(rng, experts, local)
+    for mapped in (False, True):
+        load0 = rng.integers(0, 100, local if mapped else experts).astype(np.int32)
+        dload = cla.to_device(q, load0)
+        res = ctx.route_dispatch(cla.to_device(q, a), top_k=k, block_size=block,
+                                 num_valid_tokens=cla.to_device(q, np.array([25], np.int32)), expert_load=dload,
+                                 expert_map=cla.to_device(q, m) if mapped else None,
+                                 num_local_experts=local if mapped else None)
+        res.event.wait()
+        host = moecl.RouteDispatchResult(*[getattr(res, name).get() for name in ROUTE_FIELDS], None)
+        ex_check(ctx, a, x, k, block, host, 25, load0, dload.get(), m if mapped else None, local, 1)
+
+
+def test_route_dispatch_ex_invalid(ctx, rng):
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    m = local_map(rng, 16, 4)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m)
+    with pytest.raises(ValueError, match="num_local_experts"):
+        ctx.route_dispatch(x, top_k=2, num_local_experts=4)
+    with pytest.raises(ValueError, match="expert_map"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m[:8], num_local_experts=4)
+    with pytest.raises(ValueError, match="expert_load"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=4, expert_load=np.zeros(16, np.int32))
+    with pytest.raises(ValueError, match="num_valid_tokens"):
+        ctx.route_dispatch(x, top_k=2, num_valid_tokens=np.zeros(2, np.int32))
+    with pytest.raises(moecl.InvalidArgumentError, match="num_local_experts"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=4097)
+    with pytest.raises(moecl.InvalidArgumentError, match="num_local_experts"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=0)

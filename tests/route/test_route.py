@@ -474,6 +474,62 @@ def case_align_ids(c):
         raise Failure("zero tokens: summary %r, want (0, 0)" % (p.summary,))
 
 
+def align_map_ref(ids, local, block, m):
+    """moe_align with an expert map by a serial walk: expert_counts, the
+    sorted slots and block experts up to num_tokens_post_padded, and it."""
+    runs = [[] for _ in range(local)]
+    for slot, g in enumerate(ids):
+        if 0 <= g < len(m) and 0 <= m[g] < local:
+            runs[m[g]].append(slot)
+    sorted_ids, blocks = [], []
+    for expert, run in enumerate(runs):
+        padded = -(-len(run) // block) * block
+        sorted_ids += run + [len(ids)] * (padded - len(run))
+        blocks += [expert] * (padded // block)
+    return [len(r) for r in runs], sorted_ids, blocks, len(sorted_ids)
+
+
+def ints(path):
+    payload = read_npy(path)[3]
+    return list(struct.unpack("<%di" % (len(payload) // 4), payload))
+
+
+def case_expert_map(c):
+    """--expert-map: --op align on global ids (a map with -1 entries, ids
+    outside it) against a serial reference; top-k with the map writes the
+    dispatch --op align writes for its ids; bad maps exit 1 naming the
+    file, a map without moe_align exits 2."""
+    t, k, g, local, block = 120, 4, 24, 6, 4
+    m = [c.rng.randrange(local) if c.rng.random() < 0.5 else -1 for _ in range(g)]
+    m[0] = local - 1  # top-k's local experts are 0..max(map)
+    mp = write_ids(c.path("map.npy"), m, (g,))
+    ids, _ = align_ids(c, t, k, g)
+    ip = write_ids(c.path("ids.npy"), ids, (t, k))
+    names = ("expert-counts", "sorted-token-ids", "block-expert-ids", "post-padded")
+
+    def run(argv, tag):
+        outs = {o: c.path("%s-%s.npy" % (tag, o)) for o in names}
+        c.run(c.route, argv + ["--expert-map", mp, "--block-size", str(block)] +
+              [a for o in names for a in ("--" + o, outs[o])])
+        return [ints(outs[o]) for o in names]
+
+    counts, sorted_ids, blocks, post = run(["--op", "align", "--ids-in", ip, "--experts", str(local)], "align")
+    want = align_map_ref(ids, local, block, m)
+    if (counts, sorted_ids[:post[0]], blocks[:post[0] // block], post[0]) != want:
+        raise Failure("--op align with the map: %r, want %r" % ((counts, post), (want[0], want[3])))
+    lg = logits_file(c, "logits.npy", t, g)
+    routed = c.path("routed-ids.npy")
+    got = run([lg, "--top-k", str(k), "--ids", routed], "topk")
+    if got != run(["--op", "align", "--ids-in", routed, "--experts", str(local)], "again"):
+        raise Failure("top-k with the map differs from --op align on its ids with the map")
+    c.expect_failure([lg, "--expert-map", mp], ["--expert-map"], rc=2)
+    short = write_ids(c.path("map-short.npy"), m[:5], (5,))
+    c.expect_failure([lg, "--expert-map", short, "--block-size", "4"], ["map-short.npy"], rc=1)
+    f4 = write_ids(c.path("map-f4.npy"), [float(x) for x in m], (g,), "<f4")
+    c.expect_failure(["--op", "align", "--ids-in", ip, "--experts", str(local), "--expert-map", f4], ["map-f4.npy"],
+                     rc=1, outputs=DISPATCH)
+
+
 def sparse_npy(path, descr, shape, elem):
     """A header claiming shape, then a hole as long as its data (no disk)."""
     n = elem
