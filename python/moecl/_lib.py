@@ -94,6 +94,9 @@ class GroundedRouterDesc(ctypes.Structure):
         ("logits_dtype", c_int),
         ("logit_softcap", ctypes.c_float),
         ("router_logits_row", ctypes.c_bool),
+        ("weights_dtype", c_int),
+        ("ids_dtype", c_int),
+        ("bias_dtype", c_int),
     ]
 
 
@@ -173,8 +176,30 @@ class TopkGatingHostTensors(ctypes.Structure):
 
 
 # The enums of moecl.h, by the names the Python API uses.
+# The buffers of moecl_router_ex, by name, in the struct's order; the
+# capture's type (an enum) sits between captured_ids and expert_scale.
+ROUTER_TENSORS = ("token_hidden", "router_logits", "expert_ground", "bias", "topk_weights", "topk_ids",
+                  "expert_counts", "expert_load", "num_valid_tokens", "captured_ids")
+
+
+class RouterTensors(ctypes.Structure):
+    """moecl_router_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, Buffer) for n in ROUTER_TENSORS] +
+                [("captured_ids_dtype", c_int), ("expert_scale", Buffer)])
+
+
+class RouterHostTensors(ctypes.Structure):
+    """moecl_router_host_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, c_void_p) for n in ROUTER_TENSORS] +
+                [("captured_ids_dtype", c_int), ("expert_scale", c_void_p)])
+
+
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INDEX_DTYPES = {"int32": 0, "int64": 1}
+# moecl_router_ex's captured_ids_dtype: MOECL_I16 too
+CAPTURE_DTYPES = {"int32": 0, "int64": 1, "int16": 2}
 SCORINGS = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "raw": 3}
 WEIGHTINGS = {"score": 0, "softmax_chosen": 1, "sigmoid_chosen": 2}
 PRECISIONS = {"fp32": 0, "tf32": 1, "3xtf32": 2}
@@ -234,6 +259,8 @@ _SIGNATURES = {
     "moecl_topk_gating_ex": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingTensors), cl_uint, _events,
                                      _event_out]),
     "moecl_topk_gating_ex_host": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingHostTensors)]),
+    "moecl_router_ex": (c_int, [_ctx, _P(GroundedRouterDesc), _P(RouterTensors), cl_uint, _events, _event_out]),
+    "moecl_router_ex_host": (c_int, [_ctx, _P(GroundedRouterDesc), _P(RouterHostTensors)]),
     "moecl_moe_align_ex": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignTensors), cl_uint, _events, _event_out]),
     "moecl_moe_align_ex_host": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignHostTensors)]),
     "moecl_ep_layout_desc_init": (EpLayoutDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
