@@ -37,7 +37,8 @@
  *    can fail (the driver's CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY,
  *    ...). Of the device-buffer calls, four have a later enqueue:
  *    moecl_moe_align() on its three-kernel path,
- *    moecl_topk_gating_with_counts() (a fill, then the kernel),
+ *    moecl_topk_gating_with_counts() (a fill, then the kernel; so
+ *    do moecl_topk_gating_ex() and moecl_router_ex() with expert_counts),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
  *    two calls), moecl_grounded_route_dispatch() (the grounded
  *    router, then moe_align, likewise) and moecl_ep_layout() on its
@@ -1575,7 +1576,9 @@ MOECL_API moecl_status moecl_route_dispatch_host(moecl_context *ctx, const moecl
  *   token_hidden, router_logits,
  *   expert_ground                          as moecl_grounded_router()
  *   topk_weights, topk_ids                 as moecl_grounded_router(), both
- *                                          required here
+ *                                          required here; topk_ids int32
+ *                                          (desc->ids_dtype MOECL_I32, else
+ *                                          MOECL_ERROR_INVALID_ARGUMENT)
  *   expert_counts, sorted_token_ids, block_expert_ids,
  *   num_tokens_post_padded, slot_positions (or absent),
  *   num_invalid (or absent)                as moecl_moe_align(); the ids of
