@@ -1129,8 +1129,8 @@ START_TEST(test_router_ex_invalid)
     int32_t counts[16], sorted[512], blocks[64], post;
     int64_t ids64[8];
     float hidden[32] = {0}, ground[128] = {0}, logits[64] = {0}, w[8];
-    ck_assert_int_eq(moecl_grounded_route_dispatch_host(ctx, &wide, 16, hidden, logits, ground, w, (int32_t *)ids64, counts,
-                                                        sorted, blocks, &post, NULL, NULL),
+    ck_assert_int_eq(moecl_grounded_route_dispatch_host(ctx, &wide, 16, hidden, logits, ground, w, (int32_t *)ids64,
+                                                        counts, sorted, blocks, &post, NULL, NULL),
                      MOECL_ERROR_INVALID_ARGUMENT);
     ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "ids_dtype"));
     const moecl_buffer all[] = {hb, gb, wb, ib, small};
