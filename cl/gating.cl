@@ -128,6 +128,71 @@ typedef ushort bias_t;
 #error "BIAS_DTYPE must be 0 (f32), 1 (f16) or 2 (bf16)"
 #endif
 
+/* The optional outputs of a routing kernel (top-k gating, the router),
+ * each absent (0) unless the host sets it:
+ *   HAS_COUNTS  an int histogram of the chosen ids, `counts`, which the
+ *               host has zeroed (moecl_topk_gating_with_counts)
+ *   HAS_LOAD    likewise `load`, which the host does not zero: every call
+ *               adds its ids to it (a runtime's load counter)
+ *   HAS_VALID   the rows that are tokens, an int read from memory (a
+ *               runtime replays one enqueued shape for any batch up to
+ *               it); the rows past it are padding: ids -1, weights 0,
+ *               counted nowhere
+ * Integer sums: the histograms are the same in any order. */
+#ifndef HAS_COUNTS
+#define HAS_COUNTS 0
+#endif
+#ifndef HAS_LOAD
+#define HAS_LOAD 0
+#endif
+#ifndef HAS_VALID
+#define HAS_VALID 0
+#endif
+#if HAS_COUNTS
+#define COUNT_INTO_COUNTS(e) atomic_inc(counts + (e))
+#else
+#define COUNT_INTO_COUNTS(e) ((void)0)
+#endif
+/* LOAD_MAP (cl/topk_gating.cl; absent, 0: the load is by expert id): the
+ * number of local experts; the load is by local expert, load[map[id]]
+ * where that is in [0, LOAD_MAP). */
+#ifndef LOAD_MAP
+#define LOAD_MAP 0
+#endif
+#if HAS_LOAD && LOAD_MAP
+#define COUNT_INTO_LOAD(e)                                                                         \
+    do {                                                                                           \
+        const uint local_ = (uint)load_map[e];                                                     \
+        if (local_ < LOAD_MAP)                                                                     \
+            atomic_inc(load + local_);                                                             \
+    } while (0)
+#elif HAS_LOAD
+#define COUNT_INTO_LOAD(e) atomic_inc(load + (e))
+#else
+#define COUNT_INTO_LOAD(e) ((void)0)
+#endif
+#define COUNT_ID(id)                                                                               \
+    do {                                                                                           \
+        const uint id_ = (uint)(id);                                                               \
+        if (id_ < ID_EXPERTS) {                                                                    \
+            COUNT_INTO_COUNTS(id_);                                                                \
+            COUNT_INTO_LOAD(id_);                                                                  \
+        }                                                                                          \
+    } while (0)
+#if HAS_VALID
+/* The rows that are tokens: num_valid[off] clamped to [0, num_tokens]. */
+static inline uint valid_rows(__global const int *num_valid, ulong off, uint num_tokens)
+{
+    const int n = num_valid[off];
+    return n <= 0 ? 0u : min((uint)n, num_tokens);
+}
+#endif
+/* The dispatch epilogue (cl/moe_align.cl) reads the ids as int32; the host
+ * refuses other ids there. */
+#if defined(ROUTE_DISPATCH) && ROUTE_DISPATCH && IDS_DTYPE != 0
+#error "ROUTE_DISPATCH needs IDS_DTYPE 0 (int32 ids)"
+#endif
+
 #define GROUP_SIZE (NUM_GROUPS > 0 ? NUM_EXPERTS / NUM_GROUPS : NUM_EXPERTS)
 
 /* Before step 1, the router's logit as the model has it (the grounded

@@ -14,7 +14,14 @@
  *                                       row for every token (a gate bias)
  *   LOGIT_ROUND, SOFTCAP                g as the model has it (cl/gating.cl,
  *                                       logit_of)
- *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write
+ *   HAS_PAIRS, HAS_WEIGHTS, HAS_IDS     which outputs to write (the weights
+ *                                       and ids of WEIGHTS_DTYPE and
+ *                                       IDS_DTYPE, cl/gating.cl; the pairs
+ *                                       f32)
+ *   HAS_COUNTS, HAS_LOAD, HAS_VALID     (absent: 0) the histograms and the
+ *                                       valid count (cl/gating.cl)
+ *   CAPTURE, HAS_SCALE                  (absent: 0) a copy of the ids and a
+ *                                       per-expert weight scale (below)
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
  *                                       experts, hidden step)
@@ -72,26 +79,116 @@ static inline float float_of_rank(uint r)
     return (r & 0x80000000u) ? as_float(r & 0x7fffffffu) : as_float(~r);
 }
 
-/* Output slot j of a row: its id and final weight (private values). */
-static inline void write_output(uint j, uint id, float w, uint row, __global float *pairs, __global float *weights,
-                                __global int *ids)
+/* moecl_router_ex's outputs beyond the weights and ids, each a kernel
+ * argument (and its offset in elements) only where its define is set:
+ *   CAPTURE    0 (absent): none; else a copy of the ids written (-1 for a
+ *              padding row) as 1 int, 2 long, 3 short (1 + moecl_index_dtype)
+ *   HAS_SCALE  a float per expert, by which a chosen expert's final weight
+ *              is multiplied after the renormalisation and the scaling
+ *              factor (Gemma 4's per_expert_scale)
+ * and the histograms and the valid count of cl/gating.cl. */
+#ifndef CAPTURE
+#define CAPTURE 0
+#endif
+#ifndef HAS_SCALE
+#define HAS_SCALE 0
+#endif
+#if CAPTURE == 0 || CAPTURE == 1
+typedef int capture_t;
+#elif CAPTURE == 2
+typedef long capture_t;
+#elif CAPTURE == 3
+typedef short capture_t;
+#else
+#error "CAPTURE must be 0 (none), 1 (int32), 2 (int64) or 3 (int16)"
+#endif
+#if HAS_COUNTS
+#define COUNTS_KPARAM , __global int *counts, ulong counts_off
+#define COUNTS_AT counts + counts_off
+#else
+#define COUNTS_KPARAM
+#define COUNTS_AT 0
+#endif
+#if HAS_LOAD
+#define LOAD_KPARAM , __global int *load, ulong load_off
+#define LOAD_AT load + load_off
+#else
+#define LOAD_KPARAM
+#define LOAD_AT 0
+#endif
+#if HAS_VALID
+#define VALID_KPARAM , __global const int *num_valid, ulong valid_off
+#define VALID_COUNT valid_rows(num_valid, valid_off, num_tokens)
+#else
+#define VALID_KPARAM
+#define VALID_COUNT num_tokens
+#endif
+#if CAPTURE
+#define CAPTURE_KPARAM , __global capture_t *captured, ulong captured_off
+#define CAPTURE_AT captured + captured_off
+#else
+#define CAPTURE_KPARAM
+#define CAPTURE_AT 0
+#endif
+#if HAS_SCALE
+#define SCALE_KPARAM , __global const float *scale, ulong scale_off
+#define SCALE_AT scale + scale_off
+#else
+#define SCALE_KPARAM
+#define SCALE_AT 0
+#endif
+
+/* Those outputs at their offsets, and the rows that are tokens. */
+typedef struct route_extras {
+    __global int *counts, *load;
+    __global capture_t *captured;
+    __global const float *scale;
+    uint valid;
+} route_extras;
+#define ROUTE_EXTRAS(x)                                                                            \
+    route_extras x;                                                                                \
+    x.counts = COUNTS_AT;                                                                          \
+    x.load = LOAD_AT;                                                                              \
+    x.captured = CAPTURE_AT;                                                                       \
+    x.scale = SCALE_AT;                                                                            \
+    x.valid = VALID_COUNT
+
+/* Output slot j of a row: its id and final weight (private values); a
+ * padding row's slot (HAS_VALID) id -1 and weight 0, counted nowhere. */
+static inline void write_output(uint j, uint id, float w, uint row, __global float *pairs,
+                                __global weight_t *weights, __global ids_t *ids, const route_extras *x)
 {
     const size_t at = (size_t)row * TOPK + j;
+    int out_id = (int)id;
+    if (HAS_VALID && row >= x->valid) {
+        out_id = -1;
+        w = 0.0f;
+    } else {
+        __global int *counts = x->counts, *load = x->load;
+        COUNT_ID(id);
+#if HAS_SCALE
+        w *= x->scale[id];
+#endif
+    }
+#if CAPTURE
+    x->captured[at] = (capture_t)out_id;
+#endif
 #if HAS_PAIRS
-    pairs[2 * at] = (float)id;
+    pairs[2 * at] = (float)out_id;
     pairs[2 * at + 1] = w;
 #endif
 #if HAS_WEIGHTS
-    weights[at] = w;
+    STORE_WEIGHT(weights, at, w);
 #endif
 #if HAS_IDS
-    ids[at] = (int)id;
+    STORE_ID(ids, at, out_id);
 #endif
 }
 
 #define OUTPUT_PARAMS                                                                              \
-    __global const float *bias, ulong bias_off, __global float *pairs, ulong pairs_off, __global float *weights,   \
-        ulong weights_off, __global int *ids, ulong ids_off, uint num_tokens, float alpha, float scaling_factor
+    __global const bias_t *bias, ulong bias_off, __global float *pairs, ulong pairs_off,                            \
+        __global weight_t *weights, ulong weights_off, __global ids_t *ids, ulong ids_off, uint num_tokens,       \
+        float alpha, float scaling_factor COUNTS_KPARAM LOAD_KPARAM VALID_KPARAM CAPTURE_KPARAM SCALE_KPARAM
 
 #define OFFSET_OUTPUTS()                                                                           \
     do {                                                                                           \
@@ -235,6 +332,7 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
     if (t0 >= num_tokens)
         return;
     OFFSET_OUTPUTS();
+    ROUTE_EXTRAS(extras);
     uint tok[TM];
     for (uint m = 0; m < TM; m++)
         tok[m] = min(t0 + m, num_tokens - 1);
@@ -289,7 +387,7 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         uint id[TOPK];
         rows_pipeline(logit, bias, scaling_factor, w, id);
         for (uint j = 0; j < TOPK; j++)
-            write_output(j, id[j], w[j], t0 + m, pairs, weights, ids);
+            write_output(j, id[j], w[j], t0 + m, pairs, weights, ids, &extras);
     }
 #undef GROW
 }
@@ -318,6 +416,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     const uint row = row0 + r;
     const bool active = row < num_tokens;
     OFFSET_OUTPUTS();
+    ROUTE_EXTRAS(extras);
 
     for (uint idx = lid; idx < HIDDEN_DIM * EPT * TEAM; idx += TEAM * ROWS) {
         const uint e = idx / HIDDEN_DIM, i = idx % HIDDEN_DIM;
@@ -370,7 +469,7 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     TEAM_GATING(g, active, lane, r, bias, scaling_factor, w);
     if (active)
         for (uint j = lane; j < TOPK; j += TEAM)
-            write_output(j, GATE_IDS(r)[j], w[j], row, pairs, weights, ids);
+            write_output(j, GATE_IDS(r)[j], w[j], row, pairs, weights, ids, &extras);
     DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
@@ -575,6 +674,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
      * beyond 16 bytes): aligned loads are safe. */
     const bool aligned = ((hidden_off | ground_off) % VEC) == 0;
     OFFSET_OUTPUTS();
+    ROUTE_EXTRAS(extras);
 
     for (uint i = lid; i < TM * TOPK; i += WG_SIZE)
         top_keys[i] = KEY_NONE;
@@ -658,7 +758,7 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
         }
         rows_final(keys, w, scaling_factor, id);
         for (uint j = 0; j < TOPK; j++)
-            write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids);
+            write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, &extras);
     }
 }
 #endif

@@ -357,8 +357,8 @@ static inline void mma_store_g(const float acc[MMA_MI][MMA_NT][4], __local float
  * cl/gating.cl (steps 1-5, every gating, the bias where there is one). The
  * one call site of the epilogue. */
 static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint num_tokens, uint lid,
-                                 __global const float *bias, float scaling_factor, __global float *pairs,
-                                 __global float *weights, __global int *ids)
+                                 __global const bias_t *bias, float scaling_factor, __global float *pairs,
+                                 __global weight_t *weights, __global ids_t *ids, const route_extras *extras)
 {
     if (lid >= MMA_TM || row0 + lid >= num_tokens)
         return;
@@ -375,7 +375,7 @@ static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint nu
     uint id[TOPK];
     rows_pipeline(logit, bias, scaling_factor, w, id);
     for (uint j = 0; j < TOPK; j++)
-        write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids);
+        write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, extras);
 }
 
 __kernel __attribute__((reqd_work_group_size(MMA_WG, 1, 1))) void
@@ -396,6 +396,7 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *emu = emu_all + warp * MMA_EMU_FLOATS;
 #endif
     OFFSET_OUTPUTS();
+    ROUTE_EXTRAS(extras);
     /* Rows of a multiple of 16 bytes from 16-byte aligned bases (the
      * caller's offsets decide). */
     const bool aligned = (HIDDEN_DIM * sizeof(in_t)) % 16 == 0 && ((size_t)hidden & 15) == 0 &&
@@ -433,6 +434,6 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *g_rows = (__local float *)stages;
     mma_store_g(acc, g_rows, logits, row0, num_tokens, alpha, wm, wn, g, t);
     barrier(CLK_LOCAL_MEM_FENCE);
-    mma_gate_rows(g_rows, row0, num_tokens, lid, bias, scaling_factor, pairs, weights, ids);
+    mma_gate_rows(g_rows, row0, num_tokens, lid, bias, scaling_factor, pairs, weights, ids, &extras);
 }
 #endif

@@ -18,31 +18,20 @@
  * row, plain loops over the row) and topk_gating_team (TEAM > 1, for GPUs:
  * the row lives in the registers of TEAM work-items, EPT elements each). */
 
-/* HAS_COUNTS (moecl_topk_gating_with_counts; absent, i.e. 0, for the plain
- * entry points, whose defines and kernels do not depend on it): both kernels
- * take two more arguments, an int histogram and its offset in elements,
- * which the host has zeroed, and add one to counts[id] for each id they
- * write. Integer sums: the result is the same in any order. */
-#ifndef HAS_COUNTS
-#define HAS_COUNTS 0
-#endif
-/* HAS_LOAD (moecl_topk_gating_ex's expert_load): likewise a histogram,
- * which the host does not zero: every call adds its ids to it. */
-#ifndef HAS_LOAD
-#define HAS_LOAD 0
-#endif
+/* HAS_COUNTS, HAS_LOAD (cl/gating.cl; absent, i.e. 0, for the plain entry
+ * points, whose defines and kernels do not depend on them): both kernels
+ * take an int histogram (and the offsets in args) for each, and add one to
+ * counts[id] and load[id] for each id they write. */
 #if HAS_COUNTS
 #define COUNTS_PARAM __global int *counts,
 #define COUNTS_AT(args) (counts + (args).counts_off)
 #define COUNTS_PARAMS_ , __global int *counts
 #define COUNTS_ARGS_ , counts
-#define COUNT_INTO_COUNTS(e) atomic_inc(counts + (e))
 #else
 #define COUNTS_PARAM
 #define COUNTS_AT(args) ((__global int *)0)
 #define COUNTS_PARAMS_
 #define COUNTS_ARGS_
-#define COUNT_INTO_COUNTS(e) ((void)0)
 #endif
 /* LOAD_MAP (moecl_route_dispatch_ex's expert_load with expert_map): the
  * number of local experts L; absent, 0, the load is by expert id. With it
@@ -50,29 +39,18 @@
  * offset in elements after the load, and add each id to load[map[id]]
  * where that is in [0, L): a rank's counts of its own experts, as
  * moe_align's with the map counts them. */
-#ifndef LOAD_MAP
-#define LOAD_MAP 0
-#endif
 #if HAS_LOAD && LOAD_MAP
 #define LOAD_PARAM __global int *load, __global const int *load_map, ulong load_map_off,
 #define LOAD_PARAMS_ , __global int *load, __global const int *load_map
 #define LOAD_ARGS_ , load, load_map
-#define COUNT_INTO_LOAD(e)                                                                         \
-    do {                                                                                           \
-        const uint local_ = (uint)load_map[e];                                                     \
-        if (local_ < LOAD_MAP)                                                                     \
-            atomic_inc(load + local_);                                                             \
-    } while (0)
 #elif HAS_LOAD
 #define LOAD_PARAM __global int *load,
 #define LOAD_PARAMS_ , __global int *load
 #define LOAD_ARGS_ , load
-#define COUNT_INTO_LOAD(e) atomic_inc(load + (e))
 #else
 #define LOAD_PARAM
 #define LOAD_PARAMS_
 #define LOAD_ARGS_
-#define COUNT_INTO_LOAD(e) ((void)0)
 #endif
 /* CAPTURE (moecl_topk_gating_ex's captured_ids; absent, i.e. 0: none):
  * the ids written a second time, as 1 int32, 2 int64 or 3 int16 (1 + the
@@ -125,14 +103,6 @@ typedef short capture_t;
 #endif
 #define COUNTS_PARAMS COUNTS_PARAMS_ LOAD_PARAMS_ CAPTURE_PARAMS_ SCALE_PARAMS_
 #define COUNTS_ARGS COUNTS_ARGS_ LOAD_ARGS_ CAPTURE_ARGS_ SCALE_ARGS_
-#define COUNT_ID(id)                                                                               \
-    do {                                                                                           \
-        const uint id_ = (uint)(id);                                                               \
-        if (id_ < ID_EXPERTS) {                                                                    \
-            COUNT_INTO_COUNTS(id_);                                                                \
-            COUNT_INTO_LOAD(id_);                                                                  \
-        }                                                                                          \
-    } while (0)
 /* The histograms' pointers at their offsets, in a kernel. */
 #define COUNTS_AT_OFFSETS(args)                                                                    \
     do {                                                                                           \
@@ -154,20 +124,9 @@ typedef short capture_t;
 #define LOAD_SET(args) ((void)0)
 #endif
 
-/* HAS_VALID (moecl_topk_gating_ex's num_valid_tokens): the rows that are
- * tokens, an int read from memory (a runtime replays one enqueued shape
- * for any batch up to it); the rows past it are padding: ids -1, weights
- * 0, counted nowhere. */
-#ifndef HAS_VALID
-#define HAS_VALID 0
-#endif
+/* HAS_VALID (moecl_topk_gating_ex's num_valid_tokens; cl/gating.cl). */
 #if HAS_VALID
 #define VALID_PARAM __global const int *num_valid,
-static inline uint valid_rows(__global const int *num_valid, ulong off, uint num_tokens)
-{
-    const int n = num_valid[off];
-    return n <= 0 ? 0u : min((uint)n, num_tokens);
-}
 #define VALID_ROWS(args) valid_rows(num_valid, (args).valid_off, (args).num_tokens)
 #else
 #define VALID_PARAM
@@ -204,11 +163,6 @@ static inline void write_shared(__global weight_t *w_out, __global ids_t *id_out
 #else
 #define BIAS_PARAM
 #define BIAS_AT(args) ((__global const bias_t *)0)
-#endif
-/* The dispatch epilogue (cl/moe_align.cl) reads the ids as int32; the host
- * refuses other ids there. */
-#if defined(ROUTE_DISPATCH) && ROUTE_DISPATCH && IDS_DTYPE != 0
-#error "ROUTE_DISPATCH needs IDS_DTYPE 0 (int32 ids)"
 #endif
 #if TEAM == 1
 /* ---------------------------------------------------------------------- */

@@ -73,6 +73,9 @@ moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_de
     t.renormalize_floor = g->renormalize_floor;
     t.renormalize_eps = g->renormalize_eps;
     t.routed_scaling_factor = g->routed_scaling_factor;
+    t.weights_dtype = d->weights_dtype;
+    t.ids_dtype = d->ids_dtype;
+    t.bias_dtype = d->bias_dtype;
     return t;
 }
 
@@ -97,6 +100,10 @@ typedef struct grounded_request {
     const moecl_grounded_router_desc *desc;
     bool pairs, weights, ids, dispatch;
     bool has_bias, no_logits; /* moecl_router: a bias; router_logits absent */
+    /* moecl_router_ex's options: the histograms, the valid count, the
+     * per-expert scale, and the capture (0, or 1 + its moecl_index_dtype) */
+    bool counts, load, valid, scale;
+    unsigned capture;
 } grounded_request;
 
 /* Whether the tiled kernel's running top-k serves the request: selection
@@ -392,7 +399,8 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
 moecl_launch_source moecl_grounded_router_launch(const moecl_context *ctx, const moecl_grounded_router_desc *d,
                                                  moecl_launch_key *key, moecl_launch_config *config)
 {
-    const grounded_request r = {d, true, false, false, false, false, false};
+    const grounded_request r = {.desc = d, .pairs = true, .weights = false, .ids = false, .dispatch = false,
+                                .has_bias = false, .no_logits = false};
     grounded_shape shape;
     *key = moecl_launch_key_grounded(d->hidden_dim, d->num_experts, d->top_k);
     return resolve(ctx, &ctx->info, &r, config, &shape);
@@ -420,6 +428,11 @@ static moecl_variant_values values_of(const grounded_request *r, const grounded_
     const float cap = d->logit_softcap > 0.0f ? d->logit_softcap : 0.0f; /* -0: none, as 0 */
     memcpy(&p[MOECL_GROUNDED_SOFTCAP], &cap, sizeof(cap));
     p[MOECL_GROUNDED_LOGITS_ROW] = d->router_logits_row && !r->no_logits;
+    p[MOECL_GROUNDED_HAS_COUNTS] = r->counts;
+    p[MOECL_GROUNDED_HAS_LOAD] = r->load;
+    p[MOECL_GROUNDED_HAS_VALID] = r->valid;
+    p[MOECL_GROUNDED_CAPTURE] = r->capture;
+    p[MOECL_GROUNDED_HAS_SCALE] = r->scale;
     if (s) {
         p[MOECL_GROUNDED_KERNEL] = (uint32_t)s->kind;
         p[MOECL_GROUNDED_TM] = s->tm;
@@ -458,7 +471,8 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name)
 {
-    const grounded_request r = {desc, pairs, weights, ids, false, false, false};
+    const grounded_request r = {.desc = desc, .pairs = pairs, .weights = weights, .ids = ids, .dispatch = false,
+                                .has_bias = false, .no_logits = false};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -469,7 +483,8 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
 void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc, bool has_bias,
                           bool has_logits, char *buf, size_t size, const char **kernel_name)
 {
-    const grounded_request r = {desc, false, true, true, false, has_bias, !has_logits};
+    const grounded_request r = {.desc = desc, .pairs = false, .weights = true, .ids = true, .dispatch = false,
+                                .has_bias = has_bias, .no_logits = !has_logits};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -480,7 +495,8 @@ void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_ro
 void moecl_grounded_router_route_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                          char *buf, size_t size, const char **kernel_name)
 {
-    const grounded_request r = {desc, false, true, true, true, false, false};
+    const grounded_request r = {.desc = desc, .pairs = false, .weights = true, .ids = true, .dispatch = true,
+                                .has_bias = false, .no_logits = false};
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
@@ -525,7 +541,8 @@ static moecl_plan_key key_of(const moecl_context *ctx, const grounded_request *r
 moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc, bool pairs,
                                         bool weights, bool ids, const moecl_plan **plan)
 {
-    const grounded_request r = {desc, pairs, weights, ids, false, false, false};
+    const grounded_request r = {.desc = desc, .pairs = pairs, .weights = weights, .ids = ids, .dispatch = false,
+                                .has_bias = false, .no_logits = false};
     const moecl_plan_key key = key_of(ctx, &r);
     return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
@@ -533,7 +550,8 @@ moecl_status moecl_grounded_router_plan(moecl_context *ctx, const moecl_grounded
 moecl_status moecl_grounded_router_route_plan(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                               const moecl_plan **plan)
 {
-    const grounded_request r = {desc, false, true, true, true, false, false};
+    const grounded_request r = {.desc = desc, .pairs = false, .weights = true, .ids = true, .dispatch = true,
+                                .has_bias = false, .no_logits = false};
     const moecl_plan_key key = key_of(ctx, &r);
     return moecl_plan_get(ctx, &key, build_plan, &r, plan);
 }
@@ -554,74 +572,140 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
     return st;
 }
 
-/* The buffers of a call, in the kernel's argument order, and whether
- * binding validates them (the caller's; the host path's own need none). */
-enum { HIDDEN, LOGITS, GROUND, BIAS, PAIRS, WEIGHTS, IDS, NUM_BUFFERS };
+/* The buffers of a call, in the kernel's argument order (the optional
+ * five after the scalars, where present). */
+enum { HIDDEN, LOGITS, GROUND, BIAS, PAIRS, WEIGHTS, IDS, COUNTS, LOAD, VALID, CAPTURED, SCALE, NUM_BUFFERS };
+#define FIRST_OPTIONAL COUNTS
 _Static_assert(NUM_BUFFERS == MOECL_GROUNDED_BUFFERS, "the binding's buffers");
-/* The buffers of a call, whether binding validates them (the caller's;
- * the host path's own need none), and whether it is moecl_router's
- * (router_logits may be absent; topk_weights and topk_ids required). */
+/* The buffers of a call, the capture's type, whether binding validates
+ * them (the caller's; the host path's own need none), and whether it is
+ * moecl_router's (router_logits may be absent; topk_weights and topk_ids
+ * required). */
 typedef struct bound_buffers {
     moecl_buffer b[NUM_BUFFERS];
+    moecl_index_dtype capture_dtype;
     bool check, router;
 } bound_buffers;
 
-static const char *const buffer_names[NUM_BUFFERS] = {"token_hidden", "router_logits", "expert_ground", "bias",
-                                                      "out_pairs",    "topk_weights",  "topk_ids"};
+static const char *const buffer_names[NUM_BUFFERS] = {
+    "token_hidden", "router_logits", "expert_ground",    "bias",         "out_pairs",   "topk_weights",
+    "topk_ids",     "expert_counts", "expert_load",      "num_valid_tokens", "captured_ids", "expert_scale"};
 
-void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[NUM_BUFFERS],
-                                bool check, bool outputs_required, bool logits_required, moecl_grounded_binding *b)
+static size_t index_size(moecl_index_dtype t) { return t == MOECL_I16 ? 2 : moecl_index_size(t); }
+
+/* Each buffer's element size and bytes for desc. */
+static void buffer_sizes(const moecl_grounded_router_desc *d, moecl_index_dtype capture_dtype,
+                         size_t elem[NUM_BUFFERS], uint64_t bytes[NUM_BUFFERS])
 {
     const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
-    const size_t in_size = moecl_dtype_size(d->hidden_dtype);
-    const uint64_t bytes[NUM_BUFFERS] = {t * h * in_size, moecl_grounded_logit_rows(d) * e * 4, e * h * in_size, e * 4,
-                                         t * k * 8,       t * k * 4,                              t * k * 4};
+    const size_t sizes[NUM_BUFFERS] = {moecl_dtype_size(d->hidden_dtype),
+                                       4,
+                                       moecl_dtype_size(d->hidden_dtype),
+                                       moecl_dtype_size(d->bias_dtype),
+                                       4,
+                                       moecl_dtype_size(d->weights_dtype),
+                                       moecl_index_size(d->ids_dtype),
+                                       4,
+                                       4,
+                                       4,
+                                       index_size(capture_dtype),
+                                       4};
+    const uint64_t count[NUM_BUFFERS] = {t * h, moecl_grounded_logit_rows(d) * e, e * h, e, t * k * 2, t * k,
+                                         t * k, e, e, 1, t * k, e};
     for (int i = 0; i < NUM_BUFFERS; i++) {
-        const size_t elem = i == HIDDEN || i == GROUND ? in_size : 4;
-        const bool required = i == HIDDEN || i == GROUND || (i == LOGITS && logits_required) ||
-                              (outputs_required && (i == WEIGHTS || i == IDS));
-        b->mem[i] = buffers[i].mem;
-        b->checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], buffers[i].offset, elem, required};
-        /* Offsets travel in elements: the kernels index typed pointers. */
-        b->off[i] = buffers[i].offset / elem;
-        b->args[2 * i] = MOECL_ARG_CHECKED(b->mem[i], check ? &b->checks[i] : NULL);
-        b->args[2 * i + 1] = MOECL_ARG(b->off[i]);
+        elem[i] = sizes[i];
+        bytes[i] = count[i] * sizes[i];
     }
-    b->num_tokens = d->num_tokens;
-    b->alpha = d->alpha;
-    b->scaling_factor = d->gating.routed_scaling_factor;
-    b->args[2 * NUM_BUFFERS] = MOECL_ARG(b->num_tokens);
-    b->args[2 * NUM_BUFFERS + 1] = MOECL_ARG(b->alpha);
-    b->args[2 * NUM_BUFFERS + 2] = MOECL_ARG(b->scaling_factor);
 }
 
-/* Bind and enqueue (src/plan.c). */
+void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[NUM_BUFFERS],
+                                moecl_index_dtype capture_dtype, bool check, bool outputs_required,
+                                bool logits_required, moecl_grounded_binding *b)
+{
+    size_t elem[NUM_BUFFERS];
+    uint64_t bytes[NUM_BUFFERS];
+    buffer_sizes(d, capture_dtype, elem, bytes);
+    cl_uint n = 0;
+    for (int i = 0; i < NUM_BUFFERS; i++) {
+        const bool required = i == HIDDEN || i == GROUND || (i == LOGITS && logits_required) ||
+                              (outputs_required && (i == WEIGHTS || i == IDS)) || i >= FIRST_OPTIONAL;
+        b->mem[i] = buffers[i].mem;
+        b->checks[i] = (moecl_buffer_check){buffer_names[i], bytes[i], buffers[i].offset, elem[i], required};
+        /* Offsets travel in elements: the kernels index typed pointers. */
+        b->off[i] = buffers[i].offset / elem[i];
+        if (i == FIRST_OPTIONAL) {
+            b->num_tokens = d->num_tokens;
+            b->alpha = d->alpha;
+            b->scaling_factor = d->gating.routed_scaling_factor;
+            b->args[n++] = MOECL_ARG(b->num_tokens);
+            b->args[n++] = MOECL_ARG(b->alpha);
+            b->args[n++] = MOECL_ARG(b->scaling_factor);
+        }
+        /* The optional five are arguments only where present (a define). */
+        if (i >= FIRST_OPTIONAL && !b->mem[i])
+            continue;
+        b->args[n++] = MOECL_ARG_CHECKED(b->mem[i], check ? &b->checks[i] : NULL);
+        b->args[n++] = MOECL_ARG(b->off[i]);
+    }
+    b->num_args = n;
+}
+
+/* The request of a call: which buffers it has (has[i]), moecl_router's
+ * or not, the capture's type. */
+static grounded_request request_of(const moecl_grounded_router_desc *d, const bool has[NUM_BUFFERS], bool router,
+                                   moecl_index_dtype capture_dtype)
+{
+    const grounded_request r = {d,          has[PAIRS], has[WEIGHTS], has[IDS],   false,
+                                has[BIAS],  router && !has[LOGITS],   has[COUNTS], has[LOAD],
+                                has[VALID], has[SCALE], has[CAPTURED] ? 1u + (unsigned)capture_dtype : 0u};
+    return r;
+}
+
+static grounded_request request_of_buffers(const moecl_grounded_router_desc *d, const bound_buffers *b)
+{
+    bool has[NUM_BUFFERS];
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        has[i] = b->b[i].mem != NULL;
+    return request_of(d, has, b->router, b->capture_dtype);
+}
+
+/* Bind and enqueue (src/plan.c): expert_counts is zeroed first, and the
+ * kernel waits on that. */
 static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc *d, const bound_buffers *b,
                            cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     moecl_grounded_binding bound;
-    moecl_grounded_router_bind(d, b->b, b->check, b->router, !b->router, &bound);
-    const grounded_request r = {d,
-                                b->b[PAIRS].mem != NULL,
-                                b->b[WEIGHTS].mem != NULL,
-                                b->b[IDS].mem != NULL,
-                                false,
-                                b->b[BIAS].mem != NULL,
-                                b->router && !b->b[LOGITS].mem};
-    const moecl_launch_call call = {key_of(ctx, &r), build_plan, &r, bound.args, MOECL_GROUNDED_ARGS, d->num_tokens,
-                                    NULL, 0, 0, NULL};
+    moecl_grounded_router_bind(d, b->b, b->capture_dtype, b->check, b->router, !b->router, &bound);
+    const grounded_request r = request_of_buffers(d, b);
+    const moecl_launch_call call = {key_of(ctx, &r),
+                                    build_plan,
+                                    &r,
+                                    bound.args,
+                                    bound.num_args,
+                                    d->num_tokens,
+                                    b->b[COUNTS].mem,
+                                    b->b[COUNTS].offset,
+                                    (size_t)d->num_experts * 4,
+                                    "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
-/* The device-buffer call of both entry points (b: the buffers, router:
- * moecl_router's). */
+static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype t)
+{
+    if ((unsigned)t > MOECL_I16)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "captured_ids_dtype is %d; it must be MOECL_I32, MOECL_I64 or MOECL_I16", (int)t);
+    return MOECL_SUCCESS;
+}
+
+/* The device-buffer call of every entry point. */
 static moecl_status route_device(moecl_context *ctx, const moecl_grounded_router_desc *desc, const bound_buffers *b,
                                  cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = moecl_grounded_router_validate(ctx, desc);
-    if (st != MOECL_SUCCESS)
+    if (st != MOECL_SUCCESS || (st = check_capture_dtype(ctx, b->capture_dtype)) != MOECL_SUCCESS)
         return st;
     if (!b->router && !b->b[PAIRS].mem && !b->b[WEIGHTS].mem && !b->b[IDS].mem)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
@@ -637,7 +721,32 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
                                    cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
     const bound_buffers b = {
-        {token_hidden, router_logits, expert_ground, {NULL, 0}, out_pairs, topk_weights, topk_ids}, true, false};
+        {token_hidden, router_logits, expert_ground, {NULL, 0}, out_pairs, topk_weights, topk_ids}, MOECL_I32, true,
+        false};
+    return route_device(ctx, desc, &b, num_wait, wait, done);
+}
+
+/* The first version of moecl_router_tensors and of the host form. */
+#define TENSORS_V1 (offsetof(moecl_router_tensors, expert_scale) + sizeof(moecl_buffer))
+#define HOST_TENSORS_V1 (offsetof(moecl_router_host_tensors, expert_scale) + sizeof(const float *))
+
+moecl_status moecl_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                             const moecl_router_tensors *tensors, cl_uint num_wait, const cl_event *wait,
+                             cl_event *done)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
+                                               sizeof(moecl_router_tensors));
+    if (st != MOECL_SUCCESS)
+        return st;
+    const moecl_router_tensors *t = tensors;
+    const bound_buffers b = {{t->token_hidden, t->router_logits, t->expert_ground, t->bias, {NULL, 0},
+                              t->topk_weights, t->topk_ids, t->expert_counts, t->expert_load, t->num_valid_tokens,
+                              t->captured_ids, t->expert_scale},
+                             t->captured_ids_dtype,
+                             true,
+                             true};
     return route_device(ctx, desc, &b, num_wait, wait, done);
 }
 
@@ -646,83 +755,129 @@ moecl_status moecl_router(moecl_context *ctx, const moecl_grounded_router_desc *
                           moecl_buffer topk_weights, moecl_buffer topk_ids, cl_uint num_wait, const cl_event *wait,
                           cl_event *done)
 {
-    const bound_buffers b = {
-        {token_hidden, router_logits, expert_ground, bias, {NULL, 0}, topk_weights, topk_ids}, true, true};
-    return route_device(ctx, desc, &b, num_wait, wait, done);
+    moecl_router_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.token_hidden = token_hidden;
+    t.router_logits = router_logits;
+    t.expert_ground = expert_ground;
+    t.bias = bias;
+    t.topk_weights = topk_weights;
+    t.topk_ids = topk_ids;
+    return moecl_router_ex(ctx, desc, &t, num_wait, wait, done);
 }
 
-/* The blocking host-memory call of both entry points; in[]: token_hidden,
- * router_logits, expert_ground, bias; out[]: out_pairs, topk_weights,
- * topk_ids. */
-static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_desc *desc, const void *const in[4],
-                               void *const out[3], bool router)
+/* The blocking host-memory call of every entry point: the library's own
+ * buffers, filled from and read back into the caller's memory (expert_load
+ * both: the call adds to it). h: the router's tensors; pairs: the grounded
+ * router's out_pairs (router false). */
+static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                               const moecl_router_host_tensors *h, float *pairs, bool router)
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = moecl_grounded_router_validate(ctx, desc);
-    if (st != MOECL_SUCCESS)
+    if (st != MOECL_SUCCESS || (st = check_capture_dtype(ctx, h->captured_ids_dtype)) != MOECL_SUCCESS)
         return st;
-    if (!router && !out[0] && !out[1] && !out[2])
+    if (!router && !pairs && !h->topk_weights && !h->topk_ids)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "out_pairs, topk_weights, topk_ids: all NULL; at least one output is needed");
     if (desc->num_tokens > 0) {
-        const char *missing = !in[0]                ? "token_hidden"
-                              : !in[1] && !router   ? "router_logits"
-                              : !in[2]              ? "expert_ground"
-                              : router && !out[1]   ? "topk_weights"
-                              : router && !out[2]   ? "topk_ids"
-                                                    : NULL;
+        const char *missing = !h->token_hidden                ? "token_hidden"
+                              : !h->router_logits && !router  ? "router_logits"
+                              : !h->expert_ground             ? "expert_ground"
+                              : router && !h->topk_weights    ? "topk_weights"
+                              : router && !h->topk_ids        ? "topk_ids"
+                                                              : NULL;
         if (missing)
             return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
     }
+    const void *const from[NUM_BUFFERS] = {h->token_hidden, h->router_logits, h->expert_ground, h->bias,
+                                           NULL, NULL, NULL, NULL, h->expert_load, h->num_valid_tokens, NULL,
+                                           h->expert_scale};
+    void *const to[NUM_BUFFERS] = {NULL, NULL, NULL, NULL, pairs, h->topk_weights, h->topk_ids, h->expert_counts,
+                                   h->expert_load, NULL, h->captured_ids, NULL};
+    bool has[NUM_BUFFERS];
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        has[i] = from[i] || to[i];
     const moecl_plan *p;
-    grounded_request r = {desc, out[0] != NULL, out[1] != NULL, out[2] != NULL, false, in[3] != NULL,
-                          router && !in[1]};
+    const grounded_request r = request_of(desc, has, router, h->captured_ids_dtype);
     const moecl_plan_key key = key_of(ctx, &r);
-    if ((st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS || desc->num_tokens == 0)
-        return st;
-    const size_t t = desc->num_tokens, h = desc->hidden_dim, e = desc->num_experts, k = desc->top_k;
-    const size_t in_size = moecl_dtype_size(desc->hidden_dtype);
+    if ((st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS)
+        return st; /* built before the buffers are made: a build failure costs no copy */
+    if (desc->num_tokens == 0) {
+        if (h->expert_counts)
+            memset(h->expert_counts, 0, (size_t)desc->num_experts * 4);
+        return MOECL_SUCCESS;
+    }
+    size_t elem[NUM_BUFFERS];
+    uint64_t bytes[NUM_BUFFERS];
+    buffer_sizes(desc, h->captured_ids_dtype, elem, bytes);
+    size_t sizes[NUM_BUFFERS];
+    for (int i = 0; i < NUM_BUFFERS; i++)
+        sizes[i] = (size_t)bytes[i];
     bound_buffers b;
     memset(&b, 0, sizeof(b));
     b.router = router;
-    const size_t sizes[NUM_BUFFERS] = {t * h * in_size, moecl_grounded_logit_rows(desc) * e * 4, e * h * in_size, e * 4,
-                                       t * k * 8,       t * k * 4, t * k * 4};
+    b.capture_dtype = h->captured_ids_dtype;
+    cl_mem mems[NUM_BUFFERS] = {NULL};
+    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++)
+        if (from[i] || to[i]) {
+            /* The histograms are added to (atomics read them). */
+            const cl_mem_flags flags = !to[i]                                ? CL_MEM_READ_ONLY
+                                       : from[i] || i == COUNTS              ? CL_MEM_READ_WRITE
+                                                                             : CL_MEM_WRITE_ONLY;
+            st = moecl_host_buffer(ctx, buffer_names[i], flags, sizes[i], from[i], &mems[i]);
+            b.b[i].mem = mems[i];
+        }
     cl_event ran = NULL;
-    for (int i = 0; i < NUM_BUFFERS && st == MOECL_SUCCESS; i++) {
-        const bool input = i < PAIRS;
-        if (input ? in[i] != NULL : out[i - PAIRS] != NULL)
-            st = moecl_host_buffer(ctx, buffer_names[i], input ? CL_MEM_READ_ONLY : CL_MEM_WRITE_ONLY, sizes[i],
-                                   input ? in[i] : NULL, &b.b[i].mem);
-    }
     if (st == MOECL_SUCCESS)
         st = launch(ctx, desc, &b, 0, NULL, &ran);
-    if (st == MOECL_SUCCESS) {
-        const cl_mem mems[3] = {b.b[PAIRS].mem, b.b[WEIGHTS].mem, b.b[IDS].mem};
-        st = moecl_read_back(ctx, ran, 3, mems, sizes + PAIRS, out);
-    }
-    if (ran)
-        clReleaseEvent(ran);
-    for (int i = 0; i < NUM_BUFFERS; i++)
-        if (b.b[i].mem)
-            clReleaseMemObject(b.b[i].mem);
-    return st;
+    /* Read back the outputs (expert_load with them), from PAIRS on. */
+    return moecl_host_call_end(ctx, st, ran, mems, NUM_BUFFERS, PAIRS, sizes + PAIRS, to);
+}
+
+/* moecl_router_host's six tensors as a record. */
+static moecl_router_host_tensors host_tensors_of(const void *token_hidden, const float *router_logits,
+                                                 const void *expert_ground, const void *bias, void *topk_weights,
+                                                 void *topk_ids)
+{
+    moecl_router_host_tensors h;
+    memset(&h, 0, sizeof(h));
+    h.struct_size = sizeof(h);
+    h.token_hidden = token_hidden;
+    h.router_logits = router_logits;
+    h.expert_ground = expert_ground;
+    h.bias = bias;
+    h.topk_weights = topk_weights;
+    h.topk_ids = topk_ids;
+    return h;
 }
 
 moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                         const void *token_hidden, const float *router_logits, const void *expert_ground,
-                                        float *out_pairs, float *topk_weights, int32_t *topk_ids)
+                                        float *out_pairs, void *topk_weights, void *topk_ids)
 {
-    const void *const in[4] = {token_hidden, router_logits, expert_ground, NULL};
-    void *const out[3] = {out_pairs, topk_weights, topk_ids};
-    return route_host(ctx, desc, in, out, false);
+    const moecl_router_host_tensors h =
+        host_tensors_of(token_hidden, router_logits, expert_ground, NULL, topk_weights, topk_ids);
+    return route_host(ctx, desc, &h, out_pairs, false);
+}
+
+moecl_status moecl_router_ex_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                  const moecl_router_host_tensors *tensors)
+{
+    if (!ctx)
+        return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
+    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
+                                               sizeof(moecl_router_host_tensors));
+    return st != MOECL_SUCCESS ? st : route_host(ctx, desc, tensors, NULL, true);
 }
 
 moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc, const void *token_hidden,
-                               const float *router_logits, const void *expert_ground, const float *bias,
-                               float *topk_weights, int32_t *topk_ids)
+                               const float *router_logits, const void *expert_ground, const void *bias,
+                               void *topk_weights, void *topk_ids)
 {
-    const void *const in[4] = {token_hidden, router_logits, expert_ground, bias};
-    void *const out[3] = {NULL, topk_weights, topk_ids};
-    return route_host(ctx, desc, in, out, true);
+    const moecl_router_host_tensors h =
+        host_tensors_of(token_hidden, router_logits, expert_ground, bias, topk_weights, topk_ids);
+    return moecl_router_ex_host(ctx, desc, &h);
 }

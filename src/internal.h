@@ -747,13 +747,15 @@ typedef struct moecl_launch_call {
 } moecl_launch_call;
 
 /* The grounded router's kernel arguments for a call, bound in place (the
- * args point into the record): its buffers in the kernel's order
- * (token_hidden, router_logits, expert_ground, bias, out_pairs,
+ * args point into the record): its first seven buffers in the kernel's
+ * order (token_hidden, router_logits, expert_ground, bias, out_pairs,
  * topk_weights, topk_ids), each with its offset in elements, then
- * num_tokens, alpha and routed_scaling_factor.
+ * num_tokens, alpha and routed_scaling_factor, then those of the optional
+ * five (expert_counts, expert_load, num_valid_tokens, captured_ids of
+ * capture_dtype, expert_scale) that are present; num_args in all.
  * check: binding validates the caller's buffers, the inputs required and,
  * where outputs_required, topk_weights and topk_ids too. */
-#define MOECL_GROUNDED_BUFFERS 7
+#define MOECL_GROUNDED_BUFFERS 12
 #define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 3)
 typedef struct moecl_grounded_binding {
     cl_mem mem[MOECL_GROUNDED_BUFFERS];
@@ -762,12 +764,14 @@ typedef struct moecl_grounded_binding {
     cl_uint num_tokens;
     cl_float alpha, scaling_factor;
     moecl_kernel_arg args[MOECL_GROUNDED_ARGS];
+    cl_uint num_args;
 } moecl_grounded_binding;
 /* logits_required: router_logits must be present (every entry point but
  * moecl_router; absent there, HAS_LOGITS=0 kernels do not read it). The
  * bias (after expert_ground) is optional. */
 void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS],
-                                bool check, bool outputs_required, bool logits_required, moecl_grounded_binding *b);
+                                moecl_index_dtype capture_dtype, bool check, bool outputs_required,
+                                bool logits_required, moecl_grounded_binding *b);
 /* The grounded router's team kernel's local memory for desc at (team,
  * rows), its gating's included (a bound for every variant). */
 size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, unsigned team, unsigned rows);
@@ -859,10 +863,15 @@ enum {
     MOECL_GROUNDED_LOGIT_ROUND,
     MOECL_GROUNDED_SOFTCAP,
     MOECL_GROUNDED_LOGITS_ROW,
+    MOECL_GROUNDED_HAS_COUNTS,
+    MOECL_GROUNDED_HAS_LOAD,
+    MOECL_GROUNDED_HAS_VALID,
+    MOECL_GROUNDED_CAPTURE,
+    MOECL_GROUNDED_HAS_SCALE,
     MOECL_GROUNDED_PARAMS
 };
 
-#define MOECL_VARIANT_MAX_PARAMS 32
+#define MOECL_VARIANT_MAX_PARAMS 40
 #define MOECL_GATING_MAX_PARAMS 16
 
 /* A variant: the value of each of the op's own parameters (by the enums

@@ -63,7 +63,7 @@ static uint32_t step_logit_experts(const route_step *s)
 /* The element size of topk_weights. */
 static size_t step_weights_size(const route_step *s)
 {
-    return s->is_grounded ? 4 : moecl_dtype_size(s->topk->weights_dtype);
+    return moecl_dtype_size(s->is_grounded ? s->grounded->weights_dtype : s->topk->weights_dtype);
 }
 
 /* The context and both descriptors' checks; *align receives moe_align's
@@ -77,11 +77,12 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
     if (st != MOECL_SUCCESS)
         return st;
     /* moe_align reads int32 ids, in both paths. */
-    if (!s->is_grounded && s->topk->ids_dtype != MOECL_I32)
+    const moecl_index_dtype ids_dtype = s->is_grounded ? s->grounded->ids_dtype : s->topk->ids_dtype;
+    if (ids_dtype != MOECL_I32)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "ids_dtype is %d; route dispatch writes int32 ids (MOECL_I32), which moe_align reads: "
-                          "call moecl_topk_gating() for int64 ids",
-                          (int)s->topk->ids_dtype);
+                          "call %s for int64 ids",
+                          (int)ids_dtype, s->is_grounded ? "moecl_grounded_router()" : "moecl_topk_gating()");
     const bool has_map = s->map.mem != NULL;
     /* The map is over the routed experts, which a shared slot's id is not. */
     if (has_map && !s->is_grounded && s->topk->num_shared_experts)
@@ -262,8 +263,8 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
     if (s->is_grounded) {
         const moecl_buffer buffers[MOECL_GROUNDED_BUFFERS] = {s->in[0], s->in[1],   s->in[2], {NULL, 0},
                                                               {NULL, 0}, s->weights, s->ids};
-        moecl_grounded_router_bind(s->grounded, buffers, true, true, true, &r->grounded);
-        for (; n < MOECL_GROUNDED_ARGS; n++)
+        moecl_grounded_router_bind(s->grounded, buffers, MOECL_I32, true, true, true, &r->grounded);
+        for (; n < r->grounded.num_args; n++)
             args[n] = r->grounded.args[n];
         return n;
     }
@@ -587,7 +588,7 @@ moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const moecl_groun
 moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                 uint32_t block_size, const void *token_hidden,
                                                 const float *router_logits, const void *expert_ground,
-                                                float *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
+                                                void *topk_weights, int32_t *topk_ids, int32_t *expert_counts,
                                                 int32_t *sorted_token_ids, int32_t *block_expert_ids,
                                                 int32_t *num_tokens_post_padded, int32_t *slot_positions,
                                                 int32_t *num_invalid)

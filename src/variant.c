@@ -190,6 +190,13 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
     [MOECL_GROUNDED_LOGIT_ROUND] = {PARAM("LOGIT_ROUND", "round", 2, false, 0, 0, MOECL_BF16), .names = dtype_names},
     [MOECL_GROUNDED_SOFTCAP] = {PARAM("SOFTCAP", "softcap", 32, false, 0, 0, UINT32_MAX), .format = FORMAT_FLOAT},
     [MOECL_GROUNDED_LOGITS_ROW] = {PARAM("LOGITS_ROW", "logits_row", 1, false, 0, 0, 1)},
+    /* moecl_router_ex's optional outputs (cl/grounded_router.cl) */
+    [MOECL_GROUNDED_HAS_COUNTS] = {PARAM("HAS_COUNTS", "counts", 1, false, 0, 0, 1)},
+    [MOECL_GROUNDED_HAS_LOAD] = {PARAM("HAS_LOAD", "load", 1, false, 0, 0, 1)},
+    [MOECL_GROUNDED_HAS_VALID] = {PARAM("HAS_VALID", "valid", 1, false, 0, 0, 1)},
+    /* 1 + moecl_index_dtype where captured_ids is given */
+    [MOECL_GROUNDED_CAPTURE] = {PARAM("CAPTURE", "capture", 2, false, 0, 0, 3), .names = capture_names},
+    [MOECL_GROUNDED_HAS_SCALE] = {PARAM("HAS_SCALE", "scale", 1, false, 0, 0, 1)},
 };
 #undef TILED
 #undef MMA

@@ -700,6 +700,9 @@ typedef struct gr_shape {
     moecl_dtype dtype;
     bool router; /* moecl_router: DeepSeek-V3's gating, a bias, no router logits */
     bool large;
+    /* moecl_router_ex: bf16 weights, int64 ids, every option (the valid
+     * count a third short of the rows, int16 capture, a per-expert scale) */
+    bool ex;
 } gr_shape;
 
 /* The smallest request; odd sizes (every tile's edges); a router's gating
@@ -709,10 +712,11 @@ typedef struct gr_shape {
  * 120 CPU seconds at 4096), and the op suite checks hidden 4096 with the
  * kernels each launch class picks. */
 static const gr_shape gr_shapes[] = {
-    {1, 1, 1, MOECL_F16, false, false},
-    {203, 130, 8, MOECL_BF16, false, false},
-    {256, 64, 6, MOECL_BF16, true, false},
-    {1024, 4096, 64, MOECL_BF16, false, true},
+    {1, 1, 1, MOECL_F16, false, false, false},
+    {203, 130, 8, MOECL_BF16, false, false, false},
+    {256, 64, 6, MOECL_BF16, true, false, false},
+    {1024, 4096, 64, MOECL_BF16, false, true, false},
+    {64, 130, 8, MOECL_F16, false, false, true},
 };
 
 static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
@@ -725,24 +729,48 @@ static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
         d.gating = (moecl_gating){MOECL_SCORING_SIGMOID, MOECL_WEIGHTS_SCORE, 8, 4, MOECL_GROUP_SCORE_TOP2_SUM,
                                   MOECL_GROUP_FILL_NEG_INF, true, 0.0f, 2.5f, 1e-20f};
     }
+    if (s->ex) {
+        d.weights_dtype = MOECL_BF16;
+        d.ids_dtype = MOECL_I64;
+    }
     return d;
 }
 
 static void gr_shape_text(const gr_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "H=%u E=%u k=%u %s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
-             s->router ? " router sigmoid bias groups=8/4 no-logits" : "");
+    snprintf(buf, size, "H=%u E=%u k=%u %s%s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
+             s->router ? " router sigmoid bias groups=8/4 no-logits" : "",
+             s->ex ? " router_ex bf16 weights, int64 ids, counts, load, valid, int16 capture, scale" : "");
 }
 
 typedef struct gr_call {
     moecl_grounded_router_desc d;
     bool router;
     dbuf hidden, logits, ground, bias, pairs, w, ids;
+    bool ex;
+    dbuf counts, load, valid, captured, scale;
 } gr_call;
 
 static moecl_status gr_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w, cl_event *done)
 {
     const gr_call *c = state;
+    if (c->ex) {
+        moecl_router_tensors t;
+        memset(&t, 0, sizeof(t));
+        t.struct_size = sizeof(t);
+        t.token_hidden = at(&c->hidden);
+        t.router_logits = at(&c->logits);
+        t.expert_ground = at(&c->ground);
+        t.topk_weights = at(&c->w);
+        t.topk_ids = at(&c->ids);
+        t.expert_counts = at(&c->counts);
+        t.expert_load = at(&c->load);
+        t.num_valid_tokens = at(&c->valid);
+        t.captured_ids = at(&c->captured);
+        t.captured_ids_dtype = MOECL_I16;
+        t.expert_scale = at(&c->scale);
+        return moecl_router_ex(ctx, &c->d, &t, nw, w, done);
+    }
     if (c->router)
         return moecl_router(ctx, &c->d, at(&c->hidden), at(&c->logits), at(&c->ground), at(&c->bias), at(&c->w),
                             at(&c->ids), nw, w, done);
@@ -829,7 +857,8 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     uint32_t tokens = tokens_of(c, s->experts);
     if (s->large && c == CASE_RANDOM)
         tokens = 9;
-    gr_call call = {gr_desc(s, tokens), s->router, absent, absent, absent, absent, absent, absent, absent};
+    gr_call call = {gr_desc(s, tokens), s->router, absent, absent, absent, absent, absent, absent, absent,
+                    s->ex,              absent,    absent, absent, absent, absent};
     const size_t H = s->hidden, E = s->experts, k = s->k, in_size = ref_dtype_size(s->dtype);
     void *hidden = xmalloc((size_t)tokens * H * in_size);
     const void *ground = gr_ground(s, si);
@@ -865,12 +894,32 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
         call.logits = make_buf(logits, (size_t)tokens * E * 4, 0xFF);
     if (bias)
         call.bias = make_buf(bias, E * 4, 0xFF);
-    if (!s->router)
+    if (!s->router && !s->ex)
         call.pairs = make_buf(NULL, nk * 8, poison);
     call.w = make_buf(NULL, nk * 4, poison);
-    call.ids = make_buf(NULL, nk * 4, poison);
+    call.ids = make_buf(NULL, nk * (s->ex ? 8 : 4), poison);
     float *pairs = xmalloc(nk * 8), *w = xmalloc(nk * 4);
-    int32_t *ids = xmalloc(nk * 4);
+    int32_t *ids = xmalloc(nk * 8);
+    /* moecl_router_ex's: the load's entries before, the count, the scale */
+    int32_t *counts = NULL, *load = NULL, *load_before = NULL, valid = (int32_t)(tokens - tokens / 3);
+    int16_t *captured = NULL;
+    float *scale = NULL;
+    if (s->ex) {
+        counts = xmalloc(E * 4);
+        load = xmalloc(E * 4);
+        load_before = xmalloc(E * 4);
+        captured = xmalloc(nk * 2 + 1);
+        scale = xmalloc(E * 4);
+        for (size_t e = 0; e < E; e++) {
+            load_before[e] = (int32_t)(e % 11) - 4;
+            scale[e] = (0.375f + 0.25f * (float)(e % 7)) * (e % 5 == 3 ? -1.0f : 1.0f);
+        }
+        call.counts = make_buf(NULL, E * 4, poison);
+        call.load = make_buf(load_before, E * 4, 0xFF);
+        call.valid = make_buf(&valid, 4, 0xFF);
+        call.captured = make_buf(NULL, nk * 2, poison);
+        call.scale = make_buf(scale, E * 4, 0xFF);
+    }
     char msg[1200] = "";
     moecl_status st = gr_run(ctx, &call, 0, NULL, NULL);
     tl->runs++;
@@ -881,6 +930,14 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
                !read_buf(&call.w, w, "topk_weights", msg, sizeof(msg)) ||
                !read_buf(&call.ids, ids, "topk_ids", msg, sizeof(msg))) {
         fail(tl, op, v, shape, case_names[c], "%s", msg);
+    } else if (s->ex && (!read_buf(&call.counts, counts, "expert_counts", msg, sizeof(msg)) ||
+                         !read_buf(&call.load, load, "expert_load", msg, sizeof(msg)) ||
+                         !read_buf(&call.captured, captured, "captured_ids", msg, sizeof(msg)))) {
+        fail(tl, op, v, shape, case_names[c], "%s", msg);
+    } else if (s->ex) {
+        const ref_router_ex x = {NULL, scale, &valid, w, ids, captured, MOECL_I16, counts, load_before, load};
+        if (ref_check_router_ex(&call.d, hidden, logits, ground, &x, msg, sizeof(msg)))
+            fail(tl, op, v, shape, case_names[c], "tokens %u valid %d: %s", tokens, (int)valid, msg);
     } else if (tokens && s->router && ref_check_router(&call.d, hidden, NULL, ground, bias, NULL, w, ids, msg,
                                                        sizeof(msg))) {
         fail(tl, op, v, shape, case_names[c], "tokens %u: %s", tokens, msg);
@@ -897,12 +954,20 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     release(&call.pairs);
     release(&call.w);
     release(&call.ids);
+    dbuf *ex_bufs[] = {&call.counts, &call.load, &call.valid, &call.captured, &call.scale};
+    for (size_t i = 0; i < COUNT(ex_bufs); i++)
+        release(ex_bufs[i]);
     free(hidden);
     free(logits);
     free(bias);
     free(pairs);
     free(w);
     free(ids);
+    free(counts);
+    free(load);
+    free(load_before);
+    free(captured);
+    free(scale);
 }
 
 static void check_grounded(tally *tl)
@@ -1337,8 +1402,8 @@ typedef struct route_shape {
 } route_shape;
 
 static const gr_shape route_gr_shapes[] = {
-    {128, 16, 2, MOECL_F32, false, false},
-    {64, 64, 8, MOECL_BF16, false, false},
+    {128, 16, 2, MOECL_F32, false, false, false},
+    {64, 64, 8, MOECL_BF16, false, false, false},
 };
 static const route_shape route_shapes[] = {
     {&topk_shapes[0], NULL, 1},

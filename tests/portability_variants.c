@@ -615,6 +615,21 @@ int main(int argc, char **argv)
                                        : "llama4 raw sigmoid-chosen, rounded logits",
                              c->name);
                     emit(t, "grounded_router.cl", options, defines, kernel, description);
+                    /* moecl_router_ex with every option (its defines after
+                     * the variant's) and narrow types, on three specs. */
+                    if (conv == 0 && (i == 0 || i == 2 || i == 5)) {
+                        d.weights_dtype = MOECL_BF16;
+                        d.ids_dtype = MOECL_I64;
+                        d.bias_dtype = MOECL_F16;
+                        moecl_router_defines(&info, &d, true, false, defines, sizeof(defines), &kernel);
+                        const size_t used = strlen(defines);
+                        snprintf(defines + used, sizeof(defines) - used,
+                                 " -DHAS_COUNTS=1 -DHAS_LOAD=1 -DHAS_VALID=1 -DCAPTURE=3 -DHAS_SCALE=1");
+                        snprintf(description, sizeof(description),
+                                 "router_ex H=%u E=%u k=%u %s bf16 weights, int64 ids, f16 bias, every option [%s]",
+                                 s->hidden, s->experts, s->k, dtype_names[s->dtype], c->name);
+                        emit(t, "grounded_router.cl", options, defines, kernel, description);
+                    }
                 }
             }
 

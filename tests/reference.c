@@ -1675,6 +1675,9 @@ static moecl_topk_gating_desc grounded_gating(const moecl_grounded_router_desc *
     t.renormalize_floor = d->gating.renormalize_floor;
     t.renormalize_eps = d->gating.renormalize_eps;
     t.routed_scaling_factor = d->gating.routed_scaling_factor;
+    t.weights_dtype = d->weights_dtype; /* the tolerance of a narrow type */
+    t.ids_dtype = d->ids_dtype;
+    t.bias_dtype = d->bias_dtype;
     return t;
 }
 
@@ -2062,6 +2065,117 @@ int ref_check_grounded_router(const moecl_grounded_router_desc *desc, const void
     }
     return ref_check_router(desc, token_hidden, router_logits, expert_ground, NULL, out_pairs, topk_weights,
                             topk_ids, msg, msg_size);
+}
+
+/* An id of type t at index i, widened (int64 outside int32: INT32_MIN). */
+static int32_t load_index(moecl_index_dtype t, const void *p, size_t i)
+{
+    if (t == MOECL_I64) {
+        int64_t v;
+        memcpy(&v, (const char *)p + i * 8, 8);
+        return v >= INT32_MIN && v <= INT32_MAX ? (int32_t)v : INT32_MIN;
+    }
+    if (t == MOECL_I16) {
+        int16_t v;
+        memcpy(&v, (const char *)p + i * 2, 2);
+        return v;
+    }
+    int32_t v;
+    memcpy(&v, (const char *)p + i * 4, 4);
+    return v;
+}
+
+/* The padding rows, the capture and the histograms of ref_check_router_ex
+ * (w, ids: the outputs widened; n: the valid rows). */
+static int check_router_ex_extras(const moecl_grounded_router_desc *d, const ref_router_ex *x, const float *w,
+                                  const int32_t *ids, uint32_t n, char *msg, size_t size)
+{
+    const size_t k = d->top_k, E = d->num_experts;
+    int bad = 0;
+    for (uint32_t t = n; t < d->num_tokens; t++)
+        for (size_t j = 0; j < k; j++)
+            if (ids[t * k + j] != -1 || w[t * k + j] != 0.0f) {
+                if (!bad++)
+                    put_msg(msg, size, "padding row %u pos %zu: id %d weight %.9g, want -1 and 0", (unsigned)t, j,
+                            (int)ids[t * k + j], (double)w[t * k + j]);
+                break;
+            }
+    for (size_t i = 0; x->captured_ids && i < (size_t)d->num_tokens * k; i++)
+        if (load_index(x->captured_dtype, x->captured_ids, i) != ids[i]) {
+            if (!bad++)
+                put_msg(msg, size, "captured_ids[%zu] is %d but topk_ids %d", i,
+                        (int)load_index(x->captured_dtype, x->captured_ids, i), (int)ids[i]);
+            break;
+        }
+    if (!x->expert_counts && !x->load_after)
+        return bad;
+    int64_t *hist = calloc(E ? E : 1, sizeof(int64_t));
+    if (!hist) {
+        put_msg(msg, size, "ref_check_router_ex: out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < (size_t)n * k; i++)
+        if (ids[i] >= 0 && (size_t)ids[i] < E)
+            hist[ids[i]]++;
+    for (size_t e = 0; e < E; e++) {
+        const bool counts_bad = x->expert_counts && x->expert_counts[e] != hist[e];
+        const bool load_bad = x->load_after && (int64_t)x->load_after[e] != (int64_t)x->load_before[e] + hist[e];
+        if (counts_bad || load_bad) {
+            if (!bad++)
+                put_msg(msg, size, "expert %zu: expert_counts %d, expert_load %d after %d, but %lld routed", e,
+                        x->expert_counts ? (int)x->expert_counts[e] : -1, x->load_after ? (int)x->load_after[e] : -1,
+                        x->load_before ? (int)x->load_before[e] : -1, (long long)hist[e]);
+            break;
+        }
+    }
+    free(hist);
+    return bad;
+}
+
+int ref_check_router_ex(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                        const void *expert_ground, const ref_router_ex *x, char *msg, size_t msg_size)
+{
+    if (msg && msg_size)
+        msg[0] = '\0';
+    if (!desc || !x || (desc->num_tokens > 0 && (!x->topk_weights || !x->topk_ids))) {
+        put_msg(msg, msg_size, "ref_check_router_ex: missing descriptor or output");
+        return -1;
+    }
+    const size_t T = desc->num_tokens, k = desc->top_k, E = desc->num_experts;
+    uint32_t n = desc->num_tokens;
+    if (x->num_valid)
+        n = *x->num_valid <= 0 ? 0 : (uint32_t)*x->num_valid < n ? (uint32_t)*x->num_valid : n;
+    float *w = malloc((T * k + 1) * sizeof(float)), *b = malloc((E + 1) * sizeof(float));
+    int32_t *ids = malloc((T * k + 1) * sizeof(int32_t));
+    if (!w || !b || !ids) {
+        free(w);
+        free(b);
+        free(ids);
+        put_msg(msg, msg_size, "ref_check_router_ex: out of memory");
+        return -1;
+    }
+    for (size_t i = 0; i < T * k; i++) {
+        w[i] = ref_load(desc->weights_dtype, x->topk_weights, i);
+        ids[i] = load_index(desc->ids_dtype, x->topk_ids, i);
+    }
+    for (size_t e = 0; x->bias && e < E; e++)
+        b[e] = ref_load(desc->bias_dtype, x->bias, e);
+    int bad = check_router_ex_extras(desc, x, w, ids, n, msg, msg_size);
+    /* The weights before the scale (an id out of range is the checker's to
+     * name: left as it is). */
+    for (size_t i = 0; x->expert_scale && i < (size_t)n * k; i++)
+        if (ids[i] >= 0 && (size_t)ids[i] < E)
+            w[i] = (float)((double)w[i] / (double)x->expert_scale[ids[i]]);
+    moecl_grounded_router_desc valid = *desc;
+    valid.num_tokens = n;
+    if (bad == 0) {
+        bad = ref_check_router(&valid, token_hidden, router_logits, expert_ground, x->bias ? b : NULL, NULL, w, ids,
+                               msg, msg_size);
+    }
+    free(w);
+    free(b);
+    free(ids);
+    return bad;
 }
 
 /* ---- moe_align ---- */

@@ -86,6 +86,31 @@ int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_h
                      const void *expert_ground, const float *bias, const float *out_pairs,
                      const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
 
+/* moecl_router_ex's outputs beyond moecl_router's, for ref_check_router_ex:
+ * the bias of desc->bias_dtype, the per-expert scale, the valid count, the
+ * typed weights and ids, the captured ids, the histograms. NULL: absent. */
+typedef struct ref_router_ex {
+    const void *bias;           /* [E] of desc->bias_dtype */
+    const float *expert_scale;  /* [E] */
+    const int32_t *num_valid;   /* [1] */
+    const void *topk_weights;   /* [T][k] of desc->weights_dtype (required) */
+    const void *topk_ids;       /* [T][k] of desc->ids_dtype (required) */
+    const void *captured_ids;   /* [T][k] of captured_dtype */
+    moecl_index_dtype captured_dtype;
+    const int32_t *expert_counts;                 /* [E] */
+    const int32_t *load_before, *load_after;      /* [E] each, both or neither */
+} ref_router_ex;
+
+/* ref_check_router for moecl_router_ex: the rows before the valid count n
+ * (num_valid clamped to [0, T]; T without it) against the reference, each
+ * weight divided by its expert's scale first (the scale multiplies the
+ * final f32 weight once, so the quotient is that weight within 2^-24 of
+ * it); the rows from n on ids -1 and weights 0; the captured ids the ids;
+ * expert_counts the histogram of the valid rows' ids, and load_after
+ * load_before plus it. Returns the bad rows (or -1), msg the first. */
+int ref_check_router_ex(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
+                        const void *expert_ground, const ref_router_ex *x, char *msg, size_t msg_size);
+
 /* Grounded router in float64 (any output may be NULL). */
 void ref_grounded_router(const moecl_grounded_router_desc *desc, const void *token_hidden,
                          const float *router_logits, const void *expert_ground, float *out_pairs,

@@ -744,6 +744,402 @@ START_TEST(test_router_llama4_and_ties)
 }
 END_TEST
 
+/* ---- moecl_router_ex: dtypes, padding rows, load statistics, capture,
+ * per-expert scale (docs/routing.md, section 3) ---- */
+
+/* The options of a moecl_router_ex case; num_valid is used where valid. */
+typedef struct ex_options {
+    bool counts, load, valid, capture, scale;
+    int32_t num_valid;
+    moecl_index_dtype capture_dtype;
+} ex_options;
+
+static size_t index_bytes(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : t == MOECL_I16 ? 2 : 4; }
+
+/* A device buffer of n elements of elem bytes at an offset of a few
+ * elements, poison around it (data copied in where given). */
+static moecl_buffer ex_buffer(moecl_context *ctx, size_t n, size_t elem, const void *data)
+{
+    return harness_buffer(ctx, n * elem, 3 * elem, data);
+}
+
+/* Read size bytes and the 4 after them, which must still be poison. */
+static void ex_read(moecl_context *ctx, moecl_buffer b, size_t size, void *out, const char *name, const char *what)
+{
+    char *tmp = malloc(size + 4);
+    ck_assert_ptr_nonnull(tmp);
+    harness_read(ctx, b, size + 4, tmp);
+    uint32_t tail;
+    memcpy(&tail, tmp + size, 4);
+    ck_assert_msg(tail == 0xFFFFFFFFu, "%s: wrote past the end of %s", what, name);
+    memcpy(out, tmp, size);
+    free(tmp);
+}
+
+/* One moecl_router_ex call (host or device path) on inputs in, a bias of
+ * desc->bias_dtype or NULL, the per-expert scale, the options; every
+ * output poisoned first, checked against ref_check_router_ex. The weights
+ * and ids written go to w_out and ids_out where not NULL (their typed
+ * bytes). */
+static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_inputs *in,
+                          const void *bias, const float *scale, const ex_options *o, bool device_path, void *w_out,
+                          void *ids_out)
+{
+    const size_t T = d->num_tokens, k = d->top_k, E = d->num_experts, nk = T * k;
+    const size_t w_size = ref_dtype_size(d->weights_dtype), id_size = index_bytes(d->ids_dtype);
+    const size_t cap_size = index_bytes(o->capture_dtype), in_size = ref_dtype_size(d->hidden_dtype);
+    void *w = harness_poisoned(nk * w_size), *ids = harness_poisoned(nk * id_size);
+    void *cap = o->capture ? harness_poisoned(nk * cap_size) : NULL;
+    int32_t *counts = o->counts ? harness_poisoned(E * 4) : NULL;
+    int32_t *load = o->load ? malloc(E * 4) : NULL, *load_before = o->load ? malloc(E * 4) : NULL;
+    for (size_t e = 0; load && e < E; e++)
+        load[e] = load_before[e] = (int32_t)(e * 7 % 13) - 3;
+    const int32_t valid = o->num_valid;
+    char what[400];
+    describe_router(d, bias != NULL, in->logits != NULL, what, sizeof(what));
+    const size_t used = strlen(what);
+    snprintf(what + used, sizeof(what) - used, " weights=%d ids=%d bias=%d%s%s%s capture=%d%s valid=%d (%s path)",
+             (int)d->weights_dtype, (int)d->ids_dtype, (int)d->bias_dtype, o->counts ? " counts" : "",
+             o->load ? " load" : "", o->scale ? " scale" : "", o->capture ? (int)o->capture_dtype : -1,
+             o->valid ? "" : " (no count)", (int)valid, device_path ? "device" : "host");
+    moecl_status st;
+    if (!device_path) {
+        moecl_router_host_tensors h;
+        memset(&h, 0, sizeof(h));
+        h.struct_size = sizeof(h);
+        h.token_hidden = in->hidden;
+        h.router_logits = in->logits;
+        h.expert_ground = in->ground;
+        h.bias = bias;
+        h.topk_weights = w;
+        h.topk_ids = ids;
+        h.expert_counts = counts;
+        h.expert_load = load;
+        h.num_valid_tokens = o->valid ? &valid : NULL;
+        h.captured_ids = cap;
+        h.captured_ids_dtype = o->capture_dtype;
+        h.expert_scale = o->scale ? scale : NULL;
+        st = moecl_router_ex_host(ctx, d, &h);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        const moecl_buffer none = {NULL, 0};
+        moecl_router_tensors t;
+        memset(&t, 0, sizeof(t));
+        t.struct_size = sizeof(t);
+        t.token_hidden = ex_buffer(ctx, T * d->hidden_dim, in_size, in->hidden);
+        t.router_logits = in->logits ? ex_buffer(ctx, T * E, 4, in->logits) : none;
+        t.expert_ground = ex_buffer(ctx, E * d->hidden_dim, in_size, in->ground);
+        t.bias = bias ? ex_buffer(ctx, E, ref_dtype_size(d->bias_dtype), bias) : none;
+        t.topk_weights = ex_buffer(ctx, nk, w_size, NULL);
+        t.topk_ids = ex_buffer(ctx, nk, id_size, NULL);
+        t.expert_counts = o->counts ? ex_buffer(ctx, E, 4, NULL) : none;
+        t.expert_load = o->load ? ex_buffer(ctx, E, 4, load) : none;
+        t.num_valid_tokens = o->valid ? ex_buffer(ctx, 1, 4, &valid) : none;
+        t.captured_ids = o->capture ? ex_buffer(ctx, nk, cap_size, NULL) : none;
+        t.captured_ids_dtype = o->capture_dtype;
+        t.expert_scale = o->scale ? ex_buffer(ctx, E, 4, scale) : none;
+        cl_event done = NULL;
+        st = moecl_router_ex(ctx, d, &t, 0, NULL, &done);
+        ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
+        ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+        clReleaseEvent(done);
+        ex_read(ctx, t.topk_weights, nk * w_size, w, "topk_weights", what);
+        ex_read(ctx, t.topk_ids, nk * id_size, ids, "topk_ids", what);
+        if (cap)
+            ex_read(ctx, t.captured_ids, nk * cap_size, cap, "captured_ids", what);
+        if (counts)
+            ex_read(ctx, t.expert_counts, E * 4, counts, "expert_counts", what);
+        if (load)
+            ex_read(ctx, t.expert_load, E * 4, load, "expert_load", what);
+        const moecl_buffer all[] = {t.token_hidden, t.router_logits, t.expert_ground,    t.bias,
+                                    t.topk_weights, t.topk_ids,      t.expert_counts,    t.expert_load,
+                                    t.num_valid_tokens, t.captured_ids, t.expert_scale};
+        for (size_t i = 0; i < COUNT(all); i++)
+            harness_release(all[i]);
+    }
+    const ref_router_ex x = {bias,   o->scale ? scale : NULL, o->valid ? &valid : NULL, w, ids, cap, o->capture_dtype,
+                             counts, load ? load_before : NULL, load};
+    char msg[512] = "";
+    const int bad = ref_check_router_ex(d, in->hidden, in->logits, in->ground, &x, msg, sizeof(msg));
+    ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
+    if (w_out)
+        memcpy(w_out, w, nk * w_size);
+    if (ids_out)
+        memcpy(ids_out, ids, nk * id_size);
+    free(w);
+    free(ids);
+    free(cap);
+    free(counts);
+    free(load);
+    free(load_before);
+}
+
+/* A scale per expert that is never 1 (so that a kernel without it fails
+ * the check), some negative: Gemma 4's is learned, of either sign. */
+static float *expert_scales(uint32_t experts)
+{
+    float *s = malloc((size_t)experts * 4);
+    for (uint32_t e = 0; e < experts; e++)
+        s[e] = (0.375f + 0.25f * (float)(e % 7)) * (e % 5 == 3 ? -1.0f : 1.0f);
+    return s;
+}
+
+/* Random inputs (NaN and inf rows where special, as router_case) through
+ * moecl_router_ex with the options, both paths; the bias of bias_dtype. */
+static void router_ex_case(moecl_context *ctx, const moecl_grounded_router_desc *d, bool with_bias, bool with_logits,
+                           bool special, const ex_options *o, uint64_t stream)
+{
+    harness_rng rng = harness_rng_for(stream);
+    grounded_inputs in = random_inputs(&rng, d);
+    if (!with_logits) {
+        free(in.logits);
+        in.logits = NULL;
+    }
+    void *bias = with_bias ? harness_random_tensor(&rng, d->bias_dtype, d->num_experts, 0.1f) : NULL;
+    if (special && d->num_tokens >= 4) {
+        harness_store(d->hidden_dtype, in.hidden, (size_t)1 * d->hidden_dim + d->hidden_dim / 2, NAN);
+        harness_store(d->hidden_dtype, in.hidden, (size_t)2 * d->hidden_dim, INFINITY);
+    }
+    float *scale = expert_scales(d->num_experts);
+    for (int path = 0; path < 2; path++)
+        run_router_ex(ctx, d, &in, bias, scale, o, path == 1, NULL, NULL);
+    free(scale);
+    free(bias);
+    free_inputs(&in);
+}
+
+/* The options one at a time and all together, every output dtype, on the
+ * kernels the launch class runs at these shapes: a team per token (16 and
+ * 60 experts, GPU class), the tiled kernel (256 experts, the seed's
+ * gating, a hundred tokens and more), the plain loops (CPU class, or any
+ * gating the tiled kernel cannot merge); the valid count at the rows' end,
+ * inside, 0, negative and past the end. */
+START_TEST(test_router_ex)
+{
+    moecl_context *ctx = harness_context();
+    /* hidden, experts, top_k, groups, topk_group, tokens */
+    static const uint32_t shapes[][6] = {{64, 16, 4, 0, 0, 21}, {40, 60, 6, 4, 2, 33}, {96, 256, 8, 0, 0, 130}};
+    static const int32_t valid_of[] = {7, 0, -3, 1000, 21};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int v = 0; v < 6; v++, i++) {
+            if (harness_quick_skips((unsigned)(s + (size_t)v)))
+                continue;
+            const uint32_t *sh = shapes[s];
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(sh[5], sh[0], sh[1], 2.0f);
+            d.top_k = sh[2];
+            d.hidden_dtype = (moecl_dtype)(i % 3);
+            d.weights_dtype = (moecl_dtype)(v % 3);
+            d.ids_dtype = (moecl_index_dtype)(v % 2);
+            d.bias_dtype = (moecl_dtype)((v + 1) % 3);
+            /* The tiled kernel's gating on the wide shape (selection on g,
+             * no bias); Gemma 4's softmax, renormalised, elsewhere. */
+            const bool tiled = s == 2 && v % 2 == 0;
+            d.gating.scoring = tiled ? MOECL_SCORING_RAW : MOECL_SCORING_SOFTMAX;
+            d.gating.weighting = tiled ? MOECL_WEIGHTS_SOFTMAX_CHOSEN : MOECL_WEIGHTS_SCORE;
+            d.gating.renormalize = !tiled;
+            d.gating.num_expert_groups = sh[3];
+            d.gating.topk_group = sh[4];
+            d.gating.routed_scaling_factor = v == 3 ? 2.5f : 1.0f;
+            /* v 0..4: one option each (the valid count twice), 5: all */
+            const ex_options o = {v == 0 || v == 5, v == 1 || v == 5,
+                                  v == 2 || v == 4 || v == 5,
+                                  v == 3 || v == 5,
+                                  v == 4 || v == 5 || v == 1,
+                                  valid_of[(s + (size_t)v) % COUNT(valid_of)],
+                                  (moecl_index_dtype)((v + s) % 3 == 0 ? MOECL_I16 : (v + s) % 3 == 1 ? MOECL_I32
+                                                                                                        : MOECL_I64)};
+            router_ex_case(ctx, &d, !tiled && v % 3 != 2, v != 4, v == 5, &o, 1900 + i);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Given only moecl_router's six tensors, moecl_router_ex writes what
+ * moecl_router writes; and the options that do not change the routing
+ * (the histograms, the capture, a valid count of every row) leave the
+ * weights and ids as they are, bit for bit. */
+START_TEST(test_router_ex_same_bits)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t shapes[][4] = {{64, 16, 4, 45}, {96, 256, 8, 130}};
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int dt = 0; dt < 3; dt++) {
+            moecl_grounded_router_desc d = moecl_grounded_router_desc_init(shapes[s][3], shapes[s][0], shapes[s][1],
+                                                                           1.0f);
+            d.top_k = shapes[s][2];
+            d.hidden_dtype = (moecl_dtype)dt;
+            d.weights_dtype = (moecl_dtype)dt;
+            harness_rng rng = harness_rng_for(2100 + 3 * s + (size_t)dt);
+            grounded_inputs in = random_inputs(&rng, &d);
+            const size_t nk = (size_t)d.num_tokens * d.top_k, w_bytes = nk * ref_dtype_size(d.weights_dtype);
+            void *w0 = malloc(w_bytes), *w1 = malloc(w_bytes);
+            int32_t *id0 = malloc(nk * 4), *id1 = malloc(nk * 4);
+            const ex_options plain = {false, false, false, false, false, 0, MOECL_I32};
+            const ex_options all = {true, true, true, true, false, (int32_t)d.num_tokens, MOECL_I16};
+            for (int path = 0; path < 2; path++) {
+                run_router_ex(ctx, &d, &in, NULL, NULL, &plain, path == 1, w0, id0);
+                run_router_ex(ctx, &d, &in, NULL, NULL, &all, path == 1, w1, id1);
+                ck_assert_msg(memcmp(w0, w1, w_bytes) == 0 && memcmp(id0, id1, nk * 4) == 0,
+                              "shape %zu dtype %d: the options changed the routing", s, dt);
+            }
+            /* moecl_router_host itself: the same bits as _ex without options. */
+            ck_assert_int_eq(moecl_router_host(ctx, &d, in.hidden, in.logits, in.ground, NULL, w1, id1),
+                             MOECL_SUCCESS);
+            ck_assert_msg(memcmp(w0, w1, w_bytes) == 0 && memcmp(id0, id1, nk * 4) == 0,
+                          "shape %zu dtype %d: moecl_router_host differs from moecl_router_ex_host", s, dt);
+            free(w0);
+            free(w1);
+            free(id0);
+            free(id1);
+            free_inputs(&in);
+        }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Exact ties and a row of equal g (ids 0..k-1) with every option, the
+ * capture int16, bf16 weights and int64 ids. */
+START_TEST(test_router_ex_ties)
+{
+    moecl_context *ctx = harness_context();
+    float tie_hidden[3 * 16], tie_ground[24 * 16];
+    for (int i = 0; i < 3 * 16; i++)
+        tie_hidden[i] = (float)(i % 7) * 0.125f - 0.25f;
+    for (int i = 0; i < 24 * 16; i++)
+        tie_ground[i] = (float)(i % 16) * 0.0625f;
+    grounded_inputs tie = {tie_hidden, tie_ground, NULL};
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(3, 16, 24, 1.0f);
+    d.top_k = 5;
+    d.weights_dtype = MOECL_BF16;
+    d.ids_dtype = MOECL_I64;
+    float *scale = expert_scales(d.num_experts);
+    const ex_options o = {true, true, true, true, true, 2, MOECL_I16};
+    int64_t ids[16];
+    for (int path = 0; path < 2; path++) {
+        run_router_ex(ctx, &d, &tie, NULL, scale, &o, path == 1, NULL, ids);
+        for (int j = 0; j < 15; j++)
+            ck_assert_msg(ids[j] == (j < 10 ? j % 5 : -1), "tie rows: slot %d id %lld", j, (long long)ids[j]);
+    }
+    free(scale);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The tensor-core kernel (forced; emulated here) with every option. */
+START_TEST(test_mma_router_ex)
+{
+    moecl_context *ctx = mma_context();
+    for (int v = 0; v < 2; v++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(37, 72, 64, 1.0f);
+        d.hidden_dtype = v ? MOECL_F16 : MOECL_BF16;
+        d.top_k = 8;
+        d.weights_dtype = v ? MOECL_BF16 : MOECL_F16;
+        d.ids_dtype = (moecl_index_dtype)v;
+        d.bias_dtype = MOECL_BF16;
+        d.gating.scoring = MOECL_SCORING_SOFTMAX;
+        d.gating.renormalize = true;
+        d.gating.weighting = MOECL_WEIGHTS_SCORE;
+        const ex_options o = {true, true, true, true, true, 30, v ? MOECL_I32 : MOECL_I16};
+        router_ex_case(ctx, &d, v == 1, v == 0, true, &o, 2200 + v);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* moecl_router_ex's own errors: the record, the capture's type, the
+ * optional tensors' sizes; nothing written. And int64 ids are refused by
+ * the grounded route dispatch, by name. */
+START_TEST(test_router_ex_invalid)
+{
+    moecl_context *ctx = harness_context();
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(4, 8, 16, 1.0f);
+    const size_t nk = 8;
+    moecl_buffer hb = harness_buffer(ctx, 4 * 8 * 4, 0, NULL), gb = harness_buffer(ctx, 16 * 8 * 4, 0, NULL);
+    moecl_buffer wb = harness_buffer(ctx, nk * 4, 0, NULL), ib = harness_buffer(ctx, nk * 4, 0, NULL);
+    /* 2 bytes from its offset to its end (the harness adds 64 after) */
+    moecl_buffer small = harness_buffer(ctx, 2, 0, NULL);
+    small.offset = HARNESS_SLACK;
+    moecl_router_tensors t;
+    memset(&t, 0, sizeof(t));
+    t.struct_size = sizeof(t);
+    t.token_hidden = hb;
+    t.expert_ground = gb;
+    t.topk_weights = wb;
+    t.topk_ids = ib;
+    ck_assert_int_eq(moecl_router_ex(ctx, &d, NULL, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    static const size_t sizes[] = {0, sizeof(t) - 1, sizeof(t) + 8};
+    for (size_t i = 0; i < COUNT(sizes); i++) {
+        moecl_router_tensors bad = t;
+        bad.struct_size = sizes[i];
+        ck_assert_int_eq(moecl_router_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "struct_size"));
+    }
+    /* Each optional tensor too small: named. */
+    static const char *const names[] = {"expert_counts", "expert_load", "num_valid_tokens", "captured_ids",
+                                        "expert_scale"};
+    for (size_t i = 0; i < COUNT(names); i++) {
+        moecl_router_tensors bad = t;
+        moecl_buffer *slot[] = {&bad.expert_counts, &bad.expert_load, &bad.num_valid_tokens, &bad.captured_ids,
+                                &bad.expert_scale};
+        *slot[i] = small;
+        ck_assert_int_eq(moecl_router_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(moecl_context_error(ctx), names[i]) != NULL, "%s: %s", names[i],
+                      moecl_context_error(ctx));
+    }
+    /* Bad types: the capture's, the weights', the ids', the bias'. */
+    moecl_router_tensors bad = t;
+    bad.captured_ids_dtype = (moecl_index_dtype)3;
+    ck_assert_int_eq(moecl_router_ex(ctx, &d, &bad, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "captured_ids_dtype"));
+    moecl_router_host_tensors h;
+    memset(&h, 0, sizeof(h));
+    h.struct_size = sizeof(h);
+    h.captured_ids_dtype = (moecl_index_dtype)-1;
+    ck_assert_int_eq(moecl_router_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "captured_ids_dtype"));
+    h.struct_size = 8;
+    ck_assert_int_eq(moecl_router_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    static const char *const fields[] = {"weights_dtype", "ids_dtype", "bias_dtype"};
+    for (int f = 0; f < 3; f++) {
+        moecl_grounded_router_desc b = d;
+        if (f == 0)
+            b.weights_dtype = (moecl_dtype)3;
+        else if (f == 1)
+            b.ids_dtype = MOECL_I16;
+        else
+            b.bias_dtype = (moecl_dtype)7;
+        ck_assert_int_eq(moecl_router_ex(ctx, &b, &t, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(moecl_context_error(ctx), fields[f]) != NULL, "%s", moecl_context_error(ctx));
+    }
+    /* Outputs too small for their types: int64 ids and f32 weights in
+     * buffers of half the bytes. */
+    moecl_grounded_router_desc wide = d;
+    wide.ids_dtype = MOECL_I64;
+    moecl_router_tensors short_ids = t;
+    short_ids.topk_ids.offset = 40; /* 56 bytes to the end (with the slack), 64 needed */
+    ck_assert_int_eq(moecl_router_ex(ctx, &wide, &short_ids, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "topk_ids"));
+    /* Nothing was written. */
+    uint32_t out[8];
+    harness_read(ctx, wb, sizeof(out), out);
+    for (int i = 0; i < 8; i++)
+        ck_assert_uint_eq(out[i], 0xFFFFFFFFu);
+    /* The grounded route dispatch takes int32 ids only. */
+    int32_t counts[16], sorted[512], blocks[64], post;
+    int64_t ids64[8];
+    float hidden[32] = {0}, ground[128] = {0}, logits[64] = {0}, w[8];
+    ck_assert_int_eq(moecl_grounded_route_dispatch_host(ctx, &wide, 16, hidden, logits, ground, w, (int32_t *)ids64,
+                                                        counts, sorted, blocks, &post, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "ids_dtype"));
+    const moecl_buffer all[] = {hb, gb, wb, ib, small};
+    for (size_t i = 0; i < COUNT(all); i++)
+        harness_release(all[i]);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, moecl_override_set);
@@ -759,6 +1155,10 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_router_deepseek);
     tcase_add_test(tc, test_router_model_logits);
     tcase_add_test(tc, test_router_model_logits_rows);
+    tcase_add_test(tc, test_router_ex_invalid);
+    tcase_add_test(tc, test_router_ex);
+    tcase_add_test(tc, test_router_ex_same_bits);
+    tcase_add_test(tc, test_router_ex_ties);
     /* --quick: without the grid and the dtype sweep. */
     if (!harness_quick()) {
         tcase_add_test(tc, test_topk_alpha_dtypes);
@@ -771,6 +1171,7 @@ int main(int argc, char **argv)
     tcase_add_loop_test(mma, test_special_rows, 1, 3);
     tcase_add_test(mma, test_mma_shapes);
     tcase_add_test(mma, test_mma_gatings);
+    tcase_add_test(mma, test_mma_router_ex);
     suite_add_tcase(s, mma);
     return harness_run(s);
 }

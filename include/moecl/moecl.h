@@ -37,7 +37,8 @@
  *    can fail (the driver's CL_OUT_OF_RESOURCES, CL_OUT_OF_HOST_MEMORY,
  *    ...). Of the device-buffer calls, four have a later enqueue:
  *    moecl_moe_align() on its three-kernel path,
- *    moecl_topk_gating_with_counts() (a fill, then the kernel),
+ *    moecl_topk_gating_with_counts() (a fill, then the kernel; so
+ *    do moecl_topk_gating_ex() and moecl_router_ex() with expert_counts),
  *    moecl_route_dispatch() (top-k, then moe_align, where it takes
  *    two calls), moecl_grounded_route_dispatch() (the grounded
  *    router, then moe_align, likewise) and moecl_ep_layout() on its
@@ -872,10 +873,21 @@ typedef struct moecl_grounded_router_desc {
      *  default): float[num_tokens][num_experts], a row per token. Ignored
      *  where router_logits is absent (moecl_router). */
     bool router_logits_row;
+    /** Element type of topk_weights: MOECL_F32 (the default), MOECL_F16
+     *  or MOECL_BF16, rounded once as moecl_topk_gating_desc's
+     *  weights_dtype is. out_pairs stays float. */
+    moecl_dtype weights_dtype;
+    /** Element type of topk_ids: MOECL_I32 (the default) or MOECL_I64.
+     *  moecl_grounded_route_dispatch() takes MOECL_I32 only. */
+    moecl_index_dtype ids_dtype;
+    /** Element type of moecl_router()'s bias: MOECL_F32 (the default),
+     *  MOECL_F16 or MOECL_BF16, widened to f32 exactly on load. */
+    moecl_dtype bias_dtype;
 } moecl_grounded_router_desc;
 
 /** The seed reference op: top_k 2, f32 hidden states, fp32 products and
- *  the seed's gating (select on g, softmax over the chosen). */
+ *  the seed's gating (select on g, softmax over the chosen); f32 weights,
+ *  int32 ids and an f32 bias. */
 MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, uint32_t hidden_dim,
                                                                      uint32_t num_experts, float alpha);
 
@@ -889,8 +901,8 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  *   router_logits  float[num_tokens][num_experts]
  *   expert_ground  [num_experts][hidden_dim] of hidden_dtype
  *   out_pairs      float[num_tokens][top_k][2]: ((float)index, weight), or absent
- *   topk_weights   float[num_tokens][top_k], or absent
- *   topk_ids       int32_t[num_tokens][top_k], or absent
+ *   topk_weights   [num_tokens][top_k] of weights_dtype, or absent
+ *   topk_ids       [num_tokens][top_k] of ids_dtype, or absent
  * At least one output must be given.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), a
@@ -905,11 +917,12 @@ MOECL_API moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_gro
                                              cl_uint num_wait, const cl_event *wait, cl_event *done);
 
 /** Blocking convenience on host memory; each output may be NULL, at least
- *  one must be given. */
+ *  one must be given. topk_weights and topk_ids have the types desc names
+ *  (float and int32_t by default). */
 MOECL_API moecl_status moecl_grounded_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                   const void *token_hidden, const float *router_logits,
                                                   const void *expert_ground, float *out_pairs,
-                                                  float *topk_weights, int32_t *topk_ids);
+                                                  void *topk_weights, void *topk_ids);
 
 /** Build (or load from cache) the kernel variant desc needs. */
 MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_grounded_router_desc *desc);
@@ -925,12 +938,13 @@ MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const m
  *   token_hidden   [num_tokens][hidden_dim] of hidden_dtype
  *   router_logits  float[num_tokens][num_experts], or absent
  *   expert_ground  [num_experts][hidden_dim] of hidden_dtype
- *   bias           float[num_experts], or absent: steers selection only
- *   topk_weights   float[num_tokens][top_k], required
- *   topk_ids       int32_t[num_tokens][top_k], required
+ *   bias           [num_experts] of bias_dtype, or absent: steers selection only
+ *   topk_weights   [num_tokens][top_k] of weights_dtype, required
+ *   topk_ids       [num_tokens][top_k] of ids_dtype, required
  *
  * Asynchronous, with the errors of moecl_grounded_router(); on any
- * failure nothing is enqueued and no output byte changes.
+ * failure nothing is enqueued and no output byte changes. It is
+ * moecl_router_ex() with these six tensors.
  */
 MOECL_API moecl_status moecl_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                     moecl_buffer token_hidden, moecl_buffer router_logits,
@@ -938,11 +952,105 @@ MOECL_API moecl_status moecl_router(moecl_context *ctx, const moecl_grounded_rou
                                     moecl_buffer topk_ids, cl_uint num_wait, const cl_event *wait, cl_event *done);
 
 /** Blocking convenience of moecl_router() on host memory; router_logits
- *  and bias may be NULL. Same validation as moecl_router(). */
+ *  and bias may be NULL. The tensors have the types desc names (a float
+ *  bias, float weights and int32_t ids by default). Same validation as
+ *  moecl_router(); moecl_router_ex_host() with these six tensors. */
 MOECL_API moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                          const void *token_hidden, const float *router_logits,
-                                         const void *expert_ground, const float *bias, float *topk_weights,
-                                         int32_t *topk_ids);
+                                         const void *expert_ground, const void *bias, void *topk_weights,
+                                         void *topk_ids);
+
+/**
+ * The tensors of moecl_router_ex(), by name: moecl_router()'s six and
+ * optional ones that only that call takes. Zero the record, set
+ * struct_size to sizeof(moecl_router_tensors), then the tensors: an absent
+ * one has mem NULL. A later moecl may append fields; a caller's
+ * struct_size tells it which this record holds.
+ */
+typedef struct moecl_router_tensors {
+    size_t struct_size;          /**< sizeof(moecl_router_tensors) */
+    moecl_buffer token_hidden;   /**< [num_tokens][hidden_dim] of hidden_dtype, required */
+    moecl_buffer router_logits;  /**< float[num_tokens][num_experts] (or one row), or absent */
+    moecl_buffer expert_ground;  /**< [num_experts][hidden_dim] of hidden_dtype, required */
+    moecl_buffer bias;           /**< [num_experts] of bias_dtype, or absent: steers selection only */
+    moecl_buffer topk_weights;   /**< [num_tokens][top_k] of weights_dtype, output, required */
+    moecl_buffer topk_ids;       /**< [num_tokens][top_k] of ids_dtype, output, required */
+    /** int32_t[num_experts], output, or absent: overwritten with the
+     *  number of (token, slot) pairs routed to each expert (a fill, then
+     *  the kernel), as moecl_topk_gating_tensors' expert_counts. */
+    moecl_buffer expert_counts;
+    /** int32_t[num_experts], or absent: a load counter the call adds its
+     *  counts to, in the same launch, and never zeroes (vLLM's and SGLang's
+     *  expert-load statistics), as moecl_topk_gating_tensors' expert_load. */
+    moecl_buffer expert_load;
+    /** int32_t[1], or absent: the number n of rows that are tokens, read
+     *  by the kernel when it runs (vLLM's is_padding, SGLang's
+     *  num_token_non_padded). Rows t >= n (every row when n <= 0) are
+     *  padding: ids -1, weights 0, captured -1, counted in neither
+     *  expert_counts nor expert_load. */
+    moecl_buffer num_valid_tokens;
+    /** [num_tokens][top_k] of captured_ids_dtype, output, or absent: a copy
+     *  of the ids the call writes to topk_ids (-1 for padding rows), for
+     *  routing replay (vLLM's and SGLang's routed-experts capture,
+     *  Megatron's). */
+    moecl_buffer captured_ids;
+    /** The element type of captured_ids: MOECL_I32 (a zeroed record's),
+     *  MOECL_I16 (the capture buffers' usual type; ids up to 4096 fit) or
+     *  MOECL_I64. Checked even where captured_ids is absent. */
+    moecl_index_dtype captured_ids_dtype;
+    /** float[num_experts], or absent: a weight per expert. The final
+     *  weight of a chosen expert e, after the renormalisation and
+     *  routed_scaling_factor, is multiplied by expert_scale[e] (in f32,
+     *  before the rounding to weights_dtype): Gemma 4's per_expert_scale,
+     *  as transformers' Gemma4TextRouter applies it. Padding rows stay 0. */
+    moecl_buffer expert_scale;
+} moecl_router_tensors;
+
+/**
+ * moecl_router() with the optional tensors of moecl_router_tensors, in
+ * one launch (with expert_counts, a fill first). Given only moecl_router()'s
+ * six, it writes what moecl_router() writes, bit for bit; every kernel
+ * (rows, team, tiled, tensor-core) takes every option, and the options
+ * absent cost nothing (their kernels are separate variants). Asynchronous;
+ * `done`, if non-NULL, receives the kernel's event (with num_tokens 0,
+ * the fill's or a marker). Errors: those of moecl_router(), and
+ * MOECL_ERROR_INVALID_ARGUMENT for a NULL tensors, a struct_size this
+ * moecl does not know (today's record is its first version),
+ * captured_ids_dtype not a moecl_index_dtype, and an optional tensor too
+ * small, misaligned or of another context. On any failure nothing is
+ * enqueued and no output byte changes, unless the kernel's enqueue fails
+ * after the counts' fill: then expert_counts is unspecified and every
+ * other output unchanged.
+ */
+MOECL_API moecl_status moecl_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                       const moecl_router_tensors *tensors, cl_uint num_wait, const cl_event *wait,
+                                       cl_event *done);
+
+/** The host-memory tensors of moecl_router_ex_host(), as
+ *  moecl_router_tensors's; an absent one is NULL. */
+typedef struct moecl_router_host_tensors {
+    size_t struct_size;               /**< sizeof(moecl_router_host_tensors) */
+    const void *token_hidden;         /**< required (may be NULL when num_tokens is 0) */
+    const float *router_logits;       /**< or NULL */
+    const void *expert_ground;        /**< required (as token_hidden) */
+    const void *bias;                 /**< of bias_dtype, or NULL */
+    void *topk_weights;               /**< of weights_dtype, output, required (as token_hidden) */
+    void *topk_ids;                   /**< of ids_dtype, output, required (as token_hidden) */
+    int32_t *expert_counts;           /**< output, or NULL */
+    int32_t *expert_load;             /**< read, added to and written back, or NULL */
+    const int32_t *num_valid_tokens;  /**< one int32, or NULL */
+    void *captured_ids;               /**< of captured_ids_dtype, output, or NULL */
+    moecl_index_dtype captured_ids_dtype; /**< as moecl_router_tensors' */
+    const float *expert_scale;        /**< or NULL */
+} moecl_router_host_tensors;
+
+/** Blocking convenience of moecl_router_ex() on host memory: copies in
+ *  (expert_load too), runs, copies out (expert_load too). Same validation.
+ *  A failed enqueue leaves every host output unchanged; only a failed copy
+ *  back may have written them. With num_tokens 0, expert_counts is zeroed
+ *  and expert_load unchanged. */
+MOECL_API moecl_status moecl_router_ex_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
+                                            const moecl_router_host_tensors *tensors);
 
 /* ---------------------------------------------------------------------- */
 /* Named presets (docs/routing.md, section 10)                             */
@@ -1633,7 +1741,9 @@ MOECL_API moecl_status moecl_route_dispatch_ex_host(moecl_context *ctx, const mo
  *   token_hidden, router_logits,
  *   expert_ground                          as moecl_grounded_router()
  *   topk_weights, topk_ids                 as moecl_grounded_router(), both
- *                                          required here
+ *                                          required here; topk_ids int32
+ *                                          (desc->ids_dtype MOECL_I32, else
+ *                                          MOECL_ERROR_INVALID_ARGUMENT)
  *   expert_counts, sorted_token_ids, block_expert_ids,
  *   num_tokens_post_padded, slot_positions (or absent),
  *   num_invalid (or absent)                as moecl_moe_align(); the ids of
@@ -1680,7 +1790,7 @@ MOECL_API moecl_status moecl_grounded_route_dispatch(moecl_context *ctx, const m
 MOECL_API moecl_status moecl_grounded_route_dispatch_host(moecl_context *ctx, const moecl_grounded_router_desc *desc,
                                                           uint32_t block_size, const void *token_hidden,
                                                           const float *router_logits, const void *expert_ground,
-                                                          float *topk_weights, int32_t *topk_ids,
+                                                          void *topk_weights, int32_t *topk_ids,
                                                           int32_t *expert_counts, int32_t *sorted_token_ids,
                                                           int32_t *block_expert_ids,
                                                           int32_t *num_tokens_post_padded, int32_t *slot_positions,

@@ -656,14 +656,16 @@ class Context:
         return T.check("router_logits", router_logits, (experts,) if row else (tokens, experts), [T.F32], kind)
 
     def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float, dtype: Optional[str],
-                       gating: Optional[Dict[str, Any]] = None) -> ctypes.Structure:
+                       gating: Optional[Dict[str, Any]] = None,
+                       out_dtypes: Tuple[int, int, int] = (0, 0, 0)) -> ctypes.Structure:
         """moecl_grounded_router_desc of a call, validated by the library (and its kernels built).
 
         gating: the gating options by their Python names (scoring,
         weighting, groups, topk_group, group_score, group_fill,
         renormalize, scale, renormalize_floor, renormalize_eps, precision,
         logits_dtype, logit_softcap; _logits_row, router_logits' being one
-        row, from its shape); absent ones keep
+        row, from its shape); out_dtypes: weights_dtype, ids_dtype and
+        bias_dtype as the library's enums; absent ones keep
         desc_init's defaults (the seed's gating: scoring "raw", weighting
         "softmax_chosen"), except that a scoring given without a weighting
         weighs the chosen by their score, as topk_gating does, so that
@@ -672,6 +674,7 @@ class Context:
         desc = self._lib.moecl_grounded_router_desc_init(tokens, hidden_dim, experts, float(alpha))
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[T.input_dtypes(dtype)[h.dtype]]
+        desc.weights_dtype, desc.ids_dtype, desc.bias_dtype = out_dtypes
         g = dict(gating or {})
         if "scoring" in g and "weighting" not in g:
             g["weighting"] = "score"
@@ -763,8 +766,11 @@ class Context:
         return result + (event,) if kind == T.DEVICE else result
 
     def router(self, hidden: Any, ground: Any, top_k: int = 8, alpha: float = 1.0, *, router_logits: Any = None,
-               bias: Any = None, dtype: Optional[str] = None, out: Optional[Dict[str, Any]] = None,
-               queue: Any = None, wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
+               bias: Any = None, dtype: Optional[str] = None, bias_dtype: Optional[str] = None,
+               weights_dtype: str = "f32", ids_dtype: str = "int32", counts: bool = False,
+               num_valid_tokens: Any = None, expert_load: Any = None, captured_ids: Any = None,
+               expert_scale: Any = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+               wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
         """A model's router in one launch, moecl_router (docs/routing.md, section 3).
 
         g = alpha * hidden @ ground.T (+ router_logits when given) routed by
@@ -786,34 +792,69 @@ class Context:
             ground: [experts, hidden_dim] of hidden's dtype (the gate's weight).
             router_logits: float32 [tokens, experts] added to g, or
                 [experts] added to every token's (a gate's bias), or None.
-            bias: float32 [experts] for selection only, or None.
-            out, queue, wait_for, dtype: as for topk_gating.
+            bias: [experts] for selection only, or None: float32, float16
+                or bfloat16 (see bias_dtype).
+            bias_dtype: the bias's type, as dtype is hidden's.
+            weights_dtype, ids_dtype: the outputs' types, as for topk_gating.
+            counts: also return expert_counts int32 [experts].
+            num_valid_tokens: int32 [1], or None: the rows that are tokens,
+                read when the kernel runs; the rows past it are padding (ids
+                -1, weights 0, counted nowhere), as for topk_gating.
+            expert_load: int32 [experts], or None: a load counter the call
+                adds its routed slots to, in place (never zeroed).
+            captured_ids: int16, int32 or int64 [tokens, top_k], or None: a
+                copy of the ids written in place (routing capture for
+                replay; -1 for padding rows); its dtype is the capture's.
+            expert_scale: float32 [experts], or None: each chosen expert's
+                final weight times its entry (Gemma 4's per_expert_scale),
+                after the renormalisation and scale.
+            out, queue, wait_for, dtype: as for topk_gating ("weights",
+                "ids", "counts").
 
         Returns:
-            (weights float32 [tokens, top_k], ids int32 [tokens, top_k]),
-            then for device tensors the pyopencl.Event.
+            (weights [tokens, top_k] of weights_dtype, ids [tokens, top_k]
+            of ids_dtype), then counts if asked for, then for device
+            tensors the pyopencl.Event.
         """
         out = dict(out or {})
-        kind = T.kind_of([hidden, ground, router_logits, bias, *out.values()])
+        kind = T.kind_of([hidden, ground, router_logits, bias, num_valid_tokens, expert_load, captured_ids,
+                          expert_scale, *out.values()])
         h = T.check("hidden", hidden, (None, None), T.input_dtypes(dtype), kind)
         tokens, hidden_dim = h.shape
         w = T.check("ground", ground, (None, hidden_dim), [h.dtype], kind)
         experts = w.shape[0]
         r = None if router_logits is None else self._router_logits(router_logits, tokens, experts, kind)
-        b = None if bias is None else T.check("bias", bias, (experts,), [T.F32], kind)
+        b = None if bias is None else T.check("bias", bias, (experts,), T.input_dtypes(bias_dtype), kind)
         k = _uint("top_k", top_k)
-        specs = {"weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
+        nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
+        load = None if expert_load is None else T.check("expert_load", expert_load, (experts,), [T.I32], kind,
+                                                        output=True)
+        cap = None if captured_ids is None else T.check("captured_ids", captured_ids, (tokens, k),
+                                                        [T.I16, T.I32, T.I64], kind, output=True)
+        sc = None if expert_scale is None else T.check("expert_scale", expert_scale, (experts,), [T.F32], kind)
+        w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
+        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
         given = T.outputs(specs, out, kind)
+        if given["counts"] is not None and not counts:
+            raise ValueError('out["counts"] given without counts=True')
 
         self._check_wait(kind, wait_for)
         on = self._on(queue)
+        out_dtypes = (_enum("weights_dtype", weights_dtype, _lib.DTYPES),
+                      _enum("ids_dtype", ids_dtype, _lib.INDEX_DTYPES),
+                      _lib.DTYPES[T.input_dtypes(bias_dtype)[b.dtype]] if b is not None else 0)
         desc = on._grounded_desc(h, experts, k, alpha, dtype,
-                                 dict(gating, _logits_row=r is not None and len(r.shape) == 1))
+                                 dict(gating, _logits_row=r is not None and len(r.shape) == 1), out_dtypes)
 
         q = on.queue if kind == T.DEVICE else None
-        o = self._outputs(specs, given, ("weights", "ids"), kind, q)
-        event = on._run("router", desc, [h, r, w, b, o["weights"], o["ids"]], kind, wait_for)
-        result = (o["weights"].obj, o["ids"].obj)  # type: ignore[union-attr]
+        wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
+        o = self._outputs(specs, given, wanted, kind, q)
+        cap_dtype = 0 if cap is None else _lib.CAPTURED_DTYPES[{T.I16: "int16", T.I32: "int32",
+                                                                 T.I64: "int64"}[cap.dtype]]
+        event = on._run_ex("router", desc, (_lib.RouterTensors, _lib.RouterHostTensors),
+                           [h, r, w, b, o["weights"], o["ids"], o["counts"], load, nv, cap, sc], kind, wait_for,
+                           {"captured_ids_dtype": cap_dtype})
+        result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
 
     # ------------------------------------------------------------------

@@ -96,6 +96,9 @@ class GroundedRouterDesc(ctypes.Structure):
         ("logits_dtype", c_int),
         ("logit_softcap", ctypes.c_float),
         ("router_logits_row", ctypes.c_bool),
+        ("weights_dtype", c_int),
+        ("ids_dtype", c_int),
+        ("bias_dtype", c_int),
     ]
 
 
@@ -198,6 +201,26 @@ class RouteDispatchHostTensors(ctypes.Structure):
 
 
 # The enums of moecl.h, by the names the Python API uses.
+# The buffers of moecl_router_ex, by name, in the struct's order; the
+# capture's type (an enum) sits between captured_ids and expert_scale.
+ROUTER_TENSORS = ("token_hidden", "router_logits", "expert_ground", "bias", "topk_weights", "topk_ids",
+                  "expert_counts", "expert_load", "num_valid_tokens", "captured_ids")
+
+
+class RouterTensors(ctypes.Structure):
+    """moecl_router_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, Buffer) for n in ROUTER_TENSORS] +
+                [("captured_ids_dtype", c_int), ("expert_scale", Buffer)])
+
+
+class RouterHostTensors(ctypes.Structure):
+    """moecl_router_host_tensors."""
+
+    _fields_ = ([("struct_size", c_size_t)] + [(n, c_void_p) for n in ROUTER_TENSORS] +
+                [("captured_ids_dtype", c_int), ("expert_scale", c_void_p)])
+
+
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}
 INDEX_DTYPES = {"int32": 0, "int64": 1}
 # moecl_index_dtype of a captured_ids array, by its NumPy dtype's name.
@@ -261,6 +284,8 @@ _SIGNATURES = {
     "moecl_topk_gating_ex": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingTensors), cl_uint, _events,
                                      _event_out]),
     "moecl_topk_gating_ex_host": (c_int, [_ctx, _P(TopkGatingDesc), _P(TopkGatingHostTensors)]),
+    "moecl_router_ex": (c_int, [_ctx, _P(GroundedRouterDesc), _P(RouterTensors), cl_uint, _events, _event_out]),
+    "moecl_router_ex_host": (c_int, [_ctx, _P(GroundedRouterDesc), _P(RouterHostTensors)]),
     "moecl_moe_align_ex": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignTensors), cl_uint, _events, _event_out]),
     "moecl_moe_align_ex_host": (c_int, [_ctx, _P(MoeAlignDesc), _P(MoeAlignHostTensors)]),
     "moecl_ep_layout_desc_init": (EpLayoutDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),

@@ -19,6 +19,7 @@ DEVICE = "device"
 
 F32 = np.dtype(np.float32)
 F16 = np.dtype(np.float16)
+I16 = np.dtype(np.int16)
 I32 = np.dtype(np.int32)
 I64 = np.dtype(np.int64)
 U16 = np.dtype(np.uint16)

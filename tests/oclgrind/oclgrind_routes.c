@@ -711,11 +711,67 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
     free(ids);
 }
 
+/* moecl_router_ex on the inputs of router_one with every option: weights
+ * of the hidden states' dtype, int64 ids, an int16 capture, counts, a
+ * load counter, a valid count one short of the rows, a per-expert scale. */
+static void router_ex_one(moecl_context *ctx, const moecl_grounded_router_desc *plain, const void *hidden,
+                          const void *ground, const float *bias)
+{
+    moecl_grounded_router_desc d = *plain;
+    d.weights_dtype = d.hidden_dtype;
+    d.ids_dtype = MOECL_I64;
+    const size_t nk = (size_t)d.num_tokens * d.top_k, E = d.num_experts;
+    void *w = xmalloc(nk * 4), *ids = xmalloc(nk * 8);
+    int16_t *cap = xmalloc(nk * 2);
+    int32_t *counts = xmalloc(E * 4), *load = xmalloc(E * 4), *load_before = xmalloc(E * 4);
+    float *scale = xmalloc(E * 4);
+    const int32_t valid = (int32_t)d.num_tokens - 1;
+    for (size_t e = 0; e < E; e++) {
+        load[e] = load_before[e] = (int32_t)e - 2;
+        scale[e] = e % 2 ? 0.5f : -1.5f;
+    }
+    memset(w, 0xff, nk * 4);
+    memset(ids, 0xff, nk * 8);
+    memset(cap, 0xff, nk * 2);
+    moecl_router_host_tensors h;
+    memset(&h, 0, sizeof(h));
+    h.struct_size = sizeof(h);
+    h.token_hidden = hidden;
+    h.expert_ground = ground;
+    h.bias = bias;
+    h.topk_weights = w;
+    h.topk_ids = ids;
+    h.expert_counts = counts;
+    h.expert_load = load;
+    h.num_valid_tokens = &valid;
+    h.captured_ids = cap;
+    h.captured_ids_dtype = MOECL_I16;
+    h.expert_scale = scale;
+    const moecl_status st = moecl_router_ex_host(ctx, &d, &h);
+    if (st != MOECL_SUCCESS) {
+        fail("moecl_router_ex_host: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    } else {
+        const ref_router_ex x = {bias, scale, &valid, w, ids, cap, MOECL_I16, counts, load_before, load};
+        char msg[512] = "";
+        const int bad = ref_check_router_ex(&d, hidden, NULL, ground, &x, msg, sizeof(msg));
+        if (bad)
+            fail("moecl_router_ex: %d bad rows; first: %s", bad, msg);
+    }
+    free(w);
+    free(ids);
+    free(cap);
+    free(counts);
+    free(load);
+    free(load_before);
+    free(scale);
+}
+
 /* moecl_router on case c: sigmoid selection with a bias, groups of the
  * table's quarters keeping 2 where they hold top_k, the sum of the top two,
  * renormalised, factor 2.5, no router logits; token 0's hidden state
- * zero (every g 0: exact ties but for the bias), token 1's holding NaN. */
-static void router_one(const run_def *run, moecl_context *ctx, const grounded_case *c, moecl_dtype dtype)
+ * zero (every g 0: exact ties but for the bias), token 1's holding NaN.
+ * With ex, moecl_router_ex on the same inputs too. */
+static void router_one(const run_def *run, moecl_context *ctx, const grounded_case *c, moecl_dtype dtype, bool ex)
 {
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
     d.top_k = c->top_k;
@@ -754,6 +810,8 @@ static void router_one(const run_def *run, moecl_context *ctx, const grounded_ca
         if (bad)
             fail("%d bad rows; first: %s", bad, msg);
     }
+    if (ex)
+        router_ex_one(ctx, &d, hidden, ground, bias);
     free(hidden);
     free(ground);
     free(bias);
@@ -764,7 +822,7 @@ static void router_one(const run_def *run, moecl_context *ctx, const grounded_ca
 static void run_router(moecl_context *ctx, const run_def *run)
 {
     for (size_t i = 0; i < COUNT(grounded_cases); i++)
-        router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3));
+        router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3), i % 2 == 0);
 }
 
 /* ---- routing replay and hash routing ---- */

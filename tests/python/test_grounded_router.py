@@ -168,3 +168,57 @@ def test_router_softcap(ctx, rng):
         ctx.router(h, w_gate, top_k=k, logit_softcap=-1.0)
     with pytest.raises(TypeError, match="_logits_row|router_logits_row"):
         ctx.router(h, w_gate, top_k=k, router_logits_row=True)
+
+
+@pytest.mark.parametrize("weights_dtype,ids_dtype,bias_dtype,capture", [
+    ("f32", "int32", "f32", np.int16), ("bf16", "int64", "bf16", np.int32), ("f16", "int32", "f16", np.int64)])
+@pytest.mark.parametrize("valid", [0, 13, 40])
+def test_router_options(ctx, rng, weights_dtype, ids_dtype, bias_dtype, capture, valid):
+    """moecl_router_ex's options against the plain call's routing: the
+    typed outputs, the padding rows past num_valid_tokens (ids -1, weights
+    0, counted nowhere), the counts and the load counter, the captured ids,
+    and Gemma 4's per_expert_scale: each final weight times its expert's
+    scale in float32, then rounded once to weights_dtype, bit for bit."""
+    if "bf16" in (weights_dtype, bias_dtype) and ml_dtypes is None:
+        pytest.skip("bf16 arrays need ml_dtypes")
+    tokens, hidden, experts, k = 37, 48, 32, 8
+    h = (rng.standard_normal((tokens, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    gw = rng.standard_normal((experts, hidden)).astype(np.float32)
+    b32 = (rng.standard_normal(experts) * 0.1).astype(np.float32)
+    bias = {"f32": lambda: b32, "f16": lambda: b32.astype(np.float16),
+            "bf16": lambda: to_bf16_bits(b32).view(ml_dtypes.bfloat16)}[bias_dtype]()
+    scale = ((0.375 + 0.25 * (np.arange(experts) % 7)) * np.where(np.arange(experts) % 5 == 3, -1, 1)).astype(
+        np.float32)
+    gating = dict(scoring="softmax", renormalize=True)
+    w_plain, ids_plain = ctx.router(h, gw, top_k=k, bias=bias.astype(np.float32), **gating)
+    load = np.arange(experts, dtype=np.int32) - 5
+    load_before = load.copy()
+    captured = np.full((tokens, k), 77, capture)
+    w, ids, counts = ctx.router(h, gw, top_k=k, bias=bias, weights_dtype=weights_dtype, ids_dtype=ids_dtype,
+                                counts=True, num_valid_tokens=np.array([valid], np.int32), expert_load=load,
+                                captured_ids=captured, expert_scale=scale, **gating)
+    assert ids.dtype == (np.int64 if ids_dtype == "int64" else np.int32)
+    np.testing.assert_array_equal(ids[:valid], ids_plain[:valid])
+    np.testing.assert_array_equal(ids[valid:], -1)
+    scaled = (w_plain * scale[ids_plain]).astype(np.float32)
+    scaled[valid:] = 0.0
+    got = w.view(np.uint16) if weights_dtype != "f32" else w.view(np.uint32)
+    want = {"f32": lambda: scaled.view(np.uint32), "f16": lambda: scaled.astype(np.float16).view(np.uint16),
+            "bf16": lambda: to_bf16_bits(scaled)}[weights_dtype]()
+    np.testing.assert_array_equal(got, want)
+    hist = np.bincount(ids_plain[:valid].ravel(), minlength=experts).astype(np.int32)
+    np.testing.assert_array_equal(counts, hist)
+    np.testing.assert_array_equal(load, load_before + hist)
+    np.testing.assert_array_equal(captured.astype(np.int64), ids.astype(np.int64))
+
+
+def test_router_options_refused(ctx):
+    h, gw = np.ones((2, 4), np.float32), np.ones((8, 4), np.float32)
+    with pytest.raises(TypeError):
+        ctx.router(h, gw, top_k=2, captured_ids=np.zeros((2, 2), np.uint8))
+    with pytest.raises(ValueError):
+        ctx.router(h, gw, top_k=2, expert_scale=np.ones(7, np.float32))
+    with pytest.raises(ValueError):
+        ctx.router(h, gw, top_k=2, ids_dtype="int16")
+    with pytest.raises(ValueError):
+        ctx.router(h, gw, top_k=2, out={"counts": np.zeros(8, np.int32)})
