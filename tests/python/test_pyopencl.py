@@ -284,3 +284,22 @@ def test_topk_capture_and_scale_on_device(adopted, clq, rng):
     np.testing.assert_array_equal(ids.get(), ids0)
     np.testing.assert_array_equal(cap.get(), ids0)
     np.testing.assert_array_equal(w.get(), w0 * scale[ids0])
+
+
+def test_topk_capture_with_shared_experts_on_device(adopted, clq, rng):
+    """With shared experts the capture is [tokens, top_k], the routed slots
+    (an array of exactly that size is taken, and nothing past it is
+    written), while the ids' rows are top_k + S wide."""
+    tokens, experts, k, shared = 9, 32, 4, 2
+    x = rng.standard_normal((tokens, experts)).astype(np.float32)
+    _, ids0 = adopted.topk_gating(x, top_k=k, num_shared_experts=shared)
+    base = cla.to_device(clq, np.full((tokens + 1) * k, 7, np.int16))
+    cap = base[:tokens * k].reshape(tokens, k)
+    nv = cla.to_device(clq, np.array([6], np.int32))
+    _, ids, ev = adopted.topk_gating(cla.to_device(clq, x), top_k=k, num_shared_experts=shared, captured_ids=cap,
+                                     num_valid_tokens=nv)
+    ev.wait()
+    np.testing.assert_array_equal(ids.get()[:6], ids0[:6])
+    np.testing.assert_array_equal(cap.get()[:6], ids0[:6, :k])
+    np.testing.assert_array_equal(cap.get()[6:], -1)
+    np.testing.assert_array_equal(base.get()[tokens * k:], 7)

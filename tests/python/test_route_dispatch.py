@@ -221,3 +221,12 @@ def test_route_dispatch_ex_invalid(ctx, rng):
         ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=4097)
     with pytest.raises(moecl.InvalidArgumentError, match="num_local_experts"):
         ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=0)
+
+
+def test_route_dispatch_map_refuses_shared_experts(ctx, rng):
+    """An expert map covers the routed experts: with shared experts the
+    call is refused by name."""
+    x = rng.standard_normal((6, 16)).astype(np.float32)
+    m = local_map(rng, 16, 4)
+    with pytest.raises(moecl.InvalidArgumentError, match="num_shared_experts"):
+        ctx.route_dispatch(x, top_k=2, expert_map=m, num_local_experts=4, num_shared_experts=1)

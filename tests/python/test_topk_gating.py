@@ -308,3 +308,23 @@ def test_shared_experts(ctx, rng, shared, weight):
     np.testing.assert_array_equal(load, np.bincount(ids[:5].ravel(), minlength=experts + shared))
     with pytest.raises(moecl.InvalidArgumentError, match="num_shared_experts"):
         ctx.topk_gating(a, top_k=k, num_shared_experts=64 - k + 1)
+
+
+def test_shared_experts_with_capture_and_scale(ctx, rng):
+    """Shared slots beside captured_ids and expert_scale: the capture holds
+    the routed slots only (padding rows -1), the scale multiplies the
+    routed weights only, the shared slots keep their weight."""
+    tokens, experts, k, shared, valid = 11, 32, 4, 2, 8
+    a, _ = make_logits(rng, tokens, experts, "f32")
+    opts = dict(top_k=k, renormalize=True, scale=2.0, num_shared_experts=shared, shared_expert_weight=0.5)
+    w0, ids0 = ctx.topk_gating(a, num_valid_tokens=np.array([valid], np.int32), **opts)
+    scale = rng.uniform(0.5, 2.0, experts).astype(np.float32)
+    cap = np.full((tokens, k), 0x5A5A, np.int16)
+    w, ids = ctx.topk_gating(a, num_valid_tokens=np.array([valid], np.int32), captured_ids=cap, expert_scale=scale,
+                             **opts)
+    np.testing.assert_array_equal(ids, ids0)
+    np.testing.assert_array_equal(cap[:valid], ids0[:valid, :k])
+    np.testing.assert_array_equal(cap[valid:], -1)
+    np.testing.assert_array_equal(w[:valid, :k], w0[:valid, :k] * scale[ids0[:valid, :k]])
+    np.testing.assert_array_equal(w[:valid, k:], np.float32(1.0))
+    np.testing.assert_array_equal(w[valid:], 0)
