@@ -1450,7 +1450,8 @@ int ref_check_topk_gating_scaled(const moecl_topk_gating_desc *desc, const void 
         const int shared_bad = check_shared_slots(desc, topk_weights, topk_ids, w, ids, msg, msg_size);
         moecl_topk_gating_desc routed = *desc;
         routed.num_shared_experts = 0;
-        const int bad = ref_check_topk_gating(&routed, gating, bias, w, ids, shared_bad ? NULL : msg, msg_size);
+        const int bad =
+            ref_check_topk_gating_scaled(&routed, gating, bias, expert_scale, w, ids, shared_bad ? NULL : msg, msg_size);
         free(w);
         free(ids);
         return bad < 0 ? bad : bad + shared_bad; /* rows bad in both count twice: enough to fail */
