@@ -16,22 +16,21 @@ The bound, with u = 2^-24 and gamma_n = n u / (1 - n u) (Higham's bound
 of an f32 dot product of n terms in any order, with or without fused
 multiply-adds, |fl(a.b) - a.b| <= gamma_n sum |a||b|):
 
-  routing   logits = x . router^T: eps_e = gamma_H sum_k |x_k| |r_ek|. The
-            device's ids must be distinct and in range, and each chosen
-            expert must be able to precede every later chosen one and every
-            expert left out, with each expert's log-score anywhere in
-            logit_e +- (eps_e + d_e), where d_e = |l_e - m| u + 16 u (+ the
-            logits' error in |l_e - m|) is the f32 softmax's error
+  router    logits = x . router^T: |logits_dev - logits| <= gamma_H sum_k
+            |x_k| |r_ek| (+ H 2^-126 for products a device may flush).
+  routing   against the device's logits, which the step above bounds: the
+            ids must be distinct and in range, and each chosen expert must
+            be able to precede every later chosen one and every expert
+            left out, with each expert's log-score anywhere in logit_e +-
+            d_e, d_e = |l_e - m| u + 16 u, the f32 softmax's error
             (docs/routing.md section 4: score * (|x - m| u + 8 eps),
             eps = 2u). Only near-ties within that bound may differ from
-            the float64 order.
+            the logits' order.
   weights   the device's renormalised weights against the float64 softmax
-            over the device's ids: a logit moved by at most eps moves a
-            weight of a softmax over the chosen ids by a factor within
-            exp(+-2 max eps); the f32 scores are within d_j relatively,
-            their sum within gamma_{K-1}, the division 3 ulp (6u):
-            |w_dev - w| <= w expm1(2 max_S eps + (d_j + max_S d + gamma_{K-1}
-            + 6u) / (1 - that)).
+            of its logits over its ids: the f32 scores are within d_j
+            relatively, their sum within gamma_{K-1}, the division 3 ulp
+            (6u): |w_dev - w| <= w expm1(r / (1 - r)),
+            r = d_j + max_S d + gamma_{K-1} + 6u.
   experts   with the device's ids and weights, for every slot:
             h = W1[e] x (f64), |h_dev - h| <= a = gamma_H |W1[e]| |x|;
             g = silu(h_gate) up: the kernel's exp (3 ulp), 1 + (u), its
@@ -88,11 +87,11 @@ def silu(v: np.ndarray) -> np.ndarray:
     return v / (1.0 + np.exp(-v))
 
 
-def check(x: np.ndarray, router: np.ndarray, w1: np.ndarray, w2: np.ndarray, ids: np.ndarray,
+def check(x: np.ndarray, router: np.ndarray, w1: np.ndarray, w2: np.ndarray, logits: np.ndarray, ids: np.ndarray,
           weights: np.ndarray, out: np.ndarray) -> Report:
     """x [T][H], router [E][H], w1 [E][2I][H], w2 [E][H][I] (f32, as the
-    device got them); ids int32 [T][K], weights f32 [T][K], out f32 [T][H]
-    (the device's)."""
+    device got them); logits f32 [T][E], ids int32 [T][K], weights f32
+    [T][K], out f32 [T][H] (the device's)."""
     r = Report()
     T, H = x.shape
     E = router.shape[0]
@@ -100,13 +99,23 @@ def check(x: np.ndarray, router: np.ndarray, w1: np.ndarray, w2: np.ndarray, ids
     K = ids.shape[1]
     x64, r64 = x.astype(np.float64), router.astype(np.float64)
 
-    # Routing: the device's ids against the float64 logits.
-    logits = x64 @ r64.T
-    eps = gamma(H) * (np.abs(x64) @ np.abs(r64).T)
-    m = logits.max(axis=1, keepdims=True)
-    d = (np.abs(logits - m) + eps + eps.max(axis=1, keepdims=True)) * U + 16 * U
-    half = eps + d  # the log-score's interval: logit +- half
-    lo, hi = logits - half, logits + half
+    # The router GEMM: the device's logits against float64's.
+    logits64 = x64 @ r64.T
+    eps = gamma(H) * (np.abs(x64) @ np.abs(r64).T) + H * TINY
+    lerr = np.abs(logits.astype(np.float64) - logits64)
+    if not np.all(lerr <= eps):
+        t, e = np.argwhere(~(lerr <= eps))[0]
+        r.fail("router GEMM: token %d expert %d: %.9g, float64 %.9g, bound %.3g" % (t, e, logits[t, e],
+                                                                                  logits64[t, e], eps[t, e]))
+        return r
+    r.lines.append("router GEMM: max |logits - logits64| / bound %.3g" % float(np.max(lerr / eps)))
+
+    # Routing: the device's ids against its logits, with the f32 softmax's
+    # error alone (the logits were checked above).
+    lg = logits.astype(np.float64)
+    m = lg.max(axis=1, keepdims=True)
+    d = np.abs(lg - m) * U + 16 * U  # a log-score's interval: logit +- d
+    lo, hi = lg - d, lg + d
     if ids.min() < 0 or ids.max() >= E:
         r.fail("routing: an id outside [0, %d)" % E)
         return r
@@ -124,20 +133,19 @@ def check(x: np.ndarray, router: np.ndarray, w1: np.ndarray, w2: np.ndarray, ids
     if bad.any():
         t, j = np.argwhere(bad)[0]
         r.fail("routing: token %d slot %d chose expert %d (logit %.9g +- %.3g) over a larger one"
-               % (t, j, ids[t, j], logits[t, ids[t, j]], half[t, ids[t, j]]))
+               % (t, j, ids[t, j], lg[t, ids[t, j]], d[t, ids[t, j]]))
         return r
-    ref_ids = np.argsort(-logits, axis=1, kind="stable")[:, :K]
-    r.swaps = int(np.sum(np.any(ref_ids != ids, axis=1)))
-    r.lines.append("routing: ids match float64's order%s" %
-                   ("" if not r.swaps else " but for %d near-tie tokens within the bound" % r.swaps))
+    r.swaps = int(np.sum(np.any(np.argsort(-logits64, axis=1, kind="stable")[:, :K] != ids, axis=1)))
+    r.lines.append("routing: ids in the order of the device's logits%s" %
+                   ("" if not r.swaps else "; %d tokens differ from float64's order at near-ties" % r.swaps))
 
-    # Weights: the device's against the float64 softmax over its ids.
-    sel = logits[rows, ids]
+    # Weights: the device's against the float64 softmax of its logits over its ids.
+    sel = lg[rows, ids]
     w = np.exp(sel - sel.max(axis=1, keepdims=True))
     w /= w.sum(axis=1, keepdims=True)
     d_sel = d[rows, ids]
     rel = (d_sel + d_sel.max(axis=1, keepdims=True) + gamma(max(K - 1, 0)) + 6 * U)
-    rel = 2 * eps[rows, ids].max(axis=1, keepdims=True) + rel / (1 - rel)
+    rel = rel / (1 - rel)
     wbound = w * np.expm1(rel) + 2 * TINY
     werr = np.abs(weights.astype(np.float64) - w)
     r.weight_ratio = float(np.nanmax(werr / wbound)) if werr.size else 0.0
@@ -186,7 +194,7 @@ def check(x: np.ndarray, router: np.ndarray, w1: np.ndarray, w2: np.ndarray, ids
 
 
 def load_dump(folder: str):
-    """The C example's --dump: (x, router, w1, w2, ids, weights, out)."""
+    """The C example's --dump: (x, router, w1, w2, logits, ids, weights, out)."""
     shape = {}
     with open(os.path.join(folder, "shape.txt")) as f:
         for line in f:
@@ -198,7 +206,7 @@ def load_dump(folder: str):
         return np.fromfile(os.path.join(folder, name), dtype=dtype).reshape(dims)
 
     return (read("x.f32", "<f4", (T, H)), read("router.f32", "<f4", (E, H)), read("w1.f32", "<f4", (E, 2 * I, H)),
-            read("w2.f32", "<f4", (E, H, I)), read("topk_ids.i32", "<i4", (T, K)),
+            read("w2.f32", "<f4", (E, H, I)), read("logits.f32", "<f4", (T, E)), read("topk_ids.i32", "<i4", (T, K)),
             read("topk_weights.f32", "<f4", (T, K)), read("out.f32", "<f4", (T, H)))
 
 

@@ -24,8 +24,8 @@ def run_and_check(ctx, inputs, top_k, block, w1_on_device=None):
     if w1_on_device is not None:
         dev_inputs["w1"] = w1_on_device
     res = moe_layer.run_layer(ctx, dev_inputs, top_k, block)
-    r = moe_layer_check.check(inputs["x"], inputs["router"], inputs["w1"], inputs["w2"], res["topk_ids"],
-                              res["topk_weights"], res["out"])
+    r = moe_layer_check.check(inputs["x"], inputs["router"], inputs["w1"], inputs["w2"], res["logits"],
+                              res["topk_ids"], res["topk_weights"], res["out"])
     print("\n".join(r.lines))
     return r
 
