@@ -13,10 +13,6 @@ Measures, in plain PyTorch (standard library + torch only):
   dsv3_router_gemm   DeepSeek-V3's router GEMM alone: hidden @ W^T, bf16 (hidden 7168, 256 experts)
   dsv3_router        that GEMM (fp32 logits) then deepseek_v3_route: the full router, 1/64/4083 tokens
   moe_align_sort     sort-based moe_align_block_size (block 64), ten seed shapes
-  moe_layer          an eager MoE feed-forward block as Hugging Face's Mixtral and Qwen3-MoE
-                     write it (router, softmax, topk, renormalise, a loop over the experts:
-                     index rows, SiLU(x W1g^T) * (x W1u^T), W2^T, index_add of the weighted rows),
-                     fp32, at examples/moe_layer's shapes (--layer-shape T,H,I,E,K; default 128,1024,3584,8,2)
 
 CUDA: "eager" = one cuda-event pair per call, calls issued back to back (launch gaps count);
 "cuda-graph" = the op captured `unroll` times in one CUDA graph, replayed `reps` times
@@ -183,25 +179,6 @@ def check_grounded(token_hidden, router_logits, expert_ground, alpha, top_k):
 
 
 # ---------------------------------------------------------------- timing
-def moe_layer(x, router, w1, w2, top_k):
-    """Hugging Face's eager Mixtral / Qwen3-MoE sparse block (norm_topk_prob),
-    with W1 = [gate; up] stacked as examples/moe_layer stores it."""
-    probs = torch.softmax(x @ router.t(), dim=1)
-    weights, ids = torch.topk(probs, top_k, dim=1)
-    weights = weights / weights.sum(dim=1, keepdim=True)
-    out = torch.zeros_like(x)
-    inter = w2.shape[2]
-    hit = torch.bincount(ids.flatten(), minlength=router.shape[0]).tolist()
-    for e, n in enumerate(hit):
-        if n == 0:
-            continue
-        tok, slot = torch.where(ids == e)
-        h = x[tok] @ w1[e].t()
-        y = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ w2[e].t()
-        out.index_add_(0, tok, y * weights[tok, slot, None])
-    return out
-
-
 def random_logits(kind, t, e, dev):
     """The seed top-k's input: randn, or uniform on [0, 10) (moecl-bench --logits)."""
     if kind == "uniform10":
@@ -280,8 +257,6 @@ def main():
                     help="run only the ops whose name contains SUBSTRING (e.g. moe_align)")
     ap.add_argument("--logits", choices=["normal", "uniform10"], default="normal",
                     help="seed top-k logits: standard normal, or uniform on [0, 10) (crowded top values)")
-    ap.add_argument("--layer-shape", default="128,1024,3584,8,2", metavar="T,H,I,E,K",
-                    help="moe_layer's tokens, hidden, intermediate, experts, top k (examples/moe_layer's default)")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
 
@@ -385,20 +360,6 @@ def main():
                          renormalize=True, scale=2.5))
         del hid, weight, bias
 
-    # The MoE layer (eager: the expert loop syncs on its counts), inputs
-    # scaled as examples/moe_layer's (uniform, unit-variance outputs)
-    t, h, i, e, k = (int(v) for v in args.layer_shape.split(","))
-    if args.only in "moe_layer":
-        gen = torch.Generator(device=dev).manual_seed(SEED)
-
-        def uniform(shape, scale):
-            return scale * (2 * torch.rand(*shape, device=dev, generator=gen) - 1)
-        x, router = uniform((t, h), 1.0), uniform((e, h), 3 / h ** 0.5)
-        w1, w2 = uniform((e, 2 * i, h), 3 / h ** 0.5), uniform((e, h, i), 3 / i ** 0.5)
-        bench("moe_layer", dict(tokens=t, hidden=h, inter=i, experts=e, top_k=k),
-              lambda: moe_layer(x, router, w1, w2, k), method_list=methods[:1])
-        del x, router, w1, w2
-
     # 5. sort-based moe_align_block_size (bincount syncs on CUDA: eager only)
     for t, e in SEED_SHAPES:
         gen = torch.Generator(device=dev).manual_seed(SEED)
@@ -414,7 +375,7 @@ def main():
 
 
 def fmt_shape(shape):
-    short = dict(tokens="T", experts="E", hidden="H", inter="I", top_k="k", block_size="bs",
+    short = dict(tokens="T", experts="E", hidden="H", top_k="k", block_size="bs",
                  groups="G", topk_group="tg")
     return " ".join(f"{short.get(k, k)}={v}" for k, v in shape.items())
 
