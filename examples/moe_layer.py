@@ -166,7 +166,7 @@ def main() -> None:
     inputs = make_inputs(o.tokens, o.hidden, o.inter, o.experts, o.seed)
     with moecl.Context(o.device) as ctx:
         dev = ctx.queue.device
-        print("moe_layer.py: moecl %s on %s (driver %s)" % (moecl.__version__, dev.name.strip(), dev.driver_version))
+        print("moe_layer.py: moecl %s on %s (driver %s)" % (moecl.version(), dev.name.strip(), dev.driver_version))
         print("  tokens %d, hidden %d, intermediate %d, experts %d, top %d, block %d, seed %d"
               % (o.tokens, o.hidden, o.inter, o.experts, o.top_k, o.block, o.seed))
         layer = MoeLayer(ctx, inputs["router"], inputs["w1"], inputs["w2"], o.top_k, o.block)
