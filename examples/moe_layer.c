@@ -76,7 +76,7 @@ static void usage(FILE *f)
                "  --runs N      timed layers (default 20)\n"
                "  --warmup W    untimed layers before them (default 2)\n"
                "  --steps       also time each step (a clFinish after each)\n"
-               "  --device SEL  moecl's device selector (default: MOECL_DEVICE, else the first GPU)\n"
+               "  --device SEL  moecl's device selector (default: MOECL_DEVICE, else the first GPU, else a CPU)\n"
                "  --dump DIR    write inputs and outputs to DIR (raw little-endian)\n"
                "  --fault F     none, offset or silu: a deliberate bug the check must catch\n");
 }
