@@ -161,7 +161,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--device", default=None, help="moecl's selector (default: MOECL_DEVICE, else the first GPU, else a CPU)")
+    p.add_argument("--device", default=None,
+                   help="moecl's selector (default: MOECL_DEVICE, else the first GPU, else a CPU)")
     o = p.parse_args()
     inputs = make_inputs(o.tokens, o.hidden, o.inter, o.experts, o.seed)
     with moecl.Context(o.device) as ctx:
