@@ -573,8 +573,8 @@ int main(int argc, char **argv)
     if (!rc)
         printf("moe_layer: moecl %s on %s (driver %s)\n"
                "  tokens %d, hidden %d, intermediate %d, experts %d, top %d, block %d, seed %d%s%s\n",
-               moecl_version(), device, driver, l.T, l.H, l.I, l.E, l.K, l.B, o.seed, strcmp(o.fault, "none") ? ", fault " : "",
-               strcmp(o.fault, "none") ? o.fault : "");
+               moecl_version(), device, driver, l.T, l.H, l.I, l.E, l.K, l.B, o.seed,
+               strcmp(o.fault, "none") ? ", fault " : "", strcmp(o.fault, "none") ? o.fault : "");
 
     /* The first layer builds the kernels (moecl's from its disk cache where
      * it has them; CLBlast compiles its own in every process). */
