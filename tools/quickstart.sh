@@ -23,12 +23,13 @@ packages=(gcc libc6-dev dpkg-dev meson ninja-build pkg-config opencl-c-headers o
 # The full suite's, as .ci/run installs them: intel-opencl-icd (ocloc) and
 # clang-15 compile every kernel for Intel and AMD GPUs (suite portability);
 # g++, binutils, doxygen and cmake the install suite's checks; Open MPI the MPI
-# example and its suite mpi; Python with numpy, pytest and pyopencl the
+# example and its suite mpi; CLBlast the MoE layer example (its test reads
+# the layer with numpy); Python with numpy, pytest and pyopencl the
 # Python package's tests; valgrind, clang-14 with its sanitizer runtime,
 # oclgrind and debootstrap CI's other checks (docs/testing.md).
 test_packages=(g++ binutils cmake intel-opencl-icd clang-15 valgrind clang-14 libclang-rt-14-dev doxygen python3
                python3-venv python3-numpy python3-pytest python3-pyopencl oclgrind debootstrap openmpi-bin
-               libopenmpi-dev)
+               libopenmpi-dev libclblast-dev)
 
 deps_only=0
 bench_args=()
