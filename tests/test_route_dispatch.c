@@ -1370,8 +1370,12 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_bad_input);
     tcase_add_test(tc, test_out_dtypes);
     tcase_add_test(tc, test_shared_experts);
-    tcase_add_test(tc, test_fused_parallel);
     suite_add_tcase(s, tc);
+    /* The override's align=fused-parallel (--case parallel). */
+    TCase *par = tcase_create("parallel");
+    tcase_set_timeout(par, 1200);
+    tcase_add_test(par, test_fused_parallel);
+    suite_add_tcase(s, par);
     /* moecl_route_dispatch_ex's optional tensors (--case ex). */
     TCase *ex = tcase_create("ex");
     tcase_set_timeout(ex, 1200);
