@@ -10,8 +10,8 @@
  *
  * Built by meson (bench/meson.build) as build/bench/route_timing.
  * Run: build/bench/route_timing [SHAPE...], SHAPE TOKENSxEXPERTS (top-k) or
- * TOKENSxHIDDENxEXPERTS (grounded); default 1x128 129x128 256x128 1019x128
- * 13526x256 1x128x16 129x128x16 256x128x16 4096x128x16. Device: as
+ * TOKENSxHIDDENxEXPERTS (grounded); default 1x128 129x128 256x128 520x128
+ * 1019x128 13526x256 1x128x16 129x128x16 256x128x16 4096x128x16. Device: as
  * moecl_context_create(NULL) picks it ($MOECL_DEVICE). */
 #include <math.h>
 #include <stdio.h>
@@ -149,8 +149,8 @@ static unsigned char *outputs(moecl_context *ctx, const bufs *b, size_t *total)
 
 int main(int argc, char **argv)
 {
-    static const char *defaults[] = {"1x128",    "129x128",    "256x128",    "1019x128",   "13526x256",
-                                     "1x128x16", "129x128x16", "256x128x16", "4096x128x16"};
+    static const char *defaults[] = {"1x128",     "129x128",  "256x128",    "520x128",    "1019x128",
+                                     "13526x256", "1x128x16", "129x128x16", "256x128x16", "4096x128x16"};
     const char **shapes = argc > 1 ? (const char **)argv + 1 : defaults;
     const int num_shapes = argc > 1 ? argc - 1 : (int)(sizeof(defaults) / sizeof(defaults[0]));
     moecl_context *probe;

@@ -238,7 +238,7 @@ void ep_layout_place(__global const int *phys, ulong phys_off, uint num_tokens, 
         const uint s = base + lid;
         /* Past the end: a key no slot has. */
         const uint key = s < end ? keys[s] : num_ranks + 1;
-        const uint rank = tile_rank(key, lid, tile);
+        const uint rank = tile_rank(key, lid, tile, key <= num_ranks);
         if (key <= num_ranks)
             send[send_off + run[key] + rank] = key < num_ranks ? (int)s : -1;
         if (key < num_ranks && (flags & EP_COUNTS))

@@ -184,6 +184,10 @@
  * counts, then totals; the starts); compiled in, the partial sums, the
  * last-work-group flag and the tile of FUSED_WG columns (none with 1). */
 #define LAYOUT_ALIGN_FUSED_STATIC_BYTES(fused_wg) (4 * (fused_wg) + 4 + ((fused_wg) > 1 ? 4 * (fused_wg) : 0))
+/* The parallel fused kernel: three arrays of E + 1 words sized at launch
+ * (totals, starts, running positions); compiled in, the partial sums and
+ * the tile of FUSED_WG columns (none with 1). */
+#define LAYOUT_ALIGN_PARALLEL_STATIC_BYTES(fused_wg) (4 * (fused_wg) + ((fused_wg) > 1 ? 4 * (fused_wg) : 0))
 
 /* ---- top-k gating's scalar arguments, one record ---------------------- */
 
@@ -227,6 +231,11 @@ typedef struct layout_dispatch_args {
     LAYOUT_U32 block_size, has_slots, has_invalid, unused;
 } layout_dispatch_args;
 typedef char layout_dispatch_args_size_check[sizeof(layout_dispatch_args) == 64 ? 1 : -1];
+/* The one kernel passes each slot's column and its rank in its chunk to
+ * the last work-group in one word: rank << LAYOUT_DISPATCH_COLUMN_BITS |
+ * column, so the host takes it only where a column (at most E + 1) and a
+ * rank (below a work-group's ROWS * top_k slots) fit. */
+#define LAYOUT_DISPATCH_COLUMN_BITS 13
 
 /* ---- permute and combine (cl/permute.cl), one argument each ---------- */
 

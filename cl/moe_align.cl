@@ -120,6 +120,23 @@ static inline uint column_of(int id, uint num_experts MAP_PARAM)
     return id >= 0 && (uint)id < num_experts ? (uint)id : num_experts;
 }
 
+/* The slots of [from, to) counted into hist per column by the n
+ * work-items of a work-group (lid: this one's); a plain increment with one
+ * work-item, local atomic_inc with more. */
+static inline void count_slots(__global const int *ids, uint from, uint to, uint num_experts, uint lid, uint n,
+                               __local uint *hist MAP_PARAM)
+{
+    for (uint s = from + lid; s < to; s += n) {
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
+        if (!COUNTED(e, num_experts))
+            continue;
+        if (n == 1)
+            hist[e]++;
+        else
+            atomic_inc(&hist[e]);
+    }
+}
+
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
 void moe_align_count(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
                      __global uint *matrix, __local uint *hist MAP_KERNEL_PARAMS)
@@ -131,16 +148,7 @@ void moe_align_count(__global const int *ids, ulong ids_off, uint num_slots, uin
         hist[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = c * chunk, end = min(begin + chunk, num_slots);
-    for (uint s = begin + lid; s < end; s += WG) {
-        const uint e = column_of(ids[s], num_experts MAP_ARG);
-        if (!COUNTED(e, num_experts))
-            continue;
-#if WG == 1
-        hist[e]++;
-#else
-        atomic_inc(&hist[e]);
-#endif
-    }
+    count_slots(ids, begin, end, num_experts, lid, WG, hist MAP_ARG);
     barrier(CLK_LOCAL_MEM_FENCE);
     __global uint *row = matrix + (size_t)c * cols;
     for (uint e = lid; e < cols; e += WG)
@@ -229,13 +237,15 @@ static inline uint expert_at(__global const uint *start, uint num_experts, uint 
 /* The stable rank of work-item lid's column e in a tile of n work-items:
  * the number of lower work-items with the same column (tile holds the n
  * columns, read one at a time: four at a time makes the scatter kernel
- * 1.2-2.3 us slower on the H200). Called by all n work-items. */
-static inline uint tile_rank(uint e, uint lid, __local uint *tile)
+ * 1.2-2.3 us slower on the H200). Called by all n work-items; only those
+ * whose slot is placed (needed) walk the tile, so that a tile of a few
+ * slots (a decode batch) costs a few steps, not n. */
+static inline uint tile_rank(uint e, uint lid, __local uint *tile, bool needed)
 {
     tile[lid] = e;
     barrier(CLK_LOCAL_MEM_FENCE);
     uint rank = 0;
-    for (uint j = 0; j < lid; j++)
+    for (uint j = 0; j < (needed ? lid : 0u); j++)
         rank += tile[j] == e;
     return rank;
 }
@@ -250,6 +260,25 @@ static inline void tile_advance(uint e, __local uint *run, uint limit)
     barrier(CLK_LOCAL_MEM_FENCE);
 }
 
+/* Slots [from, to) to their positions by one work-item walking them in
+ * order: run[e] is expert e's next position (CPUs' placement, where a
+ * work-group is one work-item). */
+static inline void place_in_order(__global const int *ids, uint from, uint to, uint num_experts, __local uint *run,
+                                  __global int *sorted, ulong sorted_off, __global int *slot_positions,
+                                  ulong slot_off, uint has_slots MAP_PARAM)
+{
+    for (uint s = from; s < to; s++) {
+        const uint e = column_of(ids[s], num_experts MAP_ARG);
+        int pos = -1;
+        if (e < num_experts) {
+            pos = (int)run[e]++;
+            sorted[sorted_off + pos] = (int)s;
+        }
+        if (has_slots)
+            slot_positions[slot_off + s] = pos;
+    }
+}
+
 /* One tile of the stable placement, called by all n work-items of a
  * work-group: work-item lid's slot (e: its column; past the end, a column
  * no slot has) goes to run[e] plus its rank in the tile; then run advances
@@ -258,7 +287,7 @@ static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __loca
                               uint num_experts, __global int *sorted, ulong sorted_off, __global int *slot_positions,
                               ulong slot_off, uint has_slots)
 {
-    const uint rank = tile_rank(e, lid, tile);
+    const uint rank = tile_rank(e, lid, tile, e < num_experts);
     int pos = -1;
     if (e < num_experts) {
         pos = (int)(run[e] + rank);
@@ -267,6 +296,28 @@ static inline void place_tile(uint slot, uint e, bool in_range, uint lid, __loca
     if (in_range && has_slots)
         slot_positions[slot_off + slot] = pos;
     tile_advance(e, run, num_experts);
+}
+
+/* A chunk's slots [begin, end) to their positions by the n work-items of
+ * a work-group, stable: walked in order by one work-item, else in tiles of
+ * n (tile: n words). run[e] starts at the chunk's first position of
+ * expert e. */
+static inline void place_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid, uint n,
+                               __local uint *tile, __local uint *run, __global int *sorted, ulong sorted_off,
+                               __global int *slot_positions, ulong slot_off, uint has_slots MAP_PARAM)
+{
+    if (n == 1) {
+        place_in_order(ids, begin, end, num_experts, run, sorted, sorted_off, slot_positions, slot_off,
+                       has_slots MAP_ARG);
+        return;
+    }
+    for (uint base = begin; base < end; base += n) {
+        const uint s = base + lid;
+        /* Past the end: a column no slot has. */
+        const uint e = s < end ? column_of(ids[s], num_experts MAP_ARG) : num_experts + 1;
+        place_tile(s, e, s < end, lid, tile, run, num_experts, sorted, sorted_off, slot_positions, slot_off,
+                   has_slots);
+    }
 }
 
 __kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
@@ -300,27 +351,13 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
         run[e] = expert_start[e] + row[e];
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = c * chunk, end = min(begin + chunk, num_slots);
-#if WG == 1
-    for (uint s = begin; s < end; s++) {
-        const uint e = column_of(ids[s], num_experts MAP_ARG);
-        int pos = -1;
-        if (e < num_experts) {
-            pos = (int)run[e]++;
-            sorted[sorted_off + pos] = (int)s;
-        }
-        if (has_slots)
-            slot_positions[slot_off + s] = pos;
-    }
-#else
+#if WG > 1
     __local uint tile[WG];
-    for (uint base = begin; base < end; base += WG) {
-        const uint s = base + lid;
-        /* Past the end: a column no slot has. */
-        const uint e = s < end ? column_of(ids[s], num_experts MAP_ARG) : num_experts + 1;
-        place_tile(s, e, s < end, lid, tile, run, num_experts, sorted, sorted_off, slot_positions, slot_off,
-                   has_slots);
-    }
+#else
+    __local uint *tile = run; /* unused: one work-item walks the chunk */
 #endif
+    place_chunk(ids, begin, end, num_experts, lid, WG, tile, run, sorted, sorted_off, slot_positions, slot_off,
+                has_slots MAP_ARG);
 }
 
 /* ---- one launch for small routings ---- */
@@ -329,7 +366,7 @@ void moe_align_scatter(__global const int *ids, ulong ids_off, uint num_slots, u
  * of n work-items (part: n words): contiguous ranges of experts per
  * work-item, an inclusive scan of the ranges' sums (Hillis-Steele), then
  * each range's own prefix. Writes start[0..E] (start[E]: the padded
- * total), expert_counts and, where publish is set,
+ * total) and, where publish is set, expert_counts,
  * num_tokens_post_padded and num_invalid; returns the padded total. start is
  * complete for every work-item on return. */
 static inline uint padded_starts(__local const uint *tot, __local uint *start, __local uint *part, uint n, uint lid,
@@ -353,7 +390,8 @@ static inline uint padded_starts(__local const uint *tot, __local uint *start, _
     uint at = part[lid] - sum;
     for (uint e = lo; e < hi; e++) {
         start[e] = at;
-        counts[counts_off + e] = (int)tot[e];
+        if (publish)
+            counts[counts_off + e] = (int)tot[e];
         at += (tot[e] + block_size - 1) / block_size * block_size;
     }
     const uint post = part[n - 1];
@@ -513,10 +551,10 @@ void moe_align_one_group(__global const int *ids, ulong ids_off, uint num_slots,
  * pass without a rank loop.
  *
  * scratch: [0] the ticket, then the count matrix m[groups][E + 1], the
- * last work-group's prefixes of it (same shape), ranks[num_slots] and,
- * where the ids are this launch's own (moecl_route_dispatch's kernel,
- * cl/topk_gating.cl), each slot's column[num_slots]. run and start hold
- * E + 1 words each. */
+ * last work-group's prefixes of it (same shape) and ranks[num_slots]
+ * (where the ids are this launch's own, moecl_route_dispatch's kernel,
+ * cl/topk_gating.cl, each with its slot's column: rank_chunk). run and
+ * start hold E + 1 words each. */
 #ifndef FUSED_WG
 #define FUSED_WG 1
 #endif
@@ -542,12 +580,12 @@ static inline uint shared_load(__global const uint *p)
 
 /* Counts and (with more than one work-item) ranks of slots [begin, end)
  * by one work-group: run[e] ends as the chunk's count of column e. Where
- * columns is not 0 (ids written by this kernel: moecl_route_dispatch), each
- * slot's column goes there too, so that the last work-group reads it by
- * an atomic rather than another work-group's plain store. */
+ * packed (ids written by this kernel: moecl_route_dispatch), each slot's
+ * column goes into its rank's word (LAYOUT_DISPATCH_COLUMN_BITS,
+ * cl/layout.h), so that the last work-group reads both by one atomic
+ * rather than another work-group's plain store. */
 static inline void rank_chunk(__global const int *ids, uint begin, uint end, uint num_experts, uint lid,
-                              __local uint *run, __local uint *tile, __global uint *ranks,
-                              __global uint *columns MAP_PARAM)
+                              __local uint *run, __local uint *tile, __global uint *ranks, bool packed MAP_PARAM)
 {
 #if FUSED_WG == 1
     /* One work-item: the counts only; the last work-group walks every
@@ -555,23 +593,18 @@ static inline void rank_chunk(__global const int *ids, uint begin, uint end, uin
     (void)lid;
     (void)tile;
     (void)ranks;
-    (void)columns;
-    for (uint s = begin; s < end; s++) {
-        const uint col = column_of(ids[s], num_experts MAP_ARG);
-        if (COUNTED(col, num_experts))
-            run[col]++;
-    }
+    (void)packed;
+    count_slots(ids, begin, end, num_experts, 0, 1, run MAP_ARG);
 #else
     for (uint at = begin; at < end; at += FUSED_WG) {
         const uint s = at + lid;
         /* Past the end: a column no slot has. */
         const uint e = s < end ? column_of(ids[s], num_experts MAP_ARG) : num_experts + 1;
-        const uint rank = tile_rank(e, lid, tile);
+        const uint rank = tile_rank(e, lid, tile, e < num_experts);
         if (s < end) {
             /* A remote expert's slot has no run (and no position). */
-            shared_store(&ranks[s], COUNTED(e, num_experts) ? run[e] + rank : 0u);
-            if (columns)
-                shared_store(&columns[s], e);
+            const uint r = COUNTED(e, num_experts) ? run[e] + rank : 0u;
+            shared_store(&ranks[s], packed ? r << LAYOUT_DISPATCH_COLUMN_BITS | e : r);
         }
         tile_advance(e, run, num_experts + 1);
     }
@@ -623,13 +656,13 @@ static inline void scan_columns(__global const uint *matrix, __global uint *pref
 }
 
 /* Every slot to its position, by the last work-group (a slot's column
- * from columns where rank_chunk stored them there). */
+ * from its rank's word where packed). */
 #if FUSED_WG == 1
 /* One work-item walks the slots in order; start becomes each expert's
  * next position. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
-                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             __global const uint *ranks, bool packed, __global int *sorted,
                              ulong sorted_off, __global int *slot_positions, ulong slot_off,
                              uint has_slots MAP_PARAM)
 {
@@ -637,24 +670,16 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
     (void)lid;
     (void)prefix;
     (void)ranks;
-    (void)columns;
-    for (uint s = 0; s < num_slots; s++) {
-        const uint e = column_of(ids[s], num_experts MAP_ARG);
-        int pos = -1;
-        if (e < num_experts) {
-            pos = (int)start[e]++;
-            sorted[sorted_off + pos] = (int)s;
-        }
-        if (has_slots)
-            slot_positions[slot_off + s] = pos;
-    }
+    (void)packed;
+    place_in_order(ids, 0, num_slots, num_experts, start, sorted, sorted_off, slot_positions, slot_off,
+                   has_slots MAP_ARG);
 }
 #else
 /* A slot's position is its expert's start + the expert's slots in earlier
  * chunks + its rank; each work-item takes LOAD_BATCH slots a round. */
 static inline void place_all(__global const int *ids, uint num_slots, uint num_experts, uint chunk, uint lid,
                              __local uint *start, __global const uint *prefix,
-                             __global const uint *ranks, __global const uint *columns, __global int *sorted,
+                             __global const uint *ranks, bool packed, __global int *sorted,
                              ulong sorted_off, __global int *slot_positions, ulong slot_off,
                              uint has_slots MAP_PARAM)
 {
@@ -665,8 +690,10 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
         for (uint j = 0; j < LOAD_BATCH; j++) {
             const uint s = s0 + j * FUSED_WG;
             const bool in = s < num_slots;
-            e[j] = !in ? num_experts : columns ? shared_load(&columns[s]) : column_of(ids[s], num_experts MAP_ARG);
-            rank[j] = in ? shared_load(&ranks[s]) : 0u;
+            const uint word = in ? shared_load(&ranks[s]) : 0u;
+            const uint packed_column = word & ((1u << LAYOUT_DISPATCH_COLUMN_BITS) - 1u);
+            e[j] = !in ? num_experts : packed ? packed_column : column_of(ids[s], num_experts MAP_ARG);
+            rank[j] = packed ? word >> LAYOUT_DISPATCH_COLUMN_BITS : word;
         }
         UNROLL
         for (uint j = 0; j < LOAD_BATCH; j++) {
@@ -686,14 +713,14 @@ static inline void place_all(__global const int *ids, uint num_slots, uint num_e
 /* The fused kernel's steps, by every work-group of a launch: work-group c
  * counts and ranks slots [c * chunk, (c + 1) * chunk) of ids, takes a
  * ticket, and the last one does the rest. part and tile hold FUSED_WG
- * words, run and start E + 1; columns as for rank_chunk (0: read ids). */
+ * words, run and start E + 1; packed as for rank_chunk (false: read ids). */
 static inline void fused_align(__global const int *ids, uint num_slots, uint num_experts, uint chunk,
                                uint block_size, __global uint *scratch, __global int *counts, ulong counts_off,
                                __global int *sorted, ulong sorted_off, __global int *blocks, ulong blocks_off,
                                __global int *post_padded, ulong post_off, __global int *slot_positions,
                                ulong slot_off, uint has_slots, __global int *num_invalid, ulong invalid_off,
                                uint has_invalid, __local uint *run, __local uint *start, __local uint *part,
-                               __local uint *flag, __local uint *tile, bool store_columns MAP_PARAM)
+                               __local uint *flag, __local uint *tile, bool packed MAP_PARAM)
 {
     const uint lid = get_local_id(0), c = get_group_id(0), groups = get_num_groups(0), cols = num_experts + 1;
     /* As moecl_moe_align_max_padded (kernel arguments are at most
@@ -701,13 +728,12 @@ static inline void fused_align(__global const int *ids, uint num_slots, uint num
     const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
     __global uint *matrix = scratch + 1, *prefix = matrix + (size_t)groups * cols;
     __global uint *ranks = prefix + (size_t)groups * cols;
-    __global uint *columns = store_columns ? ranks + num_slots : 0;
 
     for (uint e = lid; e < cols; e += FUSED_WG)
         run[e] = 0;
     barrier(CLK_LOCAL_MEM_FENCE);
     const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
-    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, columns MAP_ARG);
+    rank_chunk(ids, begin, end, num_experts, lid, run, tile, ranks, packed MAP_ARG);
     barrier(CLK_LOCAL_MEM_FENCE);
     for (uint e = lid; e < cols; e += FUSED_WG)
         shared_store(&matrix[(size_t)c * cols + e], run[e]);
@@ -723,7 +749,7 @@ static inline void fused_align(__global const int *ids, uint num_slots, uint num
     if (last) {
         pad_and_blocks(run, start, post, FUSED_WG, lid, num_slots, num_experts, block_size, max_padded, num_blocks,
                        sorted, sorted_off, blocks, blocks_off);
-        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, columns, sorted, sorted_off,
+        place_all(ids, num_slots, num_experts, chunk, lid, start, prefix, ranks, packed, sorted, sorted_off,
                   slot_positions, slot_off, has_slots MAP_ARG);
     }
 }
@@ -747,4 +773,70 @@ void moe_align_fused(__global const int *ids, ulong ids_off, uint num_slots, uin
     fused_align(ids + ids_off, num_slots, num_experts, chunk, block_size, scratch, counts, counts_off, sorted,
                 sorted_off, blocks, blocks_off, post_padded, post_off, slot_positions, slot_off, has_slots,
                 num_invalid, invalid_off, has_invalid, run, start, part, &flag, tile, false MAP_ARG);
+}
+
+/* ---- one launch, no work-group waiting on another: moe_align_fused_parallel ---- */
+
+/* Each work-group c computes the scan itself: it counts every slot (the
+ * slots before its chunk apart), so that it knows each expert's padded
+ * start and its chunk's place in each expert's run, then places its own
+ * chunk of slots (stable: in order on CPUs, in tiles ranked as the
+ * scatter's on GPUs) and a share of the padding and blocks. Nothing
+ * passes between work-groups: no ticket, no scratch, no global atomics;
+ * every output element is written by exactly one work-item (work-group 0
+ * writes the small outputs). The price is that every work-group reads
+ * every id, so the host takes it up to the device table's size.
+ *
+ * The counts of the slots before [begin, end) per column (before), then
+ * of all slots (tot), by the n work-items of a work-group. */
+static inline void count_around(__global const int *ids, uint num_slots, uint begin, uint num_experts, uint lid,
+                                __local uint *before, __local uint *tot MAP_PARAM)
+{
+    const uint cols = num_experts + 1;
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        before[e] = 0;
+    barrier(CLK_LOCAL_MEM_FENCE);
+    count_slots(ids, 0, begin, num_experts, lid, FUSED_WG, before MAP_ARG);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    for (uint e = lid; e < cols; e += FUSED_WG)
+        tot[e] = before[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    count_slots(ids, begin, num_slots, num_experts, lid, FUSED_WG, tot MAP_ARG);
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* tot, start and run hold E + 1 words each. */
+__kernel __attribute__((reqd_work_group_size(FUSED_WG, 1, 1)))
+void moe_align_fused_parallel(__global const int *ids, ulong ids_off, uint num_slots, uint num_experts, uint chunk,
+                              uint block_size, __global int *counts, ulong counts_off, __global int *sorted,
+                              ulong sorted_off, __global int *blocks, ulong blocks_off, __global int *post_padded,
+                              ulong post_off, __global int *slot_positions, ulong slot_off, uint has_slots,
+                              __global int *num_invalid, ulong invalid_off, uint has_invalid, __local uint *tot,
+                              __local uint *start, __local uint *run MAP_KERNEL_PARAMS)
+{
+    MAP_SETUP;
+    __local uint part[FUSED_WG];
+#if FUSED_WG > 1
+    __local uint tile[FUSED_WG];
+#else
+    __local uint *tile = part; /* unused */
+#endif
+    const uint lid = get_local_id(0), c = get_group_id(0);
+    /* As moecl_moe_align_max_padded (kernel arguments are at most
+     * MOECL_MAX_KERNEL_ARGS, src/internal.h). */
+    const uint max_padded = num_slots + num_experts * (block_size - 1), num_blocks = max_padded / block_size;
+    ids += ids_off;
+    const uint begin = min(c * chunk, num_slots), end = min(begin + chunk, num_slots);
+    count_around(ids, num_slots, begin, num_experts, lid, run, tot MAP_ARG);
+    const uint post = padded_starts(tot, start, part, FUSED_WG, lid, num_experts, block_size, counts, counts_off,
+                                    post_padded, post_off, num_invalid, invalid_off, has_invalid, c == 0);
+    /* Spread over every work-item of the launch: each expert's padding
+     * and blocks by one, the tail by all. */
+    pad_and_blocks(tot, start, post, (uint)get_global_size(0), (uint)get_global_id(0), num_slots, num_experts,
+                   block_size, max_padded, num_blocks, sorted, sorted_off, blocks, blocks_off);
+    for (uint e = lid; e < num_experts; e += FUSED_WG)
+        run[e] += start[e];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    place_chunk(ids, begin, end, num_experts, lid, FUSED_WG, tile, run, sorted, sorted_off, slot_positions, slot_off,
+                has_slots MAP_ARG);
 }

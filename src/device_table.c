@@ -88,13 +88,19 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
             "H200, 2026-11-30: with WARP_MATCH (inline PTX) a slot costs 10 "
             "ns against 14; the one-group kernel won at 1032 slots (33.2 "
             "against 39.6 us), lost at 2048 (41.3 against 35.9)"),
+    DEFAULT(MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, 0,
+            "pocl and Intel's CPU runtime, 2026-12-07: slower than the fused kernel's one work-item at "
+            "every size from 1x128 to 2044x128 top 8 (kernel 20.2 against 16.6 us on pocl, 23.9 "
+            "against 15.8 on Intel at 1019x128; a work-group a compute unit, each counting every slot)"),
+    DEFAULT(MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_GPU, 0,
+            "not measured on a GPU yet: the fused kernel's ticket stays the default there"),
     DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 5120,
             "moe_align_fused's GPU limit: the one kernel's last work-group "
             "places every slot alone, as that kernel's does; unmeasured off "
             "NVIDIA"),
-    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 5120,
-            "the override align=fused: the one kernel up to moe_align_fused's "
-            "GPU limit on every device (tests)"),
+    DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS, 8192,
+            "the override align=fused or fused-parallel: the one kernel up to "
+            "1024 tokens x top 8 on every device (tests, measurements)"),
     DEFAULT(MOECL_DP_EP_FUSED_CPU, 0,
             "CPUs: the three kernels, timed on pocl and Intel's CPU runtime, 2026-12-01 "
             "(1.12-1.78 ms at 13526x256); the fused kernel was not timed there"),

@@ -46,7 +46,8 @@ typedef enum moecl_align_path {
     MOECL_ALIGN_AUTO = 0,
     MOECL_ALIGN_ONE_GROUP,
     MOECL_ALIGN_FUSED,
-    MOECL_ALIGN_CHUNKED
+    MOECL_ALIGN_CHUNKED,
+    MOECL_ALIGN_FUSED_PARALLEL
 } moecl_align_path;
 
 /* The expert-parallel layout's paths (src/ep_layout.c): by launch class
@@ -108,7 +109,7 @@ typedef struct moecl_launch_env {
      * unset. */
     moecl_launch_config grounded_tile;
     bool grounded_mma;           /* grounded=mma: the tensor-core kernel (emulated without PTX) */
-    moecl_align_path align_path; /* align=one-group|fused|chunked: moe_align's path, or chosen by size */
+    moecl_align_path align_path; /* align=one-group|fused|chunked|fused-parallel: moe_align's path, or by size */
     moecl_ep_path ep_path;       /* ep=chunked|fused|fused-last: the layout's path, or chosen */
     unsigned ep_fused_wg;        /* ep_wg=N: the fused layout kernel's work-group, 0 = chosen */
     unsigned ep_fused_groups;    /* ep_groups=N: its work-groups' target count, 0 = chosen */
@@ -119,7 +120,8 @@ typedef struct moecl_launch_env {
 
 /* Parse a space-separated list of name=value words into env (all zero
  * first: nothing forced); NULL or "" forces nothing. Names: class
- * (cpu|gpu), team (power of two 2..256), align (one-group|fused|chunked),
+ * (cpu|gpu), team (power of two 2..256), align (one-group|fused|chunked|
+ * fused-parallel),
  * ep (chunked|fused|fused-last), ep_wg (power of two 32..1024), ep_groups
  * (1..127), grounded (mma), tile (128, or a tiled configuration with tn,
  * tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off).
@@ -285,8 +287,13 @@ typedef enum moecl_device_param {
     MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_GPU,
     MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU,
     MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_GPU,
+    /* Before those: moe_align_fused_parallel (every work-group counts
+     * every slot and places its own chunk) up to this many slots (0:
+     * never by default; the override's align=fused-parallel at any size). */
+    MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU,
+    MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_GPU,
     /* moecl_route_dispatch's one launch: at most this many slots, and
-     * under MOECL_ALIGN=fused this many. */
+     * under the override's align=fused or fused-parallel this many. */
     MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS,
     MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS,
     /* The expert-parallel layout: the fused kernel by default (0 or 1),
@@ -622,7 +629,7 @@ typedef struct moecl_plan_key {
     unsigned gen;
 } moecl_plan_key;
 
-#define MOECL_PLAN_MAX_KERNELS 5
+#define MOECL_PLAN_MAX_KERNELS 6
 
 /* What a distinct request launches, resolved once per context. */
 typedef struct moecl_plan {
@@ -639,11 +646,11 @@ typedef struct moecl_plan {
      * the global size is ceil(tokens / rows_per_group) * local. */
     size_t local, rows_per_group;
     /* moe_align: the work-group sizes of the chunk kernels, the scan,
-     * the one-group and the fused kernel, whether the one-group kernel
-     * ranks with WARP_MATCH, and whether the device runs the one-group and
-     * the fused kernel at their work-groups. */
+     * the one-group and the fused kernels (both fused kernels: fused_wg),
+     * whether the one-group kernel ranks with WARP_MATCH, and whether the
+     * device runs the one-group and each fused kernel at its work-group. */
     unsigned wg, scan_wg, one_wg, fused_wg;
-    bool warp_match, one_group_fits, fused_fits;
+    bool warp_match, one_group_fits, fused_fits, parallel_fits;
 } moecl_plan;
 
 /* Fill plan (key already set) for the op's request; called once per

@@ -44,6 +44,10 @@ size_t moecl_layout_moe_align_one_group_static(unsigned one_wg, bool warp_match)
 size_t moecl_layout_moe_align_fused_static(unsigned fused_wg);
 /* The fused kernel's whole local memory. */
 size_t moecl_layout_moe_align_fused_local(unsigned experts, unsigned fused_wg);
+/* The parallel fused kernel's (three arrays of cols) compiled-in and
+ * whole local memory. */
+size_t moecl_layout_moe_align_parallel_static(unsigned fused_wg);
+size_t moecl_layout_moe_align_parallel_local(unsigned experts, unsigned fused_wg);
 /* The expert-parallel layout's fused kernel: its launch-sized array (cols
  * count columns, ranks, chunk_slots slots a chunk, rows a pass) and its
  * compiled-in bytes (cl/layout.h). */

@@ -77,6 +77,16 @@ size_t moecl_layout_moe_align_fused_local(unsigned experts, unsigned fused_wg)
     return 2 * moecl_layout_moe_align_cols(experts) + moecl_layout_moe_align_fused_static(fused_wg);
 }
 
+size_t moecl_layout_moe_align_parallel_static(unsigned fused_wg)
+{
+    return LAYOUT_ALIGN_PARALLEL_STATIC_BYTES((size_t)fused_wg);
+}
+
+size_t moecl_layout_moe_align_parallel_local(unsigned experts, unsigned fused_wg)
+{
+    return 3 * moecl_layout_moe_align_cols(experts) + moecl_layout_moe_align_parallel_static(fused_wg);
+}
+
 size_t moecl_layout_moe_align_one_group_local(unsigned experts, uint64_t slots, unsigned one_wg, bool warp_match)
 {
     return 2 * moecl_layout_moe_align_cols(experts) + moecl_layout_moe_align_slot_cols(slots, warp_match) +

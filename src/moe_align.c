@@ -1,6 +1,7 @@
 /* moe_align, host side: validation, the launch shape, the choice of path
- * (one work-group for small routings on GPUs, the fused kernel, or three
- * chained launches; cl/moe_align.cl says what each kernel does), the
+ * (one work-group for small routings on GPUs, one of the two fused
+ * kernels, or three chained launches; cl/moe_align.cl says what each
+ * kernel does), the
  * scratch buffer, and the blocking host-memory path. A call with an
  * expert map runs the same paths on the program built with HAS_MAP, its
  * kernels taking the map's three arguments last. */
@@ -90,9 +91,10 @@ static align_shape shape_of(const moecl_device_info *info)
     return s;
 }
 
-enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, FUSED_KERNEL, NUM_KERNELS };
-static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count", "moe_align_scan", "moe_align_scatter",
-                                                      "moe_align_one_group", "moe_align_fused"};
+enum { COUNT_KERNEL, SCAN_KERNEL, SCATTER_KERNEL, ONE_GROUP_KERNEL, FUSED_KERNEL, PARALLEL_KERNEL, NUM_KERNELS };
+static const char *const kernel_names[NUM_KERNELS] = {"moe_align_count",     "moe_align_scan",
+                                                      "moe_align_scatter",   "moe_align_one_group",
+                                                      "moe_align_fused",     "moe_align_fused_parallel"};
 
 /* Without the map, exactly the defines of the kernels before it. */
 static void defines_of(const align_shape *s, bool has_map, char *buf, size_t size)
@@ -102,7 +104,7 @@ static void defines_of(const align_shape *s, bool has_map, char *buf, size_t siz
 }
 
 static const char *const all_kernel_names =
-    "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group,moe_align_fused";
+    "moe_align_count,moe_align_scan,moe_align_scatter,moe_align_one_group,moe_align_fused,moe_align_fused_parallel";
 
 void moecl_moe_align_defines(const moecl_device_info *info, char *buf, size_t size, const char **kernel_names_out)
 {
@@ -119,7 +121,7 @@ void moecl_moe_align_map_defines(const moecl_device_info *info, char *buf, size_
     *kernel_names_out = all_kernel_names;
 }
 
-/* The plan (moecl_plan_build): one program of five kernels, which the
+/* The plan (moecl_plan_build): one program of six kernels, which the
  * registry shares between them; request points to whether it has the
  * map. */
 static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_plan *p)
@@ -145,6 +147,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
      * device's; then the other paths serve those sizes. */
     p->one_group_fits = p->limits[ONE_GROUP_KERNEL] >= s.one_wg;
     p->fused_fits = p->limits[FUSED_KERNEL] >= s.fused_wg;
+    p->parallel_fits = p->limits[PARALLEL_KERNEL] >= s.fused_wg;
     return MOECL_SUCCESS;
 }
 
@@ -196,14 +199,23 @@ static bool fused_serves(const moecl_context *ctx, const moecl_plan *p, const mo
            moecl_layout_moe_align_fused_local(d->num_experts, p->fused_wg) + 1024 <= ctx->info.local_mem_size;
 }
 
-typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_CHUNKED } align_route;
+/* Whether the parallel fused kernel can serve d: where the device runs it
+ * at its work-group and local memory holds three words per expert column. */
+static bool parallel_serves(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
+{
+    return p->parallel_fits &&
+           moecl_layout_moe_align_parallel_local(d->num_experts, p->fused_wg) + 1024 <= ctx->info.local_mem_size;
+}
+
+typedef enum align_route { ROUTE_ONE_GROUP, ROUTE_FUSED, ROUTE_PARALLEL, ROUTE_CHUNKED } align_route;
 
 /* The path of d: the override's align= where it forces one the device can run;
- * else, within the device table's limits, the fused kernel (its last
- * work-group places every slot alone, so beyond some size the chunked
- * path's three launches, which place in parallel, win), then the
- * one-group kernel where the fused kernel does not fit (its tiles run one
- * after another in one work-group), then the chunked path. */
+ * else, within the device table's limits, the parallel fused kernel (each
+ * work-group counts every slot, so beyond some size the other paths win),
+ * the fused kernel (its last work-group places every slot, so beyond some
+ * size the chunked path's three launches, which place in parallel, win),
+ * then the one-group kernel where the fused kernel does not fit (its tiles
+ * run one after another in one work-group), then the chunked path. */
 static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const moecl_moe_align_desc *d)
 {
     const moecl_device_info *info = &ctx->info;
@@ -215,12 +227,16 @@ static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const
         return one_group_serves(ctx, p, d) ? ROUTE_ONE_GROUP : ROUTE_CHUNKED;
     case MOECL_ALIGN_FUSED:
         return fused_serves(ctx, p, d) ? ROUTE_FUSED : ROUTE_CHUNKED;
+    case MOECL_ALIGN_FUSED_PARALLEL:
+        return parallel_serves(ctx, p, d) ? ROUTE_PARALLEL : ROUTE_CHUNKED;
     case MOECL_ALIGN_CHUNKED:
         return ROUTE_CHUNKED;
     default:
         break;
     }
     const moecl_device_params *t = &ctx->params;
+    if (slots <= moecl_device_param_class(t, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, c) && parallel_serves(ctx, p, d))
+        return ROUTE_PARALLEL;
     const uint32_t one_cap = moecl_device_param_class(
         t, p->warp_match ? MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU : MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, c);
     if (slots <= moecl_device_param_class(t, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, c) && fused_serves(ctx, p, d))
@@ -334,6 +350,32 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc
     return st;
 }
 
+/* One launch with no scratch and nothing passed between work-groups: each
+ * counts every slot and places its own chunk. Chunks: the fused kernel's
+ * on GPUs; on CPUs one per compute unit (each work-group reads every id,
+ * so more work-groups than threads would only repeat that). */
+static moecl_status enqueue_parallel(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
+                                     const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
+    const cl_uint units = ctx->info.compute_units ? ctx->info.compute_units : 1;
+    const cl_uint chunk = ctx->info.launch_class == MOECL_LAUNCH_CPU
+                              ? (cl_uint)(slots ? ((uint64_t)slots + units - 1) / units : 1)
+                              : chunk_size(ctx, p->fused_wg, slots, experts);
+    const cl_uint groups = slots ? (cl_uint)(((uint64_t)slots + chunk - 1) / chunk) : 1;
+    const cl_uint has_slots = a->slots.mem != NULL, has_invalid = a->invalid.mem != NULL;
+    const size_t cols_bytes = moecl_layout_moe_align_cols(experts);
+    const moecl_kernel_arg args[] = {
+        MEM(a->ids.mem),     ARG(a->ids.off),    ARG(slots),         ARG(experts),        ARG(chunk),
+        ARG(block),          MEM(a->counts.mem), ARG(a->counts.off), MEM(a->sorted.mem),  ARG(a->sorted.off),
+        MEM(a->blocks.mem),  ARG(a->blocks.off), MEM(a->post.mem),   ARG(a->post.off),    MEM(a->slots.mem),
+        ARG(a->slots.off),   ARG(has_slots),     MEM(a->invalid.mem), ARG(a->invalid.off), ARG(has_invalid),
+        LOCAL(cols_bytes),   LOCAL(cols_bytes),  LOCAL(cols_bytes),  MAP_ARGS(a)};
+    moecl_step step = {PARALLEL_KERNEL, args, NARGS(args, a), (size_t)groups * p->fused_wg, p->fused_wg,
+                       NULL,            0,    0,              NULL, NULL};
+    return moecl_plan_run(ctx, p, &step, 1, num_wait, wait, done);
+}
+
 static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, const moecl_plan *p,
                             const align_args *a, cl_uint num_wait, const cl_event *wait, cl_event *done)
 {
@@ -342,6 +384,8 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
         return enqueue_one_group(ctx, d, p, a, num_wait, wait, done);
     if (route == ROUTE_FUSED)
         return enqueue_fused(ctx, d, p, a, num_wait, wait, done);
+    if (route == ROUTE_PARALLEL)
+        return enqueue_parallel(ctx, d, p, a, num_wait, wait, done);
     const moecl_plan *s = p;
     const cl_uint slots = d->num_tokens * d->top_k, experts = d->num_experts, block = d->block_size;
     const cl_uint max_padded = (cl_uint)moecl_moe_align_max_padded(d), num_blocks = max_padded / block;

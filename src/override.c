@@ -67,7 +67,7 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
         *eq = '\0';
         const char *name = word, *value = eq + 1;
         static const char *const classes[] = {"cpu", "gpu"};
-        static const char *const align_paths[] = {"one-group", "fused", "chunked"};
+        static const char *const align_paths[] = {"one-group", "fused", "chunked", "fused-parallel"};
         static const char *const ep_paths[] = {"chunked", "fused", "fused-last"};
         static const char *const on_off[] = {"on", "off"};
         static const char *const tile_words[] = {"tn", "tk", "mt", "nt", "vec", "db", "wc"};
@@ -81,8 +81,8 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
             if (!number(value, 2, 256, true, &env->team))
                 return bad(value, "team is a power of two 2..256");
         } else if (strcmp(name, "align") == 0) {
-            if (!(k = named(value, align_paths, 3)))
-                return bad(value, "align is one-group, fused or chunked");
+            if (!(k = named(value, align_paths, 4)))
+                return bad(value, "align is one-group, fused, chunked or fused-parallel");
             env->align_path = (moecl_align_path)k;
         } else if (strcmp(name, "ep") == 0) {
             if (!(k = named(value, ep_paths, 3)))

@@ -211,9 +211,12 @@ static size_t routing_team_local(const route_step *s, unsigned team, unsigned ro
 }
 
 /* Whether the one kernel serves the call, and its plan: some tokens, at
- * most the device table's slots (its last work-group places every slot
- * alone, as moe_align_fused's does; the override align=fused asks for it up to
- * the table's limit under that variable), the routing on its team kernel,
+ * most the device table's slots (its last work-group places every slot,
+ * as moe_align_fused's does, its work-items in parallel; the override's
+ * align=fused or fused-parallel asks for it up to the table's forced
+ * limit: the ids are this launch's own, so no work-group but the last
+ * can know them all, and the parallel kernel's scheme, each work-group
+ * counting every id, does not apply), the routing on its team kernel,
  * no override (align=) forcing another path, the device's work-group limit and
  * local memory (the team's rows, then moe_align_fused's two arrays of
  * E + 1 words and its compiled-in ones). */
@@ -222,8 +225,9 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
     *plan = NULL;
     const uint64_t slots = (uint64_t)step_tokens(s) * step_top_k(s);
     const moecl_align_path forced = ctx->info.env.align_path;
-    const uint64_t cap = ctx->params.value[forced == MOECL_ALIGN_FUSED ? MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS
-                                                                      : MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS];
+    const bool fused = forced == MOECL_ALIGN_FUSED || forced == MOECL_ALIGN_FUSED_PARALLEL;
+    const uint64_t cap = ctx->params.value[fused ? MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS
+                                                 : MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS];
     /* The map is read by moe_align's kernels only (HAS_MAP), not by the
      * epilogue: a mapped call takes the two calls. */
     if (slots == 0 || slots > cap || forced == MOECL_ALIGN_ONE_GROUP || forced == MOECL_ALIGN_CHUNKED || s->map.mem)
@@ -245,6 +249,11 @@ static moecl_status one_kernel_plan(moecl_context *ctx, const route_step *s, con
         return st;
     if (p->limits[0] && p->limits[0] < p->local)
         return MOECL_SUCCESS; /* register use: the two calls serve it */
+    /* A slot's column and its rank in its work-group's slots share a word
+     * (cl/layout.h); every shape the descriptors admit fits. */
+    if (step_experts(s) + 1 >= (1u << LAYOUT_DISPATCH_COLUMN_BITS) ||
+        (uint64_t)p->rows_per_group * step_top_k(s) > (1u << (32 - LAYOUT_DISPATCH_COLUMN_BITS)))
+        return MOECL_SUCCESS;
     *plan = p;
     return MOECL_SUCCESS;
 }
@@ -304,7 +313,7 @@ static cl_uint bind_routing(const route_step *s, routing_args *r, moecl_kernel_a
 /* The one launch: the routing kernel's arguments, then the epilogue's
  * (DISPATCH_PARAMS, cl/common.cl). Its scratch (the context's, as
  * moe_align's fused path uses it): the ticket, the count matrix and its
- * prefixes, a rank and a column per slot; the ticket is zeroed first
+ * prefixes, a slot's rank and column in one word per slot; the ticket is zeroed first
  * where it may not be 0. */
 static moecl_status enqueue_one_kernel(moecl_context *ctx, const route_step *s, uint32_t block_size,
                                        const moecl_plan *p, const dispatch_buffers *b, cl_uint num_wait,
@@ -314,7 +323,7 @@ static moecl_status enqueue_one_kernel(moecl_context *ctx, const route_step *s, 
     const moecl_moe_align_desc align = moecl_moe_align_desc_init(t, k, e, block_size);
     const uint64_t max_padded = moecl_moe_align_max_padded(&align);
     const size_t groups = (t + p->rows_per_group - 1) / p->rows_per_group;
-    const size_t scratch_bytes = (1 + 2 * groups * (e + 1) + 2 * t * k) * 4;
+    const size_t scratch_bytes = (1 + 2 * groups * (e + 1) + t * k) * 4;
     cl_mem scratch;
     moecl_status st = moecl_scratch_acquire(ctx, scratch_bytes, &scratch);
     if (st != MOECL_SUCCESS)

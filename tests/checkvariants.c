@@ -1138,6 +1138,8 @@ static bool align_accepts(moecl_context *ctx)
         return p->one_group_fits;
     case MOECL_ALIGN_FUSED:
         return p->fused_fits;
+    case MOECL_ALIGN_FUSED_PARALLEL:
+        return p->parallel_fits;
     default:
         return true;
     }
@@ -1183,7 +1185,8 @@ static void align_check_case(tally *tl, moecl_context *ctx, const variant *v, co
 
 static void check_align(tally *tl)
 {
-    static const char *const paths[] = {NULL, "align=one-group", "align=fused", "align=chunked"};
+    static const char *const paths[] = {NULL, "align=one-group", "align=fused", "align=chunked",
+                                        "align=fused-parallel"};
     variant vs[16];
     const int nv = path_variants(vs, 16, paths, COUNT(paths));
     for (int vi = 0; vi < nv; vi++) {

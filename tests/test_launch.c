@@ -849,9 +849,11 @@ START_TEST(test_device_table)
     ck_assert_uint_eq(p.value[MOECL_DP_PRIVATE_MAX], 4u << 20);
     ck_assert_uint_eq(d.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 5120);
     ck_assert_uint_eq(n.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 256);
-    ck_assert_uint_eq(n.value[MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS], 5120);
+    ck_assert_uint_eq(n.value[MOECL_DP_ROUTE_ONE_KERNEL_FORCED_MAX_SLOTS], 8192);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, MOECL_LAUNCH_CPU), 8192);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_FUSED_MAX_SLOTS_CPU, MOECL_LAUNCH_GPU), 5120);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, MOECL_LAUNCH_CPU), 0);
+    ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, MOECL_LAUNCH_GPU), 0);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_CPU), 0);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_GPU), 1);
     /* The device name does not move a vendor's values. */
@@ -1740,6 +1742,17 @@ static void align_faults_on(moecl_context *ctx, const char *queue)
     align_fault(ctx, &d, ids, fused_enq, 1, "clEnqueueNDRangeKernel", -1, ctx->in_order ? 0 : 1, ALIGN_OUTPUTS,
                 false, label);
     snprintf(label, sizeof(label), "%s, fused, after the enqueue failure", queue);
+    assert_align_right(ctx, &d, ids, label);
+
+    /* The parallel fused kernel: one command, no scratch. */
+    ctx->info.env.align_path = MOECL_ALIGN_FUSED_PARALLEL;
+    const fault par_arg[] = {{FAULT_SET_ARG, "moe_align_fused_parallel", 8, CL_INVALID_MEM_OBJECT}};
+    snprintf(label, sizeof(label), "%s, fused-parallel, arg 8", queue);
+    align_fault(ctx, &d, ids, par_arg, 1, "clSetKernelArg", 8, 0, ALIGN_OUTPUTS, false, label);
+    const fault par_enq[] = {{FAULT_ENQUEUE, "moe_align_fused_parallel", -1, CL_OUT_OF_RESOURCES}};
+    snprintf(label, sizeof(label), "%s, fused-parallel, enqueue", queue);
+    align_fault(ctx, &d, ids, par_enq, 1, "clEnqueueNDRangeKernel", -1, 0, ALIGN_OUTPUTS, false, label);
+    snprintf(label, sizeof(label), "%s, fused-parallel, after the failures", queue);
     assert_align_right(ctx, &d, ids, label);
     ctx->info.env.align_path = path;
 }

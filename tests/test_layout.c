@@ -245,6 +245,9 @@ static described describe(const char *kernel, const char *d, bool ptx)
     } else if (strcmp(kernel, "moe_align_fused") == 0) {
         r.local = LAYOUT_ALIGN_FUSED_STATIC_BYTES(D("FUSED_WG"));
         r.arrays = D("FUSED_WG") > 1 ? 3 : 2;
+    } else if (strcmp(kernel, "moe_align_fused_parallel") == 0) {
+        r.local = LAYOUT_ALIGN_PARALLEL_STATIC_BYTES(D("FUSED_WG"));
+        r.arrays = D("FUSED_WG") > 1 ? 2 : 1;
     } else if (strcmp(kernel, "ep_layout_fused") == 0) {
         r.local = LAYOUT_EP_FUSED_STATIC_BYTES(D("FWG"));
         r.arrays = 2;

@@ -627,24 +627,46 @@ static void write_mutant(const char *const (*edits)[2], size_t n, char *dir, cha
     free(text);
 }
 
-/* A copy of cl/moe_align.cl whose scatter walks each chunk backwards (CPU
- * kernel) or takes each tile's slots in reverse (GPU kernel), whose
- * one-group kernel takes each tile's slots in reverse too (its NVIDIA warp
- * path ranks equal ids in reverse), and whose fused kernel walks the slots
- * backwards (CPU kernel) or ranks each tile in reverse (GPU kernel),
- * loaded through MOECL_KERNEL_DIR:
- * still a grouping by expert, but not stable. The suite's check must
- * catch it. */
+/* The CPU kernels' in-order walk (place_in_order: the scatter's, both
+ * fused kernels'), and the same walk backwards. */
+#define IN_ORDER_WALK "    for (uint s = from; s < to; s++) {\n"
+#define IN_ORDER_WALK_REVERSED "    for (uint i = from; i < to; i++) {\n        const uint s = from + to - 1 - i;\n"
+/* The GPU kernels' tiles (place_chunk: the scatter's, the parallel fused
+ * kernel's), and each tile's slots in reverse. */
+#define TILE_SLOT "const uint s = base + lid;"
+#define TILE_SLOT_REVERSED "const uint s = base + n - 1 - lid;"
+
+/* The mutant's differences from the reference on a routing of 512 tokens,
+ * top 8 of 16 experts, block 16 (stream: its ids), on the device or the
+ * host path; msg receives the first. */
+static int mutant_differences(moecl_context *ctx, uint64_t stream, bool device_path, char *msg, size_t size)
+{
+    moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
+    harness_rng rng = harness_rng_for(stream);
+    int32_t *ids = make_ids(&rng, &d, LOAD_UNIFORM);
+    result r;
+    result_alloc(&d, &r);
+    run_on(ctx, &d, ids, device_path, true, &r);
+    int bad = ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid, msg, size);
+    result_free(&r);
+    free(ids);
+    return bad;
+}
+
+/* A copy of cl/moe_align.cl whose CPU kernels walk their slots backwards
+ * (the scatter's chunks, the fused kernels' slots), whose scatter and
+ * parallel fused kernel take each tile's slots in reverse (GPU kernels:
+ * place_chunk), whose one-group kernel takes
+ * each tile's slots in reverse too (its NVIDIA warp path ranks equal ids
+ * in reverse), and whose fused kernel ranks each tile in reverse (GPU
+ * kernel), loaded through MOECL_KERNEL_DIR: still a grouping by expert,
+ * but not stable. The suite's check must catch it. */
 START_TEST(test_mutation_caught)
 {
     static const char *const edits[][2] = {
-        {"    for (uint s = begin; s < end; s++) {\n        const uint e = column_of",
-         "    for (uint i = begin; i < end; i++) {\n        const uint s = begin + end - 1 - i;\n"
-         "        const uint e = column_of"},
-        {"const uint s = base + lid;", "const uint s = base + WG - 1 - lid;"},
+        {IN_ORDER_WALK, IN_ORDER_WALK_REVERSED},
+        {TILE_SLOT, TILE_SLOT_REVERSED},
         {"const uint slot = base + lid;", "const uint slot = base + ONE_WG - 1 - lid;"},
-        {"    for (uint s = 0; s < num_slots; s++) {\n",
-         "    for (uint i = 0; i < num_slots; i++) {\n        const uint s = num_slots - 1 - i;\n"},
         {"const uint s = at + lid;", "const uint s = at + FUSED_WG - 1 - lid;"},
         {"slot_cols[slot] = (ushort)(tot[e] + popcount(same & lower));",
          "slot_cols[slot] = (ushort)(tot[e] + popcount(same) - 1 - popcount(same & lower));"},
@@ -652,20 +674,10 @@ START_TEST(test_mutation_caught)
     char dir[] = "/tmp/moecl-mutant-XXXXXX", path[4096];
     write_mutant(edits, COUNT(edits), dir, path, sizeof(path));
     moecl_context *ctx = harness_context_with_kernel_dir(dir);
-
-    moecl_moe_align_desc d = moecl_moe_align_desc_init(512, 8, 16, 16);
-    harness_rng rng = harness_rng_for(6000);
-    int32_t *ids = make_ids(&rng, &d, LOAD_UNIFORM);
-    result r;
-    result_alloc(&d, &r);
-    run_on(ctx, &d, ids, false, true, &r);
     char msg[256];
-    int bad = ref_check_moe_align(&d, ids, r.counts, r.sorted, r.blocks, &r.post, r.slots, &r.invalid, msg,
-                                  sizeof(msg));
+    int bad = mutant_differences(ctx, 6000, false, msg, sizeof(msg));
     ck_assert_msg(bad > 0, "the unstable mutant passed the check");
     fprintf(stderr, "moe_align: the unstable mutant was caught: %d elements differ; first: %s\n", bad, msg);
-    result_free(&r);
-    free(ids);
     moecl_context_destroy(ctx);
     remove(path);
     rmdir(dir);
@@ -738,7 +750,8 @@ static int32_t *make_global_ids(harness_rng *rng, const moecl_moe_align_desc *d)
  * in turn (and the default choice), against the reference. */
 START_TEST(test_expert_map)
 {
-    static const char *const paths[] = {NULL, "align=fused", "align=chunked", "align=one-group"};
+    static const char *const paths[] = {NULL, "align=fused", "align=chunked", "align=one-group",
+                                        "align=fused-parallel"};
     /* tokens, top_k, local experts, ranks, block */
     static const uint32_t shapes[][5] = {{0, 2, 8, 4, 16},     {1, 8, 32, 8, 16},   {37, 4, 16, 2, 4},
                                          {1000, 8, 32, 8, 64}, {513, 6, 160, 2, 16}, {4096, 8, 64, 4, 128},
@@ -903,7 +916,7 @@ START_TEST(test_expert_map_mutation_caught)
         {"#define COUNTED(e, num_experts) ((e) <= (num_experts))",
          "#define COUNTED(e, num_experts) ((e) < (num_experts))"},
     };
-    static const char *const paths[] = {"align=fused", "align=chunked", "align=one-group"};
+    static const char *const paths[] = {"align=fused", "align=chunked", "align=one-group", "align=fused-parallel"};
     for (size_t mu = 0; mu < COUNT(mutants); mu++) {
         char dir[] = "/tmp/moecl-mutant-XXXXXX", file[4096];
         write_mutant(&mutants[mu], 1, dir, file, sizeof(file));
@@ -931,6 +944,115 @@ START_TEST(test_expert_map_mutation_caught)
             moecl_context_destroy(ctx);
         }
         harness_override_with(NULL);
+        remove(file);
+        rmdir(dir);
+    }
+}
+END_TEST
+
+/* ---- the parallel fused kernel (align=fused-parallel) ---- */
+
+static void assert_same_result(const result *x, const result *y, const char *what)
+{
+    ck_assert_msg(!memcmp(x->sorted, y->sorted, x->max_padded * 4), "%s: sorted_token_ids differ", what);
+    ck_assert_msg(!memcmp(x->blocks, y->blocks, x->num_blocks * 4), "%s: block_expert_ids differ", what);
+    ck_assert_msg(!memcmp(x->slots, y->slots, x->slots_n * 4), "%s: slot_positions differ", what);
+    ck_assert_msg(x->post == y->post && x->invalid == y->invalid, "%s: num_tokens_post_padded or num_invalid differ",
+                  what);
+}
+
+/* ids on the parallel kernel (par) against the reference, and bit for bit
+ * against the fused kernel (fused), on the device or the host path. */
+static void parallel_case(moecl_context *par, moecl_context *fused, const moecl_moe_align_desc *d,
+                          const int32_t *ids, bool device_path)
+{
+    char what[128];
+    describe(d, device_path, what, sizeof(what));
+    result a, b;
+    result_alloc(d, &a);
+    result_alloc(d, &b);
+    run_on(par, d, ids, device_path, true, &a);
+    check_result(d, ids, device_path, true, &a);
+    run_on(fused, d, ids, device_path, true, &b);
+    ck_assert_msg(!memcmp(a.counts, b.counts, d->num_experts * 4), "%s: expert_counts differ", what);
+    assert_same_result(&a, &b, what);
+    result_free(&a);
+    result_free(&b);
+}
+
+/* The decode sizes it is for, at and across its one-launch limit (8192
+ * slots: 1024 tokens at top 8), 0 and 1 tokens, one expert, 4096 experts
+ * and other block sizes, every load (random, distinct, all on one expert,
+ * sparse, invalid ids); then every slot on the first, the last or no
+ * expert at the limit. Forced, against the reference and the fused
+ * kernel's bits. */
+START_TEST(test_parallel)
+{
+    harness_override_with("align=fused-parallel");
+    moecl_context *par = harness_context();
+    harness_override_with("align=fused");
+    moecl_context *fused = harness_context();
+    harness_override_with(NULL);
+    /* tokens, top_k, experts, block */
+    static const uint32_t shapes[][4] = {{0, 8, 128, 64},    {1, 8, 128, 64},    {129, 8, 128, 64},
+                                         {256, 8, 128, 64},  {520, 8, 128, 64},  {1019, 8, 128, 64},
+                                         {1024, 8, 128, 64}, {1025, 8, 128, 64}, {1, 1, 1, 1},
+                                         {37, 3, 4096, 16},  {300, 6, 60, 1},    {2048, 4, 256, 128}};
+    unsigned i = 0;
+    for (size_t s = 0; s < COUNT(shapes); s++)
+        for (int load = 0; load < NUM_LOADS; load++, i++) {
+            if (harness_quick() && (size_t)load != s % NUM_LOADS)
+                continue;
+            const moecl_moe_align_desc d = moecl_moe_align_desc_init(shapes[s][0], shapes[s][1], shapes[s][2],
+                                                                     shapes[s][3]);
+            harness_rng rng = harness_rng_for(11000 + i);
+            int32_t *ids = make_ids(&rng, &d, (enum load)load);
+            parallel_case(par, fused, &d, ids, i % 2 == 0);
+            free(ids);
+        }
+    const moecl_moe_align_desc d = moecl_moe_align_desc_init(1024, 8, 128, 64);
+    const size_t slots = (size_t)d.num_tokens * d.top_k;
+    int32_t *ids = malloc(slots * 4);
+    static const int32_t targets[] = {0, 127, -1};
+    for (size_t t = 0; t < COUNT(targets); t++) {
+        for (size_t x = 0; x < slots; x++)
+            ids[x] = targets[t];
+        parallel_case(par, fused, &d, ids, true);
+    }
+    free(ids);
+    moecl_context_destroy(par);
+    moecl_context_destroy(fused);
+}
+END_TEST
+
+/* Copies of cl/moe_align.cl with the parallel kernel broken, loaded
+ * through MOECL_KERNEL_DIR, forced: its chunk placed unstably (CPUs: walked
+ * backwards; GPUs: each tile's slots in reverse), still grouped by
+ * expert; and a chunk's slots placed from their expert's start, as if no
+ * earlier chunk had any (caught where there are several work-groups:
+ * the GPU class, a CPU of more than one compute unit). The check must
+ * catch each. */
+START_TEST(test_parallel_mutation_caught)
+{
+    static const char *const mutants[][2][2] = {
+        {{IN_ORDER_WALK, IN_ORDER_WALK_REVERSED}, {TILE_SLOT, TILE_SLOT_REVERSED}},
+        {{"        run[e] += start[e];\n", "        run[e] = start[e];\n"}, {NULL, NULL}},
+    };
+    for (size_t mu = 0; mu < COUNT(mutants); mu++) {
+        char dir[] = "/tmp/moecl-mutant-XXXXXX", file[4096];
+        write_mutant(mutants[mu], mutants[mu][1][0] ? 2 : 1, dir, file, sizeof(file));
+        harness_override_with("align=fused-parallel");
+        moecl_context *ctx = harness_context_with_kernel_dir(dir);
+        harness_override_with(NULL);
+        if (mu == 1 && ctx->info.launch_class == MOECL_LAUNCH_CPU && ctx->info.compute_units < 2) {
+            fprintf(stderr, "moe_align: one compute unit, one work-group: parallel mutant %zu not run\n", mu);
+        } else {
+            char msg[256];
+            int bad = mutant_differences(ctx, 6100 + mu, true, msg, sizeof(msg));
+            ck_assert_msg(bad > 0, "parallel mutant %zu passed the check", mu);
+            fprintf(stderr, "moe_align: parallel mutant %zu caught: %d elements differ; first: %s\n", mu, bad, msg);
+        }
+        moecl_context_destroy(ctx);
         remove(file);
         rmdir(dir);
     }
@@ -1092,5 +1214,11 @@ int main(int argc, char **argv)
         tcase_add_test(map, test_expert_map_mutation_caught);
     tcase_add_test(map, test_expert_map);
     suite_add_tcase(s, map);
+    /* The parallel fused kernel, forced (--case parallel). */
+    TCase *par = tcase_create("parallel");
+    tcase_set_timeout(par, 1200);
+    tcase_add_test(par, test_parallel);
+    tcase_add_test(par, test_parallel_mutation_caught);
+    suite_add_tcase(s, par);
     return harness_run(s);
 }

@@ -373,6 +373,26 @@ START_TEST(test_sizes)
 }
 END_TEST
 
+/* The override's align=fused-parallel: the one kernel (GPU class) up to
+ * its forced limit, 8192 slots (1024 tokens at top 8), the two calls with
+ * moe_align's parallel kernel beyond it and in the CPU class; the
+ * benchmark's decode sizes and sizes at and across the limit. */
+START_TEST(test_fused_parallel)
+{
+    harness_override_with("align=fused-parallel");
+    moecl_context *ctx = harness_context();
+    harness_override_with(NULL);
+    static const uint32_t tokens[] = {1, 129, 256, 520, 1019, 1024, 1025};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        if (harness_quick() && tokens[t] > 256 && tokens[t] != 1024)
+            continue;
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(tokens[t], 128, 8);
+        route_case(ctx, &d, 64, t % 2 == 1, LOGITS_NORMAL, 1400 + t);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Exact ties (to the lower index) and NaN / inf logits: the ids stay
  * distinct and in range, so num_invalid is 0, and both paths agree with
  * the two calls bit for bit. */
@@ -1351,6 +1371,11 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_out_dtypes);
     tcase_add_test(tc, test_shared_experts);
     suite_add_tcase(s, tc);
+    /* The override's align=fused-parallel (--case parallel). */
+    TCase *par = tcase_create("parallel");
+    tcase_set_timeout(par, 1200);
+    tcase_add_test(par, test_fused_parallel);
+    suite_add_tcase(s, par);
     /* moecl_route_dispatch_ex's optional tensors (--case ex). */
     TCase *ex = tcase_create("ex");
     tcase_set_timeout(ex, 1200);

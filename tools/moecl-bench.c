@@ -37,7 +37,8 @@
 #include "tool_json.h"
 
 /* OP_GROUNDED_ROUTE: moecl_grounded_route_dispatch, the grounded desc with
- * the align desc's block_size. OP_ROUTER: moecl_router on the grounded
+ * the align desc's block_size. OP_ROUTE: moecl_route_dispatch, the topk
+ * desc with the align desc's block_size. OP_ROUTER: moecl_router on the grounded
  * desc, without router logits, with a bias where `bias` is set.
  * OP_REPLAY: moecl_topk_weights on the topk desc, given distinct ids;
  * OP_HASH: moecl_hash_routing on the topk desc, a table of HASH_VOCAB
@@ -46,7 +47,8 @@
  * perm's hidden size and dtype (in and out alike; combine's comb the
  * same). */
 typedef enum op_kind {
-    OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH, OP_PERMUTE, OP_COMBINE
+    OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH, OP_PERMUTE, OP_COMBINE,
+    OP_ROUTE
 } op_kind;
 
 /* DeepSeek-V4's vocabulary (its hash layers' tid2eid rows). */
@@ -226,11 +228,15 @@ typedef struct case_buffers {
 static bool permute_op(const bench_case *c) { return c->op == OP_PERMUTE || c->op == OP_COMBINE; }
 
 /* Whether the case's op takes the topk desc: top-k gating, replay, hash
- * routing. */
+ * routing, top-k's route dispatch. */
 static bool topk_desc_op(const bench_case *c)
 {
-    return c->op == OP_TOPK || c->op == OP_REPLAY || c->op == OP_HASH;
+    return c->op == OP_TOPK || c->op == OP_REPLAY || c->op == OP_HASH || c->op == OP_ROUTE;
 }
+
+/* Whether the case's call writes moe_align's outputs after a routing's
+ * (b->dispatch). */
+static bool dispatch_op(const bench_case *c) { return c->op == OP_GROUNDED_ROUTE || c->op == OP_ROUTE; }
 
 /* Replay's given ids or hash routing's token ids. */
 static size_t replay_ids_bytes(const bench_case *c)
@@ -254,7 +260,7 @@ static size_t input_bytes(const bench_case *c)
         /* hash routing also reads a table row (top_k ids) a token */
         const size_t gating = (size_t)c->topk.num_tokens * c->topk.num_experts * ref_dtype_size(c->topk.gating_dtype);
         const size_t rows = c->op == OP_HASH ? (size_t)c->topk.num_tokens * c->topk.top_k * 4 : 0;
-        return gating + (c->op == OP_TOPK ? 0 : replay_ids_bytes(c)) + rows;
+        return gating + (c->op == OP_REPLAY || c->op == OP_HASH ? replay_ids_bytes(c) : 0) + rows;
     }
     const moecl_grounded_router_desc *d = &c->grounded;
     size_t s = ref_dtype_size(d->hidden_dtype);
@@ -360,8 +366,8 @@ static size_t output_bytes(const bench_case *c)
     size_t sizes[7];
     if (c->op == OP_ALIGN)
         return align_sizes(&c->align, sizes);
-    if (c->op == OP_GROUNDED_ROUTE)
-        return (size_t)c->grounded.num_tokens * c->grounded.top_k * 8 + align_sizes(&c->align, sizes);
+    if (dispatch_op(c))
+        return routed_slots(c) * 8 + align_sizes(&c->align, sizes);
     if (c->op == OP_EP)
         return ep_sizes(&c->ep, sizes);
     if (c->op == OP_REPLAY)
@@ -515,11 +521,11 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
         ep_tables(cl, &c->ep, b);
         return;
     }
-    if (c->op == OP_GROUNDED_ROUTE) {
+    if (dispatch_op(c)) {
         size_t sizes[6];
         align_sizes(&c->align, sizes);
         for (int i = 0; i < 6; i++)
-            b->dispatch[i] = tool_make_buffer("moecl-bench", cl, sizes[i], NULL);
+            b->dispatch[i] = tool_make_buffer("moecl-bench", cl, sizes[i] ? sizes[i] : 4, NULL);
     }
     if (c->op == OP_REPLAY || c->op == OP_HASH)
         replay_tables(cl, c, &seed, b);
@@ -597,6 +603,14 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
                                   (moecl_buffer){b->tables[1], 0}, HASH_VOCAB, (moecl_buffer){b->out1, 0},
                                   (moecl_buffer){b->out2, 0}, after ? 1 : 0, after ? &after : NULL, done);
     moecl_buffer bias = {b->bias, 0};
+    if (c->op == OP_ROUTE) {
+        const cl_mem *d = b->dispatch;
+        return moecl_route_dispatch(ctx, &c->topk, c->align.block_size, (moecl_buffer){b->in[set], 0},
+                                    b->bias ? bias : none, (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0},
+                                    (moecl_buffer){d[0], 0}, (moecl_buffer){d[1], 0}, (moecl_buffer){d[2], 0},
+                                    (moecl_buffer){d[3], 0}, (moecl_buffer){d[4], 0}, (moecl_buffer){d[5], 0},
+                                    after ? 1 : 0, after ? &after : NULL, done);
+    }
     if (c->op == OP_TOPK)
         return moecl_topk_gating(ctx, &c->topk, (moecl_buffer){b->in[set], 0}, b->bias ? bias : none,
                                  (moecl_buffer){b->out1, 0}, (moecl_buffer){b->out2, 0}, after ? 1 : 0,
@@ -617,14 +631,14 @@ static moecl_status call(moecl_context *ctx, const bench_case *c, const case_buf
 }
 
 /* One timed call: its kernel's time, or for moe_align, the layout, the
- * grounded route dispatch and (all_from_marker) every op the span from a
+ * route dispatches and (all_from_marker) every op the span from a
  * marker just before it to the end of its last kernel; also the time spent inside the call and the returned
  * event's own START..END. */
 static moecl_status timed_call(moecl_context *ctx, const bench_case *c, const case_buffers *b, int set,
                                bool all_from_marker, double *us, double *host_us, double *kernel_us)
 {
     cl_event marker = NULL, ev = NULL;
-    if ((all_from_marker || c->op == OP_ALIGN || c->op == OP_EP || c->op == OP_GROUNDED_ROUTE) &&
+    if ((all_from_marker || c->op == OP_ALIGN || c->op == OP_EP || dispatch_op(c)) &&
         clEnqueueMarkerWithWaitList(moecl_context_queue(ctx), 0, NULL, &marker) != CL_SUCCESS)
         return MOECL_ERROR_UNSUPPORTED;
     const double h0 = tool_now_us();
@@ -741,7 +755,7 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         free(ids);
         return;
     }
-    if (c->op == OP_TOPK) {
+    if (c->op == OP_TOPK || c->op == OP_ROUTE) {
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
         bad = ref_check_topk_gating(&c->topk, b->host_in, b->host_bias, w, ids, r->check_msg, sizeof(r->check_msg));
@@ -774,12 +788,20 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
         bad = ref_check_router(&c->grounded, b->host_in, NULL, b->host_in3, b->host_bias, NULL, w, ids, r->check_msg,
                                sizeof(r->check_msg));
     } else if (c->op == OP_GROUNDED_ROUTE) {
-        /* The router's weights and ids against its reference, then the
-         * dispatch exactly against moe_align's for those ids. */
         clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 4, w, 0, NULL, NULL);
         clEnqueueReadBuffer(q, b->out2, CL_TRUE, 0, nk * 4, ids, 0, NULL, NULL);
         bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, NULL, w, ids,
                                         r->check_msg, sizeof(r->check_msg));
+    } else {
+        clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 8, w, 0, NULL, NULL);
+        bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, w, NULL, NULL,
+                                        r->check_msg, sizeof(r->check_msg));
+        for (size_t i = 0; i < nk; i++) /* the pairs' index halves */
+            ids[i] = (int32_t)w[2 * i];
+    }
+    /* A route dispatch: the routing's weights and ids checked above, then
+     * the dispatch exactly against moe_align's for those ids. */
+    if (!bad && dispatch_op(c)) {
         size_t sizes[6];
         align_sizes(&c->align, sizes);
         int32_t *outs[6];
@@ -787,17 +809,10 @@ static void check_case(moecl_context *ctx, const bench_case *c, const case_buffe
             outs[i] = malloc(sizes[i] + 4);
             clEnqueueReadBuffer(q, b->dispatch[i], CL_TRUE, 0, sizes[i], outs[i], 0, NULL, NULL);
         }
-        if (!bad)
-            bad = ref_check_moe_align(&c->align, ids, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5],
-                                      r->check_msg, sizeof(r->check_msg));
+        bad = ref_check_moe_align(&c->align, ids, outs[0], outs[1], outs[2], outs[3], outs[4], outs[5], r->check_msg,
+                                  sizeof(r->check_msg));
         for (int i = 0; i < 6; i++)
             free(outs[i]);
-    } else {
-        clEnqueueReadBuffer(q, b->out1, CL_TRUE, 0, nk * 8, w, 0, NULL, NULL);
-        bad = ref_check_grounded_router(&c->grounded, b->host_in, b->host_in2, b->host_in3, w, NULL, NULL,
-                                        r->check_msg, sizeof(r->check_msg));
-        for (size_t i = 0; i < nk; i++) /* the pairs' index halves */
-            ids[i] = (int32_t)w[2 * i];
     }
     r->ids_hash = fnv1a_ids(ids, nk);
     r->checked_ok = bad == 0;
@@ -833,8 +848,12 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     } else if (c->op == OP_EP) {
         if ((st = moecl_ep_layout_prepare(prof, &c->ep)) || (st = moecl_ep_layout_prepare(plain, &c->ep)))
             die(c->label, prof, st);
-    } else if (c->op == OP_TOPK) {
-        if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)))
+    } else if (c->op == OP_TOPK || c->op == OP_ROUTE) {
+        /* A route dispatch's one kernel is built by its first call (the
+         * check's): prepare_ms covers top-k and moe_align's kernels. */
+        if ((st = moecl_topk_gating_prepare(prof, &c->topk)) || (st = moecl_topk_gating_prepare(plain, &c->topk)) ||
+            (c->op == OP_ROUTE &&
+             ((st = moecl_moe_align_prepare(prof, &c->align)) || (st = moecl_moe_align_prepare(plain, &c->align)))))
             die(c->label, prof, st);
     } else if (c->op == OP_REPLAY || c->op == OP_HASH) {
         /* No _prepare: a call of no tokens builds the kernel, nothing else. */
@@ -1216,6 +1235,18 @@ static int default_cases(bench_case *out, bool quick)
             g->grounded.hidden_dtype = MOECL_BF16;
             n++;
         }
+    /* Top-k softmax through to dispatch (moecl_route_dispatch, top 8,
+     * block 64) at the decode sizes of the seed shapes: one launch where
+     * the device and the override (align=) allow, else the two calls. */
+    static const unsigned topk_route_tokens[] = {1, 129, 256, 520, 1019};
+    for (size_t i = 0; i < sizeof(topk_route_tokens) / sizeof(topk_route_tokens[0]); i++) {
+        g = &out[n++];
+        memset(g, 0, sizeof(*g));
+        g->label = "route softmax";
+        g->op = OP_ROUTE;
+        g->topk = moecl_topk_gating_desc_init(topk_route_tokens[i], 128, 8);
+        g->align = moecl_moe_align_desc_init(topk_route_tokens[i], 8, 128, 64);
+    }
     /* The grounded router through to dispatch (block 64): decode sizes and
      * the seed shape. */
     static const unsigned route_tokens[] = {1, 129, 256, 4096};
@@ -1241,6 +1272,9 @@ static void shape_text(const bench_case *c, char *buf, size_t size)
     else if (c->op == OP_EP)
         snprintf(buf, size, "%ux%u k%u r%u p%u", c->ep.num_tokens, c->ep.num_experts, c->ep.top_k, c->ep.num_ranks,
                  c->ep.num_physical);
+    else if (c->op == OP_ROUTE)
+        snprintf(buf, size, "%ux%u k%u b%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k,
+                 c->align.block_size);
     else if (topk_desc_op(c))
         snprintf(buf, size, "%ux%u k%u", c->topk.num_tokens, c->topk.num_experts, c->topk.top_k);
     else if (c->op == OP_GROUNDED_ROUTE)

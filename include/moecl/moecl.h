@@ -1204,8 +1204,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * every block -1, num_invalid 0.
  *
  * Asynchronous: validates, then enqueues the kernels on the context's
- * queue and returns. One of three paths, which moecl chooses for the size
- * and the device (docs/routing.md §7); all three give the same bits:
+ * queue and returns. One of four paths, which moecl chooses for the size
+ * and the device (docs/routing.md §7); all four give the same bits:
  *   - the fused kernel, one launch: every work-group counts and ranks its
  *     chunk of slots, then takes a ticket with atomic_inc on a global
  *     counter; the work-group that takes the last ticket scans the
@@ -1221,6 +1221,13 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  *     atomics on different words). pocl, Intel's CPU runtime and oclgrind
  *     give the exact results with it, and so did NVIDIA's OpenCL on the
  *     H200 (the moe_align suites); cl/moe_align.cl says more;
+ *   - the parallel fused kernel, one launch: every work-group counts
+ *     every slot, so that it knows each expert's start and how many of
+ *     each expert's slots come before its own chunk, then places its own
+ *     chunk and a share of the padding and blocks. Nothing passes between
+ *     work-groups (no counter, no scratch buffer, no global atomics), so
+ *     it assumes nothing of the device beyond OpenCL 1.2; each work-group
+ *     reads every id, so it suits decode-sized routings;
  *   - one kernel in one work-group;
  *   - three kernels (count, scan, scatter; the count is skipped when
  *     num_tokens == 0), at any size.
@@ -1232,7 +1239,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * completes after all of them; the caller releases it. The three-kernel
  * path needs a device scratch buffer of about 4 * (num_tokens * top_k +
  * 3 * num_experts) bytes, the fused one of at most about 4 * (3 *
- * num_tokens * top_k + 2 * num_experts) (its counter is the first word):
+ * num_tokens * top_k + 2 * num_experts) (its counter is the first word),
+ * the one-group and the parallel fused kernel none:
  * on an in-order queue the context keeps one,
  * grown as needed and reused (calls from several threads take turns while
  * enqueueing, and the queue runs their kernels one call after another);
@@ -1252,7 +1260,8 @@ MOECL_API uint64_t moecl_moe_align_max_padded(const moecl_moe_align_desc *desc);
  * allocation, of a clSetKernelArg, CL_INVALID_WORK_GROUP_SIZE (a kernel's
  * limit on this device is below its work-group), or of an enqueue. All of
  * these but an enqueue after the first are found before anything is
- * enqueued: nothing is enqueued and no output byte changes. On the fused
+ * enqueued: nothing is enqueued and no output byte changes (the one-group
+ * and the parallel fused kernel enqueue one command). On the fused
  * path, if the kernel's enqueue fails after the counter's fill, only the
  * scratch buffer changed. On the three-kernel path a later enqueue can
  * fail: if the scan's does, only
@@ -1564,9 +1573,13 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  *     counts a chunk, takes a ticket, and the last work-group writes
  *     every dispatch output. It assumes of the device what that fused
  *     kernel does (see moecl_moe_align()), and also passes each slot's
- *     expert to the last work-group through an atomic. Preceded by a fill
+ *     expert to the last work-group through an atomic (one word with its
+ *     rank). Preceded by a fill
  *     of its ticket where moe_align's fused path would need one, under the
- *     same conditions;
+ *     same conditions. Its last work-group places every slot with all its
+ *     work-items (each slot's rank in its chunk stored by the work-group
+ *     that routed it); moe_align's parallel fused kernel does not apply,
+ *     since no other work-group can read every id this launch writes;
  *   - otherwise two calls' commands: top-k gating's kernel (none when
  *     num_tokens is 0), then moe_align's path as moecl_moe_align()
  *     chooses it; on an out-of-order queue moe_align's first command
@@ -1575,7 +1588,7 @@ MOECL_API moecl_status moecl_ep_layout_prepare(moecl_context *ctx, const moecl_e
  * non-NULL, receives the event of the last command, which completes after
  * all of them. Both paths use the context's scratch buffer as
  * moecl_moe_align() describes; the one kernel needs about 4 * (1 + 2 *
- * groups * (num_experts + 1) + 2 * num_tokens * top_k) bytes of it, where
+ * groups * (num_experts + 1) + num_tokens * top_k) bytes of it, where
  * groups is the number of its work-groups.
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (any field of either descriptor, a

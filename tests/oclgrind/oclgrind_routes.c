@@ -271,10 +271,12 @@ static const run_def runs[] = {
     {"align-cpu-one-group", OP_ALIGN, "cpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
     {"align-cpu-fused", OP_ALIGN, "cpu", "align=fused", false, {0, 0, 0, 0, {0}}, true, false},
     {"align-cpu-chunked", OP_ALIGN, "cpu", "align=chunked", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-cpu-fused-parallel", OP_ALIGN, "cpu", "align=fused-parallel", false, {0, 0, 0, 0, {0}}, true, false},
     {"align-gpu", OP_ALIGN, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"align-gpu-one-group", OP_ALIGN, "gpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
     {"align-gpu-fused", OP_ALIGN, "gpu", "align=fused", false, {0, 0, 0, 0, {0}}, true, false},
     {"align-gpu-chunked", OP_ALIGN, "gpu", "align=chunked", false, {0, 0, 0, 0, {0}}, true, false},
+    {"align-gpu-fused-parallel", OP_ALIGN, "gpu", "align=fused-parallel", false, {0, 0, 0, 0, {0}}, true, false},
     /* moecl_route_dispatch: top-k, then moe_align, in both classes. */
     {"route-cpu", OP_ROUTE, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"route-gpu", OP_ROUTE, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
