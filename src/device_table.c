@@ -107,6 +107,8 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_BINARY_CACHE, 1,
             "a stored binary spares the driver's compile in the next process: Intel's CPU runtime, "
             "2026-12-05, 96 top-k programs in 27.0 s cold, 1.4 s from the cache, 26.8 s with it off"),
+    DEFAULT(MOECL_DP_KERNEL_WG_QUERY, 1,
+            "CL_KERNEL_WORK_GROUP_SIZE is the kernel's limit: register use can lower it below the device's"),
 };
 
 /* ---- NVIDIA ---- */
@@ -160,9 +162,19 @@ static const table_launch pocl_launches[] = {
      "team kernels 3x to 25x slower; 8 rows is also the rule's"},
 };
 
+/* ---- Mesa's rusticl ---- */
+
+static const table_value rusticl_llvmpipe_values[] = {
+    {MOECL_DP_KERNEL_WG_QUERY, 0,
+     "rusticl 22.3.6 on llvmpipe (LLVM 15.0.6), 2026-12-07: CL_KERNEL_WORK_GROUP_SIZE is 32 for every kernel, "
+     "one with reqd_work_group_size(128) too, while work-groups of 64 to 1024 with barriers and local memory "
+     "run right (tests/test_drivers.c, kernel_work_group_size)"},
+};
+
 static const table_entry entries[] = {
     {MOECL_VENDOR_NVIDIA, NULL, nvidia_values, COUNT(nvidia_values), nvidia_launches, COUNT(nvidia_launches)},
     {MOECL_VENDOR_POCL, NULL, pocl_values, COUNT(pocl_values), pocl_launches, COUNT(pocl_launches)},
+    {MOECL_VENDOR_RUSTICL, "llvmpipe", rusticl_llvmpipe_values, COUNT(rusticl_llvmpipe_values), NULL, 0},
 };
 
 /* ---- lookup ---- */
