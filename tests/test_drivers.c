@@ -59,20 +59,34 @@ static const char exp_source[] =
 
 enum { N = 256 };
 
+/* A program of source built for the context's device as OpenCL C 1.2. */
+static cl_program build_source(moecl_context *ctx, const char *source)
+{
+    cl_device_id dev = moecl_context_device(ctx);
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(moecl_context_cl_context(ctx), 1, &source, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
+    return prog;
+}
+
+static cl_kernel kernel_of(cl_program prog, const char *name)
+{
+    cl_int err;
+    cl_kernel k = clCreateKernel(prog, name, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    return k;
+}
+
 /* Runs kernel `name` of exp_source over N work-items in groups of `local`;
  * returns how many outputs are off the host's sigmoid by more than 4 ulp. */
 static int run_exp_kernel(moecl_context *ctx, const char *name, size_t local)
 {
     cl_context cl = moecl_context_cl_context(ctx);
-    cl_device_id dev = moecl_context_device(ctx);
     cl_command_queue q = moecl_context_queue(ctx);
     cl_int err;
-    const char *src = exp_source;
-    cl_program prog = clCreateProgramWithSource(cl, 1, &src, NULL, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
-    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
-    cl_kernel k = clCreateKernel(prog, name, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_program prog = build_source(ctx, exp_source);
+    cl_kernel k = kernel_of(prog, name);
 
     float x[N], out[N];
     for (int i = 0; i < N; i++)
@@ -166,15 +180,8 @@ START_TEST(test_kernel_work_group_size)
     moecl_context *ctx = harness_context();
     cl_device_id dev = moecl_context_device(ctx);
     const size_t device_max = ctx->info.max_work_group_size;
-    cl_int err;
-    const char *src = wg_source;
-    cl_program prog = clCreateProgramWithSource(moecl_context_cl_context(ctx), 1, &src, NULL, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
-    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
-    cl_kernel fixed = clCreateKernel(prog, "fixed", &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
-    cl_kernel any = clCreateKernel(prog, "any_size", &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_program prog = build_source(ctx, wg_source);
+    cl_kernel fixed = kernel_of(prog, "fixed"), any = kernel_of(prog, "any_size");
     size_t fixed_limit = 0, any_limit = 0;
     ck_assert_int_eq(clGetKernelWorkGroupInfo(fixed, dev, CL_KERNEL_WORK_GROUP_SIZE, sizeof fixed_limit, &fixed_limit,
                                               NULL),
@@ -224,15 +231,10 @@ START_TEST(test_loop_iteration_limit)
 {
     moecl_context *ctx = harness_context();
     cl_context cl = moecl_context_cl_context(ctx);
-    cl_device_id dev = moecl_context_device(ctx);
     cl_command_queue q = moecl_context_queue(ctx);
     cl_int err;
-    const char *src = loop_source;
-    cl_program prog = clCreateProgramWithSource(cl, 1, &src, NULL, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
-    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
-    cl_kernel k = clCreateKernel(prog, "count", &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_program prog = build_source(ctx, loop_source);
+    cl_kernel k = kernel_of(prog, "count");
     const cl_uint n = 70000;
     cl_uint out[2] = {0, 0}, hash = 0;
     for (cl_uint i = 0; i < n; i++)
