@@ -303,6 +303,10 @@ typedef enum moecl_device_param {
      * 0 where that query is known to be wrong, the device's
      * CL_DEVICE_MAX_WORK_GROUP_SIZE (src/program.c). */
     MOECL_DP_KERNEL_WG_QUERY,
+    /* The iterations after which the driver leaves a loop (nested loops'
+     * counted too) and runs on; 0: none. The grounded router's rows kernel
+     * then takes fewer tokens a work-item (src/grounded_router.c). */
+    MOECL_DP_LOOP_LIMIT,
     MOECL_NUM_DEVICE_PARAMS
 } moecl_device_param;
 
