@@ -258,7 +258,9 @@ static inline float sum16(float16 v)
 /* sum16 of each of sixteen vectors at once, lane q holding sum16(v[q]) bit
  * for bit: the same pairs of lanes added in the same order, but each add
  * serves several vectors (15 adds and 30 shuffles instead of some 160
- * instructions of sixteen separate sum16 calls). */
+ * instructions of sixteen separate sum16 calls). v is one array of 16: C
+ * leaves reading past the first row of a 2-D array through &a[0][0]
+ * undefined, and Mesa's rusticl 22.3 reads zeros there. */
 static inline float16 sum16_of_16(const float16 *v)
 {
     float16 t[8], u[4], w[2];
@@ -290,12 +292,13 @@ static inline void dot_block(__global const in_t *hidden, __global const in_t *g
 #pragma unroll
     for (uint n = 0; n < RN; n++)
         w_row[n] = ground + (size_t)min(e0 + n, (uint)(NUM_EXPERTS - 1)) * HIDDEN_DIM;
-    float16 acc[MB][RN];
+    /* acc[m * RN + n]: token m, expert e0 + n (one array, for sum16_of_16). */
+    float16 acc[MB * RN];
 #pragma unroll
     for (uint m = 0; m < MB; m++)
 #pragma unroll
         for (uint n = 0; n < RN; n++)
-            acc[m][n] = (float16)(0.0f);
+            acc[m * RN + n] = (float16)(0.0f);
     for (uint i = c0; i < c1; i += 16) {
         float16 w[RN];
 #pragma unroll
@@ -306,15 +309,15 @@ static inline void dot_block(__global const in_t *hidden, __global const in_t *g
             const float16 h = load_hidden16(h_row[m], i);
 #pragma unroll
             for (uint n = 0; n < RN; n++)
-                acc[m][n] = fma(h, w[n], acc[m][n]);
+                acc[m * RN + n] = fma(h, w[n], acc[m * RN + n]);
         }
     }
 #if MB * RN == 16
     float sums[16];
-    vstore16(sum16_of_16(&acc[0][0]), 0, sums);
+    vstore16(sum16_of_16(acc), 0, sums);
 #define SUM_OF(m, n) sums[(m) * RN + (n)]
 #else
-#define SUM_OF(m, n) sum16(acc[m][n])
+#define SUM_OF(m, n) sum16(acc[(m) * RN + (n)])
 #endif
 #pragma unroll
     for (uint m = 0; m < MB; m++)

@@ -75,7 +75,7 @@ static void describe_launches(const moecl_context *ctx, moecl_context_info *r)
 static void describe(const moecl_context *ctx, moecl_context_info *r)
 {
     const moecl_device_info *i = &ctx->info;
-    static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl"};
+    static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl", "rusticl"};
     memset(r, 0, sizeof(*r));
     r->struct_size = sizeof(*r);
     COPY(r->platform, i->platform_name);

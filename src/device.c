@@ -51,6 +51,10 @@ static moecl_vendor vendor_of(const char *platform, const char *vendor)
 {
     if (contains_nocase(platform, "portable computing language") || contains_nocase(platform, "pocl"))
         return MOECL_VENDOR_POCL;
+    /* Mesa's rusticl: its compiler (through SPIR-V and NIR) and runtime
+     * serve every device it drives, so the platform decides. */
+    if (strcasecmp(platform, "rusticl") == 0)
+        return MOECL_VENDOR_RUSTICL;
     if (contains_nocase(vendor, "nvidia") || contains_nocase(platform, "nvidia"))
         return MOECL_VENDOR_NVIDIA;
     if (contains_nocase(vendor, "advanced micro devices") || contains_nocase(vendor, "amd"))

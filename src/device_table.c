@@ -113,6 +113,9 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_BINARY_CACHE, 1,
             "a stored binary spares the driver's compile in the next process: Intel's CPU runtime, "
             "2026-12-05, 96 top-k programs in 27.0 s cold, 1.4 s from the cache, 26.8 s with it off"),
+    DEFAULT(MOECL_DP_KERNEL_WG_QUERY, 1,
+            "CL_KERNEL_WORK_GROUP_SIZE is the kernel's limit: register use can lower it below the device's"),
+    DEFAULT(MOECL_DP_LOOP_LIMIT, 0, "no other driver is known to leave long loops early"),
 };
 
 /* ---- NVIDIA ---- */
@@ -166,9 +169,23 @@ static const table_launch pocl_launches[] = {
      "team kernels 3x to 25x slower; 8 rows is also the rule's"},
 };
 
+/* ---- Mesa's rusticl ---- */
+
+static const table_value rusticl_llvmpipe_values[] = {
+    {MOECL_DP_KERNEL_WG_QUERY, 0,
+     "rusticl 22.3.6 on llvmpipe (LLVM 15.0.6), 2026-12-07: CL_KERNEL_WORK_GROUP_SIZE is 32 for every kernel, "
+     "one with reqd_work_group_size(128) too, while work-groups of 64 to 1024 with barriers and local memory "
+     "run right (tests/test_drivers.c, kernel_work_group_size)"},
+    {MOECL_DP_LOOP_LIMIT, 65535,
+     "rusticl 22.3.6 on llvmpipe, 2026-12-07: a loop of 70000 iterations runs 65535 "
+     "(tests/test_drivers.c, loop_iteration_limit); the grounded rows kernel routed 64 experts at hidden 256 "
+     "right with 24 tokens a work-item and wrong from 25"},
+};
+
 static const table_entry entries[] = {
     {MOECL_VENDOR_NVIDIA, NULL, nvidia_values, COUNT(nvidia_values), nvidia_launches, COUNT(nvidia_launches)},
     {MOECL_VENDOR_POCL, NULL, pocl_values, COUNT(pocl_values), pocl_launches, COUNT(pocl_launches)},
+    {MOECL_VENDOR_RUSTICL, "llvmpipe", rusticl_llvmpipe_values, COUNT(rusticl_llvmpipe_values), NULL, 0},
 };
 
 /* ---- lookup ---- */

@@ -298,11 +298,24 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
     return false;
 }
 
+/* Tokens x experts x hidden values a work-item of the rows kernel may
+ * take per iteration the driver allows a loop (MOECL_DP_LOOP_LIMIT):
+ * rusticl's llvmpipe routed 24 x 64 x 256 = 6.0 x its 65535 right and
+ * 28 x 64 x 256 wrong. */
+#define ROWS_VALUES_PER_ITERATION 6u
+
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
- * LAYOUT_GROUNDED_ROWS_TM tokens (grounded_router_rows' TM). */
-static grounded_shape rows_shape(unsigned rows, unsigned experts, unsigned k)
+ * LAYOUT_GROUNDED_ROWS_TM tokens (grounded_router_rows' TM), fewer where
+ * the driver's loop limit would cut the work-item's loops short (a token
+ * a work-item at least: past that the limit is not fenced,
+ * docs/devices.md). */
+static grounded_shape rows_shape(const moecl_device_info *info, unsigned rows, unsigned hidden, unsigned experts,
+                                 unsigned k)
 {
-    const unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
+    unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
+    const uint64_t limit = moecl_device_table_params(info).value[MOECL_DP_LOOP_LIMIT];
+    while (limit && tm > 1 && (uint64_t)tm * experts * hidden > ROWS_VALUES_PER_ITERATION * limit)
+        tm = tm > 8 ? 8 : tm / 2;
     return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
                             "grounded_router_rows", 0, 0, 0, 0, 0};
 }
@@ -320,7 +333,7 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     case MOECL_KERNEL_ROWS:
         if (c->team != 1 || !moecl_is_pow2(c->rows) || c->rows > info->max_work_group_size)
             return false;
-        *shape = rows_shape(c->rows, experts, k);
+        *shape = rows_shape(info, c->rows, hidden, experts, k);
         return true;
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&

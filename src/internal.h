@@ -38,6 +38,7 @@ typedef enum moecl_vendor {
     MOECL_VENDOR_AMD,
     MOECL_VENDOR_INTEL,
     MOECL_VENDOR_POCL,
+    MOECL_VENDOR_RUSTICL, /* Mesa's rusticl, by its platform name, whatever its device */
 } moecl_vendor;
 
 /* moe_align's paths (src/moe_align.c): chosen by size and device, or
@@ -305,6 +306,14 @@ typedef enum moecl_device_param {
      * device's program binaries: 1; 0 where the implementation keeps a
      * kernel cache of its own and fetching a binary costs a compile. */
     MOECL_DP_BINARY_CACHE,
+    /* A kernel's work-group limit: 1, the driver's CL_KERNEL_WORK_GROUP_SIZE;
+     * 0 where that query is known to be wrong, the device's
+     * CL_DEVICE_MAX_WORK_GROUP_SIZE (src/program.c). */
+    MOECL_DP_KERNEL_WG_QUERY,
+    /* The iterations after which the driver leaves a loop (nested loops'
+     * counted too) and runs on; 0: none. The grounded router's rows kernel
+     * then takes fewer tokens a work-item (src/grounded_router.c). */
+    MOECL_DP_LOOP_LIMIT,
     MOECL_NUM_DEVICE_PARAMS
 } moecl_device_param;
 

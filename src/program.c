@@ -303,9 +303,14 @@ moecl_status moecl_variant_get(moecl_context *ctx, moecl_program_kind kind, cons
                     st = moecl_fail(ctx, MOECL_ERROR_OUT_OF_MEMORY, "out of host memory registering a kernel");
             }
             if (st == MOECL_SUCCESS) {
-                /* Register use can lower this below the device's limit. */
-                if (clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_WORK_GROUP_SIZE, sizeof(v->work_group_limit),
-                                             &v->work_group_limit, NULL) != CL_SUCCESS)
+                /* Register use can lower this below the device's limit;
+                 * where the device table knows the query to be wrong, the
+                 * device's limit stands. */
+                if (!ctx->params.value[MOECL_DP_KERNEL_WG_QUERY])
+                    v->work_group_limit = ctx->info.max_work_group_size;
+                else if (clGetKernelWorkGroupInfo(k, ctx->device, CL_KERNEL_WORK_GROUP_SIZE,
+                                                  sizeof(v->work_group_limit), &v->work_group_limit,
+                                                  NULL) != CL_SUCCESS)
                     v->work_group_limit = 0;
                 first->kernel = k;
                 atomic_init(&first->busy, false);

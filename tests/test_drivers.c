@@ -11,7 +11,29 @@
  * last one's value. exp2, sqrt and log are not affected; a value stored in
  * local memory before the barrier, or computed after it, is right.
  * topk_gating_team therefore keeps the logits through its barriers and
- * scores the chosen ones after the selection (cl/topk_gating.cl, step 1). */
+ * scores the chosen ones after the selection (cl/topk_gating.cl, step 1).
+ *
+ * kernel_work_group_size: Mesa's rusticl 22.3.6 on llvmpipe reports
+ * CL_KERNEL_WORK_GROUP_SIZE 32 for every kernel, one whose
+ * reqd_work_group_size is 128 too, while work-groups up to the device's
+ * CL_DEVICE_MAX_WORK_GROUP_SIZE (1024) with barriers and local memory run
+ * right. moecl would refuse every kernel of more than 32 work-items there
+ * (the GPU launch class, moe_align's and the layout's work-groups), so
+ * the device table (src/device_table.c, MOECL_DP_KERNEL_WG_QUERY) takes the
+ * device's limit for every kernel on that driver. The test fails where the
+ * fault is present and the table does not say so, or where a work-group
+ * of the limit moecl takes runs wrong.
+ *
+ * loop_iteration_limit: Mesa 22.3.6's llvmpipe (under rusticl) leaves a
+ * loop after 65535 iterations, the iterations of loops nested in it
+ * counted too, and the kernel goes on with whatever it has: a loop of
+ * 70000 counts 65535. The grounded router's rows kernel, whose
+ * work-item loops over its tokens, the experts and the hidden size,
+ * routed 64 experts at hidden 256 right with up to 24 tokens a work-item
+ * and wrong from 25 (at hidden 512 from 13); where the device table
+ * records the limit (MOECL_DP_LOOP_LIMIT) it takes fewer tokens a
+ * work-item (src/grounded_router.c). The test fails where the fault is
+ * present and the table does not record the limit this kernel shows. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -21,6 +43,7 @@
 #include <CL/cl.h>
 
 #include "harness.h"
+#include "internal.h"
 
 static const char exp_source[] =
     "__kernel void across(__global const float *x, __global float *out) {\n"
@@ -37,20 +60,34 @@ static const char exp_source[] =
 
 enum { N = 256 };
 
+/* A program of source built for the context's device as OpenCL C 1.2. */
+static cl_program build_source(moecl_context *ctx, const char *source)
+{
+    cl_device_id dev = moecl_context_device(ctx);
+    cl_int err;
+    cl_program prog = clCreateProgramWithSource(moecl_context_cl_context(ctx), 1, &source, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
+    return prog;
+}
+
+static cl_kernel kernel_of(cl_program prog, const char *name)
+{
+    cl_int err;
+    cl_kernel k = clCreateKernel(prog, name, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    return k;
+}
+
 /* Runs kernel `name` of exp_source over N work-items in groups of `local`;
  * returns how many outputs are off the host's sigmoid by more than 4 ulp. */
 static int run_exp_kernel(moecl_context *ctx, const char *name, size_t local)
 {
     cl_context cl = moecl_context_cl_context(ctx);
-    cl_device_id dev = moecl_context_device(ctx);
     cl_command_queue q = moecl_context_queue(ctx);
     cl_int err;
-    const char *src = exp_source;
-    cl_program prog = clCreateProgramWithSource(cl, 1, &src, NULL, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
-    ck_assert_int_eq(clBuildProgram(prog, 1, &dev, "-cl-std=CL1.2", NULL, NULL), CL_SUCCESS);
-    cl_kernel k = clCreateKernel(prog, name, &err);
-    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_program prog = build_source(ctx, exp_source);
+    cl_kernel k = kernel_of(prog, name);
 
     float x[N], out[N];
     for (int i = 0; i < N; i++)
@@ -99,6 +136,136 @@ START_TEST(test_exp_across_barrier)
 }
 END_TEST
 
+static const char wg_source[] =
+    /* Each work-item reads its neighbour's id through local memory. */
+    "__kernel __attribute__((reqd_work_group_size(128, 1, 1))) void fixed(__global uint *out) {\n"
+    "    __local uint tile[128];\n"
+    "    const uint lid = get_local_id(0);\n"
+    "    tile[lid] = (uint)get_global_id(0);\n"
+    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    out[get_global_id(0)] = tile[(lid + 1) % 128];\n"
+    "}\n"
+    "__kernel void any_size(__global uint *out, __local uint *tile) {\n"
+    "    const uint lid = get_local_id(0);\n"
+    "    tile[lid] = (uint)get_global_id(0);\n"
+    "    barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    out[get_global_id(0)] = tile[(lid + 1) % get_local_size(0)];\n"
+    "}\n";
+
+/* Runs kernel k (wg_source's) over 4 work-groups of `local`; returns how
+ * many outputs are wrong. */
+static int run_wg_kernel(moecl_context *ctx, cl_kernel k, size_t local, bool local_arg)
+{
+    cl_int err;
+    const size_t global = 4 * local;
+    cl_uint *out = malloc(global * sizeof(*out));
+    ck_assert_ptr_nonnull(out);
+    cl_mem b = clCreateBuffer(moecl_context_cl_context(ctx), CL_MEM_WRITE_ONLY, global * sizeof(*out), NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof b, &b), CL_SUCCESS);
+    if (local_arg)
+        ck_assert_int_eq(clSetKernelArg(k, 1, local * sizeof(cl_uint), NULL), CL_SUCCESS);
+    cl_command_queue q = moecl_context_queue(ctx);
+    ck_assert_int_eq(clEnqueueNDRangeKernel(q, k, 1, NULL, &global, &local, 0, NULL, NULL), CL_SUCCESS);
+    ck_assert_int_eq(clEnqueueReadBuffer(q, b, CL_TRUE, 0, global * sizeof(*out), out, 0, NULL, NULL), CL_SUCCESS);
+    int wrong = 0;
+    for (size_t i = 0; i < global; i++)
+        wrong += out[i] != (cl_uint)(i - i % local + (i % local + 1) % local);
+    clReleaseMemObject(b);
+    free(out);
+    return wrong;
+}
+
+START_TEST(test_kernel_work_group_size)
+{
+    moecl_context *ctx = harness_context();
+    cl_device_id dev = moecl_context_device(ctx);
+    const size_t device_max = ctx->info.max_work_group_size;
+    cl_program prog = build_source(ctx, wg_source);
+    cl_kernel fixed = kernel_of(prog, "fixed"), any = kernel_of(prog, "any_size");
+    size_t fixed_limit = 0, any_limit = 0;
+    ck_assert_int_eq(clGetKernelWorkGroupInfo(fixed, dev, CL_KERNEL_WORK_GROUP_SIZE, sizeof fixed_limit, &fixed_limit,
+                                              NULL),
+                     CL_SUCCESS);
+    ck_assert_int_eq(clGetKernelWorkGroupInfo(any, dev, CL_KERNEL_WORK_GROUP_SIZE, sizeof any_limit, &any_limit, NULL),
+                     CL_SUCCESS);
+    /* The fault: a kernel that must run in work-groups of 128 said to
+     * allow fewer, on a device that allows 128. */
+    const bool present = device_max >= 128 && fixed_limit < 128;
+    const bool fenced = ctx->params.value[MOECL_DP_KERNEL_WG_QUERY] == 0;
+    fprintf(stderr, "drivers: kernel_work_group_size: %s (CL_KERNEL_WORK_GROUP_SIZE %zu and %zu, device %zu)\n",
+            present ? "present" : "absent", fixed_limit, any_limit, device_max);
+    ck_assert_msg(!present || fenced,
+                  "%s reports CL_KERNEL_WORK_GROUP_SIZE %zu for a kernel of reqd_work_group_size 128: "
+                  "name the device in src/device_table.c (MOECL_DP_KERNEL_WG_QUERY 0) if larger work-groups "
+                  "run right there",
+                  ctx->info.device_name, fixed_limit);
+    /* moecl's shape: the limit it takes, and the reqd size. */
+    const size_t limit = fenced ? device_max : any_limit;
+    int wrong = run_wg_kernel(ctx, any, limit, true);
+    ck_assert_msg(wrong == 0, "work-groups of %zu (%s): %d outputs wrong", limit,
+                  fenced ? "the device's limit, as the table says" : "CL_KERNEL_WORK_GROUP_SIZE", wrong);
+    if (device_max >= 128) {
+        wrong = run_wg_kernel(ctx, fixed, 128, false);
+        ck_assert_msg(wrong == 0, "reqd_work_group_size 128: %d outputs wrong", wrong);
+    }
+    clReleaseKernel(fixed);
+    clReleaseKernel(any);
+    clReleaseProgram(prog);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+static const char loop_source[] =
+    /* A count and a hash of the iterations, which no compiler folds. */
+    "__kernel void count(__global const uint *n, __global uint *out) {\n"
+    "    uint c = 0, h = 0;\n"
+    "    for (uint i = 0; i < n[0]; i++) {\n"
+    "        c++;\n"
+    "        h = h * 1664525u + i;\n"
+    "    }\n"
+    "    out[0] = c;\n"
+    "    out[1] = h;\n"
+    "}\n";
+
+START_TEST(test_loop_iteration_limit)
+{
+    moecl_context *ctx = harness_context();
+    cl_context cl = moecl_context_cl_context(ctx);
+    cl_command_queue q = moecl_context_queue(ctx);
+    cl_int err;
+    cl_program prog = build_source(ctx, loop_source);
+    cl_kernel k = kernel_of(prog, "count");
+    const cl_uint n = 70000;
+    cl_uint out[2] = {0, 0}, hash = 0;
+    for (cl_uint i = 0; i < n; i++)
+        hash = hash * 1664525u + i;
+    cl_mem bn = clCreateBuffer(cl, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, sizeof n, (void *)&n, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_mem bo = clCreateBuffer(cl, CL_MEM_WRITE_ONLY, sizeof out, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof bn, &bn), CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 1, sizeof bo, &bo), CL_SUCCESS);
+    const size_t one = 1;
+    ck_assert_int_eq(clEnqueueNDRangeKernel(q, k, 1, NULL, &one, &one, 0, NULL, NULL), CL_SUCCESS);
+    ck_assert_int_eq(clEnqueueReadBuffer(q, bo, CL_TRUE, 0, sizeof out, out, 0, NULL, NULL), CL_SUCCESS);
+    const bool present = out[0] != n || out[1] != hash;
+    fprintf(stderr, "drivers: loop_iteration_limit: %s (a loop of %u counted %u)\n", present ? "present" : "absent", n,
+            out[0]);
+    const uint32_t recorded = ctx->params.value[MOECL_DP_LOOP_LIMIT];
+    ck_assert_msg(!present || recorded == out[0],
+                  "%s left a loop of %u iterations after %u, and the device table records a limit of %u "
+                  "(src/device_table.c, MOECL_DP_LOOP_LIMIT): the grounded router's rows kernel would route from "
+                  "truncated sums here",
+                  ctx->info.device_name, n, out[0], recorded);
+    clReleaseMemObject(bn);
+    clReleaseMemObject(bo);
+    clReleaseKernel(k);
+    clReleaseProgram(prog);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, NULL);
@@ -106,6 +273,8 @@ int main(int argc, char **argv)
     TCase *tc = tcase_create("quirks");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, test_exp_across_barrier);
+    tcase_add_test(tc, test_kernel_work_group_size);
+    tcase_add_test(tc, test_loop_iteration_limit);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }

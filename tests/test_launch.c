@@ -856,6 +856,17 @@ START_TEST(test_device_table)
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, MOECL_LAUNCH_GPU), 0);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_CPU), 0);
     ck_assert_uint_eq(moecl_device_param_class(&d, MOECL_DP_EP_FUSED_CPU, MOECL_LAUNCH_GPU), 1);
+    /* rusticl: llvmpipe's faults by its device name, not the platform's
+     * other devices. */
+    const moecl_device_info llvmpipe = table_device(MOECL_VENDOR_RUSTICL, CL_DEVICE_TYPE_CPU, "llvmpipe (LLVM 15.0.6)");
+    const moecl_device_info radeonsi = table_device(MOECL_VENDOR_RUSTICL, CL_DEVICE_TYPE_GPU, "AMD Radeon (radeonsi)");
+    const moecl_device_params lp = moecl_device_table_params(&llvmpipe);
+    ck_assert_uint_eq(d.value[MOECL_DP_KERNEL_WG_QUERY], 1);
+    ck_assert_uint_eq(lp.value[MOECL_DP_KERNEL_WG_QUERY], 0);
+    ck_assert_uint_eq(d.value[MOECL_DP_LOOP_LIMIT], 0);
+    ck_assert_uint_eq(lp.value[MOECL_DP_LOOP_LIMIT], 65535);
+    const moecl_device_params rs = moecl_device_table_params(&radeonsi);
+    ck_assert(memcmp(&d, &rs, sizeof(d)) == 0);
     /* The device name does not move a vendor's values. */
     const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
     const moecl_device_params o = moecl_device_table_params(&other);

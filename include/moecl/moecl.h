@@ -254,7 +254,7 @@ typedef struct moecl_context_info {
     char device_version[128];    /**< CL_DEVICE_VERSION */
     char driver[128];            /**< CL_DRIVER_VERSION */
     char type[16];               /**< "CPU", "GPU", "accelerator" or "other" */
-    char vendor[16];             /**< "NVIDIA", "AMD", "Intel", "pocl" or "other", as moecl classifies it */
+    char vendor[16];             /**< "NVIDIA", "AMD", "Intel", "pocl", "rusticl" or "other", as moecl classifies it */
     uint32_t compute_units;      /**< CL_DEVICE_MAX_COMPUTE_UNITS */
     uint64_t local_memory_bytes; /**< CL_DEVICE_LOCAL_MEM_SIZE */
     size_t max_work_group_size;  /**< CL_DEVICE_MAX_WORK_GROUP_SIZE */
