@@ -615,10 +615,11 @@ void moecl_permute_defines(bool combine, moecl_dtype in, moecl_dtype out, int sh
 
 /* ---- plan.c: launch plans and binding a kernel's arguments ---- */
 
-/* A request packed into two words (the op's fields, each op packs its
- * own) and the generation of moecl_launch_force it was resolved under. */
+/* A request packed into four words (the op's fields, each op packs its
+ * own; 62 bits of the first, the op in its low two) and the generation of
+ * moecl_launch_force it was resolved under. */
 typedef struct moecl_plan_key {
-    uint64_t a, b, c;
+    uint64_t a, b, c, d;
     unsigned gen;
 } moecl_plan_key;
 
@@ -652,9 +653,10 @@ typedef moecl_status (*moecl_plan_build)(moecl_context *ctx, const void *request
 
 moecl_status moecl_plans_create(moecl_plans **plans);
 void moecl_plans_destroy(moecl_plans *plans);
-/* The key of a request of op packed into a (62 bits) and b, under op's
- * current moecl_launch_force generation. */
-moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c);
+/* The key of a request of op packed into a (62 bits), b, c and d, under
+ * op's current moecl_launch_force generation. */
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c,
+                                 uint64_t d);
 /* The plan of key: found without a lock, else built by build(request) and
  * kept until the context is destroyed. */
 moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl_plan_build build,

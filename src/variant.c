@@ -217,6 +217,11 @@ const moecl_variant_op moecl_variant_grounded_router = {"grounded_router", MOECL
 
 /* ---- walking an op's parameters ---- */
 
+/* The plan key's words (moecl_plan_key) and the bits they hold for the
+ * parameters: 62 of the first (the op takes two), all of the others. */
+#define KEY_WORDS 4
+#define KEY_BITS (62 + 64 * (KEY_WORDS - 1))
+
 /* The i-th parameter of op in order, and its value in v (i below
  * num_params + NUM_GATING_PARAMS). */
 static const param *param_at(const moecl_variant_op *op, const moecl_variant_values *v, unsigned i,
@@ -257,14 +262,14 @@ moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_o
 {
     /* moecl_plan_key_of keeps 62 bits of the first word: the fields fill
      * those in order, then the next words, one split where it falls. */
-    uint64_t words[3] = {0, 0, 0};
-    const unsigned width[3] = {62, 64, 64};
+    uint64_t words[KEY_WORDS] = {0, 0, 0, 0};
+    const unsigned width[KEY_WORDS] = {62, 64, 64, 64};
     unsigned word = 0, at = 0;
-    for (unsigned i = 0; i < count_of(op) && word < 3; i++) {
+    for (unsigned i = 0; i < count_of(op) && word < KEY_WORDS; i++) {
         uint32_t value;
         const param *p = param_at(op, v, i, &value);
         uint64_t bits = p->key_bits < 32 ? value & ((1u << p->key_bits) - 1) : value;
-        for (unsigned left = p->key_bits; left > 0 && word < 3;) {
+        for (unsigned left = p->key_bits; left > 0 && word < KEY_WORDS;) {
             const unsigned take = left < width[word] - at ? left : width[word] - at;
             words[word] |= (bits & ((1ull << take) - 1)) << at;
             bits >>= take;
@@ -276,7 +281,7 @@ moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_o
             }
         }
     }
-    return moecl_plan_key_of(ctx, op->op, words[0], words[1], words[2]);
+    return moecl_plan_key_of(ctx, op->op, words[0], words[1], words[2], words[3]);
 }
 
 /* Appends printf-formatted text at *used, as far as size allows. */
@@ -374,5 +379,5 @@ const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_
         if (values && carried(v, kernel, p, value) && (value < p->min || value > p->max))
             return p->name;
     }
-    return bits > 190 ? "the packed key (190 bits)" : NULL;
+    return bits > KEY_BITS ? "the packed key (254 bits)" : NULL;
 }

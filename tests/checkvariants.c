@@ -1249,7 +1249,7 @@ static const moecl_plan *ep_plan(moecl_context *ctx)
     moecl_status st = moecl_ep_layout_prepare(ctx, &d);
     if (st != MOECL_SUCCESS)
         die("the layout's kernels", ctx, st);
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0);
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0, 0);
     return moecl_plan_find(ctx, &key);
 }
 
