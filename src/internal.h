@@ -931,6 +931,12 @@ moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const c
  * this moecl knows, from first (its first version's size) to known. */
 moecl_status moecl_check_record(moecl_context *ctx, const void *record, size_t struct_size, size_t first,
                                 size_t known);
+/* A caller's tensors record (struct_size its first field) of two
+ * versions, v1 bytes (ending at the field named v1_end) and v2 (this
+ * moecl's sizeof), checked as moecl_check_record and copied into out (v2
+ * bytes); the fields an earlier version lacks are absent, zero. */
+moecl_status moecl_copy_record(moecl_context *ctx, const void *record, size_t v1, size_t v2, const char *v1_end,
+                               void *out);
 /* num_tokens == 0: enqueue nothing but honour the wait list and give a
  * marker event if asked. */
 moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done);
