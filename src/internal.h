@@ -753,11 +753,12 @@ typedef struct moecl_launch_call {
  * order (token_hidden, router_logits, expert_ground, bias, out_pairs,
  * topk_weights, topk_ids), each with its offset in elements, then
  * num_tokens, alpha and routed_scaling_factor, then those of the optional
- * five (expert_counts, expert_load, num_valid_tokens, captured_ids of
- * capture_dtype, expert_scale) that are present; num_args in all.
+ * six (expert_counts, expert_load, num_valid_tokens, captured_ids of
+ * capture_dtype, expert_scale, shared_expert_gate) that are present;
+ * num_args in all.
  * check: binding validates the caller's buffers, the inputs required and,
  * where outputs_required, topk_weights and topk_ids too. */
-#define MOECL_GROUNDED_BUFFERS 12
+#define MOECL_GROUNDED_BUFFERS 13
 #define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 3)
 typedef struct moecl_grounded_binding {
     cl_mem mem[MOECL_GROUNDED_BUFFERS];
@@ -780,6 +781,17 @@ size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, uns
 /* The gating fields of a grounded router descriptor as a top-k gating
  * descriptor (its validation and messages). */
 moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d);
+/* A validated grounded router request's output row (the routed top_k
+ * slots, then the shared ones) and the experts its ids range over, as
+ * moecl_topk_row_slots and moecl_topk_id_experts. */
+static inline uint32_t moecl_grounded_row_slots(const moecl_grounded_router_desc *d)
+{
+    return d->top_k + d->num_shared_experts;
+}
+static inline uint32_t moecl_grounded_id_experts(const moecl_grounded_router_desc *d)
+{
+    return d->num_experts + d->num_shared_experts;
+}
 /* The rows of router_logits: 1 where it is one row for every token. */
 uint64_t moecl_grounded_logit_rows(const moecl_grounded_router_desc *d);
 
@@ -870,6 +882,9 @@ enum {
     MOECL_GROUNDED_HAS_VALID,
     MOECL_GROUNDED_CAPTURE,
     MOECL_GROUNDED_HAS_SCALE,
+    MOECL_GROUNDED_SHARED,
+    MOECL_GROUNDED_SHARED_WEIGHT,
+    MOECL_GROUNDED_SHARED_GATE,
     MOECL_GROUNDED_PARAMS
 };
 

@@ -197,6 +197,13 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
     /* 1 + moecl_index_dtype where captured_ids is given */
     [MOECL_GROUNDED_CAPTURE] = {PARAM("CAPTURE", "capture", 2, false, 0, 0, 3), .names = capture_names},
     [MOECL_GROUNDED_HAS_SCALE] = {PARAM("HAS_SCALE", "scale", 1, false, 0, 0, 1)},
+    /* shared experts (past the third key word): their count, their
+     * constant weight's bits, or moecl_router_ex's per-token gate */
+    [MOECL_GROUNDED_SHARED] = {PARAM("SHARED", "shared", 7, false, 0, 0, MOECL_MAX_TOPK - 1)},
+    [MOECL_GROUNDED_SHARED_WEIGHT] = {PARAM("SHARED_WEIGHT", "shared_weight", 32, false, 0, 0, UINT32_MAX),
+                                      .with = WITH(MOECL_GROUNDED_SHARED), .format = FORMAT_FLOAT},
+    [MOECL_GROUNDED_SHARED_GATE] = {PARAM("SHARED_GATE", "shared_gate", 1, false, 0, 0, 1),
+                                    .with = WITH(MOECL_GROUNDED_SHARED)},
 };
 #undef TILED
 #undef MMA
