@@ -744,12 +744,13 @@ static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
 
 static void gr_shape_text(const gr_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "H=%u E=%u k=%u %s%s%s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
-             s->router ? " router sigmoid bias groups=8/4 no-logits" : "",
-             s->ex ? " router_ex bf16 weights, int64 ids, counts, load, valid, int16 capture, scale" : "",
-             !s->shared ? "" : s->ex ? ", shared experts with their gate" : ", shared experts");
-    if (s->shared)
-        snprintf(buf + strlen(buf), size - strlen(buf), " S=%u", s->shared);
+    const int n = snprintf(buf, size, "H=%u E=%u k=%u %s%s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
+                           s->router ? " router sigmoid bias groups=8/4 no-logits" : "",
+                           s->ex ? " router_ex bf16 weights, int64 ids, counts, load, valid, int16 capture, scale"
+                                 : "");
+    /* shared experts: with their gate in router_ex */
+    if (s->shared && n > 0 && (size_t)n < size)
+        snprintf(buf + n, size - (size_t)n, " shared=%u%s", s->shared, s->ex ? " gate" : "");
 }
 
 typedef struct gr_call {
@@ -1422,8 +1423,8 @@ typedef struct route_shape {
 } route_shape;
 
 static const gr_shape route_gr_shapes[] = {
-    {128, 16, 2, MOECL_F32, false, false, false},
-    {64, 64, 8, MOECL_BF16, false, false, false},
+    {128, 16, 2, MOECL_F32, false, false, false, 0},
+    {64, 64, 8, MOECL_BF16, false, false, false, 0},
 };
 static const route_shape route_shapes[] = {
     {&topk_shapes[0], NULL, 1},
