@@ -22,6 +22,8 @@
  *                                       valid count (cl/gating.cl)
  *   CAPTURE, HAS_SCALE                  (absent: 0) a copy of the ids and a
  *                                       per-expert weight scale (below)
+ *   SHARED, SHARED_WEIGHT, SHARED_GATE  (absent: 0) shared slots after the
+ *                                       routed ones (cl/gating.cl; below)
  *   KERNEL                              0 rows, 1 team, 2 tiled (below)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
  *                                       experts, hidden step)
@@ -93,6 +95,12 @@ static inline float float_of_rank(uint r)
 #ifndef HAS_SCALE
 #define HAS_SCALE 0
 #endif
+/* SHARED_GATE (with SHARED): shared slot j weighs sigmoid(dot(hidden row,
+ * shared_gate row j)) (Qwen2-MoE's shared_expert_gate), an argument [SHARED]
+ * [HIDDEN_DIM] of in_t; else the constant SHARED_WEIGHT * scaling factor. */
+#ifndef SHARED_GATE
+#define SHARED_GATE 0
+#endif
 #if CAPTURE == 0 || CAPTURE == 1
 typedef int capture_t;
 #elif CAPTURE == 2
@@ -137,12 +145,20 @@ typedef short capture_t;
 #define SCALE_KPARAM
 #define SCALE_AT 0
 #endif
+#if SHARED_GATE
+#define GATE_KPARAM , __global const in_t *shared_gate, ulong gate_off
+#define GATE_AT shared_gate + gate_off
+#else
+#define GATE_KPARAM
+#define GATE_AT 0
+#endif
 
 /* Those outputs at their offsets, and the rows that are tokens. */
 typedef struct route_extras {
     __global int *counts, *load;
     __global capture_t *captured;
     __global const float *scale;
+    __global const in_t *gate;
     uint valid;
 } route_extras;
 #define ROUTE_EXTRAS(x)                                                                            \
@@ -151,14 +167,32 @@ typedef struct route_extras {
     x.load = LOAD_AT;                                                                              \
     x.captured = CAPTURE_AT;                                                                       \
     x.scale = SCALE_AT;                                                                            \
+    x.gate = GATE_AT;                                                                              \
     x.valid = VALID_COUNT
 
+/* Slot `at` of the outputs (a row is ROW_SLOTS wide: the routed slots,
+ * then the shared ones): its id and weight. */
+static inline void store_slot(size_t at, int id, float w, __global float *pairs, __global weight_t *weights,
+                              __global ids_t *ids)
+{
+#if HAS_PAIRS
+    pairs[2 * at] = (float)id;
+    pairs[2 * at + 1] = w;
+#endif
+#if HAS_WEIGHTS
+    STORE_WEIGHT(weights, at, w);
+#endif
+#if HAS_IDS
+    STORE_ID(ids, at, id);
+#endif
+}
+
 /* Output slot j of a row: its id and final weight (private values); a
- * padding row's slot (HAS_VALID) id -1 and weight 0, counted nowhere. */
+ * padding row's slot (HAS_VALID) id -1 and weight 0, counted nowhere. The
+ * capture holds the routed slots only, TOPK a row. */
 static inline void write_output(uint j, uint id, float w, uint row, __global float *pairs,
                                 __global weight_t *weights, __global ids_t *ids, const route_extras *x)
 {
-    const size_t at = (size_t)row * TOPK + j;
     int out_id = (int)id;
     if (HAS_VALID && row >= x->valid) {
         out_id = -1;
@@ -171,24 +205,53 @@ static inline void write_output(uint j, uint id, float w, uint row, __global flo
 #endif
     }
 #if CAPTURE
-    x->captured[at] = (capture_t)out_id;
+    x->captured[(size_t)row * TOPK + j] = (capture_t)out_id;
 #endif
-#if HAS_PAIRS
-    pairs[2 * at] = (float)out_id;
-    pairs[2 * at + 1] = w;
+    store_slot((size_t)row * ROW_SLOTS + j, out_id, w, pairs, weights, ids);
+}
+
+#if SHARED_GATE
+/* Shared slot j's gate: sigmoid(dot(h, gate row j)), the dot product one
+ * fma chain in f32 by ascending hidden index (docs/routing.md, §3), the
+ * same in every kernel. */
+static inline float shared_gate_weight(__global const in_t *h, __global const in_t *gate, uint j)
+{
+    __global const in_t *w = gate + (size_t)j * HIDDEN_DIM;
+    float dot = 0.0f;
+    for (uint i = 0; i < HIDDEN_DIM; i++)
+        dot = fma(LOAD_IN(h, i), LOAD_IN(w, i), dot);
+    return 1.0f / (1.0f + exp(-dot));
+}
 #endif
-#if HAS_WEIGHTS
-    STORE_WEIGHT(weights, at, w);
+
+/* A row's shared slots j0, j0 + step, ... (SHARED > 0): id NUM_EXPERTS + j
+ * and the constant weight SHARED_WEIGHT * scaling_factor, or the gate's;
+ * no expert_scale, no capture; a padding row's -1 / 0, counted nowhere.
+ * hidden: the token rows (the gate reads row `row`). */
+static inline void write_shared(uint j0, uint step, uint row, __global const in_t *hidden, float scaling_factor,
+                                __global float *pairs, __global weight_t *weights, __global ids_t *ids,
+                                const route_extras *x)
+{
+    const bool padding = HAS_VALID && row >= x->valid;
+    for (uint j = j0; j < SHARED; j += step) {
+        const int id = padding ? -1 : (int)(NUM_EXPERTS + j);
+#if SHARED_GATE
+        const float w = padding ? 0.0f : shared_gate_weight(hidden + (size_t)row * HIDDEN_DIM, x->gate, j);
+#else
+        const float w = padding ? 0.0f : SHARED_WEIGHT * scaling_factor;
 #endif
-#if HAS_IDS
-    STORE_ID(ids, at, out_id);
-#endif
+        if (!padding) {
+            __global int *counts = x->counts, *load = x->load;
+            COUNT_ID(id);
+        }
+        store_slot((size_t)row * ROW_SLOTS + TOPK + j, id, w, pairs, weights, ids);
+    }
 }
 
 #define OUTPUT_PARAMS                                                                              \
     __global const bias_t *bias, ulong bias_off, __global float *pairs, ulong pairs_off,                            \
         __global weight_t *weights, ulong weights_off, __global ids_t *ids, ulong ids_off, uint num_tokens,       \
-        float alpha, float scaling_factor COUNTS_KPARAM LOAD_KPARAM VALID_KPARAM CAPTURE_KPARAM SCALE_KPARAM
+        float alpha, float scaling_factor COUNTS_KPARAM LOAD_KPARAM VALID_KPARAM CAPTURE_KPARAM SCALE_KPARAM GATE_KPARAM
 
 #define OFFSET_OUTPUTS()                                                                           \
     do {                                                                                           \
@@ -391,6 +454,8 @@ __kernel void grounded_router_rows(__global const in_t *hidden, ulong hidden_off
         rows_pipeline(logit, bias, scaling_factor, w, id);
         for (uint j = 0; j < TOPK; j++)
             write_output(j, id[j], w[j], t0 + m, pairs, weights, ids, &extras);
+        if (SHARED)
+            write_shared(0, 1, t0 + m, hidden, scaling_factor, pairs, weights, ids, &extras);
     }
 #undef GROW
 }
@@ -470,9 +535,12 @@ grounded_router_team(__global const in_t *hidden, ulong hidden_off, __global con
     }
     float w[TOPK];
     TEAM_GATING(g, active, lane, r, bias, scaling_factor, w);
-    if (active)
+    if (active) {
         for (uint j = lane; j < TOPK; j += TEAM)
             write_output(j, GATE_IDS(r)[j], w[j], row, pairs, weights, ids, &extras);
+        if (SHARED)
+            write_shared(lane, TEAM, row, hidden, scaling_factor, pairs, weights, ids, &extras);
+    }
     DISPATCH_AFTER_ROWS(ids, num_tokens);
 }
 
@@ -762,6 +830,8 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
         rows_final(keys, w, scaling_factor, id);
         for (uint j = 0; j < TOPK; j++)
             write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, &extras);
+        if (SHARED)
+            write_shared(0, 1, row0 + lid, hidden, scaling_factor, pairs, weights, ids, &extras);
     }
 }
 #endif

@@ -357,8 +357,9 @@ static inline void mma_store_g(const float acc[MMA_MI][MMA_NT][4], __local float
  * cl/gating.cl (steps 1-5, every gating, the bias where there is one). The
  * one call site of the epilogue. */
 static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint num_tokens, uint lid,
-                                 __global const bias_t *bias, float scaling_factor, __global float *pairs,
-                                 __global weight_t *weights, __global ids_t *ids, const route_extras *extras)
+                                 __global const in_t *hidden, __global const bias_t *bias, float scaling_factor,
+                                 __global float *pairs, __global weight_t *weights, __global ids_t *ids,
+                                 const route_extras *extras)
 {
     if (lid >= MMA_TM || row0 + lid >= num_tokens)
         return;
@@ -376,6 +377,8 @@ static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint nu
     rows_pipeline(logit, bias, scaling_factor, w, id);
     for (uint j = 0; j < TOPK; j++)
         write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, extras);
+    if (SHARED)
+        write_shared(0, 1, row0 + lid, hidden, scaling_factor, pairs, weights, ids, extras);
 }
 
 __kernel __attribute__((reqd_work_group_size(MMA_WG, 1, 1))) void
@@ -434,6 +437,6 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *g_rows = (__local float *)stages;
     mma_store_g(acc, g_rows, logits, row0, num_tokens, alpha, wm, wn, g, t);
     barrier(CLK_LOCAL_MEM_FENCE);
-    mma_gate_rows(g_rows, row0, num_tokens, lid, bias, scaling_factor, pairs, weights, ids, &extras);
+    mma_gate_rows(g_rows, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights, ids, &extras);
 }
 #endif

@@ -1,4 +1,6 @@
 /* Validation and helpers for buffers and wait lists, shared by the ops. */
+#include <string.h>
+
 #include "internal.h"
 
 moecl_status moecl_check_buffer_size(moecl_context *ctx, const char *name, moecl_buffer buf, uint64_t bytes,
@@ -66,6 +68,27 @@ moecl_status moecl_check_record(moecl_context *ctx, const void *record, size_t s
                           "tensors->struct_size is %zu; this moecl takes %zu to %zu (set it to sizeof the record)",
                           struct_size, first, known);
     return MOECL_SUCCESS;
+}
+
+moecl_status moecl_copy_record(moecl_context *ctx, const void *record, size_t v1, size_t v2, const char *v1_end,
+                               void *out)
+{
+    size_t struct_size = 0;
+    if (record)
+        memcpy(&struct_size, record, sizeof(struct_size));
+    moecl_status st = moecl_check_record(ctx, record, struct_size, v1, v2);
+    /* The sizes are the versions: one that ends inside a field would
+     * leave it half there. */
+    if (st == MOECL_SUCCESS && struct_size != v1 && struct_size != v2)
+        st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                        "tensors->struct_size is %zu; this moecl takes %zu (up to %s) or %zu (set it to sizeof the "
+                        "record)",
+                        struct_size, v1, v1_end, v2);
+    if (st == MOECL_SUCCESS) {
+        memset(out, 0, v2);
+        memcpy(out, record, struct_size);
+    }
+    return st;
 }
 
 moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const cl_event *wait)

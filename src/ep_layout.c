@@ -145,7 +145,7 @@ static moecl_status plan_of(moecl_context *ctx, const moecl_plan **plan)
     moecl_status st = moecl_moe_align_plan(ctx, false, &align);
     if (st != MOECL_SUCCESS)
         return st;
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0);
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0, 0);
     return moecl_plan_get(ctx, &key, build_plan, align, plan);
 }
 

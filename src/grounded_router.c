@@ -22,6 +22,8 @@ moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t num_tokens, 
     d.precision = MOECL_PRECISION_FP32;
     d.gating = (moecl_gating){MOECL_SCORING_RAW, MOECL_WEIGHTS_SOFTMAX_CHOSEN, 0, 0, MOECL_GROUP_SCORE_MAX,
                               MOECL_GROUP_FILL_NEG_INF, false, 0.0f, 1.0f, 0.0f};
+    d.num_shared_experts = 0;
+    d.shared_expert_weight = 1.0f;
     return d;
 }
 
@@ -76,6 +78,8 @@ moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_de
     t.weights_dtype = d->weights_dtype;
     t.ids_dtype = d->ids_dtype;
     t.bias_dtype = d->bias_dtype;
+    t.num_shared_experts = d->num_shared_experts;
+    t.shared_expert_weight = d->shared_expert_weight;
     return t;
 }
 
@@ -104,6 +108,7 @@ typedef struct grounded_request {
      * per-expert scale, and the capture (0, or 1 + its moecl_index_dtype) */
     bool counts, load, valid, scale;
     unsigned capture;
+    bool shared_gate; /* moecl_router_ex's shared_expert_gate */
 } grounded_request;
 
 /* Whether the tiled kernel's running top-k serves the request: selection
@@ -446,6 +451,11 @@ static moecl_variant_values values_of(const grounded_request *r, const grounded_
     p[MOECL_GROUNDED_HAS_VALID] = r->valid;
     p[MOECL_GROUNDED_CAPTURE] = r->capture;
     p[MOECL_GROUNDED_HAS_SCALE] = r->scale;
+    p[MOECL_GROUNDED_SHARED] = d->num_shared_experts;
+    p[MOECL_GROUNDED_SHARED_GATE] = d->num_shared_experts && r->shared_gate;
+    /* The constant only where it is read: one plan for any other. */
+    if (d->num_shared_experts && !r->shared_gate)
+        memcpy(&p[MOECL_GROUNDED_SHARED_WEIGHT], &d->shared_expert_weight, sizeof(float));
     if (s) {
         p[MOECL_GROUNDED_KERNEL] = (uint32_t)s->kind;
         p[MOECL_GROUNDED_TM] = s->tm;
@@ -586,8 +596,8 @@ moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const moecl_groun
 }
 
 /* The buffers of a call, in the kernel's argument order (the optional
- * five after the scalars, where present). */
-enum { HIDDEN, LOGITS, GROUND, BIAS, PAIRS, WEIGHTS, IDS, COUNTS, LOAD, VALID, CAPTURED, SCALE, NUM_BUFFERS };
+ * six after the scalars, where present). */
+enum { HIDDEN, LOGITS, GROUND, BIAS, PAIRS, WEIGHTS, IDS, COUNTS, LOAD, VALID, CAPTURED, SCALE, GATE, NUM_BUFFERS };
 #define FIRST_OPTIONAL COUNTS
 _Static_assert(NUM_BUFFERS == MOECL_GROUNDED_BUFFERS, "the binding's buffers");
 /* The buffers of a call, the capture's type, whether binding validates
@@ -602,7 +612,8 @@ typedef struct bound_buffers {
 
 static const char *const buffer_names[NUM_BUFFERS] = {
     "token_hidden", "router_logits", "expert_ground",    "bias",         "out_pairs",   "topk_weights",
-    "topk_ids",     "expert_counts", "expert_load",      "num_valid_tokens", "captured_ids", "expert_scale"};
+    "topk_ids",     "expert_counts", "expert_load",      "num_valid_tokens", "captured_ids", "expert_scale",
+    "shared_expert_gate"};
 
 static size_t index_size(moecl_index_dtype t) { return t == MOECL_I16 ? 2 : moecl_index_size(t); }
 
@@ -610,7 +621,10 @@ static size_t index_size(moecl_index_dtype t) { return t == MOECL_I16 ? 2 : moec
 static void buffer_sizes(const moecl_grounded_router_desc *d, moecl_index_dtype capture_dtype,
                          size_t elem[NUM_BUFFERS], uint64_t bytes[NUM_BUFFERS])
 {
+    /* slots: a row's (the shared ones too), k: the routed (the capture's);
+     * ce: the experts the histograms count (the shared ones too). */
     const uint64_t t = d->num_tokens, h = d->hidden_dim, e = d->num_experts, k = d->top_k;
+    const uint64_t slots = moecl_grounded_row_slots(d), ce = moecl_grounded_id_experts(d);
     const size_t sizes[NUM_BUFFERS] = {moecl_dtype_size(d->hidden_dtype),
                                        4,
                                        moecl_dtype_size(d->hidden_dtype),
@@ -622,9 +636,15 @@ static void buffer_sizes(const moecl_grounded_router_desc *d, moecl_index_dtype 
                                        4,
                                        4,
                                        index_size(capture_dtype),
-                                       4};
-    const uint64_t count[NUM_BUFFERS] = {t * h, moecl_grounded_logit_rows(d) * e, e * h, e, t * k * 2, t * k,
-                                         t * k, e, e, 1, t * k, e};
+                                       4,
+                                       moecl_dtype_size(d->hidden_dtype)};
+    const uint64_t count[NUM_BUFFERS] = {t * h,  moecl_grounded_logit_rows(d) * e,
+                                         e * h,  e,
+                                         t * slots * 2, t * slots,
+                                         t * slots, ce,
+                                         ce,     1,
+                                         t * k,  e,
+                                         (uint64_t)d->num_shared_experts * h};
     for (int i = 0; i < NUM_BUFFERS; i++) {
         elem[i] = sizes[i];
         bytes[i] = count[i] * sizes[i];
@@ -654,7 +674,7 @@ void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl
             b->args[n++] = MOECL_ARG(b->alpha);
             b->args[n++] = MOECL_ARG(b->scaling_factor);
         }
-        /* The optional five are arguments only where present (a define). */
+        /* The optional six are arguments only where present (a define). */
         if (i >= FIRST_OPTIONAL && !b->mem[i])
             continue;
         b->args[n++] = MOECL_ARG_CHECKED(b->mem[i], check ? &b->checks[i] : NULL);
@@ -670,7 +690,8 @@ static grounded_request request_of(const moecl_grounded_router_desc *d, const bo
 {
     const grounded_request r = {d,          has[PAIRS], has[WEIGHTS], has[IDS],   false,
                                 has[BIAS],  router && !has[LOGITS],   has[COUNTS], has[LOAD],
-                                has[VALID], has[SCALE], has[CAPTURED] ? 1u + (unsigned)capture_dtype : 0u};
+                                has[VALID], has[SCALE], has[CAPTURED] ? 1u + (unsigned)capture_dtype : 0u,
+                                has[GATE]};
     return r;
 }
 
@@ -698,16 +719,22 @@ static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc 
                                     d->num_tokens,
                                     b->b[COUNTS].mem,
                                     b->b[COUNTS].offset,
-                                    (size_t)d->num_experts * 4,
+                                    (size_t)moecl_grounded_id_experts(d) * 4,
                                     "expert_counts"};
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
-static moecl_status check_capture_dtype(moecl_context *ctx, moecl_index_dtype t)
+/* The checks of moecl_router_ex's optional tensors beyond their buffers:
+ * the capture's type, and a shared gate only with shared experts. */
+static moecl_status check_options(moecl_context *ctx, const moecl_grounded_router_desc *d, moecl_index_dtype t,
+                                  bool has_gate)
 {
     if ((unsigned)t > MOECL_I16)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "captured_ids_dtype is %d; it must be MOECL_I32, MOECL_I64 or MOECL_I16", (int)t);
+    if (has_gate && !d->num_shared_experts)
+        return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
+                          "shared_expert_gate is given but num_shared_experts is 0; the gate weighs shared slots");
     return MOECL_SUCCESS;
 }
 
@@ -718,7 +745,7 @@ static moecl_status route_device(moecl_context *ctx, const moecl_grounded_router
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = moecl_grounded_router_validate(ctx, desc);
-    if (st != MOECL_SUCCESS || (st = check_capture_dtype(ctx, b->capture_dtype)) != MOECL_SUCCESS)
+    if (st != MOECL_SUCCESS || (st = check_options(ctx, desc, b->capture_dtype, b->b[GATE].mem)) != MOECL_SUCCESS)
         return st;
     if (!b->router && !b->b[PAIRS].mem && !b->b[WEIGHTS].mem && !b->b[IDS].mem)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
@@ -739,7 +766,8 @@ moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_rout
     return route_device(ctx, desc, &b, num_wait, wait, done);
 }
 
-/* The first version of moecl_router_tensors and of the host form. */
+/* The first version of moecl_router_tensors and of the host form (the
+ * second adds shared_expert_gate). */
 #define TENSORS_V1 (offsetof(moecl_router_tensors, expert_scale) + sizeof(moecl_buffer))
 #define HOST_TENSORS_V1 (offsetof(moecl_router_host_tensors, expert_scale) + sizeof(const float *))
 
@@ -749,14 +777,14 @@ moecl_status moecl_router_ex(moecl_context *ctx, const moecl_grounded_router_des
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, TENSORS_V1,
-                                               sizeof(moecl_router_tensors));
+    moecl_router_tensors r;
+    const moecl_status st = moecl_copy_record(ctx, tensors, TENSORS_V1, sizeof(r), "expert_scale", &r);
     if (st != MOECL_SUCCESS)
         return st;
-    const moecl_router_tensors *t = tensors;
+    const moecl_router_tensors *t = &r;
     const bound_buffers b = {{t->token_hidden, t->router_logits, t->expert_ground, t->bias, {NULL, 0},
                               t->topk_weights, t->topk_ids, t->expert_counts, t->expert_load, t->num_valid_tokens,
-                              t->captured_ids, t->expert_scale},
+                              t->captured_ids, t->expert_scale, t->shared_expert_gate},
                              t->captured_ids_dtype,
                              true,
                              true};
@@ -790,7 +818,8 @@ static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_d
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_status st = moecl_grounded_router_validate(ctx, desc);
-    if (st != MOECL_SUCCESS || (st = check_capture_dtype(ctx, h->captured_ids_dtype)) != MOECL_SUCCESS)
+    if (st != MOECL_SUCCESS ||
+        (st = check_options(ctx, desc, h->captured_ids_dtype, h->shared_expert_gate)) != MOECL_SUCCESS)
         return st;
     if (!router && !pairs && !h->topk_weights && !h->topk_ids)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
@@ -807,9 +836,9 @@ static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_d
     }
     const void *const from[NUM_BUFFERS] = {h->token_hidden, h->router_logits, h->expert_ground, h->bias,
                                            NULL, NULL, NULL, NULL, h->expert_load, h->num_valid_tokens, NULL,
-                                           h->expert_scale};
+                                           h->expert_scale, h->shared_expert_gate};
     void *const to[NUM_BUFFERS] = {NULL, NULL, NULL, NULL, pairs, h->topk_weights, h->topk_ids, h->expert_counts,
-                                   h->expert_load, NULL, h->captured_ids, NULL};
+                                   h->expert_load, NULL, h->captured_ids, NULL, NULL};
     bool has[NUM_BUFFERS];
     for (int i = 0; i < NUM_BUFFERS; i++)
         has[i] = from[i] || to[i];
@@ -820,7 +849,7 @@ static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_d
         return st; /* built before the buffers are made: a build failure costs no copy */
     if (desc->num_tokens == 0) {
         if (h->expert_counts)
-            memset(h->expert_counts, 0, (size_t)desc->num_experts * 4);
+            memset(h->expert_counts, 0, (size_t)moecl_grounded_id_experts(desc) * 4);
         return MOECL_SUCCESS;
     }
     size_t elem[NUM_BUFFERS];
@@ -881,9 +910,9 @@ moecl_status moecl_router_ex_host(moecl_context *ctx, const moecl_grounded_route
 {
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
-    const moecl_status st = moecl_check_record(ctx, tensors, tensors ? tensors->struct_size : 0, HOST_TENSORS_V1,
-                                               sizeof(moecl_router_host_tensors));
-    return st != MOECL_SUCCESS ? st : route_host(ctx, desc, tensors, NULL, true);
+    moecl_router_host_tensors h;
+    const moecl_status st = moecl_copy_record(ctx, tensors, HOST_TENSORS_V1, sizeof(h), "expert_scale", &h);
+    return st != MOECL_SUCCESS ? st : route_host(ctx, desc, &h, NULL, true);
 }
 
 moecl_status moecl_router_host(moecl_context *ctx, const moecl_grounded_router_desc *desc, const void *token_hidden,

@@ -631,10 +631,11 @@ void moecl_permute_defines(bool combine, moecl_dtype in, moecl_dtype out, int sh
 
 /* ---- plan.c: launch plans and binding a kernel's arguments ---- */
 
-/* A request packed into two words (the op's fields, each op packs its
- * own) and the generation of moecl_launch_force it was resolved under. */
+/* A request packed into four words (the op's fields, each op packs its
+ * own; 62 bits of the first, the op in its low two) and the generation of
+ * moecl_launch_force it was resolved under. */
 typedef struct moecl_plan_key {
-    uint64_t a, b, c;
+    uint64_t a, b, c, d;
     unsigned gen;
 } moecl_plan_key;
 
@@ -668,9 +669,10 @@ typedef moecl_status (*moecl_plan_build)(moecl_context *ctx, const void *request
 
 moecl_status moecl_plans_create(moecl_plans **plans);
 void moecl_plans_destroy(moecl_plans *plans);
-/* The key of a request of op packed into a (62 bits) and b, under op's
- * current moecl_launch_force generation. */
-moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c);
+/* The key of a request of op packed into a (62 bits), b, c and d, under
+ * op's current moecl_launch_force generation. */
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c,
+                                 uint64_t d);
 /* The plan of key: found without a lock, else built by build(request) and
  * kept until the context is destroyed. */
 moecl_status moecl_plan_get(moecl_context *ctx, const moecl_plan_key *key, moecl_plan_build build,
@@ -767,11 +769,12 @@ typedef struct moecl_launch_call {
  * order (token_hidden, router_logits, expert_ground, bias, out_pairs,
  * topk_weights, topk_ids), each with its offset in elements, then
  * num_tokens, alpha and routed_scaling_factor, then those of the optional
- * five (expert_counts, expert_load, num_valid_tokens, captured_ids of
- * capture_dtype, expert_scale) that are present; num_args in all.
+ * six (expert_counts, expert_load, num_valid_tokens, captured_ids of
+ * capture_dtype, expert_scale, shared_expert_gate) that are present;
+ * num_args in all.
  * check: binding validates the caller's buffers, the inputs required and,
  * where outputs_required, topk_weights and topk_ids too. */
-#define MOECL_GROUNDED_BUFFERS 12
+#define MOECL_GROUNDED_BUFFERS 13
 #define MOECL_GROUNDED_ARGS (2 * MOECL_GROUNDED_BUFFERS + 3)
 typedef struct moecl_grounded_binding {
     cl_mem mem[MOECL_GROUNDED_BUFFERS];
@@ -794,6 +797,17 @@ size_t moecl_grounded_router_team_local(const moecl_grounded_router_desc *d, uns
 /* The gating fields of a grounded router descriptor as a top-k gating
  * descriptor (its validation and messages). */
 moecl_topk_gating_desc moecl_grounded_gating_desc(const moecl_grounded_router_desc *d);
+/* A validated grounded router request's output row (the routed top_k
+ * slots, then the shared ones) and the experts its ids range over, as
+ * moecl_topk_row_slots and moecl_topk_id_experts. */
+static inline uint32_t moecl_grounded_row_slots(const moecl_grounded_router_desc *d)
+{
+    return d->top_k + d->num_shared_experts;
+}
+static inline uint32_t moecl_grounded_id_experts(const moecl_grounded_router_desc *d)
+{
+    return d->num_experts + d->num_shared_experts;
+}
 /* The rows of router_logits: 1 where it is one row for every token. */
 uint64_t moecl_grounded_logit_rows(const moecl_grounded_router_desc *d);
 
@@ -884,6 +898,9 @@ enum {
     MOECL_GROUNDED_HAS_VALID,
     MOECL_GROUNDED_CAPTURE,
     MOECL_GROUNDED_HAS_SCALE,
+    MOECL_GROUNDED_SHARED,
+    MOECL_GROUNDED_SHARED_WEIGHT,
+    MOECL_GROUNDED_SHARED_GATE,
     MOECL_GROUNDED_PARAMS
 };
 
@@ -945,6 +962,12 @@ moecl_status moecl_check_wait_list(moecl_context *ctx, cl_uint num_wait, const c
  * this moecl knows, from first (its first version's size) to known. */
 moecl_status moecl_check_record(moecl_context *ctx, const void *record, size_t struct_size, size_t first,
                                 size_t known);
+/* A caller's tensors record (struct_size its first field) of two
+ * versions, v1 bytes (ending at the field named v1_end) and v2 (this
+ * moecl's sizeof), checked as moecl_check_record and copied into out (v2
+ * bytes); the fields an earlier version lacks are absent, zero. */
+moecl_status moecl_copy_record(moecl_context *ctx, const void *record, size_t v1, size_t v2, const char *v1_end,
+                               void *out);
 /* num_tokens == 0: enqueue nothing but honour the wait list and give a
  * marker event if asked. */
 moecl_status moecl_enqueue_nothing(moecl_context *ctx, cl_uint num_wait, const cl_event *wait, cl_event *done);

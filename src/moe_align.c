@@ -156,7 +156,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
 static moecl_status align_plan(moecl_context *ctx, bool has_map, const moecl_plan **plan)
 {
     const moecl_plan_key key =
-        moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, has_map, 0);
+        moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, (uint64_t)ctx->info.launch_class, has_map, 0, 0);
     return moecl_plan_get(ctx, &key, build_plan, &has_map, plan);
 }
 

@@ -158,7 +158,7 @@ static moecl_status plan_of(moecl_context *ctx, const permute_request *r, const 
     const uint64_t a = (uint64_t)ctx->info.launch_class | (uint64_t)r->in << 1 | (uint64_t)r->out << 3 |
                        (uint64_t)(r->shared + 1) << 5;
     const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, a, 0,
-                                                 r->combine ? MOECL_PLAN_TAG_COMBINE : MOECL_PLAN_TAG_PERMUTE);
+                                                 r->combine ? MOECL_PLAN_TAG_COMBINE : MOECL_PLAN_TAG_PERMUTE, 0);
     return moecl_plan_get(ctx, &key, build_plan, r, plan);
 }
 

@@ -78,12 +78,13 @@ size_t moecl_plan_count(const moecl_context *ctx)
 
 static bool key_equal(const moecl_plan_key *a, const moecl_plan_key *b)
 {
-    return a->a == b->a && a->b == b->b && a->c == b->c && a->gen == b->gen;
+    return a->a == b->a && a->b == b->b && a->c == b->c && a->d == b->d && a->gen == b->gen;
 }
 
 static size_t key_hash(const moecl_plan_key *k)
 {
-    uint64_t h = (k->a ^ (k->b * 0x9e3779b97f4a7c15ull) ^ (k->c * 0xc2b2ae3d27d4eb4full) ^ ((uint64_t)k->gen << 40)) *
+    uint64_t h = (k->a ^ (k->b * 0x9e3779b97f4a7c15ull) ^ (k->c * 0xc2b2ae3d27d4eb4full) ^
+                  (k->d * 0x165667b19e3779f9ull) ^ ((uint64_t)k->gen << 40)) *
                  0xff51afd7ed558ccdull;
     return (size_t)(h ^ (h >> 29));
 }
@@ -138,11 +139,12 @@ static const moecl_plan *insert(moecl_plans *t, const moecl_plan *plan)
     return &n->plan;
 }
 
-moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c)
+moecl_plan_key moecl_plan_key_of(const moecl_context *ctx, moecl_op op, uint64_t a, uint64_t b, uint64_t c,
+                                 uint64_t d)
 {
     const unsigned gen = (unsigned)op < MOECL_NUM_OPS ? atomic_load_explicit(&ctx->force_gen[op], memory_order_relaxed)
                                                       : 0;
-    return (moecl_plan_key){(a << 2) | (uint64_t)op, b, c, gen};
+    return (moecl_plan_key){(a << 2) | (uint64_t)op, b, c, d, gen};
 }
 
 const moecl_plan *moecl_plan_find(moecl_context *ctx, const moecl_plan_key *key)

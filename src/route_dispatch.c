@@ -45,14 +45,18 @@ static uint32_t step_tokens(const route_step *s)
     return s->is_grounded ? s->grounded->num_tokens : s->topk->num_tokens;
 }
 /* The slots of a token and the experts the ids range over, as moe_align
- * sees them: with top-k gating's shared experts (validated first). */
+ * sees them: with the routing's shared experts (validated first). */
 static uint32_t step_top_k(const route_step *s)
 {
-    return s->is_grounded ? s->grounded->top_k : moecl_topk_row_slots(s->topk);
+    return s->is_grounded ? moecl_grounded_row_slots(s->grounded) : moecl_topk_row_slots(s->topk);
 }
 static uint32_t step_experts(const route_step *s)
 {
-    return s->is_grounded ? s->grounded->num_experts : moecl_topk_id_experts(s->topk);
+    return s->is_grounded ? moecl_grounded_id_experts(s->grounded) : moecl_topk_id_experts(s->topk);
+}
+static uint32_t step_shared(const route_step *s)
+{
+    return s->is_grounded ? s->grounded->num_shared_experts : s->topk->num_shared_experts;
 }
 /* The columns of the routing's logits. */
 static uint32_t step_logit_experts(const route_step *s)
@@ -85,11 +89,11 @@ static moecl_status validate(moecl_context *ctx, const route_step *s, uint32_t b
                           (int)ids_dtype, s->is_grounded ? "moecl_grounded_router()" : "moecl_topk_gating()");
     const bool has_map = s->map.mem != NULL;
     /* The map is over the routed experts, which a shared slot's id is not. */
-    if (has_map && !s->is_grounded && s->topk->num_shared_experts)
+    if (has_map && step_shared(s))
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "num_shared_experts is %u with an expert_map; the map covers the routed experts only: "
                           "append shared experts without a map",
-                          s->topk->num_shared_experts);
+                          step_shared(s));
     if (has_map && s->num_local == 0)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
                           "expert_map is given but num_local_experts is 0: set it to this rank's expert count");

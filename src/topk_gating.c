@@ -538,27 +538,6 @@ static moecl_status launch(moecl_context *ctx, const moecl_topk_gating_desc *d, 
 #define TENSORS_V1 (offsetof(moecl_topk_gating_tensors, num_valid_tokens) + sizeof(moecl_buffer))
 #define HOST_TENSORS_V1 (offsetof(moecl_topk_gating_host_tensors, num_valid_tokens) + sizeof(int32_t *))
 
-/* A caller's tensors record (struct_size its first field) copied into
- * out, a record of this moecl's size v2: the sizes are its versions (one
- * that ends inside a field would leave it half there), and the fields an
- * earlier version lacks are absent, zero. */
-static moecl_status record_of(moecl_context *ctx, const void *record, size_t v1, size_t v2, void *out)
-{
-    size_t struct_size = 0;
-    if (record)
-        memcpy(&struct_size, record, sizeof(struct_size));
-    moecl_status st = moecl_check_record(ctx, record, struct_size, v1, v2);
-    if (st == MOECL_SUCCESS && struct_size != v1 && struct_size != v2)
-        st = moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT,
-                        "tensors->struct_size is %zu; this moecl takes %zu (up to num_valid_tokens) or %zu (set it "
-                        "to sizeof the record)",
-                        struct_size, v1, v2);
-    if (st == MOECL_SUCCESS) {
-        memset(out, 0, v2);
-        memcpy(out, record, struct_size);
-    }
-    return st;
-}
 
 /* The device-buffer call of every entry point. */
 static moecl_status gating_device(moecl_context *ctx, const moecl_topk_gating_desc *desc, const topk_buffers *b,
@@ -606,7 +585,7 @@ moecl_status moecl_topk_gating_ex(moecl_context *ctx, const moecl_topk_gating_de
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_topk_gating_tensors t;
-    const moecl_status st = record_of(ctx, tensors, TENSORS_V1, sizeof(t), &t);
+    const moecl_status st = moecl_copy_record(ctx, tensors, TENSORS_V1, sizeof(t), "num_valid_tokens", &t);
     if (st != MOECL_SUCCESS)
         return st;
     const topk_buffers b = {t.gating,        t.bias,        t.topk_weights,     t.topk_ids,
@@ -724,6 +703,6 @@ moecl_status moecl_topk_gating_ex_host(moecl_context *ctx, const moecl_topk_gati
     if (!ctx)
         return moecl_fail(NULL, MOECL_ERROR_INVALID_ARGUMENT, "ctx is NULL");
     moecl_topk_gating_host_tensors h;
-    const moecl_status st = record_of(ctx, tensors, HOST_TENSORS_V1, sizeof(h), &h);
+    const moecl_status st = moecl_copy_record(ctx, tensors, HOST_TENSORS_V1, sizeof(h), "num_valid_tokens", &h);
     return st != MOECL_SUCCESS ? st : gating_host(ctx, desc, &h, false);
 }

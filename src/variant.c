@@ -197,6 +197,13 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
     /* 1 + moecl_index_dtype where captured_ids is given */
     [MOECL_GROUNDED_CAPTURE] = {PARAM("CAPTURE", "capture", 2, false, 0, 0, 3), .names = capture_names},
     [MOECL_GROUNDED_HAS_SCALE] = {PARAM("HAS_SCALE", "scale", 1, false, 0, 0, 1)},
+    /* shared experts (past the third key word): their count, their
+     * constant weight's bits, or moecl_router_ex's per-token gate */
+    [MOECL_GROUNDED_SHARED] = {PARAM("SHARED", "shared", 7, false, 0, 0, MOECL_MAX_TOPK - 1)},
+    [MOECL_GROUNDED_SHARED_WEIGHT] = {PARAM("SHARED_WEIGHT", "shared_weight", 32, false, 0, 0, UINT32_MAX),
+                                      .with = WITH(MOECL_GROUNDED_SHARED), .format = FORMAT_FLOAT},
+    [MOECL_GROUNDED_SHARED_GATE] = {PARAM("SHARED_GATE", "shared_gate", 1, false, 0, 0, 1),
+                                    .with = WITH(MOECL_GROUNDED_SHARED)},
 };
 #undef TILED
 #undef MMA
@@ -216,6 +223,11 @@ const moecl_variant_op moecl_variant_grounded_router = {"grounded_router", MOECL
                                                         MOECL_GROUNDED_PARAMS, MOECL_GROUNDED_KERNEL};
 
 /* ---- walking an op's parameters ---- */
+
+/* The plan key's words (moecl_plan_key) and the bits they hold for the
+ * parameters: 62 of the first (the op takes two), all of the others. */
+#define KEY_WORDS 4
+#define KEY_BITS (62 + 64 * (KEY_WORDS - 1))
 
 /* The i-th parameter of op in order, and its value in v (i below
  * num_params + NUM_GATING_PARAMS). */
@@ -257,14 +269,14 @@ moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_o
 {
     /* moecl_plan_key_of keeps 62 bits of the first word: the fields fill
      * those in order, then the next words, one split where it falls. */
-    uint64_t words[3] = {0, 0, 0};
-    const unsigned width[3] = {62, 64, 64};
+    uint64_t words[KEY_WORDS] = {0, 0, 0, 0};
+    const unsigned width[KEY_WORDS] = {62, 64, 64, 64};
     unsigned word = 0, at = 0;
-    for (unsigned i = 0; i < count_of(op) && word < 3; i++) {
+    for (unsigned i = 0; i < count_of(op) && word < KEY_WORDS; i++) {
         uint32_t value;
         const param *p = param_at(op, v, i, &value);
         uint64_t bits = p->key_bits < 32 ? value & ((1u << p->key_bits) - 1) : value;
-        for (unsigned left = p->key_bits; left > 0 && word < 3;) {
+        for (unsigned left = p->key_bits; left > 0 && word < KEY_WORDS;) {
             const unsigned take = left < width[word] - at ? left : width[word] - at;
             words[word] |= (bits & ((1ull << take) - 1)) << at;
             bits >>= take;
@@ -276,7 +288,7 @@ moecl_plan_key moecl_variant_key(const moecl_context *ctx, const moecl_variant_o
             }
         }
     }
-    return moecl_plan_key_of(ctx, op->op, words[0], words[1], words[2]);
+    return moecl_plan_key_of(ctx, op->op, words[0], words[1], words[2], words[3]);
 }
 
 /* Appends printf-formatted text at *used, as far as size allows. */
@@ -374,5 +386,5 @@ const char *moecl_variant_check(const moecl_variant_op *op, const moecl_variant_
         if (values && carried(v, kernel, p, value) && (value < p->min || value > p->max))
             return p->name;
     }
-    return bits > 190 ? "the packed key (190 bits)" : NULL;
+    return bits > KEY_BITS ? "the packed key (254 bits)" : NULL;
 }

@@ -701,8 +701,12 @@ typedef struct gr_shape {
     bool router; /* moecl_router: DeepSeek-V3's gating, a bias, no router logits */
     bool large;
     /* moecl_router_ex: bf16 weights, int64 ids, every option (the valid
-     * count a third short of the rows, int16 capture, a per-expert scale) */
+     * count a third short of the rows, int16 capture, a per-expert scale,
+     * with shared experts their per-token gate) */
     bool ex;
+    /* shared experts: after the routed slots, weight 0.4 (moecl_router's)
+     * or their gate (moecl_router_ex's) */
+    uint32_t shared;
 } gr_shape;
 
 /* The smallest request; odd sizes (every tile's edges); a router's gating
@@ -712,11 +716,11 @@ typedef struct gr_shape {
  * 120 CPU seconds at 4096), and the op suite checks hidden 4096 with the
  * kernels each launch class picks. */
 static const gr_shape gr_shapes[] = {
-    {1, 1, 1, MOECL_F16, false, false, false},
-    {203, 130, 8, MOECL_BF16, false, false, false},
-    {256, 64, 6, MOECL_BF16, true, false, false},
-    {1024, 4096, 64, MOECL_BF16, false, true, false},
-    {64, 130, 8, MOECL_F16, false, false, true},
+    {1, 1, 1, MOECL_F16, false, false, false, 0},
+    {203, 130, 8, MOECL_BF16, false, false, false, 0},
+    {256, 64, 6, MOECL_BF16, true, false, false, 1},
+    {1024, 4096, 64, MOECL_BF16, false, true, false, 0},
+    {64, 130, 8, MOECL_F16, false, false, true, 2},
 };
 
 static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
@@ -733,14 +737,20 @@ static moecl_grounded_router_desc gr_desc(const gr_shape *s, uint32_t tokens)
         d.weights_dtype = MOECL_BF16;
         d.ids_dtype = MOECL_I64;
     }
+    d.num_shared_experts = s->shared;
+    d.shared_expert_weight = 0.4f;
     return d;
 }
 
 static void gr_shape_text(const gr_shape *s, char *buf, size_t size)
 {
-    snprintf(buf, size, "H=%u E=%u k=%u %s%s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
-             s->router ? " router sigmoid bias groups=8/4 no-logits" : "",
-             s->ex ? " router_ex bf16 weights, int64 ids, counts, load, valid, int16 capture, scale" : "");
+    const int n = snprintf(buf, size, "H=%u E=%u k=%u %s%s%s", s->hidden, s->experts, s->k, dtype_name(s->dtype),
+                           s->router ? " router sigmoid bias groups=8/4 no-logits" : "",
+                           s->ex ? " router_ex bf16 weights, int64 ids, counts, load, valid, int16 capture, scale"
+                                 : "");
+    /* shared experts: with their gate in router_ex */
+    if (s->shared && n > 0 && (size_t)n < size)
+        snprintf(buf + n, size - (size_t)n, " shared=%u%s", s->shared, s->ex ? " gate" : "");
 }
 
 typedef struct gr_call {
@@ -748,7 +758,7 @@ typedef struct gr_call {
     bool router;
     dbuf hidden, logits, ground, bias, pairs, w, ids;
     bool ex;
-    dbuf counts, load, valid, captured, scale;
+    dbuf counts, load, valid, captured, scale, gate;
 } gr_call;
 
 static moecl_status gr_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w, cl_event *done)
@@ -769,6 +779,7 @@ static moecl_status gr_run(moecl_context *ctx, const void *state, cl_uint nw, co
         t.captured_ids = at(&c->captured);
         t.captured_ids_dtype = MOECL_I16;
         t.expert_scale = at(&c->scale);
+        t.shared_expert_gate = at(&c->gate);
         return moecl_router_ex(ctx, &c->d, &t, nw, w, done);
     }
     if (c->router)
@@ -858,8 +869,11 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     if (s->large && c == CASE_RANDOM)
         tokens = 9;
     gr_call call = {gr_desc(s, tokens), s->router, absent, absent, absent, absent, absent, absent, absent,
-                    s->ex,              absent,    absent, absent, absent, absent};
-    const size_t H = s->hidden, E = s->experts, k = s->k, in_size = ref_dtype_size(s->dtype);
+                    s->ex,              absent,    absent, absent, absent, absent, absent};
+    /* k: a row's slots, kr the routed ones (the capture's); CE: the
+     * experts the histograms count (the shared ones too) */
+    const size_t H = s->hidden, E = s->experts, k = s->k + s->shared, kr = s->k, in_size = ref_dtype_size(s->dtype);
+    const size_t CE = E + s->shared;
     void *hidden = xmalloc((size_t)tokens * H * in_size);
     const void *ground = gr_ground(s, si);
     float *logits = s->router ? NULL : xmalloc((size_t)tokens * E * 4), *bias = NULL;
@@ -904,21 +918,27 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     int32_t *counts = NULL, *load = NULL, *load_before = NULL, valid = (int32_t)(tokens - tokens / 3);
     int16_t *captured = NULL;
     float *scale = NULL;
+    void *gate = NULL;
     if (s->ex) {
-        counts = xmalloc(E * 4);
-        load = xmalloc(E * 4);
-        load_before = xmalloc(E * 4);
-        captured = xmalloc(nk * 2 + 1);
+        counts = xmalloc(CE * 4);
+        load = xmalloc(CE * 4);
+        load_before = xmalloc(CE * 4);
+        captured = xmalloc((size_t)tokens * kr * 2 + 1);
         scale = xmalloc(E * 4);
-        for (size_t e = 0; e < E; e++) {
+        for (size_t e = 0; e < CE; e++)
             load_before[e] = (int32_t)(e % 11) - 4;
+        for (size_t e = 0; e < E; e++)
             scale[e] = (0.375f + 0.25f * (float)(e % 7)) * (e % 5 == 3 ? -1.0f : 1.0f);
-        }
-        call.counts = make_buf(NULL, E * 4, poison);
-        call.load = make_buf(load_before, E * 4, 0xFF);
+        call.counts = make_buf(NULL, CE * 4, poison);
+        call.load = make_buf(load_before, CE * 4, 0xFF);
         call.valid = make_buf(&valid, 4, 0xFF);
-        call.captured = make_buf(NULL, nk * 2, poison);
+        call.captured = make_buf(NULL, (size_t)tokens * kr * 2, poison);
         call.scale = make_buf(scale, E * 4, 0xFF);
+        if (s->shared) {
+            gate = xmalloc(s->shared * H * in_size);
+            fill_rows(&r, CASE_RANDOM, s->dtype, gate, s->shared, (uint32_t)H, 1.0f, NULL);
+            call.gate = make_buf(gate, s->shared * H * in_size, 0xFF);
+        }
     }
     char msg[1200] = "";
     moecl_status st = gr_run(ctx, &call, 0, NULL, NULL);
@@ -935,7 +955,7 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
                          !read_buf(&call.captured, captured, "captured_ids", msg, sizeof(msg)))) {
         fail(tl, op, v, shape, case_names[c], "%s", msg);
     } else if (s->ex) {
-        const ref_router_ex x = {NULL, scale, &valid, w, ids, captured, MOECL_I16, counts, load_before, load};
+        const ref_router_ex x = {NULL, scale, &valid, w, ids, captured, MOECL_I16, counts, load_before, load, gate};
         if (ref_check_router_ex(&call.d, hidden, logits, ground, &x, msg, sizeof(msg)))
             fail(tl, op, v, shape, case_names[c], "tokens %u valid %d: %s", tokens, (int)valid, msg);
     } else if (tokens && s->router && ref_check_router(&call.d, hidden, NULL, ground, bias, NULL, w, ids, msg,
@@ -954,7 +974,7 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     release(&call.pairs);
     release(&call.w);
     release(&call.ids);
-    dbuf *ex_bufs[] = {&call.counts, &call.load, &call.valid, &call.captured, &call.scale};
+    dbuf *ex_bufs[] = {&call.counts, &call.load, &call.valid, &call.captured, &call.scale, &call.gate};
     for (size_t i = 0; i < COUNT(ex_bufs); i++)
         release(ex_bufs[i]);
     free(hidden);
@@ -968,6 +988,7 @@ static void gr_check_case(tally *tl, moecl_context *ctx, const variant *v, const
     free(load_before);
     free(captured);
     free(scale);
+    free(gate);
 }
 
 static void check_grounded(tally *tl)
@@ -1252,7 +1273,7 @@ static const moecl_plan *ep_plan(moecl_context *ctx)
     moecl_status st = moecl_ep_layout_prepare(ctx, &d);
     if (st != MOECL_SUCCESS)
         die("the layout's kernels", ctx, st);
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0);
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_EP_LAYOUT, (uint64_t)ctx->info.launch_class, 0, 0, 0);
     return moecl_plan_find(ctx, &key);
 }
 
@@ -1405,8 +1426,8 @@ typedef struct route_shape {
 } route_shape;
 
 static const gr_shape route_gr_shapes[] = {
-    {128, 16, 2, MOECL_F32, false, false, false},
-    {64, 64, 8, MOECL_BF16, false, false, false},
+    {128, 16, 2, MOECL_F32, false, false, false, 0},
+    {64, 64, 8, MOECL_BF16, false, false, false, 0},
 };
 static const route_shape route_shapes[] = {
     {&topk_shapes[0], NULL, 1},

@@ -328,25 +328,29 @@ static void emit_replay(const target *t, const char *options, const config *c, c
  * (its defines do not depend on the outputs: the router's weights and
  * ids). */
 static void emit_grounded(const target *t, const char *options, const config *c, const moecl_device_info *info,
-                          const grounded_spec *s, moecl_precision precision)
+                          const grounded_spec *s, moecl_precision precision, uint32_t shared)
 {
-    char defines[512], description[512];
+    char defines[512], description[512], extra[32] = "";
     const char *kernel;
     const bool pairs = s->outputs != 1, weights = s->outputs != 0, ids = s->outputs != 0;
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(1, s->hidden, s->experts, 0.5f);
     d.top_k = s->k;
     d.hidden_dtype = s->dtype;
     d.precision = precision;
+    d.num_shared_experts = shared;
+    d.shared_expert_weight = 0.4f;
+    if (shared)
+        snprintf(extra, sizeof(extra), " shared %u", shared);
     moecl_grounded_router_defines(info, &d, pairs, weights, ids, defines, sizeof(defines), &kernel);
-    snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s%s outputs=%s [%s]", s->hidden,
+    snprintf(description, sizeof(description), "grounded_router H=%u E=%u k=%u %s%s%s outputs=%s [%s]", s->hidden,
              s->experts, s->k, dtype_names[s->dtype],
              precision == MOECL_PRECISION_TF32 ? " tf32" : precision == MOECL_PRECISION_3XTF32 ? " 3xtf32" : "",
-             s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
+             extra, s->outputs == 0 ? "pairs" : s->outputs == 1 ? "weights+ids" : "pairs+weights+ids", c->name);
     emit(t, "grounded_router.cl", options, defines, kernel, description);
     moecl_grounded_router_route_defines(info, &d, defines, sizeof(defines), &kernel);
     if (kernel) {
-        snprintf(description, sizeof(description), "grounded_dispatch H=%u E=%u k=%u %s [%s]", s->hidden, s->experts,
-                 s->k, dtype_names[s->dtype], c->name);
+        snprintf(description, sizeof(description), "grounded_dispatch H=%u E=%u k=%u %s%s [%s]", s->hidden,
+                 s->experts, s->k, dtype_names[s->dtype], extra, c->name);
         emit(t, "grounded_dispatch.cl", options, defines, kernel, description);
     }
 }
@@ -580,9 +584,13 @@ int main(int argc, char **argv)
             }
 
             for (size_t i = 0; i < sizeof(grounded_specs) / sizeof(grounded_specs[0]); i++)
-                emit_grounded(t, options, c, &info, &grounded_specs[i], MOECL_PRECISION_FP32);
+                emit_grounded(t, options, c, &info, &grounded_specs[i], MOECL_PRECISION_FP32, 0);
+            /* Shared experts (SHARED, SHARED_WEIGHT) on a team-sized and a
+             * tiled spec (the mma configuration's kernel on the f16 one). */
+            emit_grounded(t, options, c, &info, &grounded_specs[2], MOECL_PRECISION_FP32, 2);
+            emit_grounded(t, options, c, &info, &grounded_specs[5], MOECL_PRECISION_FP32, 1);
             for (size_t i = 0; c->grounded_mma && i < sizeof(mma_f32_specs) / sizeof(mma_f32_specs[0]); i++)
-                emit_grounded(t, options, c, &info, &mma_f32_specs[i], mma_f32_precisions[i]);
+                emit_grounded(t, options, c, &info, &mma_f32_specs[i], mma_f32_precisions[i], 0);
 
             /* moecl_router: the grounded router through the gating
              * pipeline, DeepSeek-V3's conventions (sigmoid, bias, groups
@@ -621,13 +629,18 @@ int main(int argc, char **argv)
                         d.weights_dtype = MOECL_BF16;
                         d.ids_dtype = MOECL_I64;
                         d.bias_dtype = MOECL_F16;
+                        /* on two specs shared experts, on one with their gate */
+                        d.num_shared_experts = i == 0 ? 0 : i == 2 ? 1 : 2;
                         moecl_router_defines(&info, &d, true, false, defines, sizeof(defines), &kernel);
                         const size_t used = strlen(defines);
                         snprintf(defines + used, sizeof(defines) - used,
-                                 " -DHAS_COUNTS=1 -DHAS_LOAD=1 -DHAS_VALID=1 -DCAPTURE=3 -DHAS_SCALE=1");
+                                 " -DHAS_COUNTS=1 -DHAS_LOAD=1 -DHAS_VALID=1 -DCAPTURE=3 -DHAS_SCALE=1%s",
+                                 i == 5 ? " -DSHARED_GATE=1" : "");
                         snprintf(description, sizeof(description),
-                                 "router_ex H=%u E=%u k=%u %s bf16 weights, int64 ids, f16 bias, every option [%s]",
-                                 s->hidden, s->experts, s->k, dtype_names[s->dtype], c->name);
+                                 "router_ex H=%u E=%u k=%u %s bf16 weights, int64 ids, f16 bias, every option%s [%s]",
+                                 s->hidden, s->experts, s->k, dtype_names[s->dtype],
+                                 i == 0 ? "" : i == 2 ? ", a shared expert" : ", shared experts and their gate",
+                                 c->name);
                         emit(t, "grounded_router.cl", options, defines, kernel, description);
                     }
                 }

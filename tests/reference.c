@@ -1679,6 +1679,8 @@ static moecl_topk_gating_desc grounded_gating(const moecl_grounded_router_desc *
     t.weights_dtype = d->weights_dtype; /* the tolerance of a narrow type */
     t.ids_dtype = d->ids_dtype;
     t.bias_dtype = d->bias_dtype;
+    t.num_shared_experts = d->num_shared_experts; /* validated as top-k's */
+    t.shared_expert_weight = d->shared_expert_weight;
     return t;
 }
 
@@ -1708,6 +1710,7 @@ static bool grounded_row_alloc(grounded_row *r, const moecl_grounded_router_desc
     r->H = d->hidden_dim;
     r->k = d->top_k;
     r->gating = grounded_gating(d);
+    r->gating.num_shared_experts = 0; /* the pipeline's rows: the routed slots */
     size_t E = r->E;
     r->h = malloc(((size_t)r->H + 2 * E) * sizeof(double));
     if (!r->h || !gating_row_alloc(&r->gr, &r->gating)) {
@@ -1922,10 +1925,10 @@ void ref_router(const moecl_grounded_router_desc *desc, const void *token_hidden
 {
     if (!desc || desc->num_tokens == 0 || !grounded_desc_valid(desc))
         return;
-    size_t k = desc->top_k;
+    const size_t k = desc->top_k, slots = k + desc->num_shared_experts;
     grounded_row r;
     if (!grounded_row_alloc(&r, desc)) {
-        for (size_t i = 0; i < (size_t)desc->num_tokens * k; i++) {
+        for (size_t i = 0; i < (size_t)desc->num_tokens * slots; i++) {
             if (out_pairs)
                 out_pairs[2 * i] = out_pairs[2 * i + 1] = NAN;
             if (topk_weights)
@@ -1939,16 +1942,19 @@ void ref_router(const moecl_grounded_router_desc *desc, const void *token_hidden
         double w[MAX_TOP_K];
         grounded_row_compute(token_hidden, router_logits, expert_ground, bias, t, &r);
         chosen_weights(&r.gating, r.gating.weighting, r.gr.wscore, r.gr.x, r.gr.ids, w);
-        for (size_t j = 0; j < k; j++) {
-            size_t i = t * k + j;
+        const moecl_topk_gating_desc shared = grounded_gating(desc);
+        for (size_t j = 0; j < slots; j++) {
+            const size_t i = t * slots + j;
+            const int32_t id = j < k ? r.gr.ids[j] : (int32_t)(desc->num_experts + j - k);
+            const float wj = j < k ? (float)w[j] : shared_weight(&shared);
             if (out_pairs) {
-                out_pairs[2 * i] = (float)r.gr.ids[j];
-                out_pairs[2 * i + 1] = (float)w[j];
+                out_pairs[2 * i] = (float)id;
+                out_pairs[2 * i + 1] = wj;
             }
             if (topk_weights)
-                topk_weights[i] = (float)w[j];
+                topk_weights[i] = wj;
             if (topk_ids)
-                topk_ids[i] = r.gr.ids[j];
+                topk_ids[i] = id;
         }
     }
     grounded_row_free(&r);
@@ -2026,6 +2032,120 @@ static bool check_grounded_row(grounded_row *r, uint32_t row, const float *pairs
     return true;
 }
 
+/*
+ * Shared slot j's gate, sigmoid(dot(h, gate[j])) (docs/routing.md, §3), in
+ * float64 with the bound of the device's f32 value: the dot product one fma
+ * chain, H roundings of terms bounded by sum |h_i gate_ji|, gamma_H of it,
+ * and 2H flushed subnormals; sigmoid's slope is at most 1/4; then the
+ * device's 1 / (1 + exp(-x)), a few ulp of a value at most 1: 8 eps
+ * absolute (and 2^-125 where it underflows). An infinite dot product
+ * gives exactly 0 or 1, a NaN one NaN (tol 0).
+ */
+static double shared_gate_ref(const moecl_grounded_router_desc *d, const void *hidden, const void *gate, size_t t,
+                              size_t j, double *tol)
+{
+    const size_t H = d->hidden_dim;
+    double dot = 0.0, mag = 0.0;
+    for (size_t i = 0; i < H; i++) {
+        const double p = (double)ref_load(d->hidden_dtype, hidden, t * H + i) *
+                         (double)ref_load(d->hidden_dtype, gate, j * H + i);
+        dot += p;
+        mag += fabs(p);
+    }
+    *tol = isfinite(dot) ? 0.25 * (gamma32((double)H) * mag + 2.0 * (double)H * TINY32) + 8.0 * EPS32 + 2.0 * TINY32
+                         : 0.0;
+    return 1.0 / (1.0 + exp(-dot));
+}
+
+/* The device's f32 weight w of a shared slot whose f32 value is want
+ * (within tol), once more rounded to dtype where that is narrow. */
+static bool shared_weight_ok(moecl_dtype dtype, float got, double want, double tol)
+{
+    if (tol == 0.0 && !isnan(want)) { /* a constant, or an infinite gate: exact */
+        const float f32 = (float)want;
+        float narrow = f32;
+        if (dtype != MOECL_F32) {
+            const uint16_t h = dtype == MOECL_BF16 ? ref_float_to_bf16(f32) : ref_float_to_half(f32);
+            narrow = ref_load(dtype, &h, 0);
+        }
+        return memcmp(&got, &narrow, sizeof(float)) == 0;
+    }
+    const double out_rel = dtype == MOECL_BF16 ? 0x1p-8 : dtype == MOECL_F16 ? 0x1p-11 : 0.0;
+    return weight_ok((double)got, want, tol + out_rel * (fabs(want) + tol));
+}
+
+/* The shared slots of a router's rows of k + S slots: rows before n have
+ * ids E + j and the constant weight, or the gate's (gate not NULL); the
+ * routed slots of every row are copied into rp, rw, rids ([T][k], each
+ * where its output is given) for the check of the rows without them.
+ * Returns the bad rows. */
+static int check_router_shared(const moecl_grounded_router_desc *d, const void *hidden, const void *gate, uint32_t n,
+                               const float *pairs, const float *weights, const int32_t *ids, float *rp, float *rw,
+                               int32_t *rids, char *msg, size_t size)
+{
+    const size_t k = d->top_k, slots = k + d->num_shared_experts;
+    const moecl_topk_gating_desc g = grounded_gating(d);
+    int bad = 0;
+    for (size_t t = 0; t < d->num_tokens; t++) {
+        if (pairs)
+            memcpy(rp + 2 * t * k, pairs + 2 * t * slots, 2 * k * sizeof(float));
+        if (weights)
+            memcpy(rw + t * k, weights + t * slots, k * sizeof(float));
+        if (ids)
+            memcpy(rids + t * k, ids + t * slots, k * sizeof(int32_t));
+        for (size_t j = k; t < n && j < slots; j++) {
+            const size_t i = t * slots + j;
+            const int32_t want_id = (int32_t)(d->num_experts + j - k);
+            double tol = 0.0;
+            const double want = gate ? shared_gate_ref(d, hidden, gate, t, j - k, &tol) : (double)shared_weight(&g);
+            const bool id_ok = (!ids || ids[i] == want_id) && (!pairs || pairs[2 * i] == (float)want_id);
+            const bool w_ok = (!weights || shared_weight_ok(d->weights_dtype, weights[i], want, tol)) &&
+                              (!pairs || shared_weight_ok(MOECL_F32, pairs[2 * i + 1], want, tol));
+            if (!id_ok || !w_ok) {
+                if (!bad)
+                    put_msg(msg, size,
+                            "row %zu shared slot %zu: id %d weight %.9g (out_pairs %.9g, %.9g), want id %d weight "
+                            "%.9g (within %.3g)%s",
+                            t, j, ids ? (int)ids[i] : -2, weights ? (double)weights[i] : NAN,
+                            pairs ? (double)pairs[2 * i] : NAN, pairs ? (double)pairs[2 * i + 1] : NAN, (int)want_id,
+                            want, tol, gate ? " (the shared gate's sigmoid)" : "");
+                bad++;
+                break;
+            }
+        }
+    }
+    return bad;
+}
+
+/* ref_check_router with shared slots: those checked, the routed ones
+ * through the check without them. */
+static int check_router_split(const moecl_grounded_router_desc *desc, const void *token_hidden,
+                              const float *router_logits, const void *expert_ground, const float *bias,
+                              const void *gate, const float *out_pairs, const float *topk_weights,
+                              const int32_t *topk_ids, char *msg, size_t msg_size)
+{
+    const size_t nk = (size_t)desc->num_tokens * desc->top_k;
+    float *rp = out_pairs ? malloc(2 * nk * sizeof(float)) : NULL, *rw = topk_weights ? malloc(nk * sizeof(float)) : NULL;
+    int32_t *rids = topk_ids ? malloc(nk * sizeof(int32_t)) : NULL;
+    if ((out_pairs && !rp) || (topk_weights && !rw) || (topk_ids && !rids)) {
+        free(rp);
+        free(rw);
+        free(rids);
+        put_msg(msg, msg_size, "ref_check_router: out of memory");
+        return -1;
+    }
+    const int shared_bad = check_router_shared(desc, token_hidden, gate, desc->num_tokens, out_pairs, topk_weights,
+                                               topk_ids, rp, rw, rids, msg, msg_size);
+    moecl_grounded_router_desc routed = *desc;
+    routed.num_shared_experts = 0;
+    const int bad = ref_check_router(&routed, token_hidden, router_logits, expert_ground, bias, rp, rw, rids,
+                                     shared_bad ? NULL : msg, msg_size);
+    free(rp);
+    free(rw);
+    free(rids);
+    return bad < 0 ? bad : bad + shared_bad;
+}
+
 int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
                      const void *expert_ground, const float *bias, const float *out_pairs,
                      const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size)
@@ -2038,6 +2158,9 @@ int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_h
         put_msg(msg, msg_size, "ref_check_router: invalid descriptor or missing input");
         return -1;
     }
+    if (desc->num_shared_experts)
+        return check_router_split(desc, token_hidden, router_logits, expert_ground, bias, NULL, out_pairs,
+                                  topk_weights, topk_ids, msg, msg_size);
     grounded_row r;
     if (!grounded_row_alloc(&r, desc)) {
         put_msg(msg, msg_size, "ref_check_router: out of memory");
@@ -2091,21 +2214,23 @@ static int32_t load_index(moecl_index_dtype t, const void *p, size_t i)
 static int check_router_ex_extras(const moecl_grounded_router_desc *d, const ref_router_ex *x, const float *w,
                                   const int32_t *ids, uint32_t n, char *msg, size_t size)
 {
-    const size_t k = d->top_k, E = d->num_experts;
+    /* A row's slots (the shared ones too); the capture holds k a row;
+     * E: the experts counted (the shared ones too). */
+    const size_t k = d->top_k, slots = k + d->num_shared_experts, E = d->num_experts + d->num_shared_experts;
     int bad = 0;
     for (uint32_t t = n; t < d->num_tokens; t++)
-        for (size_t j = 0; j < k; j++)
-            if (ids[t * k + j] != -1 || w[t * k + j] != 0.0f) {
+        for (size_t j = 0; j < slots; j++)
+            if (ids[t * slots + j] != -1 || w[t * slots + j] != 0.0f) {
                 if (!bad++)
                     put_msg(msg, size, "padding row %u pos %zu: id %d weight %.9g, want -1 and 0", (unsigned)t, j,
-                            (int)ids[t * k + j], (double)w[t * k + j]);
+                            (int)ids[t * slots + j], (double)w[t * slots + j]);
                 break;
             }
     for (size_t i = 0; x->captured_ids && i < (size_t)d->num_tokens * k; i++)
-        if (load_index(x->captured_dtype, x->captured_ids, i) != ids[i]) {
+        if (load_index(x->captured_dtype, x->captured_ids, i) != ids[i / k * slots + i % k]) {
             if (!bad++)
                 put_msg(msg, size, "captured_ids[%zu] is %d but topk_ids %d", i,
-                        (int)load_index(x->captured_dtype, x->captured_ids, i), (int)ids[i]);
+                        (int)load_index(x->captured_dtype, x->captured_ids, i), (int)ids[i / k * slots + i % k]);
             break;
         }
     if (!x->expert_counts && !x->load_after)
@@ -2115,7 +2240,7 @@ static int check_router_ex_extras(const moecl_grounded_router_desc *d, const ref
         put_msg(msg, size, "ref_check_router_ex: out of memory");
         return -1;
     }
-    for (size_t i = 0; i < (size_t)n * k; i++)
+    for (size_t i = 0; i < (size_t)n * slots; i++)
         if (ids[i] >= 0 && (size_t)ids[i] < E)
             hist[ids[i]]++;
     for (size_t e = 0; e < E; e++) {
@@ -2142,7 +2267,12 @@ int ref_check_router_ex(const moecl_grounded_router_desc *desc, const void *toke
         put_msg(msg, msg_size, "ref_check_router_ex: missing descriptor or output");
         return -1;
     }
-    const size_t T = desc->num_tokens, k = desc->top_k, E = desc->num_experts;
+    if (!grounded_desc_valid(desc)) {
+        put_msg(msg, msg_size, "ref_check_router_ex: invalid descriptor");
+        return -1;
+    }
+    /* k: a row's slots (the shared ones too) from here on. */
+    const size_t T = desc->num_tokens, k = (size_t)desc->top_k + desc->num_shared_experts, E = desc->num_experts;
     uint32_t n = desc->num_tokens;
     if (x->num_valid)
         n = *x->num_valid <= 0 ? 0 : (uint32_t)*x->num_valid < n ? (uint32_t)*x->num_valid : n;
@@ -2163,16 +2293,18 @@ int ref_check_router_ex(const moecl_grounded_router_desc *desc, const void *toke
         b[e] = ref_load(desc->bias_dtype, x->bias, e);
     int bad = check_router_ex_extras(desc, x, w, ids, n, msg, msg_size);
     /* The weights before the scale (an id out of range is the checker's to
-     * name: left as it is). */
+     * name: left as it is; shared slots are not scaled). */
     for (size_t i = 0; x->expert_scale && i < (size_t)n * k; i++)
-        if (ids[i] >= 0 && (size_t)ids[i] < E)
+        if (i % k < desc->top_k && ids[i] >= 0 && (size_t)ids[i] < E)
             w[i] = (float)((double)w[i] / (double)x->expert_scale[ids[i]]);
     moecl_grounded_router_desc valid = *desc;
     valid.num_tokens = n;
-    if (bad == 0) {
+    if (bad == 0 && desc->num_shared_experts)
+        bad = check_router_split(&valid, token_hidden, router_logits, expert_ground, x->bias ? b : NULL,
+                                 x->shared_expert_gate, NULL, w, ids, msg, msg_size);
+    else if (bad == 0)
         bad = ref_check_router(&valid, token_hidden, router_logits, expert_ground, x->bias ? b : NULL, NULL, w, ids,
                                msg, msg_size);
-    }
     free(w);
     free(b);
     free(ids);

@@ -74,14 +74,18 @@ bool ref_same_rounding(moecl_dtype dtype, float f32_weight, const void *narrow, 
 
 /* moecl_router in float64: the grounded router's g (router_logits may be
  * NULL: g = alpha * hidden @ ground^T) through desc->gating's pipeline
- * with an optional bias (any output may be NULL). */
+ * with an optional bias (any output may be NULL). Rows are top_k +
+ * num_shared_experts slots: the shared ones' ids num_experts + j and
+ * their constant weight (shared_expert_weight * routed_scaling_factor in
+ * fp32). */
 void ref_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
                 const void *expert_ground, const float *bias, float *out_pairs, float *topk_weights,
                 int32_t *topk_ids);
 
 /* As ref_check_topk_gating, for ref_router (g's fp32 bound carried
  * through the scores and weights, docs/routing.md section 4); NULL
- * outputs are not checked. */
+ * outputs are not checked. Rows of top_k + num_shared_experts slots: the
+ * shared ones' ids and constant weight exactly. */
 int ref_check_router(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
                      const void *expert_ground, const float *bias, const float *out_pairs,
                      const float *topk_weights, const int32_t *topk_ids, char *msg, size_t msg_size);
@@ -97,17 +101,21 @@ typedef struct ref_router_ex {
     const void *topk_ids;       /* [T][k] of desc->ids_dtype (required) */
     const void *captured_ids;   /* [T][k] of captured_dtype */
     moecl_index_dtype captured_dtype;
-    const int32_t *expert_counts;                 /* [E] */
-    const int32_t *load_before, *load_after;      /* [E] each, both or neither */
+    const int32_t *expert_counts;                 /* [E + S] */
+    const int32_t *load_before, *load_after;      /* [E + S] each, both or neither */
+    const void *shared_expert_gate;               /* [S][H] of desc->hidden_dtype */
 } ref_router_ex;
 
 /* ref_check_router for moecl_router_ex: the rows before the valid count n
  * (num_valid clamped to [0, T]; T without it) against the reference, each
  * weight divided by its expert's scale first (the scale multiplies the
  * final f32 weight once, so the quotient is that weight within 2^-24 of
- * it); the rows from n on ids -1 and weights 0; the captured ids the ids;
- * expert_counts the histogram of the valid rows' ids, and load_after
- * load_before plus it. Returns the bad rows (or -1), msg the first. */
+ * it); the rows from n on ids -1 and weights 0 in every slot; the captured
+ * ids the routed ids; expert_counts the histogram of the valid rows' ids
+ * (E + S experts), and load_after load_before plus it; with
+ * shared_expert_gate the shared slots' weights sigmoid(hidden . gate[j])
+ * within the bound of docs/routing.md section 3, else the constant.
+ * Returns the bad rows (or -1), msg the first. */
 int ref_check_router_ex(const moecl_grounded_router_desc *desc, const void *token_hidden, const float *router_logits,
                         const void *expert_ground, const ref_router_ex *x, char *msg, size_t msg_size);
 

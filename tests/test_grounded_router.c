@@ -23,10 +23,17 @@ typedef struct grounded_outputs {
     int32_t *ids;
 } grounded_outputs;
 
+/* The slots of an output row: the routed ones, then the shared ones. */
+static size_t row_slots(const moecl_grounded_router_desc *d)
+{
+    return (size_t)d->top_k + d->num_shared_experts;
+}
+
 static void describe(const moecl_grounded_router_desc *d, int outputs, char *buf, size_t size)
 {
-    snprintf(buf, size, "T=%u H=%u E=%u k=%u alpha=%g dtype=%d precision=%d outputs=%s%s%s", d->num_tokens,
-             d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype, (int)d->precision,
+    snprintf(buf, size, "T=%u H=%u E=%u k=%u S=%u/%g alpha=%g dtype=%d precision=%d outputs=%s%s%s", d->num_tokens,
+             d->hidden_dim, d->num_experts, d->top_k, d->num_shared_experts, (double)d->shared_expert_weight,
+             (double)d->alpha, (int)d->hidden_dtype, (int)d->precision,
              outputs & OUT_PAIRS ? "pairs " : "",
              outputs & OUT_WEIGHTS ? "weights " : "", outputs & OUT_IDS ? "ids" : "");
 }
@@ -52,7 +59,7 @@ static void free_inputs(grounded_inputs *in)
 
 static grounded_outputs alloc_outputs(const moecl_grounded_router_desc *d, int outputs)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    const size_t nk = (size_t)d->num_tokens * row_slots(d);
     grounded_outputs out = {NULL, NULL, NULL};
     if (outputs & OUT_PAIRS)
         out.pairs = malloc(nk * 8 + 4);
@@ -75,7 +82,7 @@ static void free_outputs(grounded_outputs *out)
 static void run(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_inputs *in, int outputs,
                 bool device_path, grounded_outputs *out)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k, in_size = ref_dtype_size(d->hidden_dtype);
+    const size_t nk = (size_t)d->num_tokens * row_slots(d), in_size = ref_dtype_size(d->hidden_dtype);
     const size_t out_sizes[3] = {nk * 8, nk * 4, nk * 4};
     void *out_ptrs[3] = {out->pairs, out->weights, out->ids};
     for (int i = 0; i < 3; i++)
@@ -421,12 +428,12 @@ static void describe_router(const moecl_grounded_router_desc *d, bool bias, bool
     const moecl_gating *g = &d->gating;
     snprintf(buf, size,
              "T=%u H=%u E=%u k=%u alpha=%g dtype=%d scoring=%d weighting=%d groups=%u/%u gs=%d fill=%d renorm=%d "
-             "floor=%g eps=%g factor=%g round=%d softcap=%g%s%s",
+             "floor=%g eps=%g factor=%g round=%d softcap=%g shared=%u/%g%s%s",
              d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
              (int)g->scoring, (int)g->weighting, g->num_expert_groups, g->topk_group, (int)g->group_score,
              (int)g->group_fill, (int)g->renormalize, (double)g->renormalize_floor, (double)g->renormalize_eps,
              (double)g->routed_scaling_factor, (int)d->logits_dtype, (double)d->logit_softcap,
-             bias ? " bias" : "", !logits ? " no-logits" : d->router_logits_row ? " logits-row" : "");
+             d->num_shared_experts, (double)d->shared_expert_weight, bias ? " bias" : "", !logits ? " no-logits" : d->router_logits_row ? " logits-row" : "");
 }
 
 /* moecl_router on the host path or the device path (offsets, poison, one
@@ -434,7 +441,7 @@ static void describe_router(const moecl_grounded_router_desc *d, bool bias, bool
 static void run_router(moecl_context *ctx, const moecl_grounded_router_desc *d, const grounded_inputs *in,
                        const float *bias, bool device_path, float *w, int32_t *ids)
 {
-    const size_t nk = (size_t)d->num_tokens * d->top_k, in_size = ref_dtype_size(d->hidden_dtype);
+    const size_t nk = (size_t)d->num_tokens * row_slots(d), in_size = ref_dtype_size(d->hidden_dtype);
     memset(w, HARNESS_POISON, nk * 4 + 4);
     memset(ids, HARNESS_POISON, nk * 4 + 4);
     char what[320];
@@ -493,7 +500,7 @@ static void router_case(moecl_context *ctx, const moecl_grounded_router_desc *d,
             in.logits[(size_t)3 * E] = -INFINITY;
         }
     }
-    const size_t nk = (size_t)d->num_tokens * d->top_k;
+    const size_t nk = (size_t)d->num_tokens * row_slots(d);
     float *w = malloc(nk * 4 + 4);
     int32_t *ids = malloc(nk * 4 + 4);
     for (int path = 0; path < 2; path++)
@@ -752,6 +759,7 @@ typedef struct ex_options {
     bool counts, load, valid, capture, scale;
     int32_t num_valid;
     moecl_index_dtype capture_dtype;
+    const void *gate; /* shared_expert_gate [S][H] of hidden_dtype, or NULL */
 } ex_options;
 
 static size_t index_bytes(moecl_index_dtype t) { return t == MOECL_I64 ? 8 : t == MOECL_I16 ? 2 : 4; }
@@ -785,11 +793,14 @@ static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *
                           const void *bias, const float *scale, const ex_options *o, bool device_path, void *w_out,
                           void *ids_out)
 {
-    const size_t T = d->num_tokens, k = d->top_k, E = d->num_experts, nk = T * k;
+    /* nk: the slots (the shared ones too), ncap: the routed ones (the
+     * capture's); E: the experts counted (the shared ones too). */
+    const size_t T = d->num_tokens, nk = T * row_slots(d), ncap = T * d->top_k;
+    const size_t E = (size_t)d->num_experts + d->num_shared_experts;
     const size_t w_size = ref_dtype_size(d->weights_dtype), id_size = index_bytes(d->ids_dtype);
     const size_t cap_size = index_bytes(o->capture_dtype), in_size = ref_dtype_size(d->hidden_dtype);
     void *w = harness_poisoned(nk * w_size), *ids = harness_poisoned(nk * id_size);
-    void *cap = o->capture ? harness_poisoned(nk * cap_size) : NULL;
+    void *cap = o->capture ? harness_poisoned(ncap * cap_size) : NULL;
     int32_t *counts = o->counts ? harness_poisoned(E * 4) : NULL;
     int32_t *load = o->load ? malloc(E * 4) : NULL, *load_before = o->load ? malloc(E * 4) : NULL;
     for (size_t e = 0; load && e < E; e++)
@@ -802,6 +813,8 @@ static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *
              (int)d->weights_dtype, (int)d->ids_dtype, (int)d->bias_dtype, o->counts ? " counts" : "",
              o->load ? " load" : "", o->scale ? " scale" : "", o->capture ? (int)o->capture_dtype : -1,
              o->valid ? "" : " (no count)", (int)valid, device_path ? "device" : "host");
+    if (o->gate)
+        snprintf(what + strlen(what), sizeof(what) - strlen(what), " shared gate");
     moecl_status st;
     if (!device_path) {
         moecl_router_host_tensors h;
@@ -819,6 +832,7 @@ static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *
         h.captured_ids = cap;
         h.captured_ids_dtype = o->capture_dtype;
         h.expert_scale = o->scale ? scale : NULL;
+        h.shared_expert_gate = o->gate;
         st = moecl_router_ex_host(ctx, d, &h);
         ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
     } else {
@@ -835,9 +849,11 @@ static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *
         t.expert_counts = o->counts ? ex_buffer(ctx, E, 4, NULL) : none;
         t.expert_load = o->load ? ex_buffer(ctx, E, 4, load) : none;
         t.num_valid_tokens = o->valid ? ex_buffer(ctx, 1, 4, &valid) : none;
-        t.captured_ids = o->capture ? ex_buffer(ctx, nk, cap_size, NULL) : none;
+        t.captured_ids = o->capture ? ex_buffer(ctx, ncap, cap_size, NULL) : none;
         t.captured_ids_dtype = o->capture_dtype;
-        t.expert_scale = o->scale ? ex_buffer(ctx, E, 4, scale) : none;
+        t.expert_scale = o->scale ? ex_buffer(ctx, d->num_experts, 4, scale) : none;
+        t.shared_expert_gate =
+            o->gate ? ex_buffer(ctx, (size_t)d->num_shared_experts * d->hidden_dim, in_size, o->gate) : none;
         cl_event done = NULL;
         st = moecl_router_ex(ctx, d, &t, 0, NULL, &done);
         ck_assert_msg(st == MOECL_SUCCESS, "%s: %s: %s", what, moecl_status_string(st), moecl_context_error(ctx));
@@ -846,19 +862,19 @@ static void run_router_ex(moecl_context *ctx, const moecl_grounded_router_desc *
         ex_read(ctx, t.topk_weights, nk * w_size, w, "topk_weights", what);
         ex_read(ctx, t.topk_ids, nk * id_size, ids, "topk_ids", what);
         if (cap)
-            ex_read(ctx, t.captured_ids, nk * cap_size, cap, "captured_ids", what);
+            ex_read(ctx, t.captured_ids, ncap * cap_size, cap, "captured_ids", what);
         if (counts)
             ex_read(ctx, t.expert_counts, E * 4, counts, "expert_counts", what);
         if (load)
             ex_read(ctx, t.expert_load, E * 4, load, "expert_load", what);
         const moecl_buffer all[] = {t.token_hidden, t.router_logits, t.expert_ground,    t.bias,
                                     t.topk_weights, t.topk_ids,      t.expert_counts,    t.expert_load,
-                                    t.num_valid_tokens, t.captured_ids, t.expert_scale};
+                                    t.num_valid_tokens, t.captured_ids, t.expert_scale, t.shared_expert_gate};
         for (size_t i = 0; i < COUNT(all); i++)
             harness_release(all[i]);
     }
     const ref_router_ex x = {bias,   o->scale ? scale : NULL, o->valid ? &valid : NULL, w, ids, cap, o->capture_dtype,
-                             counts, load ? load_before : NULL, load};
+                             counts, load ? load_before : NULL, load, o->gate};
     char msg[512] = "";
     const int bad = ref_check_router_ex(d, in->hidden, in->logits, in->ground, &x, msg, sizeof(msg));
     ck_assert_msg(bad == 0, "%s: %d bad rows; first: %s", what, bad, msg);
@@ -948,7 +964,8 @@ START_TEST(test_router_ex)
                                   v == 4 || v == 5 || v == 1,
                                   valid_of[(s + (size_t)v) % COUNT(valid_of)],
                                   (moecl_index_dtype)((v + s) % 3 == 0 ? MOECL_I16 : (v + s) % 3 == 1 ? MOECL_I32
-                                                                                                        : MOECL_I64)};
+                                                                                                        : MOECL_I64),
+                                  NULL};
             router_ex_case(ctx, &d, !tiled && v % 3 != 2, v != 4, v == 5, &o, 1900 + i);
         }
     moecl_context_destroy(ctx);
@@ -975,8 +992,8 @@ START_TEST(test_router_ex_same_bits)
             const size_t nk = (size_t)d.num_tokens * d.top_k, w_bytes = nk * ref_dtype_size(d.weights_dtype);
             void *w0 = malloc(w_bytes), *w1 = malloc(w_bytes);
             int32_t *id0 = malloc(nk * 4), *id1 = malloc(nk * 4);
-            const ex_options plain = {false, false, false, false, false, 0, MOECL_I32};
-            const ex_options all = {true, true, true, true, false, (int32_t)d.num_tokens, MOECL_I16};
+            const ex_options plain = {false, false, false, false, false, 0, MOECL_I32, NULL};
+            const ex_options all = {true, true, true, true, false, (int32_t)d.num_tokens, MOECL_I16, NULL};
             for (int path = 0; path < 2; path++) {
                 run_router_ex(ctx, &d, &in, NULL, NULL, &plain, path == 1, w0, id0);
                 run_router_ex(ctx, &d, &in, NULL, NULL, &all, path == 1, w1, id1);
@@ -1014,7 +1031,7 @@ START_TEST(test_router_ex_ties)
     d.weights_dtype = MOECL_BF16;
     d.ids_dtype = MOECL_I64;
     float *scale = expert_scales(d.num_experts);
-    const ex_options o = {true, true, true, true, true, 2, MOECL_I16};
+    const ex_options o = {true, true, true, true, true, 2, MOECL_I16, NULL};
     int64_t ids[16];
     for (int path = 0; path < 2; path++) {
         run_router_ex(ctx, &d, &tie, NULL, scale, &o, path == 1, NULL, ids);
@@ -1022,6 +1039,84 @@ START_TEST(test_router_ex_ties)
             ck_assert_msg(ids[j] == (j < 10 ? j % 5 : -1), "tie rows: slot %d id %lld", j, (long long)ids[j]);
     }
     free(scale);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Shared experts through moecl_router_ex with every option (the
+ * histograms over E + S, a valid count two rows short, the capture of the
+ * routed slots, the scale, which leaves the shared slots), NaN and inf in
+ * hidden rows 1 and 2, both paths: the constant weight, then the per-token
+ * gate (Qwen2-MoE's shared_expert_gate). */
+static void shared_ex_case(moecl_context *ctx, moecl_grounded_router_desc *d, bool with_bias, bool with_logits,
+                           moecl_index_dtype capture_dtype, uint64_t stream)
+{
+    for (int gate = 0; gate < 2; gate++) {
+        harness_rng rng = harness_rng_for(stream + (uint64_t)gate);
+        void *g = gate ? harness_random_tensor(&rng, d->hidden_dtype,
+                                               (size_t)d->num_shared_experts * d->hidden_dim, 1.0f)
+                       : NULL;
+        d->ids_dtype = (moecl_index_dtype)gate;
+        const ex_options o = {true, true, true, true, true, (int32_t)d->num_tokens - 2, capture_dtype, g};
+        router_ex_case(ctx, d, with_bias, with_logits, true, &o, stream + 10 + (uint64_t)gate);
+        free(g);
+    }
+}
+
+/* Shared experts (num_shared_experts) on the kernels the launch class
+ * takes at these shapes: a team per token (16 experts, GPU class), the
+ * tiled kernel (256 experts, the seed's gating, no bias), the plain loops
+ * (the CPU class; in the GPU class the sigmoid gating with a bias at 256
+ * experts); then moecl_grounded_router's three outputs (out_pairs too
+ * holds top_k + S slots) and moecl_router. */
+START_TEST(test_router_shared)
+{
+    moecl_context *ctx = harness_context();
+    /* hidden, experts, top_k, shared, tokens, DeepSeek-style gating */
+    static const uint32_t shapes[][6] = {
+        {64, 16, 4, 1, 21, 1}, {40, 16, 2, 3, 9, 0}, {96, 256, 8, 2, 70, 0}, {48, 256, 6, 1, 12, 1}};
+    for (size_t s = 0; s < COUNT(shapes); s++) {
+        const uint32_t *sh = shapes[s];
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(sh[4], sh[0], sh[1], 1.0f);
+        d.top_k = sh[2];
+        d.num_shared_experts = sh[3];
+        d.shared_expert_weight = s % 2 ? -0.75f : 0.4f;
+        d.hidden_dtype = (moecl_dtype)(s % 3);
+        d.weights_dtype = (moecl_dtype)((s + 1) % 3);
+        if (sh[5]) {
+            d.gating.scoring = MOECL_SCORING_SIGMOID;
+            d.gating.weighting = MOECL_WEIGHTS_SCORE;
+            d.gating.renormalize = true;
+            d.gating.routed_scaling_factor = 2.5f;
+        }
+        shared_ex_case(ctx, &d, sh[5] != 0, s % 2 == 0, s % 2 ? MOECL_I16 : MOECL_I32, 2300 + 20 * s);
+    }
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(33, 64, 16, 1.0f);
+    d.top_k = 3;
+    d.num_shared_experts = 2;
+    d.shared_expert_weight = 0.25f;
+    d.gating.routed_scaling_factor = 2.0f;
+    random_case(ctx, &d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 2390, true);
+    random_case(ctx, &d, OUT_PAIRS, 2391, true);
+    router_case(ctx, &d, false, false, true, 2392);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* The tensor-core kernel (forced; emulated here) with shared experts. */
+START_TEST(test_mma_router_shared)
+{
+    moecl_context *ctx = mma_context();
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(19, 40, 64, 1.0f);
+    d.hidden_dtype = MOECL_BF16;
+    d.top_k = 6;
+    d.num_shared_experts = 2;
+    d.shared_expert_weight = 0.5f;
+    d.weights_dtype = MOECL_F16;
+    d.gating.scoring = MOECL_SCORING_SOFTMAX;
+    d.gating.weighting = MOECL_WEIGHTS_SCORE;
+    d.gating.renormalize = true;
+    shared_ex_case(ctx, &d, true, false, MOECL_I16, 2400);
     moecl_context_destroy(ctx);
 }
 END_TEST
@@ -1040,7 +1135,7 @@ START_TEST(test_mma_router_ex)
         d.gating.scoring = MOECL_SCORING_SOFTMAX;
         d.gating.renormalize = true;
         d.gating.weighting = MOECL_WEIGHTS_SCORE;
-        const ex_options o = {true, true, true, true, true, 30, v ? MOECL_I32 : MOECL_I16};
+        const ex_options o = {true, true, true, true, true, 30, v ? MOECL_I32 : MOECL_I16, NULL};
         router_ex_case(ctx, &d, v == 1, v == 0, true, &o, 2200 + v);
     }
     moecl_context_destroy(ctx);
@@ -1112,6 +1207,31 @@ START_TEST(test_router_ex_invalid)
         ck_assert_int_eq(moecl_router_ex(ctx, &b, &t, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
         ck_assert_msg(strstr(moecl_context_error(ctx), fields[f]) != NULL, "%s", moecl_context_error(ctx));
     }
+    /* Shared experts: top_k + S past 64, a weight NaN or infinite, a gate
+     * without them, a gate too small; each named. */
+    static const char *const shared_fields[] = {"num_shared_experts", "shared_expert_weight", "shared_expert_weight",
+                                                "shared_expert_gate", "shared_expert_gate"};
+    for (int f = 0; f < 5; f++) {
+        moecl_grounded_router_desc b = d;
+        moecl_router_tensors g = t;
+        b.num_shared_experts = f == 0 ? 63 : f == 3 ? 0 : 1;
+        b.top_k = f == 4 ? 1 : b.top_k; /* the outputs' rows still 2 slots: only the gate is too small */
+        b.shared_expert_weight = f == 1 ? NAN : f == 2 ? INFINITY : 1.0f;
+        g.shared_expert_gate = f >= 3 ? small : (moecl_buffer){NULL, 0};
+        ck_assert_int_eq(moecl_router_ex(ctx, &b, &g, 0, NULL, NULL), MOECL_ERROR_INVALID_ARGUMENT);
+        ck_assert_msg(strstr(moecl_context_error(ctx), shared_fields[f]) != NULL, "%d: %s", f,
+                      moecl_context_error(ctx));
+    }
+    moecl_grounded_router_desc too_many = d;
+    too_many.num_shared_experts = 63; /* k 2 + 63 > 64 */
+    float hw[1] = {0};
+    ck_assert_int_eq(moecl_router_host(ctx, &too_many, hw, NULL, hw, NULL, hw, hw), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "num_shared_experts"));
+    h.struct_size = sizeof(h);
+    h.captured_ids_dtype = MOECL_I32;
+    h.shared_expert_gate = hw;
+    ck_assert_int_eq(moecl_router_ex_host(ctx, &d, &h), MOECL_ERROR_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "shared_expert_gate"));
     /* Outputs too small for their types: int64 ids and f32 weights in
      * buffers of half the bytes. */
     moecl_grounded_router_desc wide = d;
@@ -1133,6 +1253,13 @@ START_TEST(test_router_ex_invalid)
                                                         counts, sorted, blocks, &post, NULL, NULL),
                      MOECL_ERROR_INVALID_ARGUMENT);
     ck_assert_ptr_nonnull(strstr(moecl_context_error(ctx), "ids_dtype"));
+    /* A record of the first version (up to expert_scale) is read as one:
+     * a shared_expert_gate past it is not looked at. */
+    moecl_router_tensors v1 = t;
+    v1.struct_size = offsetof(moecl_router_tensors, expert_scale) + sizeof(moecl_buffer);
+    v1.shared_expert_gate = small;
+    ck_assert_int_eq(moecl_router_ex(ctx, &d, &v1, 0, NULL, NULL), MOECL_SUCCESS);
+    ck_assert_int_eq(clFinish(moecl_context_queue(ctx)), CL_SUCCESS);
     const moecl_buffer all[] = {hb, gb, wb, ib, small};
     for (size_t i = 0; i < COUNT(all); i++)
         harness_release(all[i]);
@@ -1159,6 +1286,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_router_ex);
     tcase_add_test(tc, test_router_ex_same_bits);
     tcase_add_test(tc, test_router_ex_ties);
+    tcase_add_test(tc, test_router_shared);
     /* --quick: without the grid and the dtype sweep. */
     if (!harness_quick()) {
         tcase_add_test(tc, test_topk_alpha_dtypes);
@@ -1172,6 +1300,7 @@ int main(int argc, char **argv)
     tcase_add_test(mma, test_mma_shapes);
     tcase_add_test(mma, test_mma_gatings);
     tcase_add_test(mma, test_mma_router_ex);
+    tcase_add_test(mma, test_mma_router_shared);
     suite_add_tcase(s, mma);
     return harness_run(s);
 }

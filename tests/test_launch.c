@@ -2292,6 +2292,26 @@ START_TEST(test_variant_tables)
     moecl_variant_gating(&w, &wide);
     k = moecl_variant_key(&ctx, op, &w);
     ck_assert(k.a != gbase.a && k.b != gbase.b);
+    /* Shared experts fill the fourth word, the first three stay: their
+     * count, the constant weight's bits, the gate; named in the defines
+     * only where set. */
+    ck_assert(gbase.d == 0);
+    const unsigned shared_params[] = {MOECL_GROUNDED_SHARED, MOECL_GROUNDED_SHARED_WEIGHT,
+                                      MOECL_GROUNDED_SHARED_GATE};
+    const uint32_t shared_values[] = {63, 0x3ecccccdu /* 0.4f */, 1};
+    moecl_plan_key last = gbase;
+    w = v;
+    for (size_t i = 0; i < 3; i++) {
+        w.param[shared_params[i]] = shared_values[i];
+        k = moecl_variant_key(&ctx, op, &w);
+        ck_assert(k.a == gbase.a && k.b == gbase.b && k.c == gbase.c && k.d != last.d);
+        last = k;
+    }
+    ck_assert_ptr_null(moecl_variant_check(op, &w, MOECL_KERNEL_TILED));
+    moecl_variant_defines(op, &w, MOECL_KERNEL_TILED, text, sizeof(text));
+    ck_assert_ptr_nonnull(strstr(text, " -DSHARED=63 -DSHARED_WEIGHT=0x1.99999ap-2f -DSHARED_GATE=1"));
+    w.param[MOECL_GROUNDED_SHARED] = 64;
+    ck_assert_str_eq(moecl_variant_check(op, &w, MOECL_KERNEL_TILED), "SHARED");
 }
 END_TEST
 

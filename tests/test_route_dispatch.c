@@ -1075,7 +1075,7 @@ END_TEST
 
 static shape grounded_shape(const moecl_grounded_router_desc *d)
 {
-    return (shape){d->num_tokens, d->top_k, d->num_experts};
+    return (shape){d->num_tokens, d->top_k + d->num_shared_experts, d->num_experts + d->num_shared_experts};
 }
 
 typedef struct grounded_in {
@@ -1155,10 +1155,11 @@ static void run_grounded_separate(moecl_context *ctx, const moecl_grounded_route
 static void grounded_case(moecl_context *ctx, const moecl_grounded_router_desc *d, uint32_t block, bool ties,
                           uint64_t stream)
 {
-    char what[200];
+    char what[240];
     snprintf(what, sizeof(what), "grounded T=%u H=%u E=%u k=%u alpha=%g dtype=%d round=%d softcap=%g row=%d block=%u "
-             "ties=%d", d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha, (int)d->hidden_dtype,
-             (int)d->logits_dtype, (double)d->logit_softcap, (int)d->router_logits_row, block, (int)ties);
+             "ties=%d shared=%u/%g", d->num_tokens, d->hidden_dim, d->num_experts, d->top_k, (double)d->alpha,
+             (int)d->hidden_dtype, (int)d->logits_dtype, (double)d->logit_softcap, (int)d->router_logits_row, block,
+             (int)ties, d->num_shared_experts, (double)d->shared_expert_weight);
     harness_rng rng = harness_rng_for(stream);
     grounded_in in = grounded_inputs(&rng, d, ties);
     outs want, got;
@@ -1245,6 +1246,34 @@ START_TEST(test_grounded_model_logits)
             d.router_logits_row = r != 1;
             grounded_case(ctx, &d, 16, false, 650 + 2 * r + (size_t)t);
         }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+/* Shared experts: top_k + S slots a token aligned over num_experts + S
+ * experts, the same bits as the grounded router then moe_align, in the
+ * one kernel (decode sizes, GPU class) and the two calls; DeepSeek-V3's
+ * sigmoid gating with SGLang's weight 1 / 2.5, and S = 2 on ties. */
+START_TEST(test_grounded_shared)
+{
+    moecl_context *ctx = harness_context();
+    static const uint32_t tokens[] = {7, 129};
+    for (size_t t = 0; t < COUNT(tokens); t++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(tokens[t], 64, 32, 1.0f);
+        d.top_k = 4;
+        d.gating.scoring = MOECL_SCORING_SIGMOID;
+        d.gating.weighting = MOECL_WEIGHTS_SCORE;
+        d.gating.renormalize = true;
+        d.gating.routed_scaling_factor = 2.5f;
+        d.num_shared_experts = 1;
+        d.shared_expert_weight = 1.0f / 2.5f;
+        d.hidden_dtype = t ? MOECL_BF16 : MOECL_F32;
+        grounded_case(ctx, &d, 16, false, 720 + t);
+    }
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(65, 64, 32, 1.0f);
+    d.num_shared_experts = 2;
+    d.shared_expert_weight = 0.5f;
+    grounded_case(ctx, &d, 16, true, 725);
     moecl_context_destroy(ctx);
 }
 END_TEST
@@ -1389,6 +1418,7 @@ int main(int argc, char **argv)
     tcase_add_test(grounded, test_grounded_sizes);
     tcase_add_test(grounded, test_grounded_shapes);
     tcase_add_test(grounded, test_grounded_ties);
+    tcase_add_test(grounded, test_grounded_shared);
     tcase_add_test(grounded, test_grounded_model_logits);
     tcase_add_test(grounded, test_grounded_out_of_order);
     tcase_add_test(grounded, test_grounded_bad_input);

@@ -883,6 +883,25 @@ typedef struct moecl_grounded_router_desc {
     /** Element type of moecl_router()'s bias: MOECL_F32 (the default),
      *  MOECL_F16 or MOECL_BF16, widened to f32 exactly on load. */
     moecl_dtype bias_dtype;
+    /** Shared experts appended to the routing output, as
+     *  moecl_topk_gating_desc's num_shared_experts (docs/routing.md, §2
+     *  "Shared experts" and §3): 0 (the default) none; S > 0: every row of
+     *  out_pairs, topk_weights and topk_ids holds top_k + S slots, the
+     *  routed top_k as without them, then slot top_k + j (j < S) with id
+     *  num_experts + j and the weight shared_expert_weight *
+     *  routed_scaling_factor (one fp32 product), or with
+     *  moecl_router_tensors' shared_expert_gate sigmoid(dot(hidden,
+     *  shared_expert_gate[j])). expert_counts and expert_load then have
+     *  num_experts + S entries; captured_ids keeps the routed top_k;
+     *  expert_scale does not apply to shared slots; a padding row is -1 / 0
+     *  in every slot; moecl_grounded_route_dispatch() aligns top_k + S
+     *  slots over num_experts + S experts. top_k + S <= 64. */
+    uint32_t num_shared_experts;
+    /** The constant weight of each shared slot before
+     *  routed_scaling_factor: finite where num_shared_experts > 0 (also
+     *  with a shared_expert_gate, which replaces it); 1.0 in
+     *  moecl_grounded_router_desc_init(). */
+    float shared_expert_weight;
 } moecl_grounded_router_desc;
 
 /** The seed reference op: top_k 2, f32 hidden states, fp32 products and
@@ -903,7 +922,8 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  *   out_pairs      float[num_tokens][top_k][2]: ((float)index, weight), or absent
  *   topk_weights   [num_tokens][top_k] of weights_dtype, or absent
  *   topk_ids       [num_tokens][top_k] of ids_dtype, or absent
- * At least one output must be given.
+ * At least one output must be given. With desc->num_shared_experts S > 0
+ * every output row is top_k + S slots (the shared ones last).
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), a
  * precision outside its enum, and all three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
@@ -941,6 +961,7 @@ MOECL_API moecl_status moecl_grounded_router_prepare(moecl_context *ctx, const m
  *   bias           [num_experts] of bias_dtype, or absent: steers selection only
  *   topk_weights   [num_tokens][top_k] of weights_dtype, required
  *   topk_ids       [num_tokens][top_k] of ids_dtype, required
+ * (top_k + num_shared_experts slots a row with shared experts).
  *
  * Asynchronous, with the errors of moecl_grounded_router(); on any
  * failure nothing is enqueued and no output byte changes. It is
@@ -975,13 +996,15 @@ typedef struct moecl_router_tensors {
     moecl_buffer bias;           /**< [num_experts] of bias_dtype, or absent: steers selection only */
     moecl_buffer topk_weights;   /**< [num_tokens][top_k] of weights_dtype, output, required */
     moecl_buffer topk_ids;       /**< [num_tokens][top_k] of ids_dtype, output, required */
-    /** int32_t[num_experts], output, or absent: overwritten with the
-     *  number of (token, slot) pairs routed to each expert (a fill, then
-     *  the kernel), as moecl_topk_gating_tensors' expert_counts. */
+    /** int32_t[num_experts] (+ num_shared_experts), output, or absent:
+     *  overwritten with the number of (token, slot) pairs routed to each
+     *  expert (a fill, then the kernel), as moecl_topk_gating_tensors'
+     *  expert_counts. */
     moecl_buffer expert_counts;
-    /** int32_t[num_experts], or absent: a load counter the call adds its
-     *  counts to, in the same launch, and never zeroes (vLLM's and SGLang's
-     *  expert-load statistics), as moecl_topk_gating_tensors' expert_load. */
+    /** int32_t[num_experts] (+ num_shared_experts), or absent: a load
+     *  counter the call adds its counts to, in the same launch, and never
+     *  zeroes (vLLM's and SGLang's expert-load statistics), as
+     *  moecl_topk_gating_tensors' expert_load. */
     moecl_buffer expert_load;
     /** int32_t[1], or absent: the number n of rows that are tokens, read
      *  by the kernel when it runs (vLLM's is_padding, SGLang's
@@ -990,7 +1013,8 @@ typedef struct moecl_router_tensors {
      *  expert_counts nor expert_load. */
     moecl_buffer num_valid_tokens;
     /** [num_tokens][top_k] of captured_ids_dtype, output, or absent: a copy
-     *  of the ids the call writes to topk_ids (-1 for padding rows), for
+     *  of the routed ids the call writes to topk_ids (-1 for padding rows;
+     *  never the shared slots), for
      *  routing replay (vLLM's and SGLang's routed-experts capture,
      *  Megatron's). */
     moecl_buffer captured_ids;
@@ -1004,6 +1028,14 @@ typedef struct moecl_router_tensors {
      *  before the rounding to weights_dtype): Gemma 4's per_expert_scale,
      *  as transformers' Gemma4TextRouter applies it. Padding rows stay 0. */
     moecl_buffer expert_scale;
+    /** [num_shared_experts][hidden_dim] of hidden_dtype, or absent: a
+     *  per-token gate of the shared experts (Qwen2-MoE's, Qwen3-Next's and
+     *  Qwen3.5-MoE's shared_expert_gate weight). Shared slot j of token t
+     *  then weighs sigmoid(dot(token_hidden[t], shared_expert_gate[j])),
+     *  the dot product in f32 by ascending hidden index, without
+     *  routed_scaling_factor or expert_scale (docs/routing.md, §3). Needs
+     *  num_shared_experts > 0. Added in the record's second version. */
+    moecl_buffer shared_expert_gate;
 } moecl_router_tensors;
 
 /**
@@ -1015,9 +1047,10 @@ typedef struct moecl_router_tensors {
  * `done`, if non-NULL, receives the kernel's event (with num_tokens 0,
  * the fill's or a marker). Errors: those of moecl_router(), and
  * MOECL_ERROR_INVALID_ARGUMENT for a NULL tensors, a struct_size this
- * moecl does not know (today's record is its first version),
- * captured_ids_dtype not a moecl_index_dtype, and an optional tensor too
- * small, misaligned or of another context. On any failure nothing is
+ * moecl does not know (the first version's, through expert_scale, or
+ * today's, through shared_expert_gate), captured_ids_dtype not a
+ * moecl_index_dtype, a shared_expert_gate without num_shared_experts, and
+ * an optional tensor too small, misaligned or of another context. On any failure nothing is
  * enqueued and no output byte changes, unless the kernel's enqueue fails
  * after the counts' fill: then expert_counts is unspecified and every
  * other output unchanged.
@@ -1042,6 +1075,7 @@ typedef struct moecl_router_host_tensors {
     void *captured_ids;               /**< of captured_ids_dtype, output, or NULL */
     moecl_index_dtype captured_ids_dtype; /**< as moecl_router_tensors' */
     const float *expert_scale;        /**< or NULL */
+    const void *shared_expert_gate;   /**< of hidden_dtype, or NULL (second version) */
 } moecl_router_host_tensors;
 
 /** Blocking convenience of moecl_router_ex() on host memory: copies in
@@ -1750,6 +1784,8 @@ MOECL_API moecl_status moecl_route_dispatch_ex_host(moecl_context *ctx, const mo
  * moecl_grounded_router() (weights and ids, no pairs) followed by
  * moecl_moe_align() with moecl_moe_align_desc_init(desc->num_tokens,
  * desc->top_k, desc->num_experts, block_size) would write, bit for bit.
+ * With desc->num_shared_experts S > 0, top_k + S slots a token aligned
+ * over num_experts + S experts.
  *
  *   token_hidden, router_logits,
  *   expert_ground                          as moecl_grounded_router()

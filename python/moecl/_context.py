@@ -657,7 +657,8 @@ class Context:
 
     def _grounded_desc(self, h: T.Tensor, experts: int, k: int, alpha: float, dtype: Optional[str],
                        gating: Optional[Dict[str, Any]] = None,
-                       out_dtypes: Tuple[int, int, int] = (0, 0, 0)) -> ctypes.Structure:
+                       out_dtypes: Tuple[int, int, int] = (0, 0, 0),
+                       shared: Tuple[int, float] = (0, 1.0)) -> ctypes.Structure:
         """moecl_grounded_router_desc of a call, validated by the library (and its kernels built).
 
         gating: the gating options by their Python names (scoring,
@@ -665,7 +666,8 @@ class Context:
         renormalize, scale, renormalize_floor, renormalize_eps, precision,
         logits_dtype, logit_softcap; _logits_row, router_logits' being one
         row, from its shape); out_dtypes: weights_dtype, ids_dtype and
-        bias_dtype as the library's enums; absent ones keep
+        bias_dtype as the library's enums; shared: (num_shared_experts,
+        shared_expert_weight); absent ones keep
         desc_init's defaults (the seed's gating: scoring "raw", weighting
         "softmax_chosen"), except that a scoring given without a weighting
         weighs the chosen by their score, as topk_gating does, so that
@@ -675,6 +677,7 @@ class Context:
         desc.top_k = k
         desc.hidden_dtype = _lib.DTYPES[T.input_dtypes(dtype)[h.dtype]]
         desc.weights_dtype, desc.ids_dtype, desc.bias_dtype = out_dtypes
+        desc.num_shared_experts, desc.shared_expert_weight = shared[0], float(shared[1])
         g = dict(gating or {})
         if "scoring" in g and "weighting" not in g:
             g["weighting"] = "score"
@@ -708,6 +711,7 @@ class Context:
 
     def grounded_router(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2, alpha: float = 1.0,
                         *, dtype: Optional[str] = None, outputs: Sequence[str] = ("weights", "ids"),
+                        num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
                         out: Optional[Dict[str, Any]] = None, queue: Any = None,
                         wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
         """The grounded router (docs/routing.md, section 3).
@@ -737,6 +741,10 @@ class Context:
                 any of "weights" (float32 [tokens, top_k]), "ids" (int32
                 [tokens, top_k]) and "pairs" (float32 [tokens, top_k, 2],
                 (id, weight) interleaved, the seed's layout).
+            num_shared_experts, shared_expert_weight: as for topk_gating:
+                S shared slots after the routed ones in every output (ids
+                experts + j, weight shared_expert_weight * scale); the
+                outputs are then top_k + S slots a row.
             out, queue, wait_for: as for topk_gating.
 
         Returns:
@@ -749,7 +757,9 @@ class Context:
                 raise ValueError('outputs: %r is none of "pairs", "weights", "ids"' % (name,))
         kind = T.kind_of([hidden, router_logits, ground, *out.values()])
         h, r, w, tokens, experts, k = self._grounded_inputs(hidden, router_logits, ground, top_k, dtype, kind)
-        specs = {"pairs": ((tokens, k, 2), T.F32), "weights": ((tokens, k), T.F32), "ids": ((tokens, k), T.I32)}
+        s = _uint("num_shared_experts", num_shared_experts)
+        specs = {"pairs": ((tokens, k + s, 2), T.F32), "weights": ((tokens, k + s), T.F32),
+                 "ids": ((tokens, k + s), T.I32)}
         given = T.outputs(specs, out, kind)
         extra = [n for n in specs if given[n] is not None and n not in outputs]
         if extra:
@@ -757,7 +767,8 @@ class Context:
 
         self._check_wait(kind, wait_for)
         on = self._on(queue)
-        desc = on._grounded_desc(h, experts, k, alpha, dtype, dict(gating, _logits_row=len(r.shape) == 1))
+        desc = on._grounded_desc(h, experts, k, alpha, dtype, dict(gating, _logits_row=len(r.shape) == 1),
+                                 shared=(s, shared_expert_weight))
 
         q = on.queue if kind == T.DEVICE else None
         o = self._outputs(specs, given, outputs, kind, q)
@@ -769,7 +780,8 @@ class Context:
                bias: Any = None, dtype: Optional[str] = None, bias_dtype: Optional[str] = None,
                weights_dtype: str = "f32", ids_dtype: str = "int32", counts: bool = False,
                num_valid_tokens: Any = None, expert_load: Any = None, captured_ids: Any = None,
-               expert_scale: Any = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
+               expert_scale: Any = None, num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
+               shared_expert_gate: Any = None, out: Optional[Dict[str, Any]] = None, queue: Any = None,
                wait_for: Optional[Sequence[Any]] = None, **gating: Any) -> Tuple[Any, ...]:
         """A model's router in one launch, moecl_router (docs/routing.md, section 3).
 
@@ -808,6 +820,17 @@ class Context:
             expert_scale: float32 [experts], or None: each chosen expert's
                 final weight times its entry (Gemma 4's per_expert_scale),
                 after the renormalisation and scale.
+            num_shared_experts, shared_expert_weight: as for topk_gating:
+                S shared slots after the routed ones (ids experts + j,
+                weight shared_expert_weight * scale); weights and ids are
+                then [tokens, top_k + S], counts and expert_load
+                [experts + S], captured_ids stays [tokens, top_k] (the
+                routed ids); expert_scale leaves the shared slots.
+            shared_expert_gate: [num_shared_experts, hidden_dim] of
+                hidden's dtype, or None: Qwen2-MoE's per-token gate of its
+                shared expert; shared slot j then weighs
+                sigmoid(hidden[t] . shared_expert_gate[j]) (f32, ascending
+                hidden index), neither scaled nor shared_expert_weight.
             out, queue, wait_for, dtype: as for topk_gating ("weights",
                 "ids", "counts").
 
@@ -826,14 +849,17 @@ class Context:
         r = None if router_logits is None else self._router_logits(router_logits, tokens, experts, kind)
         b = None if bias is None else T.check("bias", bias, (experts,), T.input_dtypes(bias_dtype), kind)
         k = _uint("top_k", top_k)
+        s = _uint("num_shared_experts", num_shared_experts)
         nv = None if num_valid_tokens is None else T.check("num_valid_tokens", num_valid_tokens, (1,), [T.I32], kind)
-        load = None if expert_load is None else T.check("expert_load", expert_load, (experts,), [T.I32], kind,
+        load = None if expert_load is None else T.check("expert_load", expert_load, (experts + s,), [T.I32], kind,
                                                         output=True)
         cap = None if captured_ids is None else T.check("captured_ids", captured_ids, (tokens, k),
                                                         [T.I16, T.I32, T.I64], kind, output=True)
         sc = None if expert_scale is None else T.check("expert_scale", expert_scale, (experts,), [T.F32], kind)
-        w_spec, ids_spec = self._topk_out_specs(tokens, k, weights_dtype, ids_dtype, kind)
-        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts,), T.I32)}
+        sg = None if shared_expert_gate is None else T.check("shared_expert_gate", shared_expert_gate,
+                                                             (s, hidden_dim), [h.dtype], kind)
+        w_spec, ids_spec = self._topk_out_specs(tokens, k + s, weights_dtype, ids_dtype, kind)
+        specs = {"weights": w_spec, "ids": ids_spec, "counts": ((experts + s,), T.I32)}
         given = T.outputs(specs, out, kind)
         if given["counts"] is not None and not counts:
             raise ValueError('out["counts"] given without counts=True')
@@ -844,7 +870,8 @@ class Context:
                       _enum("ids_dtype", ids_dtype, _lib.INDEX_DTYPES),
                       _lib.DTYPES[T.input_dtypes(bias_dtype)[b.dtype]] if b is not None else 0)
         desc = on._grounded_desc(h, experts, k, alpha, dtype,
-                                 dict(gating, _logits_row=r is not None and len(r.shape) == 1), out_dtypes)
+                                 dict(gating, _logits_row=r is not None and len(r.shape) == 1), out_dtypes,
+                                 (s, shared_expert_weight))
 
         q = on.queue if kind == T.DEVICE else None
         wanted = ("weights", "ids", "counts") if counts else ("weights", "ids")
@@ -852,7 +879,7 @@ class Context:
         cap_dtype = 0 if cap is None else _lib.CAPTURED_DTYPES[{T.I16: "int16", T.I32: "int32",
                                                                  T.I64: "int64"}[cap.dtype]]
         event = on._run_ex("router", desc, (_lib.RouterTensors, _lib.RouterHostTensors),
-                           [h, r, w, b, o["weights"], o["ids"], o["counts"], load, nv, cap, sc], kind, wait_for,
+                           [h, r, w, b, o["weights"], o["ids"], o["counts"], load, nv, cap, sc, sg], kind, wait_for,
                            {"captured_ids_dtype": cap_dtype})
         result = tuple(o[n].obj for n in wanted)  # type: ignore[union-attr]
         return result + (event,) if kind == T.DEVICE else result
@@ -1040,6 +1067,7 @@ class Context:
     def grounded_route_dispatch(self, hidden: Any, router_logits: Any, ground: Any, top_k: int = 2,
                                 alpha: float = 1.0, *, block_size: int = 64, dtype: Optional[str] = None,
                                 slot_positions: bool = True, num_invalid: bool = True,
+                                num_shared_experts: int = 0, shared_expert_weight: float = 1.0,
                                 out: Optional[Dict[str, Any]] = None, queue: Any = None,
                                 wait_for: Optional[Sequence[Any]] = None) -> RouteDispatchResult:
         """The grounded router through to dispatch in one call
@@ -1050,6 +1078,9 @@ class Context:
         Args:
             hidden, router_logits, ground, top_k, alpha, dtype: as for grounded_router.
             block_size, slot_positions, num_invalid, out, queue, wait_for: as for route_dispatch.
+            num_shared_experts, shared_expert_weight: as for grounded_router;
+                the dispatch then aligns top_k + S slots over experts + S
+                experts.
 
         Returns:
             A RouteDispatchResult.
@@ -1057,10 +1088,13 @@ class Context:
         out = dict(out or {})
         kind = T.kind_of([hidden, router_logits, ground, *out.values()])
         h, r, w, tokens, experts, k = self._grounded_inputs(hidden, router_logits, ground, top_k, dtype, kind)
+        s = _uint("num_shared_experts", num_shared_experts)
         row = {"_logits_row": len(r.shape) == 1}
-        return self._dispatch("grounded_route_dispatch", lambda on: on._grounded_desc(h, experts, k, alpha, dtype, row),
-                              [h, r, w], tokens, k, experts, block_size, slot_positions, num_invalid, out, kind,
-                              queue, wait_for)
+        return self._dispatch("grounded_route_dispatch",
+                              lambda on: on._grounded_desc(h, experts, k, alpha, dtype, row,
+                                                           shared=(s, shared_expert_weight)),
+                              [h, r, w], tokens, k + s, experts + s, block_size, slot_positions, num_invalid, out,
+                              kind, queue, wait_for)
 
     # ------------------------------------------------------------------
     # Permute and combine around the expert GEMMs

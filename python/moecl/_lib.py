@@ -99,6 +99,8 @@ class GroundedRouterDesc(ctypes.Structure):
         ("weights_dtype", c_int),
         ("ids_dtype", c_int),
         ("bias_dtype", c_int),
+        ("num_shared_experts", c_uint32),
+        ("shared_expert_weight", ctypes.c_float),
     ]
 
 
@@ -211,14 +213,14 @@ class RouterTensors(ctypes.Structure):
     """moecl_router_tensors."""
 
     _fields_ = ([("struct_size", c_size_t)] + [(n, Buffer) for n in ROUTER_TENSORS] +
-                [("captured_ids_dtype", c_int), ("expert_scale", Buffer)])
+                [("captured_ids_dtype", c_int), ("expert_scale", Buffer), ("shared_expert_gate", Buffer)])
 
 
 class RouterHostTensors(ctypes.Structure):
     """moecl_router_host_tensors."""
 
     _fields_ = ([("struct_size", c_size_t)] + [(n, c_void_p) for n in ROUTER_TENSORS] +
-                [("captured_ids_dtype", c_int), ("expert_scale", c_void_p)])
+                [("captured_ids_dtype", c_int), ("expert_scale", c_void_p), ("shared_expert_gate", c_void_p)])
 
 
 DTYPES = {"f32": 0, "f16": 1, "bf16": 2}

@@ -715,18 +715,28 @@ static void grounded_one(moecl_context *ctx, const run_def *run, const grounded_
 
 /* moecl_router_ex on the inputs of router_one with every option: weights
  * of the hidden states' dtype, int64 ids, an int16 capture, counts, a
- * load counter, a valid count one short of the rows, a per-expert scale. */
+ * load counter, a valid count one short of the rows, a per-expert scale;
+ * `shared` shared experts, one with its per-token gate, more with the
+ * constant weight. */
 static void router_ex_one(moecl_context *ctx, const moecl_grounded_router_desc *plain, const void *hidden,
-                          const void *ground, const float *bias)
+                          const void *ground, const float *bias, uint32_t shared)
 {
     moecl_grounded_router_desc d = *plain;
     d.weights_dtype = d.hidden_dtype;
     d.ids_dtype = MOECL_I64;
-    const size_t nk = (size_t)d.num_tokens * d.top_k, E = d.num_experts;
+    d.num_shared_experts = shared;
+    d.shared_expert_weight = 0.4f;
+    /* nk: the slots, nr: the routed ones (the capture's); E: the experts
+     * the histograms count */
+    const size_t nk = (size_t)d.num_tokens * (d.top_k + shared), nr = (size_t)d.num_tokens * d.top_k;
+    const size_t E = d.num_experts + shared, sz = ref_dtype_size(d.hidden_dtype);
     void *w = xmalloc(nk * 4), *ids = xmalloc(nk * 8);
-    int16_t *cap = xmalloc(nk * 2);
+    int16_t *cap = xmalloc(nr * 2);
     int32_t *counts = xmalloc(E * 4), *load = xmalloc(E * 4), *load_before = xmalloc(E * 4);
     float *scale = xmalloc(E * 4);
+    void *gate = shared == 1 ? xmalloc(d.hidden_dim * sz) : NULL;
+    for (uint32_t i = 0; gate && i < d.hidden_dim; i++)
+        store(d.hidden_dtype, gate, i, randn());
     const int32_t valid = (int32_t)d.num_tokens - 1;
     for (size_t e = 0; e < E; e++) {
         load[e] = load_before[e] = (int32_t)e - 2;
@@ -734,7 +744,7 @@ static void router_ex_one(moecl_context *ctx, const moecl_grounded_router_desc *
     }
     memset(w, 0xff, nk * 4);
     memset(ids, 0xff, nk * 8);
-    memset(cap, 0xff, nk * 2);
+    memset(cap, 0xff, nr * 2);
     moecl_router_host_tensors h;
     memset(&h, 0, sizeof(h));
     h.struct_size = sizeof(h);
@@ -749,16 +759,18 @@ static void router_ex_one(moecl_context *ctx, const moecl_grounded_router_desc *
     h.captured_ids = cap;
     h.captured_ids_dtype = MOECL_I16;
     h.expert_scale = scale;
+    h.shared_expert_gate = gate;
     const moecl_status st = moecl_router_ex_host(ctx, &d, &h);
     if (st != MOECL_SUCCESS) {
         fail("moecl_router_ex_host: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
     } else {
-        const ref_router_ex x = {bias, scale, &valid, w, ids, cap, MOECL_I16, counts, load_before, load};
+        const ref_router_ex x = {bias, scale, &valid, w, ids, cap, MOECL_I16, counts, load_before, load, gate};
         char msg[512] = "";
         const int bad = ref_check_router_ex(&d, hidden, NULL, ground, &x, msg, sizeof(msg));
         if (bad)
-            fail("moecl_router_ex: %d bad rows; first: %s", bad, msg);
+            fail("moecl_router_ex (shared %u): %d bad rows; first: %s", shared, bad, msg);
     }
+    free(gate);
     free(w);
     free(ids);
     free(cap);
@@ -772,8 +784,10 @@ static void router_ex_one(moecl_context *ctx, const moecl_grounded_router_desc *
  * table's quarters keeping 2 where they hold top_k, the sum of the top two,
  * renormalised, factor 2.5, no router logits; token 0's hidden state
  * zero (every g 0: exact ties but for the bias), token 1's holding NaN.
- * With ex, moecl_router_ex on the same inputs too. */
-static void router_one(const run_def *run, moecl_context *ctx, const grounded_case *c, moecl_dtype dtype, bool ex)
+ * With ex, moecl_router_ex on the same inputs too, with `shared` shared
+ * experts. */
+static void router_one(const run_def *run, moecl_context *ctx, const grounded_case *c, moecl_dtype dtype, bool ex,
+                       uint32_t shared)
 {
     moecl_grounded_router_desc d = moecl_grounded_router_desc_init(c->tokens, c->hidden, c->experts, c->alpha);
     d.top_k = c->top_k;
@@ -813,7 +827,7 @@ static void router_one(const run_def *run, moecl_context *ctx, const grounded_ca
             fail("%d bad rows; first: %s", bad, msg);
     }
     if (ex)
-        router_ex_one(ctx, &d, hidden, ground, bias);
+        router_ex_one(ctx, &d, hidden, ground, bias, shared);
     free(hidden);
     free(ground);
     free(bias);
@@ -823,8 +837,10 @@ static void router_one(const run_def *run, moecl_context *ctx, const grounded_ca
 
 static void run_router(moecl_context *ctx, const run_def *run)
 {
+    /* moecl_router_ex's cases: one shared expert with its gate, two
+     * with the constant weight, none (top_k 64). */
     for (size_t i = 0; i < COUNT(grounded_cases); i++)
-        router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3), i % 2 == 0);
+        router_one(run, ctx, &grounded_cases[i], (moecl_dtype)(i % 3), i % 2 == 0, i == 0 ? 1 : i == 2 ? 2 : 0);
 }
 
 /* ---- routing replay and hash routing ---- */

@@ -232,3 +232,25 @@ def ep_layout(ids: np.ndarray, num_experts: int, num_ranks: int, l2p=None, repli
     tpr = tir.sum(axis=0).astype(np.int32)
     ec = np.bincount(phys.ravel()[phys.ravel() >= 0], minlength=num_physical).astype(np.int32)
     return phys, counts, offsets, send, tir, tpr, ec
+
+
+def shared_slots(hidden: np.ndarray, num_experts: int, num_shared: int, weight: float, scale: float,
+                 gate: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, weights, tolerance) of the router's shared slots (docs/routing.md,
+    section 3), [tokens, S] each: ids num_experts + j; weights the fp32
+    product weight * scale (tolerance 0: exact), or with gate [S, H] (float64)
+    sigmoid(hidden[t] . gate[j]), the device's f32 dot product within
+    gamma_H of sum |h_i gate_ji| (sigmoid' <= 1/4) and its sigmoid within
+    8 eps; an infinite dot product gives exactly 0 or 1 (tolerance 0)."""
+    tokens = hidden.shape[0]
+    ids = np.tile(np.arange(num_experts, num_experts + num_shared, dtype=np.int64), (tokens, 1))
+    if gate is None:
+        w = np.float32(weight) * np.float32(scale)
+        return ids, np.full((tokens, num_shared), w, np.float64), np.zeros((tokens, num_shared))
+    with np.errstate(invalid="ignore", over="ignore"):
+        dot = hidden @ gate.T
+        mag = np.abs(hidden) @ np.abs(gate).T
+        w = 1.0 / (1.0 + np.exp(-dot))
+    n = hidden.shape[1]
+    tol = np.where(np.isfinite(dot), 0.25 * (n * U / (1 - n * U) * mag + 2 * n * TAU) + 8 * EPS + 2 * TAU, 0.0)
+    return ids, w, np.nan_to_num(tol)

@@ -222,3 +222,89 @@ def test_router_options_refused(ctx):
         ctx.router(h, gw, top_k=2, ids_dtype="int16")
     with pytest.raises(ValueError):
         ctx.router(h, gw, top_k=2, out={"counts": np.zeros(8, np.int32)})
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_router_shared(ctx, rng, gated):
+    """Shared experts after the routed slots (docs/routing.md, section 3):
+    the routed slots as without them, bit for bit; ids experts + j; the
+    constant weight 0.4 * 2.5 in fp32, or Qwen2-MoE's gate sigmoid(h .
+    w_shared) (NaN where h has a NaN, 0 or 1 where its dot product is
+    infinite); padding rows -1 / 0 in every slot; counts and the load
+    over experts + S; the capture the routed ids; the scale on routed slots only."""
+    tokens, hidden, experts, k, s, valid = 11, 40, 16, 4, 2, 9
+    h = (rng.standard_normal((tokens, hidden)) / np.sqrt(hidden)).astype(np.float32)
+    h[1, 5] = np.nan
+    h[2, 0] = np.inf
+    gw = rng.standard_normal((experts, hidden)).astype(np.float32)
+    gate = rng.standard_normal((s, hidden)).astype(np.float32) if gated else None
+    scale = (0.5 + 0.25 * (np.arange(experts) % 3)).astype(np.float32)
+    gating = dict(scoring="sigmoid", renormalize=True, scale=2.5)
+    nv = np.array([valid], np.int32)
+    w0, ids0 = ctx.router(h, gw, top_k=k, num_valid_tokens=nv, expert_scale=scale, **gating)
+    load = np.arange(experts + s, dtype=np.int32) - 3
+    load_before = load.copy()
+    captured = np.full((tokens, k), 99, np.int16)
+    w, ids, counts = ctx.router(h, gw, top_k=k, num_valid_tokens=nv, expert_scale=scale, counts=True,
+                                expert_load=load, captured_ids=captured, num_shared_experts=s,
+                                shared_expert_weight=0.4, shared_expert_gate=gate, **gating)
+    assert w.shape == ids.shape == (tokens, k + s) and counts.shape == (experts + s,)
+    np.testing.assert_array_equal(ids[:, :k], ids0)
+    np.testing.assert_array_equal(w[:, :k].view(np.uint32), w0.view(np.uint32))
+    want_ids, want_w, tol = ref.shared_slots(h[:valid].astype(np.float64), experts, s, 0.4, 2.5,
+                                             None if gate is None else gate.astype(np.float64))
+    np.testing.assert_array_equal(ids[:valid, k:], want_ids)
+    np.testing.assert_array_equal(ids[valid:], -1)
+    np.testing.assert_array_equal(w[valid:], 0.0)
+    if gated:
+        assert np.isnan(w[1, k:]).all() and np.isin(w[2, k:], [0.0, 1.0]).all()
+        got = w[:valid, k:].astype(np.float64)
+        assert (np.isnan(got) == np.isnan(want_w)).all(), (got, want_w)
+        ok = ~np.isnan(want_w)
+        assert (np.abs(got[ok] - want_w[ok]) <= tol[ok]).all(), (got, want_w, tol)
+    else:
+        np.testing.assert_array_equal(w[:valid, k:], np.float32(0.4) * np.float32(2.5))
+    hist = np.bincount(ids[:valid].ravel(), minlength=experts + s).astype(np.int32)
+    np.testing.assert_array_equal(counts, hist)
+    np.testing.assert_array_equal(load, load_before + hist)
+    np.testing.assert_array_equal(captured, ids[:, :k])
+
+
+def test_grounded_shared(ctx, rng):
+    """The grounded router's outputs (pairs too) and its route dispatch
+    with shared experts: top_k + S slots, aligned over experts + S."""
+    tokens, hidden, experts, k, s = 7, 24, 16, 2, 1
+    h = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    gw = rng.standard_normal((experts, hidden)).astype(np.float32)
+    r = rng.standard_normal((tokens, experts)).astype(np.float32)
+    pairs, weights, ids = ctx.grounded_router(h, r, gw, top_k=k, outputs=("pairs", "weights", "ids"),
+                                              num_shared_experts=s, shared_expert_weight=0.5)
+    assert pairs.shape == (tokens, k + s, 2)
+    np.testing.assert_array_equal(pairs[:, :, 0], ids.astype(np.float32))
+    np.testing.assert_array_equal(pairs[:, :, 1], weights)
+    np.testing.assert_array_equal(ids[:, k:], experts)
+    np.testing.assert_array_equal(weights[:, k:], 0.5)
+    check_grounded(None, weights[:, :k], ids[:, :k], h.astype(np.float64), r.astype(np.float64),
+                   gw.astype(np.float64), 1.0, k)
+    d = ctx.grounded_route_dispatch(h, r, gw, top_k=k, block_size=4, num_shared_experts=s,
+                                    shared_expert_weight=0.5)
+    np.testing.assert_array_equal(d.topk_ids, ids)
+    np.testing.assert_array_equal(d.topk_weights, weights)
+    a = ctx.moe_align(ids, experts + s, 4)
+    np.testing.assert_array_equal(d.expert_counts, a.expert_counts)
+    np.testing.assert_array_equal(d.sorted_token_ids, a.sorted_token_ids)
+
+
+def test_router_shared_refused(ctx):
+    """top_k + S past 64, a weight NaN or infinite, a gate without shared
+    experts or of the wrong shape: named."""
+    h, gw = np.ones((2, 4), np.float32), np.ones((8, 4), np.float32)
+    with pytest.raises(moecl.InvalidArgumentError, match="num_shared_experts"):
+        ctx.router(h, gw, top_k=2, num_shared_experts=63)
+    for bad in (np.nan, np.inf):
+        with pytest.raises(moecl.InvalidArgumentError, match="shared_expert_weight"):
+            ctx.router(h, gw, top_k=2, num_shared_experts=1, shared_expert_weight=bad)
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        ctx.router(h, gw, top_k=2, shared_expert_gate=np.ones((1, 4), np.float32))
+    with pytest.raises(ValueError, match="shared_expert_gate"):
+        ctx.router(h, gw, top_k=2, num_shared_experts=1, shared_expert_gate=np.ones((1, 5), np.float32))
