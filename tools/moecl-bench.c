@@ -1061,6 +1061,8 @@ static host_cost measure_host_cost(moecl_context *ctx, const moecl_topk_gating_d
 
 /* ---- the default cases ---- */
 
+#define MAX_CASES 128
+
 static int default_cases(bench_case *out, bool quick)
 {
     static const struct {
@@ -1612,7 +1614,8 @@ int main(int argc, char **argv)
     int status = parse_args(argc, argv, &o);
     if (status >= 0)
         return status;
-    bench_case cases[128];
+    /* The default cases (under 100) and up to 16 --shape cases. */
+    bench_case cases[MAX_CASES];
     int n = o.host_cost ? 0 : default_cases(cases, o.quick);
     for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
         bench_case *c = &cases[n++];
@@ -1701,8 +1704,8 @@ int main(int argc, char **argv)
            "back; copy kernel: %s\n\n",
            create_ms, pr.empty_us, pr.empty_wall_us, o.wall_calls, copy);
 
-    bench_result results[80];
-    bool ran[80] = {false};
+    bench_result results[MAX_CASES];
+    bool ran[MAX_CASES] = {false};
     int failures = 0, checked = 0, passed = 0;
     printf("%-18s %-20s %-5s %9s %9s %9s %10s %9s %6s %7s %7s %8s %5s %s\n", "op", "shape", "dtype", "dev_us", "p10_us",
            "p90_us", "wall_us", "GB/s", "%copy", "T_SOL", "T_Prod", "prep_ms", "calls", "check");
