@@ -143,11 +143,14 @@ def main():
     t, h, i, e, k = moe_layer_shapes.parse(ap, a)
     if a.runs < 1 or a.warmup < 0 or a.seed < 0:
         ap.error("--runs must be positive, --warmup and --seed not negative")
-    device = torch.device(a.device)
+    try:
+        device = torch.device(a.device)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
+        ap.error("--device takes cuda, cuda:N or cpu, not %r" % a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device %s: this PyTorch has no CUDA device" % a.device)
-    if device.type not in ("cuda", "cpu"):
-        ap.error("--device takes cuda, cuda:N or cpu")
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     torch.backends.cuda.matmul.allow_tf32 = a.tf32
