@@ -3,7 +3,8 @@
 shapes: the CPU figure set beside the example's time (bench/RESULTS.md,
 "MoE layer").
 
-    OPENBLAS_NUM_THREADS=2 python3 bench/moe_layer_numpy.py [--shape T,H,I,E,K] [--runs N]
+    OPENBLAS_NUM_THREADS=2 python3 bench/moe_layer_numpy.py [--model M] [--tokens T] [--runs N]
+    OPENBLAS_NUM_THREADS=2 python3 bench/moe_layer_numpy.py --shape T,H,I,E,K
 
 The layer as Hugging Face's Mixtral and Qwen3-MoE write it in eager
 PyTorch: router GEMM, softmax, top k, renormalise, then a loop over the
@@ -19,6 +20,8 @@ import statistics
 import time
 
 import numpy as np
+
+import moe_layer_shapes
 
 
 def blas_name():
@@ -53,12 +56,11 @@ def moe_layer(x, router, w1, w2, top_k):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="128,1024,3584,8,2", metavar="T,H,I,E,K",
-                    help="tokens, hidden, intermediate, experts, top k (examples/moe_layer's default)")
+    moe_layer_shapes.add_arguments(ap)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    t, h, i, e, k = (int(v) for v in a.shape.split(","))
+    t, h, i, e, k = moe_layer_shapes.parse(ap, a)
     rng = np.random.default_rng(a.seed)
 
     def uniform(shape, scale):
