@@ -23,7 +23,9 @@
  * It prints the output's checksum and the median wall time of a layer over
  * --runs runs after --warmup runs; --dump DIR writes the inputs and the
  * outputs as raw little-endian files for tests/examples/moe_layer_check.py,
- * which recomputes the layer in float64 and bounds the difference.
+ * which recomputes the layer in float64 and bounds the difference. A
+ * --fault list runs the layer once per fault in one process and one
+ * context (CLBlast compiles its kernels once), each run dumped to DIR/F.
  *
  * Exit status: 0 ok, 1 a call failed, 2 bad options, 77 no OpenCL device
  * (meson's "skipped"). */
@@ -42,13 +44,18 @@
 
 /* ---- options ---- */
 
+#define MAX_FAULTS 3 /* none, offset, silu: each at most once */
+
 typedef struct options {
     int tokens, hidden, inter, experts, top_k, block;
     int seed, runs, warmup;
     bool steps;
     const char *dump;   /* folder for --dump, or NULL */
     const char *device; /* moecl_context_create's selector, or NULL: MOECL_DEVICE */
-    const char *fault;  /* a deliberate bug, to show that the check catches it */
+    /* Deliberate bugs, to show that the check catches each: the layer
+     * runs once per entry, in this order. */
+    const char *faults[MAX_FAULTS];
+    int num_faults;
 } options;
 
 /* Model shapes (--model): hidden, intermediate, experts, top k. */
@@ -78,13 +85,39 @@ static void usage(FILE *f)
                "  --steps       also time each step (a clFinish after each)\n"
                "  --device SEL  moecl's device selector (default: MOECL_DEVICE, else the first GPU, else a CPU)\n"
                "  --dump DIR    write inputs and outputs to DIR (raw little-endian)\n"
-               "  --fault F     none, offset or silu: a deliberate bug the check must catch\n");
+               "  --fault F     none, offset or silu: a deliberate bug the check must catch; a comma\n"
+               "                list (offset,silu) runs the layer once per fault in one process, each\n"
+               "                run dumped to DIR/F\n");
+}
+
+/* --fault's comma list into o->faults (pointers to static names); false
+ * for an unknown or repeated name or an empty entry. */
+static bool parse_faults(const char *v, options *o)
+{
+    static const char *const names[MAX_FAULTS] = {"none", "offset", "silu"};
+    o->num_faults = 0;
+    for (const char *p = v;; p++) {
+        const size_t len = strcspn(p, ",");
+        const char *name = NULL;
+        for (int n = 0; n < MAX_FAULTS; n++)
+            if (strlen(names[n]) == len && !strncmp(p, names[n], len))
+                name = names[n];
+        for (int i = 0; name && i < o->num_faults; i++)
+            if (o->faults[i] == name)
+                name = NULL;
+        if (!name)
+            return false;
+        o->faults[o->num_faults++] = name;
+        p += len;
+        if (!*p)
+            return true;
+    }
 }
 
 /* 0 when every option parsed, -1 for --help, 2 otherwise (with a message). */
 static int parse_options(int argc, char **argv, options *o)
 {
-    *o = (options){128, 1024, 3584, 8, 2, 16, 1, 20, 2, false, NULL, NULL, "none"};
+    *o = (options){128, 1024, 3584, 8, 2, 16, 1, 20, 2, false, NULL, NULL, {"none"}, 1};
     const struct {
         const char *name;
         int *value, min;
@@ -116,8 +149,8 @@ static int parse_options(int argc, char **argv, options *o)
             o->dump = v, known = true;
         if (v && strcmp(a, "--device") == 0)
             o->device = v, known = true;
-        if (v && strcmp(a, "--fault") == 0 && (!strcmp(v, "none") || !strcmp(v, "offset") || !strcmp(v, "silu")))
-            o->fault = v, known = true;
+        if (v && strcmp(a, "--fault") == 0)
+            known = parse_faults(v, o);
         for (size_t n = 0; v && !known && n < sizeof(numbers) / sizeof(numbers[0]); n++) {
             char *end;
             errno = 0;
@@ -254,13 +287,13 @@ static cl_mem device_tensor(layer *l, size_t bytes, const void *init, cl_int *er
 
 /* The inputs (host copies kept in `host` for --dump), the buffers and the
  * silu_and_mul kernel. */
-static int layer_create(layer *l, const options *o, moecl_context *ctx, float *host[4])
+static int layer_create(layer *l, const options *o, const char *fault, moecl_context *ctx, float *host[4])
 {
     *l = (layer){.T = o->tokens, .H = o->hidden, .I = o->inter, .E = o->experts, .K = o->top_k, .B = o->block};
     l->ctx = ctx;
     l->cl = moecl_context_cl_context(ctx);
     l->queue = moecl_context_queue(ctx);
-    l->fault_offset = strcmp(o->fault, "offset") == 0;
+    l->fault_offset = strcmp(fault, "offset") == 0;
     const size_t T = (size_t)l->T, H = (size_t)l->H, I = (size_t)l->I, E = (size_t)l->E, K = (size_t)l->K;
     const moecl_moe_align_desc align = moecl_moe_align_desc_init(l->T, l->K, l->E, l->B);
     l->P = (size_t)moecl_moe_align_max_padded(&align);
@@ -316,7 +349,7 @@ static int layer_create(layer *l, const options *o, moecl_context *ctx, float *h
         if (!*tensors[i].mem || err != CL_SUCCESS)
             return fail_cl("creating a buffer", err);
     }
-    return build_silu_and_mul(l, strcmp(o->fault, "silu") == 0);
+    return build_silu_and_mul(l, strcmp(fault, "silu") == 0);
 }
 
 static void layer_release(layer *l)
@@ -516,13 +549,13 @@ static int write_file(const char *dir, const char *name, const void *data, size_
 
 /* Inputs as generated, then the device's logits, routing and output, raw
  * little-endian (f32, int32); shape.txt holds the sizes. */
-static int dump(const layer *l, const options *o, float *const host[4], const float *out)
+static int dump(const layer *l, const char *dir, float *const host[4], const float *out)
 {
     const uint16_t probe = 1;
     if (*(const uint8_t *)&probe != 1)
         return fprintf(stderr, "moe_layer: --dump writes little-endian files; this host is big-endian\n"), 1;
-    if (mkdir(o->dump, 0777) != 0 && errno != EEXIST)
-        return fprintf(stderr, "moe_layer: mkdir %s: %s\n", o->dump, strerror(errno)), 1;
+    if (mkdir(dir, 0777) != 0 && errno != EEXIST)
+        return fprintf(stderr, "moe_layer: mkdir %s: %s\n", dir, strerror(errno)), 1;
     const size_t T = (size_t)l->T, H = (size_t)l->H, I = (size_t)l->I, E = (size_t)l->E, K = (size_t)l->K;
     float *logits = malloc(T * E * 4), *weights = malloc(T * K * 4);
     int32_t *ids = malloc(T * K * 4);
@@ -534,13 +567,13 @@ static int dump(const layer *l, const options *o, float *const host[4], const fl
         char shape[256];
         const int n = snprintf(shape, sizeof(shape), "tokens %d\nhidden %d\ninter %d\nexperts %d\ntop_k %d\nblock %d\n",
                                l->T, l->H, l->I, l->E, l->K, l->B);
-        rc = write_file(o->dump, "shape.txt", shape, (size_t)n) || write_file(o->dump, "x.f32", host[0], T * H * 4) ||
-             write_file(o->dump, "router.f32", host[1], E * H * 4) ||
-             write_file(o->dump, "w1.f32", host[2], E * 2 * I * H * 4) ||
-             write_file(o->dump, "w2.f32", host[3], E * H * I * 4) ||
-             write_file(o->dump, "logits.f32", logits, T * E * 4) ||
-             write_file(o->dump, "topk_weights.f32", weights, T * K * 4) ||
-             write_file(o->dump, "topk_ids.i32", ids, T * K * 4) || write_file(o->dump, "out.f32", out, T * H * 4);
+        rc = write_file(dir, "shape.txt", shape, (size_t)n) || write_file(dir, "x.f32", host[0], T * H * 4) ||
+             write_file(dir, "router.f32", host[1], E * H * 4) ||
+             write_file(dir, "w1.f32", host[2], E * 2 * I * H * 4) ||
+             write_file(dir, "w2.f32", host[3], E * H * I * 4) ||
+             write_file(dir, "logits.f32", logits, T * E * 4) ||
+             write_file(dir, "topk_weights.f32", weights, T * K * 4) ||
+             write_file(dir, "topk_ids.i32", ids, T * K * 4) || write_file(dir, "out.f32", out, T * H * 4);
     } else {
         fprintf(stderr, "moe_layer: reading the routing back for --dump failed\n");
     }
@@ -550,49 +583,41 @@ static int dump(const layer *l, const options *o, float *const host[4], const fl
     return rc;
 }
 
-int main(int argc, char **argv)
+/* The layer with one fault ("none": none) on ctx: --warmup and --runs
+ * layers, the report, and the dump to dir (NULL: none). */
+static int run_layer(moecl_context *ctx, const options *o, const char *fault, const char *dir)
 {
-    options o;
-    const int parsed = parse_options(argc, argv, &o);
-    if (parsed)
-        return parsed < 0 ? 0 : parsed;
-
-    moecl_context *ctx;
-    moecl_status st = moecl_context_create(o.device, &ctx);
-    if (st != MOECL_SUCCESS) {
-        fprintf(stderr, "moe_layer: %s: %s\n", moecl_status_string(st), moecl_context_error(NULL));
-        return st == MOECL_ERROR_NO_DEVICE ? 77 : 1;
-    }
     layer l = {0};
     float *host[4] = {NULL};
-    float *out = malloc((size_t)o.tokens * (size_t)o.hidden * 4);
-    int rc = out ? layer_create(&l, &o, ctx, host) : 1;
+    float *out = malloc((size_t)o->tokens * (size_t)o->hidden * 4);
+    int rc = out ? layer_create(&l, o, fault, ctx, host) : 1;
     char device[256] = "", driver[128] = "";
     clGetDeviceInfo(moecl_context_device(ctx), CL_DEVICE_NAME, sizeof(device), device, NULL);
     clGetDeviceInfo(moecl_context_device(ctx), CL_DRIVER_VERSION, sizeof(driver), driver, NULL);
     if (!rc)
         printf("moe_layer: moecl %s on %s (driver %s)\n"
                "  tokens %d, hidden %d, intermediate %d, experts %d, top %d, block %d, seed %d%s%s\n",
-               moecl_version(), device, driver, l.T, l.H, l.I, l.E, l.K, l.B, o.seed,
-               strcmp(o.fault, "none") ? ", fault " : "", strcmp(o.fault, "none") ? o.fault : "");
+               moecl_version(), device, driver, l.T, l.H, l.I, l.E, l.K, l.B, o->seed,
+               strcmp(fault, "none") ? ", fault " : "", strcmp(fault, "none") ? fault : "");
 
     /* The first layer builds the kernels (moecl's from its disk cache where
-     * it has them; CLBlast compiles its own in every process). */
-    double *times = calloc((size_t)o.runs, sizeof(double));
-    double *step_times = calloc((size_t)o.runs * NUM_STEPS, sizeof(double));
+     * it has them; CLBlast compiles its own once a process, at the first
+     * run of a --fault list). */
+    double *times = calloc((size_t)o->runs, sizeof(double));
+    double *step_times = calloc((size_t)o->runs * NUM_STEPS, sizeof(double));
     if (!rc && (!times || !step_times))
         rc = 1;
     double first = 0.0;
-    for (int r = 0; !rc && r < o.warmup + o.runs; r++) {
+    for (int r = 0; !rc && r < o->warmup + o->runs; r++) {
         const double t0 = now();
         rc = layer_forward(&l, NULL);
         const double t = now() - t0;
         if (r == 0)
             first = t;
-        if (r >= o.warmup)
-            times[r - o.warmup] = t;
+        if (r >= o->warmup)
+            times[r - o->warmup] = t;
     }
-    for (int r = 0; !rc && o.steps && r < o.runs; r++)
+    for (int r = 0; !rc && o->steps && r < o->runs; r++)
         rc = layer_forward(&l, step_times + (size_t)r * NUM_STEPS);
     if (!rc) {
         const cl_int err = clEnqueueReadBuffer(l.queue, l.out, CL_TRUE, 0, (size_t)l.T * (size_t)l.H * 4, out, 0,
@@ -609,16 +634,16 @@ int main(int argc, char **argv)
         printf("output checksum: sum %.9e, sum of |out| %.9e\n", sum, sum_abs);
         printf("first layer (kernel builds included): %.3f ms\n", first * 1e3);
         printf("layer time: median %.3f ms of %d runs after %d warm-up (wall, clFinish'd)\n",
-               median(times, o.runs) * 1e3, o.runs, o.warmup);
-        for (int s = 0; o.steps && s < NUM_STEPS; s++) {
-            for (int r = 0; r < o.runs; r++)
+               median(times, o->runs) * 1e3, o->runs, o->warmup);
+        for (int s = 0; o->steps && s < NUM_STEPS; s++) {
+            for (int r = 0; r < o->runs; r++)
                 times[r] = step_times[(size_t)r * NUM_STEPS + (size_t)s];
-            printf("  %-16s median %.3f ms\n", step_names[s], median(times, o.runs) * 1e3);
+            printf("  %-16s median %.3f ms\n", step_names[s], median(times, o->runs) * 1e3);
         }
-        if (o.dump)
-            rc = dump(&l, &o, host, out);
-        if (!rc && o.dump)
-            printf("dumped to %s\n", o.dump);
+        if (dir)
+            rc = dump(&l, dir, host, out);
+        if (!rc && dir)
+            printf("dumped to %s\n", dir);
     }
     if (l.ctx)
         layer_release(&l);
@@ -627,6 +652,37 @@ int main(int argc, char **argv)
     free(out);
     free(times);
     free(step_times);
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    options o;
+    const int parsed = parse_options(argc, argv, &o);
+    if (parsed)
+        return parsed < 0 ? 0 : parsed;
+
+    moecl_context *ctx;
+    moecl_status st = moecl_context_create(o.device, &ctx);
+    if (st != MOECL_SUCCESS) {
+        fprintf(stderr, "moe_layer: %s: %s\n", moecl_status_string(st), moecl_context_error(NULL));
+        return st == MOECL_ERROR_NO_DEVICE ? 77 : 1;
+    }
+    /* With a list, DIR holds a folder per fault. */
+    if (o.dump && o.num_faults > 1 && mkdir(o.dump, 0777) != 0 && errno != EEXIST) {
+        fprintf(stderr, "moe_layer: mkdir %s: %s\n", o.dump, strerror(errno));
+        moecl_context_destroy(ctx);
+        return 1;
+    }
+    int rc = 0;
+    for (int f = 0; !rc && f < o.num_faults; f++) {
+        char dir[4096] = "";
+        if (o.dump && o.num_faults > 1)
+            snprintf(dir, sizeof(dir), "%s/%s", o.dump, o.faults[f]);
+        else if (o.dump)
+            snprintf(dir, sizeof(dir), "%s", o.dump);
+        rc = run_layer(ctx, &o, o.faults[f], o.dump ? dir : NULL);
+    }
     moecl_context_destroy(ctx);
     return rc;
 }

@@ -1044,10 +1044,11 @@ START_TEST(test_router_ex_ties)
 END_TEST
 
 /* Shared experts through moecl_router_ex with every option (the
- * histograms over E + S, a valid count two rows short, the capture of the
- * routed slots, the scale, which leaves the shared slots), NaN and inf in
- * hidden rows 1 and 2, both paths: the constant weight, then the per-token
- * gate (Qwen2-MoE's shared_expert_gate). */
+ * histograms over E + S, a valid count two rows short (all rows where
+ * there are two or fewer), the capture of the routed slots, the scale,
+ * which leaves the shared slots), NaN and inf in hidden rows 1 and 2, both
+ * paths: the constant weight, then the per-token gate (Qwen2-MoE's
+ * shared_expert_gate). */
 static void shared_ex_case(moecl_context *ctx, moecl_grounded_router_desc *d, bool with_bias, bool with_logits,
                            moecl_index_dtype capture_dtype, uint64_t stream)
 {
@@ -1057,24 +1058,29 @@ static void shared_ex_case(moecl_context *ctx, moecl_grounded_router_desc *d, bo
                                                (size_t)d->num_shared_experts * d->hidden_dim, 1.0f)
                        : NULL;
         d->ids_dtype = (moecl_index_dtype)gate;
-        const ex_options o = {true, true, true, true, true, (int32_t)d->num_tokens - 2, capture_dtype, g};
+        const int32_t valid = (int32_t)d->num_tokens - (d->num_tokens > 2 ? 2 : 0);
+        const ex_options o = {true, true, true, true, true, valid, capture_dtype, g};
         router_ex_case(ctx, d, with_bias, with_logits, true, &o, stream + 10 + (uint64_t)gate);
         free(g);
     }
 }
 
-/* Shared experts (num_shared_experts) on the kernels the launch class
- * takes at these shapes: a team per token (16 experts, GPU class), the
- * tiled kernel (256 experts, the seed's gating, no bias), the plain loops
- * (the CPU class; in the GPU class the sigmoid gating with a bias at 256
- * experts); then moecl_grounded_router's three outputs (out_pairs too
- * holds top_k + S slots) and moecl_router. */
+/* Shared experts (num_shared_experts) at three shapes, each a cold
+ * compile of its own kernels, on those the launch class takes there (the
+ * CPU class: the plain loops at all three): a decode step (one token, 16
+ * experts: a team per token in the GPU class, DeepSeek-style gating), many
+ * work-groups (70 tokens over 256 experts, the seed's gating: the tiled
+ * kernel, or two work-groups of the plain loops) and the largest S (62
+ * shared slots after 2 routed ones, the 64-slot limit; sigmoid with a bias
+ * at 256 experts: the plain loops in the GPU class too). Every dtype of
+ * the hidden states and the weights once. moecl_grounded_router's outputs
+ * (out_pairs too holds top_k + S slots; all three, then the pairs alone)
+ * at the decode shape, moecl_router at the largest S. */
 START_TEST(test_router_shared)
 {
     moecl_context *ctx = harness_context();
     /* hidden, experts, top_k, shared, tokens, DeepSeek-style gating */
-    static const uint32_t shapes[][6] = {
-        {64, 16, 4, 1, 21, 1}, {40, 16, 2, 3, 9, 0}, {96, 256, 8, 2, 70, 0}, {48, 256, 6, 1, 12, 1}};
+    static const uint32_t shapes[][6] = {{64, 16, 4, 1, 1, 1}, {96, 256, 8, 2, 70, 0}, {48, 256, 2, 62, 12, 1}};
     for (size_t s = 0; s < COUNT(shapes); s++) {
         const uint32_t *sh = shapes[s];
         moecl_grounded_router_desc d = moecl_grounded_router_desc_init(sh[4], sh[0], sh[1], 1.0f);
@@ -1090,15 +1096,17 @@ START_TEST(test_router_shared)
             d.gating.routed_scaling_factor = 2.5f;
         }
         shared_ex_case(ctx, &d, sh[5] != 0, s % 2 == 0, s % 2 ? MOECL_I16 : MOECL_I32, 2300 + 20 * s);
+        /* The entry points without moecl_router_ex's options write f32
+         * weights and int32 ids here. */
+        d.weights_dtype = MOECL_F32;
+        d.ids_dtype = MOECL_I32;
+        if (s == 0) {
+            random_case(ctx, &d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 2390, true);
+            random_case(ctx, &d, OUT_PAIRS, 2391, true);
+        } else if (s == 2) {
+            router_case(ctx, &d, true, true, true, 2392);
+        }
     }
-    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(33, 64, 16, 1.0f);
-    d.top_k = 3;
-    d.num_shared_experts = 2;
-    d.shared_expert_weight = 0.25f;
-    d.gating.routed_scaling_factor = 2.0f;
-    random_case(ctx, &d, OUT_PAIRS | OUT_WEIGHTS | OUT_IDS, 2390, true);
-    random_case(ctx, &d, OUT_PAIRS, 2391, true);
-    router_case(ctx, &d, false, false, true, 2392);
     moecl_context_destroy(ctx);
 }
 END_TEST

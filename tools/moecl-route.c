@@ -55,7 +55,7 @@ typedef struct options {
     float scale, alpha, renormalize_floor, renormalize_eps;
     bool scale_set, alpha_set, scoring_set, group_score_set, group_fill_set, floor_set, eps_set;
     long long chunk_rows; /* 0: about 64 MiB of input per chunk */
-    long shared_experts;  /* --shared-experts (topk) */
+    long shared_experts;  /* --shared-experts (topk, grounded) */
     float shared_weight;
     bool shared_weight_set;
 } options;
@@ -64,7 +64,8 @@ static void usage(FILE *f)
 {
     fprintf(f,
             "usage: moecl-route [--op topk] [--logits] LOGITS.npy [options] [outputs]\n"
-            "       moecl-route --op grounded --hidden H.npy --logits L.npy --ground G.npy [--alpha F] [outputs]\n"
+            "       moecl-route --op grounded --hidden H.npy --logits L.npy --ground G.npy [--alpha F]\n"
+            "                   [--shared-experts S [--shared-weight F]] [outputs]\n"
             "       moecl-route --op align --ids-in IDS.npy --experts E [--block-size N] [dispatch outputs]\n"
             "       moecl-route --demo DIR\n"
             "Routes the tokens (rows) of .npy files with moecl and prints each expert's load; with\n"
@@ -109,9 +110,10 @@ static void usage(FILE *f)
             "  --shared-experts S      S shared experts after the routed slots of every token: ids\n"
             "                          experts + j, weight --shared-weight times the scale (SGLang's fused\n"
             "                          shared experts); the outputs are then top_k + S wide and the\n"
-            "                          counts experts + S long (topk; also with --preset)\n"
+            "                          counts experts + S long; top_k + S is at most 64 (topk, also\n"
+            "                          with --preset; grounded, whose scale is 1)\n"
             "  --shared-weight F       a shared slot's weight before the scale (default 1; SGLang's:\n"
-            "                          1 / scale) (topk, with --shared-experts)\n"
+            "                          1 / scale) (topk, grounded; with --shared-experts)\n"
             "  --alpha F               router_logits + alpha * hidden @ ground^T (grounded; default 1)\n"
             "  --experts E             the expert count, 1..4096 (align; required)\n"
             "  --block-size N          moe_align's block size, 1..1024 (default 64); given without a\n"
@@ -440,16 +442,16 @@ static int parse_args(int argc, char **argv, options *o)
     if (!o->logits && o->op != OP_ALIGN)
         return bad_usage("%s", o->op == OP_TOPK ? "no logits file (moecl-route LOGITS.npy ...)"
                                                 : "--op grounded needs --hidden, --logits and --ground");
-    if (o->op != OP_TOPK && (o->shared_experts || o->shared_weight_set))
-        return bad_usage("%s", "--shared-experts and --shared-weight belong to --op topk");
+    if (o->op == OP_ALIGN && (o->shared_experts || o->shared_weight_set))
+        return bad_usage("%s", "--shared-experts and --shared-weight belong to --op topk and --op grounded");
+    if (o->shared_weight_set && !o->shared_experts)
+        return bad_usage("%s", "--shared-weight needs --shared-experts");
+    if (o->shared_experts && o->expert_map)
+        return bad_usage("%s", "--shared-experts and --expert-map do not go together: the map covers the "
+                               "routed experts only");
     if (o->op == OP_TOPK) {
         if (o->hidden || o->ground || o->alpha_set)
             return bad_usage("%s", "--hidden, --ground and --alpha belong to --op grounded");
-        if (o->shared_weight_set && !o->shared_experts)
-            return bad_usage("%s", "--shared-weight needs --shared-experts");
-        if (o->shared_experts && o->expert_map)
-            return bad_usage("%s", "--shared-experts and --expert-map do not go together: the map covers the "
-                                   "routed experts only");
         if (!o->groups != !o->topk_group)
             return bad_usage("%s", "--groups and --topk-group come together");
         if (o->group_score_set && !o->groups)
@@ -1132,6 +1134,8 @@ int main(int argc, char **argv)
                                              o.alpha_set ? o.alpha : 1.0f);
         gd.top_k = top_k;
         gd.hidden_dtype = dtype;
+        gd.num_shared_experts = (uint32_t)o.shared_experts;
+        gd.shared_expert_weight = o.shared_weight_set ? o.shared_weight : 1.0f;
     } else {
         const npy_file *n = &in[IN_IDS];
         if (need_2d(n, "the expert ids", "tokens][top_k", err, sizeof(err)))
@@ -1156,8 +1160,18 @@ int main(int argc, char **argv)
     /* From here top_k is a row's slots and id_experts the ids' range: with
      * shared experts, top_k + S and experts + S (the logits' columns and
      * the bias stay experts). */
-    const uint32_t id_experts = experts + td.num_shared_experts;
-    top_k += td.num_shared_experts;
+    const uint32_t shared = o.op == OP_GROUNDED ? gd.num_shared_experts : td.num_shared_experts;
+    /* Refused here, before a device is opened: top_k's default (and a
+     * preset's) depends on the file, so parse_args cannot tell. */
+    if (top_k + shared > 64) {
+        fprintf(stderr, "moecl-route: top_k %u and --shared-experts %u: a row holds top_k + num_shared_experts "
+                        "slots, at most 64\nTry 'moecl-route --help'.\n", top_k, shared);
+        for (int i = 0; i < NUM_IN; i++)
+            npy_close(&in[i]);
+        return 2;
+    }
+    const uint32_t id_experts = experts + shared;
+    top_k += shared;
     /* With --expert-map, moe_align runs over the local experts; the load
      * summary stays over the ids' range. */
     uint32_t num_global = 0, align_experts = id_experts, routed_experts = id_experts;
@@ -1454,8 +1468,9 @@ int main(int argc, char **argv)
                  td.num_shared_experts ? ", shared experts after the routed slots" : "");
     else
         snprintf(what, sizeof(what), "grounded router of %s: %llu tokens x hidden %u x %u experts, %s, top_k %u, "
-                                     "alpha %g", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,
-                 dtype_name(dtype), top_k, (double)gd.alpha);
+                                     "alpha %g%s", o.hidden, (unsigned long long)tokens, gd.hidden_dim, experts,
+                 dtype_name(dtype), top_k, (double)gd.alpha,
+                 gd.num_shared_experts ? ", shared experts after the routed slots" : "");
     rc = 0;
     if (!o.json)
         print_text(&s, &o, what);

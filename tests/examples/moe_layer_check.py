@@ -7,7 +7,10 @@ As a program: runs the C example with --dump into a temporary folder (or
 reads a folder it dumped), then checks; exit status 0 when the layer
 matches, 1 when it does not (the FAILED line says where), 2 for a failure
 to run. With --expect-failure the status is 0 only when the example ran
-and the check found the mismatch a --fault run must cause.
+and the check found the mismatch a --fault run must cause. A --fault list
+(--fault offset,silu: one process, one context, a dump folder per fault)
+is checked folder by folder; with --expect-failure every fault must be
+caught.
 
 As a module: check(x, router, w1, w2, ids, weights, out) returns a Report;
 tests/python/test_moe_layer.py uses it for the Python example.
@@ -210,6 +213,15 @@ def load_dump(folder: str):
             read("topk_weights.f32", "<f4", (T, K)), read("out.f32", "<f4", (T, H)))
 
 
+def fault_list(args: List[str]) -> List[str]:
+    """The faults of moe_layer's arguments (its last --fault wins), or []."""
+    faults: List[str] = []
+    for i, a in enumerate(args[:-1]):
+        if a == "--fault":
+            faults = args[i + 1].split(",")
+    return faults
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dir", help="a folder moe_layer --dump wrote (instead of --run)")
@@ -220,6 +232,7 @@ def main() -> int:
     o = p.parse_args()
     if bool(o.dir) == bool(o.run):
         p.error("give --dir or --run")
+    faults = fault_list(o.args) if o.run else []
     with tempfile.TemporaryDirectory(prefix="moe_layer.") as tmp:
         folder = o.dir
         if o.run:
@@ -230,14 +243,26 @@ def main() -> int:
             if proc.returncode != 0:
                 print("moe_layer_check: %s exited with %d" % (o.run, proc.returncode))
                 return 2
-        r = check(*load_dump(folder))
-    for line in r.lines:
-        print(line)
-    if o.expect_failure:
-        print("as expected, the check failed" if not r.ok else "FAILED: the check passed a faulty layer")
-        return 0 if not r.ok else 1
-    print("ok: the layer matches the float64 model within the derived bound" if r.ok else "FAILED")
-    return 0 if r.ok else 1
+        # One run, or one folder per fault of a list.
+        runs = [(f, os.path.join(folder, f)) for f in faults] if len(faults) > 1 else [("", folder)]
+        reports = []
+        for name, path in runs:
+            if not os.path.isdir(path):
+                print("moe_layer_check: %s wrote no dump for fault %s" % (o.run, name))
+                return 2
+            reports.append((name, check(*load_dump(path))))
+    status = 0
+    for name, r in reports:
+        tag = "fault %s: " % name if name else ""
+        for line in r.lines:
+            print(tag + line)
+        if o.expect_failure:
+            print(tag + ("as expected, the check failed" if not r.ok else "FAILED: the check passed a faulty layer"))
+        else:
+            print(tag + ("ok: the layer matches the float64 model within the derived bound" if r.ok else "FAILED"))
+        if r.ok == o.expect_failure:
+            status = 1
+    return status
 
 
 if __name__ == "__main__":

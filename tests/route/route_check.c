@@ -339,7 +339,9 @@ int main(int argc, char **argv)
     } else {
         moecl_grounded_router_desc d =
             moecl_grounded_router_desc_init((uint32_t)tokens, (uint32_t)nh.shape[1], experts, alpha);
-        d.top_k = k;
+        d.top_k = k - (uint32_t)shared;
+        d.num_shared_experts = (uint32_t)shared;
+        d.shared_expert_weight = shared_weight;
         d.hidden_dtype = dtype;
         bad = ref_check_grounded_router(&d, h, l, g, p, w, id, msg, sizeof(msg));
         if (!id && p && any_dispatch) {

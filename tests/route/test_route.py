@@ -413,7 +413,8 @@ def case_dispatch(c):
 def case_topk_shared_experts(c):
     """--shared-experts: rows of top_k + S slots (route-check takes --top-k
     as a row's width), counts over experts + S, and the dispatch of every
-    slot. --shared-weight alone, and more slots than 64, are bad usage."""
+    slot. --shared-weight alone, and more slots than 64 (before a device
+    is opened), are bad usage."""
     t, e, k, s = 300, 64, 6, 2
     lg = logits_file(c, "logits.npy", t, e)
     bias = write_npy(c.path("bias.npy"), randn(c.rng, e, 0.05), (e,))
@@ -421,7 +422,40 @@ def case_topk_shared_experts(c):
                        str(k), "--shared-experts", str(s), "--shared-weight", "0.4", "--block-size", "16"], k + s, t,
                       ("weights", "ids") + DISPATCH, experts=e + s)
     c.expect_failure([lg, "--shared-weight", "0.5"], ["--shared-weight"], rc=2)
-    c.expect_failure([lg, "--top-k", "60", "--shared-experts", "5"], ["num_shared_experts"], rc=2)
+    c.expect_failure([lg, "--top-k", "60", "--shared-experts", "5", "--device", "no-such-device-moecl-test"],
+                     ["num_shared_experts"], rc=2)
+
+
+def case_grounded_shared_experts(c):
+    """The grounded router with --shared-experts: rows of top_k + S slots in
+    all three outputs (route-check takes --top-k as a row's width), counts
+    over experts + S, in chunks; f16 inputs with the default weight, pairs
+    only. The bad combinations are usage errors (2) named before any device
+    is opened (a device that does not exist would exit 1)."""
+    t, h, e, k, s = 300, 48, 16, 3, 2
+    hid = write_npy(c.path("hidden.npy"), randn(c.rng, t * h, h ** -0.5), (t, h))
+    lg = write_npy(c.path("logits.npy"), randn(c.rng, t * e), (t, e))
+    gr = write_npy(c.path("ground.npy"), randn(c.rng, e * h), (e, h))
+    common = ["--op", "grounded", "--hidden", hid, "--logits", lg, "--ground", gr]
+    c.route_and_check(common + ["--alpha", "0.5", "--top-k", str(k), "--shared-experts", str(s), "--shared-weight",
+                                "-0.75", "--chunk-rows", "77", "--block-size", "8"], k + s, t,
+                      ROUTED + DISPATCH, experts=e + s)
+    hv, gv = randn(c.rng, t * h, h ** -0.5), randn(c.rng, e * h)
+    hid16 = write_npy(c.path("hidden-f16.npy"), hv, (t, h), "f16")
+    gr16 = write_npy(c.path("ground-f16.npy"), gv, (e, h), "f16")
+    _, p = c.route_and_check(["--op", "grounded", "--hidden", hid16, "--logits", lg, "--ground", gr16,
+                              "--shared-experts", "3"], 2 + 3, t, ("pairs",))
+    if "shared experts after the routed slots" not in p.stdout:
+        raise Failure("the summary does not say the rows hold shared experts")
+    emap = write_ids(c.path("map.npy"), list(range(e)), (e,))
+    nowhere = ["--device", "no-such-device-moecl-test"]
+    c.expect_failure(common + ["--shared-weight", "0.5"] + nowhere, ["--shared-weight needs --shared-experts"], rc=2)
+    c.expect_failure(common + ["--top-k", "62", "--shared-experts", "3"] + nowhere, ["num_shared_experts"], rc=2)
+    c.expect_failure(common + ["--shared-experts", "63"] + nowhere, ["num_shared_experts"], rc=2)
+    c.expect_failure(common + ["--shared-experts", "0"] + nowhere, ["--shared-experts is 1..63"], rc=2)
+    c.expect_failure(common + ["--shared-experts", "2", "--expert-map", emap, "--block-size", "8"] + nowhere,
+                     ["--expert-map"], rc=2)
+    c.expect_failure(common + ["--shared-experts", "2", "--scale", "2"] + nowhere, ["--scale"], rc=2)
 
 
 def case_dispatch_grounded(c):
