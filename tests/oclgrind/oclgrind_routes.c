@@ -266,6 +266,9 @@ static const run_def runs[] = {
     GTEAM_RUN(32, 2),
     /* The tensor-core kernel, emulated (f32 at TF32 and 3xTF32 in turn). */
     {"grounded-mma", OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_MMA, 1, 0, 0, {0}}, true, false},
+    /* The split-K kernel in hidden chunks of 16: several chunks, tickets
+     * and partial sums between work-groups at every case. */
+    {"grounded-splitk", OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_SPLITK, 1, 0, 16, {0}}, true, false},
     /* moe_align: every path in both launch classes. */
     {"align-cpu", OP_ALIGN, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"align-cpu-one-group", OP_ALIGN, "cpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
@@ -303,6 +306,7 @@ static const run_def runs[] = {
      * kernel (gpu). */
     {"router-cpu", OP_ROUTER, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"router-gpu", OP_ROUTER, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-splitk", OP_ROUTER, "gpu", NULL, true, {MOECL_KERNEL_SPLITK, 1, 0, 16, {0}}, true, false},
     /* moecl_topk_weights and moecl_hash_routing (cl/replay.cl): top-k
      * gating's launch, so the rows kernel (cpu), the rule's team kernel or
      * for up to 8 experts the rows kernel (gpu), and a small team with
@@ -318,7 +322,11 @@ static const run_def runs[] = {
 
 static const char *kernel_name(moecl_kernel_kind k)
 {
-    return k == MOECL_KERNEL_ROWS ? "rows" : k == MOECL_KERNEL_TEAM ? "team" : k == MOECL_KERNEL_TILED ? "tiled" : "mma";
+    return k == MOECL_KERNEL_ROWS    ? "rows"
+           : k == MOECL_KERNEL_TEAM  ? "team"
+           : k == MOECL_KERNEL_TILED ? "tiled"
+           : k == MOECL_KERNEL_MMA   ? "mma"
+                                     : "splitk";
 }
 
 /* The kernel the run is for: the forced one, the rows kernel in the CPU
