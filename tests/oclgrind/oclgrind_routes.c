@@ -637,8 +637,8 @@ static const grounded_case grounded_cases[] = {
 };
 
 /* The grounded router's kernel for d must be the run's; whether the case
- * is left out under --uninitialized (the rows kernel, or where it is
- * another kernel, for why_not_rows unless NULL). */
+ * is left out under --uninitialized (the rows kernel, the split-K kernel,
+ * or where it is another kernel, for why_not_rows unless NULL). */
 static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moecl_grounded_router_desc *d,
                               const char *why_not_rows)
 {
@@ -649,6 +649,10 @@ static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moec
     return left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
                                   ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
                                     "shuffle16_uninitialized, shuffle_undef_crash)"
+                              : config.kernel == MOECL_KERNEL_SPLITK
+                                  ? "the split-K kernel's tickets are zeroed by clEnqueueFillBuffer and its partial "
+                                    "sums pass by atomic_xchg into unwritten scratch (tool_bugs: "
+                                    "fill_buffer_uninitialized, atomic_unwritten_uninitialized)"
                                   : why_not_rows);
 }
 
