@@ -475,13 +475,14 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
                                    moecl_launch_config *config, grounded_shape *shape)
 {
     const moecl_launch_key key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
-    /* A call of few tokens goes split-K where the device table says so,
-     * before the tune file's and the table's configurations (keyed by
-     * shape, not by tokens); moecl_launch_force and the override still
-     * decide. */
+    /* A call of few tokens goes split-K where the device table says so
+     * and the hidden dimension splits (more than one chunk: a shorter walk
+     * is short anyway), before the tune file's and the table's
+     * configurations (keyed by shape, not by tokens); moecl_launch_force
+     * and the override still decide. */
     if (ctx && r->small && !ctx->forced[MOECL_OP_GROUNDED_ROUTER].active &&
         !moecl_launch_env_decides(&info->env, MOECL_OP_GROUNDED_ROUTER) &&
-        splitk_config(info, r, 0, config, shape))
+        splitk_config(info, r, 0, config, shape) && shape->split_chunks > 1)
         return MOECL_SOURCE_TABLE;
     return moecl_launch_resolve(ctx, info, &key, &launch_rule, r, config, shape);
 }
