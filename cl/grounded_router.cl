@@ -24,9 +24,13 @@
  *                                       per-expert weight scale (below)
  *   SHARED, SHARED_WEIGHT, SHARED_GATE  (absent: 0) shared slots after the
  *                                       routed ones (cl/gating.cl; below)
- *   KERNEL                              0 rows, 1 team, 2 tiled (below)
+ *   KERNEL                              0 rows, 1 team, 2 tiled, 4 split-K
+ *                                       (below; 3 is cl/router_mma.cl)
  *   TM, TN, TK                          tile of the tiled kernel (tokens,
- *                                       experts, hidden step)
+ *                                       experts, hidden step); of the
+ *                                       split-K kernel (tokens, experts,
+ *                                       hidden chunk)
+ *   SPLIT_WG                            the split-K kernel's work-group
  *   MT, NT, VEC, DB                     its register block, vector width
  *                                       and double buffering
  *   TEAM, ROWS, EPT                     shape of the team kernel (common.cl)
@@ -43,7 +47,11 @@
  *  - grounded_router_tiled (GPUs, large shapes): a work-group computes a
  *    TM x TN tile of g at a time, streaming the hidden dimension through
  *    local memory in steps of TK, each work-item an MT x NT block in
- *    registers; the top-k of each token is merged tile by tile. */
+ *    registers; the top-k of each token is merged tile by tile;
+ *  - grounded_router_splitk (GPUs, few tokens): the hidden dimension split
+ *    across work-groups, partial dot products through a scratch buffer,
+ *    the last work-group of a token block adding them in a fixed order and
+ *    gating the block. */
 
 #ifndef KERNEL
 #define KERNEL 0
@@ -268,6 +276,38 @@ static inline void write_shared(uint j0, uint step, uint row, __global const in_
         if (HAS_IDS)                                                                               \
             ids += ids_off;                                                                        \
     } while (0)
+
+#if TEAM == 1
+/* Rows of g whole in local memory (row m at g_rows + m * stride, its
+ * experts from 0), `count` tokens from row0: the gating pipeline of
+ * cl/gating.cl (steps 1-5, every gating, the bias where there is one) on
+ * each, one work-item a token, and its outputs. The epilogue of the
+ * tensor-core and split-K kernels. */
+static inline void gate_local_rows(__local const float *g_rows, uint stride, uint count, uint row0, uint num_tokens,
+                                   uint lid, __global const in_t *hidden, __global const bias_t *bias,
+                                   float scaling_factor, __global float *pairs, __global weight_t *weights,
+                                   __global ids_t *ids, const route_extras *extras)
+{
+    if (lid >= count || row0 + lid >= num_tokens)
+        return;
+    float8 logit[BLOCKS];
+    for (uint b = 0; b < BLOCKS; b++) {
+        float v[8];
+        for (uint q = 0; q < 8; q++) {
+            const uint e = b * 8 + q;
+            v[q] = e < NUM_EXPERTS ? g_rows[lid * stride + e] : 0.0f;
+        }
+        logit[b] = vload8(0, v);
+    }
+    float w[TOPK];
+    uint id[TOPK];
+    rows_pipeline(logit, bias, scaling_factor, w, id);
+    for (uint j = 0; j < TOPK; j++)
+        write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, extras);
+    if (SHARED)
+        write_shared(0, 1, row0 + lid, hidden, scaling_factor, pairs, weights, ids, extras);
+}
+#endif
 
 #if KERNEL == 0
 /* ---------------------------------------------------------------------- */
@@ -833,5 +873,191 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
         if (SHARED)
             write_shared(0, 1, row0 + lid, hidden, scaling_factor, pairs, weights, ids, &extras);
     }
+}
+
+#elif KERNEL == 4
+/* ---------------------------------------------------------------------- */
+/* Split-K: TM tokens x TN experts x TK hidden indices a work-group (few    */
+/* tokens, GPUs).                                                           */
+/* ---------------------------------------------------------------------- */
+
+/* The grid is (blocks of TM tokens) x (tiles of TN experts) x (chunks of TK
+ * hidden indices), one work-group each, so that at a decode batch the
+ * ground table is read once by many work-groups, each a short walk, not by
+ * one work-group per token block walking all of it. A work-group stages its
+ * tokens' chunk of hidden values in local memory, then takes its tile's
+ * expert rows SPLIT_ROWS at a time: 32 lanes along the hidden index per
+ * row, each lane SPLIT_VEC consecutive values a step (a warp reads one
+ * row's 32 x SPLIT_VEC contiguous values), every lane an fma chain per
+ * token; the lanes' sums are added in lane order and the chunk's dot
+ * product goes to the scratch buffer. A ticket per token block elects the
+ * block's last work-group, which adds each dot product's chunks in chunk
+ * order (0, 1, 2, ...) and gates its tokens. Every sum's order is fixed by
+ * the code, never by timing: repeated calls give the same bits. */
+#ifndef SPLIT_WG
+#define SPLIT_WG 256
+#endif
+#define SPLIT_LANES LAYOUT_SPLITK_LANES(SPLIT_WG)
+#define SPLIT_ROWS LAYOUT_SPLITK_ROWS(SPLIT_WG)
+#define SPLIT_VEC 4
+#define K_CHUNKS ((HIDDEN_DIM + TK - 1) / TK)
+#define EXPERT_TILES ((NUM_EXPERTS + TN - 1) / TN)
+#define BLOCK_GROUPS (EXPERT_TILES * K_CHUNKS) /* work-groups of a token block */
+#define G_STRIDE (BLOCKS * BLOCK)               /* a row of g, padded to blocks of 8 */
+#define SUM_STRIDE (SPLIT_LANES + 1)
+#if TK % SPLIT_VEC || TN % SPLIT_ROWS || SPLIT_WG % SPLIT_LANES
+#error "split-K kernel: SPLIT_VEC must divide TK, SPLIT_ROWS divide TN"
+#endif
+
+/* A word one work-group writes and another reads: atomics, the only global
+ * accesses OpenCL 1.2 makes coherent between work-groups (cl/moe_align.cl,
+ * moe_align_fused, explains the pattern). */
+static inline void part_store(__global uint *p, float v) { atomic_xchg((volatile __global uint *)p, as_uint(v)); }
+static inline float part_load(__global uint *p) { return as_float(atomic_or((volatile __global uint *)p, 0u)); }
+
+/* Step 1: the block's chunk of hidden values, h_tile[m][i] = hidden[row0 +
+ * m][k0 + i] widened, zeros past the tokens and the hidden dimension. */
+static inline void stage_hidden(__global const in_t *hidden, uint row0, uint num_tokens, uint k0, uint lid,
+                                __local float *h_tile)
+{
+    for (uint idx = lid; idx < TM * TK; idx += SPLIT_WG) {
+        const uint m = idx / TK, i = idx % TK;
+        h_tile[idx] = row0 + m < num_tokens && k0 + i < HIDDEN_DIM
+                          ? LOAD_IN(hidden, (size_t)(row0 + m) * HIDDEN_DIM + k0 + i)
+                          : 0.0f;
+    }
+}
+
+/* SPLIT_VEC values of a ground row from hidden index k, zeros past it. */
+static inline float4 load_ground4(__global const in_t *row, uint k)
+{
+    float v[SPLIT_VEC];
+    UNROLL
+    for (uint q = 0; q < SPLIT_VEC; q++)
+        v[q] = k + q < HIDDEN_DIM ? LOAD_IN(row, k + q) : 0.0f;
+    return vload4(0, v);
+}
+
+/* Step 2: one lane's sums over the chunk for expert row e: acc[m] =
+ * fma chain over hidden indices k0 + (lane + j SPLIT_LANES) SPLIT_VEC + q,
+ * ascending. */
+static inline void lane_dots(__global const in_t *ground, __local const float *h_tile, uint e, uint k0, uint lane,
+                             float *acc)
+{
+    __global const in_t *row = ground + (size_t)e * HIDDEN_DIM;
+    for (uint m = 0; m < TM; m++)
+        acc[m] = 0.0f;
+    for (uint v = lane; v < TK / SPLIT_VEC; v += SPLIT_LANES) {
+        const uint i = v * SPLIT_VEC;
+        if (k0 + i >= HIDDEN_DIM)
+            break;
+        const float4 w = load_ground4(row, k0 + i);
+        UNROLL
+        for (uint m = 0; m < TM; m++) {
+            const float4 h = vload4(0, h_tile + m * TK + i);
+            acc[m] = fma(h.s3, w.s3, fma(h.s2, w.s2, fma(h.s1, w.s1, fma(h.s0, w.s0, acc[m]))));
+        }
+    }
+}
+
+/* Step 3: the lanes' sums of SPLIT_ROWS expert rows from e0 added in lane
+ * order, each token's chunk dot product stored at part[chunk][token][e]
+ * (experts and tokens that exist). */
+static inline void store_chunk_dots(const float *acc, uint lid, uint e0, uint row0, uint num_tokens,
+                                    __local float *sums, __global uint *part)
+{
+    const uint lane = lid % SPLIT_LANES, r = lid / SPLIT_LANES;
+    for (uint m = 0; m < TM; m++)
+        sums[(r * TM + m) * SUM_STRIDE + lane] = acc[m];
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (lid < SPLIT_ROWS * TM) {
+        const uint m = lid % TM, e = e0 + lid / TM, t = row0 + m;
+        float s = 0.0f;
+        for (uint l = 0; l < SPLIT_LANES; l++)
+            s += sums[lid * SUM_STRIDE + l];
+        if (e < NUM_EXPERTS && t < num_tokens)
+            part_store(part + (size_t)t * NUM_EXPERTS + e, s);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+}
+
+/* Step 4: whether this work-group is its token block's last; the last puts
+ * the ticket back to 0 for the next call (every other work-group of the
+ * block has taken its ticket by then). No work-group waits for another. */
+static inline bool last_of_block(volatile __global uint *ticket, uint lid, __local uint *flag)
+{
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* this work-item's dot products before the ticket */
+    barrier(CLK_LOCAL_MEM_FENCE | CLK_GLOBAL_MEM_FENCE);
+    if (lid == 0) {
+        const uint taken = atomic_inc(ticket);
+        *flag = taken == BLOCK_GROUPS - 1;
+        if (taken == BLOCK_GROUPS - 1)
+            atomic_xchg(ticket, 0u);
+    }
+    barrier(CLK_LOCAL_MEM_FENCE);
+    const bool last = *flag;
+    mem_fence(CLK_GLOBAL_MEM_FENCE); /* the ticket before the reads of the others' dot products */
+    return last;
+}
+
+/* Step 5: the block's rows of g, g_rows[m][e] = G_OF(logit, the chunks'
+ * dot products added in chunk order); padding lanes and rows 0. */
+static inline void gather_g(__global uint *parts, __global const float *logits, uint row0, uint num_tokens,
+                            float alpha, uint lid, __local float *g_rows)
+{
+    for (uint idx = lid; idx < TM * G_STRIDE; idx += SPLIT_WG) {
+        const uint m = idx / G_STRIDE, e = idx % G_STRIDE, t = row0 + m;
+        float g = 0.0f;
+        if (t < num_tokens && e < NUM_EXPERTS) {
+            float dot = 0.0f;
+            for (uint c = 0; c < K_CHUNKS; c++)
+                dot += part_load(parts + ((size_t)c * num_tokens + t) * NUM_EXPERTS + e);
+            g = G_OF(LOGIT_AT(t, e), dot);
+        }
+        g_rows[idx] = g;
+    }
+}
+
+/* scratch: a ticket per token block (0 before the call; 0 again after it),
+ * then from word LAYOUT_SPLITK_PARTS_AT(blocks) part[K_CHUNKS][num_tokens]
+ * [NUM_EXPERTS]. */
+__kernel __attribute__((reqd_work_group_size(SPLIT_WG, 1, 1))) void
+grounded_router_splitk(__global const in_t *hidden, ulong hidden_off, __global const float *logits,
+                       ulong logits_off, __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS,
+                       __global uint *scratch)
+{
+    /* The hidden chunk and the lanes' sums, then the block's rows of g. */
+    __local float tile_memory[LAYOUT_SPLITK_FLOATS(TM, TK, SPLIT_WG, NUM_EXPERTS)];
+    __local uint last_flag;
+    __local float *h_tile = tile_memory, *sums = tile_memory + TM * TK;
+    const uint lid = get_local_id(0), group = get_group_id(0);
+    const uint chunk = group % K_CHUNKS, tile = group / K_CHUNKS % EXPERT_TILES, block = group / BLOCK_GROUPS;
+    const uint row0 = block * TM, k0 = chunk * TK;
+    const uint blocks = (num_tokens + TM - 1) / TM;
+    __global uint *parts = scratch + LAYOUT_SPLITK_PARTS_AT(blocks);
+    OFFSET_OUTPUTS();
+    ROUTE_EXTRAS(extras);
+
+    stage_hidden(hidden, row0, num_tokens, k0, lid, h_tile);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    __global uint *chunk_part = parts + (size_t)chunk * num_tokens * NUM_EXPERTS;
+    for (uint e0 = tile * TN; e0 < min((uint)(tile + 1) * TN, (uint)NUM_EXPERTS); e0 += SPLIT_ROWS) {
+        float acc[TM];
+        const uint e = min(e0 + lid / SPLIT_LANES, (uint)NUM_EXPERTS - 1);
+        lane_dots(ground, h_tile, e, k0, lid % SPLIT_LANES, acc);
+        store_chunk_dots(acc, lid, e0, row0, num_tokens, sums, chunk_part);
+    }
+
+    /* No return before the barrier: every work-item reaches it (pocl 3.1
+     * ran the rows after it in the wrong work-items otherwise). */
+    const bool last = last_of_block(scratch + block, lid, &last_flag);
+    if (last)
+        gather_g(parts, logits, row0, num_tokens, alpha, lid, tile_memory);
+    barrier(CLK_LOCAL_MEM_FENCE);
+    if (!last)
+        return;
+    /* Step 6: the gating of the block's tokens. */
+    gate_local_rows(tile_memory, G_STRIDE, TM, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights,
+                    ids, &extras);
 }
 #endif

@@ -150,6 +150,25 @@
 #define LAYOUT_GROUNDED_MMA_LOCAL_BYTES(tm, tn, kw, warps, emulated)                               \
     (4 * LAYOUT_MMA_WORDS(tm, tn, kw) + ((emulated) ? 4 * (warps) * LAYOUT_MMA_EMU_FLOATS : 0))
 
+/* ---- grounded_router_splitk: TM tokens x TN experts x TK hidden ------- */
+
+/* A work-group of wg work-items: 32 lanes along the hidden index for each
+ * of wg / 32 expert rows at once (all wg lanes below 32). Local memory:
+ * the tokens' chunk of hidden values (TM x TK) and the lanes' partial sums
+ * (a row of 33 per expert row and token), then, in the same floats, the
+ * last work-group's rows of g (TM x the experts padded to blocks of 8). */
+#define LAYOUT_SPLITK_LANES(wg) ((wg) < 32 ? (wg) : 32)
+#define LAYOUT_SPLITK_ROWS(wg) ((wg) / LAYOUT_SPLITK_LANES(wg))
+#define LAYOUT_SPLITK_FLOATS(tm, tk, wg, experts)                                                  \
+    LAYOUT_MAX((tm) * (tk) + LAYOUT_SPLITK_ROWS(wg) * (tm) * (LAYOUT_SPLITK_LANES(wg) + 1),          \
+               (tm) * LAYOUT_ROWS_BLOCKS(experts) * LAYOUT_ROWS_BLOCK)
+#define LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES(tm, tk, wg, experts) (4 * LAYOUT_SPLITK_FLOATS(tm, tk, wg, experts) + 4)
+/* Scratch words: a ticket per block of TM tokens, then (from a multiple of
+ * 16 words) the partial dot products part[chunk][token][expert]. */
+#define LAYOUT_SPLITK_PARTS_AT(blocks) (((blocks) + 15) / 16 * 16)
+#define LAYOUT_SPLITK_SCRATCH_WORDS(blocks, chunks, tokens, experts)                               \
+    (LAYOUT_SPLITK_PARTS_AT(blocks) + (chunks) * (tokens) * (experts))
+
 /* ---- moe_align ------------------------------------------------------- */
 
 /* Arrays sized at launch (__local kernel arguments): count, scan and

@@ -351,36 +351,6 @@ static inline void mma_store_g(const float acc[MMA_MI][MMA_NT][4], __local float
             }
 }
 
-/* The gating of the work-group's rows of g, one work-item per token: each
- * row, whole in local memory (every expert of a token is in the tile), is
- * copied into private float8 blocks and goes through the rows pipeline of
- * cl/gating.cl (steps 1-5, every gating, the bias where there is one). The
- * one call site of the epilogue. */
-static inline void mma_gate_rows(__local const float *g_rows, uint row0, uint num_tokens, uint lid,
-                                 __global const in_t *hidden, __global const bias_t *bias, float scaling_factor,
-                                 __global float *pairs, __global weight_t *weights, __global ids_t *ids,
-                                 const route_extras *extras)
-{
-    if (lid >= MMA_TM || row0 + lid >= num_tokens)
-        return;
-    float8 logit[BLOCKS];
-    for (uint b = 0; b < BLOCKS; b++) {
-        float v[8];
-        for (uint q = 0; q < 8; q++) {
-            const uint e = b * 8 + q;
-            v[q] = e < NUM_EXPERTS ? g_rows[lid * MMA_GS + e] : 0.0f;
-        }
-        logit[b] = vload8(0, v);
-    }
-    float w[TOPK];
-    uint id[TOPK];
-    rows_pipeline(logit, bias, scaling_factor, w, id);
-    for (uint j = 0; j < TOPK; j++)
-        write_output(j, id[j], w[j], row0 + lid, pairs, weights, ids, extras);
-    if (SHARED)
-        write_shared(0, 1, row0 + lid, hidden, scaling_factor, pairs, weights, ids, extras);
-}
-
 __kernel __attribute__((reqd_work_group_size(MMA_WG, 1, 1))) void
 grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global const float *logits, ulong logits_off,
                     __global const in_t *ground, ulong ground_off, OUTPUT_PARAMS)
@@ -437,6 +407,9 @@ grounded_router_mma(__global const in_t *hidden, ulong hidden_off, __global cons
     __local float *g_rows = (__local float *)stages;
     mma_store_g(acc, g_rows, logits, row0, num_tokens, alpha, wm, wn, g, t);
     barrier(CLK_LOCAL_MEM_FENCE);
-    mma_gate_rows(g_rows, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights, ids, &extras);
+    /* The gating of each token's row, whole in local memory (every expert
+     * of a token is in the tile; cl/grounded_router.cl). */
+    gate_local_rows(g_rows, MMA_GS, MMA_TM, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights, ids,
+                    &extras);
 }
 #endif

@@ -198,7 +198,7 @@ moecl_status moecl_scratch_acquire(moecl_context *ctx, size_t bytes, cl_mem *mem
             return st;
         }
         ctx->scratch_bytes = grown;
-        ctx->scratch_ticket_zero = false;
+        ctx->scratch_zero_words = 0;
     }
     *mem = ctx->scratch;
     return MOECL_SUCCESS;

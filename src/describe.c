@@ -50,7 +50,7 @@ static void describe_launches(const moecl_context *ctx, moecl_context_info *r)
     moecl_grounded_router_desc g[2] = {moecl_grounded_router_desc_init(1, 128, 16, 0.5f),
                                        moecl_grounded_router_desc_init(1, 4096, 128, 0.5f)};
     g[1].top_k = 8;
-    static const char *const kernels[] = {"rows", "team", "tiled", "mma"};
+    static const char *const kernels[] = {"rows", "team", "tiled", "mma", "splitk"};
     for (int n = 0; n < 5; n++) {
         moecl_launch_key key;
         moecl_launch_config config;
@@ -62,7 +62,7 @@ static void describe_launches(const moecl_context *ctx, moecl_context_info *r)
         l->top_k = key.top_k;
         l->groups = key.groups;
         l->hidden_bucket = key.hidden_bucket;
-        COPY(l->kernel, (unsigned)config.kernel <= MOECL_KERNEL_MMA ? kernels[config.kernel] : "?");
+        COPY(l->kernel, (unsigned)config.kernel <= MOECL_KERNEL_SPLITK ? kernels[config.kernel] : "?");
         l->team = config.team;
         l->rows = config.rows;
         l->tile = config.tile;

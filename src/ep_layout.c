@@ -263,13 +263,13 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_ep_layout_desc
         LOCAL(f->local_bytes)};
     moecl_step steps[2];
     int n = 0;
-    if (!reused || !ctx->scratch_ticket_zero)
+    if (!reused || ctx->scratch_zero_words < 1)
         steps[n++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the layout's tickets", NULL};
     steps[n++] = (moecl_step){FUSED_KERNEL, args, (cl_uint)(sizeof(args) / sizeof(args[0])),
                               (size_t)f->groups * p->fused_wg, p->fused_wg, NULL, 0, 0, NULL, NULL};
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (reused)
-        ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
+        ctx->scratch_zero_words = st == MOECL_SUCCESS ? 1 : 0; /* its ticket, word 0 */
     moecl_scratch_release(ctx, scratch);
     return st;
 }
@@ -331,7 +331,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_ep_layout_desc *d, c
 #undef STEP
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (ctx->in_order && ctx->scratch_lock_ready)
-        ctx->scratch_ticket_zero = false; /* moe_align's fused ticket is word 0 */
+        ctx->scratch_zero_words = 0; /* moe_align's fused ticket is word 0 */
     moecl_scratch_release(ctx, scratch);
     return st;
 }

@@ -96,6 +96,7 @@ typedef struct grounded_shape {
     size_t rows_per_group;     /* tokens a work-group routes */
     const char *kernel_name;
     unsigned mma_mi, mma_nt, mma_wm, mma_wn, mma_kw; /* mma: a warp's m16 and n8 tiles, warps, words a k step */
+    unsigned split_chunks, split_groups; /* split-K: hidden chunks, work-groups of a token block */
 } grounded_shape;
 
 /* A request: the descriptor, the outputs the call writes, and whether the
@@ -109,6 +110,9 @@ typedef struct grounded_request {
     bool counts, load, valid, scale;
     unsigned capture;
     bool shared_gate; /* moecl_router_ex's shared_expert_gate */
+    /* few enough tokens for the split-K kernel by the device table
+     * (MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS) */
+    bool small;
 } grounded_request;
 
 /* Whether the tiled kernel's running top-k serves the request: selection
@@ -233,7 +237,7 @@ static bool tiled_shape(const moecl_device_info *info, const moecl_launch_config
     if ((p.tn / p.nt) % wc)
         return false;
     *shape = (grounded_shape){MOECL_KERNEL_TILED, tm, p.tn, p.tk, p.mt, p.nt, p.vec, p.db, wc, 1, 1, 1, false, local, tm,
-                              "grounded_router_tiled", 0, 0, 0, 0, 0};
+                              "grounded_router_tiled", 0, 0, 0, 0, 0, 0, 0};
     return true;
 }
 
@@ -250,7 +254,7 @@ static bool team_shape(const moecl_device_info *info, unsigned team, unsigned ro
     const bool shuffle = info->ptx && team <= 32 && (team * rows) % 32 == 0;
     /* mt, nt: defines every kernel's source expects. */
     *shape = (grounded_shape){MOECL_KERNEL_TEAM, 8, 0, 0, 4, 4, 1, 0, 0, team, rows, ept, shuffle, (size_t)team * rows,
-                              rows, "grounded_router_team", 0, 0, 0, 0, 0};
+                              rows, "grounded_router_team", 0, 0, 0, 0, 0, 0, 0};
     return true;
 }
 
@@ -297,7 +301,7 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
                 moecl_local_budget(info))
             continue;
         *shape = (grounded_shape){MOECL_KERNEL_MMA, tm, tn, kw, 4, 4, 1, 0, 0, 1, 1, 1, false, local, tm,
-                                  "grounded_router_mma", mi, nt, w, wn, kw};
+                                  "grounded_router_mma", mi, nt, w, wn, kw, 0, 0};
         return true;
     }
     return false;
@@ -322,7 +326,61 @@ static grounded_shape rows_shape(const moecl_device_info *info, unsigned rows, u
     while (limit && tm > 1 && (uint64_t)tm * experts * hidden > ROWS_VALUES_PER_ITERATION * limit)
         tm = tm > 8 ? 8 : tm / 2;
     return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
-                            "grounded_router_rows", 0, 0, 0, 0, 0};
+                            "grounded_router_rows", 0, 0, 0, 0, 0, 0, 0};
+}
+
+/* The split-K kernel for the request with hidden chunks of `chunk` indices
+ * (0: the largest of 1024, 512 and 256 that gives a token block at least
+ * two work-groups per compute unit, or 256), if the device runs it: a
+ * work-group of 256 work-items (fewer where the device allows fewer, 32 at
+ * least), tiles of 64 experts (fewer for a smaller table), TM 8 tokens a
+ * block, 4, 2 or 1 where local memory holds no more; and on a device whose
+ * work-groups' private arrays are limited (pocl), the gating's rows within
+ * it. Never the dispatch, which needs the team kernel. */
+static bool splitk_shape(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
+                         grounded_shape *shape)
+{
+    if (r->dispatch)
+        return false;
+    const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts;
+    unsigned wg = 256;
+    while (wg > info->max_work_group_size)
+        wg >>= 1;
+    if (wg < 32)
+        return false;
+    const uint32_t private_max = moecl_device_table_params(info).value[MOECL_DP_PRIVATE_MAX];
+    if (private_max && (uint64_t)wg * moecl_layout_grounded_rows_private(1, experts, r->desc->top_k) > private_max)
+        return false;
+    unsigned tn = LAYOUT_SPLITK_ROWS(wg);
+    while (tn < 64 && tn < experts)
+        tn <<= 1;
+    const unsigned tiles = (experts + tn - 1) / tn;
+    unsigned tk = chunk;
+    if (!tk) {
+        tk = 1024;
+        while (tk > 256 && (uint64_t)tiles * ((hidden + tk - 1) / tk) < 2 * (uint64_t)info->compute_units)
+            tk >>= 1;
+    }
+    const unsigned chunks = (hidden + tk - 1) / tk;
+    for (unsigned tm = 8; tm >= 1; tm >>= 1)
+        if (LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES((size_t)tm, (size_t)tk, (size_t)wg, (size_t)experts) <=
+            moecl_local_budget(info)) {
+            *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, 1, 1, 1, false, wg, tm,
+                                      "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
+            return true;
+        }
+    return false;
+}
+
+/* The split-K configuration of the request (its chunk written out), if the
+ * device runs it. */
+static bool splitk_config(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
+                          moecl_launch_config *config, grounded_shape *shape)
+{
+    if (!splitk_shape(info, r, chunk, shape))
+        return false;
+    *config = (moecl_launch_config){MOECL_KERNEL_SPLITK, 1, 0, shape->tk, {0}};
+    return true;
 }
 
 /* The check: whether the device can run configuration c for the request,
@@ -345,6 +403,8 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
                team_shape(info, c->team, c->rows, hidden, experts, k, groups, shape);
     case MOECL_KERNEL_MMA:
         return mma_shape(info, r, shape);
+    case MOECL_KERNEL_SPLITK:
+        return splitk_shape(info, r, c->tile, shape);
     case MOECL_KERNEL_TILED:
         /* Where the tensor cores serve the request, no table, tune file or
          * variable takes it off them (their launch key has no dtype). */
@@ -371,6 +431,10 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const moecl_launch_config *env_tile = &info->env.grounded_tile;
     const bool env_tiled = info->env.grounded_wide_tile || env_tile->kernel == MOECL_KERNEL_TILED;
     grounded_shape shape;
+    moecl_launch_config splitk;
+    /* Split-K where the override asks for it, at every token count. */
+    if (info->env.grounded_splitk && splitk_config(info, r, info->env.splitk_chunk, &splitk, &shape))
+        return splitk;
     /* Tensor cores where the device has them (or forced): the default for
      * f16 and bf16 and for the TF32 precisions, with the seed's gating. */
     if ((info->env.grounded_mma || mma_native(info)) && mma_shape(info, r, &shape))
@@ -411,6 +475,15 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
                                    moecl_launch_config *config, grounded_shape *shape)
 {
     const moecl_launch_key key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
+    /* A call of few tokens goes split-K where the device table says so
+     * and the hidden dimension splits (more than one chunk: a shorter walk
+     * is short anyway), before the tune file's and the table's
+     * configurations (keyed by shape, not by tokens); moecl_launch_force
+     * and the override still decide. */
+    if (ctx && r->small && !ctx->forced[MOECL_OP_GROUNDED_ROUTER].active &&
+        !moecl_launch_env_decides(&info->env, MOECL_OP_GROUNDED_ROUTER) &&
+        splitk_config(info, r, 0, config, shape) && shape->split_chunks > 1)
+        return MOECL_SOURCE_TABLE;
     return moecl_launch_resolve(ctx, info, &key, &launch_rule, r, config, shape);
 }
 
@@ -476,7 +549,9 @@ static moecl_variant_values values_of(const grounded_request *r, const grounded_
         p[MOECL_GROUNDED_MMA_WN] = s->mma_wn;
         p[MOECL_GROUNDED_MMA_KW] = s->mma_kw;
         p[MOECL_GROUNDED_FUSED_WG] = s->team * s->rows;
+        p[MOECL_GROUNDED_SPLIT_WG] = s->kind == MOECL_KERNEL_SPLITK ? (uint32_t)s->local : 256;
     }
+    p[MOECL_GROUNDED_SMALL] = r->small;
     const moecl_topk_gating_desc gating = moecl_grounded_gating_desc(d);
     const moecl_gating_source source = {&gating, d->gating.num_expert_groups, d->gating.topk_group, r->has_bias};
     moecl_variant_gating(&v, &source);
@@ -552,6 +627,8 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     plan->limits[0] = moecl_variant_work_group_limit(plan->variants[0]);
     plan->local = shape.local;
     plan->rows_per_group = shape.rows_per_group;
+    plan->split_chunks = shape.split_chunks;
+    plan->split_groups = shape.split_groups;
     return MOECL_SUCCESS;
 }
 
@@ -685,22 +762,59 @@ void moecl_grounded_router_bind(const moecl_grounded_router_desc *d, const moecl
 
 /* The request of a call: which buffers it has (has[i]), moecl_router's
  * or not, the capture's type. */
-static grounded_request request_of(const moecl_grounded_router_desc *d, const bool has[NUM_BUFFERS], bool router,
-                                   moecl_index_dtype capture_dtype)
+static grounded_request request_of(const moecl_context *ctx, const moecl_grounded_router_desc *d,
+                                   const bool has[NUM_BUFFERS], bool router, moecl_index_dtype capture_dtype)
 {
+    const uint32_t small_max = moecl_device_param_class(&ctx->params, MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_CPU,
+                                                        ctx->info.launch_class);
     const grounded_request r = {d,          has[PAIRS], has[WEIGHTS], has[IDS],   false,
                                 has[BIAS],  router && !has[LOGITS],   has[COUNTS], has[LOAD],
                                 has[VALID], has[SCALE], has[CAPTURED] ? 1u + (unsigned)capture_dtype : 0u,
-                                has[GATE]};
+                                has[GATE],  d->num_tokens >= 1 && d->num_tokens <= small_max};
     return r;
 }
 
-static grounded_request request_of_buffers(const moecl_grounded_router_desc *d, const bound_buffers *b)
+static grounded_request request_of_buffers(const moecl_context *ctx, const moecl_grounded_router_desc *d,
+                                           const bound_buffers *b)
 {
     bool has[NUM_BUFFERS];
     for (int i = 0; i < NUM_BUFFERS; i++)
         has[i] = b->b[i].mem != NULL;
-    return request_of(d, has, b->router, b->capture_dtype);
+    return request_of(ctx, d, has, b->router, b->capture_dtype);
+}
+
+/* The split-K kernel's launch (plan p): the context's scratch (a ticket per
+ * token block, then the partial dot products, cl/layout.h), the tickets
+ * zeroed first where they may not be 0 (the last work-group of each block
+ * puts its ticket back), after the zeroing of expert_counts where given. */
+static moecl_status launch_splitk(moecl_context *ctx, const moecl_plan *p, const moecl_launch_call *call,
+                                  uint32_t experts, cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const size_t blocks = (call->tokens + p->rows_per_group - 1) / p->rows_per_group;
+    const size_t words = LAYOUT_SPLITK_SCRATCH_WORDS(blocks, (size_t)p->split_chunks, (size_t)call->tokens,
+                                                     (size_t)experts);
+    cl_mem scratch;
+    moecl_status st = moecl_scratch_acquire(ctx, words * 4, &scratch);
+    if (st != MOECL_SUCCESS)
+        return st;
+    const bool reused = ctx->in_order && ctx->scratch_lock_ready;
+    moecl_kernel_arg args[MOECL_MAX_KERNEL_ARGS];
+    memcpy(args, call->args, call->num_args * sizeof(args[0]));
+    cl_uint n = call->num_args;
+    args[n++] = MOECL_ARG_MEM(scratch);
+    moecl_step steps[3];
+    int count = 0;
+    if (call->zero)
+        steps[count++] =
+            (moecl_step){0, NULL, 0, 0, 0, call->zero, call->zero_offset, call->zero_bytes, call->zero_name, NULL};
+    if (!reused || ctx->scratch_zero_words < blocks)
+        steps[count++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, blocks * 4, "the split-K router's tickets", NULL};
+    steps[count++] = (moecl_step){0, args, n, blocks * p->split_groups * p->local, p->local, NULL, 0, 0, NULL, NULL};
+    st = moecl_plan_run(ctx, p, steps, count, num_wait, wait, done);
+    if (reused)
+        ctx->scratch_zero_words = st == MOECL_SUCCESS ? blocks : 0;
+    moecl_scratch_release(ctx, scratch);
+    return st;
 }
 
 /* Bind and enqueue (src/plan.c): expert_counts is zeroed first, and the
@@ -710,7 +824,7 @@ static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc 
 {
     moecl_grounded_binding bound;
     moecl_grounded_router_bind(d, b->b, b->capture_dtype, b->check, b->router, !b->router, &bound);
-    const grounded_request r = request_of_buffers(d, b);
+    const grounded_request r = request_of_buffers(ctx, d, b);
     const moecl_launch_call call = {key_of(ctx, &r),
                                     build_plan,
                                     &r,
@@ -721,6 +835,17 @@ static moecl_status launch(moecl_context *ctx, const moecl_grounded_router_desc 
                                     b->b[COUNTS].offset,
                                     (size_t)moecl_grounded_id_experts(d) * 4,
                                     "expert_counts"};
+    if (d->num_tokens > 0) {
+        /* The split-K kernel has its own launch: its plan first (a bad
+         * buffer still costs no compile). */
+        const moecl_plan *p = moecl_plan_find(ctx, &call.key);
+        moecl_status st = MOECL_SUCCESS;
+        if (!p && ((st = moecl_check_args(ctx, call.args, call.num_args)) != MOECL_SUCCESS ||
+                   (st = moecl_plan_get(ctx, &call.key, build_plan, &r, &p)) != MOECL_SUCCESS))
+            return st;
+        if (p->config.kernel == MOECL_KERNEL_SPLITK)
+            return launch_splitk(ctx, p, &call, d->num_experts, num_wait, wait, done);
+    }
     return moecl_plan_launch(ctx, &call, num_wait, wait, done);
 }
 
@@ -843,7 +968,7 @@ static moecl_status route_host(moecl_context *ctx, const moecl_grounded_router_d
     for (int i = 0; i < NUM_BUFFERS; i++)
         has[i] = from[i] || to[i];
     const moecl_plan *p;
-    const grounded_request r = request_of(desc, has, router, h->captured_ids_dtype);
+    const grounded_request r = request_of(ctx, desc, has, router, h->captured_ids_dtype);
     const moecl_plan_key key = key_of(ctx, &r);
     if ((st = moecl_plan_get(ctx, &key, build_plan, &r, &p)) != MOECL_SUCCESS)
         return st; /* built before the buffers are made: a build failure costs no copy */

@@ -70,6 +70,7 @@ typedef enum moecl_kernel_kind {
     MOECL_KERNEL_TEAM = 1,
     MOECL_KERNEL_TILED = 2,
     MOECL_KERNEL_MMA = 3, /* the grounded router on tensor cores (cl/router_mma.cl) */
+    MOECL_KERNEL_SPLITK = 4, /* the grounded router split along the hidden dimension (few tokens) */
 } moecl_kernel_kind;
 
 #define MOECL_LAUNCH_MAX_TEAM 256u
@@ -110,6 +111,8 @@ typedef struct moecl_launch_env {
      * unset. */
     moecl_launch_config grounded_tile;
     bool grounded_mma;           /* grounded=mma: the tensor-core kernel (emulated without PTX) */
+    bool grounded_splitk;        /* grounded=splitk: the split-K kernel at every token count */
+    unsigned splitk_chunk;       /* kchunk=N: its hidden chunk, 0 = chosen */
     moecl_align_path align_path; /* align=one-group|fused|chunked|fused-parallel: moe_align's path, or by size */
     moecl_ep_path ep_path;       /* ep=chunked|fused|fused-last: the layout's path, or chosen */
     unsigned ep_fused_wg;        /* ep_wg=N: the fused layout kernel's work-group, 0 = chosen */
@@ -124,8 +127,9 @@ typedef struct moecl_launch_env {
  * (cpu|gpu), team (power of two 2..256), align (one-group|fused|chunked|
  * fused-parallel),
  * ep (chunked|fused|fused-last), ep_wg (power of two 32..1024), ep_groups
- * (1..127), grounded (mma), tile (128, or a tiled configuration with tn,
- * tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off).
+ * (1..127), grounded (mma|splitk), kchunk (power of two 16..8192: the
+ * split-K kernel's hidden chunk), tile (128, or a tiled configuration with
+ * tn, tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off).
  * MOECL_ERROR_INVALID_ARGUMENT with a message naming the bad word. */
 moecl_status moecl_override_parse(const char *text, moecl_launch_env *env);
 /* Parse text and make it the override every context created afterwards
@@ -314,6 +318,12 @@ typedef enum moecl_device_param {
      * counted too) and runs on; 0: none. The grounded router's rows kernel
      * then takes fewer tokens a work-item (src/grounded_router.c). */
     MOECL_DP_LOOP_LIMIT,
+    /* The grounded router's split-K kernel (KERNEL 4) for calls of at most
+     * this many tokens, over the tune file's and the table's
+     * configurations (0: never by default; the override grounded=splitk at
+     * any count). */
+    MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_CPU,
+    MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU,
     MOECL_NUM_DEVICE_PARAMS
 } moecl_device_param;
 
@@ -498,9 +508,11 @@ struct moecl_context {
     bool scratch_lock_ready;
     cl_mem scratch;
     size_t scratch_bytes;
-    /* Word 0 of scratch (moe_align's fused-kernel ticket) is known to be
-     * 0: false for a new buffer and after moe_align's chunked path. */
-    bool scratch_ticket_zero;
+    /* The words at the start of scratch known to be 0 (the one-launch
+     * kernels' tickets: moe_align's fused kernel's word 0, the split-K
+     * router's word per token block): 0 for a new buffer and after a path
+     * that writes there. */
+    size_t scratch_zero_words;
 };
 
 /* ---- topk_gating.c, grounded_router.c: what a request is launched with ---- */
@@ -655,6 +667,10 @@ typedef struct moecl_plan {
      * rows kernel's CL_KERNEL_WORK_GROUP_SIZE) and the tokens it routes;
      * the global size is ceil(tokens / rows_per_group) * local. */
     size_t local, rows_per_group;
+    /* The grounded router's split-K kernel: the hidden dimension's chunks,
+     * and the work-groups of a block of rows_per_group tokens (launched
+     * by src/grounded_router.c with its scratch). */
+    unsigned split_chunks, split_groups;
     /* moe_align: the work-group sizes of the chunk kernels, the scan,
      * the one-group and the fused kernels (both fused kernels: fused_wg),
      * whether the one-group kernel ranks with WARP_MATCH, and whether the
@@ -747,6 +763,10 @@ typedef struct moecl_step {
  * whatever was queued before it is waited for. */
 moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *plan, moecl_step *steps, int n, cl_uint num_wait,
                             const cl_event *wait, cl_event *done);
+/* The caller's buffers among args checked as moecl_plan_run checks them,
+ * with no kernel: before a plan is built, so that a bad buffer costs no
+ * compile. */
+moecl_status moecl_check_args(moecl_context *ctx, const moecl_kernel_arg *args, cl_uint count);
 
 /* A call of a one-kernel op (top-k gating, the grounded router): the
  * request's key and how to build its plan, the kernel's arguments, the
@@ -901,10 +921,12 @@ enum {
     MOECL_GROUNDED_SHARED,
     MOECL_GROUNDED_SHARED_WEIGHT,
     MOECL_GROUNDED_SHARED_GATE,
+    MOECL_GROUNDED_SPLIT_WG,
+    MOECL_GROUNDED_SMALL,
     MOECL_GROUNDED_PARAMS
 };
 
-#define MOECL_VARIANT_MAX_PARAMS 40
+#define MOECL_VARIANT_MAX_PARAMS 48
 #define MOECL_GATING_MAX_PARAMS 16
 
 /* A variant: the value of each of the op's own parameters (by the enums

@@ -72,7 +72,7 @@ const char *moecl_launch_source_name(moecl_launch_source s)
     return (unsigned)s < sizeof(names) / sizeof(names[0]) ? names[s] : "?";
 }
 
-static const char *const kernel_names[] = {"rows", "team", "tiled", "mma"};
+static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", "splitk"};
 
 int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
 {
@@ -83,7 +83,7 @@ int moecl_launch_key_text(const moecl_launch_key *key, char *buf, size_t size)
 
 int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t size)
 {
-    const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_MMA ? kernel_names[c->kernel] : "?";
+    const char *kernel = (unsigned)c->kernel <= MOECL_KERNEL_SPLITK ? kernel_names[c->kernel] : "?";
     const moecl_tile_params *p = &c->tiled;
     if (c->kernel == MOECL_KERNEL_TILED && !p->tk)
         return snprintf(buf, size, "kernel=tiled tile=%u", c->tile);
@@ -95,6 +95,8 @@ int moecl_launch_config_text(const moecl_launch_config *c, char *buf, size_t siz
                         p->mt, p->nt, p->vec, p->db);
     if (c->kernel == MOECL_KERNEL_MMA)
         return snprintf(buf, size, "kernel=mma");
+    if (c->kernel == MOECL_KERNEL_SPLITK)
+        return c->tile ? snprintf(buf, size, "kernel=splitk tile=%u", c->tile) : snprintf(buf, size, "kernel=splitk");
     if (c->kernel == MOECL_KERNEL_TEAM)
         return snprintf(buf, size, "kernel=team team=%u rows=%u", c->team, c->rows);
     return snprintf(buf, size, "kernel=%s rows=%u", kernel, c->rows);
@@ -137,7 +139,8 @@ bool moecl_launch_env_decides(const moecl_launch_env *env, moecl_op op)
     case MOECL_OP_TOPK_GATING:
         return env->team != 0;
     case MOECL_OP_GROUNDED_ROUTER:
-        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED || env->grounded_mma;
+        return env->grounded_wide_tile || env->grounded_tile.kernel == MOECL_KERNEL_TILED || env->grounded_mma ||
+               env->grounded_splitk;
     default:
         return env->align_path != MOECL_ALIGN_AUTO;
     }
@@ -328,7 +331,7 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         seen[f] = true;
         if (f == F_KERNEL) {
             int kind = -1;
-            for (int i = 0; i <= MOECL_KERNEL_MMA; i++)
+            for (int i = 0; i <= MOECL_KERNEL_SPLITK; i++)
                 if (strcmp(eq + 1, kernel_names[i]) == 0)
                     kind = i;
             if (kind < 0)
@@ -386,8 +389,16 @@ static bool parse_entry(char *line, moecl_launch_key *key, moecl_launch_config *
         if (topk || seen[F_TEAM] || seen[F_ROWS] || seen[F_TILE])
             return false;
         break;
+    case MOECL_KERNEL_SPLITK:
+        /* tile: the hidden chunk of a work-group, 0 (absent) chosen */
+        c.tile = value[F_TILE];
+        if (topk || seen[F_TEAM] || seen[F_ROWS] ||
+            (c.tile && (!moecl_is_pow2(c.tile) || c.tile < 16 || c.tile > 8192)))
+            return false;
+        break;
     }
-    if (c.kernel != MOECL_KERNEL_TILED && c.kernel != MOECL_KERNEL_MMA && (!moecl_is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
+    if (c.kernel != MOECL_KERNEL_TILED && c.kernel != MOECL_KERNEL_MMA && c.kernel != MOECL_KERNEL_SPLITK &&
+        (!moecl_is_pow2(c.rows) || c.rows > MOECL_LAUNCH_MAX_ROWS))
         return false;
     *config = c;
     return true;

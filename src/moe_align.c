@@ -339,13 +339,13 @@ static moecl_status enqueue_fused(moecl_context *ctx, const moecl_moe_align_desc
         ARG(has_invalid),   LOCAL(cols_bytes),   LOCAL(cols_bytes),   MAP_ARGS(a)};
     moecl_step steps[2];
     int n = 0;
-    if (!reused || !ctx->scratch_ticket_zero)
+    if (!reused || ctx->scratch_zero_words < 1)
         steps[n++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the moe_align ticket", NULL};
     steps[n++] = (moecl_step){FUSED_KERNEL, args, NARGS(args, a), (size_t)groups * p->fused_wg, p->fused_wg,
                               NULL,         0,    0,              NULL, NULL};
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (reused)
-        ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
+        ctx->scratch_zero_words = st == MOECL_SUCCESS ? 1 : 0; /* its ticket, word 0 */
     moecl_scratch_release(ctx, scratch);
     return st;
 }
@@ -426,7 +426,7 @@ static moecl_status enqueue(moecl_context *ctx, const moecl_moe_align_desc *d, c
 #undef STEP
     st = moecl_plan_run(ctx, p, steps, n, num_wait, wait, done);
     if (ctx->in_order && ctx->scratch_lock_ready)
-        ctx->scratch_ticket_zero = false; /* the count matrix starts at word 0 */
+        ctx->scratch_zero_words = 0; /* the count matrix starts at word 0 */
     /* Every kernel that uses it is enqueued (or waited for). */
     moecl_scratch_release(ctx, scratch);
     return st;

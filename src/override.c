@@ -99,9 +99,14 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
                 return bad(value, "binaries is on or off");
             env->binaries = k == 1 ? 1 : -1;
         } else if (strcmp(name, "grounded") == 0) {
-            if (strcmp(value, "mma") != 0)
-                return bad(value, "grounded is mma");
-            env->grounded_mma = true;
+            static const char *const grounded_kernels[] = {"mma", "splitk"};
+            if (!(k = named(value, grounded_kernels, 2)))
+                return bad(value, "grounded is mma or splitk");
+            env->grounded_mma = k == 1;
+            env->grounded_splitk = k == 2;
+        } else if (strcmp(name, "kchunk") == 0) {
+            if (!number(value, 16, 8192, true, &env->splitk_chunk))
+                return bad(value, "kchunk is a power of two 16..8192");
         } else if (strcmp(name, "tile") == 0 && strcmp(value, "128") == 0 && !tiled) {
             env->grounded_wide_tile = true;
         } else if (strcmp(name, "tile") == 0 || named(name, tile_words, 7)) {
@@ -111,8 +116,8 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
                 return bad(name, "too long");
             tile_len += (size_t)w;
         } else {
-            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, binaries, grounded, tile, tn, "
-                             "tk, mt, nt, vec, db, wc)");
+            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, binaries, grounded, kchunk, "
+                             "tile, tn, tk, mt, nt, vec, db, wc)");
         }
     }
     if (tile_len > strlen("kernel=tiled")) {

@@ -397,6 +397,12 @@ moecl_status moecl_plan_run(moecl_context *ctx, const moecl_plan *p, moecl_step 
     return MOECL_SUCCESS;
 }
 
+moecl_status moecl_check_args(moecl_context *ctx, const moecl_kernel_arg *args, cl_uint count)
+{
+    size_t sizes[MOECL_MAX_KERNEL_ARGS];
+    return check_buffers(ctx, NULL, args, count, sizes);
+}
+
 moecl_status moecl_plan_launch(moecl_context *ctx, const moecl_launch_call *c, cl_uint num_wait, const cl_event *wait,
                                cl_event *done)
 {

@@ -355,12 +355,12 @@ static moecl_status enqueue_one_kernel(moecl_context *ctx, const route_step *s, 
     args[n++] = MOECL_ARG_LOCAL(cols_bytes);
     moecl_step steps[2];
     int count = 0;
-    if (!reused || !ctx->scratch_ticket_zero)
+    if (!reused || ctx->scratch_zero_words < 1)
         steps[count++] = (moecl_step){0, NULL, 0, 0, 0, scratch, 0, 4, "the route dispatch ticket", NULL};
     steps[count++] = (moecl_step){0, args, n, groups * p->local, p->local, NULL, 0, 0, NULL, NULL};
     st = moecl_plan_run(ctx, p, steps, count, num_wait, wait, done);
     if (reused)
-        ctx->scratch_ticket_zero = st == MOECL_SUCCESS;
+        ctx->scratch_zero_words = st == MOECL_SUCCESS ? 1 : 0; /* its ticket, word 0 */
     moecl_scratch_release(ctx, scratch);
     return st;
 }

@@ -43,7 +43,7 @@ typedef struct param {
 static const char *const dtype_names[] = {"f32", "f16", "bf16", NULL};
 static const char *const index_names[] = {"i32", "i64", NULL};
 static const char *const capture_names[] = {"none", "i32", "i64", "i16", NULL};
-static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", NULL};
+static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", "splitk", NULL};
 static const char *const scoring_names[] = {"softmax", "sigmoid", "sqrtsoftplus", "raw", NULL};
 static const char *const weighting_names[] = {"score", "softmax-chosen", "sigmoid-chosen", NULL};
 static const char *const group_score_names[] = {"max", "top2-sum", NULL};
@@ -151,6 +151,7 @@ static const param topk_params[MOECL_TOPK_PARAMS] = {
 
 #define TILED KERNEL_BIT(MOECL_KERNEL_TILED)
 #define MMA KERNEL_BIT(MOECL_KERNEL_MMA)
+#define SPLITK KERNEL_BIT(MOECL_KERNEL_SPLITK)
 static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
     [MOECL_GROUNDED_HIDDEN_DIM] = {PARAM("HIDDEN_DIM", "hidden", 17, true, 0, 1, MOECL_MAX_HIDDEN)},
     [MOECL_GROUNDED_NUM_EXPERTS] = {PARAM("NUM_EXPERTS", "experts", 13, true, 0, 1, MOECL_MAX_EXPERTS)},
@@ -164,7 +165,7 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
     [MOECL_GROUNDED_PRECISION] = {PARAM("PRECISION", "precision", 2, true, 0, 0, MOECL_PRECISION_3XTF32),
                                   .kernels = MMA, .names = precision_names},
     /* the gating block sits here (moecl_variant_grounded_router.gating_at) */
-    [MOECL_GROUNDED_KERNEL] = {PARAM("KERNEL", "kernel", 0, true, 0, 0, MOECL_KERNEL_MMA), .names = kernel_names},
+    [MOECL_GROUNDED_KERNEL] = {PARAM("KERNEL", "kernel", 0, true, 0, 0, MOECL_KERNEL_SPLITK), .names = kernel_names},
     [MOECL_GROUNDED_TM] = {PARAM("TM", "tm", 0, true, 0, 1, UINT32_MAX)},
     [MOECL_GROUNDED_TN] = {PARAM("TN", "tn", 0, true, 0, 0, UINT32_MAX)},
     [MOECL_GROUNDED_TK] = {PARAM("TK", "tk", 0, true, 0, 0, UINT32_MAX)},
@@ -204,9 +205,17 @@ static const param grounded_params[MOECL_GROUNDED_PARAMS] = {
                                       .with = WITH(MOECL_GROUNDED_SHARED), .format = FORMAT_FLOAT},
     [MOECL_GROUNDED_SHARED_GATE] = {PARAM("SHARED_GATE", "shared_gate", 1, false, 0, 0, 1),
                                     .with = WITH(MOECL_GROUNDED_SHARED)},
+    /* the split-K kernel's work-group (cl/grounded_router.cl, KERNEL 4) */
+    [MOECL_GROUNDED_SPLIT_WG] = {PARAM("SPLIT_WG", "split_wg", 0, true, 256, 32, 256), .kernels = SPLITK},
+    /* a call of few tokens, which the device table may send to the split-K
+     * kernel (MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS): its own plan */
+    [MOECL_GROUNDED_SMALL] = {PARAM("SMALL_BATCH", "small", 1, false, 0, 0, 1), .kernels = SPLITK},
 };
 #undef TILED
 #undef MMA
+#undef SPLITK
+_Static_assert(MOECL_TOPK_PARAMS <= MOECL_VARIANT_MAX_PARAMS && MOECL_GROUNDED_PARAMS <= MOECL_VARIANT_MAX_PARAMS,
+               "moecl_variant_values holds every op's parameters");
 
 /* An op's parameters: its own, in the order of its enum, with the gating
  * block before its own parameter gating_at. */

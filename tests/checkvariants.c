@@ -790,16 +790,22 @@ static moecl_status gr_run(moecl_context *ctx, const void *state, cl_uint nw, co
 }
 
 /* The grounded router's variants: the rule of each launch class, the
- * 128-token tile and the tensor-core kernel as the override asks for them,
+ * 128-token tile, the tensor-core kernel and the split-K kernel (its own
+ * chunk, and chunks of 16 hidden indices) as the override asks for them,
  * then every configuration moecl_launch_force can ask for: the rows
  * kernel (one work-item, the rule's two), the team kernel (every power of
  * two up to MOECL_LAUNCH_MAX_TEAM, one row and the rule's rows), every
- * tiled configuration of moecl_grounded_tile_configs, and the tensor-core
- * kernel. */
+ * tiled configuration of moecl_grounded_tile_configs, the tensor-core
+ * kernel, and the split-K kernel (its chunk chosen, and of 32). */
 static int gr_variants(variant *v, int max)
 {
     int n = 0;
-    static const char *const rules[] = {"class=cpu", "class=gpu", "class=gpu tile=128", "class=gpu grounded=mma"};
+    static const char *const rules[] = {"class=cpu",
+                                        "class=gpu",
+                                        "class=gpu tile=128",
+                                        "class=gpu grounded=mma",
+                                        "class=gpu grounded=splitk",
+                                        "class=cpu grounded=splitk kchunk=16"};
     for (size_t i = 0; i < COUNT(rules); i++) {
         v[n] = (variant){{0}, {0}, false, {0}};
         snprintf(v[n].name, sizeof(v[n].name), "%s", rules[i]);
@@ -820,6 +826,8 @@ static int gr_variants(variant *v, int max)
     for (size_t i = 0; i < tiles && nc < (int)COUNT(configs) - 1; i++)
         configs[nc++] = tile[i];
     configs[nc++] = (moecl_launch_config){MOECL_KERNEL_MMA, 1, 0, 0, {0}};
+    configs[nc++] = (moecl_launch_config){MOECL_KERNEL_SPLITK, 1, 0, 0, {0}};
+    configs[nc++] = (moecl_launch_config){MOECL_KERNEL_SPLITK, 1, 0, 32, {0}};
     for (int i = 0; i < nc && n < max; i++) {
         v[n] = (variant){{0}, "class=gpu", true, configs[i]};
         moecl_launch_config_text(&configs[i], v[n].name, sizeof(v[n].name));

@@ -66,22 +66,24 @@ static const target targets[] = {
  * launch class (its default), the CPU launch class (the variant
  * override's class=cpu), the 128-token grounded tile (tile=128) and the
  * grounded router's tensor-core kernel (grounded=mma: emulated, as these
- * devices build it; the PTX itself needs NVIDIA's compiler). The last two change only the
+ * devices build it; the PTX itself needs NVIDIA's compiler) and its
+ * split-K kernel (grounded=splitk). The last three change only the
  * grounded router. */
 typedef struct config {
     const char *name;
     moecl_launch_class launch_class;
-    bool grounded_wide_tile, grounded_mma;
+    bool grounded_wide_tile, grounded_mma, grounded_splitk;
 } config;
 
 static const config configs[] = {
-    {"gpu class", MOECL_LAUNCH_GPU, false, false},
-    {"cpu class", MOECL_LAUNCH_CPU, false, false},
-    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, true, false},
-    {"gpu class, grounded mma kernel", MOECL_LAUNCH_GPU, false, true},
+    {"gpu class", MOECL_LAUNCH_GPU, false, false, false},
+    {"cpu class", MOECL_LAUNCH_CPU, false, false, false},
+    {"gpu class, 128-token grounded tile", MOECL_LAUNCH_GPU, true, false, false},
+    {"gpu class, grounded mma kernel", MOECL_LAUNCH_GPU, false, true, false},
+    {"gpu class, grounded split-K kernel", MOECL_LAUNCH_GPU, false, false, true},
 };
 
-static bool grounded_only(const config *c) { return c->grounded_wide_tile || c->grounded_mma; }
+static bool grounded_only(const config *c) { return c->grounded_wide_tile || c->grounded_mma || c->grounded_splitk; }
 
 static moecl_device_info fabricate(const target *t, const config *c)
 {
@@ -100,6 +102,7 @@ static moecl_device_info fabricate(const target *t, const config *c)
     info.launch_reason = c->name;
     info.env.grounded_wide_tile = c->grounded_wide_tile;
     info.env.grounded_mma = c->grounded_mma;
+    info.env.grounded_splitk = c->grounded_splitk;
     return info;
 }
 

@@ -230,6 +230,11 @@ static described describe(const char *kernel, const char *d, bool ptx)
         const bool emulated = D("MMA_EMULATE") != 0 || !ptx;
         r.local = LAYOUT_GROUNDED_MMA_LOCAL_BYTES(D("TM"), D("TN"), D("MMA_KW"), D("MMA_WM") * D("MMA_WN"), emulated);
         r.arrays = emulated ? 2 : 1;
+    } else if (strcmp(kernel, "grounded_router_splitk") == 0) {
+        /* The chunk and lanes' sums, then the rows of g; the last
+         * work-group's flag. */
+        r.local = LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES(D("TM"), D("TK"), D("SPLIT_WG"), D("NUM_EXPERTS"));
+        r.arrays = 2;
     } else if (strcmp(kernel, "grounded_router_rows") == 0) {
         r.private_bytes = LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(D("TM"), D("NUM_EXPERTS"), D("TOPK"));
     } else if (strcmp(kernel, "moe_align_scan") == 0) {

@@ -87,7 +87,7 @@ typedef struct result {
     char msg[300];
 } result;
 
-static const char *const kernel_names[] = {"rows", "team", "tiled"};
+static const char *const kernel_names[] = {"rows", "team", "tiled", "mma", "splitk"};
 
 static void *random_tensor(uint64_t *s, size_t n, float scale)
 {
@@ -362,7 +362,9 @@ static void config_columns(const moecl_launch_config *c, char *buf, size_t size)
     const moecl_tile_params *p = &c->tiled;
     if (c->kernel == MOECL_KERNEL_TEAM)
         snprintf(team, sizeof(team), "%u", c->team);
-    if (c->kernel != MOECL_KERNEL_TILED)
+    if (c->kernel == MOECL_KERNEL_SPLITK) /* its hidden chunk */
+        snprintf(tile, sizeof(tile), "k%u", c->tile);
+    else if (c->kernel != MOECL_KERNEL_TILED)
         snprintf(rows, sizeof(rows), "%u", c->rows);
     else if (p->tk && p->wc) /* ... and the work-items side by side along the experts */
         snprintf(tile, sizeof(tile), "%ux%ux%u/%ux%u/v%u/db%u/wc%u", c->tile, p->tn, p->tk, p->mt, p->nt, p->vec, p->db,
@@ -371,7 +373,8 @@ static void config_columns(const moecl_launch_config *c, char *buf, size_t size)
         snprintf(tile, sizeof(tile), "%ux%ux%u/%ux%u/v%u/db%u", c->tile, p->tn, p->tk, p->mt, p->nt, p->vec, p->db);
     else
         snprintf(tile, sizeof(tile), "%u", c->tile);
-    snprintf(buf, size, "%-6s %5s %5s %24s", kernel_names[c->kernel], team, rows, tile);
+    snprintf(buf, size, "%-6s %5s %5s %24s", (unsigned)c->kernel <= MOECL_KERNEL_SPLITK ? kernel_names[c->kernel] : "?",
+             team, rows, tile);
 }
 
 /* A context on a profiling queue, its tune file set aside: the sweep

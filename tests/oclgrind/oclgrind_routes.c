@@ -266,6 +266,9 @@ static const run_def runs[] = {
     GTEAM_RUN(32, 2),
     /* The tensor-core kernel, emulated (f32 at TF32 and 3xTF32 in turn). */
     {"grounded-mma", OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_MMA, 1, 0, 0, {0}}, true, false},
+    /* The split-K kernel in hidden chunks of 16: several chunks, tickets
+     * and partial sums between work-groups at every case. */
+    {"grounded-splitk", OP_GROUNDED, "gpu", NULL, true, {MOECL_KERNEL_SPLITK, 1, 0, 16, {0}}, true, false},
     /* moe_align: every path in both launch classes. */
     {"align-cpu", OP_ALIGN, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"align-cpu-one-group", OP_ALIGN, "cpu", "align=one-group", false, {0, 0, 0, 0, {0}}, true, false},
@@ -303,6 +306,7 @@ static const run_def runs[] = {
      * kernel (gpu). */
     {"router-cpu", OP_ROUTER, "cpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
     {"router-gpu", OP_ROUTER, "gpu", NULL, false, {0, 0, 0, 0, {0}}, true, false},
+    {"router-splitk", OP_ROUTER, "gpu", NULL, true, {MOECL_KERNEL_SPLITK, 1, 0, 16, {0}}, true, false},
     /* moecl_topk_weights and moecl_hash_routing (cl/replay.cl): top-k
      * gating's launch, so the rows kernel (cpu), the rule's team kernel or
      * for up to 8 experts the rows kernel (gpu), and a small team with
@@ -318,7 +322,11 @@ static const run_def runs[] = {
 
 static const char *kernel_name(moecl_kernel_kind k)
 {
-    return k == MOECL_KERNEL_ROWS ? "rows" : k == MOECL_KERNEL_TEAM ? "team" : k == MOECL_KERNEL_TILED ? "tiled" : "mma";
+    return k == MOECL_KERNEL_ROWS    ? "rows"
+           : k == MOECL_KERNEL_TEAM  ? "team"
+           : k == MOECL_KERNEL_TILED ? "tiled"
+           : k == MOECL_KERNEL_MMA   ? "mma"
+                                     : "splitk";
 }
 
 /* The kernel the run is for: the forced one, the rows kernel in the CPU
@@ -629,8 +637,8 @@ static const grounded_case grounded_cases[] = {
 };
 
 /* The grounded router's kernel for d must be the run's; whether the case
- * is left out under --uninitialized (the rows kernel, or where it is
- * another kernel, for why_not_rows unless NULL). */
+ * is left out under --uninitialized (the rows kernel, the split-K kernel,
+ * or where it is another kernel, for why_not_rows unless NULL). */
 static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moecl_grounded_router_desc *d,
                               const char *why_not_rows)
 {
@@ -641,6 +649,10 @@ static bool grounded_left_out(moecl_context *ctx, const run_def *run, const moec
     return left_out_by_uninit(config.kernel == MOECL_KERNEL_ROWS
                                   ? "the rows kernel's 16-lane vectors break --uninitialized (tool_bugs: "
                                     "shuffle16_uninitialized, shuffle_undef_crash)"
+                              : config.kernel == MOECL_KERNEL_SPLITK
+                                  ? "the split-K kernel's tickets are zeroed by clEnqueueFillBuffer and its partial "
+                                    "sums pass by atomic_xchg into unwritten scratch (tool_bugs: "
+                                    "fill_buffer_uninitialized, atomic_unwritten_uninitialized)"
                                   : why_not_rows);
 }
 
