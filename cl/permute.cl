@@ -144,9 +144,10 @@ __kernel void permute_rows(__global const pm_in_t *x, __global const int *sorted
 
 /* Rows [0, num_tokens) of the launch are tokens: token t's row is read
  * once, a unit at a time, and each unit written to every position
- * slot_positions[t][j] below n. Rows [num_tokens, num_tokens + num_padded)
- * are out's rows p: zeroed where p < n and sorted_token_ids[p] is not a
- * slot, as permute_rows pads. Where slot_positions is the inverse of
+ * slot_positions[t][j] below n. The rows after them take zero_rows rows p
+ * of out each (most are slots: a launch row each would be mostly idle
+ * work-groups): zeroed where p < n and sorted_token_ids[p] is not a slot,
+ * as permute_rows pads. Where slot_positions is the inverse of
  * sorted_token_ids (moe_align's outputs of one call) every row below n has
  * exactly one writer, and its bits are permute_rows'. A unit is a uint4
  * (16 bytes) where a.wide says every row start is 16-byte aligned, else
@@ -258,10 +259,13 @@ __kernel void permute_scatter(__global const pm_in_t *x, __global const int *sor
                        out + a.out_off, a, lane);
         return;
     }
-    const uint p = row - a.num_tokens;
-    if (p >= limit || (uint)sorted[a.ids_off + p] < a.num_tokens * a.top_k)
-        return; /* past n, or a slot: its token's work-items write it */
-    ps_zero_row(out + a.out_off + (size_t)p * a.hidden, a, lane);
+    const uint first = (row - a.num_tokens) * a.zero_rows;
+    if (first >= limit)
+        return;
+    const uint last = min(limit - first, a.zero_rows) + first;
+    for (uint p = first; p < last; p++) /* a slot's row is its token's to write */
+        if ((uint)sorted[a.ids_off + p] >= a.num_tokens * a.top_k)
+            ps_zero_row(out + a.out_off + (size_t)p * a.hidden, a, lane);
 }
 
 /* ---------------------------------------------------------------------- */

@@ -306,6 +306,8 @@ typedef enum moecl_device_param {
      * row, GPUs rows of up to this many work-items. */
     MOECL_DP_SCATTER_WG_CPU,
     MOECL_DP_SCATTER_WG_GPU,
+    /* Its rows of out checked for padding by one launch row (at least 1). */
+    MOECL_DP_SCATTER_ZERO_ROWS,
     /* The compiled-kernel disk cache (src/cache.c) stores and loads the
      * device's program binaries: 1; 0 where the implementation keeps a
      * kernel cache of its own and fetching a binary costs a compile. */

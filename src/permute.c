@@ -292,7 +292,9 @@ static moecl_status scatter_launch(moecl_context *ctx, const moecl_permute_desc 
     const bool wide = h * out_size % 16 == 0 && out.offset % 16 == 0 &&
                       (!tokens || (h * in_size % 16 == 0 && in.offset % 16 == 0));
     const uint32_t units = wide ? (uint32_t)(h * out_size / 16) : (d->hidden + 3) / 4;
-    const launch_shape s = shape_for(ctx, p, (tokens ? t : 0) + padded, units);
+    const uint32_t zr = moecl_device_table_params(&ctx->info).value[MOECL_DP_SCATTER_ZERO_ROWS];
+    const uint32_t zero_rows = zr ? zr : 1;
+    const launch_shape s = shape_for(ctx, p, (tokens ? t : 0) + (padded + zero_rows - 1) / zero_rows, units);
     const layout_scatter_args scalars = {tokens ? in.offset / in_size : 0,
                                          ids.offset / 4,
                                          post.offset / 4,
@@ -305,7 +307,7 @@ static moecl_status scatter_launch(moecl_context *ctx, const moecl_permute_desc 
                                          s.tpr,
                                          s.rpg,
                                          wide,
-                                         0};
+                                         zero_rows};
     const cl_mem in_mem = tokens ? in.mem : out.mem, pos_mem = tokens ? pos.mem : ids.mem;
     const moecl_kernel_arg args[] = {MOECL_ARG_MEM(in_mem), MOECL_ARG_MEM(ids.mem), MOECL_ARG_MEM(post.mem),
                                      MOECL_ARG_MEM(pos_mem), MOECL_ARG_MEM(out.mem), MOECL_ARG(scalars)};
