@@ -630,7 +630,9 @@ END_TEST
  * (f32 to bf16 truncated), the scalar tail's source column (off by
  * one), the sum's order (j descending), the invalid slots (a position -1
  * read as row 0), the scatter's destinations (every slot to its token's
- * first position) and its uint4 words (each even word twice). */
+ * first position), its uint4 words (each even word twice) and its
+ * padding (the sentinel's rows left unzeroed, caught on a poisoned
+ * device buffer). */
 START_TEST(test_mutation_caught)
 {
     static const char *const edits[][2] = {
@@ -649,6 +651,8 @@ START_TEST(test_mutation_caught)
         {"#define PS_AT(p, j, limit) ((uint)(p)[j] < (limit) ? (uint)(p)[j] : (limit))",
          "#define PS_AT(p, j, limit) ((uint)(p)[0] < (limit) ? (uint)(p)[0] : (limit))"},
         {"            const uint4 w = from[v];", "            const uint4 w = from[v & ~1u];"},
+        {"        if ((uint)sorted[a.ids_off + p] >= a.num_tokens * a.top_k)",
+         "        if ((uint)sorted[a.ids_off + p] > a.num_tokens * a.top_k)"},
     };
     for (size_t m = 0; m < COUNT(edits); m++) {
         char dir[] = "/tmp/moecl-permute-mutant-XXXXXX", path[4096];
@@ -679,8 +683,21 @@ START_TEST(test_mutation_caught)
             float *x = harness_random_tensor(&rng, MOECL_F32, (size_t)r.num_tokens * 72, 1.0f);
             float *got = calloc(n, 4), *want = calloc(n, 4);
             ck_assert(x && got && want);
-            ck_assert_int_eq(moecl_permute_scatter_host(ctx, &d, x, r.sorted, &r.post, r.positions, got),
-                             MOECL_SUCCESS);
+            if (m == 4 || m == 5)
+                ck_assert_int_eq(moecl_permute_scatter_host(ctx, &d, x, r.sorted, &r.post, r.positions, got),
+                                 MOECL_SUCCESS);
+            else {
+                moecl_buffer bx = harness_buffer(ctx, (size_t)r.num_tokens * 72 * 4, 0, x);
+                moecl_buffer bs = harness_buffer(ctx, (size_t)r.num_padded * 4, 0, r.sorted);
+                moecl_buffer bp = harness_buffer(ctx, 4, 0, &r.post);
+                moecl_buffer bpos = harness_buffer(ctx, (size_t)r.num_tokens * 8 * 4, 0, r.positions);
+                moecl_buffer bo = harness_buffer(ctx, n * 4, 0, NULL);
+                ck_assert_int_eq(moecl_permute_scatter(ctx, &d, bx, bs, bp, bpos, bo, 0, NULL, NULL), MOECL_SUCCESS);
+                harness_read(ctx, bo, n * 4, got);
+                moecl_buffer all[] = {bx, bs, bp, bpos, bo};
+                for (size_t i = 0; i < COUNT(all); i++)
+                    harness_release(all[i]);
+            }
             ref_permute(&d, x, r.sorted, r.post, want);
             caught = memcmp(got, want, (size_t)r.post * 72 * 4) != 0;
             free(x);
