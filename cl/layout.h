@@ -267,6 +267,17 @@ typedef struct layout_permute_args {
 } layout_permute_args;
 typedef char layout_permute_args_size_check[sizeof(layout_permute_args) == 56 ? 1 : -1];
 
+/* permute_scatter: offsets in elements, then the shape (num_tokens rows
+ * of hidden_states scattered, then num_padded rows checked for padding,
+ * zero_rows of them a launch row), the launch shape, and wide: 1 where
+ * every row start is 16-byte aligned, so that same-dtype rows move as
+ * uint4 words. */
+typedef struct layout_scatter_args {
+    LAYOUT_U64 in_off, ids_off, post_off, pos_off, out_off;
+    LAYOUT_U32 hidden, num_padded, num_tokens, top_k, tpr, rpg, wide, zero_rows;
+} layout_scatter_args;
+typedef char layout_scatter_args_size_check[sizeof(layout_scatter_args) == 72 ? 1 : -1];
+
 typedef struct layout_combine_args {
     LAYOUT_U64 in_off, weights_off, pos_off, shared_off, out_off;
     LAYOUT_U32 hidden, num_padded, num_tokens, top_k, tpr, rpg;

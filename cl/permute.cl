@@ -139,6 +139,136 @@ __kernel void permute_rows(__global const pm_in_t *x, __global const int *sorted
 }
 
 /* ---------------------------------------------------------------------- */
+/* permute_scatter: permute_rows' result, each hidden row read once         */
+/* ---------------------------------------------------------------------- */
+
+/* Rows [0, num_tokens) of the launch are tokens: token t's row is read
+ * once, a unit at a time, and each unit written to every position
+ * slot_positions[t][j] below n. The rows after them take zero_rows rows p
+ * of out each (most are slots: a launch row each would be mostly idle
+ * work-groups): zeroed where p < n and sorted_token_ids[p] is not a slot,
+ * as permute_rows pads. Where slot_positions is the inverse of
+ * sorted_token_ids (moe_align's outputs of one call) every row below n has
+ * exactly one writer, and its bits are permute_rows'. A unit is a uint4
+ * (16 bytes) where a.wide says every row start is 16-byte aligned, else
+ * four elements (vload4 needs only the element's alignment) and a scalar
+ * tail. */
+
+/* Row p (< n) of out: zero. */
+static void ps_zero_row(__global pm_out_t *o, layout_scatter_args a, uint lane)
+{
+    if (a.wide) {
+        __global uint4 *to = (__global uint4 *)o;
+        const uint nw = a.hidden * (uint)sizeof(pm_out_t) / 16;
+        for (uint v = lane; v < nw; v += a.tpr)
+            to[v] = (uint4)(0);
+        return;
+    }
+    const uint nv = a.hidden / 4;
+    for (uint v = lane; v < nv; v += a.tpr)
+        vstore4((PM_VTYPE(OUT_DTYPE))(0), v, o);
+    for (uint i = nv * 4 + lane; i < a.hidden; i += a.tpr)
+        o[i] = 0;
+}
+
+/* Position j of the token (p: its top_k positions) as a row of out, or
+ * limit where it names none below n (an invalid slot's -1, anything out
+ * of range). */
+#define PS_AT(p, j, limit) ((uint)(p)[j] < (limit) ? (uint)(p)[j] : (limit))
+
+#if IN_DTYPE == OUT_DTYPE
+/* The same dtype: the words themselves, as integers, so that no device
+ * touches a NaN's payload. */
+#if IN_DTYPE == 0
+typedef uint pm_word_t;
+#define PM_WORD4 uint4
+#else
+typedef ushort pm_word_t;
+#define PM_WORD4 ushort4
+#endif
+
+static void ps_scatter_row(__global const pm_in_t *src, __global const int *p, uint limit, __global pm_out_t *out,
+                           layout_scatter_args a, uint lane)
+{
+    if (a.wide) {
+        __global const uint4 *from = (__global const uint4 *)src;
+        const uint nw = a.hidden * (uint)sizeof(pm_in_t) / 16;
+        for (uint v = lane; v < nw; v += a.tpr) {
+            const uint4 w = from[v];
+            for (uint j = 0; j < a.top_k; j++) {
+                const uint at = PS_AT(p, j, limit);
+                if (at < limit)
+                    ((__global uint4 *)(out + (size_t)at * a.hidden))[v] = w;
+            }
+        }
+        return;
+    }
+    __global const pm_word_t *from = (__global const pm_word_t *)src;
+    const uint nv = a.hidden / 4;
+    for (uint v = lane; v < nv; v += a.tpr) {
+        const PM_WORD4 w = vload4(v, from);
+        for (uint j = 0; j < a.top_k; j++) {
+            const uint at = PS_AT(p, j, limit);
+            if (at < limit)
+                vstore4(w, v, (__global pm_word_t *)(out + (size_t)at * a.hidden));
+        }
+    }
+    for (uint i = nv * 4 + lane; i < a.hidden; i += a.tpr) {
+        const pm_word_t w = from[i];
+        for (uint j = 0; j < a.top_k; j++) {
+            const uint at = PS_AT(p, j, limit);
+            if (at < limit)
+                ((__global pm_word_t *)(out + (size_t)at * a.hidden))[i] = w;
+        }
+    }
+}
+#else
+/* Another dtype: widened once, narrowed at each store (to nearest even,
+ * as permute_rows). */
+static void ps_scatter_row(__global const pm_in_t *src, __global const int *p, uint limit, __global pm_out_t *out,
+                           layout_scatter_args a, uint lane)
+{
+    const uint nv = a.hidden / 4;
+    for (uint v = lane; v < nv; v += a.tpr) {
+        const float4 f = PM_LOAD4(IN_DTYPE, src, v);
+        for (uint j = 0; j < a.top_k; j++) {
+            const uint at = PS_AT(p, j, limit);
+            if (at < limit)
+                PM_STORE4(OUT_DTYPE, out + (size_t)at * a.hidden, v, f);
+        }
+    }
+    for (uint i = nv * 4 + lane; i < a.hidden; i += a.tpr) {
+        const float f = PM_LOAD1(IN_DTYPE, src, i);
+        for (uint j = 0; j < a.top_k; j++) {
+            const uint at = PS_AT(p, j, limit);
+            if (at < limit)
+                PM_STORE1(OUT_DTYPE, out + (size_t)at * a.hidden, i, f);
+        }
+    }
+}
+#endif
+
+__kernel void permute_scatter(__global const pm_in_t *x, __global const int *sorted, __global const int *post,
+                              __global const int *positions, __global pm_out_t *out, layout_scatter_args a)
+{
+    const uint row = PM_ROW(a), lane = PM_LANE(a);
+    const int n = post[a.post_off];
+    const uint limit = n < 0 ? 0u : min((uint)n, a.num_padded);
+    if (row < a.num_tokens) {
+        ps_scatter_row(x + a.in_off + (size_t)row * a.hidden, positions + a.pos_off + (size_t)row * a.top_k, limit,
+                       out + a.out_off, a, lane);
+        return;
+    }
+    const uint first = (row - a.num_tokens) * a.zero_rows;
+    if (first >= limit)
+        return;
+    const uint last = min(limit - first, a.zero_rows) + first;
+    for (uint p = first; p < last; p++) /* a slot's row is its token's to write */
+        if ((uint)sorted[a.ids_off + p] >= a.num_tokens * a.top_k)
+            ps_zero_row(out + a.out_off + (size_t)p * a.hidden, a, lane);
+}
+
+/* ---------------------------------------------------------------------- */
 /* combine_rows: out[t] = sum_j w[t][j] * expert_out[pos[t][j]] (+ shared) */
 /* ---------------------------------------------------------------------- */
 

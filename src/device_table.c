@@ -110,6 +110,13 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_EP_FUSED_WG, 256,
             "H200, 2026-12-02: 16.0 us of kernel at 13526x256, 8 ranks, against 19.8 at 128 "
             "work-items; 512 and 1024 do not fit the kernel on NVIDIA's OpenCL"),
+    DEFAULT(MOECL_DP_SCATTER_WG_CPU, 8, "CPUs: eight rows of one work-item each, as permute's gather; not timed"),
+    DEFAULT(MOECL_DP_SCATTER_WG_GPU, 256,
+            "GPUs: 256 work-items, as permute's gather, a 7168-column bf16 row in 896 uint4 words "
+            "(3.5 a work-item); other sizes not timed"),
+    DEFAULT(MOECL_DP_SCATTER_ZERO_ROWS, 8,
+            "most of out's rows are slots, which the padding check only reads an id of: 8 a launch row "
+            "keeps 48896 rows (4096 x top 8 of 256, block 64) to 6112 launch rows; not timed"),
     DEFAULT(MOECL_DP_BINARY_CACHE, 1,
             "a stored binary spares the driver's compile in the next process: Intel's CPU runtime, "
             "2026-12-05, 96 top-k programs in 27.0 s cold, 1.4 s from the cache, 26.8 s with it off"),

@@ -306,6 +306,12 @@ typedef enum moecl_device_param {
     MOECL_DP_EP_FUSED_CPU,
     MOECL_DP_EP_FUSED_GPU,
     MOECL_DP_EP_FUSED_WG,
+    /* moecl_permute_scatter's work-group (at most): CPUs a work-item a
+     * row, GPUs rows of up to this many work-items. */
+    MOECL_DP_SCATTER_WG_CPU,
+    MOECL_DP_SCATTER_WG_GPU,
+    /* Its rows of out checked for padding by one launch row (at least 1). */
+    MOECL_DP_SCATTER_ZERO_ROWS,
     /* The compiled-kernel disk cache (src/cache.c) stores and loads the
      * device's program binaries: 1; 0 where the implementation keeps a
      * kernel cache of its own and fetching a binary costs a compile. */
@@ -634,7 +640,7 @@ void moecl_ep_layout_defines(const moecl_device_info *info, char *buf, size_t si
 /* Their plans are keyed as MOECL_OP_MOE_ALIGN's (the key keeps two bits
  * for the op) with the third word one of these, which moe_align's (0)
  * never is. */
-enum { MOECL_PLAN_TAG_PERMUTE = 1, MOECL_PLAN_TAG_COMBINE = 2 };
+enum { MOECL_PLAN_TAG_PERMUTE = 1, MOECL_PLAN_TAG_COMBINE = 2, MOECL_PLAN_TAG_SCATTER = 3 };
 /* The -D defines of permute's (combine false) or combine's program for
  * the dtypes (shared: the shared expert's, or -1 for none), and the
  * kernel's name, for the portability suite and checkvariants. */

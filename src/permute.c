@@ -1,6 +1,7 @@
-/* moecl_permute and moecl_combine, host side: validation, the variant of
- * the dtypes, the launch shape by launch class, one enqueue of
- * cl/permute.cl's kernel, and the blocking host-memory paths. */
+/* moecl_permute, moecl_permute_scatter and moecl_combine, host side:
+ * validation, the variant of the dtypes, the launch shape by launch class,
+ * one enqueue of cl/permute.cl's kernel, and the blocking host-memory
+ * paths. */
 #include <stdio.h>
 #include <string.h>
 
@@ -92,22 +93,25 @@ static moecl_status validate_combine(moecl_context *ctx, const moecl_combine_des
 
 /* ---- variants and plans ---- */
 
+/* The three kernels of cl/permute.cl. */
+typedef enum permute_kind { KIND_GATHER, KIND_COMBINE, KIND_SCATTER } permute_kind;
+
 /* What a program is built for: the kernel and its dtypes (shared -1: no
  * shared expert rows). */
 typedef struct permute_request {
-    bool combine;
+    permute_kind kind;
     moecl_dtype in, out;
     int shared;
 } permute_request;
 
-static const char *kernel_of(bool combine)
+static const char *kernel_of(permute_kind kind)
 {
-    return combine ? "combine_rows" : "permute_rows";
+    return kind == KIND_COMBINE ? "combine_rows" : kind == KIND_SCATTER ? "permute_scatter" : "permute_rows";
 }
 
 static void defines_of(const permute_request *r, char *buf, size_t size)
 {
-    if (r->combine && r->shared >= 0)
+    if (r->kind == KIND_COMBINE && r->shared >= 0)
         snprintf(buf, size, "-DIN_DTYPE=%d -DOUT_DTYPE=%d -DHAS_SHARED=1 -DSHARED_DTYPE=%d", (int)r->in, (int)r->out,
                  r->shared);
     else
@@ -117,9 +121,9 @@ static void defines_of(const permute_request *r, char *buf, size_t size)
 void moecl_permute_defines(bool combine, moecl_dtype in, moecl_dtype out, int shared, char *buf, size_t size,
                            const char **kernel_name)
 {
-    const permute_request r = {combine, in, out, shared};
+    const permute_request r = {combine ? KIND_COMBINE : KIND_GATHER, in, out, shared};
     defines_of(&r, buf, size);
-    *kernel_name = kernel_of(combine);
+    *kernel_name = kernel_of(r.kind);
 }
 
 static unsigned floor_pow2(size_t v, unsigned cap)
@@ -137,7 +141,7 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     const permute_request *r = request;
     char defines[128];
     defines_of(r, defines, sizeof(defines));
-    const char *name = kernel_of(r->combine);
+    const char *name = kernel_of(r->kind);
     moecl_status st = moecl_variant_get(ctx, MOECL_PROGRAM_PERMUTE, defines, name, &p->variants[0]);
     if (st != MOECL_SUCCESS)
         return st;
@@ -148,7 +152,12 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     size_t limit = ctx->info.max_work_group_size;
     if (p->limits[0] && p->limits[0] < limit)
         limit = p->limits[0];
-    const unsigned cap = ctx->info.launch_class == MOECL_LAUNCH_GPU ? PERMUTE_GPU_WG : PERMUTE_CPU_ROWS;
+    const bool gpu = ctx->info.launch_class == MOECL_LAUNCH_GPU;
+    unsigned cap = gpu ? PERMUTE_GPU_WG : PERMUTE_CPU_ROWS;
+    if (r->kind == KIND_SCATTER) {
+        const moecl_device_params dp = moecl_device_table_params(&ctx->info);
+        cap = dp.value[gpu ? MOECL_DP_SCATTER_WG_GPU : MOECL_DP_SCATTER_WG_CPU];
+    }
     p->local = floor_pow2(limit ? limit : 1, cap);
     return MOECL_SUCCESS;
 }
@@ -157,34 +166,46 @@ static moecl_status plan_of(moecl_context *ctx, const permute_request *r, const 
 {
     const uint64_t a = (uint64_t)ctx->info.launch_class | (uint64_t)r->in << 1 | (uint64_t)r->out << 3 |
                        (uint64_t)(r->shared + 1) << 5;
-    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, a, 0,
-                                                 r->combine ? MOECL_PLAN_TAG_COMBINE : MOECL_PLAN_TAG_PERMUTE, 0);
+    const uint64_t tag = r->kind == KIND_COMBINE   ? MOECL_PLAN_TAG_COMBINE
+                         : r->kind == KIND_SCATTER ? MOECL_PLAN_TAG_SCATTER
+                                                   : MOECL_PLAN_TAG_PERMUTE;
+    const moecl_plan_key key = moecl_plan_key_of(ctx, MOECL_OP_MOE_ALIGN, a, 0, tag, 0);
     return moecl_plan_get(ctx, &key, build_plan, r, plan);
 }
 
-/* The launch shape of rows rows of hidden columns: on GPUs tpr work-items
- * a row (enough for one vector of four columns each, at most the
- * work-group) and the rest of the work-group on more rows; on CPUs a
- * work-item a row. */
+/* The launch shape of rows rows of units (vectors) each: on GPUs tpr
+ * work-items a row (enough for one unit each, at most the work-group) and
+ * the rest of the work-group on more rows; on CPUs a work-item a row. */
 typedef struct launch_shape {
     cl_uint tpr, rpg;
     size_t global, local;
 } launch_shape;
 
-static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint32_t rows, uint32_t hidden)
+static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint64_t rows, uint32_t units)
 {
     launch_shape s;
     s.local = p->local;
     s.tpr = 1;
     if (ctx->info.launch_class == MOECL_LAUNCH_GPU) {
-        const uint32_t vectors = (hidden + 3) / 4;
-        s.tpr = moecl_pow2_at_least(vectors);
+        s.tpr = moecl_pow2_at_least(units);
         if (s.tpr > s.local)
             s.tpr = (cl_uint)s.local;
     }
     s.rpg = (cl_uint)(s.local / s.tpr);
     s.global = ((size_t)rows + s.rpg - 1) / s.rpg * s.local;
     return s;
+}
+
+/* Each buffer against its check, where check (the device entry points;
+ * the host paths make their own buffers), until one fails. */
+static moecl_status check_buffers(moecl_context *ctx, const moecl_buffer_check *checks, const moecl_buffer *bufs,
+                                  int count, bool check)
+{
+    moecl_status st = MOECL_SUCCESS;
+    for (int i = 0; i < count && check && st == MOECL_SUCCESS; i++)
+        st = moecl_check_buffer(ctx, checks[i].name, bufs[i], checks[i].bytes, checks[i].elem_size,
+                                checks[i].required);
+    return st;
 }
 
 /* ---- moecl_permute ---- */
@@ -200,18 +221,15 @@ static moecl_status permute_launch(moecl_context *ctx, const moecl_permute_desc 
         {"sorted_token_ids", padded * 4, ids.offset, 4, padded > 0},
         {"num_tokens_post_padded", 4, post.offset, 4, true},
         {"out", padded * h * out_size, out.offset, out_size, padded > 0}};
-    const permute_request r = {false, d->in_dtype, d->out_dtype, -1};
-    moecl_status st = MOECL_SUCCESS;
-    for (int i = 0; i < 4 && check && st == MOECL_SUCCESS; i++) {
-        const moecl_buffer b = i == 0 ? in : i == 1 ? ids : i == 2 ? post : out;
-        st = moecl_check_buffer(ctx, checks[i].name, b, checks[i].bytes, checks[i].elem_size, checks[i].required);
-    }
+    const moecl_buffer bufs[4] = {in, ids, post, out};
+    const permute_request r = {KIND_GATHER, d->in_dtype, d->out_dtype, -1};
+    moecl_status st = check_buffers(ctx, checks, bufs, 4, check);
     const moecl_plan *p;
     if (st != MOECL_SUCCESS || (st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
     if (padded == 0)
         return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    const launch_shape s = shape_for(ctx, p, d->num_padded, d->hidden);
+    const launch_shape s = shape_for(ctx, p, d->num_padded, (d->hidden + 3) / 4);
     /* An absent input (no tokens: every row is padding) is never read; the
      * kernel still takes a buffer, the output. */
     const cl_mem in_mem = in.mem ? in.mem : out.mem;
@@ -244,21 +262,92 @@ moecl_status moecl_permute(moecl_context *ctx, const moecl_permute_desc *desc, m
                           wait, done);
 }
 
-moecl_status moecl_permute_host(moecl_context *ctx, const moecl_permute_desc *desc, const void *hidden_states,
-                                const int32_t *sorted_token_ids, const int32_t *num_tokens_post_padded, void *out)
+/* ---- moecl_permute_scatter ---- */
+
+static moecl_status scatter_launch(moecl_context *ctx, const moecl_permute_desc *d, moecl_buffer in, moecl_buffer ids,
+                                   moecl_buffer post, moecl_buffer pos, moecl_buffer out, bool check,
+                                   cl_uint num_wait, const cl_event *wait, cl_event *done)
+{
+    const size_t in_size = moecl_dtype_size(d->in_dtype), out_size = moecl_dtype_size(d->out_dtype);
+    const uint64_t t = d->num_tokens, k = d->top_k, padded = d->num_padded, h = d->hidden;
+    const moecl_buffer_check checks[5] = {
+        {"hidden_states", t * h * in_size, in.offset, in_size, t > 0 && padded > 0},
+        {"sorted_token_ids", padded * 4, ids.offset, 4, padded > 0},
+        {"num_tokens_post_padded", 4, post.offset, 4, true},
+        {"slot_positions", t * k * 4, pos.offset, 4, t > 0 && padded > 0},
+        {"out", padded * h * out_size, out.offset, out_size, padded > 0}};
+    const moecl_buffer bufs[5] = {in, ids, post, pos, out};
+    moecl_status st = check_buffers(ctx, checks, bufs, 5, check);
+    const permute_request r = {KIND_SCATTER, d->in_dtype, d->out_dtype, -1};
+    const moecl_plan *p;
+    if (st != MOECL_SUCCESS || (st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
+        return st;
+    if (padded == 0)
+        return moecl_enqueue_nothing(ctx, num_wait, wait, done);
+    /* Without tokens only padding rows remain: the rows are never read and
+     * the kernel takes the output in their place. */
+    const bool tokens = t > 0 && in.mem && pos.mem;
+    /* Rows as uint4 words where every row start of both sides is 16-byte
+     * aligned (a buffer's base is, CL_DEVICE_MEM_BASE_ADDR_ALIGN). */
+    const bool wide = h * out_size % 16 == 0 && out.offset % 16 == 0 &&
+                      (!tokens || (h * in_size % 16 == 0 && in.offset % 16 == 0));
+    const uint32_t units = wide ? (uint32_t)(h * out_size / 16) : (d->hidden + 3) / 4;
+    const uint32_t zr = moecl_device_table_params(&ctx->info).value[MOECL_DP_SCATTER_ZERO_ROWS];
+    const uint32_t zero_rows = zr ? zr : 1;
+    const launch_shape s = shape_for(ctx, p, (tokens ? t : 0) + (padded + zero_rows - 1) / zero_rows, units);
+    const layout_scatter_args scalars = {tokens ? in.offset / in_size : 0,
+                                         ids.offset / 4,
+                                         post.offset / 4,
+                                         tokens ? pos.offset / 4 : 0,
+                                         out.offset / out_size,
+                                         d->hidden,
+                                         d->num_padded,
+                                         tokens ? d->num_tokens : 0,
+                                         d->top_k,
+                                         s.tpr,
+                                         s.rpg,
+                                         wide,
+                                         zero_rows};
+    const cl_mem in_mem = tokens ? in.mem : out.mem, pos_mem = tokens ? pos.mem : ids.mem;
+    const moecl_kernel_arg args[] = {MOECL_ARG_MEM(in_mem), MOECL_ARG_MEM(ids.mem), MOECL_ARG_MEM(post.mem),
+                                     MOECL_ARG_MEM(pos_mem), MOECL_ARG_MEM(out.mem), MOECL_ARG(scalars)};
+    moecl_step step = {0, args, 6, s.global, s.local, NULL, 0, 0, NULL, NULL};
+    return moecl_plan_run(ctx, p, &step, 1, num_wait, wait, done);
+}
+
+moecl_status moecl_permute_scatter(moecl_context *ctx, const moecl_permute_desc *desc, moecl_buffer hidden_states,
+                                   moecl_buffer sorted_token_ids, moecl_buffer num_tokens_post_padded,
+                                   moecl_buffer slot_positions, moecl_buffer out, cl_uint num_wait,
+                                   const cl_event *wait, cl_event *done)
+{
+    moecl_status st = validate_permute(ctx, desc);
+    if (st == MOECL_SUCCESS)
+        st = moecl_check_wait_list(ctx, num_wait, wait);
+    if (st != MOECL_SUCCESS)
+        return st;
+    return scatter_launch(ctx, desc, hidden_states, sorted_token_ids, num_tokens_post_padded, slot_positions, out,
+                          true, num_wait, wait, done);
+}
+
+/* moecl_permute_host and moecl_permute_scatter_host (scatter: with
+ * slot_positions). */
+static moecl_status rows_host(moecl_context *ctx, const moecl_permute_desc *desc, bool scatter,
+                              const void *hidden_states, const int32_t *sorted_token_ids,
+                              const int32_t *num_tokens_post_padded, const int32_t *slot_positions, void *out)
 {
     moecl_status st = validate_permute(ctx, desc);
     if (st != MOECL_SUCCESS)
         return st;
-    const size_t padded = desc->num_padded, h = desc->hidden;
-    const char *missing = !num_tokens_post_padded                            ? "num_tokens_post_padded"
-                          : padded && desc->num_tokens && !hidden_states     ? "hidden_states"
-                          : padded && !sorted_token_ids                      ? "sorted_token_ids"
-                          : padded && !out                                   ? "out"
-                                                                             : NULL;
+    const size_t t = desc->num_tokens, k = desc->top_k, padded = desc->num_padded, h = desc->hidden;
+    const char *missing = !num_tokens_post_padded                       ? "num_tokens_post_padded"
+                          : padded && t && !hidden_states               ? "hidden_states"
+                          : padded && !sorted_token_ids                 ? "sorted_token_ids"
+                          : scatter && padded && t && !slot_positions   ? "slot_positions"
+                          : padded && !out                              ? "out"
+                                                                        : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
-    const permute_request r = {false, desc->in_dtype, desc->out_dtype, -1};
+    const permute_request r = {scatter ? KIND_SCATTER : KIND_GATHER, desc->in_dtype, desc->out_dtype, -1};
     const moecl_plan *p;
     if ((st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
@@ -267,24 +356,41 @@ moecl_status moecl_permute_host(moecl_context *ctx, const moecl_permute_desc *de
     if (rows == 0)
         return MOECL_SUCCESS; /* nothing is written */
     const size_t in_size = moecl_dtype_size(desc->in_dtype), out_size = moecl_dtype_size(desc->out_dtype);
-    enum { IN, IDS, POST, OUT, NUM };
+    enum { IN, IDS, POST, POS, OUT, NUM };
     cl_mem m[NUM] = {NULL};
-    if ((!desc->num_tokens || (st = moecl_host_buffer(ctx, "hidden_states", CL_MEM_READ_ONLY,
-                                                      desc->num_tokens * h * in_size, hidden_states, &m[IN])) ==
-                                  MOECL_SUCCESS) &&
+    if ((!t || (st = moecl_host_buffer(ctx, "hidden_states", CL_MEM_READ_ONLY, t * h * in_size, hidden_states,
+                                       &m[IN])) == MOECL_SUCCESS) &&
+        (!t || !scatter ||
+         (st = moecl_host_buffer(ctx, "slot_positions", CL_MEM_READ_ONLY, t * k * 4, slot_positions, &m[POS])) ==
+             MOECL_SUCCESS) &&
         (st = moecl_host_buffer(ctx, "sorted_token_ids", CL_MEM_READ_ONLY, padded * 4, sorted_token_ids,
                                 &m[IDS])) == MOECL_SUCCESS &&
         (st = moecl_host_buffer(ctx, "num_tokens_post_padded", CL_MEM_READ_ONLY, 4, num_tokens_post_padded,
                                 &m[POST])) == MOECL_SUCCESS)
         st = moecl_host_buffer(ctx, "out", CL_MEM_WRITE_ONLY, padded * h * out_size, NULL, &m[OUT]);
     cl_event ran = NULL;
+    const moecl_buffer in = {m[IN], 0}, ids = {m[IDS], 0}, post = {m[POST], 0}, o = {m[OUT], 0};
     if (st == MOECL_SUCCESS)
-        st = permute_launch(ctx, desc, (moecl_buffer){m[IN], 0}, (moecl_buffer){m[IDS], 0},
-                            (moecl_buffer){m[POST], 0}, (moecl_buffer){m[OUT], 0}, false, 0, NULL, &ran);
+        st = scatter ? scatter_launch(ctx, desc, in, ids, post, (moecl_buffer){m[POS], 0}, o, false, 0, NULL, &ran)
+                     : permute_launch(ctx, desc, in, ids, post, o, false, 0, NULL, &ran);
     /* Only the rows the kernel wrote come back. */
     const size_t sizes[1] = {rows * h * out_size};
-    void *const hosts[NUM] = {NULL, NULL, NULL, out};
+    void *const hosts[NUM] = {NULL, NULL, NULL, NULL, out};
     return moecl_host_call_end(ctx, st, ran, m, NUM, OUT, sizes, hosts);
+}
+
+moecl_status moecl_permute_host(moecl_context *ctx, const moecl_permute_desc *desc, const void *hidden_states,
+                                const int32_t *sorted_token_ids, const int32_t *num_tokens_post_padded, void *out)
+{
+    return rows_host(ctx, desc, false, hidden_states, sorted_token_ids, num_tokens_post_padded, NULL, out);
+}
+
+moecl_status moecl_permute_scatter_host(moecl_context *ctx, const moecl_permute_desc *desc, const void *hidden_states,
+                                        const int32_t *sorted_token_ids, const int32_t *num_tokens_post_padded,
+                                        const int32_t *slot_positions, void *out)
+{
+    return rows_host(ctx, desc, true, hidden_states, sorted_token_ids, num_tokens_post_padded, slot_positions,
+                     out);
 }
 
 /* ---- moecl_combine ---- */
@@ -303,17 +409,14 @@ static moecl_status combine_launch(moecl_context *ctx, const moecl_combine_desc 
         {"shared_out", t * h * sh_size, shared.offset, sh_size, false},
         {"out", t * h * out_size, out.offset, out_size, t > 0}};
     const moecl_buffer bufs[5] = {in, weights, pos, shared, out};
-    moecl_status st = MOECL_SUCCESS;
-    for (int i = 0; i < 5 && check && st == MOECL_SUCCESS; i++)
-        st = moecl_check_buffer(ctx, checks[i].name, bufs[i], checks[i].bytes, checks[i].elem_size,
-                                checks[i].required);
-    const permute_request r = {true, d->in_dtype, d->out_dtype, shared.mem ? (int)d->shared_dtype : -1};
+    moecl_status st = check_buffers(ctx, checks, bufs, 5, check);
+    const permute_request r = {KIND_COMBINE, d->in_dtype, d->out_dtype, shared.mem ? (int)d->shared_dtype : -1};
     const moecl_plan *p;
     if (st != MOECL_SUCCESS || (st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;
     if (t == 0)
         return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    const launch_shape s = shape_for(ctx, p, d->num_tokens, d->hidden);
+    const launch_shape s = shape_for(ctx, p, d->num_tokens, (d->hidden + 3) / 4);
     /* Absent inputs are never read (no expert rows: every position is out
      * of range; no shared rows: HAS_SHARED 0); the kernel still takes a
      * buffer, the output. */
@@ -364,7 +467,8 @@ moecl_status moecl_combine_host(moecl_context *ctx, const moecl_combine_desc *de
                                                    : NULL;
     if (missing)
         return moecl_fail(ctx, MOECL_ERROR_INVALID_ARGUMENT, "%s is NULL", missing);
-    const permute_request r = {true, desc->in_dtype, desc->out_dtype, shared_out ? (int)desc->shared_dtype : -1};
+    const permute_request r = {KIND_COMBINE, desc->in_dtype, desc->out_dtype,
+                               shared_out ? (int)desc->shared_dtype : -1};
     const moecl_plan *p;
     if ((st = plan_of(ctx, &r, &p)) != MOECL_SUCCESS)
         return st;

@@ -1605,7 +1605,7 @@ static void check_route(tally *tl)
     }
 }
 
-/* ---- permute and combine ---- */
+/* ---- permute (gather and scatter) and combine ---- */
 
 typedef struct permute_shape {
     uint32_t k, experts, block, hidden;
@@ -1622,13 +1622,14 @@ static const permute_shape permute_shapes[] = {
     {8, 64, 16, 129, MOECL_BF16, MOECL_F16, MOECL_BF16, false},
     {8, 16, 4, 1, MOECL_BF16, MOECL_F32, MOECL_F32, false},
     {64, 256, 4, 33, MOECL_F32, MOECL_BF16, MOECL_F16, false},
+    {4, 16, 8, 24, MOECL_F16, MOECL_F16, MOECL_F16, false},
     {8, 64, 16, 4096, MOECL_BF16, MOECL_BF16, -1, true},
 };
 
 typedef struct permute_call {
     moecl_permute_desc pd;
     moecl_combine_desc cd;
-    dbuf x, sorted, post, perm, y, w, pos, shared, out;
+    dbuf x, sorted, post, perm, scat, y, w, pos, shared, out;
 } permute_call;
 
 static moecl_status permute_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w,
@@ -1636,6 +1637,14 @@ static moecl_status permute_run(moecl_context *ctx, const void *state, cl_uint n
 {
     const permute_call *c = state;
     return moecl_permute(ctx, &c->pd, at(&c->x), at(&c->sorted), at(&c->post), at(&c->perm), nw, w, done);
+}
+
+static moecl_status scatter_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w,
+                                cl_event *done)
+{
+    const permute_call *c = state;
+    return moecl_permute_scatter(ctx, &c->pd, at(&c->x), at(&c->sorted), at(&c->post), at(&c->pos), at(&c->scat),
+                                 nw, w, done);
 }
 
 static moecl_status combine_run(moecl_context *ctx, const void *state, cl_uint nw, const cl_event *w,
@@ -1700,6 +1709,7 @@ static void permute_check_case(tally *tl, moecl_context *ctx, const variant *v, 
     call.sorted = make_buf(sorted, (size_t)padded * 4, 0xFF);
     call.post = make_buf(&post, 4, 0xFF);
     call.perm = make_buf(NULL, padded * h * out_z, poison);
+    call.scat = make_buf(NULL, padded * h * out_z, poison);
     call.y = make_buf(y, padded * h * in_z, 0xFF);
     call.w = tokens ? make_buf(w, slots * 4, 0xFF) : absent;
     call.pos = tokens ? make_buf(pos, slots * 4, 0xFF) : absent;
@@ -1708,6 +1718,7 @@ static void permute_check_case(tally *tl, moecl_context *ctx, const variant *v, 
     /* What the calls must leave: the reference's rows, poison past post. */
     unsigned char *want_perm = xmalloc(padded * h * out_z + 1), *got_perm = xmalloc(padded * h * out_z + 1);
     unsigned char *want_out = xmalloc(tokens * h * out_z + 1), *got_out = xmalloc(tokens * h * out_z + 1);
+    unsigned char *got_scat = xmalloc(padded * h * out_z + 1);
     memset(want_perm, poison, padded * h * out_z);
     ref_permute(&call.pd, x, sorted, post, want_perm);
     ref_combine(&call.cd, y, w, pos, sh_z ? sh : NULL, want_out);
@@ -1715,16 +1726,22 @@ static void permute_check_case(tally *tl, moecl_context *ctx, const variant *v, 
     size_t first = 0;
     moecl_status st = permute_run(ctx, &call, 0, NULL, NULL);
     if (st == MOECL_SUCCESS)
+        st = scatter_run(ctx, &call, 0, NULL, NULL);
+    if (st == MOECL_SUCCESS)
         st = combine_run(ctx, &call, 0, NULL, NULL);
     tl->runs++;
     if (st != MOECL_SUCCESS)
         fail(tl, "permute", v, shape, case_names[c], "%s: %s", moecl_status_string(st), moecl_context_error(ctx));
     else if (clFinish(queue) != CL_SUCCESS || !read_buf(&call.perm, got_perm, "permute's out", msg, sizeof(msg)) ||
+             !read_buf(&call.scat, got_scat, "permute_scatter's out", msg, sizeof(msg)) ||
              !read_buf(&call.out, got_out, "combine's out", msg, sizeof(msg)))
         fail(tl, "permute", v, shape, case_names[c], "%s", msg);
     else if (!same_values(s->out, got_perm, want_perm, padded * h, &first))
         fail(tl, "permute", v, shape, case_names[c], "tokens %u: permute's row %zu column %zu differs", tokens,
              first / h, first % h);
+    else if (!same_values(s->out, got_scat, want_perm, padded * h, &first))
+        fail(tl, "permute", v, shape, case_names[c], "tokens %u: permute_scatter's row %zu column %zu differs",
+             tokens, first / h, first % h);
     else if (!same_values(s->out, got_out, want_out, tokens * h, &first))
         fail(tl, "permute", v, shape, case_names[c], "tokens %u: combine's token %zu column %zu differs", tokens,
              first / h, first % h);
@@ -1732,14 +1749,16 @@ static void permute_check_case(tally *tl, moecl_context *ctx, const variant *v, 
         char text[160];
         snprintf(text, sizeof(text), "%s permute", shape);
         bench("permute", v, text, ctx, context_for(v->override, true), permute_run, &call);
+        snprintf(text, sizeof(text), "%s permute_scatter", shape);
+        bench("permute", v, text, ctx, context_for(v->override, true), scatter_run, &call);
         snprintf(text, sizeof(text), "%s combine", shape);
         bench("permute", v, text, ctx, context_for(v->override, true), combine_run, &call);
     }
-    dbuf *bufs[] = {&call.x, &call.sorted, &call.post, &call.perm, &call.y, &call.w, &call.pos, &call.shared,
-                    &call.out};
+    dbuf *bufs[] = {&call.x,   &call.sorted, &call.post, &call.perm,   &call.scat,
+                    &call.y,   &call.w,      &call.pos,  &call.shared, &call.out};
     for (size_t i = 0; i < COUNT(bufs); i++)
         release(bufs[i]);
-    void *mem[] = {ids, sorted, pos, counts, blocks, x, y, sh, w, want_perm, got_perm, want_out, got_out};
+    void *mem[] = {ids, sorted, pos, counts, blocks, x, y, sh, w, want_perm, got_perm, got_scat, want_out, got_out};
     for (size_t i = 0; i < COUNT(mem); i++)
         free(mem[i]);
 }

@@ -668,17 +668,19 @@ int main(int argc, char **argv)
                          c->launch_class == MOECL_LAUNCH_CPU ? "cpu class" : "gpu class");
                 moecl_ep_layout_defines(&info, defines, sizeof(defines), &kernel);
                 emit(t, "ep_layout.cl", options, defines, kernel, description);
-                /* Permute and combine: every dtype pair, combine's shared
-                 * rows each dtype in turn; the launch shape is an
-                 * argument, so both classes build the same programs. */
+                /* Permute (gather and scatter) and combine: every dtype
+                 * pair, combine's shared rows each dtype in turn; the
+                 * launch shape is an argument, so both classes build the
+                 * same programs. */
                 for (int in = 0; in < 3; in++)
                     for (int out = 0; out < 3; out++) {
                         moecl_permute_defines(false, (moecl_dtype)in, (moecl_dtype)out, -1, defines, sizeof(defines),
                                               &kernel);
-                        /* Without shared rows one program serves both. */
-                        snprintf(description, sizeof(description), "permute and combine %s->%s", dtype_names[in],
-                                 dtype_names[out]);
-                        emit(t, "permute.cl", options, defines, "permute_rows,combine_rows", description);
+                        /* Without shared rows one program serves the three. */
+                        snprintf(description, sizeof(description), "permute, scatter and combine %s->%s",
+                                 dtype_names[in], dtype_names[out]);
+                        emit(t, "permute.cl", options, defines, "permute_rows,permute_scatter,combine_rows",
+                             description);
                         const int shared = (in + out) % 3;
                         moecl_permute_defines(true, (moecl_dtype)in, (moecl_dtype)out, shared, defines,
                                               sizeof(defines), &kernel);

@@ -1,10 +1,13 @@
-/* moecl_permute and moecl_combine against the reference (tests/reference.c):
+/* moecl_permute, moecl_permute_scatter and moecl_combine against the
+ * reference (tests/reference.c):
  * routings from the reference moe_align on fresh random ids (invalid ids
  * among them), every input and output dtype, top_k 1, 2, 8, 64, hidden 1,
  * 7, 64, 4096, both entry points (host; device buffers at odd offsets,
  * poisoned, after a wait-list event), special values (NaN, inf, -0, ties
  * of rounding), the validation errors, and a mutated kernel that the
- * suite must catch. Permute is compared bit for bit; combine bit for bit
+ * suite must catch. Permute and its scatter are compared bit for bit (the
+ * scatter also with 16-byte aligned rows, and with positions out of
+ * range); combine bit for bit
  * with the documented f32 order (NaN with NaN where a value is computed),
  * and that order against float64 within its error bound. meson runs it
  * once per launch class (--variant class=cpu|gpu). */
@@ -121,8 +124,14 @@ static void device_finish(moecl_context *ctx, moecl_status st, cl_event user, cl
 
 /* ---- permute ---- */
 
+/* How permute's rows are made: the gather, or the scatter with row starts
+ * of the device path at odd offsets or 16-byte aligned. */
+typedef enum permute_mode { GATHER, SCATTER, SCATTER_ALIGNED } permute_mode;
+static const char *const mode_names[] = {"permute", "permute_scatter", "permute_scatter aligned"};
+
 static void check_permute_case(moecl_context *ctx, harness_rng *rng, const routing *r, uint32_t hidden,
-                               moecl_dtype in, moecl_dtype out, bool special, bool device_path, int32_t post)
+                               moecl_dtype in, moecl_dtype out, bool special, bool device_path, int32_t post,
+                               permute_mode mode)
 {
     moecl_permute_desc d = moecl_permute_desc_init(r->num_tokens, r->top_k, hidden, r->num_padded);
     d.in_dtype = in;
@@ -135,24 +144,30 @@ static void check_permute_case(moecl_context *ctx, harness_rng *rng, const routi
     ck_assert(got && want);
     ref_permute(&d, x, r->sorted, post, want);
     char what[160];
-    snprintf(what, sizeof(what), "permute T=%u k=%u E=%u block=%u hidden=%u %s->%s post=%d %s%s path", r->num_tokens,
-             r->top_k, r->num_experts, r->block_size, hidden, dtype_names[in], dtype_names[out], (int)post,
-             special ? "special values, " : "", device_path ? "device" : "host");
+    snprintf(what, sizeof(what), "%s T=%u k=%u E=%u block=%u hidden=%u %s->%s post=%d %s%s path", mode_names[mode],
+             r->num_tokens, r->top_k, r->num_experts, r->block_size, hidden, dtype_names[in], dtype_names[out],
+             (int)post, special ? "special values, " : "", device_path ? "device" : "host");
     if (!device_path) {
-        const moecl_status st = moecl_permute_host(ctx, &d, x, r->sorted, &post, got);
+        const moecl_status st = mode == GATHER
+                                    ? moecl_permute_host(ctx, &d, x, r->sorted, &post, got)
+                                    : moecl_permute_scatter_host(ctx, &d, x, r->sorted, &post, r->positions, got);
         ck_assert_msg(st == MOECL_SUCCESS, "%s: %s (%s)", what, moecl_status_string(st), moecl_context_error(ctx));
     } else {
-        const size_t off_in = 3 * in_z, off_ids = 8, off_post = 12, off_out = 5 * out_z;
+        const bool aligned = mode == SCATTER_ALIGNED;
+        const size_t off_in = aligned ? 16 : 3 * in_z, off_ids = 8, off_post = 12, off_out = aligned ? 32 : 5 * out_z;
         moecl_buffer bx = harness_buffer(ctx, rows_in * h * in_z, off_in, x);
         moecl_buffer bs = harness_buffer(ctx, padded * 4, off_ids, r->sorted);
         moecl_buffer bp = harness_buffer(ctx, 4, off_post, &post);
+        moecl_buffer bpos = harness_buffer(ctx, rows_in * r->top_k * 4, 20, r->positions);
         moecl_buffer bo = harness_buffer(ctx, out_bytes, off_out, NULL);
         cl_event user = user_event(ctx), done = NULL;
-        const moecl_status st = moecl_permute(ctx, &d, bx, bs, bp, bo, 1, &user, &done);
+        const moecl_status st = mode == GATHER ? moecl_permute(ctx, &d, bx, bs, bp, bo, 1, &user, &done)
+                                               : moecl_permute_scatter(ctx, &d, bx, bs, bp, bpos, bo, 1, &user, &done);
         device_finish(ctx, st, user, done, bo, out_bytes, got, what);
         harness_release(bx);
         harness_release(bs);
         harness_release(bp);
+        harness_release(bpos);
         harness_release(bo);
     }
     /* Rows past post are poison in both (ref_permute leaves them). */
@@ -177,16 +192,30 @@ START_TEST(test_permute_special)
                 harness_rng rng = harness_rng_for(200 + config);
                 routing r;
                 routing_make(&rng, 21, 2, 8, 8, &r);
-                check_permute_case(ctx, &rng, &r, 67, dtypes[i], dtypes[o], true, device, r.post);
                 const int32_t posts[] = {0, r.post / 2, (int32_t)r.num_padded + 5, -3};
-                check_permute_case(ctx, &rng, &r, 9, dtypes[i], dtypes[o], false, device, posts[config % 4]);
+                for (int m = GATHER; m <= SCATTER_ALIGNED; m++) {
+                    check_permute_case(ctx, &rng, &r, 67, dtypes[i], dtypes[o], true, device, r.post,
+                                       (permute_mode)m);
+                    /* 64 columns: the scatter's uint4 words where aligned. */
+                    check_permute_case(ctx, &rng, &r, 64, dtypes[i], dtypes[o], true, device, r.post,
+                                       (permute_mode)m);
+                    check_permute_case(ctx, &rng, &r, 9, dtypes[i], dtypes[o], false, device, posts[config % 4],
+                                       (permute_mode)m);
+                    check_permute_case(ctx, &rng, &r, 8, dtypes[i], dtypes[o], false, device,
+                                       posts[(config + 1) % 4], (permute_mode)m);
+                }
                 routing_free(&r);
             }
     /* No tokens: every row is padding (the sentinel 0). */
     harness_rng rng = harness_rng_for(299);
     routing r;
     routing_make(&rng, 0, 4, 8, 4, &r);
-    check_permute_case(ctx, &rng, &r, 13, MOECL_BF16, MOECL_F32, false, true, (int32_t)r.num_padded);
+    for (int m = GATHER; m <= SCATTER_ALIGNED; m++) {
+        check_permute_case(ctx, &rng, &r, 13, MOECL_BF16, MOECL_F32, false, true, (int32_t)r.num_padded,
+                           (permute_mode)m);
+        check_permute_case(ctx, &rng, &r, 16, MOECL_BF16, MOECL_BF16, false, m != GATHER, (int32_t)r.num_padded,
+                           (permute_mode)m);
+    }
     routing_free(&r);
     moecl_context_destroy(ctx);
 }
@@ -267,7 +296,7 @@ static void check_combine_case(moecl_context *ctx, harness_rng *rng, const routi
 /* Every dtype pair at every top_k and hidden of the grid, on routings
  * with invalid ids; the host and device paths and combine's shared rows
  * (none, or each dtype) by turns. */
-static void grid(bool combine)
+static void grid(bool combine, permute_mode mode)
 {
     moecl_context *ctx = harness_context();
     static const uint32_t topks[] = {1, 2, 8, 64}, hiddens[] = {1, 7, 64, 4096};
@@ -281,7 +310,7 @@ static void grid(bool combine)
                     const uint32_t k = topks[ki], h = hiddens[hi];
                     /* Fewer tokens at the widest rows: the suite stays short. */
                     const uint32_t t = h >= 4096 ? 3 : 37, e = k > 8 ? 64 : 16;
-                    harness_rng rng = harness_rng_for((combine ? 300 : 100) + config);
+                    harness_rng rng = harness_rng_for((combine ? 300 : 100 + 1000 * mode) + config);
                     routing r;
                     routing_make(&rng, t, k, e, 4, &r);
                     const bool device = config % 2 == 0;
@@ -289,7 +318,8 @@ static void grid(bool combine)
                         check_combine_case(ctx, &rng, &r, h, dtypes[i], dtypes[o],
                                            config % 4 == 3 ? -1 : (int)(config % 3), false, device);
                     else
-                        check_permute_case(ctx, &rng, &r, h, dtypes[i], dtypes[o], false, device, r.post);
+                        check_permute_case(ctx, &rng, &r, h, dtypes[i], dtypes[o], false, device, r.post,
+                                           mode == SCATTER && config % 4 == 0 ? SCATTER_ALIGNED : mode);
                     routing_free(&r);
                 }
     moecl_context_destroy(ctx);
@@ -297,13 +327,86 @@ static void grid(bool combine)
 
 START_TEST(test_combine_grid)
 {
-    grid(true);
+    grid(true, GATHER);
 }
 END_TEST
 
 START_TEST(test_permute_grid)
 {
-    grid(false);
+    grid(false, GATHER);
+}
+END_TEST
+
+START_TEST(test_scatter_grid)
+{
+    grid(false, SCATTER);
+}
+END_TEST
+
+/* Positions the scatter must skip (-1 and other negatives, n and past,
+ * past num_padded, INT32_MAX): their slots' rows keep the poison, every
+ * other row below n is permute's, and no row from n on and no byte
+ * around out is written. Aligned and odd offsets, each dtype pair. */
+START_TEST(test_scatter_skips_positions)
+{
+    moecl_context *ctx = harness_context();
+    unsigned config = 0;
+    for (size_t i = 0; i < COUNT(dtypes); i++)
+        for (size_t o = 0; o < COUNT(dtypes); o++, config++) {
+            harness_rng rng = harness_rng_for(700 + config);
+            routing r;
+            routing_make(&rng, 29, 4, 8, 4, &r);
+            const uint32_t h = config % 2 ? 32 : 19, slots = r.num_tokens * r.top_k;
+            const int32_t post = r.post - 4; /* the last block's rows past n */
+            const size_t padded = r.num_padded, out_z = moecl_dtype_size(dtypes[o]);
+            moecl_permute_desc d = moecl_permute_desc_init(r.num_tokens, r.top_k, h, r.num_padded);
+            d.in_dtype = dtypes[i];
+            d.out_dtype = dtypes[o];
+            void *x = make_values(&rng, dtypes[i], (size_t)r.num_tokens * h, false);
+            const size_t out_bytes = padded * h * out_z;
+            unsigned char *got = harness_poisoned(out_bytes + HARNESS_SLACK), *want = harness_poisoned(out_bytes + 1);
+            ck_assert(got && want);
+            ref_permute(&d, x, r.sorted, post, want);
+            /* Every fifth placed slot's position out of range: its row
+             * keeps the poison. */
+            static const int32_t bad[] = {-1, -7, INT32_MIN, INT32_MAX, 0x7ffffff0};
+            unsigned spoiled = 0;
+            for (uint32_t s = 0; s < slots; s++) {
+                const int32_t p = r.positions[s];
+                if (p < 0 || s % 5 != 0)
+                    continue;
+                if (p < post)
+                    memset(want + (size_t)p * h * out_z, HARNESS_POISON, h * out_z);
+                r.positions[s] = spoiled % 6 == 5 ? (int32_t)padded + (int32_t)spoiled : spoiled % 6 == 4
+                                                                                          ? post + (int32_t)(s % 3)
+                                                                                          : bad[spoiled % 6];
+                spoiled++;
+            }
+            ck_assert_uint_gt(spoiled, 3);
+            moecl_buffer bx = harness_buffer(ctx, (size_t)r.num_tokens * h * moecl_dtype_size(dtypes[i]),
+                                             config % 2 ? 0 : moecl_dtype_size(dtypes[i]), x);
+            moecl_buffer bs = harness_buffer(ctx, padded * 4, 4, r.sorted);
+            moecl_buffer bp = harness_buffer(ctx, 4, 0, &post);
+            moecl_buffer bpos = harness_buffer(ctx, (size_t)slots * 4, 8, r.positions);
+            moecl_buffer bo = harness_buffer(ctx, out_bytes, config % 2 ? 16 : out_z, NULL);
+            cl_event user = user_event(ctx), done = NULL;
+            const moecl_status st = moecl_permute_scatter(ctx, &d, bx, bs, bp, bpos, bo, 1, &user, &done);
+            device_finish(ctx, st, user, done, bo, out_bytes, got, "scatter with positions out of range");
+            for (size_t e = 0; e < padded * h; e++)
+                ck_assert_msg(memcmp(got + e * out_z, want + e * out_z, out_z) == 0,
+                              "%s->%s hidden %u: row %zu column %zu differs (post %d)", dtype_names[i],
+                              dtype_names[o], h, e / h, e % h, (int)post);
+            harness_release(bx);
+            harness_release(bs);
+            harness_release(bp);
+            harness_release(bpos);
+            harness_release(bo);
+            free(x);
+            free(got);
+            free(want);
+            routing_free(&r);
+        }
+    moecl_context_destroy(ctx);
 }
 END_TEST
 
@@ -434,6 +537,45 @@ START_TEST(test_bad_input)
     expect_invalid(ctx, moecl_permute_host(ctx, &pd, x, sorted, &post, NULL), "out", "permute_host no out");
     assert_unchanged(ctx, bo, padded * h * 4, "permute");
 
+    p = pd;
+    p.top_k = 65;
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &p, bx, bs, bp, bpos, bo, 0, NULL, NULL), "top_k",
+                   "scatter top_k 65");
+    p = pd;
+    p.in_dtype = (moecl_dtype)3;
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &p, bx, bs, bp, bpos, bo, 0, NULL, NULL), "in_dtype",
+                   "scatter in_dtype");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, NULL, bx, bs, bp, bpos, bo, 0, NULL, NULL), "desc",
+                   "scatter desc NULL");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, none, bs, bp, bpos, bo, 0, NULL, NULL), "hidden_states",
+                   "scatter no x");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, none, bp, bpos, bo, 0, NULL, NULL), "sorted_token_ids",
+                   "scatter no ids");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, none, bpos, bo, 0, NULL, NULL),
+                   "num_tokens_post_padded", "scatter no post");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, none, bo, 0, NULL, NULL), "slot_positions",
+                   "scatter no positions");
+    /* 28 of the 32 bytes past the offset (the harness adds 64 of slack) */
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, (moecl_buffer){bpos.mem, 68}, bo, 0, NULL, NULL),
+                   "slot_positions", "scatter small positions");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, bpos, odd, 0, NULL, NULL), "out",
+                   "scatter odd offset");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, bpos, foreign, 0, NULL, NULL), "out",
+                   "scatter foreign out");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, bpos, bw, 0, NULL, NULL), "out",
+                   "scatter small out");
+    expect_invalid(ctx, moecl_permute_scatter(ctx, &pd, bx, bs, bp, bpos, bo, 1, NULL, NULL), "wait",
+                   "scatter wait NULL");
+    ck_assert_int_eq(moecl_permute_scatter(NULL, &pd, bx, bs, bp, bpos, bo, 0, NULL, NULL),
+                     MOECL_ERROR_INVALID_ARGUMENT);
+    expect_invalid(ctx, moecl_permute_scatter_host(ctx, &pd, x, sorted, NULL, positions, NULL),
+                   "num_tokens_post_padded", "scatter_host no post");
+    expect_invalid(ctx, moecl_permute_scatter_host(ctx, &pd, x, sorted, &post, NULL, NULL), "slot_positions",
+                   "scatter_host no positions");
+    expect_invalid(ctx, moecl_permute_scatter_host(ctx, &pd, x, sorted, &post, positions, NULL), "out",
+                   "scatter_host no out");
+    assert_unchanged(ctx, bo, padded * h * 4, "permute_scatter");
+
     const moecl_combine_desc cd = moecl_combine_desc_init(t, k, h, padded);
     moecl_combine_desc c = cd;
     c.top_k = 0;
@@ -468,6 +610,11 @@ START_TEST(test_bad_input)
     const moecl_permute_desc no_rows = moecl_permute_desc_init(0, 2, 8, 0);
     ck_assert_int_eq(moecl_permute(ctx, &no_rows, none, none, bp, none, 0, NULL, NULL), MOECL_SUCCESS);
     ck_assert_int_eq(moecl_permute_host(ctx, &no_rows, NULL, NULL, &post, NULL), MOECL_SUCCESS);
+    ck_assert_int_eq(moecl_permute_scatter(ctx, &no_rows, none, none, bp, none, none, 0, NULL, &done), MOECL_SUCCESS);
+    ck_assert_ptr_nonnull(done);
+    ck_assert_int_eq(clWaitForEvents(1, &done), CL_SUCCESS);
+    clReleaseEvent(done);
+    ck_assert_int_eq(moecl_permute_scatter_host(ctx, &no_rows, NULL, NULL, &post, NULL, NULL), MOECL_SUCCESS);
 
     moecl_buffer all[] = {bx, bs, bp, bo, by, bw, bpos, bco, foreign};
     for (size_t i = 0; i < COUNT(all); i++)
@@ -481,8 +628,11 @@ END_TEST
 
 /* Each mutant must fail the suite's checks: the vector path's rounding
  * (f32 to bf16 truncated), the scalar tail's source column (off by
- * one), the sum's order (j descending), and the invalid slots (a
- * position -1 read as row 0). */
+ * one), the sum's order (j descending), the invalid slots (a position -1
+ * read as row 0), the scatter's destinations (every slot to its token's
+ * first position), its uint4 words (each even word twice) and its
+ * padding (the sentinel's rows left unzeroed, caught on a poisoned
+ * device buffer). */
 START_TEST(test_mutation_caught)
 {
     static const char *const edits[][2] = {
@@ -498,6 +648,11 @@ START_TEST(test_mutation_caught)
          "prod",
          "            const uint at = (uint)max(p[j], 0);\n            if (at < a.num_padded) {\n"
          "                const float prod"},
+        {"#define PS_AT(p, j, limit) ((uint)(p)[j] < (limit) ? (uint)(p)[j] : (limit))",
+         "#define PS_AT(p, j, limit) ((uint)(p)[0] < (limit) ? (uint)(p)[0] : (limit))"},
+        {"            const uint4 w = from[v];", "            const uint4 w = from[v & ~1u];"},
+        {"        if ((uint)sorted[a.ids_off + p] >= a.num_tokens * a.top_k)",
+         "        if ((uint)sorted[a.ids_off + p] > a.num_tokens * a.top_k)"},
     };
     for (size_t m = 0; m < COUNT(edits); m++) {
         char dir[] = "/tmp/moecl-permute-mutant-XXXXXX", path[4096];
@@ -518,6 +673,33 @@ START_TEST(test_mutation_caught)
             ck_assert_int_eq(moecl_permute_host(ctx, &d, x, r.sorted, &r.post, got), MOECL_SUCCESS);
             ref_permute(&d, x, r.sorted, r.post, want);
             caught = memcmp(got, want, n * 2) != 0;
+            free(x);
+            free(got);
+            free(want);
+        } else if (m >= 4) {
+            /* f32 rows of 72 columns: 18 uint4 words, every start aligned. */
+            const moecl_permute_desc d = moecl_permute_desc_init(r.num_tokens, 8, 72, r.num_padded);
+            const size_t n = (size_t)r.num_padded * 72;
+            float *x = harness_random_tensor(&rng, MOECL_F32, (size_t)r.num_tokens * 72, 1.0f);
+            float *got = calloc(n, 4), *want = calloc(n, 4);
+            ck_assert(x && got && want);
+            if (m == 4 || m == 5)
+                ck_assert_int_eq(moecl_permute_scatter_host(ctx, &d, x, r.sorted, &r.post, r.positions, got),
+                                 MOECL_SUCCESS);
+            else {
+                moecl_buffer bx = harness_buffer(ctx, (size_t)r.num_tokens * 72 * 4, 0, x);
+                moecl_buffer bs = harness_buffer(ctx, (size_t)r.num_padded * 4, 0, r.sorted);
+                moecl_buffer bp = harness_buffer(ctx, 4, 0, &r.post);
+                moecl_buffer bpos = harness_buffer(ctx, (size_t)r.num_tokens * 8 * 4, 0, r.positions);
+                moecl_buffer bo = harness_buffer(ctx, n * 4, 0, NULL);
+                ck_assert_int_eq(moecl_permute_scatter(ctx, &d, bx, bs, bp, bpos, bo, 0, NULL, NULL), MOECL_SUCCESS);
+                harness_read(ctx, bo, n * 4, got);
+                moecl_buffer all[] = {bx, bs, bp, bpos, bo};
+                for (size_t i = 0; i < COUNT(all); i++)
+                    harness_release(all[i]);
+            }
+            ref_permute(&d, x, r.sorted, r.post, want);
+            caught = memcmp(got, want, (size_t)r.post * 72 * 4) != 0;
             free(x);
             free(got);
             free(want);
@@ -557,6 +739,8 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_permute_special);
     tcase_add_test(tc, test_combine_special);
     tcase_add_test(tc, test_permute_grid);
+    tcase_add_test(tc, test_scatter_grid);
+    tcase_add_test(tc, test_scatter_skips_positions);
     tcase_add_test(tc, test_combine_grid);
     suite_add_tcase(s, tc);
     return harness_run(s);

@@ -45,7 +45,8 @@
  * token ids. OP_PERMUTE, OP_COMBINE: moecl_permute and moecl_combine on
  * the moe_align output (the reference's) of a routing of the align desc,
  * perm's hidden size and dtype (in and out alike; combine's comb the
- * same). */
+ * same); OP_PERMUTE with scatter: moecl_permute_scatter, given moe_align's
+ * slot positions too. */
 typedef enum op_kind {
     OP_TOPK, OP_GROUNDED, OP_ALIGN, OP_EP, OP_GROUNDED_ROUTE, OP_ROUTER, OP_REPLAY, OP_HASH, OP_PERMUTE, OP_COMBINE,
     OP_ROUTE
@@ -63,6 +64,7 @@ typedef struct bench_case {
     moecl_moe_align_desc align;
     moecl_ep_layout_desc ep; /* with replicas where ep.max_replicas > 1 */
     moecl_permute_desc perm;
+    bool scatter; /* OP_PERMUTE: moecl_permute_scatter */
     moecl_combine_desc comb;
     double t_sol_us, t_prod_us; /* the seed's figures, 0 if none */
 } bench_case;
@@ -565,6 +567,10 @@ static moecl_status call_after(moecl_context *ctx, const bench_case *c, const ca
                                cl_event after, cl_event *done)
 {
     moecl_buffer none = {NULL, 0};
+    if (c->op == OP_PERMUTE && c->scatter)
+        return moecl_permute_scatter(ctx, &c->perm, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->tables[0], 0},
+                                     (moecl_buffer){b->tables[1], 0}, (moecl_buffer){b->tables[2], 0},
+                                     (moecl_buffer){b->out1, 0}, after ? 1 : 0, after ? &after : NULL, done);
     if (c->op == OP_PERMUTE)
         return moecl_permute(ctx, &c->perm, (moecl_buffer){b->in[set], 0}, (moecl_buffer){b->tables[0], 0},
                              (moecl_buffer){b->tables[1], 0}, (moecl_buffer){b->out1, 0}, after ? 1 : 0,
@@ -837,8 +843,9 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
         const int32_t zero = 0;
         for (int i = 0; i < 2; i++) {
             moecl_context *ctx = i ? plain : prof;
-            st = c->op == OP_PERMUTE ? moecl_permute_host(ctx, &pd, NULL, NULL, &zero, NULL)
-                                     : moecl_combine_host(ctx, &cd, NULL, NULL, NULL, NULL, NULL);
+            st = c->op == OP_COMBINE ? moecl_combine_host(ctx, &cd, NULL, NULL, NULL, NULL, NULL)
+                 : c->scatter        ? moecl_permute_scatter_host(ctx, &pd, NULL, NULL, &zero, NULL, NULL)
+                                     : moecl_permute_host(ctx, &pd, NULL, NULL, &zero, NULL);
             if (st != MOECL_SUCCESS)
                 die(c->label, ctx, st);
         }
@@ -934,8 +941,9 @@ static void run_case(moecl_context *prof, moecl_context *plain, const bench_case
     r->bytes = (double)input_bytes(c) + (double)output_bytes(c) +
                (b.bias ? (c->op == OP_TOPK ? c->topk.num_experts : c->grounded.num_experts) * 4.0 : 0.0);
     /* permute: the ids and the rows it writes (num_tokens_post_padded of
-     * them, padding included); combine: the weights and positions and
-     * the tokens' rows. */
+     * them, padding included), its scatter counted alike (its slot
+     * positions left out, so that the two compare); combine: the weights
+     * and positions and the tokens' rows. */
     if (c->op == OP_PERMUTE)
         r->bytes = (double)input_bytes(c) + 4.0 * ((double)moecl_moe_align_max_padded(&c->align) + 1) +
                    (double)b.post * c->perm.hidden * ref_dtype_size(c->perm.out_dtype);
@@ -1129,19 +1137,21 @@ static int default_cases(bench_case *out, bool quick)
         c->op = OP_ALIGN;
         c->align = moecl_moe_align_desc_init(seed[i].t, 8, seed[i].e, 64);
     }
-    /* Permute and combine around the expert GEMMs: 4096 tokens and one,
-     * top 8 of 256 experts, block 64 (DeepSeek-V3's routing), hidden 4096
-     * and 7168, f32 and bf16 in and out; one token only with --quick. */
+    /* Permute (gather and scatter) and combine around the expert GEMMs:
+     * 4096 tokens and one, top 8 of 256 experts, block 64 (DeepSeek-V3's
+     * routing), hidden 4096 and 7168, f32 and bf16 in and out; one token
+     * only with --quick. */
     static const unsigned pc_tokens[] = {1, 4096}, pc_hidden[] = {4096, 7168};
     static const moecl_dtype pc_dtypes[] = {MOECL_F32, MOECL_BF16};
-    for (int op = 0; op < 2; op++)
+    for (int op = 0; op < 3; op++)
         for (int ti = 0; ti < (quick ? 1 : 2); ti++)
             for (int hi = 0; hi < 2; hi++)
                 for (int di = 0; di < 2; di++) {
                     bench_case *c = &out[n++];
                     memset(c, 0, sizeof(*c));
-                    c->label = op ? "combine" : "permute";
-                    c->op = op ? OP_COMBINE : OP_PERMUTE;
+                    c->label = op == 1 ? "combine" : op == 2 ? "permute_scatter" : "permute";
+                    c->op = op == 1 ? OP_COMBINE : OP_PERMUTE;
+                    c->scatter = op == 2;
                     c->align = moecl_moe_align_desc_init(pc_tokens[ti], 8, 256, 64);
                     const uint32_t padded = (uint32_t)moecl_moe_align_max_padded(&c->align);
                     c->perm = moecl_permute_desc_init(pc_tokens[ti], 8, pc_hidden[hi], padded);
@@ -1329,8 +1339,9 @@ static void usage(FILE *f)
                "  op, shape   the case: T tokens x E experts kK (top_k); grounded TxHxE (H the hidden\n"
                "              size); moe_align T x E kK bB (block size B); permute and combine T x H kK eE\n"
                "              bB (the routing of T tokens, top K of E experts, block B, moe_align's\n"
-               "              order; hidden H); GB/s counts each hidden (permute) or expert row\n"
-               "              (combine) read once, the ids, and the rows written\n"
+               "              order; hidden H; permute_scatter: permute's rows, token-major);\n"
+               "              GB/s counts each hidden (permute) or expert row (combine) read\n"
+               "              once, the ids, and the rows written\n"
                "  dtype       the input's type (f32, f16, bf16; i32 for moe_align's ids)\n"
                "  dev_us      device time per call, median of N profiled calls; p10_us, p90_us: the\n"
                "              10th and 90th percentiles\n"

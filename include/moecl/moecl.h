@@ -1917,6 +1917,53 @@ MOECL_API moecl_status moecl_permute_host(moecl_context *ctx, const moecl_permut
                                           const int32_t *num_tokens_post_padded, void *out);
 
 /**
+ * moecl_permute()'s result, token-major: each row of hidden_states is read
+ * once and written to its top_k rows of out, where moecl_permute() reads a
+ * token's row once for each of its slots. Use it where hidden_states
+ * exceeds the device's last-level cache (the gather's re-reads then come
+ * from DRAM: 4096 tokens x 7168 bf16, top 8, on an H100); the gather
+ * needs no slot_positions and touches only rows below n.
+ *
+ * slot_positions int32 [num_tokens][top_k] is the inverse of
+ * sorted_token_ids: moecl_moe_align()'s outputs of the same call
+ * (slot_positions[t][j] = p where sorted_token_ids[p] = t * top_k + j,
+ * -1 for a slot moe_align did not place). Then, with n as moecl_permute()
+ * reads it, out's rows p < n are moecl_permute()'s, bit for bit, and
+ * rows p >= n are not written. Token t's row goes to each position
+ * slot_positions[t][j] in [0, n); other positions (-1, out of range) are
+ * skipped. Row p < n is zeroed where sorted_token_ids[p] is not a slot.
+ * Inconsistent inputs never write outside out's rows below n, but those
+ * rows are then unspecified: a row named by two positions, or by a
+ * position and a padding entry, has two writers; a slot row named by no
+ * position is left as it was.
+ *
+ * Buffers: as moecl_permute()'s, and slot_positions (required unless
+ * num_tokens or num_padded is 0). Asynchronous: one kernel (none when
+ * num_padded is 0: a marker keeps the wait list). `done`, if non-NULL,
+ * receives its event.
+ *
+ * Errors: as moecl_permute(); one command: any failure leaves nothing
+ * enqueued and no output byte changed.
+ */
+MOECL_API moecl_status moecl_permute_scatter(moecl_context *ctx, const moecl_permute_desc *desc,
+                                             moecl_buffer hidden_states, moecl_buffer sorted_token_ids,
+                                             moecl_buffer num_tokens_post_padded, moecl_buffer slot_positions,
+                                             moecl_buffer out, cl_uint num_wait, const cl_event *wait,
+                                             cl_event *done);
+
+/** Blocking convenience of moecl_permute_scatter() on host memory: copies
+ *  in, runs, copies back the first n rows of out; the others are not
+ *  written. hidden_states and slot_positions may be NULL when num_tokens
+ *  is 0, sorted_token_ids, slot_positions and out when num_padded is 0;
+ *  num_tokens_post_padded is required. Same validation as
+ *  moecl_permute(). A failed enqueue leaves out unchanged; only a failed
+ *  copy back may have written it. */
+MOECL_API moecl_status moecl_permute_scatter_host(moecl_context *ctx, const moecl_permute_desc *desc,
+                                                  const void *hidden_states, const int32_t *sorted_token_ids,
+                                                  const int32_t *num_tokens_post_padded,
+                                                  const int32_t *slot_positions, void *out);
+
+/**
  * What moecl_combine() reduces: expert_out [num_padded][hidden] in
  * moe_align's order, back into token order.
  */

@@ -1101,19 +1101,27 @@ class Context:
     # ------------------------------------------------------------------
 
     def permute(self, hidden_states: Any, sorted_token_ids: Any, num_tokens_post_padded: Any, top_k: int, *,
-                dtype: Optional[str] = None, out_dtype: Optional[str] = None, out: Optional[Dict[str, Any]] = None,
-                queue: Any = None, wait_for: Optional[Sequence[Any]] = None) -> Any:
+                slot_positions: Any = None, dtype: Optional[str] = None, out_dtype: Optional[str] = None,
+                out: Optional[Dict[str, Any]] = None, queue: Any = None,
+                wait_for: Optional[Sequence[Any]] = None) -> Any:
         """Gather each slot's hidden row into moe_align's order (moecl_permute;
         docs/routing.md, "Permute and combine"): row p of the result is
         hidden_states[sorted_token_ids[p] // top_k], or 0 where the entry is
         padding (moe_align's sentinel tokens * top_k, or any value outside
-        [0, tokens * top_k)), for p < num_tokens_post_padded[0].
+        [0, tokens * top_k)), for p < num_tokens_post_padded[0]. With
+        slot_positions, the same rows token-major (moecl_permute_scatter): each
+        hidden row read once and written to its top_k positions, which pays
+        where hidden_states exceeds the device's last-level cache.
 
         Args:
             hidden_states: float32, float16 or bfloat16 [tokens, hidden].
             sorted_token_ids: int32 [num_padded] (moe_align's).
             num_tokens_post_padded: int32 [1] (moe_align's): the rows written.
             top_k: the routing's slots per token.
+            slot_positions: None (the gather), or int32 [tokens, top_k]: moe_align's
+                of the same call, the inverse of sorted_token_ids. Positions
+                outside [0, num_tokens_post_padded[0]) are skipped; with
+                inconsistent ones the rows below it are unspecified.
             dtype: as for topk_gating (the input's type; "bf16" also takes uint16).
             out_dtype: "f32", "f16" or "bf16" (to nearest even); None: the input's.
             out: {"permuted": array [num_padded, hidden] of out_dtype} to write; rows
@@ -1125,9 +1133,13 @@ class Context:
             the permuted rows, then, for device tensors, the call's pyopencl.Event.
         """
         out = dict(out or {})
-        kind = T.kind_of([hidden_states, sorted_token_ids, num_tokens_post_padded, *out.values()])
+        kind = T.kind_of([hidden_states, sorted_token_ids, num_tokens_post_padded, *out.values()] +
+                         ([] if slot_positions is None else [slot_positions]))
         x = T.check("hidden_states", hidden_states, (None, None), T.input_dtypes(dtype), kind)
         tokens, hidden = x.shape
+        k = _uint("top_k", top_k)
+        pos = None if slot_positions is None else T.check("slot_positions", slot_positions, (tokens, k), [T.I32],
+                                                          kind)
         ids = T.check("sorted_token_ids", sorted_token_ids, (None,), [T.I32], kind)
         post = T.check("num_tokens_post_padded", num_tokens_post_padded, (1,), [T.I32], kind)
         padded = ids.shape[0]
@@ -1138,13 +1150,16 @@ class Context:
         given = T.outputs(specs, out, kind)
         self._check_wait(kind, wait_for)
         on = self._on(queue)
-        desc = self._lib.moecl_permute_desc_init(tokens, _uint("top_k", top_k), hidden, padded)
+        desc = self._lib.moecl_permute_desc_init(tokens, k, hidden, padded)
         desc.in_dtype = _lib.DTYPES[in_name]
         desc.out_dtype = out_enum
         o = self._outputs(specs, given, ("permuted",), kind, on.queue if kind == T.DEVICE else None)
         if kind == T.HOST and given["permuted"] is None:
             o["permuted"].host[...] = 0  # type: ignore[union-attr]
-        event = on._run("permute", desc, [x, ids, post, o["permuted"]], kind, wait_for)
+        if pos is None:
+            event = on._run("permute", desc, [x, ids, post, o["permuted"]], kind, wait_for)
+        else:
+            event = on._run("permute_scatter", desc, [x, ids, post, pos, o["permuted"]], kind, wait_for)
         result = o["permuted"].obj  # type: ignore[union-attr]
         return (result, event) if kind == T.DEVICE else result
 

@@ -309,6 +309,8 @@ _SIGNATURES = {
     "moecl_permute_desc_init": (PermuteDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
     "moecl_permute": (c_int, [_ctx, _P(PermuteDesc)] + [Buffer] * 4 + [cl_uint, _events, _event_out]),
     "moecl_permute_host": (c_int, [_ctx, _P(PermuteDesc)] + [c_void_p] * 4),
+    "moecl_permute_scatter": (c_int, [_ctx, _P(PermuteDesc)] + [Buffer] * 5 + [cl_uint, _events, _event_out]),
+    "moecl_permute_scatter_host": (c_int, [_ctx, _P(PermuteDesc)] + [c_void_p] * 5),
     "moecl_combine_desc_init": (CombineDesc, [c_uint32, c_uint32, c_uint32, c_uint32]),
     "moecl_combine": (c_int, [_ctx, _P(CombineDesc)] + [Buffer] * 5 + [cl_uint, _events, _event_out]),
     "moecl_combine_host": (c_int, [_ctx, _P(CombineDesc)] + [c_void_p] * 5),

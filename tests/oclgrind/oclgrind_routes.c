@@ -1152,7 +1152,7 @@ static void run_align(moecl_context *ctx, const run_def *run)
         align_one(ctx, run, &align_cases[i]);
 }
 
-/* ---- permute and combine ---- */
+/* ---- permute (gather and scatter) and combine ---- */
 
 typedef struct permute_case {
     uint32_t tokens, top_k, experts, block, hidden;
@@ -1161,13 +1161,16 @@ typedef struct permute_case {
 } permute_case;
 
 /* Padding rows and invalid ids in each; a hidden of one scalar, of a
- * vector and a tail, and of more vectors than a GPU row's work-items. */
+ * vector and a tail, and of more vectors than a GPU row's work-items;
+ * the same dtype in 16-byte words (the scatter's wide rows) and not. */
 static const permute_case permute_cases[] = {
     {0, 2, 4, 4, 5, MOECL_F32, MOECL_F32, -1},
     {5, 2, 8, 4, 1, MOECL_F16, MOECL_BF16, MOECL_F32},
     {6, 3, 4, 2, 7, MOECL_BF16, MOECL_F32, MOECL_BF16},
     {3, 8, 16, 4, 70, MOECL_F32, MOECL_F16, MOECL_F16},
     {2, 2, 4, 2, 1100, MOECL_F32, MOECL_BF16, -1},
+    {4, 4, 8, 2, 16, MOECL_BF16, MOECL_BF16, -1},
+    {3, 2, 4, 2, 9, MOECL_F32, MOECL_F32, MOECL_F32},
 };
 
 /* Elements of got and want (dtype) agree: the same bits, or both NaN. */
@@ -1227,6 +1230,12 @@ static void permute_one(moecl_context *ctx, const run_def *run, const permute_ca
         fail("permute: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
     else if ((at = first_difference(c->out, got, want, padded * h)) < padded * h)
         fail("permute: row %zu column %zu differs", at / h, at % h);
+    memset(got, 0xab, padded * h * out_z);
+    st = moecl_permute_scatter_host(ctx, &pd, x, sorted, &post, pos, got);
+    if (st != MOECL_SUCCESS)
+        fail("permute_scatter: %s: %s", moecl_status_string(st), moecl_context_error(ctx));
+    else if ((at = first_difference(c->out, got, want, padded * h)) < padded * h)
+        fail("permute_scatter: row %zu column %zu differs", at / h, at % h);
     st = moecl_combine_host(ctx, &cd, y, w, pos, sh, got);
     ref_combine(&cd, y, w, pos, sh, want);
     if (st != MOECL_SUCCESS)

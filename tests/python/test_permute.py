@@ -1,5 +1,6 @@
 """permute and combine on NumPy arrays against NumPy (docs/routing.md,
-"Permute and combine"): permute bit for bit; combine bit for bit with the
+"Permute and combine"): permute (the gather and, given slot_positions,
+the scatter) bit for bit; combine bit for bit with the
 documented float32 order, which NumPy's float32 operations follow (each
 product and sum rounded, no fused multiply-add)."""
 
@@ -73,21 +74,23 @@ def combine_ref(y, w, positions, shared, out_dtype):
 
 
 @grid
-def test_permute(ctx, rng, k, hidden, in_dtype, out_dtype):
+@pytest.mark.parametrize("scatter", [False, True])
+def test_permute(ctx, rng, k, hidden, in_dtype, out_dtype, scatter):
     tokens, experts, block = 23, 16, 4
-    _, sorted_ids, post, _ = routing(rng, tokens, k, experts, block)
+    _, sorted_ids, post, positions = routing(rng, tokens, k, experts, block)
     x = values(rng, (tokens, hidden), in_dtype)
     x.reshape(-1)[:3] = [np.nan, np.inf, -0.0]
-    got = ctx.permute(x, sorted_ids, post, k, out_dtype=out_dtype)
+    got = ctx.permute(x, sorted_ids, post, k, slot_positions=positions if scatter else None, out_dtype=out_dtype)
     same_bits(got, permute_ref(x, sorted_ids, post, k, out_dtype))
 
 
-def test_permute_keeps_rows_past_post(ctx, rng):
-    _, sorted_ids, post, _ = routing(rng, 9, 2, 8, 8)
+@pytest.mark.parametrize("scatter", [False, True])
+def test_permute_keeps_rows_past_post(ctx, rng, scatter):
+    _, sorted_ids, post, positions = routing(rng, 9, 2, 8, 8)
     x = values(rng, (9, 12), "f32")
     out = np.full((sorted_ids.size, 12), 7.0, np.float32)
     half = np.array([post[0] // 2], np.int32)
-    res = ctx.permute(x, sorted_ids, half, 2, out={"permuted": out})
+    res = ctx.permute(x, sorted_ids, half, 2, slot_positions=positions if scatter else None, out={"permuted": out})
     assert res is out
     want = permute_ref(x, sorted_ids, half, 2, "f32")
     same_bits(out[:half[0]], want[:half[0]])
@@ -121,6 +124,10 @@ def test_errors(ctx, rng):
     with pytest.raises(ValueError, match="out_dtype"):
         ctx.permute(x, sorted_ids, post, 2, out_dtype="f64")
     with pytest.raises(TypeError, match="slot_positions"):
+        ctx.permute(x, sorted_ids, post, 2, slot_positions=positions.astype(np.int64))
+    with pytest.raises(ValueError, match="slot_positions"):
+        ctx.permute(x, sorted_ids, post, 2, slot_positions=positions[:, :1].copy())
+    with pytest.raises(TypeError, match="slot_positions"):
         ctx.combine(values(rng, (sorted_ids.size, 8), "f32"), np.ones((4, 2), np.float32),
                     positions.astype(np.int64))
 
@@ -138,10 +145,15 @@ def test_device_tensors_chained(ctx, rng):
     rows, ev = ctx.permute(cla.to_device(q, x.view(np.uint16)), align.sorted_token_ids, align.num_tokens_post_padded,
                            k, dtype="bf16", out_dtype="f32", wait_for=[align.event])
     out, ev = ctx.combine(rows, cla.to_device(q, w), align.slot_positions, out_dtype="bf16", wait_for=[ev])
+    scattered, ev2 = ctx.permute(cla.to_device(q, x.view(np.uint16)), align.sorted_token_ids,
+                                 align.num_tokens_post_padded, k, slot_positions=align.slot_positions, dtype="bf16",
+                                 out_dtype="f32", wait_for=[align.event])
     ev.wait()
+    ev2.wait()
     host = ctx.moe_align(ids, experts, 4)
     want_rows = ctx.permute(x, host.sorted_token_ids, host.num_tokens_post_padded, k, out_dtype="f32")
     n = int(host.num_tokens_post_padded[0])
     np.testing.assert_array_equal(rows.get()[:n], want_rows[:n])
+    np.testing.assert_array_equal(scattered.get()[:n].view(np.uint32), want_rows[:n].view(np.uint32))
     want = combine_ref(want_rows, w, host.slot_positions, None, "bf16")
     same_bits(out.get().view(NP["bf16"]), want)
