@@ -44,7 +44,14 @@
  * table gives them work-groups (MOECL_DP_ALIGN_CHUNK_WG_CPU,
  * MOECL_DP_ALIGN_FUSED_WG_CPU), which spread those loops. The test fails
  * where the fault is present and the table keeps one work-item a chunk,
- * or where the same loops spread over that work-group count wrong. */
+ * or where the same loops spread over that work-group count wrong.
+ *
+ * kernel_arg_holds_buffer: rusticl 22.3.6 keeps a buffer a kernel argument
+ * names alive (and counted in CL_CONTEXT_REFERENCE_COUNT) after the
+ * caller has released it, until the argument changes or the kernel is
+ * released. moecl_context_forget_buffers therefore sets the held buffer
+ * arguments of its kernels to NULL (src/program.c), which the test checks
+ * frees the buffer on this device. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -351,6 +358,40 @@ START_TEST(test_loop_budget_shared)
 }
 END_TEST
 
+static const char arg_source[] = "__kernel void one(__global int *x) { x[get_global_id(0)] = 1; }\n";
+
+static cl_uint context_refs(cl_context c)
+{
+    cl_uint n = 0;
+    ck_assert_int_eq(clGetContextInfo(c, CL_CONTEXT_REFERENCE_COUNT, sizeof n, &n, NULL), CL_SUCCESS);
+    return n;
+}
+
+START_TEST(test_kernel_arg_holds_buffer)
+{
+    moecl_context *ctx = harness_context();
+    cl_context cl = moecl_context_cl_context(ctx);
+    cl_program prog = build_source(ctx, arg_source);
+    cl_kernel k = kernel_of(prog, "one");
+    const cl_uint before = context_refs(cl);
+    cl_int err;
+    cl_mem b = clCreateBuffer(cl, CL_MEM_READ_WRITE, 64, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof b, &b), CL_SUCCESS);
+    clReleaseMemObject(b);
+    const cl_uint held = context_refs(cl);
+    fprintf(stderr, "drivers: kernel_arg_holds_buffer: %s (context references %u before the buffer, %u after its "
+            "release)\n", held != before ? "present" : "absent", before, held);
+    /* moecl's shape: the argument set to NULL lets the buffer go. */
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof(cl_mem), NULL), CL_SUCCESS);
+    ck_assert_msg(context_refs(cl) == before, "a released buffer still counted after its argument was set to NULL: "
+                  "%u context references, %u before", context_refs(cl), before);
+    clReleaseKernel(k);
+    clReleaseProgram(prog);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, NULL);
@@ -361,6 +402,7 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_kernel_work_group_size);
     tcase_add_test(tc, test_loop_iteration_limit);
     tcase_add_test(tc, test_loop_budget_shared);
+    tcase_add_test(tc, test_kernel_arg_holds_buffer);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }
