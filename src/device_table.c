@@ -194,6 +194,13 @@ static const table_value rusticl_llvmpipe_values[] = {
      "rusticl 22.3.6 on llvmpipe, 2026-12-07: a loop of 70000 iterations runs 65535 "
      "(tests/test_drivers.c, loop_iteration_limit); the grounded rows kernel routed 64 experts at hidden 256 "
      "right with 24 tokens a work-item and wrong from 25"},
+    {MOECL_DP_ALIGN_CHUNK_WG_CPU, 128,
+     "rusticl 22.3.6 on llvmpipe, 2026-12-07: the limit is one budget for all the loops of a work-item "
+     "(tests/test_drivers.c, loop_iteration_limit); one work-item a chunk wrote 1 of 4064 blocks at 4096 "
+     "experts (its padding loop spent the budget), 128 spread it (the GPU class's shape)"},
+    {MOECL_DP_ALIGN_FUSED_WG_CPU, 256,
+     "rusticl 22.3.6 on llvmpipe, 2026-12-07: as the chunk kernels', for the fused kernels' one work-group "
+     "(the GPU class's shape)"},
 };
 
 static const table_entry entries[] = {

@@ -55,11 +55,17 @@ void moecl_arg_state_release(moecl_arg_state *s)
 }
 
 /* Drop what a pooled kernel remembers of its arguments and release the
- * buffer references it holds. */
-static void pooled_forget(moecl_pooled_kernel *k)
+ * buffer references it holds. With unset, a held buffer's argument is set
+ * to NULL first: a driver may keep the buffer an argument names alive
+ * until the argument changes (rusticl does), which would defeat
+ * moecl_context_forget_buffers. */
+static void pooled_forget(moecl_pooled_kernel *k, bool unset)
 {
-    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++)
+    for (size_t i = 0; i < MOECL_MAX_KERNEL_ARGS; i++) {
+        if (unset && k->args[i].held)
+            clSetKernelArg(k->kernel, (cl_uint)i, sizeof(cl_mem), NULL);
         moecl_arg_state_release(&k->args[i]);
+    }
 }
 
 static void variant_destroy(moecl_variant *v)
@@ -69,7 +75,7 @@ static void variant_destroy(moecl_variant *v)
     /* Every kernel is back in the pool once no call is in flight. */
     const size_t n = atomic_load(&v->created);
     for (size_t i = 0; i < n; i++) {
-        pooled_forget(v->pool[i]);
+        pooled_forget(v->pool[i], false);
         clReleaseKernel(v->pool[i]->kernel);
         free(v->pool[i]);
     }
@@ -379,7 +385,7 @@ void moecl_registry_forget_buffers(moecl_registry *reg)
         moecl_variant *v = reg->items[i];
         const size_t n = atomic_load(&v->created);
         for (size_t j = 0; j < n; j++)
-            pooled_forget(v->pool[j]);
+            pooled_forget(v->pool[j], true);
     }
     pthread_mutex_unlock(&reg->lock);
 }
@@ -393,7 +399,7 @@ void moecl_variant_release(moecl_variant *v, moecl_pooled_kernel *k)
 {
     (void)v;
     if (k->temporary) {
-        pooled_forget(k);
+        pooled_forget(k, false);
         clReleaseKernel(k->kernel);
         free(k);
         return;

@@ -33,7 +33,25 @@
  * and wrong from 25 (at hidden 512 from 13); where the device table
  * records the limit (MOECL_DP_LOOP_LIMIT) it takes fewer tokens a
  * work-item (src/grounded_router.c). The test fails where the fault is
- * present and the table does not record the limit this kernel shows. */
+ * present and the table does not record the limit this kernel shows.
+ *
+ * loop_budget_shared: that limit is one budget for every loop a work-item
+ * runs, one after another too: loops of 60000 and 10000 iterations count
+ * 60000 and 5534. moe_align's kernels with one work-item a chunk (the CPU
+ * class's shape) walk the padding positions, the blocks and the slots in
+ * one work-item, and at 4096 experts (520192 padding positions at block
+ * 128) wrote the first block only; where the limit is recorded the device
+ * table gives them work-groups (MOECL_DP_ALIGN_CHUNK_WG_CPU,
+ * MOECL_DP_ALIGN_FUSED_WG_CPU), which spread those loops. The test fails
+ * where the fault is present and the table keeps one work-item a chunk,
+ * or where the same loops spread over that work-group count wrong.
+ *
+ * kernel_arg_holds_buffer: rusticl 22.3.6 keeps a buffer a kernel argument
+ * names alive (and counted in CL_CONTEXT_REFERENCE_COUNT) after the
+ * caller has released it, until the argument changes or the kernel is
+ * released. moecl_context_forget_buffers therefore sets the held buffer
+ * arguments of its kernels to NULL (src/program.c), which the test checks
+ * frees the buffer on this device. */
 #include <float.h>
 #include <math.h>
 #include <stdio.h>
@@ -266,6 +284,114 @@ START_TEST(test_loop_iteration_limit)
 }
 END_TEST
 
+static const char budget_source[] =
+    /* Two loops one after the other, each work-item taking every
+     * get_global_size(0)-th iteration; its counts go to out[2 * gid]. */
+    "__kernel void two_loops(__global const uint *n, __global uint *out) {\n"
+    "    const uint gid = get_global_id(0), step = get_global_size(0);\n"
+    "    uint a = 0, b = 0;\n"
+    "    for (uint i = gid; i < n[0]; i += step)\n"
+    "        a++;\n"
+    "    for (uint i = gid; i < n[1]; i += step)\n"
+    "        b++;\n"
+    "    out[2 * gid] = a;\n"
+    "    out[2 * gid + 1] = b;\n"
+    "}\n";
+
+/* Runs two_loops over `items` work-items in one work-group; returns the
+ * two loops' total counts. */
+static void run_two_loops(moecl_context *ctx, cl_kernel k, const cl_uint n[2], size_t items, cl_uint total[2])
+{
+    cl_context cl = moecl_context_cl_context(ctx);
+    cl_command_queue q = moecl_context_queue(ctx);
+    cl_int err;
+    cl_uint *out = calloc(2 * items, sizeof(*out));
+    ck_assert_ptr_nonnull(out);
+    cl_mem bn = clCreateBuffer(cl, CL_MEM_READ_ONLY | CL_MEM_COPY_HOST_PTR, 2 * sizeof(*n), (void *)n, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    cl_mem bo = clCreateBuffer(cl, CL_MEM_WRITE_ONLY, 2 * items * sizeof(*out), NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof bn, &bn), CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 1, sizeof bo, &bo), CL_SUCCESS);
+    ck_assert_int_eq(clEnqueueNDRangeKernel(q, k, 1, NULL, &items, &items, 0, NULL, NULL), CL_SUCCESS);
+    ck_assert_int_eq(clEnqueueReadBuffer(q, bo, CL_TRUE, 0, 2 * items * sizeof(*out), out, 0, NULL, NULL),
+                     CL_SUCCESS);
+    total[0] = total[1] = 0;
+    for (size_t i = 0; i < items; i++) {
+        total[0] += out[2 * i];
+        total[1] += out[2 * i + 1];
+    }
+    clReleaseMemObject(bn);
+    clReleaseMemObject(bo);
+    free(out);
+}
+
+START_TEST(test_loop_budget_shared)
+{
+    moecl_context *ctx = harness_context();
+    cl_program prog = build_source(ctx, budget_source);
+    cl_kernel k = kernel_of(prog, "two_loops");
+    const cl_uint n[2] = {60000, 10000};
+    cl_uint got[2];
+    run_two_loops(ctx, k, n, 1, got);
+    const bool present = got[0] != n[0] || got[1] != n[1];
+    fprintf(stderr, "drivers: loop_budget_shared: %s (loops of %u and %u counted %u and %u)\n",
+            present ? "present" : "absent", n[0], n[1], got[0], got[1]);
+    /* moe_align's CPU-class work-groups, as the table gives them. */
+    const size_t limit = ctx->info.max_work_group_size;
+    const size_t chunk_wg = ctx->params.value[MOECL_DP_ALIGN_CHUNK_WG_CPU];
+    const size_t fused_wg = ctx->params.value[MOECL_DP_ALIGN_FUSED_WG_CPU];
+    ck_assert_msg(!present || (chunk_wg > 1 && fused_wg > 1),
+                  "%s leaves the second of two loops early and the device table keeps moe_align's CPU-class "
+                  "kernels at %zu and %zu work-items (src/device_table.c, MOECL_DP_ALIGN_CHUNK_WG_CPU and "
+                  "MOECL_DP_ALIGN_FUSED_WG_CPU): they would write part of their padding and blocks at 4096 experts",
+                  ctx->info.device_name, chunk_wg, fused_wg);
+    const size_t wgs[2] = {chunk_wg < limit ? chunk_wg : limit, fused_wg < limit ? fused_wg : limit};
+    for (int i = 0; i < 2; i++) {
+        run_two_loops(ctx, k, n, wgs[i], got);
+        ck_assert_msg(got[0] == n[0] && got[1] == n[1], "loops of %u and %u over %zu work-items counted %u and %u",
+                      n[0], n[1], wgs[i], got[0], got[1]);
+    }
+    clReleaseKernel(k);
+    clReleaseProgram(prog);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
+static const char arg_source[] = "__kernel void one(__global int *x) { x[get_global_id(0)] = 1; }\n";
+
+static cl_uint context_refs(cl_context c)
+{
+    cl_uint n = 0;
+    ck_assert_int_eq(clGetContextInfo(c, CL_CONTEXT_REFERENCE_COUNT, sizeof n, &n, NULL), CL_SUCCESS);
+    return n;
+}
+
+START_TEST(test_kernel_arg_holds_buffer)
+{
+    moecl_context *ctx = harness_context();
+    cl_context cl = moecl_context_cl_context(ctx);
+    cl_program prog = build_source(ctx, arg_source);
+    cl_kernel k = kernel_of(prog, "one");
+    const cl_uint before = context_refs(cl);
+    cl_int err;
+    cl_mem b = clCreateBuffer(cl, CL_MEM_READ_WRITE, 64, NULL, &err);
+    ck_assert_int_eq(err, CL_SUCCESS);
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof b, &b), CL_SUCCESS);
+    clReleaseMemObject(b);
+    const cl_uint held = context_refs(cl);
+    fprintf(stderr, "drivers: kernel_arg_holds_buffer: %s (context references %u before the buffer, %u after its "
+            "release)\n", held != before ? "present" : "absent", before, held);
+    /* moecl's shape: the argument set to NULL lets the buffer go. */
+    ck_assert_int_eq(clSetKernelArg(k, 0, sizeof(cl_mem), NULL), CL_SUCCESS);
+    ck_assert_msg(context_refs(cl) == before, "a released buffer still counted after its argument was set to NULL: "
+                  "%u context references, %u before", context_refs(cl), before);
+    clReleaseKernel(k);
+    clReleaseProgram(prog);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 int main(int argc, char **argv)
 {
     harness_args(argc, argv, NULL);
@@ -275,6 +401,8 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_exp_across_barrier);
     tcase_add_test(tc, test_kernel_work_group_size);
     tcase_add_test(tc, test_loop_iteration_limit);
+    tcase_add_test(tc, test_loop_budget_shared);
+    tcase_add_test(tc, test_kernel_arg_holds_buffer);
     suite_add_tcase(s, tc);
     return harness_run(s);
 }

@@ -147,11 +147,17 @@ START_TEST(test_create_from_cl)
     ck_assert_int_eq(moecl_context_create_from_cl(c, dev, q, NULL), MOECL_ERROR_INVALID_ARGUMENT);
 
     /* A device that is not the context's: a sub-device, where the device
-     * can be partitioned. */
-    cl_device_partition_property part[] = {CL_DEVICE_PARTITION_EQUALLY, 1, 0};
+     * says it can be partitioned equally. Asked first: rusticl 22.3 says
+     * it cannot, and its clCreateSubDevices is a NULL entry that crashes. */
+    cl_device_partition_property part[] = {CL_DEVICE_PARTITION_EQUALLY, 1, 0}, kinds[8] = {0};
     cl_device_id subs[64];
-    cl_uint nsub = 0;
-    if (clCreateSubDevices(dev, part, 64, subs, &nsub) == CL_SUCCESS && nsub > 0) {
+    cl_uint nsub = 0, max_sub = 0;
+    bool equally = false;
+    if (clGetDeviceInfo(dev, CL_DEVICE_PARTITION_MAX_SUB_DEVICES, sizeof max_sub, &max_sub, NULL) == CL_SUCCESS &&
+        max_sub > 1 && clGetDeviceInfo(dev, CL_DEVICE_PARTITION_PROPERTIES, sizeof kinds, kinds, NULL) == CL_SUCCESS)
+        for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]) && kinds[i]; i++)
+            equally = equally || kinds[i] == CL_DEVICE_PARTITION_EQUALLY;
+    if (equally && clCreateSubDevices(dev, part, 64, subs, &nsub) == CL_SUCCESS && nsub > 0) {
         rt_reset_null_error();
         ad = CTX_SENTINEL;
         st = moecl_context_create_from_cl(c, subs[0], NULL, &ad);
