@@ -87,7 +87,7 @@ typedef struct options {
     const char *only[MAX_ONLY]; /* --only: names or shell patterns, any of which selects a case */
     int num_only;
     const char *variant; /* --variant: the variant override, or NULL */
-    unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases */
+    unsigned shapes[16][3]; /* --shape T,E,K: extra softmax top-k cases (MAX_SHAPES) */
     int num_shapes;
     int iterations, wall_calls;
     bool cold, quick, host_cost, marker, copy_floor, list;
@@ -1069,7 +1069,10 @@ static host_cost measure_host_cost(moecl_context *ctx, const moecl_topk_gating_d
 
 /* ---- the default cases ---- */
 
-#define MAX_CASES 128
+/* Room for the default cases (about 100) and MAX_SHAPES --shape cases;
+ * main checks that the default list leaves a margin. */
+#define MAX_SHAPES 16
+#define MAX_CASES 256
 
 static int default_cases(bench_case *out, bool quick)
 {
@@ -1625,9 +1628,14 @@ int main(int argc, char **argv)
     int status = parse_args(argc, argv, &o);
     if (status >= 0)
         return status;
-    /* The default cases (under 100) and up to 16 --shape cases. */
     bench_case cases[MAX_CASES];
     int n = o.host_cost ? 0 : default_cases(cases, o.quick);
+    /* Fails every run (CI's smoke run too) well before the list outgrows
+     * the array. */
+    if (n > MAX_CASES - MAX_SHAPES - 64) {
+        fprintf(stderr, "moecl-bench: %d default cases leave too little room in MAX_CASES (%d)\n", n, MAX_CASES);
+        return 1;
+    }
     for (int i = 0; i < o.num_shapes && !o.host_cost; i++) {
         bench_case *c = &cases[n++];
         memset(c, 0, sizeof(*c));
