@@ -27,6 +27,7 @@ draws them (same kinds, not the same numbers).
 """
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -42,9 +43,19 @@ DSV3_HIDDEN = 7168
 
 def blas_info():
     """The BLAS of this PyTorch build (BLAS_INFO of its build configuration),
-    which the CPU GEMM figures depend on."""
+    which the CPU GEMM figures depend on. A build against the generic
+    libblas.so.3 (Debian's) runs whichever BLAS the system's alternatives
+    name: then the library this process mapped is named too."""
     m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
-    return m.group(1) if m else "unknown"
+    info = m.group(1) if m else "unknown"
+    if info != "generic":
+        return info
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libblas.so" in line}
+    except OSError:
+        return info
+    return f"{info} ({', '.join(sorted(os.path.realpath(p) for p in paths))})" if paths else info
 GROUNDED_SHAPES = [(4096, 128, 16, 2), (16384, 4096, 128, 8)]  # tokens, hidden, experts, top_k
 ALPHA = 0.5
 SEED = 1234
