@@ -2,7 +2,7 @@
 """PyTorch reference timings to set beside moecl's own (bench/RESULTS.md).
 
     python3 bench/torch_reference.py [--device cuda|cpu] [--threads N] [--json OUT] [--quick] [--only OP]
-                                   [--logits normal|uniform10]
+                                   [--logits normal|uniform10|hot|ties]
 
 Measures, in plain PyTorch (standard library + torch only):
   seed_topk_gating   the seed's Model.forward (softmax, topk k=8, int32 ids), ten seed shapes
@@ -20,11 +20,14 @@ between two events, time divided by unroll*reps (launch overhead removed).  Inpu
 resident, so small shapes run from a warm L2.  fp32 matmuls run with
 torch.backends.cuda.matmul.allow_tf32 = False unless labelled gemm_tf32.
 CPU: torch.set_num_threads(N), time.perf_counter per call, "cpu-eager".
---logits: the seed top-k's logits, standard normal (default) or uniform on [0, 10) (top
-values crowd together), as moecl-bench --logits draws them (same kinds, not the same numbers).
+--logits: the seed top-k's logits, standard normal (default), uniform on [0, 10) (top values
+crowd together), hot (standard normal, experts 0, E/8, 2E/8, ... raised by 3) or ties (levels
+0..7 plus 0..3 times 2^-20: exact and near ties at the k-th place), as moecl-bench --logits
+draws them (same kinds, not the same numbers).
 """
 import argparse
 import json
+import os
 import re
 import statistics
 import time
@@ -40,9 +43,19 @@ DSV3_HIDDEN = 7168
 
 def blas_info():
     """The BLAS of this PyTorch build (BLAS_INFO of its build configuration),
-    which the CPU GEMM figures depend on."""
+    which the CPU GEMM figures depend on. A build against the generic
+    libblas.so.3 (Debian's) runs whichever BLAS the system's alternatives
+    name: then the library this process mapped is named too."""
     m = re.search(r"BLAS_INFO=([^,\s]+)", torch.__config__.show())
-    return m.group(1) if m else "unknown"
+    info = m.group(1) if m else "unknown"
+    if info != "generic":
+        return info
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libblas.so" in line}
+    except OSError:
+        return info
+    return f"{info} ({', '.join(sorted(os.path.realpath(p) for p in paths))})" if paths else info
 GROUNDED_SHAPES = [(4096, 128, 16, 2), (16384, 4096, 128, 8)]  # tokens, hidden, experts, top_k
 ALPHA = 0.5
 SEED = 1234
@@ -179,11 +192,24 @@ def check_grounded(token_hidden, router_logits, expert_ground, alpha, top_k):
 
 
 # ---------------------------------------------------------------- timing
+HOT_EXPERTS, HOT_BOOST = 8, 3.0
+TIE_LEVELS, TIE_STEPS, TIE_STEP = 8, 4, 2.0 ** -20
+
+
 def random_logits(kind, t, e, dev):
-    """The seed top-k's input: randn, or uniform on [0, 10) (moecl-bench --logits)."""
+    """The seed top-k's input, drawn as moecl-bench --logits KIND draws it (the same
+    distributions, not the same numbers): randn; uniform on [0, 10); randn with 8 hot
+    experts (every e/8-th from 0) raised by 3; levels 0..7 plus 0..3 times 2^-20 (ties)."""
     if kind == "uniform10":
         return 10.0 * torch.rand(t, e, dtype=torch.float32, device=dev)
-    return torch.randn(t, e, dtype=torch.float32, device=dev)
+    if kind == "ties":
+        level = torch.randint(0, TIE_LEVELS, (t, e), device=dev).float()
+        return level + TIE_STEP * torch.randint(0, TIE_STEPS, (t, e), device=dev).float()
+    x = torch.randn(t, e, dtype=torch.float32, device=dev)
+    if kind == "hot":
+        stride = max(1, e // HOT_EXPERTS)
+        x[:, torch.arange(0, min(e, stride * HOT_EXPERTS), stride, device=dev)] += HOT_BOOST
+    return x
 
 
 def summarize(samples_us):
@@ -255,8 +281,9 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer iterations (smoke test)")
     ap.add_argument("--only", metavar="SUBSTRING", default="",
                     help="run only the ops whose name contains SUBSTRING (e.g. moe_align)")
-    ap.add_argument("--logits", choices=["normal", "uniform10"], default="normal",
-                    help="seed top-k logits: standard normal, or uniform on [0, 10) (crowded top values)")
+    ap.add_argument("--logits", choices=["normal", "uniform10", "hot", "ties"], default="normal",
+                    help="seed top-k logits: standard normal, uniform on [0, 10) (crowded top values), "
+                         "normal with 8 hot experts raised by 3, or 8 levels with near-ties (many ties)")
     args = ap.parse_args()
     dev, cuda = args.device, args.device == "cuda"
 

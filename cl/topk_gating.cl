@@ -343,8 +343,14 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
         for (uint j = 0; j < TOPK; j++)
             keys[j] = KEY_NONE;
         for (uint e = 0; e < NUM_EXPERTS; e++) {
-            const float v = rank_logit(LOAD_IN(x, e), row_max);
-            if (v >= floor_all) {
+            /* Compared as loaded: above a finite floor a logit ranks as
+             * itself (rank_candidates), so the scalar exp of rank_logit,
+             * which made such rows several times slower than the rest
+             * (hot experts sharing a lane, many ties), runs only where
+             * the floor is -inf. */
+            const float raw = LOAD_IN(x, e);
+            if (raw >= floor_all) {
+                const float v = floor_all == -INFINITY ? rank_logit(raw, row_max) : raw;
                 const ulong key = rank_key(v, e);
                 TOPK_INSERT(keys, unused, TOPK, key, 0.0f);
             }

@@ -469,7 +469,7 @@ static void setup_buffers(cl_context cl, const bench_case *c, bool cold, tool_lo
                 free(ids);
         } else if (topk_desc_op(c)) {
             const moecl_topk_gating_desc *d = &c->topk;
-            void *g = tool_logits_tensor(&seed, d->gating_dtype, (size_t)d->num_tokens * d->num_experts, logits);
+            void *g = tool_logits_tensor(&seed, d->gating_dtype, d->num_tokens, d->num_experts, logits);
             b->in[s] = tool_make_buffer("moecl-bench", cl,
                                         (size_t)d->num_tokens * d->num_experts * ref_dtype_size(d->gating_dtype), g);
             if (s == 0)
@@ -1304,7 +1304,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: moecl-bench [--device SEL] [--iterations N] [--wall-calls N] [--cold] [--quick] [--marker]\n"
                "                   [--only NAME]... [--list] [--shape T,E,K]... [--json FILE] [--csv FILE]\n"
-               "                   [--logits normal|uniform10] [--copy-floor] [--host-cost] [--variant TEXT]\n"
+               "                   [--logits KIND] [--copy-floor] [--host-cost] [--variant TEXT]\n"
                "                   [--help]\n"
                "Checks each op against the float64 reference, then times it: device time from OpenCL\n"
                "profiling (median of N calls, default 200; --cold rotates inputs larger than the cache),\n"
@@ -1316,10 +1316,12 @@ static void usage(FILE *f)
                "b64\") or both (\"moe_align 1x128 k8 b64\") is NAME in full; *, ? and [...] make NAME a\n"
                "shell pattern (--only '1x128 *': every shape of 1 token x 128 experts); repeatable, any\n"
                "match keeps a case; one that keeps none is a bad usage. --list prints the names the\n"
-               "options select and exits. Progress goes to stderr when it is a terminal. --logits: the top-k\n"
-               "cases' logits, standard normal (the default) or uniform on [0, 10) (top values crowd\n"
-               "together), both from the same seeded generator; bench/torch_reference.py --logits draws\n"
-               "the same kinds. --json FILE and\n"
+               "options select and exits. Progress goes to stderr when it is a terminal. --logits KIND: the\n"
+               "top-k cases' logits, all from the same seeded generator: normal (standard normal, the\n"
+               "default), uniform10 (uniform on [0, 10): top values crowd together), hot (standard normal,\n"
+               "8 hot experts, every E/8-th from 0, raised by 3) or ties (levels 0..7 plus 0..3 times\n"
+               "2^-20: exact and near ties at the k-th place); bench/torch_reference.py --logits draws the\n"
+               "same kinds. --json FILE and\n"
                "--csv FILE write the table for scripts too (dtype as 0 f32, 1 f16, 2 bf16, 3 int32\n"
                "(moe_align); ids_fnv1a hashes the ids of the check, for moe_align the sorted_token_ids;\n"
                "JSON strings are valid UTF-8: a byte that is not is written as U+FFFD). moe_align's\n"
@@ -1482,7 +1484,7 @@ static int parse_args(int argc, char **argv, options *o)
             break;
         case OPT_LOGITS:
             if (!tool_parse_logits(optarg, &o->logits))
-                return tool_bad_usage(prog, usage, "--logits %s: expected normal or uniform10", optarg);
+                return tool_bad_usage(prog, usage, "--logits %s: expected normal, uniform10, hot or ties", optarg);
             break;
         default:
             return 2; /* tool_getopt named it */

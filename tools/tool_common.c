@@ -30,12 +30,37 @@ float tool_randn(uint64_t *s)
     return (float)(sqrt(-2.0 * log(u[0])) * cos(6.283185307179586 * u[1]));
 }
 
-/* Uniform on [0, 10): 24 random bits, so every value is a multiple of
- * 10 / 2^24 (a float holds it to within an ulp). */
-static float tool_rand_uniform10(uint64_t *s)
+/* v into element i of p in dtype t (f16/bf16 rounded to nearest even). */
+static void tool_store(moecl_dtype t, void *p, size_t i, float v)
+{
+    if (t == MOECL_F32)
+        ((float *)p)[i] = v;
+    else
+        ((uint16_t *)p)[i] = t == MOECL_F16 ? ref_float_to_half(v) : ref_float_to_bf16(v);
+}
+
+/* 24 random bits of the LCG state, as a double in [0, 1). */
+static double tool_rand_unit(uint64_t *s)
 {
     *s = *s * 6364136223846793005ull + 1442695040888963407ull;
-    return (float)((double)(*s >> 40) * (10.0 / 16777216.0));
+    return (double)(*s >> 40) / 16777216.0;
+}
+
+/* Uniform on [0, 10): every value is a multiple of 10 / 2^24 (a float
+ * holds it to within an ulp). */
+static float tool_rand_uniform10(uint64_t *s)
+{
+    return (float)(tool_rand_unit(s) * 10.0);
+}
+
+/* One of 8 levels 0..7, plus 0, 1, 2 or 3 times 2^-20 (each equally
+ * likely): a row of 128 holds about 16 values at the top level, so its
+ * k-th place ties exactly with others and sits among near-ties a few
+ * ulps apart (every value exact in f32). */
+static float tool_rand_ties(uint64_t *s)
+{
+    const double level = floor(8.0 * tool_rand_unit(s));
+    return (float)(level + ldexp(floor(4.0 * tool_rand_unit(s)), -20));
 }
 
 static void *tool_fill_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale, float (*draw)(uint64_t *))
@@ -43,13 +68,8 @@ static void *tool_fill_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale,
     void *p = malloc(n * ref_dtype_size(t) + 4);
     if (!p)
         return NULL;
-    for (size_t i = 0; i < n; i++) {
-        float v = draw(s) * scale;
-        if (t == MOECL_F32)
-            ((float *)p)[i] = v;
-        else
-            ((uint16_t *)p)[i] = t == MOECL_F16 ? ref_float_to_half(v) : ref_float_to_bf16(v);
-    }
+    for (size_t i = 0; i < n; i++)
+        tool_store(t, p, i, draw(s) * scale);
     return p;
 }
 
@@ -58,25 +78,45 @@ void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale)
     return tool_fill_tensor(s, t, n, scale, tool_randn);
 }
 
-void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t n, tool_logits dist)
+/* Hot experts: every num_experts/8-th from 0 (all of them below 8). */
+static bool tool_hot_expert(uint32_t e, uint32_t num_experts)
 {
-    return tool_fill_tensor(s, t, n, 1.0f, dist == TOOL_LOGITS_UNIFORM10 ? tool_rand_uniform10 : tool_randn);
+    const uint32_t stride = num_experts >= TOOL_HOT_EXPERTS ? num_experts / TOOL_HOT_EXPERTS : 1;
+    return e % stride == 0 && e / stride < TOOL_HOT_EXPERTS;
 }
+
+void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t tokens, uint32_t experts, tool_logits dist)
+{
+    const size_t n = tokens * experts;
+    if (dist == TOOL_LOGITS_UNIFORM10)
+        return tool_fill_tensor(s, t, n, 1.0f, tool_rand_uniform10);
+    if (dist == TOOL_LOGITS_TIES)
+        return tool_fill_tensor(s, t, n, 1.0f, tool_rand_ties);
+    void *p = malloc(n * ref_dtype_size(t) + 4);
+    if (!p)
+        return NULL;
+    for (size_t i = 0; i < n; i++) {
+        const bool hot = dist == TOOL_LOGITS_HOT && tool_hot_expert((uint32_t)(i % experts), experts);
+        tool_store(t, p, i, tool_randn(s) + (hot ? TOOL_HOT_BOOST : 0.0f));
+    }
+    return p;
+}
+
+static const char *const logits_names[] = {"normal", "uniform10", "hot", "ties"};
 
 bool tool_parse_logits(const char *text, tool_logits *out)
 {
-    if (strcmp(text, "normal") == 0)
-        *out = TOOL_LOGITS_NORMAL;
-    else if (strcmp(text, "uniform10") == 0)
-        *out = TOOL_LOGITS_UNIFORM10;
-    else
-        return false;
-    return true;
+    for (size_t i = 0; i < sizeof(logits_names) / sizeof(logits_names[0]); i++)
+        if (strcmp(text, logits_names[i]) == 0) {
+            *out = (tool_logits)i;
+            return true;
+        }
+    return false;
 }
 
 const char *tool_logits_name(tool_logits dist)
 {
-    return dist == TOOL_LOGITS_UNIFORM10 ? "uniform10" : "normal";
+    return logits_names[dist];
 }
 
 cl_mem tool_make_buffer(const char *prog, cl_context c, size_t size, const void *data)

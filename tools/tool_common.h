@@ -19,13 +19,22 @@ float tool_randn(uint64_t *s);
 /* n values randn * scale in dtype t (f16/bf16 rounded to nearest even),
  * malloc'ed with 4 spare bytes; NULL when out of memory. */
 void *tool_random_tensor(uint64_t *s, moecl_dtype t, size_t n, float scale);
-/* How top-k logits are drawn: standard normal, or uniform on [0, 10) (top
- * values crowd together: the k-th largest of 128 is about 0.5 below
- * the largest). bench/torch_reference.py --logits draws the same kinds. */
-typedef enum tool_logits { TOOL_LOGITS_NORMAL, TOOL_LOGITS_UNIFORM10 } tool_logits;
-/* n logits of the kind dist in dtype t, as tool_random_tensor. */
-void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t n, tool_logits dist);
-/* "normal" or "uniform10" into *out; false for anything else. */
+/* How top-k logits are drawn: standard normal; uniform on [0, 10) (top
+ * values crowd together: the k-th largest of 128 is about 0.5 below the
+ * largest); hot: standard normal with TOOL_HOT_EXPERTS experts (every
+ * num_experts/8-th, from 0) raised by TOOL_HOT_BOOST, so the top k
+ * concentrate on them; ties: 8 levels 0..7 plus 0..3 times 2^-20 (exact
+ * and near ties at the k-th place in most rows). bench/torch_reference.py
+ * --logits draws the same kinds (the same distributions, not the same
+ * numbers). */
+typedef enum tool_logits { TOOL_LOGITS_NORMAL, TOOL_LOGITS_UNIFORM10, TOOL_LOGITS_HOT, TOOL_LOGITS_TIES } tool_logits;
+#define TOOL_HOT_EXPERTS 8u
+#define TOOL_HOT_BOOST 3.0f
+/* tokens x experts logits of the kind dist in dtype t, as
+ * tool_random_tensor. */
+void *tool_logits_tensor(uint64_t *s, moecl_dtype t, size_t tokens, uint32_t experts, tool_logits dist);
+/* "normal", "uniform10", "hot" or "ties" into *out; false for anything
+ * else. */
 bool tool_parse_logits(const char *text, tool_logits *out);
 /* The name tool_parse_logits reads. */
 const char *tool_logits_name(tool_logits dist);
