@@ -260,11 +260,11 @@ static described describe(const char *kernel, const char *d, bool ptx)
         r.local = LAYOUT_EP_PLACE_STATIC_BYTES(D("WG"));
         r.arrays = D("WG") > 1 ? 1 : 0;
     } else {
-        /* permute_rows and combine_rows (cl/permute.cl) keep no local
-         * memory and no private arrays. */
+        /* permute_rows, permute_scatter and combine_rows (cl/permute.cl)
+         * keep no local memory and no private arrays. */
         ck_assert_msg(strcmp(kernel, "moe_align_count") == 0 || strcmp(kernel, "ep_layout_count") == 0 ||
                           strcmp(kernel, "ep_layout_scan") == 0 || strcmp(kernel, "permute_rows") == 0 ||
-                          strcmp(kernel, "combine_rows") == 0,
+                          strcmp(kernel, "permute_scatter") == 0 || strcmp(kernel, "combine_rows") == 0,
                       "no layout for kernel %s", kernel);
     }
     /* The kernels of moecl_route_dispatch and moecl_grounded_route_dispatch
