@@ -125,7 +125,9 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_LOOP_LIMIT, 0, "no other driver is known to leave long loops early"),
     DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_CPU, 0,
             "CPUs: the rows kernel's work-items already split the tokens across cores; split-K not timed there"),
-    DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 0, "not timed off NVIDIA: the rule's kernels stay the default"),
+    DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 0,
+            "not timed on any GPU yet: the rule's kernels stay the default until split-K is measured "
+            "(forced: grounded=splitk)"),
 };
 
 /* ---- NVIDIA ---- */
@@ -145,10 +147,6 @@ static const table_value nvidia_values[] = {
     {MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 256,
      "H200, 2026-12-01: one launch won in wall time up to 32 tokens at top_k 8 (9.3 against 11.7 us at one "
      "token), lost from 64 (20.5 against 19.7)"},
-    {MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 64,
-     "not timed yet: H100 (issue 32), the tensor-core kernel took 307 us at 1 token and 369 at 64 for DeepSeek-V3's "
-     "7168 x 256 router, 0.48 waves of work-groups each walking all 7168 hidden indices; split-K walks 256 of them "
-     "a work-group (112 work-groups a block of 8 tokens there)"},
 };
 
 static const table_launch nvidia_launches[] = {
