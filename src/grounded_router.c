@@ -337,14 +337,14 @@ static grounded_shape rows_shape(const moecl_device_info *info, unsigned rows, u
  * block, 4, 2 or 1 where local memory holds no more; and on a device whose
  * work-groups' private arrays are limited (pocl), the gating's rows within
  * it. Never the dispatch, which needs the team kernel. */
-static bool splitk_shape(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
-                         grounded_shape *shape)
+static bool splitk_shape_within(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
+                                size_t wg_max, grounded_shape *shape)
 {
     if (r->dispatch)
         return false;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts;
     unsigned wg = 256;
-    while (wg > info->max_work_group_size)
+    while (wg > info->max_work_group_size || wg > wg_max)
         wg >>= 1;
     if (wg < 32)
         return false;
@@ -370,6 +370,12 @@ static bool splitk_shape(const moecl_device_info *info, const grounded_request *
             return true;
         }
     return false;
+}
+
+static bool splitk_shape(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
+                         grounded_shape *shape)
+{
+    return splitk_shape_within(info, r, chunk, 256, shape);
 }
 
 /* The split-K configuration of the request (its chunk written out), if the
@@ -620,6 +626,18 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     defines_of(r, &shape, defines, sizeof(defines));
     moecl_status st = moecl_variant_get(ctx, r->dispatch ? MOECL_PROGRAM_GROUNDED_DISPATCH : MOECL_PROGRAM_GROUNDED_ROUTER,
                                         defines, shape.kernel_name, &plan->variants[0]);
+    /* Split-K's work-group is compiled in: where the built kernel allows
+     * fewer work-items (its registers: Intel's CPU runtime allows 128 at
+     * 4096 experts, top 64), build it again for the largest that fits. */
+    grounded_shape smaller;
+    while (st == MOECL_SUCCESS && shape.kind == MOECL_KERNEL_SPLITK) {
+        const size_t limit = moecl_variant_work_group_limit(plan->variants[0]);
+        if (!limit || shape.local <= limit || !splitk_shape_within(&ctx->info, r, shape.tk, shape.local / 2, &smaller))
+            break;
+        shape = smaller;
+        defines_of(r, &shape, defines, sizeof(defines));
+        st = moecl_variant_get(ctx, MOECL_PROGRAM_GROUNDED_ROUTER, defines, shape.kernel_name, &plan->variants[0]);
+    }
     if (st != MOECL_SUCCESS)
         return st;
     plan->num_kernels = 1;
