@@ -485,38 +485,75 @@ static inline float grouped_floor(const float *first, const float *second, const
     return best[TOPK - 1];
 }
 
-/* Step 4: insert expert e of selection score s, weighing value. */
-static inline void grouped_insert(ulong *keys, float *weights, uint e, float s, float value)
+/* What a chosen expert e weighs before step 5: its score, or its logit
+ * (WEIGHTING 1 and 2). */
+#define GROUPED_VALUE(e) (WEIGHTING == 0 ? score[e] : LOAD_IN(x, e))
+/* The candidates the counting placement takes (16 keys: two ulong8). */
+#define GROUPED_CANDS 16
+
+/* A kept expert's key: its selection rank above the complemented index. */
+static inline ulong grouped_key(const float *sel, uint e)
 {
-    const ulong key = ((ulong)select_rank(s) << 32) | (ulong)(~e);
-    TOPK_INSERT(keys, weights, TOPK, key, value);
+    return ((ulong)select_rank(sel[e]) << 32) | (ulong)(~e);
 }
 
-/* Step 4 over the kept groups: the experts at least floor_s; returns how
- * many there were (fewer than k: the floor was a missing second, and the
- * caller inserts every kept expert, NaN included, with floor_s NaN). */
-static inline uint grouped_topk(__global const in_t *x, const float *score, const float *sel, const ulong *group_key,
-                                ulong threshold, float floor_s, ulong *keys, float *weights)
+/* Step 4, gathering: the keys of the kept experts at least floor_s, in
+ * index order, into cand[0..GROUPED_CANDS) (the rest KEY_NONE); returns
+ * how many there are, those past GROUPED_CANDS counted only. A mask
+ * covers up to eight blocks, so the loop over its bits exits rarely. */
+static inline uint grouped_candidates(const float *sel, const ulong *group_key, ulong threshold, float floor_s,
+                                      ulong *cand)
+{
+    for (uint i = 0; i <= GROUPED_CANDS; i++)
+        cand[i] = KEY_NONE;
+    uint count = 0;
+    for (uint g = 0; g < NUM_GROUPS; g++) {
+        if (group_key[g] < threshold)
+            continue;
+        for (uint b0 = g * GROUP_BLOCKS; b0 < (g + 1) * GROUP_BLOCKS; b0 += 8) {
+            ulong bits = 0;
+            for (uint i = 0; i < 8 && b0 + i < (g + 1) * GROUP_BLOCKS; i++)
+                bits |= (ulong)grouped_lane_bits(vload8(b0 + i, sel) >= floor_s) << (8 * i);
+            while (bits) {
+                const uint e = b0 * BLOCK + 63 - (uint)clz(bits & (0ul - bits));
+                bits &= bits - 1;
+                cand[min(count, (uint)GROUPED_CANDS)] = grouped_key(sel, e);
+                count++;
+            }
+        }
+    }
+    return count;
+}
+
+/* Step 4, placing: each of the count (k..GROUPED_CANDS) candidates goes
+ * to its place, the number of larger keys (keys are unique); those past
+ * k are dropped. */
+static inline void grouped_place(const ulong *cand, uint count, ulong *keys)
+{
+    const ulong8 c0 = vload8(0, cand), c1 = vload8(1, cand);
+    for (uint i = 0; i < count; i++) {
+        const long8 above = (c0 > cand[i]) + (c1 > cand[i]); /* -1 for each larger key */
+        const long4 a4 = above.lo + above.hi;
+        const long2 a2 = a4.lo + a4.hi;
+        const uint place = (uint)(-(a2.x + a2.y));
+        if (place < TOPK)
+            keys[place] = cand[i];
+    }
+}
+
+/* Step 4, otherwise: insertion of every kept expert at least floor_s (NaN:
+ * every kept expert, NaN scores included). */
+static inline void grouped_insert_all(__global const in_t *x, const float *score, const float *sel,
+                                      const ulong *group_key, ulong threshold, float floor_s, ulong *keys,
+                                      float *weights)
 {
     for (uint j = 0; j < TOPK; j++) {
         keys[j] = KEY_NONE;
         weights[j] = 0.0f;
     }
-    uint count = 0;
-    for (uint g = 0; g < NUM_GROUPS; g++) {
-        if (group_key[g] < threshold)
-            continue;
-        for (uint b = g * GROUP_BLOCKS; b < (g + 1) * GROUP_BLOCKS; b++) {
-            uint bits = isnan(floor_s) ? 0xffu : grouped_lane_bits(vload8(b, sel) >= floor_s);
-            count += popcount(bits);
-            while (bits) {
-                const uint e = b * BLOCK + 31 - clz(bits & (0u - bits));
-                bits &= bits - 1;
-                grouped_insert(keys, weights, e, sel[e], WEIGHTING == 0 ? score[e] : LOAD_IN(x, e));
-            }
-        }
-    }
-    return count;
+    for (uint e = 0; e < NUM_EXPERTS; e++)
+        if (group_key[e / GROUP_SIZE] >= threshold && (isnan(floor_s) || sel[e] >= floor_s))
+            TOPK_INSERT(keys, weights, TOPK, grouped_key(sel, e), GROUPED_VALUE(e));
 }
 
 static inline void topk_rows_grouped(__global const in_t *x, __global const bias_t *bias, __global weight_t *w_out,
@@ -538,12 +575,21 @@ static inline void topk_rows_grouped(__global const in_t *x, __global const bias
         group_key[g] = rank_key(grouped_score(first[g], second[g], n), g);
     }
     const ulong threshold = group_threshold(group_key);
-    /* Step 4: top-k of the kept experts at least the floor. */
-    ulong keys[TOPK];
+    /* Step 4: top-k of the kept experts at least the floor, placed by
+     * counting where they are few (the common case: about 11 for
+     * DeepSeek-V3's random rows), else inserted; fewer than k (the
+     * floor was a missing second): every kept expert. */
+    const float floor_s = grouped_floor(first, second, group_key, threshold);
+    ulong cand[GROUPED_CANDS + 1], keys[TOPK];
     float weights[TOPK];
-    if (grouped_topk(x, score, sel, group_key, threshold, grouped_floor(first, second, group_key, threshold), keys,
-                     weights) < TOPK)
-        grouped_topk(x, score, sel, group_key, threshold, NAN, keys, weights);
+    const uint count = grouped_candidates(sel, group_key, threshold, floor_s, cand);
+    if (count >= TOPK && count <= GROUPED_CANDS) {
+        grouped_place(cand, count, keys);
+        for (uint j = 0; j < TOPK; j++)
+            weights[j] = GROUPED_VALUE(key_index(keys[j]));
+    } else {
+        grouped_insert_all(x, score, sel, group_key, threshold, count < TOPK ? NAN : floor_s, keys, weights);
+    }
     /* Step 5. */
     uint ids[TOPK];
     rows_final(keys, weights, scaling_factor, ids);
