@@ -573,10 +573,23 @@ static inline void rows_selection_ranks(const float8 *score, __global const bias
 }
 
 #if NUM_GROUPS > 0
+/* Step 3: the TOPK_GROUP-th largest of the groups' keys: keys are unique,
+ * so a group is kept exactly when its key is at least that. */
+static inline ulong group_threshold(const ulong *group_key)
+{
+    ulong threshold = ~0ul;
+    for (uint r = 0; r < TOPK_GROUP; r++) {
+        ulong next = KEY_NONE;
+        for (uint g = 0; g < NUM_GROUPS; g++)
+            if (group_key[g] < threshold && group_key[g] > next)
+                next = group_key[g];
+        threshold = next;
+    }
+    return threshold;
+}
+
 /* Step 3: keep the TOPK_GROUP groups of largest group score. Each group's
- * key goes to group_key[g]; the result is the TOPK_GROUP-th largest key:
- * keys are unique, so a group is kept exactly when its key is at least
- * that. */
+ * key goes to group_key[g]; the result is group_threshold's. */
 static inline ulong rows_group_limit(const float8 *score, __global const bias_t *bias, ulong *group_key)
 {
     group_acc accs[NUM_GROUPS];
@@ -590,15 +603,7 @@ static inline ulong rows_group_limit(const float8 *score, __global const bias_t 
     }
     for (uint g = 0; g < NUM_GROUPS; g++)
         group_key[g] = rank_key(group_acc_score(&accs[g]), g);
-    ulong threshold = ~0ul;
-    for (uint r = 0; r < TOPK_GROUP; r++) {
-        ulong next = KEY_NONE;
-        for (uint g = 0; g < NUM_GROUPS; g++)
-            if (group_key[g] < threshold && group_key[g] > next)
-                next = group_key[g];
-        threshold = next;
-    }
-    return threshold;
+    return group_threshold(group_key);
 }
 
 #if GROUP_FILL == 1

@@ -377,6 +377,226 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
 }
 #endif
 
+/* A token row's routed slots from the per-row paths' final weights and ids. */
+static inline void write_routed(__global weight_t *w_out, __global ids_t *id_out, const float *weights,
+                                const uint *ids COUNTS_PARAMS)
+{
+    for (uint j = 0; j < TOPK; j++) {
+        STORE_WEIGHT(w_out, j, SCALED(weights[j], ids[j]));
+        STORE_ID(id_out, j, ids[j]);
+        CAPTURE_ID(j, ids[j]);
+        COUNT_ID(ids[j]);
+    }
+}
+
+/* ---- Fast path: grouped top-k with an elementwise scoring (DeepSeek-V3:
+ * sigmoid, bias, top-2 sums of groups of 32). The generic loop scores the
+ * groups expert by expert and inserts every expert of the kept groups;
+ * here the groups' top two come from 8-lane maxima, and only experts at
+ * least a floor are inserted. Groups of whole blocks of eight, the plain
+ * fill (dropped experts never chosen); CPUs only, as the softmax path.
+ * 8-lane vectors, not 16: oclgrind --uninitialized misreads 16-lane
+ * shuffles (tests/oclgrind/tool_bugs, shuffle16_uninitialized). */
+#if CPU_DEVICE && NUM_GROUPS > 0 && SCORING != 0 && GROUP_FILL == 0 && GROUP_SIZE % BLOCK == 0
+#define ROWS_GROUPED 1
+#define GROUP_BLOCKS (GROUP_SIZE / BLOCK)
+
+/* A bit for each lane of hit that is set. */
+static inline uint grouped_lane_bits(int8 hit)
+{
+    const uint8 m = as_uint8(hit) & (uint8)(1u, 2u, 4u, 8u, 16u, 32u, 64u, 128u);
+    const uint4 a = m.lo | m.hi;
+    const uint2 b = a.lo | a.hi;
+    return b.x | b.y;
+}
+
+/* The two largest of (a1 >= a2) and (b1 >= b2), into (a1 >= a2); no NaN
+ * (plain compares: fmax's NaN rule costs instructions). */
+#define TOP2_MERGE(T, a1, a2, b1, b2)                                                              \
+    do {                                                                                           \
+        const T lo_ = a1 < b1 ? a1 : b1;                                                           \
+        const T hi2_ = a2 > b2 ? a2 : b2;                                                          \
+        a1 = a1 > b1 ? a1 : b1;                                                                    \
+        a2 = lo_ > hi2_ ? lo_ : hi2_;                                                              \
+    } while (0)
+
+/* Step 3 for one group (its selection scores in sel): the two largest
+ * non-NaN scores, a repeated maximum twice (-inf where there are fewer),
+ * and their count. group_acc's rule, lane by lane. */
+static inline uint grouped_top2(const float *sel, float *first, float *second)
+{
+    float8 m1 = (float8)(-INFINITY), m2 = (float8)(-INFINITY);
+    int8 n = (int8)(0);
+    for (uint b = 0; b < GROUP_BLOCKS; b++) {
+        const float8 v = vload8(b, sel);
+        const int8 nan = isnan(v);
+        n += nan + 1; /* isnan is -1 where true */
+        TOP2_MERGE(float8, m1, m2, select(v, (float8)(-INFINITY), nan), (float8)(-INFINITY));
+    }
+    float4 a1 = m1.lo, a2 = m2.lo;
+    TOP2_MERGE(float4, a1, a2, m1.hi, m2.hi);
+    float2 b1 = a1.lo, b2 = a2.lo;
+    TOP2_MERGE(float2, b1, b2, a1.hi, a2.hi);
+    float c1 = b1.x, c2 = b2.x;
+    TOP2_MERGE(float, c1, c2, b1.y, b2.y);
+    *first = c1;
+    *second = c2;
+    const int4 n4 = n.lo + n.hi;
+    return (uint)(n4.x + n4.y + n4.z + n4.w);
+}
+
+/* Step 3: the group score from grouped_top2 (group_acc_score's). */
+static inline float grouped_score(float first, float second, uint count)
+{
+    if (count == 0)
+        return NAN;
+    return GROUP_SCORE == 1 && count > 1 ? first + second : first;
+}
+
+/* A floor for the k-th largest selection score of the kept groups: the
+ * k-th largest of their top twos (k experts reach it; with exactly k of
+ * them, DeepSeek-V3's 4 x 2 of 8, the least second), -inf where they hold
+ * fewer than k. */
+static inline float grouped_floor(const float *first, const float *second, const ulong *group_key, ulong threshold)
+{
+    if (2 * TOPK_GROUP < TOPK)
+        return -INFINITY;
+    if (2 * TOPK_GROUP == TOPK) {
+        float least = INFINITY;
+        for (uint g = 0; g < NUM_GROUPS; g++)
+            least = group_key[g] >= threshold && second[g] < least ? second[g] : least;
+        return least;
+    }
+    float best[TOPK];
+    for (uint j = 0; j < TOPK; j++)
+        best[j] = -INFINITY;
+    for (uint g = 0; g < NUM_GROUPS; g++) {
+        if (group_key[g] < threshold)
+            continue;
+        for (uint t = 0; t < 2; t++) {
+            float v = t ? second[g] : first[g];
+            for (uint j = 0; j < TOPK; j++) {
+                const float hi = best[j] > v ? best[j] : v;
+                v = best[j] > v ? v : best[j];
+                best[j] = hi;
+            }
+        }
+    }
+    return best[TOPK - 1];
+}
+
+/* What a chosen expert e weighs before step 5: its score, or its logit
+ * (WEIGHTING 1 and 2). */
+#define GROUPED_VALUE(e) (WEIGHTING == 0 ? score[e] : LOAD_IN(x, e))
+/* The candidates the counting placement takes (16 keys: two ulong8). */
+#define GROUPED_CANDS 16
+
+/* A kept expert's key: its selection rank above the complemented index. */
+static inline ulong grouped_key(const float *sel, uint e)
+{
+    return ((ulong)select_rank(sel[e]) << 32) | (ulong)(~e);
+}
+
+/* Step 4, gathering: the keys of the kept experts at least floor_s, in
+ * index order, into cand[0..GROUPED_CANDS) (the rest KEY_NONE); returns
+ * how many there are, those past GROUPED_CANDS counted only. A mask
+ * covers up to eight blocks, so the loop over its bits exits rarely. */
+static inline uint grouped_candidates(const float *sel, const ulong *group_key, ulong threshold, float floor_s,
+                                      ulong *cand)
+{
+    for (uint i = 0; i <= GROUPED_CANDS; i++)
+        cand[i] = KEY_NONE;
+    uint count = 0;
+    for (uint g = 0; g < NUM_GROUPS; g++) {
+        if (group_key[g] < threshold)
+            continue;
+        for (uint b0 = g * GROUP_BLOCKS; b0 < (g + 1) * GROUP_BLOCKS; b0 += 8) {
+            ulong bits = 0;
+            for (uint i = 0; i < 8 && b0 + i < (g + 1) * GROUP_BLOCKS; i++)
+                bits |= (ulong)grouped_lane_bits(vload8(b0 + i, sel) >= floor_s) << (8 * i);
+            while (bits) {
+                const uint e = b0 * BLOCK + 63 - (uint)clz(bits & (0ul - bits));
+                bits &= bits - 1;
+                cand[min(count, (uint)GROUPED_CANDS)] = grouped_key(sel, e);
+                count++;
+            }
+        }
+    }
+    return count;
+}
+
+/* Step 4, placing: each of the count (k..GROUPED_CANDS) candidates goes
+ * to its place, the number of larger keys (keys are unique); those past
+ * k are dropped. */
+static inline void grouped_place(const ulong *cand, uint count, ulong *keys)
+{
+    const ulong8 c0 = vload8(0, cand), c1 = vload8(1, cand);
+    for (uint i = 0; i < count; i++) {
+        const long8 above = (c0 > cand[i]) + (c1 > cand[i]); /* -1 for each larger key */
+        const long4 a4 = above.lo + above.hi;
+        const long2 a2 = a4.lo + a4.hi;
+        const uint place = (uint)(-(a2.x + a2.y));
+        if (place < TOPK)
+            keys[place] = cand[i];
+    }
+}
+
+/* Step 4, otherwise: insertion of every kept expert at least floor_s (NaN:
+ * every kept expert, NaN scores included). */
+static inline void grouped_insert_all(__global const in_t *x, const float *score, const float *sel,
+                                      const ulong *group_key, ulong threshold, float floor_s, ulong *keys,
+                                      float *weights)
+{
+    for (uint j = 0; j < TOPK; j++) {
+        keys[j] = KEY_NONE;
+        weights[j] = 0.0f;
+    }
+    for (uint e = 0; e < NUM_EXPERTS; e++)
+        if (group_key[e / GROUP_SIZE] >= threshold && (isnan(floor_s) || sel[e] >= floor_s))
+            TOPK_INSERT(keys, weights, TOPK, grouped_key(sel, e), GROUPED_VALUE(e));
+}
+
+static inline void topk_rows_grouped(__global const in_t *x, __global const bias_t *bias, __global weight_t *w_out,
+                                     __global ids_t *id_out, float scaling_factor COUNTS_PARAMS)
+{
+    /* Steps 1-2: scores and selection scores, in blocks of eight as the
+     * generic loop's (the replay recomputes a chosen block: the same bits). */
+    float score[NUM_EXPERTS], sel[NUM_EXPERTS];
+    for (uint b = 0; b < NUM_EXPERTS / BLOCK; b++) {
+        const float8 s = rows_elementwise_scores(load_in8(x, b * BLOCK));
+        vstore8(s, b, score);
+        vstore8(s + load_bias_block(bias, b * BLOCK), b, sel);
+    }
+    /* Step 3: the kept groups. */
+    float first[NUM_GROUPS], second[NUM_GROUPS];
+    ulong group_key[NUM_GROUPS];
+    for (uint g = 0; g < NUM_GROUPS; g++) {
+        const uint n = grouped_top2(sel + g * GROUP_SIZE, &first[g], &second[g]);
+        group_key[g] = rank_key(grouped_score(first[g], second[g], n), g);
+    }
+    const ulong threshold = group_threshold(group_key);
+    /* Step 4: top-k of the kept experts at least the floor, placed by
+     * counting where they are few (the common case: about 11 for
+     * DeepSeek-V3's random rows), else inserted; fewer than k (the
+     * floor was a missing second): every kept expert. */
+    const float floor_s = grouped_floor(first, second, group_key, threshold);
+    ulong cand[GROUPED_CANDS + 1], keys[TOPK];
+    float weights[TOPK];
+    const uint count = grouped_candidates(sel, group_key, threshold, floor_s, cand);
+    if (count >= TOPK && count <= GROUPED_CANDS) {
+        grouped_place(cand, count, keys);
+        for (uint j = 0; j < TOPK; j++)
+            weights[j] = GROUPED_VALUE(key_index(keys[j]));
+    } else {
+        grouped_insert_all(x, score, sel, group_key, threshold, count < TOPK ? NAN : floor_s, keys, weights);
+    }
+    /* Step 5. */
+    uint ids[TOPK];
+    rows_final(keys, weights, scaling_factor, ids);
+    write_routed(w_out, id_out, weights, ids COUNTS_ARGS);
+}
+#endif
+
 #if !ROWS_FAST
 /* The generic loop, cl/gating.cl's rows_pipeline: every scoring,
  * weighting, bias and grouping. */
@@ -389,12 +609,7 @@ static inline void topk_rows_generic(__global const in_t *x, __global const bias
     float weights[TOPK];
     uint ids[TOPK];
     rows_pipeline(logit, bias, scaling_factor, weights, ids);
-    for (uint j = 0; j < TOPK; j++) {
-        STORE_WEIGHT(w_out, j, SCALED(weights[j], ids[j]));
-        STORE_ID(id_out, j, ids[j]);
-        CAPTURE_ID(j, ids[j]);
-        COUNT_ID(ids[j]);
-    }
+    write_routed(w_out, id_out, weights, ids COUNTS_ARGS);
 }
 #endif
 
@@ -419,6 +634,8 @@ __kernel void topk_gating_rows(__global const in_t *gating, BIAS_PARAM __global 
     SCALE_SET(args);
 #if ROWS_FAST
     topk_rows_softmax(x, w_out, id_out, args.scaling_factor COUNTS_ARGS);
+#elif ROWS_GROUPED
+    topk_rows_grouped(x, BIAS_AT(args), w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #else
     topk_rows_generic(x, BIAS_AT(args), w_out, id_out, args.scaling_factor COUNTS_ARGS);
 #endif
