@@ -1932,6 +1932,41 @@ START_TEST(test_failed_enqueue)
 }
 END_TEST
 
+/* A device-table limit of 0 for the parallel fused kernel means never
+ * by default (docs/routing.md, section 7), for an empty call too: with
+ * that kernel's enqueue armed to fail, empty and one-token calls of both
+ * classes take another path and come out right. */
+START_TEST(test_align_parallel_limit_zero)
+{
+    moecl_context *ctx = harness_context();
+    ctx->info.env.align_path = MOECL_ALIGN_AUTO;
+    const fault parallel_enq[] = {{FAULT_ENQUEUE, "moe_align_fused_parallel", -1, CL_OUT_OF_RESOURCES}};
+    for (int c = 0; c < 2; c++) {
+        ctx->info.launch_class = c ? MOECL_LAUNCH_GPU : MOECL_LAUNCH_CPU;
+        const char *cls = c ? "gpu" : "cpu";
+        if (moecl_device_param_class(&ctx->params, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, ctx->info.launch_class)) {
+            fprintf(stderr, "launch: the %s class takes the parallel kernel by default here; not checked\n", cls);
+            continue;
+        }
+        for (uint32_t tokens = 0; tokens <= 1; tokens++) {
+            const moecl_moe_align_desc d = moecl_moe_align_desc_init(tokens, 4, 16, 8);
+            const int32_t ids[4] = {3, -1, 3, 15};
+            int32_t counts[16], sorted[4 + 16 * 7], blocks[(4 + 16 * 7) / 8], post, pos[4], invalid;
+            arm(parallel_enq, 1);
+            const moecl_status st = moecl_moe_align_host(ctx, &d, ids, counts, sorted, blocks, &post, pos, &invalid);
+            disarm();
+            ck_assert_msg(st == MOECL_SUCCESS, "%s class, %u tokens: %s: %s", cls, tokens, moecl_status_string(st),
+                          moecl_context_error(ctx));
+            char msg[256] = "";
+            ck_assert_msg(!ref_check_moe_align(&d, ids, counts, sorted, blocks, &post, pos, &invalid, msg,
+                                               sizeof(msg)),
+                          "%s class, %u tokens: %s", cls, tokens, msg);
+        }
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* A kernel whose CL_KERNEL_WORK_GROUP_SIZE is below the work-group the
  * call needs (registers can lower it below the device's limit): refused
  * before anything is enqueued, not after the kernels before it ran. The
@@ -2342,6 +2377,7 @@ int main(int argc, char **argv)
     tcase_add_test(failures, test_failed_argument);
     tcase_add_test(failures, test_failed_enqueue);
     tcase_add_test(failures, test_work_group_limit_first);
+    tcase_add_test(failures, test_align_parallel_limit_zero);
     suite_add_tcase(s, failures);
     tc = tcase_create("ptx");
     tcase_set_timeout(tc, 600);
