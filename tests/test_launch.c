@@ -746,6 +746,11 @@ START_TEST(test_override_text)
     ck_assert_uint_eq(env.grounded_tile.tiled.tn, 128);
     ck_assert_int_eq(moecl_override_parse("binaries=on", &env), MOECL_SUCCESS);
     ck_assert_int_eq(env.binaries, 1);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_OTHER);
+    ck_assert_int_eq(moecl_override_parse("table=nvidia", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_NVIDIA);
+    ck_assert_int_eq(moecl_override_parse("table=rusticl", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_RUSTICL);
     ck_assert_int_eq(moecl_override_parse("tile=128", &env), MOECL_SUCCESS);
     ck_assert(env.grounded_wide_tile && env.grounded_tile.kernel == MOECL_KERNEL_ROWS);
     ck_assert_int_eq(moecl_override_parse("", &env), MOECL_SUCCESS);
@@ -753,7 +758,7 @@ START_TEST(test_override_text)
     static const char *const bad[][2] = {
         {"class=tpu", "tpu"},  {"team=3", "3"},   {"team=512", "512"},     {"align", "align"},
         {"color=red", "color"}, {"ep_groups=0", "0"}, {"ep=one", "one"}, {"tn=128", "tile=N"},
-        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"}, {"binaries=1", "1"},
+        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"}, {"binaries=1", "1"}, {"table=other", "other"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         ck_assert_msg(moecl_override_parse(bad[i][0], &env) == MOECL_ERROR_INVALID_ARGUMENT, "'%s' accepted",
@@ -871,6 +876,24 @@ START_TEST(test_device_table)
     const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
     const moecl_device_params o = moecl_device_table_params(&other);
     ck_assert(memcmp(&n, &o, sizeof(n)) == 0);
+
+    /* The override's table=nvidia on pocl: NVIDIA's values over pocl's,
+     * pocl's own kept where NVIDIA has none; no inline PTX without a
+     * compute capability. */
+    moecl_device_info forced = pocl;
+    forced.env.table_vendor = MOECL_VENDOR_NVIDIA;
+    const moecl_device_params f = moecl_device_table_params(&forced);
+    ck_assert_uint_eq(f.value[MOECL_DP_NATIVE_MATH], 1);
+    ck_assert_uint_eq(f.value[MOECL_DP_UNROLL], 1);
+    ck_assert_uint_eq(f.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 256);
+    ck_assert_uint_eq(f.value[MOECL_DP_PTX_MIN_MAJOR], 7);
+    ck_assert_uint_eq(f.value[MOECL_DP_REFUSE_TEAM_WG], 2);
+    ck_assert_uint_eq(f.value[MOECL_DP_BINARY_CACHE], 0);
+    ck_assert(!moecl_device_ptx(&forced));
+    forced = h200;
+    forced.env.table_vendor = MOECL_VENDOR_AMD; /* a vendor with no entry: the device's values */
+    const moecl_device_params a = moecl_device_table_params(&forced);
+    ck_assert(memcmp(&a, &n, sizeof(n)) == 0);
 
     /* A context holds its device's values. */
     moecl_context *ctx = harness_context();
