@@ -72,10 +72,12 @@ static void describe_launches(const moecl_context *ctx, moecl_context_info *r)
     }
 }
 
+/* By moecl_vendor. */
+static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl", "rusticl"};
+
 static void describe(const moecl_context *ctx, moecl_context_info *r)
 {
     const moecl_device_info *i = &ctx->info;
-    static const char *const vendors[] = {"other", "NVIDIA", "AMD", "Intel", "pocl", "rusticl"};
     memset(r, 0, sizeof(*r));
     r->struct_size = sizeof(*r);
     COPY(r->platform, i->platform_name);
@@ -161,6 +163,9 @@ size_t moecl_context_describe(const moecl_context *ctx, char *buf, size_t size)
            : *r->kernel_cache ? "left to the OpenCL implementation's own cache"
                               : "not stored",
            r->inline_ptx ? "on" : "off", r->inline_ptx_reason);
+    if (ctx->info.env.table_vendor)
+        append(buf, size, &len, "device table: %s's values over the device's (forced by the variant override)\n",
+               vendors[ctx->info.env.table_vendor]);
     if (*r->tune_file)
         append(buf, size, &len, "tune file: %s (%skeys read at creation: %u)\n", r->tune_file,
                r->tune_file_present ? "" : "absent, moecl-tune writes it; ", (unsigned)r->tune_keys_read);

@@ -226,6 +226,12 @@ static bool applies(const table_entry *e, const moecl_device_info *info, bool na
            (!named || contains_nocase(info->device_name, e->device));
 }
 
+static void apply_values(const table_entry *e, moecl_device_params *p)
+{
+    for (size_t v = 0; v < e->num_values; v++)
+        p->value[e->values[v].param] = e->values[v].value;
+}
+
 moecl_device_params moecl_device_table_params(const moecl_device_info *info)
 {
     moecl_device_params p;
@@ -234,8 +240,13 @@ moecl_device_params moecl_device_table_params(const moecl_device_info *info)
     for (int named = 0; named <= 1; named++)
         for (size_t i = 0; i < COUNT(entries); i++)
             if (applies(&entries[i], info, named))
-                for (size_t v = 0; v < entries[i].num_values; v++)
-                    p.value[entries[i].values[v].param] = entries[i].values[v].value;
+                apply_values(&entries[i], &p);
+    /* The override's table=: the vendor's own entry last, over the
+     * device's values (which keep what the driver needs, e.g. pocl's
+     * refusals); inline PTX still needs the device's compute capability. */
+    for (size_t i = 0; info->env.table_vendor && i < COUNT(entries); i++)
+        if (entries[i].vendor == info->env.table_vendor && !entries[i].device)
+            apply_values(&entries[i], &p);
     return p;
 }
 

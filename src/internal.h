@@ -118,6 +118,10 @@ typedef struct moecl_launch_env {
     unsigned ep_fused_wg;        /* ep_wg=N: the fused layout kernel's work-group, 0 = chosen */
     unsigned ep_fused_groups;    /* ep_groups=N: its work-groups' target count, 0 = chosen */
     int binaries;                /* binaries=on|off: 1 or -1 forces the binary cache, 0 = the table's */
+    /* table=VENDOR: that vendor's device-table values over the device's
+     * (src/device_table.c), so that a CPU driver runs the kernels as that
+     * vendor's devices build and size them; OTHER = none forced. */
+    moecl_vendor table_vendor;
 } moecl_launch_env;
 
 /* ---- override.c: the process-wide variant override ---- */
@@ -129,7 +133,8 @@ typedef struct moecl_launch_env {
  * ep (chunked|fused|fused-last), ep_wg (power of two 32..1024), ep_groups
  * (1..127), grounded (mma|splitk), kchunk (power of two 16..8192: the
  * split-K kernel's hidden chunk), tile (128, or a tiled configuration with
- * tn, tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off).
+ * tn, tk, mt, nt, vec, db, wc as in the tune file), binaries (on|off),
+ * table (nvidia|amd|intel|pocl|rusticl).
  * MOECL_ERROR_INVALID_ARGUMENT with a message naming the bad word. */
 moecl_status moecl_override_parse(const char *text, moecl_launch_env *env);
 /* Parse text and make it the override every context created afterwards

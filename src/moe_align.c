@@ -235,7 +235,9 @@ static align_route route_of(const moecl_context *ctx, const moecl_plan *p, const
         break;
     }
     const moecl_device_params *t = &ctx->params;
-    if (slots <= moecl_device_param_class(t, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, c) && parallel_serves(ctx, p, d))
+    /* A limit of 0 is never, an empty call included. */
+    const uint32_t parallel_cap = moecl_device_param_class(t, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, c);
+    if (parallel_cap && slots <= parallel_cap && parallel_serves(ctx, p, d))
         return ROUTE_PARALLEL;
     const uint32_t one_cap = moecl_device_param_class(
         t, p->warp_match ? MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_WARP_CPU : MOECL_DP_ALIGN_ONE_GROUP_MAX_SLOTS_CPU, c);

@@ -98,6 +98,12 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
             if (!(k = named(value, on_off, 2)))
                 return bad(value, "binaries is on or off");
             env->binaries = k == 1 ? 1 : -1;
+        } else if (strcmp(name, "table") == 0) {
+            /* In moecl_vendor's order, from MOECL_VENDOR_NVIDIA. */
+            static const char *const vendors[] = {"nvidia", "amd", "intel", "pocl", "rusticl"};
+            if (!(k = named(value, vendors, 5)))
+                return bad(value, "table is nvidia, amd, intel, pocl or rusticl");
+            env->table_vendor = (moecl_vendor)k;
         } else if (strcmp(name, "grounded") == 0) {
             static const char *const grounded_kernels[] = {"mma", "splitk"};
             if (!(k = named(value, grounded_kernels, 2)))
@@ -116,8 +122,8 @@ moecl_status moecl_override_parse(const char *text, moecl_launch_env *env)
                 return bad(name, "too long");
             tile_len += (size_t)w;
         } else {
-            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, binaries, grounded, kchunk, "
-                             "tile, tn, tk, mt, nt, vec, db, wc)");
+            return bad(name, "unknown name (class, team, align, ep, ep_wg, ep_groups, binaries, table, grounded, "
+                             "kchunk, tile, tn, tk, mt, nt, vec, db, wc)");
         }
     }
     if (tile_len > strlen("kernel=tiled")) {

@@ -746,6 +746,11 @@ START_TEST(test_override_text)
     ck_assert_uint_eq(env.grounded_tile.tiled.tn, 128);
     ck_assert_int_eq(moecl_override_parse("binaries=on", &env), MOECL_SUCCESS);
     ck_assert_int_eq(env.binaries, 1);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_OTHER);
+    ck_assert_int_eq(moecl_override_parse("table=nvidia", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_NVIDIA);
+    ck_assert_int_eq(moecl_override_parse("table=rusticl", &env), MOECL_SUCCESS);
+    ck_assert_int_eq(env.table_vendor, MOECL_VENDOR_RUSTICL);
     ck_assert_int_eq(moecl_override_parse("tile=128", &env), MOECL_SUCCESS);
     ck_assert(env.grounded_wide_tile && env.grounded_tile.kernel == MOECL_KERNEL_ROWS);
     ck_assert_int_eq(moecl_override_parse("", &env), MOECL_SUCCESS);
@@ -753,7 +758,7 @@ START_TEST(test_override_text)
     static const char *const bad[][2] = {
         {"class=tpu", "tpu"},  {"team=3", "3"},   {"team=512", "512"},     {"align", "align"},
         {"color=red", "color"}, {"ep_groups=0", "0"}, {"ep=one", "one"}, {"tn=128", "tile=N"},
-        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"}, {"binaries=1", "1"},
+        {"grounded=tiled", "tiled"}, {"class=gpu ep_wg=16", "16"}, {"binaries=1", "1"}, {"table=other", "other"},
     };
     for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
         ck_assert_msg(moecl_override_parse(bad[i][0], &env) == MOECL_ERROR_INVALID_ARGUMENT, "'%s' accepted",
@@ -871,6 +876,24 @@ START_TEST(test_device_table)
     const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
     const moecl_device_params o = moecl_device_table_params(&other);
     ck_assert(memcmp(&n, &o, sizeof(n)) == 0);
+
+    /* The override's table=nvidia on pocl: NVIDIA's values over pocl's,
+     * pocl's own kept where NVIDIA has none; no inline PTX without a
+     * compute capability. */
+    moecl_device_info forced = pocl;
+    forced.env.table_vendor = MOECL_VENDOR_NVIDIA;
+    const moecl_device_params f = moecl_device_table_params(&forced);
+    ck_assert_uint_eq(f.value[MOECL_DP_NATIVE_MATH], 1);
+    ck_assert_uint_eq(f.value[MOECL_DP_UNROLL], 1);
+    ck_assert_uint_eq(f.value[MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS], 256);
+    ck_assert_uint_eq(f.value[MOECL_DP_PTX_MIN_MAJOR], 7);
+    ck_assert_uint_eq(f.value[MOECL_DP_REFUSE_TEAM_WG], 2);
+    ck_assert_uint_eq(f.value[MOECL_DP_BINARY_CACHE], 0);
+    ck_assert(!moecl_device_ptx(&forced));
+    forced = h200;
+    forced.env.table_vendor = MOECL_VENDOR_AMD; /* a vendor with no entry: the device's values */
+    const moecl_device_params a = moecl_device_table_params(&forced);
+    ck_assert(memcmp(&a, &n, sizeof(n)) == 0);
 
     /* A context holds its device's values. */
     moecl_context *ctx = harness_context();
@@ -1932,6 +1955,41 @@ START_TEST(test_failed_enqueue)
 }
 END_TEST
 
+/* A device-table limit of 0 for the parallel fused kernel means never
+ * by default (docs/routing.md, section 7), for an empty call too: with
+ * that kernel's enqueue armed to fail, empty and one-token calls of both
+ * classes take another path and come out right. */
+START_TEST(test_align_parallel_limit_zero)
+{
+    moecl_context *ctx = harness_context();
+    ctx->info.env.align_path = MOECL_ALIGN_AUTO;
+    const fault parallel_enq[] = {{FAULT_ENQUEUE, "moe_align_fused_parallel", -1, CL_OUT_OF_RESOURCES}};
+    for (int c = 0; c < 2; c++) {
+        ctx->info.launch_class = c ? MOECL_LAUNCH_GPU : MOECL_LAUNCH_CPU;
+        const char *cls = c ? "gpu" : "cpu";
+        if (moecl_device_param_class(&ctx->params, MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_CPU, ctx->info.launch_class)) {
+            fprintf(stderr, "launch: the %s class takes the parallel kernel by default here; not checked\n", cls);
+            continue;
+        }
+        for (uint32_t tokens = 0; tokens <= 1; tokens++) {
+            const moecl_moe_align_desc d = moecl_moe_align_desc_init(tokens, 4, 16, 8);
+            const int32_t ids[4] = {3, -1, 3, 15};
+            int32_t counts[16], sorted[4 + 16 * 7], blocks[(4 + 16 * 7) / 8], post, pos[4], invalid;
+            arm(parallel_enq, 1);
+            const moecl_status st = moecl_moe_align_host(ctx, &d, ids, counts, sorted, blocks, &post, pos, &invalid);
+            disarm();
+            ck_assert_msg(st == MOECL_SUCCESS, "%s class, %u tokens: %s: %s", cls, tokens, moecl_status_string(st),
+                          moecl_context_error(ctx));
+            char msg[256] = "";
+            ck_assert_msg(!ref_check_moe_align(&d, ids, counts, sorted, blocks, &post, pos, &invalid, msg,
+                                               sizeof(msg)),
+                          "%s class, %u tokens: %s", cls, tokens, msg);
+        }
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* A kernel whose CL_KERNEL_WORK_GROUP_SIZE is below the work-group the
  * call needs (registers can lower it below the device's limit): refused
  * before anything is enqueued, not after the kernels before it ran. The
@@ -2342,6 +2400,7 @@ int main(int argc, char **argv)
     tcase_add_test(failures, test_failed_argument);
     tcase_add_test(failures, test_failed_enqueue);
     tcase_add_test(failures, test_work_group_limit_first);
+    tcase_add_test(failures, test_align_parallel_limit_zero);
     suite_add_tcase(s, failures);
     tc = tcase_create("ptx");
     tcase_set_timeout(tc, 600);

@@ -1095,9 +1095,10 @@ static void align_one(moecl_context *ctx, const run_def *run, const align_case *
     snprintf(current, sizeof(current), "%s T=%u k=%u E=%u block=%u load=%d G=%u", run->name, d.num_tokens, d.top_k,
              d.num_experts, d.block_size, c->load, d.num_global_experts);
     if (!selected() ||
-        left_out_by_uninit(may_take_fused(run) ? "the fused kernel's ticket is zeroed by clEnqueueFillBuffer and its "
-                                                 "scratch words are first written by atomic_xchg (tool_bugs: "
-                                                 "fill_buffer_uninitialized, atomic_unwritten_uninitialized)"
+        left_out_by_uninit(may_take_fused(run) ? "the fused kernel's ticket is zeroed by clEnqueueFillBuffer, after "
+                                                 "which its scratch reads as unwritten, and its scratch words are first "
+                                                 "written by atomic_xchg (tool_bugs: fill_buffer_uninitialized, "
+                                                 "fill_buffer_store_uninitialized, atomic_unwritten_uninitialized)"
                                                : NULL))
         return;
     const size_t slots = (size_t)d.num_tokens * d.top_k;
@@ -1458,7 +1459,7 @@ static void route_one(moecl_context *ctx, const run_def *run, const route_case *
     if (!selected() || route_skips_rows_fast(ctx, &d, c))
         return;
     if (left_out_by_uninit("moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
-                           "atomic_unwritten_uninitialized)"))
+                           "fill_buffer_store_uninitialized, atomic_unwritten_uninitialized)"))
         return;
     const size_t nk = (size_t)d.num_tokens * d.top_k, e = d.num_experts;
     void *gating = special_rows(MOECL_F32, d.num_tokens, d.num_experts, 0);
@@ -1521,7 +1522,7 @@ static void route_ex_one(moecl_context *ctx, const run_def *run, const route_cas
     if (!selected() || route_skips_rows_fast(ctx, &d, c))
         return;
     if (left_out_by_uninit("moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
-                           "atomic_unwritten_uninitialized)"))
+                           "fill_buffer_store_uninitialized, atomic_unwritten_uninitialized)"))
         return;
     const size_t nk = (size_t)d.num_tokens * d.top_k;
     void *gating = special_rows(MOECL_F32, d.num_tokens, e, 0);
@@ -1615,7 +1616,7 @@ static void grounded_route_one(moecl_context *ctx, const run_def *run, const gro
         return;
     if (grounded_left_out(ctx, run, &d,
                           "moe_align's fused kernel (see the align runs: tool_bugs fill_buffer_uninitialized, "
-                          "atomic_unwritten_uninitialized)"))
+                          "fill_buffer_store_uninitialized, atomic_unwritten_uninitialized)"))
         return;
     const size_t th = (size_t)d.num_tokens * d.hidden_dim, eh = (size_t)d.num_experts * d.hidden_dim;
     const size_t te = (size_t)d.num_tokens * d.num_experts;

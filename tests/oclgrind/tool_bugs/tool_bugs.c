@@ -100,6 +100,23 @@ static const bug bugs[] = {
      "    atomic_inc((__global volatile uint *)out + in[get_local_id(0)]);\n"
      "}\n",
      true, 4, 4, {2, 1, 1, 0}, false},
+    /* The same with the kernel's own plain stores: after a fill, a word
+     * the kernel writes and reads back (the same work-item, past a
+     * barrier) is still taken for unwritten, so the read's value is
+     * reported where it is stored on (here to global memory; a fill of
+     * the buffer's first word alone does it too); the values are right.
+     * moecl: moe_align's fused kernel and moecl_route_dispatch's one
+     * kernel, whose scratch starts with the ticket's fill, store a lone
+     * work-group's counts there and read them back. */
+    {"fill_buffer_store_uninitialized",
+     "__kernel void repro(__global const uint *in, __global uint *out)\n"
+     "{\n"
+     "    const uint i = get_local_id(0);\n"
+     "    out[i] = in[i] + 1;\n"
+     "    barrier(CLK_GLOBAL_MEM_FENCE);\n"
+     "    out[4 + i] = out[i];\n"
+     "}\n",
+     true, 4, 8, {1, 2, 3, 1, 1, 2, 3, 1}, true},
     /* With --uninitialized, an atomic_xchg of a written value into a word
      * nothing wrote before (a buffer created without host data) is
      * reported as an uninitialised value written to global memory; the
