@@ -331,7 +331,7 @@ static inline void gate_local_rows(__local const float *g_rows, uint stride, uin
 #define TM 1
 #endif
 #ifndef MB
-#define MB (TM < 8 ? TM : 8) /* tokens of a register block */
+#define MB LAYOUT_GROUNDED_MB(TM) /* tokens of a register block */
 #endif
 #if TM % MB != 0
 #error "TM must be a multiple of MB"
@@ -342,7 +342,7 @@ static inline void gate_local_rows(__local const float *g_rows, uint stride, uin
 #define H16 (HIDDEN_DIM / 16 * 16)
 #define EB LAYOUT_GROUNDED_EB(NUM_EXPERTS) /* expert block */
 #ifndef HC
-#define HC 1024 /* hidden chunk (a multiple of 16) */
+#define HC LAYOUT_GROUNDED_HC /* hidden chunk (a multiple of 16) */
 #endif
 
 static inline float16 load_hidden16(__global const in_t *p, uint i)
