@@ -9,6 +9,23 @@
 #include "internal.h"
 #include "kernel_layout.h"
 
+uint64_t moecl_rows_gating_loops(uint32_t experts, uint32_t top_k, uint32_t groups, uint32_t topk_group)
+{
+    const uint64_t e = experts, k = top_k, blocks = (e + 7) / 8;
+    /* Steps 1-2 and 5: a few passes over the blocks and the slots. */
+    uint64_t loops = 16 * blocks + 4 * k;
+    if (groups)
+        /* Step 3 (every expert into its group, the kept groups' threshold,
+         * the fill), then step 4 unpruned: every expert may be inserted,
+         * moving up to k - 1 keys (ascending values). */
+        loops += 2 * e + (uint64_t)groups * (topk_group + 2) + e * k;
+    else
+        /* The floor (k per block), then at most the lanes of the k blocks
+         * of the largest maxima inserted, each moving up to k - 1 keys. */
+        loops += blocks * k + 8 * k * k;
+    return loops;
+}
+
 moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts, uint32_t top_k)
 {
     moecl_topk_gating_desc d;
