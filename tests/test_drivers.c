@@ -31,9 +31,11 @@
  * work-item loops over its tokens, the experts and the hidden size,
  * routed 64 experts at hidden 256 right with up to 24 tokens a work-item
  * and wrong from 25 (at hidden 512 from 13); where the device table
- * records the limit (MOECL_DP_LOOP_LIMIT) it takes fewer tokens a
- * work-item (src/grounded_router.c). The test fails where the fault is
- * present and the table does not record the limit this kernel shows.
+ * records the limit (MOECL_DP_LOOP_LIMIT) the plans bound each kernel's
+ * iterations a work-item by it (src/grounded_router.c, src/topk_gating.c;
+ * the loop_budget cases of the grounded_router and topk_gating suites).
+ * The test fails where the fault is present and the table does not record
+ * the limit this kernel shows.
  *
  * loop_budget_shared: that limit is one budget for every loop a work-item
  * runs, one after another too: loops of 60000 and 10000 iterations count
@@ -273,8 +275,8 @@ START_TEST(test_loop_iteration_limit)
     const uint32_t recorded = ctx->params.value[MOECL_DP_LOOP_LIMIT];
     ck_assert_msg(!present || recorded == out[0],
                   "%s left a loop of %u iterations after %u, and the device table records a limit of %u "
-                  "(src/device_table.c, MOECL_DP_LOOP_LIMIT): the grounded router's rows kernel would route from "
-                  "truncated sums here",
+                  "(src/device_table.c, MOECL_DP_LOOP_LIMIT): the grounded router and top-k gating would route from "
+                  "truncated loops here",
                   ctx->info.device_name, n, out[0], recorded);
     clReleaseMemObject(bn);
     clReleaseMemObject(bo);

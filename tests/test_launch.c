@@ -802,6 +802,21 @@ static const char *grounded_kernel_on(moecl_vendor vendor, uint32_t tokens, uint
     return kernel;
 }
 
+static void assert_define(const char *text, const char *name, int value, const char *label);
+
+/* Top-k gating's kernel and defines on the same facts. */
+static const char *topk_kernel_on(moecl_vendor vendor, uint32_t experts, uint32_t k, char *defines, size_t size)
+{
+    moecl_device_info info = table_device(vendor, CL_DEVICE_TYPE_CPU, "llvmpipe (LLVM 15.0.6, 256 bits)");
+    info.max_work_group_size = 1024;
+    info.local_mem_size = 32768;
+    info.compute_units = 8;
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, experts, k);
+    const char *kernel = "unset";
+    moecl_topk_gating_defines(&info, &d, false, false, defines, size, &kernel);
+    return kernel;
+}
+
 static void assert_table_launch(const moecl_device_info *info, const moecl_launch_key *key,
                                 const moecl_launch_config *want, const char *label)
 {
@@ -903,6 +918,16 @@ START_TEST(test_device_table)
                                             loops[i].k),
                          "grounded_router_rows");
     }
+    /* Top-k's rows kernel without the CPU fast path under the limit, and
+     * none where a row's loops pass it. */
+    char topk_defines[1024];
+    ck_assert_str_eq(topk_kernel_on(MOECL_VENDOR_RUSTICL, 2048, 64, topk_defines, sizeof(topk_defines)),
+                     "topk_gating_rows");
+    assert_define(topk_defines, "CPU_DEVICE", 0, "llvmpipe");
+    ck_assert_ptr_null(topk_kernel_on(MOECL_VENDOR_RUSTICL, 4096, 64, topk_defines, sizeof(topk_defines)));
+    ck_assert_str_eq(topk_kernel_on(MOECL_VENDOR_POCL, 4096, 64, topk_defines, sizeof(topk_defines)),
+                     "topk_gating_rows");
+    assert_define(topk_defines, "CPU_DEVICE", 1, "pocl");
     /* The device name does not move a vendor's values. */
     const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
     const moecl_device_params o = moecl_device_table_params(&other);
