@@ -195,7 +195,8 @@ static const table_value rusticl_llvmpipe_values[] = {
      "wrong at 80, and the split-K kernel 4096 experts, top 64, wrong on ascending logits (the gating's "
      "insertions): such shapes go split-K, or fail (tests/test_grounded_router.c, loop_budget); top-k "
      "gating's CPU fast path routed ascending rows of 2048 experts, top 64, wrong, its generic loops right "
-     "(tests/test_topk_gating.c, loop_budget)"},
+     "(tests/test_topk_gating.c, loop_budget); combine at hidden 65536, top 8, one work-item a row, "
+     "wrong, more work-items a row right (tests/test_permute.c, loop_budget)"},
     {MOECL_DP_ALIGN_CHUNK_WG_CPU, 128,
      "rusticl 22.3.6 on llvmpipe, 2026-12-07: the limit is one budget for all the loops of a work-item "
      "(tests/test_drivers.c, loop_iteration_limit); one work-item a chunk wrote 1 of 4064 blocks at 4096 "
