@@ -1903,8 +1903,10 @@ MOECL_API moecl_permute_desc moecl_permute_desc_init(uint32_t num_tokens, uint32
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a NULL ctx/desc, a field out of
  * range, a missing buffer, a buffer too small, an unaligned offset, a
  * buffer of another context, num_wait > 0 with wait NULL),
- * MOECL_ERROR_BUILD, or an OpenCL error. One command: any failure leaves
- * nothing enqueued and no output byte changed.
+ * MOECL_ERROR_UNSUPPORTED (a row's vectors pass the driver's loop limit on
+ * a work-group of work-items, docs/devices.md: Mesa's rusticl, combine at
+ * hidden 2^20, top 64), MOECL_ERROR_BUILD, or an OpenCL error. One
+ * command: any failure leaves nothing enqueued and no output byte changed.
  */
 MOECL_API moecl_status moecl_permute(moecl_context *ctx, const moecl_permute_desc *desc, moecl_buffer hidden_states,
                                      moecl_buffer sorted_token_ids, moecl_buffer num_tokens_post_padded,
