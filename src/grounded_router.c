@@ -660,7 +660,7 @@ void moecl_grounded_router_route_defines(const moecl_device_info *info, const mo
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
     defines_of_fitting(&r, &shape, buf, size, kernel_name);
-    if (shape.kind != MOECL_KERNEL_TEAM)
+    if (*kernel_name && shape.kind != MOECL_KERNEL_TEAM)
         *kernel_name = NULL;
 }
 

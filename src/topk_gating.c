@@ -373,7 +373,7 @@ void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
     defines_of_fitting(info, &r, &shape, buf, size);
-    *kernel_name = shape.team > 1 ? shape.kernel_name : NULL;
+    *kernel_name = shape.kernel_name && shape.team > 1 ? shape.kernel_name : NULL;
 }
 
 /* The plan of a request (moecl_plan_build): the configuration, the
