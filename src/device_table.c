@@ -191,7 +191,12 @@ static const table_value rusticl_llvmpipe_values[] = {
     {MOECL_DP_LOOP_LIMIT, 65535,
      "rusticl 22.3.6 on llvmpipe, 2026-12-07: a loop of 70000 iterations runs 65535 "
      "(tests/test_drivers.c, loop_iteration_limit); the grounded rows kernel routed 64 experts at hidden 256 "
-     "right with 24 tokens a work-item and wrong from 25"},
+     "right with 24 tokens a work-item and wrong from 25, one token at hidden 4096 right at 72 experts and "
+     "wrong at 80, and the split-K kernel 4096 experts, top 64, wrong on ascending logits (the gating's "
+     "insertions): such shapes go split-K, or fail (tests/test_grounded_router.c, loop_budget); top-k "
+     "gating's CPU fast path routed ascending rows of 2048 experts, top 64, wrong, its generic loops right "
+     "(tests/test_topk_gating.c, loop_budget); combine at hidden 65536, top 8, one work-item a row, "
+     "wrong, more work-items a row right (tests/test_permute.c, loop_budget)"},
     {MOECL_DP_ALIGN_CHUNK_WG_CPU, 128,
      "rusticl 22.3.6 on llvmpipe, 2026-12-07: the limit is one budget for all the loops of a work-item "
      "(tests/test_drivers.c, loop_iteration_limit); one work-item a chunk wrote 1 of 4064 blocks at 4096 "
@@ -248,6 +253,12 @@ moecl_device_params moecl_device_table_params(const moecl_device_info *info)
         if (entries[i].vendor == info->env.table_vendor && !entries[i].device)
             apply_values(&entries[i], &p);
     return p;
+}
+
+bool moecl_loops_fit(const moecl_device_info *info, uint64_t loops)
+{
+    const uint32_t limit = moecl_device_table_params(info).value[MOECL_DP_LOOP_LIMIT];
+    return !limit || loops <= limit;
 }
 
 const moecl_launch_config *moecl_device_table_launch(const moecl_device_info *info, const moecl_launch_key *key)

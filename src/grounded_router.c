@@ -307,26 +307,55 @@ static bool mma_shape(const moecl_device_info *info, const grounded_request *r, 
     return false;
 }
 
-/* Tokens x experts x hidden values a work-item of the rows kernel may
- * take per iteration the driver allows a loop (MOECL_DP_LOOP_LIMIT):
- * rusticl's llvmpipe routed 24 x 64 x 256 = 6.0 x its 65535 right and
- * 28 x 64 x 256 wrong. */
-#define ROWS_VALUES_PER_ITERATION 6u
+/* The gating pipeline's loops for one token of the request. */
+static uint64_t gating_loops(const grounded_request *r)
+{
+    const moecl_grounded_router_desc *d = r->desc;
+    return moecl_rows_gating_loops(d->num_experts, d->top_k, d->gating.num_expert_groups, d->gating.topk_group);
+}
+
+/* An upper bound on the loop iterations of a work-item of the rows kernel
+ * with tm tokens: a value of the dot products per 4 iterations and 8 an
+ * expert, then the gating. On rusticl's llvmpipe (MOECL_DP_LOOP_LIMIT
+ * 65535) one token at hidden 4096 routed 72 experts right and 80 wrong
+ * (some 4.5 values an iteration), and 4096 experts at hidden 16, top 64,
+ * wrong (the expert loops and the gating). */
+static uint64_t rows_loops(const grounded_request *r, unsigned tm)
+{
+    const uint64_t experts = r->desc->num_experts, hidden = r->desc->hidden_dim;
+    return tm * (experts * hidden / 4 + 8 * experts + gating_loops(r));
+}
 
 /* The plain-loop kernel with `rows` work-items a work-group, each taking
  * LAYOUT_GROUNDED_ROWS_TM tokens (grounded_router_rows' TM), fewer where
- * the driver's loop limit would cut the work-item's loops short (a token
- * a work-item at least: past that the limit is not fenced,
- * docs/devices.md). */
-static grounded_shape rows_shape(const moecl_device_info *info, unsigned rows, unsigned hidden, unsigned experts,
-                                 unsigned k)
+ * the driver's loop limit would cut the work-item's loops short; false
+ * where one token a work-item passes it too. */
+static bool rows_shape(const moecl_device_info *info, const grounded_request *r, unsigned rows,
+                       grounded_shape *shape)
 {
-    unsigned tm = LAYOUT_GROUNDED_ROWS_TM(experts, k);
-    const uint64_t limit = moecl_device_table_params(info).value[MOECL_DP_LOOP_LIMIT];
-    while (limit && tm > 1 && (uint64_t)tm * experts * hidden > ROWS_VALUES_PER_ITERATION * limit)
+    unsigned tm = LAYOUT_GROUNDED_ROWS_TM(r->desc->num_experts, r->desc->top_k);
+    while (tm > 1 && !moecl_loops_fit(info, rows_loops(r, tm)))
         tm = tm > 8 ? 8 : tm / 2;
-    return (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
-                            "grounded_router_rows", 0, 0, 0, 0, 0, 0, 0};
+    if (!moecl_loops_fit(info, rows_loops(r, tm)))
+        return false;
+    *shape = (grounded_shape){MOECL_KERNEL_ROWS, tm, 0, 0, 4, 4, 1, 0, 0, 1, 1, 1, false, rows, (size_t)rows * tm,
+                              "grounded_router_rows", 0, 0, 0, 0, 0, 0, 0};
+    return true;
+}
+
+/* An upper bound on the loop iterations of a work-item of the split-K
+ * kernel (wg work-items, tm tokens, tiles of tn experts, chunks of tk):
+ * the staging, the tile's expert rows, the last work-group's gather of
+ * the chunks and its gating (a token a work-item). */
+static uint64_t splitk_loops(const grounded_request *r, unsigned wg, unsigned tm, unsigned tn, unsigned tk,
+                             unsigned chunks)
+{
+    const uint64_t lanes = LAYOUT_SPLITK_LANES(wg), rows = LAYOUT_SPLITK_ROWS(wg);
+    const uint64_t g_stride = (r->desc->num_experts + 7) / 8 * 8;
+    const uint64_t stage = (uint64_t)tm * tk / wg + 1;
+    const uint64_t tile = (tn + rows - 1) / rows * (3 * (uint64_t)tm + tk / 4 / lanes + 1 + lanes);
+    const uint64_t gather = ((uint64_t)tm * g_stride / wg + 1) * (chunks + 1);
+    return stage + tile + gather + gating_loops(r);
 }
 
 /* The split-K kernel for the request with hidden chunks of `chunk` indices
@@ -364,7 +393,8 @@ static bool splitk_shape_within(const moecl_device_info *info, const grounded_re
     const unsigned chunks = (hidden + tk - 1) / tk;
     for (unsigned tm = 8; tm >= 1; tm >>= 1)
         if (LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES((size_t)tm, (size_t)tk, (size_t)wg, (size_t)experts) <=
-            moecl_local_budget(info)) {
+                moecl_local_budget(info) &&
+            moecl_loops_fit(info, splitk_loops(r, wg, tm, tn, tk, chunks))) {
             *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, 1, 1, 1, false, wg, tm,
                                       "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
             return true;
@@ -400,10 +430,8 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     const unsigned groups = r->desc->gating.num_expert_groups;
     switch (c->kernel) {
     case MOECL_KERNEL_ROWS:
-        if (c->team != 1 || !moecl_is_pow2(c->rows) || c->rows > info->max_work_group_size)
-            return false;
-        *shape = rows_shape(info, c->rows, hidden, experts, k);
-        return true;
+        return c->team == 1 && moecl_is_pow2(c->rows) && c->rows <= info->max_work_group_size &&
+               rows_shape(info, r, c->rows, shape);
     case MOECL_KERNEL_TEAM:
         return c->team >= 2 && c->team <= MOECL_LAUNCH_MAX_TEAM && moecl_is_pow2(c->team) && moecl_is_pow2(c->rows) &&
                team_shape(info, c->team, c->rows, hidden, experts, k, groups, shape);
@@ -423,6 +451,22 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     return false;
 }
 
+/* The plain loops: two work-items of LAYOUT_GROUNDED_ROWS_TM (32, or 8)
+ * tokens, at most 64 tokens a work-group, so that both cores of a small
+ * CPU get work from 65 tokens on. Where one token a work-item passes the
+ * driver's loop limit, the split-K kernel, whose work-items take a chunk
+ * of the hidden dimension and a tile of the experts; where neither fits,
+ * the plain loops, which the check then refuses (the call fails). */
+static moecl_launch_config plain_config(const moecl_device_info *info, const grounded_request *r)
+{
+    const moecl_launch_config rows = {MOECL_KERNEL_ROWS, 1, 2, 0, {0}};
+    moecl_launch_config splitk;
+    grounded_shape shape;
+    if (!moecl_loops_fit(info, rows_loops(r, 1)) && splitk_config(info, r, 0, &splitk, &shape))
+        return splitk;
+    return rows;
+}
+
 /* The rule: the configuration the device facts (and the environment's
  * record) give a request. */
 static moecl_launch_config rule_config(const moecl_device_info *info, const void *request)
@@ -430,10 +474,9 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const grounded_request *r = request;
     const unsigned hidden = r->desc->hidden_dim, experts = r->desc->num_experts, k = r->desc->top_k;
     const unsigned groups = r->desc->gating.num_expert_groups;
-    /* Two work-items of LAYOUT_GROUNDED_ROWS_TM (32, or 8) tokens: at most 64
-     * tokens a work-group, so that both cores of a small CPU get work from
-     * 65 tokens on. */
-    const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 2, 0, {0}};
+    /* The plain loops, or split-K where the driver's loop limit cuts them
+     * short (plain_config). */
+    const moecl_launch_config rows_kernel = plain_config(info, r);
     const moecl_launch_config *env_tile = &info->env.grounded_tile;
     const bool env_tiled = info->env.grounded_wide_tile || env_tile->kernel == MOECL_KERNEL_TILED;
     grounded_shape shape;
@@ -481,6 +524,8 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
                                    moecl_launch_config *config, grounded_shape *shape)
 {
     const moecl_launch_key key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
+    /* No kernel name after it: no kernel fits the device (its loop limit). */
+    shape->kernel_name = NULL;
     /* A call of few tokens goes split-K where the device table says so
      * and the hidden dimension splits (more than one chunk: a shorter walk
      * is short anyway), before the tune file's and the table's
@@ -571,6 +616,18 @@ static void defines_of(const grounded_request *r, const grounded_shape *s, char 
     moecl_variant_defines(&moecl_variant_grounded_router, &v, s->kind, defines, size);
 }
 
+/* The defines and kernel of a resolved shape; none (NULL, "") where no
+ * kernel fits the device. */
+static void defines_of_fitting(const grounded_request *r, const grounded_shape *s, char *buf, size_t size,
+                               const char **kernel_name)
+{
+    *kernel_name = s->kernel_name;
+    if (s->kernel_name)
+        defines_of(r, s, buf, size);
+    else if (size)
+        buf[0] = '\0';
+}
+
 void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
                                    bool pairs, bool weights, bool ids, char *buf, size_t size,
                                    const char **kernel_name)
@@ -580,8 +637,7 @@ void moecl_grounded_router_defines(const moecl_device_info *info, const moecl_gr
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(&r, &shape, buf, size);
-    *kernel_name = shape.kernel_name;
+    defines_of_fitting(&r, &shape, buf, size, kernel_name);
 }
 
 void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc, bool has_bias,
@@ -592,8 +648,7 @@ void moecl_router_defines(const moecl_device_info *info, const moecl_grounded_ro
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(&r, &shape, buf, size);
-    *kernel_name = shape.kernel_name;
+    defines_of_fitting(&r, &shape, buf, size, kernel_name);
 }
 
 void moecl_grounded_router_route_defines(const moecl_device_info *info, const moecl_grounded_router_desc *desc,
@@ -604,8 +659,9 @@ void moecl_grounded_router_route_defines(const moecl_device_info *info, const mo
     moecl_launch_config config;
     grounded_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(&r, &shape, buf, size);
-    *kernel_name = shape.kind == MOECL_KERNEL_TEAM ? shape.kernel_name : NULL;
+    defines_of_fitting(&r, &shape, buf, size, kernel_name);
+    if (*kernel_name && shape.kind != MOECL_KERNEL_TEAM)
+        *kernel_name = NULL;
 }
 
 /* The plan of a request (moecl_plan_build). */
@@ -615,6 +671,14 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     grounded_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_grounded(r->desc->hidden_dim, r->desc->num_experts, r->desc->top_k);
+    if (!shape.kernel_name) {
+        const moecl_grounded_router_desc *d = r->desc;
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
+                          "grounded router: at %u experts x hidden %u, top_k %u, %u expert groups, no kernel keeps "
+                          "a work-item within the driver's loop limit of %u iterations (docs/devices.md)",
+                          d->num_experts, d->hidden_dim, d->top_k, d->gating.num_expert_groups,
+                          ctx->params.value[MOECL_DP_LOOP_LIMIT]);
+    }
     if (r->dispatch && shape.kind != MOECL_KERNEL_TEAM) {
         char text[512];
         const moecl_variant_values v = values_of(r, &shape);

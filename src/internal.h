@@ -325,9 +325,12 @@ typedef enum moecl_device_param {
      * 0 where that query is known to be wrong, the device's
      * CL_DEVICE_MAX_WORK_GROUP_SIZE (src/program.c). */
     MOECL_DP_KERNEL_WG_QUERY,
-    /* The iterations after which the driver leaves a loop (nested loops'
-     * counted too) and runs on; 0: none. The grounded router's rows kernel
-     * then takes fewer tokens a work-item (src/grounded_router.c). */
+    /* The iterations after which the driver leaves a loop and runs on, one
+     * budget for every loop a work-item runs (nested ones and ones after
+     * another); 0: none. Kernels are chosen so that a work-item's bound
+     * stays within it (moecl_loops_fit): the grounded router's rows kernel
+     * takes fewer tokens a work-item, or the split-K kernel runs instead
+     * (src/grounded_router.c). */
     MOECL_DP_LOOP_LIMIT,
     /* The grounded router's split-K kernel (KERNEL 4) for calls of at most
      * this many tokens, over the tune file's and the table's
@@ -348,6 +351,14 @@ typedef struct moecl_device_params {
  * whose device name is a substring of info's (case-insensitive). A
  * context holds its device's (moecl_context.params). */
 moecl_device_params moecl_device_table_params(const moecl_device_info *info);
+/* Whether a work-item of at most `loops` loop iterations (every loop it
+ * runs, one after another or nested) runs whole on the device: within its
+ * MOECL_DP_LOOP_LIMIT where it has one. */
+bool moecl_loops_fit(const moecl_device_info *info, uint64_t loops);
+/* An upper bound on the loop iterations of cl/gating.cl's rows pipeline
+ * (rows_pipeline) for one row, whatever the row's values: groups 0 where
+ * the gating has none. */
+uint64_t moecl_rows_gating_loops(uint32_t experts, uint32_t top_k, uint32_t groups, uint32_t topk_group);
 /* A pair's value (cpu_id the CPU class's id) for launch class c; other
  * parameters are params->value[p]. */
 static inline uint32_t moecl_device_param_class(const moecl_device_params *params, moecl_device_param cpu_id,

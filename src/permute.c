@@ -158,6 +158,10 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
         const moecl_device_params dp = moecl_device_table_params(&ctx->info);
         cap = dp.value[gpu ? MOECL_DP_SCATTER_WG_GPU : MOECL_DP_SCATTER_WG_CPU];
     }
+    /* Under a driver's loop limit a row may need many work-items
+     * (shape_for): the GPU class's work-group. */
+    if (ctx->params.value[MOECL_DP_LOOP_LIMIT] && cap < PERMUTE_GPU_WG)
+        cap = PERMUTE_GPU_WG;
     p->local = floor_pow2(limit ? limit : 1, cap);
     return MOECL_SUCCESS;
 }
@@ -175,13 +179,20 @@ static moecl_status plan_of(moecl_context *ctx, const permute_request *r, const 
 
 /* The launch shape of rows rows of units (vectors) each: on GPUs tpr
  * work-items a row (enough for one unit each, at most the work-group) and
- * the rest of the work-group on more rows; on CPUs a work-item a row. */
+ * the rest of the work-group on more rows; on CPUs a work-item a row, or
+ * as many as keep a work-item's loops within the driver's loop limit: a
+ * work-item loops over its ceil(units / tpr) units, per_unit iterations
+ * each (and 4 more for a row's tail). per_unit is twice the loops a unit
+ * visits in the source: rusticl's llvmpipe left a permute of 65537 units
+ * on two work-items a row short at the row's end, so a unit of the plain
+ * copy costs it more than one iteration. */
 typedef struct launch_shape {
     cl_uint tpr, rpg;
     size_t global, local;
 } launch_shape;
 
-static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint64_t rows, uint32_t units)
+static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint64_t rows, uint32_t units,
+                              uint32_t per_unit)
 {
     launch_shape s;
     s.local = p->local;
@@ -191,9 +202,24 @@ static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uin
         if (s.tpr > s.local)
             s.tpr = (cl_uint)s.local;
     }
+    while (s.tpr < s.local && !moecl_loops_fit(&ctx->info, ((uint64_t)units / s.tpr + 5) * per_unit))
+        s.tpr *= 2;
     s.rpg = (cl_uint)(s.local / s.tpr);
     s.global = ((size_t)rows + s.rpg - 1) / s.rpg * s.local;
     return s;
+}
+
+/* Whether shape s keeps a work-item within the driver's loop limit; the
+ * failure's message where not. */
+static moecl_status shape_fits(moecl_context *ctx, const launch_shape *s, const char *op, uint32_t hidden,
+                               uint32_t units, uint32_t per_unit)
+{
+    if (moecl_loops_fit(&ctx->info, ((uint64_t)units / s->tpr + 5) * per_unit))
+        return MOECL_SUCCESS;
+    return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
+                      "%s: at hidden %u, %u work-items a row leave each more iterations than the driver's loop limit "
+                      "of %u (docs/devices.md)",
+                      op, hidden, s->tpr, ctx->params.value[MOECL_DP_LOOP_LIMIT]);
 }
 
 /* Each buffer against its check, where check (the device entry points;
@@ -229,7 +255,9 @@ static moecl_status permute_launch(moecl_context *ctx, const moecl_permute_desc 
         return st;
     if (padded == 0)
         return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    const launch_shape s = shape_for(ctx, p, d->num_padded, (d->hidden + 3) / 4);
+    const launch_shape s = shape_for(ctx, p, d->num_padded, (d->hidden + 3) / 4, 2);
+    if ((st = shape_fits(ctx, &s, "permute", d->hidden, (d->hidden + 3) / 4, 2)) != MOECL_SUCCESS)
+        return st;
     /* An absent input (no tokens: every row is padding) is never read; the
      * kernel still takes a buffer, the output. */
     const cl_mem in_mem = in.mem ? in.mem : out.mem;
@@ -294,7 +322,13 @@ static moecl_status scatter_launch(moecl_context *ctx, const moecl_permute_desc 
     const uint32_t units = wide ? (uint32_t)(h * out_size / 16) : (d->hidden + 3) / 4;
     const uint32_t zr = moecl_device_table_params(&ctx->info).value[MOECL_DP_SCATTER_ZERO_ROWS];
     const uint32_t zero_rows = zr ? zr : 1;
-    const launch_shape s = shape_for(ctx, p, (tokens ? t : 0) + (padded + zero_rows - 1) / zero_rows, units);
+    /* A token's row goes to its top_k slots; a padding work-item zeroes
+     * zero_rows rows. */
+    const uint32_t per_unit = 2 * (uint32_t)(k + 1 > zero_rows ? k + 1 : zero_rows);
+    const launch_shape s =
+        shape_for(ctx, p, (tokens ? t : 0) + (padded + zero_rows - 1) / zero_rows, units, per_unit);
+    if ((st = shape_fits(ctx, &s, "permute_scatter", d->hidden, units, per_unit)) != MOECL_SUCCESS)
+        return st;
     const layout_scatter_args scalars = {tokens ? in.offset / in_size : 0,
                                          ids.offset / 4,
                                          post.offset / 4,
@@ -416,7 +450,11 @@ static moecl_status combine_launch(moecl_context *ctx, const moecl_combine_desc 
         return st;
     if (t == 0)
         return moecl_enqueue_nothing(ctx, num_wait, wait, done);
-    const launch_shape s = shape_for(ctx, p, d->num_tokens, (d->hidden + 3) / 4);
+    /* Each unit adds the top_k slots' rows and the shared one. */
+    const uint32_t per_unit = 2 * (d->top_k + 2);
+    const launch_shape s = shape_for(ctx, p, d->num_tokens, (d->hidden + 3) / 4, per_unit);
+    if ((st = shape_fits(ctx, &s, "combine", d->hidden, (d->hidden + 3) / 4, per_unit)) != MOECL_SUCCESS)
+        return st;
     /* Absent inputs are never read (no expert rows: every position is out
      * of range; no shared rows: HAS_SHARED 0); the kernel still takes a
      * buffer, the output. */

@@ -9,6 +9,23 @@
 #include "internal.h"
 #include "kernel_layout.h"
 
+uint64_t moecl_rows_gating_loops(uint32_t experts, uint32_t top_k, uint32_t groups, uint32_t topk_group)
+{
+    const uint64_t e = experts, k = top_k, blocks = (e + 7) / 8;
+    /* Steps 1-2 and 5: a few passes over the blocks and the slots. */
+    uint64_t loops = 16 * blocks + 4 * k;
+    if (groups)
+        /* Step 3 (every expert into its group, the kept groups' threshold,
+         * the fill), then step 4 unpruned: every expert may be inserted,
+         * moving up to k - 1 keys (ascending values). */
+        loops += 2 * e + (uint64_t)groups * (topk_group + 2) + e * k;
+    else
+        /* The floor (k per block), then at most the lanes of the k blocks
+         * of the largest maxima inserted, each moving up to k - 1 keys. */
+        loops += blocks * k + 8 * k * k;
+    return loops;
+}
+
 moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens, uint32_t num_experts, uint32_t top_k)
 {
     moecl_topk_gating_desc d;
@@ -140,8 +157,22 @@ static size_t team_local_bytes(unsigned team, unsigned rows, unsigned k, unsigne
     return moecl_layout_topk_team_local(team, rows, experts, k, groups, true, false);
 }
 
+/* Whether a work-item of the rows kernel (a row) stays within the
+ * driver's loop limit: the rows pipeline's bound, the row's load and the
+ * shared slots. A replay selects nothing: a few passes over the row. */
+static bool rows_fit(const moecl_device_info *info, const topk_request *r)
+{
+    const moecl_topk_gating_desc *d = r->desc;
+    const uint64_t blocks = (d->num_experts + 7) / 8;
+    if (r->replay)
+        return moecl_loops_fit(info, 8 * blocks + 4 * (uint64_t)d->top_k + d->num_shared_experts);
+    return moecl_loops_fit(info, moecl_rows_gating_loops(d->num_experts, d->top_k, r->groups, r->topk_group) +
+                                     2 * blocks + d->num_shared_experts);
+}
+
 /* The check: whether the device can run configuration c for the request
- * (work-group size, local memory), and the shape it launches. */
+ * (work-group size, local memory, the rows kernel's loop limit), and the
+ * shape it launches. */
 static bool check_config(const moecl_device_info *info, const moecl_launch_config *c, const void *request,
                          void *shape_out)
 {
@@ -149,7 +180,8 @@ static bool check_config(const moecl_device_info *info, const moecl_launch_confi
     topk_shape *shape = shape_out;
     const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
     const bool pow2_rows = moecl_is_pow2(c->rows);
-    if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && pow2_rows && c->rows <= info->max_work_group_size) {
+    if (c->kernel == MOECL_KERNEL_ROWS && c->team == 1 && pow2_rows && c->rows <= info->max_work_group_size &&
+        rows_fit(info, r)) {
         *shape = (topk_shape){1, c->rows, false, "topk_gating_rows"};
         return true;
     }
@@ -170,7 +202,11 @@ static moecl_launch_config rule_config(const moecl_device_info *info, const void
     const topk_request *r = request;
     const unsigned experts = r->desc->num_experts, k = r->desc->top_k;
     const moecl_launch_config rows_kernel = {MOECL_KERNEL_ROWS, 1, 8, 0, {0}};
-    /* the override team= asks for the team kernel unless the override says class=cpu. */
+    /* the override team= asks for the team kernel unless the override says
+     * class=cpu. A row past the driver's loop limit gets the rows kernel
+     * all the same, which the check refuses: the call fails (the team
+     * kernel, forced at 4096 experts, top 64, team 32, wrote ids -1 on
+     * rusticl, so it is no way round). */
     if (info->launch_class == MOECL_LAUNCH_CPU && (!info->env.team || info->env.launch_class_forced))
         return rows_kernel;
     /* About eight elements per work-item, at most 256 work-items a row. */
@@ -198,6 +234,8 @@ static moecl_launch_source resolve(const moecl_context *ctx, const moecl_device_
                                    moecl_launch_config *config, topk_shape *shape)
 {
     const moecl_launch_key key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
+    /* No kernel name after it: no kernel fits the device (its loop limit). */
+    shape->kernel_name = NULL;
     return moecl_launch_resolve(ctx, info, &key, &launch_rule, r, config, shape);
 }
 
@@ -232,7 +270,12 @@ static moecl_variant_values values_of(const moecl_device_info *info, const topk_
     v.param[MOECL_TOPK_CAPTURE] = r->capture;
     v.param[MOECL_TOPK_HAS_SCALE] = r->has_scale;
     v.param[MOECL_TOPK_LOAD_MAP] = r->load_map;
-    v.param[MOECL_TOPK_CPU_DEVICE] = (info->type & CL_DEVICE_TYPE_CPU) != 0;
+    /* The CPU fast path's loops are not bounded against a driver's loop
+     * limit (rusticl's llvmpipe routed ascending rows of 2048 experts, top
+     * 64, wrong with it): there the generic loops, whose bound rows_fit
+     * checks. */
+    v.param[MOECL_TOPK_CPU_DEVICE] =
+        (info->type & CL_DEVICE_TYPE_CPU) != 0 && !moecl_device_table_params(info).value[MOECL_DP_LOOP_LIMIT];
     v.param[MOECL_TOPK_ROUTE_DISPATCH] = r->has_dispatch;
     v.param[MOECL_TOPK_REPLAY] = r->replay;
     v.param[MOECL_TOPK_SHARED] = d->num_shared_experts;
@@ -284,6 +327,17 @@ static void defines_of(const moecl_device_info *info, const topk_request *r, con
     moecl_variant_defines(&moecl_variant_topk_gating, &v, kernel_of(s), defines, size);
 }
 
+/* The defines of a resolved shape; none ("") where no kernel fits the
+ * device (its kernel name NULL). */
+static void defines_of_fitting(const moecl_device_info *info, const topk_request *r, const topk_shape *s,
+                               char *defines, size_t size)
+{
+    if (s->kernel_name)
+        defines_of(info, r, s, defines, size);
+    else if (size)
+        defines[0] = '\0';
+}
+
 void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_gating_desc *desc, bool has_bias,
                                bool has_counts, char *buf, size_t size, const char **kernel_name)
 {
@@ -291,7 +345,7 @@ void moecl_topk_gating_defines(const moecl_device_info *info, const moecl_topk_g
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(info, &r, &shape, buf, size);
+    defines_of_fitting(info, &r, &shape, buf, size);
     *kernel_name = shape.kernel_name;
 }
 
@@ -304,7 +358,7 @@ void moecl_topk_gating_ex_defines(const moecl_device_info *info, const moecl_top
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(info, &r, &shape, buf, size);
+    defines_of_fitting(info, &r, &shape, buf, size);
     *kernel_name = shape.kernel_name;
 }
 
@@ -318,8 +372,8 @@ void moecl_topk_gating_route_defines(const moecl_device_info *info, const moecl_
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(info, &r, &shape, buf, size);
-    *kernel_name = shape.team > 1 ? shape.kernel_name : NULL;
+    defines_of_fitting(info, &r, &shape, buf, size);
+    *kernel_name = shape.kernel_name && shape.team > 1 ? shape.kernel_name : NULL;
 }
 
 /* The plan of a request (moecl_plan_build): the configuration, the
@@ -330,6 +384,12 @@ static moecl_status build_plan(moecl_context *ctx, const void *request, moecl_pl
     topk_shape shape;
     plan->source = resolve(ctx, &ctx->info, r, &plan->config, &shape);
     plan->launch_key = moecl_launch_key_topk(r->desc->num_experts, r->desc->top_k, r->groups);
+    if (!shape.kernel_name)
+        return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
+                          "top-k gating: at %u experts, top_k %u, %u expert groups (%u kept), no kernel keeps a "
+                          "work-item within the driver's loop limit of %u iterations (docs/devices.md)",
+                          r->desc->num_experts, r->desc->top_k, r->groups, r->topk_group,
+                          ctx->params.value[MOECL_DP_LOOP_LIMIT]);
     if (r->has_dispatch && shape.team == 1) {
         char text[512];
         const moecl_variant_values v = values_of(&ctx->info, r, &shape);
@@ -419,8 +479,8 @@ void moecl_topk_gating_replay_defines(const moecl_device_info *info, const moecl
     moecl_launch_config config;
     topk_shape shape;
     resolve(NULL, info, &r, &config, &shape);
-    defines_of(info, &r, &shape, buf, size);
-    *kernel_name = kernel_name_of(&r, &shape);
+    defines_of_fitting(info, &r, &shape, buf, size);
+    *kernel_name = shape.kernel_name ? kernel_name_of(&r, &shape) : NULL;
 }
 
 moecl_status moecl_topk_gating_replay_launch(moecl_context *ctx, const moecl_topk_gating_desc *desc, unsigned mode,

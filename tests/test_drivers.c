@@ -31,13 +31,16 @@
  * work-item loops over its tokens, the experts and the hidden size,
  * routed 64 experts at hidden 256 right with up to 24 tokens a work-item
  * and wrong from 25 (at hidden 512 from 13); where the device table
- * records the limit (MOECL_DP_LOOP_LIMIT) it takes fewer tokens a
- * work-item (src/grounded_router.c). The test fails where the fault is
- * present and the table does not record the limit this kernel shows.
+ * records the limit (MOECL_DP_LOOP_LIMIT) the plans bound each kernel's
+ * iterations a work-item by it (src/grounded_router.c, src/topk_gating.c;
+ * the loop_budget cases of the grounded_router and topk_gating suites).
+ * The test fails where the fault is present and the table does not record
+ * the limit this kernel shows.
  *
  * loop_budget_shared: that limit is one budget for every loop a work-item
  * runs, one after another too: loops of 60000 and 10000 iterations count
- * 60000 and 5534. moe_align's kernels with one work-item a chunk (the CPU
+ * 60000 and 5534. It is each work-item's own: 256 work-items of a
+ * work-group, 40000 iterations each, all count 40000. moe_align's kernels with one work-item a chunk (the CPU
  * class's shape) walk the padding positions, the blocks and the slots in
  * one work-item, and at 4096 experts (520192 padding positions at block
  * 128) wrote the first block only; where the limit is recorded the device
@@ -273,8 +276,8 @@ START_TEST(test_loop_iteration_limit)
     const uint32_t recorded = ctx->params.value[MOECL_DP_LOOP_LIMIT];
     ck_assert_msg(!present || recorded == out[0],
                   "%s left a loop of %u iterations after %u, and the device table records a limit of %u "
-                  "(src/device_table.c, MOECL_DP_LOOP_LIMIT): the grounded router's rows kernel would route from "
-                  "truncated sums here",
+                  "(src/device_table.c, MOECL_DP_LOOP_LIMIT): the grounded router and top-k gating would route from "
+                  "truncated loops here",
                   ctx->info.device_name, n, out[0], recorded);
     clReleaseMemObject(bn);
     clReleaseMemObject(bo);
@@ -352,6 +355,16 @@ START_TEST(test_loop_budget_shared)
         ck_assert_msg(got[0] == n[0] && got[1] == n[1], "loops of %u and %u over %zu work-items counted %u and %u",
                       n[0], n[1], wgs[i], got[0], got[1]);
     }
+    /* The budget is a work-item's own, not its work-group's: the plans
+     * bound each work-item's iterations (docs/routing.md, "A driver's loop
+     * limit"). A work-group of 256 work-items, 40000 iterations each. */
+    const size_t many = limit < 256 ? limit : 256;
+    const cl_uint each[2] = {(cl_uint)(40000 * many), 0};
+    run_two_loops(ctx, k, each, many, got);
+    ck_assert_msg(got[0] == each[0],
+                  "%zu work-items of 40000 iterations each counted %u in all, not %u: the loop limit is not a "
+                  "work-item's own, and the plans' bounds do not hold",
+                  many, got[0], each[0]);
     clReleaseKernel(k);
     clReleaseProgram(prog);
     moecl_context_destroy(ctx);

@@ -296,6 +296,66 @@ START_TEST(test_special_rows)
 }
 END_TEST
 
+/* Shapes past a loop-limited driver's budget for one token of the rows
+ * kernel (MOECL_DP_LOOP_LIMIT: rusticl's 65535 iterations a work-item,
+ * every loop counted), few tokens so that they run on rusticl, through
+ * the device path: experts x hidden at 5.5 and 8 times the budget and at
+ * the largest hidden size (the split-K kernel there), and 2048 experts at
+ * top 64 on ascending values (the gating's most insertions) are checked
+ * against the reference. 4096 experts at top 64 pass even the split-K
+ * kernel's budget: a loop-limited device refuses it (UNSUPPORTED, the
+ * outputs untouched), any other routes it. */
+START_TEST(test_loop_budget)
+{
+    static const uint32_t shapes[][5] = {
+        /* tokens, hidden, experts, top_k, ascending logits over a zero table */
+        {3, 4096, 88, 8, 0}, {3, 4096, 128, 8, 0}, {2, 65536, 8, 2, 0}, {1, 16, 2048, 64, 1}, {2, 16, 4096, 64, 1},
+    };
+    moecl_context *ctx = harness_context();
+    const bool limited = ctx->params.value[MOECL_DP_LOOP_LIMIT] != 0;
+    for (size_t s = 0; s < COUNT(shapes); s++) {
+        moecl_grounded_router_desc d = moecl_grounded_router_desc_init(shapes[s][0], shapes[s][1], shapes[s][2], 0.5f);
+        d.top_k = shapes[s][3];
+        const int outputs = OUT_PAIRS | OUT_WEIGHTS | OUT_IDS;
+        if (!shapes[s][4]) {
+            random_case(ctx, &d, outputs, 2 * (900 + s) + 1, false);
+            continue;
+        }
+        harness_rng rng = harness_rng_for(920 + s);
+        grounded_inputs in = random_inputs(&rng, &d);
+        memset(in.ground, 0, (size_t)d.num_experts * d.hidden_dim * ref_dtype_size(d.hidden_dtype));
+        for (uint32_t t = 0; t < d.num_tokens; t++)
+            for (uint32_t e = 0; e < d.num_experts; e++)
+                in.logits[(size_t)t * d.num_experts + e] = (float)e / 1024.0f;
+        grounded_outputs out = alloc_outputs(&d, outputs);
+        if (limited && d.num_experts == 4096) {
+            const size_t slots = (size_t)d.num_tokens * row_slots(&d);
+            moecl_buffer hb = harness_buffer(ctx, (size_t)d.num_tokens * d.hidden_dim * 4, 0, in.hidden);
+            moecl_buffer lb = harness_buffer(ctx, (size_t)d.num_tokens * d.num_experts * 4, 0, in.logits);
+            moecl_buffer gb = harness_buffer(ctx, (size_t)d.num_experts * d.hidden_dim * 4, 0, in.ground);
+            memset(out.ids, HARNESS_POISON, slots * 4);
+            moecl_buffer ib = harness_buffer(ctx, slots * 4, 0, out.ids);
+            const moecl_buffer none = {NULL, 0};
+            const moecl_status st = moecl_grounded_router(ctx, &d, hb, lb, gb, none, none, ib, 0, NULL, NULL);
+            ck_assert_msg(st == MOECL_ERROR_UNSUPPORTED, "4096 experts, top 64: %s", moecl_status_string(st));
+            ck_assert_msg(strstr(moecl_context_error(ctx), "loop limit") != NULL, "%s", moecl_context_error(ctx));
+            harness_read(ctx, ib, slots * 4, out.ids);
+            for (size_t i = 0; i < slots; i++)
+                ck_assert_uint_eq((uint32_t)out.ids[i], 0xFFFFFFFFu);
+            const moecl_buffer all[] = {hb, lb, gb, ib};
+            for (size_t i = 0; i < COUNT(all); i++)
+                harness_release(all[i]);
+        } else {
+            run(ctx, &d, &in, outputs, true, &out);
+            check(&d, &in, outputs, &out);
+        }
+        free_outputs(&out);
+        free_inputs(&in);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Invalid fields: each gives INVALID_ARGUMENT naming the field and leaves
  * the outputs untouched, on the host path, the device path and _prepare. */
 START_TEST(test_invalid)
@@ -1301,6 +1361,11 @@ int main(int argc, char **argv)
         tcase_add_test(tc, test_grid);
     }
     suite_add_tcase(s, tc);
+    /* Shapes past a loop-limited driver's budget (--case loop_budget). */
+    TCase *budget = tcase_create("loop_budget");
+    tcase_set_timeout(budget, 1200);
+    tcase_add_test(budget, test_loop_budget);
+    suite_add_tcase(s, budget);
     /* The tensor-core kernel, forced (--case mma runs it alone). */
     TCase *mma = tcase_create("mma");
     tcase_set_timeout(mma, 1200);

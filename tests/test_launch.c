@@ -790,6 +790,38 @@ static moecl_device_info table_device(moecl_vendor vendor, cl_device_type type, 
     return info;
 }
 
+/* The grounded router's kernel on llvmpipe-like facts (rusticl's loop
+ * limit) and on the same facts without it (pocl's vendor). */
+static const char *grounded_kernel_on(moecl_vendor vendor, uint32_t tokens, uint32_t hidden, uint32_t experts,
+                                      uint32_t k)
+{
+    moecl_device_info info = table_device(vendor, CL_DEVICE_TYPE_CPU, "llvmpipe (LLVM 15.0.6, 256 bits)");
+    info.max_work_group_size = 1024;
+    info.local_mem_size = 32768;
+    info.compute_units = 8;
+    moecl_grounded_router_desc d = moecl_grounded_router_desc_init(tokens, hidden, experts, 0.5f);
+    d.top_k = k;
+    char defines[1024];
+    const char *kernel = "unset";
+    moecl_grounded_router_defines(&info, &d, true, true, true, defines, sizeof(defines), &kernel);
+    return kernel;
+}
+
+static void assert_define(const char *text, const char *name, int value, const char *label);
+
+/* Top-k gating's kernel and defines on the same facts. */
+static const char *topk_kernel_on(moecl_vendor vendor, uint32_t experts, uint32_t k, char *defines, size_t size)
+{
+    moecl_device_info info = table_device(vendor, CL_DEVICE_TYPE_CPU, "llvmpipe (LLVM 15.0.6, 256 bits)");
+    info.max_work_group_size = 1024;
+    info.local_mem_size = 32768;
+    info.compute_units = 8;
+    const moecl_topk_gating_desc d = moecl_topk_gating_desc_init(1, experts, k);
+    const char *kernel = "unset";
+    moecl_topk_gating_defines(&info, &d, false, false, defines, size, &kernel);
+    return kernel;
+}
+
 static void assert_table_launch(const moecl_device_info *info, const moecl_launch_key *key,
                                 const moecl_launch_config *want, const char *label)
 {
@@ -872,6 +904,35 @@ START_TEST(test_device_table)
     ck_assert_uint_eq(lp.value[MOECL_DP_LOOP_LIMIT], 65535);
     const moecl_device_params rs = moecl_device_table_params(&radeonsi);
     ck_assert(memcmp(&d, &rs, sizeof(d)) == 0);
+    /* Where one token a work-item of the rows kernel passes the loop
+     * limit, the split-K kernel; where that passes it too, none. */
+    static const struct {
+        uint32_t tokens, hidden, experts, k;
+        const char *limited;
+    } loops[] = {{64, 256, 64, 8, "grounded_router_rows"},   {1, 4096, 56, 8, "grounded_router_rows"},
+                 {1, 4096, 88, 8, "grounded_router_splitk"}, {4096, 4096, 128, 8, "grounded_router_splitk"},
+                 {1, 65536, 8, 2, "grounded_router_splitk"}, {1, 16, 2048, 64, "grounded_router_splitk"},
+                 {1, 16, 4096, 64, NULL}};
+    for (size_t i = 0; i < sizeof(loops) / sizeof(loops[0]); i++) {
+        const char *got = grounded_kernel_on(MOECL_VENDOR_RUSTICL, loops[i].tokens, loops[i].hidden,
+                                             loops[i].experts, loops[i].k);
+        ck_assert_msg(loops[i].limited ? got && strcmp(got, loops[i].limited) == 0 : got == NULL,
+                      "llvmpipe %u x %u x %u top %u: %s, not %s", loops[i].tokens, loops[i].hidden,
+                      loops[i].experts, loops[i].k, got ? got : "none", loops[i].limited ? loops[i].limited : "none");
+        ck_assert_str_eq(grounded_kernel_on(MOECL_VENDOR_POCL, loops[i].tokens, loops[i].hidden, loops[i].experts,
+                                            loops[i].k),
+                         "grounded_router_rows");
+    }
+    /* Top-k's rows kernel without the CPU fast path under the limit, and
+     * none where a row's loops pass it. */
+    char topk_defines[1024];
+    ck_assert_str_eq(topk_kernel_on(MOECL_VENDOR_RUSTICL, 2048, 64, topk_defines, sizeof(topk_defines)),
+                     "topk_gating_rows");
+    assert_define(topk_defines, "CPU_DEVICE", 0, "llvmpipe");
+    ck_assert_ptr_null(topk_kernel_on(MOECL_VENDOR_RUSTICL, 4096, 64, topk_defines, sizeof(topk_defines)));
+    ck_assert_str_eq(topk_kernel_on(MOECL_VENDOR_POCL, 4096, 64, topk_defines, sizeof(topk_defines)),
+                     "topk_gating_rows");
+    assert_define(topk_defines, "CPU_DEVICE", 1, "pocl");
     /* The device name does not move a vendor's values. */
     const moecl_device_info other = table_device(MOECL_VENDOR_NVIDIA, CL_DEVICE_TYPE_GPU, "");
     const moecl_device_params o = moecl_device_table_params(&other);

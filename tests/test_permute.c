@@ -343,6 +343,28 @@ START_TEST(test_scatter_grid)
 }
 END_TEST
 
+/* Rows whose copy loops pass a loop-limited driver's budget with one
+ * work-item a row (MOECL_DP_LOOP_LIMIT: rusticl's 65535 iterations a
+ * work-item, every loop counted): combine at hidden 65536, top 8 (16384
+ * vectors a slot), permute and the scatter at hidden 262148 (65537
+ * vectors), through the device path against the reference. Few tokens,
+ * so that they run on rusticl. */
+START_TEST(test_loop_budget)
+{
+    moecl_context *ctx = harness_context();
+    harness_rng rng = harness_rng_for(950);
+    routing r;
+    routing_make(&rng, 2, 8, 4, 4, &r);
+    check_combine_case(ctx, &rng, &r, 65536, MOECL_F32, MOECL_F32, -1, false, true);
+    routing_free(&r);
+    routing_make(&rng, 2, 1, 2, 2, &r);
+    check_permute_case(ctx, &rng, &r, 262148, MOECL_F32, MOECL_F32, false, true, r.post, GATHER);
+    check_permute_case(ctx, &rng, &r, 262148, MOECL_F32, MOECL_F32, false, true, r.post, SCATTER);
+    routing_free(&r);
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 /* Positions the scatter must skip (-1 and other negatives, n and past,
  * past num_padded, INT32_MAX): their slots' rows keep the poison, every
  * other row below n is permute's, and no row from n on and no byte
@@ -743,5 +765,10 @@ int main(int argc, char **argv)
     tcase_add_test(tc, test_scatter_skips_positions);
     tcase_add_test(tc, test_combine_grid);
     suite_add_tcase(s, tc);
+    /* Rows past a loop-limited driver's budget (--case loop_budget). */
+    TCase *budget = tcase_create("loop_budget");
+    tcase_set_timeout(budget, 600);
+    tcase_add_test(budget, test_loop_budget);
+    suite_add_tcase(s, budget);
     return harness_run(s);
 }

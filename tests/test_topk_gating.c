@@ -972,6 +972,57 @@ END_TEST
 
 /* _prepare builds the variant ahead; the call then runs it. Also a chain of
  * two calls ordered by events on the device path. */
+/* Rows whose gating loops come near or past a loop-limited driver's
+ * budget (MOECL_DP_LOOP_LIMIT: rusticl's 65535 iterations a work-item,
+ * every loop counted) on ascending logits, the most insertions: 2048
+ * experts at top 64 (softmax and sigmoid), 4096 at top 32 and 4096 at top
+ * 8 in 64 groups of which 4 are kept, checked against the reference; 4096
+ * at top 64 passes the bound, so a loop-limited device refuses it
+ * (UNSUPPORTED, the outputs untouched) and any other routes it. Few rows,
+ * so that they run on rusticl. */
+START_TEST(test_loop_budget)
+{
+    static const struct {
+        uint32_t experts, k, groups, topk_group;
+        moecl_scoring scoring;
+    } shapes[] = {{2048, 64, 0, 0, MOECL_SCORING_SOFTMAX},
+                  {2048, 64, 0, 0, MOECL_SCORING_SIGMOID},
+                  {4096, 32, 0, 0, MOECL_SCORING_SOFTMAX},
+                  {4096, 8, 64, 4, MOECL_SCORING_SOFTMAX},
+                  {4096, 64, 0, 0, MOECL_SCORING_SOFTMAX}};
+    moecl_context *ctx = harness_context();
+    const bool limited = ctx->params.value[MOECL_DP_LOOP_LIMIT] != 0;
+    for (size_t s = 0; s < sizeof(shapes) / sizeof(shapes[0]); s++) {
+        moecl_topk_gating_desc d = moecl_topk_gating_desc_init(3, shapes[s].experts, shapes[s].k);
+        d.scoring = shapes[s].scoring;
+        d.num_expert_groups = shapes[s].groups;
+        d.topk_group = shapes[s].topk_group;
+        const size_t n = (size_t)d.num_tokens * d.num_experts, nk = (size_t)d.num_tokens * d.top_k;
+        float *logits = malloc(n * sizeof(float));
+        float *w = malloc(nk * sizeof(float) + 4);
+        int32_t *ids = malloc(nk * sizeof(int32_t) + 4);
+        ck_assert(logits && w && ids);
+        for (size_t i = 0; i < n; i++)
+            logits[i] = (float)(i % d.num_experts) / 1024.0f;
+        if (limited && d.num_experts == 4096 && d.top_k == 64) {
+            memset(ids, HARNESS_POISON, nk * sizeof(int32_t));
+            const moecl_status st = moecl_topk_gating_host(ctx, &d, logits, NULL, w, ids);
+            ck_assert_msg(st == MOECL_ERROR_UNSUPPORTED, "4096 experts, top 64: %s", moecl_status_string(st));
+            ck_assert_msg(strstr(moecl_context_error(ctx), "loop limit") != NULL, "%s", moecl_context_error(ctx));
+            for (size_t i = 0; i < nk; i++)
+                ck_assert_int_eq(ids[i], -1);
+        } else {
+            run(ctx, &d, logits, NULL, true, w, ids);
+            check(&d, logits, NULL, w, ids);
+        }
+        free(logits);
+        free(w);
+        free(ids);
+    }
+    moecl_context_destroy(ctx);
+}
+END_TEST
+
 START_TEST(test_prepare_and_chain)
 {
     moecl_context *ctx = harness_context();
@@ -2174,8 +2225,8 @@ int main(int argc, char **argv)
 {
     harness_args(argc, argv, moecl_override_set);
     Suite *s = suite_create("topk_gating");
-    /* Five test cases, so that a run can take one (--case NAME): the quick
-     * suite runs each as a process of its own, in parallel. */
+    /* Test cases, so that a run can take one (--case NAME): the quick
+     * suite runs the first five each as a process of its own, in parallel. */
     TCase *tc = tcase_create("reference");
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, test_checker_rejects);
@@ -2229,5 +2280,10 @@ int main(int argc, char **argv)
     suite_add_tcase(s, dtypes);
     suite_add_tcase(s, random);
     suite_add_tcase(s, shared);
+    /* Rows near a loop-limited driver's budget (--case loop_budget). */
+    TCase *budget = tcase_create("loop_budget");
+    tcase_set_timeout(budget, 1200);
+    tcase_add_test(budget, test_loop_budget);
+    suite_add_tcase(s, budget);
     return harness_run(s);
 }

@@ -508,7 +508,9 @@ MOECL_API moecl_topk_gating_desc moecl_topk_gating_desc_init(uint32_t num_tokens
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a descriptor field out of range,
  * NULL ctx/desc, a missing buffer, a buffer too small for the shape, an
  * unaligned offset, a buffer of another context, num_wait > 0 with wait
- * NULL), MOECL_ERROR_BUILD, the OpenCL error of a clSetKernelArg,
+ * NULL), MOECL_ERROR_UNSUPPORTED (a row's loops pass the driver's loop
+ * limit, docs/devices.md: Mesa's rusticl at 4096 experts, top 64),
+ * MOECL_ERROR_BUILD, the OpenCL error of a clSetKernelArg,
  * CL_INVALID_WORK_GROUP_SIZE (the kernel's limit on this device is below
  * the launch's work-group), or the OpenCL error of the enqueue. On any
  * failure nothing is enqueued and no output byte changes.
@@ -926,8 +928,11 @@ MOECL_API moecl_grounded_router_desc moecl_grounded_router_desc_init(uint32_t nu
  * every output row is top_k + S slots (the shared ones last).
  *
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (as for moecl_topk_gating(), a
- * precision outside its enum, and all three outputs absent), MOECL_ERROR_BUILD, the OpenCL error of a
- * clSetKernelArg, or that of the enqueue. On any failure nothing is
+ * precision outside its enum, and all three outputs absent),
+ * MOECL_ERROR_UNSUPPORTED (no kernel keeps a work-item within the driver's
+ * loop limit, docs/devices.md: Mesa's rusticl at 4096 experts, top 64),
+ * MOECL_ERROR_BUILD, the OpenCL error of a clSetKernelArg, or that of the
+ * enqueue. On any failure nothing is
  * enqueued and no output byte changes.
  */
 MOECL_API moecl_status moecl_grounded_router(moecl_context *ctx, const moecl_grounded_router_desc *desc,
@@ -1898,8 +1903,10 @@ MOECL_API moecl_permute_desc moecl_permute_desc_init(uint32_t num_tokens, uint32
  * Errors: MOECL_ERROR_INVALID_ARGUMENT (a NULL ctx/desc, a field out of
  * range, a missing buffer, a buffer too small, an unaligned offset, a
  * buffer of another context, num_wait > 0 with wait NULL),
- * MOECL_ERROR_BUILD, or an OpenCL error. One command: any failure leaves
- * nothing enqueued and no output byte changed.
+ * MOECL_ERROR_UNSUPPORTED (a row's vectors pass the driver's loop limit on
+ * a work-group of work-items, docs/devices.md: Mesa's rusticl, combine at
+ * hidden 2^20, top 64), MOECL_ERROR_BUILD, or an OpenCL error. One
+ * command: any failure leaves nothing enqueued and no output byte changed.
  */
 MOECL_API moecl_status moecl_permute(moecl_context *ctx, const moecl_permute_desc *desc, moecl_buffer hidden_states,
                                      moecl_buffer sorted_token_ids, moecl_buffer num_tokens_post_padded,
