@@ -221,6 +221,87 @@ static inline uint hor16(uint16 v)
     X(sabcdef0123456789, 0xffc0) X(sbcdef0123456789a, 0xffe0) X(scdef0123456789ab, 0xfff0)         \
     X(sdef0123456789abc, 0xfff8) X(sef0123456789abcd, 0xfffc) X(sf0123456789abcde, 0xfffe)
 
+/* Each lane's two largest logits (padding -inf; NaN is neither, its
+ * compares being false): the largest returned, the second in *second. */
+static inline float16 lane_top2(__global const in_t *x, float16 *second)
+{
+    float16 m1 = (float16)(-INFINITY), m2 = (float16)(-INFINITY);
+    for (uint b = 0; b < BLOCKS16; b++) {
+        const float16 v = load_block16(x, b * V16, -INFINITY);
+        const float16 lo = v > m1 ? m1 : v;
+        m1 = v > m1 ? v : m1;
+        m2 = lo > m2 ? lo : m2;
+    }
+    *second = m2;
+    return m1;
+}
+
+/* The k-th largest of the 16 values m, counting repeats: the least value
+ * with fewer than k values above it. */
+static inline float kth_of_16(float16 m)
+{
+    int16 above = (int16)(0);
+#define COUNT_ABOVE(sw, unused) above -= m.sw > m;
+    ROTATIONS16(COUNT_ABOVE)
+#undef COUNT_ABOVE
+    return hmin16(above < TOPK ? m : (float16)(INFINITY));
+}
+
+/* The same over the 32 values m1 and m2 (m2 <= m1 lane by lane). */
+static inline float kth_of_32(float16 m1, float16 m2)
+{
+    int16 above1 = (int16)(0), above2 = (int16)(0) - (m1 > m2);
+#define COUNT_ABOVE(sw, unused)                                                                    \
+    {                                                                                              \
+        const float16 r1 = m1.sw, r2 = m2.sw;                                                      \
+        above1 -= (r1 > m1) + (r2 > m1);                                                           \
+        above2 -= (r1 > m2) + (r2 > m2);                                                           \
+    }
+    ROTATIONS16(COUNT_ABOVE)
+#undef COUNT_ABOVE
+    const float16 k1 = above1 < TOPK ? m1 : (float16)(INFINITY);
+    const float16 k2 = above2 < TOPK ? m2 : (float16)(INFINITY);
+    return hmin16(k1 < k2 ? k1 : k2);
+}
+
+/* The candidates (the set bits of pair_bits) in index order, 64 experts at
+ * a time (one loop exit per 64: the branches are few): the first 16 kept,
+ * the rest counted into slot 16; returns their count. With cap, of the
+ * logits equal to the floor only the first k count: where fewer than k
+ * logits are above the floor it is the k-th largest and the first of its
+ * ties are chosen; otherwise none of them is. (Without cap the loop is
+ * shorter: the rows of the first floor are most rows.) */
+static inline uint gather_candidates(__global const in_t *x, const uint *pair_bits, float floor_x, bool cap,
+                                     float *cand_x, uint *cand_e)
+{
+    uint count = 0, ties = 0;
+    for (uint p = 0; p < PAIRS16; p += 2) {
+        ulong bits = (ulong)pair_bits[p] | ((ulong)pair_bits[p + 1] << 32);
+        while (bits) {
+            const uint e = p * 2 * V16 + 63 - (uint)clz(bits & (0ul - bits));
+            bits &= bits - 1;
+            const uint slot = min(count, (uint)V16);
+            const float v = LOAD_IN(x, e);
+            const uint tie = v == floor_x;
+            cand_x[slot] = v;
+            cand_e[slot] = e;
+            count += !cap || ties < TOPK || !tie; /* a tie past k: its slot is reused */
+            ties += tie;
+        }
+    }
+    return count;
+}
+
+/* A bit for each logit at least floor_x (finite), two blocks a pair. */
+static inline void candidate_bits(__global const in_t *x, float floor_x, uint16 lane_bits, uint *pair_bits)
+{
+    for (uint p = 0; p < PAIRS16; p++) {
+        const float16 v0 = load_block16(x, 2 * p * V16, -INFINITY);
+        const float16 v1 = load_block16(x, (2 * p + 1) * V16, -INFINITY);
+        pair_bits[p] = hor16((as_uint16(v0 >= floor_x) & lane_bits) | (as_uint16(v1 >= floor_x) & (lane_bits << 16)));
+    }
+}
+
 /* The candidates' logits as they rank. Above a finite floor that is the
  * logit itself (a candidate ranks at least the floor, so not as -inf): the
  * scalar exp per candidate is paid only where the floor is -inf (fewer
@@ -251,13 +332,7 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
      * the floor can be chosen. */
     float floor_x = -INFINITY;
 #if TOPK <= V16
-    {
-        int16 above = (int16)(0);
-#define COUNT_ABOVE(sw, unused) above -= lane_max.sw > lane_max;
-        ROTATIONS16(COUNT_ABOVE)
-#undef COUNT_ABOVE
-        floor_x = hmin16(above < TOPK ? lane_max : (float16)(INFINITY));
-    }
+    floor_x = kth_of_16(lane_max);
 #endif
     floor_x = rank_logit(floor_x, row_max);
 
@@ -278,23 +353,25 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
     }
     pair_bits[PAIRS16] = 0;
 
-    /* The candidates in index order, 64 experts at a time (one loop exit
-     * per 64: the branches are few); the first 16 kept, the rest counted
-     * into slot 16. */
     float cand_x[V16 + 1];
     uint cand_e[V16 + 1];
-    uint count = 0;
-    for (uint p = 0; p < PAIRS16; p += 2) {
-        ulong bits = (ulong)pair_bits[p] | ((ulong)pair_bits[p + 1] << 32);
-        while (bits) {
-            const uint e = p * 2 * V16 + 63 - (uint)clz(bits & (0ul - bits));
-            bits &= bits - 1;
-            const uint slot = min(count, (uint)V16);
-            cand_x[slot] = LOAD_IN(x, e);
-            cand_e[slot] = e;
-            count++;
-        }
+    uint count = gather_candidates(x, pair_bits, floor_x, false, cand_x, cand_e);
+#if TOPK <= V16
+    if (count > V16 && floor_x != -INFINITY) {
+        /* Over 16 candidates: a lane holds several of the largest logits
+         * (hot experts 16 apart, many ties), and its maximum alone stood
+         * for them. A tighter floor from each lane's two largest, and the
+         * candidates again; only where they are still over 16 does the
+         * loop below take every expert. It is at least the first floor,
+         * so finite and above every logit whose score is 0: the logits
+         * rank as loaded. */
+        float16 second;
+        const float16 first = lane_top2(x, &second);
+        floor_x = kth_of_32(first, second);
+        candidate_bits(x, floor_x, lane_bits, pair_bits);
+        count = gather_candidates(x, pair_bits, floor_x, true, cand_x, cand_e);
     }
+#endif
     rank_candidates(cand_x, min(count, (uint)V16), floor_x, row_max);
     const float row_sum = fast_row_sum(acc);
 
@@ -333,9 +410,10 @@ static inline void topk_rows_softmax(__global const in_t *x, __global weight_t *
             chosen_e[j] = cand_e[i];
         }
     } else {
-        /* Many candidates (ties at the floor) or k > 16: insertion of every
-         * candidate's key. Fewer candidates than k cannot happen (k lanes
-         * hold a logit at least the floor); should a driver's vector
+        /* Over 16 candidates at the tighter floor too (many large logits
+         * in few lanes), or k > 16: insertion of every candidate's key.
+         * Fewer candidates than k cannot happen (k of the lane values a
+         * floor is taken over are at least it); should a driver's vector
          * compares say otherwise, every expert is a candidate. */
         ulong keys[TOPK];
         float unused[TOPK];

@@ -921,15 +921,24 @@ END_TEST
  * every place, the k-th included; distinct values a quarter apart, so the
  * ids must equal the reference's exactly), kind 2 a third of the experts
  * within 2^-16 of 9 above a uniform [0, 8) rest (near-ties: the checker's
- * rules). Softmax, so every shape here takes the CPU fast path on CPUs:
- * 16-lane blocks whole and partial, k up to 16. */
-static float crowded_logit(harness_rng *rng, int kind)
+ * rules), kind 3 every expert of lanes 0..2 (expert % 16 < 3) in [9, 10)
+ * above a uniform [0, 8) rest (the floor, from two values a lane, sits
+ * below them: at 128 experts and more that is over 16 candidates, the
+ * path's fallback loop), kind 4 four exact levels (a quarter of the row
+ * tied at the top: more than k ties at the floor, of which the first k
+ * are kept; ids exact as kind 1's). Softmax, so every shape here takes the
+ * CPU fast path on CPUs: 16-lane blocks whole and partial, k up to 16. */
+static float crowded_logit(harness_rng *rng, int kind, uint32_t expert)
 {
     const double u = harness_rand_uniform(rng);
     if (kind == 0)
         return (float)(10.0 * u);
     if (kind == 1)
         return (float)(floor(40.0 * u) / 4.0);
+    if (kind == 3)
+        return expert % 16 < 3 ? 9.0f + (float)u : (float)(8.0 * u);
+    if (kind == 4)
+        return (float)floor(4.0 * u);
     return harness_rand_u32(rng) % 3 == 0 ? 9.0f + (float)ldexp(u, -16) : (float)(8.0 * u);
 }
 
@@ -939,7 +948,7 @@ START_TEST(test_crowded_rows)
     static const uint32_t shapes[][2] = {{128, 8}, {256, 8}, {64, 6}, {20, 7}, {16, 8}, {384, 16}, {160, 1}};
     unsigned i = 0;
     for (size_t s = 0; s < COUNT(shapes); s++)
-        for (int kind = 0; kind < 3; kind++, i++) {
+        for (int kind = 0; kind < 5; kind++, i++) {
             harness_rng rng = harness_rng_for(9000 + i);
             moecl_topk_gating_desc d = moecl_topk_gating_desc_init(301, shapes[s][0], shapes[s][1]);
             d.gating_dtype = (moecl_dtype)(i % 3);
@@ -950,12 +959,12 @@ START_TEST(test_crowded_rows)
             int32_t *ids = malloc(nk * 4 + 4), *ref_ids = malloc(nk * 4);
             ck_assert(gating && w && ref_w && ids && ref_ids);
             for (size_t x = 0; x < n; x++)
-                harness_store(d.gating_dtype, gating, x, crowded_logit(&rng, kind));
+                harness_store(d.gating_dtype, gating, x, crowded_logit(&rng, kind, (uint32_t)(x % d.num_experts)));
             ref_topk_gating(&d, gating, NULL, ref_w, ref_ids);
             for (int path = 0; path < 2; path++) {
                 run(ctx, &d, gating, NULL, path == 1, w, ids);
                 check(&d, gating, NULL, w, ids);
-                for (size_t j = 0; j < nk && kind == 1; j++)
+                for (size_t j = 0; j < nk && (kind == 1 || kind == 4); j++)
                     ck_assert_msg(ids[j] == ref_ids[j], "crowded grid row %zu (E=%u k=%u dtype %d): position %zu id %d, "
                                   "reference %d", j / d.top_k, d.num_experts, d.top_k, (int)d.gating_dtype, j % d.top_k,
                                   ids[j], ref_ids[j]);

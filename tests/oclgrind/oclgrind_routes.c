@@ -131,6 +131,9 @@ enum {
     ROW_NEG_INF,   /* every other -inf */
     ROW_ALL_NEG_INF,
     ROW_HUGE,      /* +-6e4, near f16's largest */
+    ROW_LANES,     /* lanes 0..2 (expert % 16) raised by 8: from 128 experts
+                    * over 16 candidates at both floors of the CPU fast path,
+                    * its loop over every expert */
     ROW_KINDS
 };
 
@@ -155,6 +158,8 @@ static float row_value(unsigned kind, unsigned row, unsigned e, unsigned experts
         return -INFINITY;
     case ROW_HUGE:
         return randn() * 3.0e4f;
+    case ROW_LANES:
+        return randn() + (e % 16u < 3u ? 8.0f : 0.0f);
     default:
         return randn() * 2.0f;
     }
