@@ -191,6 +191,14 @@ typedef struct launch_shape {
     size_t global, local;
 } launch_shape;
 
+/* Whether tpr work-items a row keep each within the driver's loop limit
+ * (the context's table values: no table lookup on the call's path). */
+static bool row_loops_fit(const moecl_context *ctx, cl_uint tpr, uint32_t units, uint32_t per_unit)
+{
+    const uint32_t limit = ctx->params.value[MOECL_DP_LOOP_LIMIT];
+    return !limit || ((uint64_t)units / tpr + 5) * per_unit <= limit;
+}
+
 static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint64_t rows, uint32_t units,
                               uint32_t per_unit)
 {
@@ -202,7 +210,7 @@ static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uin
         if (s.tpr > s.local)
             s.tpr = (cl_uint)s.local;
     }
-    while (s.tpr < s.local && !moecl_loops_fit(&ctx->info, ((uint64_t)units / s.tpr + 5) * per_unit))
+    while (s.tpr < s.local && !row_loops_fit(ctx, s.tpr, units, per_unit))
         s.tpr *= 2;
     s.rpg = (cl_uint)(s.local / s.tpr);
     s.global = ((size_t)rows + s.rpg - 1) / s.rpg * s.local;
@@ -214,7 +222,7 @@ static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uin
 static moecl_status shape_fits(moecl_context *ctx, const launch_shape *s, const char *op, uint32_t hidden,
                                uint32_t units, uint32_t per_unit)
 {
-    if (moecl_loops_fit(&ctx->info, ((uint64_t)units / s->tpr + 5) * per_unit))
+    if (row_loops_fit(ctx, s->tpr, units, per_unit))
         return MOECL_SUCCESS;
     return moecl_fail(ctx, MOECL_ERROR_UNSUPPORTED,
                       "%s: at hidden %u, %u work-items a row leave each more iterations than the driver's loop limit "
@@ -320,7 +328,7 @@ static moecl_status scatter_launch(moecl_context *ctx, const moecl_permute_desc 
     const bool wide = h * out_size % 16 == 0 && out.offset % 16 == 0 &&
                       (!tokens || (h * in_size % 16 == 0 && in.offset % 16 == 0));
     const uint32_t units = wide ? (uint32_t)(h * out_size / 16) : (d->hidden + 3) / 4;
-    const uint32_t zr = moecl_device_table_params(&ctx->info).value[MOECL_DP_SCATTER_ZERO_ROWS];
+    const uint32_t zr = ctx->params.value[MOECL_DP_SCATTER_ZERO_ROWS];
     const uint32_t zero_rows = zr ? zr : 1;
     /* A token's row goes to its top_k slots; a padding work-item zeroes
      * zero_rows rows. */
