@@ -93,7 +93,7 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
             "every size from 1x128 to 2044x128 top 8 (kernel 20.2 against 16.6 us on pocl, 23.9 "
             "against 15.8 on Intel at 1019x128; a work-group a compute unit, each counting every slot)"),
     DEFAULT(MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_GPU, 0,
-            "not measured on a GPU yet: the fused kernel's ticket stays the default there"),
+            "GPUs but NVIDIA's: not timed there, so the fused kernel's ticket stays the default"),
     DEFAULT(MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 5120,
             "moe_align_fused's GPU limit: the one kernel's last work-group "
             "places every slot alone, as that kernel's does; unmeasured off "
@@ -126,7 +126,7 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_CPU, 0,
             "CPUs: the rows kernel's work-items already split the tokens across cores; split-K not timed there"),
     DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 0,
-            "not timed on any GPU yet: the rule's kernels stay the default until split-K is measured "
+            "GPUs but NVIDIA's: not timed there, so the rule's kernels stay the default "
             "(forced: grounded=splitk)"),
 };
 
@@ -147,6 +147,15 @@ static const table_value nvidia_values[] = {
     {MOECL_DP_ROUTE_ONE_KERNEL_MAX_SLOTS, 256,
      "H200, 2026-12-01: one launch won in wall time up to 32 tokens at top_k 8 (9.3 against 11.7 us at one "
      "token), lost from 64 (20.5 against 19.7)"},
+    {MOECL_DP_ALIGN_PARALLEL_MAX_SLOTS_GPU, 8192,
+     "H100, 2026-12-07: the parallel fused kernel against the default path, top 8 of 128, device / wall us: "
+     "1 token 21.2 / 12.5 against 23.9 / 11.6, 129 tokens 29.8 / 13.4 against 33.3 / 16.1, 1019 tokens 30.3 / "
+     "14.3 against 39.6 / 25.4 (chunked), 4083 tokens 46.8 / 30.6 against 40.6 / 25.3"},
+    {MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 64,
+     "H100, 2026-12-07: split-K against the default (tensor-core) kernel, bf16 hidden states, device us at 1 "
+     "and 64 tokens: DeepSeek-V3 83.9 and 219.8 against 303.4 and 372.1, Qwen3-MoE 30.1 and 60.9 against "
+     "105.8 and 139.0, Mixtral 9.3 and 9.6 against 82.2 and 84.9, GPT-OSS 25.1 and 47.2 against 80.5 and "
+     "102.0, Kimi K2 65.3 and 191.7 against 426.1 and 421.1; more tokens not timed"},
 };
 
 static const table_launch nvidia_launches[] = {
