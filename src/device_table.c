@@ -266,8 +266,8 @@ moecl_device_params moecl_device_table_params(const moecl_device_info *info)
 
 bool moecl_loops_fit(const moecl_device_info *info, uint64_t loops)
 {
-    const uint32_t limit = moecl_device_table_params(info).value[MOECL_DP_LOOP_LIMIT];
-    return !limit || loops <= limit;
+    const moecl_device_params params = moecl_device_table_params(info);
+    return moecl_params_loops_fit(&params, loops);
 }
 
 const moecl_launch_config *moecl_device_table_launch(const moecl_device_info *info, const moecl_launch_key *key)

@@ -353,7 +353,13 @@ typedef struct moecl_device_params {
 moecl_device_params moecl_device_table_params(const moecl_device_info *info);
 /* Whether a work-item of at most `loops` loop iterations (every loop it
  * runs, one after another or nested) runs whole on the device: within its
- * MOECL_DP_LOOP_LIMIT where it has one. */
+ * MOECL_DP_LOOP_LIMIT where it has one. moecl_params_loops_fit reads a
+ * table already built (a context's params); moecl_loops_fit builds it. */
+static inline bool moecl_params_loops_fit(const moecl_device_params *params, uint64_t loops)
+{
+    const uint32_t limit = params->value[MOECL_DP_LOOP_LIMIT];
+    return !limit || loops <= limit;
+}
 bool moecl_loops_fit(const moecl_device_info *info, uint64_t loops);
 /* An upper bound on the loop iterations of cl/gating.cl's rows pipeline
  * (rows_pipeline) for one row, whatever the row's values: groups 0 where

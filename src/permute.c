@@ -195,8 +195,7 @@ typedef struct launch_shape {
  * (the context's table values: no table lookup on the call's path). */
 static bool row_loops_fit(const moecl_context *ctx, cl_uint tpr, uint32_t units, uint32_t per_unit)
 {
-    const uint32_t limit = ctx->params.value[MOECL_DP_LOOP_LIMIT];
-    return !limit || ((uint64_t)units / tpr + 5) * per_unit <= limit;
+    return moecl_params_loops_fit(&ctx->params, ((uint64_t)units / tpr + 5) * per_unit);
 }
 
 static launch_shape shape_for(const moecl_context *ctx, const moecl_plan *p, uint64_t rows, uint32_t units,
