@@ -51,7 +51,7 @@
  *  - grounded_router_splitk (GPUs, few tokens): the hidden dimension split
  *    across work-groups, partial dot products through a scratch buffer,
  *    the last work-group of a token block adding them in a fixed order and
- *    gating the block. */
+ *    gating the block, a team of 32 work-items a token. */
 
 #ifndef KERNEL
 #define KERNEL 0
@@ -892,7 +892,8 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
  * token; the lanes' sums are added in lane order and the chunk's dot
  * product goes to the scratch buffer. A ticket per token block elects the
  * block's last work-group, which adds each dot product's chunks in chunk
- * order (0, 1, 2, ...) and gates its tokens. Every sum's order is fixed by
+ * order (0, 1, 2, ...) and gates its tokens, SPLIT_LANES work-items a token
+ * (TEAM; TEAM 1: a work-item a token). Every sum's order is fixed by
  * the code, never by timing: repeated calls give the same bits. */
 #ifndef SPLIT_WG
 #define SPLIT_WG 256
@@ -903,10 +904,13 @@ grounded_router_tiled(__global const in_t *hidden, ulong hidden_off, __global co
 #define K_CHUNKS ((HIDDEN_DIM + TK - 1) / TK)
 #define EXPERT_TILES ((NUM_EXPERTS + TN - 1) / TN)
 #define BLOCK_GROUPS (EXPERT_TILES * K_CHUNKS) /* work-groups of a token block */
-#define G_STRIDE (BLOCKS * BLOCK)               /* a row of g, padded to blocks of 8 */
+#define G_STRIDE (LAYOUT_ROWS_BLOCKS(NUM_EXPERTS) * LAYOUT_ROWS_BLOCK) /* a row of g, padded to blocks of 8 */
 #define SUM_STRIDE (SPLIT_LANES + 1)
 #if TK % SPLIT_VEC || TN % SPLIT_ROWS || SPLIT_WG % SPLIT_LANES
 #error "split-K kernel: SPLIT_VEC must divide TK, SPLIT_ROWS divide TN"
+#endif
+#if TEAM > 1 && (TEAM != SPLIT_LANES || ROWS != SPLIT_ROWS || ROWS < TM)
+#error "split-K kernel: the gating's teams are the lanes of a row (TEAM SPLIT_LANES, ROWS SPLIT_ROWS >= TM)"
 #endif
 
 /* A word one work-group writes and another reads: atomics, the only global
@@ -1018,6 +1022,33 @@ static inline void gather_g(__global uint *parts, __global const float *logits, 
     }
 }
 
+#if TEAM > 1
+/* Step 6 with teams: the block's rows of g (row m at g_rows + m * G_STRIDE)
+ * gated by cl/gating.cl's team pipeline, a row of SPLIT_LANES work-items a
+ * token, so that a warp ranks a token's experts, not one work-item alone.
+ * A macro: TEAM_GATING reads the kernel's local arrays. Every work-item
+ * runs it (barriers). */
+#define gate_team_rows(g_rows, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights, ids, extras) \
+    do {                                                                                           \
+        const uint lane_ = (lid) % TEAM, r_ = (lid) / TEAM;                                        \
+        const bool active_ = r_ < TM && (row0) + r_ < (num_tokens);                                \
+        float g_[EPT];                                                                             \
+        UNROLL                                                                                     \
+        for (uint j_ = 0; j_ < EPT; j_++) {                                                        \
+            const uint e_ = j_ * TEAM + lane_;                                                     \
+            g_[j_] = active_ && e_ < NUM_EXPERTS ? (g_rows)[r_ * G_STRIDE + e_] : 0.0f;            \
+        }                                                                                          \
+        float w_[TOPK];                                                                            \
+        TEAM_GATING(g_, active_, lane_, r_, bias, scaling_factor, w_);                             \
+        if (active_) {                                                                             \
+            for (uint j_ = lane_; j_ < TOPK; j_ += TEAM)                                           \
+                write_output(j_, GATE_IDS(r_)[j_], w_[j_], (row0) + r_, pairs, weights, ids, extras); \
+            if (SHARED)                                                                            \
+                write_shared(lane_, TEAM, (row0) + r_, hidden, scaling_factor, pairs, weights, ids, extras); \
+        }                                                                                          \
+    } while (0)
+#endif
+
 /* scratch: a ticket per token block (0 before the call; 0 again after it),
  * then from word LAYOUT_SPLITK_PARTS_AT(blocks) part[K_CHUNKS][num_tokens]
  * [NUM_EXPERTS]. */
@@ -1029,6 +1060,9 @@ grounded_router_splitk(__global const in_t *hidden, ulong hidden_off, __global c
     /* The hidden chunk and the lanes' sums, then the block's rows of g. */
     __local float tile_memory[LAYOUT_SPLITK_FLOATS(TM, TK, SPLIT_WG, NUM_EXPERTS)];
     __local uint last_flag;
+#if TEAM > 1
+    TEAM_GATING_LOCALS;
+#endif
     __local float *h_tile = tile_memory, *sums = tile_memory + TM * TK;
     const uint lid = get_local_id(0), group = get_group_id(0);
     const uint chunk = group % K_CHUNKS, tile = group / K_CHUNKS % EXPERT_TILES, block = group / BLOCK_GROUPS;
@@ -1057,7 +1091,11 @@ grounded_router_splitk(__global const in_t *hidden, ulong hidden_off, __global c
     if (!last)
         return;
     /* Step 6: the gating of the block's tokens. */
+#if TEAM > 1
+    gate_team_rows(tile_memory, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights, ids, &extras);
+#else
     gate_local_rows(tile_memory, G_STRIDE, TM, row0, num_tokens, lid, hidden, bias, scaling_factor, pairs, weights,
                     ids, &extras);
+#endif
 }
 #endif

@@ -168,7 +168,9 @@
  * of wg / 32 expert rows at once (all wg lanes below 32). Local memory:
  * the tokens' chunk of hidden values (TM x TK) and the lanes' partial sums
  * (a row of 33 per expert row and token), then, in the same floats, the
- * last work-group's rows of g (TM x the experts padded to blocks of 8). */
+ * last work-group's rows of g (TM x the experts padded to blocks of 8).
+ * Its gating by teams (TEAM 32, ROWS wg / 32) adds top-k's team rows,
+ * LAYOUT_TOPK_TEAM_LOCAL_BYTES. */
 #define LAYOUT_SPLITK_LANES(wg) ((wg) < 32 ? (wg) : 32)
 #define LAYOUT_SPLITK_ROWS(wg) ((wg) / LAYOUT_SPLITK_LANES(wg))
 #define LAYOUT_SPLITK_FLOATS(tm, tk, wg, experts)                                                  \

@@ -128,6 +128,9 @@ static const table_value defaults[MOECL_NUM_DEVICE_PARAMS] = {
     DEFAULT(MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU, 0,
             "GPUs but NVIDIA's: not timed there, so the rule's kernels stay the default "
             "(forced: grounded=splitk)"),
+    DEFAULT(MOECL_DP_GROUNDED_SPLITK_MIN_CHUNK, 256,
+            "chunks of 256 hidden indices at least: a warp reads two 128-value steps of each row; "
+            "not timed off NVIDIA"),
 };
 
 /* ---- NVIDIA ---- */

@@ -359,13 +359,16 @@ static uint64_t splitk_loops(const grounded_request *r, unsigned wg, unsigned tm
 }
 
 /* The split-K kernel for the request with hidden chunks of `chunk` indices
- * (0: the largest of 1024, 512 and 256 that gives a token block at least
- * two work-groups per compute unit, or 256), if the device runs it: a
+ * (0: the largest power of two from 1024 down to the device table's
+ * MOECL_DP_GROUNDED_SPLITK_MIN_CHUNK that gives a token block at least two
+ * work-groups per compute unit, or that floor), if the device runs it: a
  * work-group of 256 work-items (fewer where the device allows fewer, 32 at
  * least), tiles of 64 experts (fewer for a smaller table), TM 8 tokens a
- * block, 4, 2 or 1 where local memory holds no more; and on a device whose
- * work-groups' private arrays are limited (pocl), the gating's rows within
- * it. Never the dispatch, which needs the team kernel. */
+ * block (at most a token a row of lanes), 4, 2 or 1 where local memory
+ * holds no more; the gating by teams of 32 lanes a token where their
+ * arrays fit, else a work-item a token; and on a device whose
+ * work-groups' private arrays are limited (pocl), the gating's arrays
+ * within it. Never the dispatch, which needs the team kernel. */
 static bool splitk_shape_within(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
                                 size_t wg_max, grounded_shape *shape)
 {
@@ -377,28 +380,46 @@ static bool splitk_shape_within(const moecl_device_info *info, const grounded_re
         wg >>= 1;
     if (wg < 32)
         return false;
-    const uint32_t private_max = moecl_device_table_params(info).value[MOECL_DP_PRIVATE_MAX];
-    if (private_max && (uint64_t)wg * moecl_layout_grounded_rows_private(1, experts, r->desc->top_k) > private_max)
-        return false;
-    unsigned tn = LAYOUT_SPLITK_ROWS(wg);
+    const moecl_device_params table = moecl_device_table_params(info);
+    const uint32_t private_max = table.value[MOECL_DP_PRIVATE_MAX];
+    const unsigned k = r->desc->top_k, lanes = LAYOUT_SPLITK_LANES(wg), rows = LAYOUT_SPLITK_ROWS(wg);
+    unsigned tn = rows;
     while (tn < 64 && tn < experts)
         tn <<= 1;
     const unsigned tiles = (experts + tn - 1) / tn;
     unsigned tk = chunk;
     if (!tk) {
+        const unsigned floor = table.value[MOECL_DP_GROUNDED_SPLITK_MIN_CHUNK];
         tk = 1024;
-        while (tk > 256 && (uint64_t)tiles * ((hidden + tk - 1) / tk) < 2 * (uint64_t)info->compute_units)
+        while (tk > floor && (uint64_t)tiles * ((hidden + tk - 1) / tk) < 2 * (uint64_t)info->compute_units)
             tk >>= 1;
     }
     const unsigned chunks = (hidden + tk - 1) / tk;
-    for (unsigned tm = 8; tm >= 1; tm >>= 1)
-        if (LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES((size_t)tm, (size_t)tk, (size_t)wg, (size_t)experts) <=
-                moecl_local_budget(info) &&
-            moecl_loops_fit(info, splitk_loops(r, wg, tm, tn, tk, chunks))) {
-            *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, 1, 1, 1, false, wg, tm,
-                                      "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
-            return true;
-        }
+    /* The gating: teams of a row's lanes, a token each, where their arrays
+     * fit; else a work-item a token (top-k's team scratch at top 64 of
+     * 2048 experts is 25 KiB a row). Shuffles need teams inside a warp and
+     * work-groups of whole warps. */
+    for (unsigned team = lanes; team >= 1; team = team > 1 ? 1 : 0) {
+        const unsigned grows = team > 1 ? rows : 1, ept = team > 1 ? (experts + team - 1) / team : 1;
+        const size_t private_bytes = team > 1 ? moecl_layout_topk_team_private(team, experts)
+                                              : moecl_layout_grounded_rows_private(1, experts, k);
+        if (private_max && (uint64_t)wg * private_bytes > private_max)
+            continue;
+        const size_t gating_local =
+            team > 1 ? moecl_layout_topk_team_local(team, rows, experts, k, r->desc->gating.num_expert_groups, true,
+                                                    false)
+                     : 0;
+        const bool shuffle = team > 1 && info->ptx && team <= 32 && wg % 32 == 0;
+        for (unsigned tm = team > 1 && rows < 8 ? rows : 8; tm >= 1; tm >>= 1)
+            if (LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES((size_t)tm, (size_t)tk, (size_t)wg, (size_t)experts) +
+                        gating_local <=
+                    moecl_local_budget(info) &&
+                moecl_loops_fit(info, splitk_loops(r, wg, tm, tn, tk, chunks))) {
+                *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, team, grows, ept, shuffle,
+                                          wg, tm, "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
+                return true;
+            }
+    }
     return false;
 }
 

@@ -338,6 +338,10 @@ typedef enum moecl_device_param {
      * any count). */
     MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_CPU,
     MOECL_DP_GROUNDED_SPLITK_MAX_TOKENS_GPU,
+    /* The split-K kernel's smallest chunk of the hidden dimension (a power
+     * of two, 16 to 1024) where its rule halves the chunk to give a token
+     * block two work-groups per compute unit (src/grounded_router.c). */
+    MOECL_DP_GROUNDED_SPLITK_MIN_CHUNK,
     MOECL_NUM_DEVICE_PARAMS
 } moecl_device_param;
 

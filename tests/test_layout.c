@@ -232,9 +232,18 @@ static described describe(const char *kernel, const char *d, bool ptx)
         r.arrays = emulated ? 2 : 1;
     } else if (strcmp(kernel, "grounded_router_splitk") == 0) {
         /* The chunk and lanes' sums, then the rows of g; the last
-         * work-group's flag. */
+         * work-group's flag; with teams (TEAM > 1) the gating's rows, as
+         * top-k's team kernel has them. */
         r.local = LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES(D("TM"), D("TK"), D("SPLIT_WG"), D("NUM_EXPERTS"));
         r.arrays = 2;
+        const size_t team = D("TEAM"), groups = D("NUM_GROUPS");
+        if (team > 1) {
+            const bool softmax = D("SCORING") == 0;
+            r.local += LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, D("ROWS"), D("EPT"), D("TOPK"), D("NUM_EXPERTS"), groups,
+                                                    softmax, shuffle);
+            r.arrays += (shuffle || !softmax ? 0 : 1) + 3 + 2 +
+                        (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
+        }
     } else if (strcmp(kernel, "grounded_router_rows") == 0) {
         r.private_bytes = LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(D("TM"), D("NUM_EXPERTS"), D("TOPK"));
     } else if (strcmp(kernel, "moe_align_scan") == 0) {
