@@ -51,7 +51,7 @@
  *  - grounded_router_splitk (GPUs, few tokens): the hidden dimension split
  *    across work-groups, partial dot products through a scratch buffer,
  *    the last work-group of a token block adding them in a fixed order and
- *    gating the block, a team of 32 work-items a token. */
+ *    gating the block, a team of 32 work-items a token above 32 experts. */
 
 #ifndef KERNEL
 #define KERNEL 0
