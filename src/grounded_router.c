@@ -366,7 +366,8 @@ static uint64_t splitk_loops(const grounded_request *r, unsigned wg, unsigned tm
  * least), tiles of 64 experts (fewer for a smaller table), TM 8 tokens a
  * block (at most a token a row of lanes), 4, 2 or 1 where local memory
  * holds no more; the gating by teams of 32 lanes a token above 32
- * experts where their arrays fit, else a work-item a token; and on a device whose
+ * experts where their arrays fit and the driver has no loop limit, else
+ * a work-item a token; and on a device whose
  * work-groups' private arrays are limited (pocl), the gating's arrays
  * within it. Never the dispatch, which needs the team kernel. */
 static bool splitk_shape_within(const moecl_device_info *info, const grounded_request *r, unsigned chunk,
@@ -398,11 +399,14 @@ static bool splitk_shape_within(const moecl_device_info *info, const grounded_re
     /* The gating: teams of a row's lanes, a token each, where there are
      * more experts than lanes and the teams' arrays fit; else a work-item
      * a token (a lane would hold one expert or none; top-k's team scratch
-     * at top 64 of 2048 experts is 25 KiB a row). H100, 2026-12-07, one
+     * at top 16 of 512 experts is 6.4 KiB a row). H100, 2026-12-07, one
      * token: teams 18.9 against 82.3 us at 256 experts, 10.0 against 9.2
-     * at 8. Shuffles need teams inside a warp and work-groups of whole
-     * warps. */
-    for (unsigned team = experts > lanes ? lanes : 1; team >= 1; team = team > 1 ? 1 : 0) {
+     * at 8. On a driver with a loop limit, a work-item a token: splitk_loops
+     * bounds that pipeline, not a team lane's (its tie-breaking top-k
+     * loops grow as 32 min(EPT, k)^2). Shuffles need teams inside a warp
+     * and work-groups of whole warps. */
+    const bool teams = experts > lanes && !table.value[MOECL_DP_LOOP_LIMIT];
+    for (unsigned team = teams ? lanes : 1; team >= 1; team = team > 1 ? 1 : 0) {
         const unsigned grows = team > 1 ? rows : 1, ept = team > 1 ? (experts + team - 1) / team : 1;
         const size_t private_bytes = team > 1 ? moecl_layout_topk_team_private(team, experts)
                                               : moecl_layout_grounded_rows_private(1, experts, k);
