@@ -403,27 +403,29 @@ static bool splitk_shape_within(const moecl_device_info *info, const grounded_re
      * token: teams 18.9 against 82.3 us at 256 experts, 10.0 against 9.2
      * at 8. On a driver with a loop limit, a work-item a token: splitk_loops
      * bounds that pipeline, not a team lane's (its tie-breaking top-k
-     * loops grow as 32 min(EPT, k)^2). Shuffles need teams inside a warp
-     * and work-groups of whole warps. */
+     * loops grow as 32 min(EPT, k)^2). A team is a warp's 32 lanes in a
+     * work-group of whole warps, as shuffles need. */
+    const unsigned team_tries[] = {lanes, 1};
     const bool teams = experts > lanes && !table.value[MOECL_DP_LOOP_LIMIT];
-    for (unsigned team = teams ? lanes : 1; team >= 1; team = team > 1 ? 1 : 0) {
-        const unsigned grows = team > 1 ? rows : 1, ept = team > 1 ? (experts + team - 1) / team : 1;
-        const size_t private_bytes = team > 1 ? moecl_layout_topk_team_private(team, experts)
+    for (size_t t = teams ? 0 : 1; t < sizeof(team_tries) / sizeof(team_tries[0]); t++) {
+        const unsigned team = team_tries[t];
+        const bool by_teams = team > 1;
+        const size_t private_bytes = by_teams ? moecl_layout_topk_team_private(team, experts)
                                               : moecl_layout_grounded_rows_private(1, experts, k);
         if (private_max && (uint64_t)wg * private_bytes > private_max)
             continue;
         const size_t gating_local =
-            team > 1 ? moecl_layout_topk_team_local(team, rows, experts, k, r->desc->gating.num_expert_groups, true,
+            by_teams ? moecl_layout_topk_team_local(team, rows, experts, k, r->desc->gating.num_expert_groups, true,
                                                     false)
                      : 0;
-        const bool shuffle = team > 1 && info->ptx && team <= 32 && wg % 32 == 0;
-        for (unsigned tm = team > 1 && rows < 8 ? rows : 8; tm >= 1; tm >>= 1)
+        for (unsigned tm = by_teams && rows < 8 ? rows : 8; tm >= 1; tm >>= 1)
             if (LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES((size_t)tm, (size_t)tk, (size_t)wg, (size_t)experts) +
                         gating_local <=
                     moecl_local_budget(info) &&
-                moecl_loops_fit(info, splitk_loops(r, wg, tm, tn, tk, chunks))) {
-                *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, team, grows, ept, shuffle,
-                                          wg, tm, "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
+                moecl_params_loops_fit(&table, splitk_loops(r, wg, tm, tn, tk, chunks))) {
+                *shape = (grounded_shape){MOECL_KERNEL_SPLITK, tm, tn, tk, 4, 4, 1, 0, 0, team, by_teams ? rows : 1,
+                                          by_teams ? (experts + team - 1) / team : 1, by_teams && info->ptx, wg, tm,
+                                          "grounded_router_splitk", 0, 0, 0, 0, 0, chunks, tiles * chunks};
                 return true;
             }
     }

@@ -184,6 +184,21 @@ typedef struct described {
     unsigned arrays;
 } described;
 
+/* The local arrays of cl/gating.cl's team pipeline (TEAM_GATING_LOCALS)
+ * for the variant's TEAM, ROWS and EPT: top-k's team kernel's, and the
+ * split-K kernel's gating by teams. */
+static described team_gating(const char *d, bool shuffle)
+{
+    const size_t team = (size_t)define_of(d, "TEAM", 0), groups = (size_t)define_of(d, "NUM_GROUPS", 0);
+    const bool softmax = define_of(d, "SCORING", 0) == 0;
+    described r = {0, 0, 0};
+    r.local = LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, (size_t)define_of(d, "ROWS", 0), (size_t)define_of(d, "EPT", 0),
+                                           (size_t)define_of(d, "TOPK", 0), (size_t)define_of(d, "NUM_EXPERTS", 0),
+                                           groups, softmax, shuffle);
+    r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 + (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
+    return r;
+}
+
 /* ptx: whether the device builds with MOECL_PTX=1 (its own options, not
  * the variant's portable target's: moecl_build_options). */
 static described describe(const char *kernel, const char *d, bool ptx)
@@ -192,13 +207,8 @@ static described describe(const char *kernel, const char *d, bool ptx)
     const bool shuffle = ptx && D("TEAM_SHUFFLE") != 0;
     described r = {0, 0, 0};
     if (strcmp(kernel, "topk_gating_team") == 0) {
-        const size_t team = D("TEAM"), groups = D("NUM_GROUPS");
-        const bool softmax = D("SCORING") == 0;
-        r.local = LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, D("ROWS"), D("EPT"), D("TOPK"), D("NUM_EXPERTS"), groups,
-                                               softmax, shuffle);
+        r = team_gating(d, shuffle);
         r.private_bytes = LAYOUT_TOPK_TEAM_PRIVATE_BYTES(D("EPT"));
-        r.arrays = (shuffle || !softmax ? 0 : 1) + 3 + 2 +
-                   (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
     } else if (strcmp(kernel, "replay_team") == 0) {
         const bool softmax = D("SCORING") == 0 && D("WEIGHTING") == 0;
         r.local = LAYOUT_REPLAY_TEAM_LOCAL_BYTES(D("TEAM"), D("ROWS"), D("TOPK"), softmax, shuffle);
@@ -234,16 +244,10 @@ static described describe(const char *kernel, const char *d, bool ptx)
         /* The chunk and lanes' sums, then the rows of g; the last
          * work-group's flag; with teams (TEAM > 1) the gating's rows, as
          * top-k's team kernel has them. */
-        r.local = LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES(D("TM"), D("TK"), D("SPLIT_WG"), D("NUM_EXPERTS"));
-        r.arrays = 2;
-        const size_t team = D("TEAM"), groups = D("NUM_GROUPS");
-        if (team > 1) {
-            const bool softmax = D("SCORING") == 0;
-            r.local += LAYOUT_TOPK_TEAM_LOCAL_BYTES(team, D("ROWS"), D("EPT"), D("TOPK"), D("NUM_EXPERTS"), groups,
-                                                    softmax, shuffle);
-            r.arrays += (shuffle || !softmax ? 0 : 1) + 3 + 2 +
-                        (groups ? 3 + (LAYOUT_GROUP_PARTS(team, groups) > 1 ? 3 : 0) : 0);
-        }
+        if (D("TEAM") > 1)
+            r = team_gating(d, shuffle);
+        r.local += LAYOUT_GROUNDED_SPLITK_LOCAL_BYTES(D("TM"), D("TK"), D("SPLIT_WG"), D("NUM_EXPERTS"));
+        r.arrays += 2;
     } else if (strcmp(kernel, "grounded_router_rows") == 0) {
         r.private_bytes = LAYOUT_GROUNDED_ROWS_PRIVATE_BYTES(D("TM"), D("NUM_EXPERTS"), D("TOPK"));
     } else if (strcmp(kernel, "moe_align_scan") == 0) {
